@@ -1,0 +1,1 @@
+//! continuum-actors: thin ractor shells that own IO for continuum-router.

@@ -1,0 +1,1 @@
+//! continuum-router: the daemon library.

@@ -1,0 +1,2 @@
+//! The `continuum-router` binary.
+fn main() {}
