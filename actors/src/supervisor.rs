@@ -1,0 +1,558 @@
+//! A generic restarting supervisor: the building block of the supervision tree.
+//!
+//! Role: owns an ordered list of children (dependencies first), spawns them linked, restarts a
+//! failed child after a backoff under an Erlang-style restart budget (`protocol::backoff`), and
+//! escalates by failing itself when the budget is spent. It also restarts one child on an
+//! operator's request (`RestartChild`, behind `POST /admin/subsystems/{id}/restart`), which stops
+//! exactly that subtree and respawns it while every sibling keeps running.
+//!
+//! Parent: another `Supervisor`, or nobody (the root). Children: whatever its `ChildSpec`s spawn;
+//! a child that is itself a supervisor forms a subtree.
+//!
+//! Messages in: `RestartChild`, `AddChild`, `RemoveChild` (dynamic children, e.g. one
+//! subscription per publisher), `RespawnDue` (its own backoff timer). Out: supervision events to
+//! its parent (ractor), rows in the `ActorTree`, lifecycle spans.
+//!
+//! Lifecycle spans: every incarnation of a child runs under an `actor` span whose parent is the
+//! supervisor's span; a restart opens an `actor.restart` span under the supervisor's span, and the
+//! new incarnation's span is its child, so a trace shows supervisor → restart → new incarnation.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use continuum_protocol::backoff::{RestartBudget, RestartDecision};
+use ractor::{
+    Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SpawnErr, SupervisionEvent,
+};
+use tracing::{Instrument, Span, error, info, info_span, warn};
+
+use crate::clock::now_tick;
+use crate::tree::{ActorPath, ActorState, ActorTree};
+
+/// How long a stopping supervisor waits for its children.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// What a child gets from its supervisor at spawn time.
+#[derive(Clone)]
+pub struct ChildContext {
+    /// The supervisor to link to.
+    pub supervisor: ActorCell,
+    /// The child's own path in the tree.
+    pub path: ActorPath,
+    /// The child's lifecycle span; handlers may run `.instrument(span)`-ed.
+    pub span: Span,
+    /// The status table, for children that are supervisors themselves.
+    pub tree: ActorTree,
+}
+
+pub type SpawnFuture = Pin<Box<dyn Future<Output = Result<ActorCell, SpawnErr>> + Send>>;
+
+/// How to (re)create one child.
+#[derive(Clone)]
+pub struct ChildSpec {
+    /// The child's name under its supervisor (one path segment).
+    pub name: String,
+    /// The closed kind of the child (`registry`, `discovery`, `subscription`, …).
+    pub kind: &'static str,
+    pub spawn: Arc<dyn Fn(ChildContext) -> SpawnFuture + Send + Sync>,
+}
+
+impl std::fmt::Debug for ChildSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChildSpec")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChildSpec {
+    pub fn new<F, Fut>(name: impl Into<String>, kind: &'static str, spawn: F) -> Self
+    where
+        F: Fn(ChildContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<ActorCell, SpawnErr>> + Send + 'static,
+    {
+        Self {
+            name: name.into(),
+            kind,
+            spawn: Arc::new(move |ctx| Box::pin(spawn(ctx))),
+        }
+    }
+
+    /// A child that is itself a `Supervisor` over `children`.
+    pub fn supervisor(
+        name: impl Into<String>,
+        kind: &'static str,
+        children: Vec<ChildSpec>,
+    ) -> Self {
+        Self::new(name, kind, move |ctx: ChildContext| {
+            let children = children.clone();
+            async move {
+                let args = SupervisorArgs {
+                    path: ctx.path.clone(),
+                    kind,
+                    parent: Some(ctx.supervisor.clone()),
+                    children,
+                    tree: ctx.tree.clone(),
+                    span: ctx.span.clone(),
+                    budget: BudgetSpec::default(),
+                };
+                let (actor, _) =
+                    Actor::spawn_linked(None, Supervisor, args, ctx.supervisor).await?;
+                Ok(actor.get_cell())
+            }
+        })
+    }
+}
+
+/// Restart intensity of one supervisor.
+#[derive(Clone, Copy, Debug)]
+pub struct BudgetSpec {
+    pub max_restarts: usize,
+    pub period: Duration,
+    pub backoff: continuum_protocol::backoff::BackoffPolicy,
+}
+
+impl Default for BudgetSpec {
+    fn default() -> Self {
+        Self {
+            max_restarts: RestartBudget::DEFAULT_MAX_RESTARTS,
+            period: RestartBudget::DEFAULT_PERIOD,
+            backoff: RestartBudget::DEFAULT_BACKOFF,
+        }
+    }
+}
+
+pub struct SupervisorArgs {
+    pub path: ActorPath,
+    pub kind: &'static str,
+    /// The parent's cell, to tell a root (None) from a subtree.
+    pub parent: Option<ActorCell>,
+    pub children: Vec<ChildSpec>,
+    pub tree: ActorTree,
+    /// This supervisor's own lifecycle span.
+    pub span: Span,
+    pub budget: BudgetSpec,
+}
+
+pub enum SupervisorMsg {
+    /// Operator restart of one child's subtree; answers once the new incarnation started.
+    RestartChild(String, RpcReplyPort<Result<(), String>>),
+    /// Start a dynamic child (answers after its `pre_start`).
+    AddChild(ChildSpec, RpcReplyPort<Result<(), String>>),
+    /// Stop and forget a dynamic child (answers once it stopped).
+    RemoveChild(String, RpcReplyPort<()>),
+    /// Names of the current children, in start order.
+    ListChildren(RpcReplyPort<Vec<String>>),
+    /// A backoff elapsed: respawn `name` if it is still incarnation `u64`.
+    RespawnDue(String, u64),
+}
+
+pub struct Supervisor;
+
+struct ChildSlot {
+    spec: ChildSpec,
+    cell: Option<ActorCell>,
+    incarnation: u64,
+    budget: RestartBudget,
+    /// The open lifecycle span of the running incarnation; dropping it ends the span.
+    span: Option<Span>,
+    /// Operator restart in progress: answer here once respawned.
+    admin_reply: Option<RpcReplyPort<Result<(), String>>>,
+    /// Being removed: answer here once stopped.
+    remove_reply: Option<RpcReplyPort<()>>,
+}
+
+pub struct SupervisorState {
+    path: ActorPath,
+    tree: ActorTree,
+    span: Span,
+    children: Vec<ChildSlot>,
+}
+
+impl Actor for Supervisor {
+    type Msg = SupervisorMsg;
+    type State = SupervisorState;
+    type Arguments = SupervisorArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        args: SupervisorArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let parent_path = parent_of(&args.path);
+        args.tree.starting(
+            &args.path,
+            args.kind,
+            parent_path.as_deref(),
+            None, // its own supervisor registers the ref that can restart it
+        );
+        let mut state = SupervisorState {
+            path: args.path,
+            tree: args.tree,
+            span: args.span,
+            children: Vec::with_capacity(args.children.len()),
+        };
+        for spec in args.children {
+            let slot = ChildSlot::new(spec, args.budget);
+            state.children.push(slot);
+            let idx = state.children.len() - 1;
+            // Dependencies start first: a child that cannot start fails this supervisor.
+            state.spawn_child(&myself, idx, None).await?;
+        }
+        state.tree.set_state(&state.path, ActorState::Running);
+        state
+            .span
+            .in_scope(|| info!(actor.id = %state.path, "Supervisor started."));
+        Ok(state)
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        // ractor does not stop linked children by itself.
+        myself
+            .stop_children_and_wait(Some("supervisor stopping".into()), Some(STOP_GRACE))
+            .await;
+        for slot in &mut state.children {
+            slot.span.take();
+        }
+        state.tree.stopped_subtree(&state.path);
+        state
+            .span
+            .in_scope(|| info!(actor.id = %state.path, "Supervisor stopped."));
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SupervisorMsg::RestartChild(name, reply) => state.admin_restart(name, reply),
+            SupervisorMsg::AddChild(spec, reply) => state.add_child(&myself, spec, reply).await,
+            SupervisorMsg::RemoveChild(name, reply) => state.remove_child(name, reply),
+            SupervisorMsg::ListChildren(reply) => {
+                let _ = reply.send(state.children.iter().map(|c| c.spec.name.clone()).collect());
+            }
+            SupervisorMsg::RespawnDue(name, incarnation) => {
+                state.respawn_due(&myself, &name, incarnation).await
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        event: SupervisionEvent,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match event {
+            SupervisionEvent::ActorFailed(cell, err) => {
+                state.child_failed(&myself, &cell, &err.to_string()).await
+            }
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                state.child_terminated(&myself, &cell, reason).await;
+                Ok(())
+            }
+            SupervisionEvent::ActorStarted(_) | SupervisionEvent::ProcessGroupChanged(_) => Ok(()),
+        }
+    }
+}
+
+impl ChildSlot {
+    fn new(spec: ChildSpec, budget: BudgetSpec) -> Self {
+        Self {
+            spec,
+            cell: None,
+            incarnation: 0,
+            budget: RestartBudget::new(budget.max_restarts, budget.period, budget.backoff),
+            span: None,
+            admin_reply: None,
+            remove_reply: None,
+        }
+    }
+}
+
+impl SupervisorState {
+    fn child_path(&self, name: &str) -> ActorPath {
+        format!("{}/{}", self.path, name)
+    }
+
+    fn slot_of_cell(&self, cell: &ActorCell) -> Option<usize> {
+        let id = cell.get_id();
+        self.children
+            .iter()
+            .position(|c| c.cell.as_ref().is_some_and(|own| own.get_id() == id))
+    }
+
+    fn slot_of_name(&self, name: &str) -> Option<usize> {
+        self.children.iter().position(|c| c.spec.name == name)
+    }
+
+    /// Spawns child `idx`; `restart_span` is the span of the restart that caused it, if any.
+    async fn spawn_child(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        idx: usize,
+        restart_span: Option<&Span>,
+    ) -> Result<(), SpawnErr> {
+        let path = self.child_path(&self.children[idx].spec.name);
+        let kind = self.children[idx].spec.kind;
+        let parent_span = restart_span.unwrap_or(&self.span);
+        let span = info_span!(
+            parent: parent_span,
+            "actor",
+            actor.id = %path,
+            actor.kind = kind,
+            actor.parent = %self.path,
+            otel.name = %format!("actor {path}"),
+        );
+        self.tree
+            .starting(&path, kind, Some(&self.path), Some(myself.clone()));
+        let ctx = ChildContext {
+            supervisor: myself.get_cell(),
+            path: path.clone(),
+            span: span.clone(),
+            tree: self.tree.clone(),
+        };
+        let spawn = self.children[idx].spec.spawn.clone();
+        match spawn(ctx).instrument(span.clone()).await {
+            Ok(cell) => {
+                span.in_scope(|| info!(actor.id = %path, actor.kind = kind, "Actor started."));
+                let slot = &mut self.children[idx];
+                slot.cell = Some(cell);
+                slot.incarnation += 1;
+                slot.span = Some(span);
+                self.tree.set_state(&path, ActorState::Running);
+                Ok(())
+            }
+            Err(e) => {
+                span.in_scope(|| error!(actor.id = %path, error = %e, "Actor failed to start."));
+                self.tree.failed(&path, &e.to_string(), ActorState::Failed);
+                Err(e)
+            }
+        }
+    }
+
+    async fn child_failed(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        cell: &ActorCell,
+        error: &str,
+    ) -> Result<(), ActorProcessingErr> {
+        let Some(idx) = self.slot_of_cell(cell) else {
+            return Ok(());
+        };
+        let path = self.child_path(&self.children[idx].spec.name);
+        let slot = &mut self.children[idx];
+        slot.cell = None;
+        if let Some(span) = slot.span.take() {
+            span.in_scope(|| error!(actor.id = %path, error, "Actor failed."));
+        }
+        if let Some(reply) = slot.remove_reply.take() {
+            self.children.remove(idx);
+            self.tree.remove_subtree(&path);
+            let _ = reply.send(());
+            return Ok(());
+        }
+        match slot.budget.on_failure(now_tick()) {
+            RestartDecision::Restart { after } => {
+                self.tree.failed(&path, error, ActorState::Restarting);
+                let incarnation = slot.incarnation;
+                let name = slot.spec.name.clone();
+                warn!(actor.id = %path, error, delay_ms = after.as_millis() as u64, "Restarting failed actor after backoff.");
+                if after.is_zero() {
+                    self.respawn_due(myself, &name, incarnation).await;
+                } else {
+                    myself.send_after(after, move || SupervisorMsg::RespawnDue(name, incarnation));
+                }
+                Ok(())
+            }
+            RestartDecision::Escalate => {
+                self.tree.failed(&path, error, ActorState::Failed);
+                self.span.in_scope(|| {
+                    error!(actor.id = %path, supervisor = %self.path, "Restart budget spent; escalating.")
+                });
+                Err(format!("child {path} exceeded its restart budget: {error}").into())
+            }
+        }
+    }
+
+    async fn child_terminated(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        cell: &ActorCell,
+        reason: Option<String>,
+    ) {
+        let Some(idx) = self.slot_of_cell(cell) else {
+            return;
+        };
+        let path = self.child_path(&self.children[idx].spec.name);
+        let slot = &mut self.children[idx];
+        slot.cell = None;
+        if let Some(span) = slot.span.take() {
+            span.in_scope(|| info!(actor.id = %path, reason = reason.as_deref().unwrap_or(""), "Actor stopped."));
+        }
+        if let Some(reply) = slot.remove_reply.take() {
+            self.children.remove(idx);
+            self.tree.remove_subtree(&path);
+            let _ = reply.send(());
+            return;
+        }
+        if let Some(reply) = slot.admin_reply.take() {
+            let restart = info_span!(
+                parent: &self.span,
+                "actor.restart",
+                actor.id = %path,
+                actor.parent = %self.path,
+                restart.cause = "admin",
+                restart.attempt = slot.incarnation,
+            );
+            self.tree.restarted(&path);
+            let result = self.spawn_child(myself, idx, Some(&restart)).await;
+            let _ = reply.send(result.map_err(|e| e.to_string()));
+            return;
+        }
+        // A child that ended its work by itself is not restarted.
+        self.tree.stopped_subtree(&path);
+    }
+
+    async fn respawn_due(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        name: &str,
+        incarnation: u64,
+    ) {
+        let Some(idx) = self.slot_of_name(name) else {
+            return;
+        };
+        let slot = &self.children[idx];
+        if slot.incarnation != incarnation || slot.cell.is_some() {
+            return;
+        }
+        let path = self.child_path(name);
+        let restart = info_span!(
+            parent: &self.span,
+            "actor.restart",
+            actor.id = %path,
+            actor.parent = %self.path,
+            restart.cause = "failure",
+            restart.attempt = incarnation,
+        );
+        self.tree.restarted(&path);
+        if let Err(e) = self.spawn_child(myself, idx, Some(&restart)).await {
+            // A failed start counts against the budget like any failure.
+            let after = match self.children[idx].budget.on_failure(now_tick()) {
+                RestartDecision::Restart { after } => after,
+                RestartDecision::Escalate => {
+                    error!(actor.id = %path, error = %e, "Actor cannot start and its budget is spent.");
+                    myself.stop(Some(format!("child {path} cannot start")));
+                    return;
+                }
+            };
+            let name = name.to_string();
+            myself.send_after(after, move || SupervisorMsg::RespawnDue(name, incarnation));
+        }
+    }
+
+    fn admin_restart(&mut self, name: String, reply: RpcReplyPort<Result<(), String>>) {
+        let Some(idx) = self.slot_of_name(&name) else {
+            let _ = reply.send(Err(format!("{} has no child {name:?}", self.path)));
+            return;
+        };
+        let path = self.child_path(&name);
+        let slot = &mut self.children[idx];
+        match &slot.cell {
+            Some(cell) => {
+                info!(actor.id = %path, "Operator requested a restart.");
+                slot.admin_reply = Some(reply);
+                cell.stop(Some("admin restart".into()));
+            }
+            None => {
+                // Waiting out a backoff or stopped: start it now.
+                let _ = reply.send(Err(format!(
+                    "{path} is not running; it restarts on its own schedule"
+                )));
+            }
+        }
+    }
+
+    async fn add_child(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+        spec: ChildSpec,
+        reply: RpcReplyPort<Result<(), String>>,
+    ) {
+        if self.slot_of_name(&spec.name).is_some() {
+            let _ = reply.send(Err(format!(
+                "{} already has a child {:?}",
+                self.path, spec.name
+            )));
+            return;
+        }
+        self.children
+            .push(ChildSlot::new(spec, BudgetSpec::default()));
+        let idx = self.children.len() - 1;
+        let result = self.spawn_child(myself, idx, None).await;
+        if result.is_err() {
+            let path = self.child_path(&self.children[idx].spec.name);
+            self.children.remove(idx);
+            self.tree.remove_subtree(&path);
+        }
+        let _ = reply.send(result.map_err(|e| e.to_string()));
+    }
+
+    fn remove_child(&mut self, name: String, reply: RpcReplyPort<()>) {
+        let Some(idx) = self.slot_of_name(&name) else {
+            let _ = reply.send(());
+            return;
+        };
+        let path = self.child_path(&name);
+        match self.children[idx].cell.clone() {
+            Some(cell) => {
+                self.children[idx].remove_reply = Some(reply);
+                cell.stop(Some("removed".into()));
+            }
+            None => {
+                self.children.remove(idx);
+                self.tree.remove_subtree(&path);
+                let _ = reply.send(());
+            }
+        }
+    }
+}
+
+fn parent_of(path: &str) -> Option<String> {
+    path.rsplit_once('/').map(|(p, _)| p.to_string())
+}
+
+/// Spawns a root supervisor (no parent) over `children`.
+pub async fn spawn_root(
+    children: Vec<ChildSpec>,
+    tree: ActorTree,
+) -> Result<(ActorRef<SupervisorMsg>, tokio::task::JoinHandle<()>), SpawnErr> {
+    let span = info_span!(
+        "actor",
+        actor.id = "root",
+        actor.kind = "root",
+        otel.name = "actor root"
+    );
+    let args = SupervisorArgs {
+        path: "root".into(),
+        kind: "root",
+        parent: None,
+        children,
+        tree,
+        span,
+        budget: BudgetSpec::default(),
+    };
+    Actor::spawn(None, Supervisor, args).await
+}
