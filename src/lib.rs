@@ -1,1 +1,4 @@
-//! continuum-router: the daemon library.
+//! continuum-router: the daemon library. `main.rs` parses the command line and calls in here.
+
+pub mod front_door;
+pub mod readiness;

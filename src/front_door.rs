@@ -1,0 +1,163 @@
+//! The HTTP front door: health, readiness, metrics, the OpenAI-wire surface and the admin API.
+//!
+//! Handlers read immutable snapshots (`LiveSettings`, the fleet registry) through `ArcSwap`
+//! and reach actors only through typed handles; they never see raw actor messages.
+
+pub mod admin;
+pub mod error;
+pub mod strip;
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use continuum_actors::tree::ActorTree;
+use serde_json::json;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::readiness::Readiness;
+use error::ApiError;
+
+/// One API key and the backends it may use (empty = all).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiKeySetting {
+    pub key: String,
+    pub name: String,
+    pub allowed_backends: Vec<String>,
+}
+
+/// Settings the front door reads per request; swapped whole on reload (immediate class).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LiveSettings {
+    /// Bearer token for `/admin/*`; `None` disables the admin API.
+    pub admin_token: Option<String>,
+    /// Client keys; empty means the OpenAI surface is open.
+    pub api_keys: Vec<ApiKeySetting>,
+    /// Model ids served by configured, enabled, non-internal backends.
+    pub models: Vec<String>,
+}
+
+/// Commands from the admin API to the daemon's control loop.
+#[derive(Debug)]
+pub enum ControlCommand {
+    /// Re-read the config file now; answers with a summary or the refusal reason.
+    Reload(oneshot::Sender<Result<String, String>>),
+}
+
+pub type MetricsRender = Arc<dyn Fn() -> String + Send + Sync>;
+pub type JsonView = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+
+/// Everything handlers need, cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub live: Arc<ArcSwap<LiveSettings>>,
+    pub readiness: Readiness,
+    pub metrics: MetricsRender,
+    pub tree: ActorTree,
+    pub control: mpsc::Sender<ControlCommand>,
+    /// `GET /admin/dynamo/workers`.
+    pub dynamo_workers: JsonView,
+    /// Model ids the discovered fleet serves, merged into `GET /v1/models`.
+    pub fleet_models: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
+}
+
+/// The whole router, with the always-on pin-stripping middleware outermost.
+pub fn router(state: AppState) -> Router {
+    let admin = admin::routes(state.clone());
+    Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .merge(admin)
+        .fallback(not_found)
+        .layer(middleware::from_fn(strip::strip_client_pins))
+        .with_state(state)
+}
+
+async fn health() -> impl IntoResponse {
+    axum::Json(json!({"status": "ok"}))
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    if state.readiness.is_ready() {
+        (StatusCode::OK, axum::Json(json!({"status": "ready"}))).into_response()
+    } else {
+        let pending = state.readiness.pending();
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "not_ready", "pending_sources": pending})),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let body = (state.metrics)();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// Checks the client's API key when keys are configured; returns the key's policy.
+pub fn authenticate_client(
+    live: &LiveSettings,
+    headers: &HeaderMap,
+) -> Result<Option<ApiKeySetting>, ApiError> {
+    if live.api_keys.is_empty() {
+        return Ok(None);
+    }
+    let presented = bearer(headers).ok_or(ApiError::Unauthenticated)?;
+    live.api_keys
+        .iter()
+        .find(|k| constant_time_eq(k.key.as_bytes(), presented.as_bytes()))
+        .cloned()
+        .map(Some)
+        .ok_or(ApiError::Unauthenticated)
+}
+
+async fn models(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    let live = state.live.load();
+    authenticate_client(&live, &headers)?;
+    let mut ids: Vec<String> = live.models.clone();
+    ids.extend((state.fleet_models)());
+    ids.sort();
+    ids.dedup();
+    let data: Vec<_> = ids
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "owned_by": "continuum-router"}))
+        .collect();
+    Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
+}
+
+async fn not_found() -> ApiError {
+    ApiError::NotFound("no such route".into())
+}
+
+/// The bearer token of a request, if any.
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Compares secrets without an early exit on the first differing byte.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    use sha2::Digest;
+    // Hash first so the comparison length never depends on the secret.
+    let (ha, hb) = (sha2::Sha256::digest(a), sha2::Sha256::digest(b));
+    ha.iter()
+        .zip(hb.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
+}
