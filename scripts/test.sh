@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): installs what the tests need, then runs fmt, clippy and the
+# whole test suite including the tests against real peers (etcd, libzmq publishers).
+# Every server a test needs is started by that test itself, on loopback, on free ports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+need_apt=()
+command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
+command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "apt-get install ${need_apt[*]}"
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+export ETCD_BIN="${ETCD_BIN:-$(command -v etcd)}"
+
+# A Python venv with pyzmq: real libzmq PUB sockets for the load-signal tests.
+VENV="${CONTINUUM_TEST_VENV:-$PWD/target/test-venv}"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import zmq' 2>/dev/null; then
+  log "python venv with pyzmq at $VENV"
+  python3 -m venv "$VENV"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q pyzmq msgpack
+fi
+export CONTINUUM_PYTHON="$VENV/bin/python"
+export CONTINUUM_SHARED_DIR="${CONTINUUM_SHARED_DIR:-$(cd .. && pwd)/shared}"
+
+log "cargo fmt --check"
+cargo fmt --all -- --check
+
+log "cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --features real-peers -- -D warnings
+
+log "cargo test (workspace, real peers)"
+mkdir -p target
+set +e
+cargo test --workspace --features real-peers --no-fail-fast 2>&1 | tee target/test-output.txt
+status=${PIPESTATUS[0]}
+set -e
+
+passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' target/test-output.txt | awk '{s+=$4} END {print s+0}')
+failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
+echo
+echo "tests: $passed passed, $failed failed"
+exit "$status"
