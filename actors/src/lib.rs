@@ -1,1 +1,4 @@
 //! continuum-actors: thin ractor shells that own IO for continuum-router.
+
+pub mod lifecycle;
+pub mod metrics;
