@@ -1,1 +1,3 @@
 //! continuum-router: the daemon library.
+
+pub mod telemetry;
