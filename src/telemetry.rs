@@ -184,9 +184,7 @@ where
 {
     let log_filter = parse_filter(&options.log_level)?;
     let fmt = match options.log_format {
-        LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_writer(writer)
-            .boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer().with_writer(writer).boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
             .flatten_event(true)
@@ -351,7 +349,9 @@ mod tests {
             log_level: "info,=[".to_owned(),
             ..TelemetryOptions::default()
         };
-        let error = layers::<Registry>(&options).err().expect("bad filter refused");
+        let error = layers::<Registry>(&options)
+            .err()
+            .expect("bad filter refused");
         assert!(matches!(error, TelemetryError::Filter { .. }), "{error}");
     }
 

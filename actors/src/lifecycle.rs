@@ -79,14 +79,14 @@ impl ActorSpan {
                 actor.id = id,
                 actor.kind = kind.as_label(),
                 actor.parent = &*parent.id,
-                actor.incarnation = 1_u32,
+                actor.incarnation = 1_i64,
             ),
             None => tracing::info_span!(
                 "actor",
                 actor.id = id,
                 actor.kind = kind.as_label(),
                 actor.parent = tracing::field::Empty,
-                actor.incarnation = 1_u32,
+                actor.incarnation = 1_i64,
             ),
         };
         Self {
@@ -151,7 +151,9 @@ impl ActorSpan {
     /// Opens the `actor.restart` span of a failed child under this (supervisor's) span. Hold the
     /// returned span over the backoff delay, then call [`RestartSpan::start_incarnation`].
     pub fn restart(&self, failed: &ActorSpan, attempt: u32, delay: Duration) -> RestartSpan {
-        let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        // tracing-opentelemetry exports unsigned fields as strings; i64 keeps them numeric.
+        let delay_ms = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        let attempt = i64::from(attempt);
         let span = tracing::info_span!(
             parent: &self.span,
             "actor.restart",
@@ -200,7 +202,7 @@ impl RestartSpan {
             actor.id = &*self.id,
             actor.kind = self.kind.as_label(),
             actor.parent = &*self.supervisor_id,
-            actor.incarnation = self.next_incarnation,
+            actor.incarnation = i64::from(self.next_incarnation),
         );
         ActorSpan {
             span,
@@ -289,6 +291,22 @@ mod tests {
         );
 
         assert_eq!(attribute(restart, "attempt"), Some("1".to_owned()));
+        // Numbers stay numbers in the export (unsigned tracing fields would become strings).
+        for (span, key) in [
+            (restart, "attempt"),
+            (restart, "delay_ms"),
+            (second, "actor.incarnation"),
+        ] {
+            let value = span
+                .attributes
+                .iter()
+                .find(|kv| kv.key.as_str() == key)
+                .map(|kv| &kv.value);
+            assert!(
+                matches!(value, Some(opentelemetry::Value::I64(_))),
+                "{key}: {value:?}"
+            );
+        }
         assert_eq!(attribute(restart, "delay_ms"), Some("800".to_owned()));
         assert_eq!(
             attribute(first, "actor.parent"),
