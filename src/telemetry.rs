@@ -78,6 +78,55 @@ impl Default for TelemetryOptions {
     }
 }
 
+/// The `telemetry:` section of the YAML config, for the config module to embed.
+///
+/// ```yaml
+/// telemetry:
+///   log_format: json            # text (default) | json
+///   log_level: "info,continuum_actors=debug"
+///   service_name: continuum-router
+///   otlp:
+///     endpoint: "http://127.0.0.1:4317"   # OTLP/gRPC; omit the otlp block to disable export
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetryConfig {
+    pub log_format: LogFormat,
+    pub log_level: String,
+    pub service_name: String,
+    pub otlp: Option<OtlpConfig>,
+}
+
+/// `telemetry.otlp`.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OtlpConfig {
+    pub endpoint: String,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        let defaults = TelemetryOptions::default();
+        Self {
+            log_format: defaults.log_format,
+            log_level: defaults.log_level,
+            service_name: defaults.service_name,
+            otlp: None,
+        }
+    }
+}
+
+impl From<&TelemetryConfig> for TelemetryOptions {
+    fn from(config: &TelemetryConfig) -> Self {
+        Self {
+            log_format: config.log_format,
+            log_level: config.log_level.clone(),
+            service_name: config.service_name.clone(),
+            otlp_endpoint: config.otlp.as_ref().map(|otlp| otlp.endpoint.clone()),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
     #[error("invalid log filter {filter:?}: {source}")]
@@ -363,6 +412,26 @@ mod tests {
         };
         let error = layers::<Registry>(&options).err().expect("no runtime here");
         assert!(matches!(error, TelemetryError::NoRuntime), "{error}");
+    }
+
+    #[test]
+    fn the_yaml_section_maps_onto_options() {
+        let yaml =
+            "log_format: json\nlog_level: debug\notlp:\n  endpoint: \"http://127.0.0.1:4317\"\n";
+        let config: TelemetryConfig = serde_saphyr::from_str(yaml).expect("valid section");
+        let options = TelemetryOptions::from(&config);
+        assert_eq!(options.log_format, LogFormat::Json);
+        assert_eq!(options.log_level, "debug");
+        assert_eq!(options.service_name, "continuum-router");
+        assert_eq!(
+            options.otlp_endpoint.as_deref(),
+            Some("http://127.0.0.1:4317")
+        );
+
+        let empty: TelemetryConfig = serde_saphyr::from_str("{}").expect("all defaults");
+        assert_eq!(TelemetryOptions::from(&empty), TelemetryOptions::default());
+        // A typo must not silently disable export.
+        assert!(serde_saphyr::from_str::<TelemetryConfig>("otlp:\n  endpiont: x\n").is_err());
     }
 
     #[test]

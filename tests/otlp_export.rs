@@ -182,3 +182,18 @@ async fn a_malformed_endpoint_is_a_config_error() {
         "{error}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_installs_the_global_subscriber_once() {
+    // The only test here that touches the global subscriber; the others scope theirs.
+    let options = TelemetryOptions::default();
+    let guard = telemetry::init(&options).expect("first install");
+    let again = telemetry::init(&options)
+        .err()
+        .expect("second install refused");
+    assert!(
+        matches!(again, telemetry::TelemetryError::AlreadyInstalled(_)),
+        "{again}"
+    );
+    guard.shutdown().await.expect("log-only shutdown");
+}
