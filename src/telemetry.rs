@@ -435,6 +435,23 @@ mod tests {
     }
 
     #[test]
+    fn the_deploy_example_parses() {
+        #[derive(Deserialize)]
+        struct Example {
+            telemetry: TelemetryConfig,
+        }
+        let example: Example =
+            serde_saphyr::from_str(include_str!("../deploy/observability/router-otlp.yaml"))
+                .expect("deploy/observability/router-otlp.yaml parses");
+        let options = TelemetryOptions::from(&example.telemetry);
+        assert_eq!(
+            options.otlp_endpoint.as_deref(),
+            Some("http://127.0.0.1:4317")
+        );
+        assert!(parse_filter(&options.log_level).is_ok());
+    }
+
+    #[test]
     fn log_format_reads_from_config_text() {
         let format: LogFormat = serde_json::from_str("\"json\"").expect("json");
         assert_eq!(format, LogFormat::Json);

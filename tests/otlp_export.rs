@@ -188,9 +188,7 @@ async fn init_installs_the_global_subscriber_once() {
     // The only test here that touches the global subscriber; the others scope theirs.
     let options = TelemetryOptions::default();
     let guard = telemetry::init(&options).expect("first install");
-    let again = telemetry::init(&options)
-        .err()
-        .expect("second install refused");
+    let again = telemetry::init(&options).expect_err("second install refused");
     assert!(
         matches!(again, telemetry::TelemetryError::AlreadyInstalled(_)),
         "{again}"

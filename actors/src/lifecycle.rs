@@ -16,7 +16,7 @@
 //! shutdown; a trace viewer shows their children with a pending parent until then.
 //!
 //! Usage from a supervisor (ractor):
-//! ```ignore
+//! ```text
 //! let child = ActorSpan::start(&format!("discovery/{namespace}"), ActorKind::Discovery, Some(&self.span));
 //! Actor::spawn_linked(None, DiscoveryActor, (child.clone(), args), myself.get_cell()).await?;
 //! // in the child: pre_start/handle futures run `.instrument(child.span().clone())`,

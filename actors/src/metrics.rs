@@ -503,6 +503,9 @@ impl Metrics {
         opentelemetry::global::set_meter_provider(self.inner.meter_provider.clone());
     }
 
+    /// The `Content-Type` of [`Self::render`]'s output, for the `/metrics` handler.
+    pub const CONTENT_TYPE: &'static str = prometheus::TEXT_FORMAT;
+
     /// The Prometheus text exposition of every family, native and OpenTelemetry.
     pub fn render(&self) -> String {
         let families = self.inner.registry.gather();

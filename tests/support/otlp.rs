@@ -5,7 +5,7 @@
 //! every received batch (a `watch` generation), never polls or sleeps.
 //!
 //! Include it from a test crate without a `mod.rs`:
-//! ```ignore
+//! ```text
 //! mod support {
 //!     pub mod otlp;
 //! }
