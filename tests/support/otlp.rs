@@ -4,6 +4,12 @@
 //! `receiver.endpoint()`, flush, then `receiver.wait_for(|spans| ..., timeout)` — it wakes on
 //! every received batch (a `watch` generation), never polls or sleeps.
 //!
+//! Subscriber scope: `tracing::subscriber::set_default` is thread-local, so it only sees spans
+//! made on the test's own thread. When spans come from actors on tokio worker threads (the real
+//! supervision tree), install the pipeline process-wide instead, once per test binary:
+//! `let guard = telemetry::init(&options_with(receiver.endpoint()))?;` then
+//! `guard.force_flush().await` before `wait_for`.
+//!
 //! Include it from a test crate without a `mod.rs`:
 //! ```text
 //! mod support {
