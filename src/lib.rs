@@ -2,3 +2,4 @@
 
 pub mod front_door;
 pub mod readiness;
+pub mod telemetry;

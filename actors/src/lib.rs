@@ -20,8 +20,12 @@
 //! | [`tree`] | the status table behind `GET /admin/subsystems` |
 //! | [`store`] | the lock-free snapshot store (ArcSwap + generation watch) |
 //! | [`clock`] | monotonic ticks and wall-clock time for `protocol` |
+//! | [`metrics`] | every Prometheus family, closed label sets |
+//! | [`lifecycle`] | actor lifecycle spans (start, stop, failure, restart) |
 
 pub mod clock;
+pub mod lifecycle;
+pub mod metrics;
 pub mod store;
 pub mod supervisor;
 pub mod tree;

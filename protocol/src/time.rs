@@ -19,7 +19,7 @@ impl Tick {
         self.0.saturating_sub(earlier.0)
     }
 
-    pub fn add(self, d: Duration) -> Tick {
+    pub fn plus(self, d: Duration) -> Tick {
         Tick(self.0.saturating_add(d))
     }
 }
