@@ -7,6 +7,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
+use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::supervisor::{ChildContext, ChildSpec, spawn_root};
 use continuum_actors::tree::ActorTree;
 use continuum_router::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
@@ -193,7 +194,7 @@ async fn admin_restart_restarts_one_subsystem_and_lists_the_tree() {
     let (tx, mut started) = mpsc::unbounded_channel();
     let child = |name: &str| {
         let tx = tx.clone();
-        ChildSpec::new(name, "probe", move |ctx: ChildContext| {
+        ChildSpec::new(name, ActorKind::Registry, move |ctx: ChildContext| {
             let tx = tx.clone();
             async move {
                 Ok(Actor::spawn_linked(None, Idle, tx, ctx.supervisor)
@@ -207,9 +208,14 @@ async fn admin_restart_restarts_one_subsystem_and_lists_the_tree() {
     let (root, handle) = spawn_root(
         vec![
             child("registry"),
-            ChildSpec::supervisor("discovery", "discovery", vec![child("etcd:dynamo")]),
+            ChildSpec::supervisor(
+                "discovery",
+                ActorKind::DiscoverySupervisor,
+                vec![child("etcd:dynamo")],
+            ),
         ],
         tree.clone(),
+        None,
     )
     .await
     .expect("root");

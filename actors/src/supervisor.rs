@@ -26,9 +26,11 @@ use continuum_protocol::backoff::{RestartBudget, RestartDecision};
 use ractor::{
     Actor, ActorCell, ActorProcessingErr, ActorRef, RpcReplyPort, SpawnErr, SupervisionEvent,
 };
-use tracing::{Instrument, Span, error, info, info_span, warn};
+use tracing::{Instrument, error, info, warn};
 
 use crate::clock::now_tick;
+use crate::lifecycle::{ActorKind, ActorSpan, RestartSpan};
+use crate::metrics::Metrics;
 use crate::tree::{ActorPath, ActorState, ActorTree};
 
 /// How long a stopping supervisor waits for its children.
@@ -41,10 +43,12 @@ pub struct ChildContext {
     pub supervisor: ActorCell,
     /// The child's own path in the tree.
     pub path: ActorPath,
-    /// The child's lifecycle span; handlers may run `.instrument(span)`-ed.
-    pub span: Span,
+    /// The child's lifecycle span; its futures run `.instrument(span.span().clone())`-ed.
+    pub span: ActorSpan,
     /// The status table, for children that are supervisors themselves.
     pub tree: ActorTree,
+    /// Process metrics, for children that count things.
+    pub metrics: Option<Metrics>,
 }
 
 pub type SpawnFuture = Pin<Box<dyn Future<Output = Result<ActorCell, SpawnErr>> + Send>>;
@@ -54,8 +58,8 @@ pub type SpawnFuture = Pin<Box<dyn Future<Output = Result<ActorCell, SpawnErr>> 
 pub struct ChildSpec {
     /// The child's name under its supervisor (one path segment).
     pub name: String,
-    /// The closed kind of the child (`registry`, `discovery`, `subscription`, …).
-    pub kind: &'static str,
+    /// The closed kind of the child.
+    pub kind: ActorKind,
     pub spawn: Arc<dyn Fn(ChildContext) -> SpawnFuture + Send + Sync>,
 }
 
@@ -69,7 +73,7 @@ impl std::fmt::Debug for ChildSpec {
 }
 
 impl ChildSpec {
-    pub fn new<F, Fut>(name: impl Into<String>, kind: &'static str, spawn: F) -> Self
+    pub fn new<F, Fut>(name: impl Into<String>, kind: ActorKind, spawn: F) -> Self
     where
         F: Fn(ChildContext) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<ActorCell, SpawnErr>> + Send + 'static,
@@ -82,22 +86,18 @@ impl ChildSpec {
     }
 
     /// A child that is itself a `Supervisor` over `children`.
-    pub fn supervisor(
-        name: impl Into<String>,
-        kind: &'static str,
-        children: Vec<ChildSpec>,
-    ) -> Self {
+    pub fn supervisor(name: impl Into<String>, kind: ActorKind, children: Vec<ChildSpec>) -> Self {
         Self::new(name, kind, move |ctx: ChildContext| {
             let children = children.clone();
             async move {
                 let args = SupervisorArgs {
                     path: ctx.path.clone(),
                     kind,
-                    parent: Some(ctx.supervisor.clone()),
                     children,
                     tree: ctx.tree.clone(),
                     span: ctx.span.clone(),
                     budget: BudgetSpec::default(),
+                    metrics: ctx.metrics.clone(),
                 };
                 let (actor, _) =
                     Actor::spawn_linked(None, Supervisor, args, ctx.supervisor).await?;
@@ -127,14 +127,13 @@ impl Default for BudgetSpec {
 
 pub struct SupervisorArgs {
     pub path: ActorPath,
-    pub kind: &'static str,
-    /// The parent's cell, to tell a root (None) from a subtree.
-    pub parent: Option<ActorCell>,
+    pub kind: ActorKind,
     pub children: Vec<ChildSpec>,
     pub tree: ActorTree,
     /// This supervisor's own lifecycle span.
-    pub span: Span,
+    pub span: ActorSpan,
     pub budget: BudgetSpec,
+    pub metrics: Option<Metrics>,
 }
 
 pub enum SupervisorMsg {
@@ -158,7 +157,12 @@ struct ChildSlot {
     incarnation: u64,
     budget: RestartBudget,
     /// The open lifecycle span of the running incarnation; dropping it ends the span.
-    span: Option<Span>,
+    span: Option<ActorSpan>,
+    /// The last incarnation's span after it ended, for the restart span's link.
+    last_span: Option<ActorSpan>,
+    /// The restart in progress, held over the backoff, ended once the child runs again.
+    pending_restart: Option<RestartSpan>,
+    restarts: u32,
     /// Operator restart in progress: answer here once respawned.
     admin_reply: Option<RpcReplyPort<Result<(), String>>>,
     /// Being removed: answer here once stopped.
@@ -168,7 +172,9 @@ struct ChildSlot {
 pub struct SupervisorState {
     path: ActorPath,
     tree: ActorTree,
-    span: Span,
+    span: ActorSpan,
+    budget: BudgetSpec,
+    metrics: Option<Metrics>,
     children: Vec<ChildSlot>,
 }
 
@@ -183,29 +189,28 @@ impl Actor for Supervisor {
         args: SupervisorArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
         let parent_path = parent_of(&args.path);
+        // Its own supervisor registers the ref that can restart it.
         args.tree.starting(
             &args.path,
-            args.kind,
+            args.kind.as_label(),
             parent_path.as_deref(),
-            None, // its own supervisor registers the ref that can restart it
+            None,
         );
         let mut state = SupervisorState {
             path: args.path,
             tree: args.tree,
             span: args.span,
+            budget: args.budget,
+            metrics: args.metrics,
             children: Vec::with_capacity(args.children.len()),
         };
         for spec in args.children {
-            let slot = ChildSlot::new(spec, args.budget);
-            state.children.push(slot);
+            state.children.push(ChildSlot::new(spec, args.budget));
             let idx = state.children.len() - 1;
             // Dependencies start first: a child that cannot start fails this supervisor.
-            state.spawn_child(&myself, idx, None).await?;
+            state.spawn_child(&myself, idx).await?;
         }
         state.tree.set_state(&state.path, ActorState::Running);
-        state
-            .span
-            .in_scope(|| info!(actor.id = %state.path, "Supervisor started."));
         Ok(state)
     }
 
@@ -219,12 +224,13 @@ impl Actor for Supervisor {
             .stop_children_and_wait(Some("supervisor stopping".into()), Some(STOP_GRACE))
             .await;
         for slot in &mut state.children {
-            slot.span.take();
+            if let Some(span) = slot.span.take() {
+                span.stopped("supervisor stopping");
+            }
+            slot.pending_restart.take();
+            slot.last_span.take();
         }
         state.tree.stopped_subtree(&state.path);
-        state
-            .span
-            .in_scope(|| info!(actor.id = %state.path, "Supervisor stopped."));
         Ok(())
     }
 
@@ -238,9 +244,7 @@ impl Actor for Supervisor {
             SupervisorMsg::RestartChild(name, reply) => state.admin_restart(name, reply),
             SupervisorMsg::AddChild(spec, reply) => state.add_child(&myself, spec, reply).await,
             SupervisorMsg::RemoveChild(name, reply) => state.remove_child(name, reply),
-            SupervisorMsg::ListChildren(reply) => {
-                let _ = reply.send(state.children.iter().map(|c| c.spec.name.clone()).collect());
-            }
+            SupervisorMsg::ListChildren(reply) => state.list_children(reply),
             SupervisorMsg::RespawnDue(name, incarnation) => {
                 state.respawn_due(&myself, &name, incarnation).await
             }
@@ -275,6 +279,9 @@ impl ChildSlot {
             incarnation: 0,
             budget: RestartBudget::new(budget.max_restarts, budget.period, budget.backoff),
             span: None,
+            last_span: None,
+            pending_restart: None,
+            restarts: 0,
             admin_reply: None,
             remove_reply: None,
         }
@@ -297,37 +304,43 @@ impl SupervisorState {
         self.children.iter().position(|c| c.spec.name == name)
     }
 
-    /// Spawns child `idx`; `restart_span` is the span of the restart that caused it, if any.
+    fn list_children(&self, reply: RpcReplyPort<Vec<String>>) {
+        let _ = reply.send(self.children.iter().map(|c| c.spec.name.clone()).collect());
+    }
+
+    /// Spawns child `idx`: a new incarnation under the pending restart span, if any.
     async fn spawn_child(
         &mut self,
         myself: &ActorRef<SupervisorMsg>,
         idx: usize,
-        restart_span: Option<&Span>,
     ) -> Result<(), SpawnErr> {
         let path = self.child_path(&self.children[idx].spec.name);
         let kind = self.children[idx].spec.kind;
-        let parent_span = restart_span.unwrap_or(&self.span);
-        let span = info_span!(
-            parent: parent_span,
-            "actor",
-            actor.id = %path,
-            actor.kind = kind,
-            actor.parent = %self.path,
-            otel.name = %format!("actor {path}"),
+        let span = match &self.children[idx].pending_restart {
+            Some(restart) => restart.start_incarnation(),
+            None => ActorSpan::start(&path, kind, Some(&self.span)),
+        };
+        self.tree.starting(
+            &path,
+            kind.as_label(),
+            Some(&self.path),
+            Some(myself.clone()),
         );
-        self.tree
-            .starting(&path, kind, Some(&self.path), Some(myself.clone()));
         let ctx = ChildContext {
             supervisor: myself.get_cell(),
             path: path.clone(),
             span: span.clone(),
             tree: self.tree.clone(),
+            metrics: self.metrics.clone(),
         };
         let spawn = self.children[idx].spec.spawn.clone();
-        match spawn(ctx).instrument(span.clone()).await {
+        let result = spawn(ctx).instrument(span.span().clone()).await;
+        let slot = &mut self.children[idx];
+        // The restart (if any) ends with this attempt, whatever its outcome.
+        slot.pending_restart.take();
+        match result {
             Ok(cell) => {
-                span.in_scope(|| info!(actor.id = %path, actor.kind = kind, "Actor started."));
-                let slot = &mut self.children[idx];
+                span.started();
                 slot.cell = Some(cell);
                 slot.incarnation += 1;
                 slot.span = Some(span);
@@ -335,10 +348,27 @@ impl SupervisorState {
                 Ok(())
             }
             Err(e) => {
-                span.in_scope(|| error!(actor.id = %path, error = %e, "Actor failed to start."));
+                span.failed(&e);
+                slot.last_span = Some(span);
                 self.tree.failed(&path, &e.to_string(), ActorState::Failed);
                 Err(e)
             }
+        }
+    }
+
+    /// Opens the restart span of child `idx` (linked to its last incarnation) and counts it.
+    fn begin_restart(&mut self, idx: usize, delay: Duration) {
+        let path = self.child_path(&self.children[idx].spec.name);
+        let slot = &mut self.children[idx];
+        slot.restarts = slot.restarts.saturating_add(1);
+        let failed = slot
+            .last_span
+            .take()
+            .unwrap_or_else(|| ActorSpan::start(&path, slot.spec.kind, Some(&self.span)));
+        slot.pending_restart = Some(self.span.restart(&failed, slot.restarts, delay));
+        self.tree.restarted(&path);
+        if let Some(metrics) = &self.metrics {
+            metrics.actor_restart(slot.spec.kind);
         }
     }
 
@@ -355,7 +385,8 @@ impl SupervisorState {
         let slot = &mut self.children[idx];
         slot.cell = None;
         if let Some(span) = slot.span.take() {
-            span.in_scope(|| error!(actor.id = %path, error, "Actor failed."));
+            span.failed(&error);
+            slot.last_span = Some(span);
         }
         if let Some(reply) = slot.remove_reply.take() {
             self.children.remove(idx);
@@ -369,6 +400,7 @@ impl SupervisorState {
                 let incarnation = slot.incarnation;
                 let name = slot.spec.name.clone();
                 warn!(actor.id = %path, error, delay_ms = after.as_millis() as u64, "Restarting failed actor after backoff.");
+                self.begin_restart(idx, after);
                 if after.is_zero() {
                     self.respawn_due(myself, &name, incarnation).await;
                 } else {
@@ -378,9 +410,12 @@ impl SupervisorState {
             }
             RestartDecision::Escalate => {
                 self.tree.failed(&path, error, ActorState::Failed);
-                self.span.in_scope(|| {
-                    error!(actor.id = %path, supervisor = %self.path, "Restart budget spent; escalating.")
-                });
+                error!(actor.id = %path, supervisor = %self.path, "Restart budget spent; escalating.");
+                // Stop the remaining children before failing, so the parent restarts a clean
+                // subtree.
+                myself
+                    .stop_children_and_wait(Some("escalating".into()), Some(STOP_GRACE))
+                    .await;
                 Err(format!("child {path} exceeded its restart budget: {error}").into())
             }
         }
@@ -399,7 +434,8 @@ impl SupervisorState {
         let slot = &mut self.children[idx];
         slot.cell = None;
         if let Some(span) = slot.span.take() {
-            span.in_scope(|| info!(actor.id = %path, reason = reason.as_deref().unwrap_or(""), "Actor stopped."));
+            span.stopped(reason.as_deref().unwrap_or("stopped"));
+            slot.last_span = Some(span);
         }
         if let Some(reply) = slot.remove_reply.take() {
             self.children.remove(idx);
@@ -408,20 +444,13 @@ impl SupervisorState {
             return;
         }
         if let Some(reply) = slot.admin_reply.take() {
-            let restart = info_span!(
-                parent: &self.span,
-                "actor.restart",
-                actor.id = %path,
-                actor.parent = %self.path,
-                restart.cause = "admin",
-                restart.attempt = slot.incarnation,
-            );
-            self.tree.restarted(&path);
-            let result = self.spawn_child(myself, idx, Some(&restart)).await;
+            self.begin_restart(idx, Duration::ZERO);
+            let result = self.spawn_child(myself, idx).await;
             let _ = reply.send(result.map_err(|e| e.to_string()));
             return;
         }
         // A child that ended its work by itself is not restarted.
+        info!(actor.id = %path, "Actor ended its work; not restarting it.");
         self.tree.stopped_subtree(&path);
     }
 
@@ -439,27 +468,22 @@ impl SupervisorState {
             return;
         }
         let path = self.child_path(name);
-        let restart = info_span!(
-            parent: &self.span,
-            "actor.restart",
-            actor.id = %path,
-            actor.parent = %self.path,
-            restart.cause = "failure",
-            restart.attempt = incarnation,
-        );
-        self.tree.restarted(&path);
-        if let Err(e) = self.spawn_child(myself, idx, Some(&restart)).await {
+        if self.children[idx].pending_restart.is_none() {
+            self.begin_restart(idx, Duration::ZERO);
+        }
+        if let Err(e) = self.spawn_child(myself, idx).await {
             // A failed start counts against the budget like any failure.
-            let after = match self.children[idx].budget.on_failure(now_tick()) {
-                RestartDecision::Restart { after } => after,
+            match self.children[idx].budget.on_failure(now_tick()) {
+                RestartDecision::Restart { after } => {
+                    self.begin_restart(idx, after);
+                    let name = name.to_string();
+                    myself.send_after(after, move || SupervisorMsg::RespawnDue(name, incarnation));
+                }
                 RestartDecision::Escalate => {
                     error!(actor.id = %path, error = %e, "Actor cannot start and its budget is spent.");
                     myself.stop(Some(format!("child {path} cannot start")));
-                    return;
                 }
-            };
-            let name = name.to_string();
-            myself.send_after(after, move || SupervisorMsg::RespawnDue(name, incarnation));
+            }
         }
     }
 
@@ -477,7 +501,6 @@ impl SupervisorState {
                 cell.stop(Some("admin restart".into()));
             }
             None => {
-                // Waiting out a backoff or stopped: start it now.
                 let _ = reply.send(Err(format!(
                     "{path} is not running; it restarts on its own schedule"
                 )));
@@ -498,10 +521,9 @@ impl SupervisorState {
             )));
             return;
         }
-        self.children
-            .push(ChildSlot::new(spec, BudgetSpec::default()));
+        self.children.push(ChildSlot::new(spec, self.budget));
         let idx = self.children.len() - 1;
-        let result = self.spawn_child(myself, idx, None).await;
+        let result = self.spawn_child(myself, idx).await;
         if result.is_err() {
             let path = self.child_path(&self.children[idx].spec.name);
             self.children.remove(idx);
@@ -538,21 +560,16 @@ fn parent_of(path: &str) -> Option<String> {
 pub async fn spawn_root(
     children: Vec<ChildSpec>,
     tree: ActorTree,
+    metrics: Option<Metrics>,
 ) -> Result<(ActorRef<SupervisorMsg>, tokio::task::JoinHandle<()>), SpawnErr> {
-    let span = info_span!(
-        "actor",
-        actor.id = "root",
-        actor.kind = "root",
-        otel.name = "actor root"
-    );
     let args = SupervisorArgs {
         path: "root".into(),
-        kind: "root",
-        parent: None,
+        kind: ActorKind::Root,
         children,
         tree,
-        span,
+        span: ActorSpan::start("root", ActorKind::Root, None),
         budget: BudgetSpec::default(),
+        metrics,
     };
     Actor::spawn(None, Supervisor, args).await
 }

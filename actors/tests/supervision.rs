@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::supervisor::{ChildContext, ChildSpec, spawn_root};
 use continuum_actors::tree::{ActorState, ActorTree};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -44,7 +45,7 @@ impl Actor for Probe {
 fn probe(name: &str, started: &mpsc::UnboundedSender<(String, ActorRef<ProbeMsg>)>) -> ChildSpec {
     let started = started.clone();
     let label = name.to_string();
-    ChildSpec::new(name, "probe", move |ctx: ChildContext| {
+    ChildSpec::new(name, ActorKind::Registry, move |ctx: ChildContext| {
         let args = (label.clone(), started.clone());
         async move {
             let (actor, _) = Actor::spawn_linked(None, Probe, args, ctx.supervisor).await?;
@@ -66,7 +67,7 @@ async fn next_start(
 async fn failed_child_restarts_after_backoff_and_is_counted() {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let tree = ActorTree::default();
-    let (root, handle) = spawn_root(vec![probe("a", &tx), probe("b", &tx)], tree.clone())
+    let (root, handle) = spawn_root(vec![probe("a", &tx), probe("b", &tx)], tree.clone(), None)
         .await
         .expect("root starts");
     let (_, a) = next_start(&mut rx).await;
@@ -95,10 +96,10 @@ async fn admin_restart_replaces_exactly_one_subtree() {
     let tree = ActorTree::default();
     let sub = ChildSpec::supervisor(
         "discovery",
-        "discovery",
+        ActorKind::DiscoverySupervisor,
         vec![probe("ns-a", &tx), probe("ns-b", &tx)],
     );
-    let (root, handle) = spawn_root(vec![probe("registry", &tx), sub], tree.clone())
+    let (root, handle) = spawn_root(vec![probe("registry", &tx), sub], tree.clone(), None)
         .await
         .expect("root starts");
     let mut first = std::collections::HashMap::new();
@@ -150,8 +151,12 @@ async fn admin_restart_replaces_exactly_one_subtree() {
 async fn spent_budget_escalates_to_the_parent() {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let tree = ActorTree::default();
-    let sub = ChildSpec::supervisor("flaky", "test", vec![probe("x", &tx)]);
-    let (root, handle) = spawn_root(vec![sub], tree.clone())
+    let sub = ChildSpec::supervisor(
+        "flaky",
+        ActorKind::DiscoverySupervisor,
+        vec![probe("x", &tx)],
+    );
+    let (root, handle) = spawn_root(vec![sub], tree.clone(), None)
         .await
         .expect("root starts");
     let (_, mut x) = next_start(&mut rx).await;
