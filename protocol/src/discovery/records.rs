@@ -1,0 +1,1034 @@
+//! Tolerant parsing of Dynamo discovery values (`Endpoint`, `Model`, `EventChannel`,
+//! `EventSource`) from untrusted bytes, for the N-2 wire window (1.4.2–1.6.1).
+//!
+//! Tolerant outside, strict inside: every member is optional, unknown members are ignored, ids
+//! may be JSON numbers or hex strings, and a member of the wrong type reads as absent. What comes
+//! out is a small internal record with no `Option` soup where a value is required for the record
+//! to mean anything (an Endpoint without an `instance_id` is an error, not a default).
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Serialize, Serializer};
+use serde_json::value::RawValue;
+
+use super::keys::{Keyspace, ParsedKey};
+use crate::ids::{DpRank, InstanceId, PublisherId};
+
+/// Raw values above this size are refused before parsing (an order of magnitude above etcd's
+/// default 1.5 MiB `--max-request-bytes`).
+pub const MAX_RECORD_BYTES: usize = 16 * 1024 * 1024;
+/// The opaque model card is retained only up to this size; beyond it only the typed subset is
+/// kept (the worker is still published).
+pub const MAX_RETAINED_CARD_BYTES: usize = 1024 * 1024;
+/// Distinct held keys per keyspace (instances, cards, channels and sources independently).
+pub const MAX_RECORDS_PER_KEYSPACE: usize = 16_384;
+
+/// Why a value was refused. Each error is one counted, logged drop of one record.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    #[error("value of {0} bytes exceeds MAX_RECORD_BYTES")]
+    Oversized(usize),
+    #[error("value is not a JSON object: {0}")]
+    Json(String),
+    #[error("record type {found:?} under the {keyspace} keyspace, expected {expected}")]
+    WrongType {
+        keyspace: &'static str,
+        expected: &'static str,
+        found: String,
+    },
+    #[error("record has no usable instance_id")]
+    MissingInstanceId,
+    #[error("event record has no usable publisher id")]
+    MissingPublisherId,
+    #[error("event channel has no transport endpoint")]
+    MissingEndpoint,
+    #[error("event channel endpoint {0:?} is not tcp://host:port")]
+    BadEndpoint(String),
+    #[error("event channel transport {0:?} is not supported (only direct Zmq)")]
+    UnsupportedTransport(String),
+    #[error("event channel endpoint scheme of {0:?} is not supported (only tcp://)")]
+    UnsupportedScheme(String),
+    #[error("event scope kind {0:?} is not supported")]
+    UnsupportedScope(String),
+}
+
+impl RecordError {
+    /// True for records that are well formed but of a kind the router does not consume.
+    pub fn is_unsupported(&self) -> bool {
+        matches!(
+            self,
+            RecordError::UnsupportedTransport(_)
+                | RecordError::UnsupportedScheme(_)
+                | RecordError::UnsupportedScope(_)
+        )
+    }
+}
+
+/// A worker's role in a prefill/decode graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Role {
+    Prefill,
+    Decode,
+    Aggregated,
+    /// No usable claim: visible to operators, never routed to.
+    Unknown,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Aggregated => "aggregated",
+            Role::Unknown => "unknown",
+        }
+    }
+
+    /// The role a component name implies (`prefill` / `decode`), if any.
+    pub fn claimed_by_component(component: &str) -> Option<Role> {
+        match component {
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for Role {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+/// What a card says about the worker's role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CardClaim {
+    /// `worker_type` (or, on legacy cards without it, the `Prefill` bit of `model_type`).
+    Role(Role),
+    /// An unrecognised `worker_type` (e.g. `encode` or a future value) or an unreadable card:
+    /// no claim.
+    Unrecognised,
+}
+
+/// Where a prefill worker takes bootstrap connections, as the card declares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DisaggregatedEndpoint {
+    /// The older string form (`"dynamo/decode/generate"`).
+    Path(String),
+    /// Dynamo 1.6.1: `{"bootstrap_host", "bootstrap_port"}`. The host is an internal address and
+    /// is never exported.
+    Bootstrap {
+        host: Option<String>,
+        port: Option<u16>,
+    },
+}
+
+/// Capacity a card advertises (per DP rank for `total_kv_blocks`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Capacity {
+    pub total_kv_blocks: Option<u64>,
+    pub max_num_batched_tokens: Option<u64>,
+    pub max_num_seqs: Option<u64>,
+    pub context_length: Option<u64>,
+}
+
+/// The typed subset of a model card the router uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CardFields {
+    /// `display_name`, else `name`.
+    pub model: Option<String>,
+    pub claim: CardClaim,
+    pub block_size: Option<u32>,
+    pub capacity: Capacity,
+    pub dp_start_rank: Option<DpRank>,
+    pub dp_size: Option<u32>,
+    pub disaggregated_endpoint: Option<DisaggregatedEndpoint>,
+    /// `dynamo_version`, `runtime_version`, `version` or `release`, for a debug log.
+    pub release: Option<String>,
+}
+
+impl CardFields {
+    fn unreadable() -> Self {
+        Self {
+            model: None,
+            claim: CardClaim::Unrecognised,
+            block_size: None,
+            capacity: Capacity::default(),
+            dp_start_rank: None,
+            dp_size: None,
+            disaggregated_endpoint: None,
+            release: None,
+        }
+    }
+}
+
+/// A `tcp://host:port` publisher address. Internal: never serialised, never a metric label.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TcpAddress {
+    /// Host without IPv6 brackets.
+    pub host: String,
+    pub port: u16,
+}
+
+impl TcpAddress {
+    /// `host:port`, with brackets around IPv6 literals, ready for a resolver.
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+
+    /// Parses a ZMQ endpoint. Non-tcp schemes are unsupported; anything else that is not a
+    /// dialable `tcp://host:port` is malformed.
+    pub fn parse(endpoint: &str) -> Result<Self, RecordError> {
+        let Some(rest) = endpoint.strip_prefix("tcp://") else {
+            return Err(if endpoint.contains("://") {
+                RecordError::UnsupportedScheme(endpoint.to_owned())
+            } else {
+                RecordError::BadEndpoint(endpoint.to_owned())
+            });
+        };
+        let bad = || RecordError::BadEndpoint(endpoint.to_owned());
+        let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+            let (host, tail) = v6.split_once(']').ok_or_else(bad)?;
+            (host, tail.strip_prefix(':').ok_or_else(bad)?)
+        } else {
+            let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+            if host.contains(':') {
+                return Err(bad());
+            }
+            (host, port)
+        };
+        let host_ok = !host.is_empty()
+            && host.len() <= 255
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'%'));
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        if !host_ok || port == 0 || !port_is_plain(rest) {
+            return Err(bad());
+        }
+        Ok(Self {
+            host: host.to_owned(),
+            port,
+        })
+    }
+}
+
+/// `u16::from_str` accepts a leading `+`; upstream never writes one.
+fn port_is_plain(rest: &str) -> bool {
+    rest.rsplit_once(':')
+        .is_some_and(|(_, p)| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// The event-plane topics the router consumes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum EventTopic {
+    /// `kv_metrics`: ActiveLoad samples.
+    KvMetrics,
+    /// `kv-events`: RouterEvent batches.
+    KvEvents,
+}
+
+impl EventTopic {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventTopic::KvMetrics => "kv_metrics",
+            EventTopic::KvEvents => "kv-events",
+        }
+    }
+
+    /// `None` for topics the router does not consume (skipped silently).
+    pub fn parse(topic: &str) -> Option<Self> {
+        match topic {
+            "kv_metrics" => Some(EventTopic::KvMetrics),
+            "kv-events" => Some(EventTopic::KvEvents),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for EventTopic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for EventTopic {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+/// A `generate` Endpoint record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointRecord {
+    pub component: String,
+    pub endpoint: String,
+    pub instance_id: InstanceId,
+    /// Request-plane address (internal, never exported).
+    pub transport: Option<String>,
+}
+
+/// A base-model Model record (LoRA cards are skipped before this point).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CardRecord {
+    pub component: String,
+    pub endpoint: String,
+    pub instance_id: InstanceId,
+    pub fields: CardFields,
+    /// The card verbatim, unless it exceeded [`MAX_RETAINED_CARD_BYTES`].
+    pub card: Option<Arc<serde_json::Value>>,
+    /// The opaque card was dropped for size.
+    pub card_trimmed: bool,
+}
+
+impl CardRecord {
+    /// Legacy cards leave both component and endpoint empty and join on instance id alone.
+    pub fn is_legacy(&self) -> bool {
+        self.component.is_empty() && self.endpoint.is_empty()
+    }
+}
+
+/// A direct-ZMQ EventChannel for a consumed topic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChannelRecord {
+    pub component: Option<String>,
+    pub endpoint: Option<String>,
+    pub topic: EventTopic,
+    pub publisher_id: PublisherId,
+    pub address: TcpAddress,
+}
+
+/// An EventSource naming the worker and rank behind a publisher.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceRecord {
+    pub publisher_id: PublisherId,
+    pub worker_id: InstanceId,
+    pub dp_rank: Option<DpRank>,
+}
+
+/// Records skipped on purpose, without a count or a log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// Endpoints other than `generate` (`load_metrics`, `worker_kv_query_source_*`, ...).
+    NotGenerate,
+    /// A LoRA adapter card (non-empty `model_suffix`): never joins.
+    LoraCard,
+    /// A topic the router does not consume (`active_sequences_events`, ...).
+    OtherTopic,
+    /// An EventSource that names no worker.
+    NoWorker,
+}
+
+/// One parsed value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Record {
+    Endpoint(EndpointRecord),
+    Card(CardRecord),
+    Channel(ChannelRecord),
+    Source(SourceRecord),
+    Skipped(Skip),
+}
+
+/// Parses `value`, held under `key` (already classified) in `keyspace`.
+pub fn parse_record(key: &ParsedKey, value: &[u8]) -> Result<Record, RecordError> {
+    if value.len() > MAX_RECORD_BYTES {
+        return Err(RecordError::Oversized(value.len()));
+    }
+    let raw: RawRecord<'_> =
+        serde_json::from_slice(value).map_err(|e| RecordError::Json(e.to_string()))?;
+    let keyspace = key.keyspace();
+    if let Some(found) = raw.kind.as_ref() {
+        let found = found.as_str().unwrap_or("<non-string>");
+        if found != keyspace.record_type() {
+            return Err(RecordError::WrongType {
+                keyspace: keyspace.as_str(),
+                expected: keyspace.record_type(),
+                found: found.to_owned(),
+            });
+        }
+    }
+    match keyspace {
+        Keyspace::Instances => parse_endpoint(raw),
+        Keyspace::Cards => parse_card(key, raw),
+        Keyspace::Channels => parse_channel(key, raw),
+        Keyspace::Sources => parse_source(raw),
+    }
+}
+
+fn text(field: Option<&Scalar>) -> String {
+    field.and_then(Scalar::as_str).unwrap_or_default().to_owned()
+}
+
+fn parse_endpoint(raw: RawRecord<'_>) -> Result<Record, RecordError> {
+    let endpoint = text(raw.endpoint.as_ref());
+    if endpoint != "generate" {
+        return Ok(Record::Skipped(Skip::NotGenerate));
+    }
+    let instance_id = raw
+        .instance_id
+        .as_ref()
+        .and_then(Scalar::as_id)
+        .ok_or(RecordError::MissingInstanceId)?;
+    let transport = match raw.transport {
+        Some(Obj::Valid(t)) => t.tcp.or(t.nats_tcp).and_then(|s| s.into_string()),
+        _ => None,
+    };
+    Ok(Record::Endpoint(EndpointRecord {
+        component: text(raw.component.as_ref()),
+        endpoint,
+        instance_id: InstanceId(instance_id),
+        transport,
+    }))
+}
+
+fn parse_card(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordError> {
+    let suffix_in_value = raw
+        .model_suffix
+        .as_ref()
+        .and_then(Scalar::as_str)
+        .is_some_and(|s| !s.is_empty());
+    let suffix_in_key = matches!(key, ParsedKey::Card { model_suffix: Some(s), .. } if !s.is_empty());
+    if suffix_in_value || suffix_in_key {
+        return Ok(Record::Skipped(Skip::LoraCard));
+    }
+    let instance_id = raw
+        .instance_id
+        .as_ref()
+        .and_then(Scalar::as_id)
+        .ok_or(RecordError::MissingInstanceId)?;
+    let (fields, card, card_trimmed) = match raw.card_json {
+        None => (CardFields::unreadable(), None, false),
+        Some(raw_card) => {
+            let text = raw_card.get();
+            let fields = serde_json::from_str::<RawCard>(text)
+                .map(RawCard::into_fields)
+                .unwrap_or_else(|_| CardFields::unreadable());
+            if text.len() > MAX_RETAINED_CARD_BYTES {
+                (fields, None, true)
+            } else {
+                // RawValue already validated the JSON; this cannot fail short of allocation.
+                let value = serde_json::from_str::<serde_json::Value>(text).ok().map(Arc::new);
+                (fields, value, false)
+            }
+        }
+    };
+    Ok(Record::Card(CardRecord {
+        component: text(raw.component.as_ref()),
+        endpoint: text(raw.endpoint.as_ref()),
+        instance_id: InstanceId(instance_id),
+        fields,
+        card,
+        card_trimmed,
+    }))
+}
+
+fn parse_channel(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordError> {
+    let ParsedKey::Channel {
+        scope: key_scope,
+        topic: key_topic,
+        ..
+    } = key
+    else {
+        return Err(RecordError::Json("channel value under a non-channel key".into()));
+    };
+    // Broker registrations are flagged whatever their topic: they mean publishers in this
+    // namespace do not register direct channels.
+    let transport = match raw.transport {
+        Some(Obj::Valid(t)) => Some(t),
+        Some(Obj::Invalid) | None => None,
+    };
+    let kind = transport
+        .as_ref()
+        .and_then(|t| t.kind.as_ref())
+        .and_then(Scalar::as_str)
+        .map(str::to_owned);
+    if kind.as_deref() == Some("ZmqBroker") {
+        return Err(RecordError::UnsupportedTransport("ZmqBroker".into()));
+    }
+    let topic_text = raw
+        .topic
+        .as_ref()
+        .and_then(Scalar::as_str)
+        .unwrap_or(key_topic.as_str());
+    let Some(topic) = EventTopic::parse(topic_text) else {
+        return Ok(Record::Skipped(Skip::OtherTopic));
+    };
+    let (component, endpoint) = match raw.scope {
+        Some(Obj::Valid(scope)) => scope.component_endpoint()?,
+        Some(Obj::Invalid) => return Err(RecordError::UnsupportedScope("<non-object>".into())),
+        None => match raw.component.as_ref().and_then(Scalar::as_str) {
+            // Legacy (v1.2) shape: `namespace` + `component`, empty component = namespace scope.
+            Some("") => (None, None),
+            Some(c) => (Some(c.to_owned()), None),
+            None => (key_scope.component.clone(), key_scope.endpoint.clone()),
+        },
+    };
+    let publisher_id = raw
+        .instance_id
+        .as_ref()
+        .and_then(Scalar::as_id)
+        .ok_or(RecordError::MissingPublisherId)?;
+    let Some(transport) = transport else {
+        return Err(RecordError::MissingEndpoint);
+    };
+    match kind.as_deref() {
+        Some("Zmq") => {}
+        Some(other) => return Err(RecordError::UnsupportedTransport(other.to_owned())),
+        None => return Err(RecordError::MissingEndpoint),
+    }
+    let endpoint_text = match transport.config {
+        Some(Obj::Valid(config)) => config.endpoint.and_then(Scalar::into_string),
+        _ => None,
+    }
+    .ok_or(RecordError::MissingEndpoint)?;
+    let address = TcpAddress::parse(&endpoint_text)?;
+    Ok(Record::Channel(ChannelRecord {
+        component,
+        endpoint,
+        topic,
+        publisher_id: PublisherId(publisher_id),
+        address,
+    }))
+}
+
+fn parse_source(raw: RawRecord<'_>) -> Result<Record, RecordError> {
+    let meta = match raw.metadata {
+        Some(Obj::Valid(meta)) => Some(meta),
+        _ => None,
+    };
+    let publisher_id = raw
+        .publisher_id
+        .as_ref()
+        .and_then(Scalar::as_id)
+        .or_else(|| meta.as_ref()?.publisher_id.as_ref()?.as_id())
+        .ok_or(RecordError::MissingPublisherId)?;
+    let worker = match meta.and_then(|m| m.worker) {
+        Some(Obj::Valid(w)) => w,
+        _ => return Ok(Record::Skipped(Skip::NoWorker)),
+    };
+    let Some(worker_id) = worker.worker_id.as_ref().and_then(Scalar::as_id) else {
+        return Ok(Record::Skipped(Skip::NoWorker));
+    };
+    Ok(Record::Source(SourceRecord {
+        publisher_id: PublisherId(publisher_id),
+        worker_id: InstanceId(worker_id),
+        dp_rank: worker.dp_rank.as_ref().and_then(Scalar::as_u32).map(DpRank),
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lenient serde shapes. Every leaf is a `Scalar` and every nested object an `Obj`, so a member of
+// the wrong type reads as absent instead of failing the record.
+
+/// Any JSON leaf; containers are skipped without being built.
+#[derive(Clone, Debug, PartialEq)]
+enum Scalar {
+    Str(String),
+    U64(u64),
+    Neg(i64),
+    F64(f64),
+    Bool(bool),
+    Null,
+    Other,
+}
+
+impl Scalar {
+    fn as_str(&self) -> Option<&str> {
+        match self {
+            Scalar::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn into_string(self) -> Option<String> {
+        match self {
+            Scalar::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn as_u64(&self) -> Option<u64> {
+        match self {
+            Scalar::U64(v) => Some(*v),
+            _ => None,
+        }
+    }
+
+    fn as_u32(&self) -> Option<u32> {
+        self.as_u64().and_then(|v| u32::try_from(v).ok())
+    }
+
+    /// Ids: a JSON number, or a hex string (with or without `0x`).
+    fn as_id(&self) -> Option<u64> {
+        match self {
+            Scalar::U64(v) => Some(*v),
+            Scalar::Str(s) => InstanceId::from_hex(s).map(|id| id.0),
+            _ => None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Scalar {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ScalarVisitor)
+    }
+}
+
+struct ScalarVisitor;
+
+impl<'de> Visitor<'de> for ScalarVisitor {
+    type Value = Scalar;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Scalar, E> {
+        Ok(Scalar::Bool(v))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Scalar, E> {
+        Ok(Scalar::U64(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Scalar, E> {
+        Ok(u64::try_from(v).map_or(Scalar::Neg(v), Scalar::U64))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Scalar, E> {
+        Ok(Scalar::F64(v))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Scalar, E> {
+        Ok(Scalar::Str(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Scalar, E> {
+        Ok(Scalar::Str(v))
+    }
+    fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<Scalar, E> {
+        Ok(Scalar::Other)
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Scalar, E> {
+        Ok(Scalar::Null)
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Scalar, E> {
+        Ok(Scalar::Null)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Scalar, D::Error> {
+        Scalar::deserialize(d)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Scalar, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Scalar::Other)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Scalar, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Scalar::Other)
+    }
+}
+
+/// A nested object, or `Invalid` when the member is not an object.
+#[derive(Debug)]
+enum Obj<T> {
+    Valid(T),
+    Invalid,
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ObjVisitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjVisitor<T> {
+            type Value = Obj<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Obj<T>, A::Error> {
+                T::deserialize(de::value::MapAccessDeserializer::new(map)).map(Obj::Valid)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Obj<T>, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Obj::Invalid)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Obj<T>, E> {
+                Ok(Obj::Invalid)
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Obj<T>, E> {
+                Ok(Obj::Invalid)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Obj<T>, E> {
+                Ok(Obj::Invalid)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Obj<T>, E> {
+                Ok(Obj::Invalid)
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Obj<T>, E> {
+                Ok(Obj::Invalid)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Obj<T>, E> {
+                Ok(Obj::Invalid)
+            }
+        }
+        d.deserialize_any(ObjVisitor(std::marker::PhantomData))
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct RawRecord<'a> {
+    #[serde(rename = "type")]
+    kind: Option<Scalar>,
+    component: Option<Scalar>,
+    endpoint: Option<Scalar>,
+    instance_id: Option<Scalar>,
+    transport: Option<Obj<RawTransport>>,
+    #[serde(borrow)]
+    card_json: Option<&'a RawValue>,
+    model_suffix: Option<Scalar>,
+    scope: Option<Obj<RawScope>>,
+    topic: Option<Scalar>,
+    publisher_id: Option<Scalar>,
+    metadata: Option<Obj<RawSourceMeta>>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawTransport {
+    tcp: Option<Scalar>,
+    nats_tcp: Option<Scalar>,
+    kind: Option<Scalar>,
+    config: Option<Obj<RawTransportConfig>>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawTransportConfig {
+    endpoint: Option<Scalar>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawScope {
+    kind: Option<Scalar>,
+    component: Option<Scalar>,
+    endpoint: Option<Obj<RawScopeEndpoint>>,
+}
+
+impl RawScope {
+    fn component_endpoint(self) -> Result<(Option<String>, Option<String>), RecordError> {
+        let kind = self.kind.as_ref().and_then(Scalar::as_str).unwrap_or("<missing>");
+        match kind {
+            "namespace" => Ok((None, None)),
+            "component" => Ok((self.component.and_then(Scalar::into_string), None)),
+            "endpoint" => match self.endpoint {
+                Some(Obj::Valid(ep)) => Ok((
+                    ep.component.and_then(Scalar::into_string),
+                    ep.name.and_then(Scalar::into_string),
+                )),
+                _ => Err(RecordError::UnsupportedScope("endpoint without endpoint".into())),
+            },
+            other => Err(RecordError::UnsupportedScope(other.to_owned())),
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct RawScopeEndpoint {
+    component: Option<Scalar>,
+    name: Option<Scalar>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawSourceMeta {
+    worker: Option<Obj<RawSourceWorker>>,
+    publisher_id: Option<Scalar>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawSourceWorker {
+    worker_id: Option<Scalar>,
+    dp_rank: Option<Scalar>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawCard {
+    display_name: Option<Scalar>,
+    name: Option<Scalar>,
+    worker_type: Option<Scalar>,
+    model_type: Option<Scalar>,
+    kv_cache_block_size: Option<Scalar>,
+    context_length: Option<Scalar>,
+    runtime_config: Option<Obj<RawRuntimeConfig>>,
+    dynamo_version: Option<Scalar>,
+    runtime_version: Option<Scalar>,
+    version: Option<Scalar>,
+    release: Option<Scalar>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawRuntimeConfig {
+    total_kv_blocks: Option<Scalar>,
+    max_num_batched_tokens: Option<Scalar>,
+    max_num_seqs: Option<Scalar>,
+    context_length: Option<Scalar>,
+    data_parallel_start_rank: Option<Scalar>,
+    data_parallel_size: Option<Scalar>,
+    disaggregated_endpoint: Option<RawDisagg>,
+}
+
+enum RawDisagg {
+    Path(String),
+    Bootstrap {
+        host: Option<String>,
+        port: Option<u16>,
+    },
+    Invalid,
+}
+
+impl<'de> Deserialize<'de> for RawDisagg {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct Bootstrap {
+            bootstrap_host: Option<Scalar>,
+            bootstrap_port: Option<Scalar>,
+        }
+        // `Obj` gives objects; a string is the older path form.
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RawDisagg;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or an object")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RawDisagg, E> {
+                Ok(RawDisagg::Path(v.to_owned()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<RawDisagg, A::Error> {
+                let b = Bootstrap::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(RawDisagg::Bootstrap {
+                    host: b.bootstrap_host.and_then(Scalar::into_string),
+                    port: b
+                        .bootstrap_port
+                        .and_then(|p| p.as_u64())
+                        .and_then(|p| u16::try_from(p).ok()),
+                })
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RawDisagg, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(RawDisagg::Invalid)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<RawDisagg, E> {
+                Ok(RawDisagg::Invalid)
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<RawDisagg, E> {
+                Ok(RawDisagg::Invalid)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<RawDisagg, E> {
+                Ok(RawDisagg::Invalid)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<RawDisagg, E> {
+                Ok(RawDisagg::Invalid)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<RawDisagg, E> {
+                Ok(RawDisagg::Invalid)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl RawCard {
+    fn into_fields(self) -> CardFields {
+        let claim = match self.worker_type.as_ref() {
+            None | Some(Scalar::Null) => {
+                // Legacy card without worker_type: the Prefill bit of model_type, else aggregated.
+                let prefill = self
+                    .model_type
+                    .as_ref()
+                    .and_then(Scalar::as_str)
+                    .is_some_and(|t| t.split('|').any(|flag| flag.trim() == "Prefill"));
+                CardClaim::Role(if prefill {
+                    Role::Prefill
+                } else {
+                    Role::Aggregated
+                })
+            }
+            Some(Scalar::Str(t)) => match t.as_str() {
+                "prefill" => CardClaim::Role(Role::Prefill),
+                "decode" => CardClaim::Role(Role::Decode),
+                "aggregated" => CardClaim::Role(Role::Aggregated),
+                _ => CardClaim::Unrecognised,
+            },
+            Some(_) => CardClaim::Unrecognised,
+        };
+        let rc = match self.runtime_config {
+            Some(Obj::Valid(rc)) => Some(rc),
+            _ => None,
+        };
+        let rc_u64 = |f: fn(&RawRuntimeConfig) -> &Option<Scalar>| {
+            rc.as_ref().and_then(|rc| f(rc).as_ref()).and_then(Scalar::as_u64)
+        };
+        let context_length = rc_u64(|rc| &rc.context_length)
+            .or_else(|| self.context_length.as_ref().and_then(Scalar::as_u64));
+        let capacity = Capacity {
+            total_kv_blocks: rc_u64(|rc| &rc.total_kv_blocks),
+            max_num_batched_tokens: rc_u64(|rc| &rc.max_num_batched_tokens),
+            max_num_seqs: rc_u64(|rc| &rc.max_num_seqs),
+            context_length,
+        };
+        let dp_start_rank = rc_u64(|rc| &rc.data_parallel_start_rank)
+            .and_then(|v| u32::try_from(v).ok())
+            .map(DpRank);
+        let dp_size = rc_u64(|rc| &rc.data_parallel_size).and_then(|v| u32::try_from(v).ok());
+        let disaggregated_endpoint = match rc.and_then(|rc| rc.disaggregated_endpoint) {
+            Some(RawDisagg::Path(p)) => Some(DisaggregatedEndpoint::Path(p)),
+            Some(RawDisagg::Bootstrap { host, port }) => {
+                Some(DisaggregatedEndpoint::Bootstrap { host, port })
+            }
+            Some(RawDisagg::Invalid) | None => None,
+        };
+        let model = self
+            .display_name
+            .and_then(Scalar::into_string)
+            .or_else(|| self.name.and_then(Scalar::into_string));
+        let release = [
+            self.dynamo_version,
+            self.runtime_version,
+            self.version,
+            self.release,
+        ]
+        .into_iter()
+        .flatten()
+        .find_map(Scalar::into_string);
+        CardFields {
+            model,
+            claim,
+            block_size: self
+                .kv_cache_block_size
+                .as_ref()
+                .and_then(Scalar::as_u32),
+            capacity,
+            dp_start_rank,
+            dp_size,
+            disaggregated_endpoint,
+            release,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::keys::classify;
+
+    fn parse(key: &str, value: &str) -> Result<Record, RecordError> {
+        let (_, parsed) = classify("dynamo", key).expect("key in namespace");
+        parse_record(&parsed.expect("key shape"), value.as_bytes())
+    }
+
+    const EP_KEY: &str = "v1/instances/dynamo/backend/generate/1a";
+    const CARD_KEY: &str = "v1/mdc/dynamo/backend/generate/1a";
+    const CH_KEY: &str = "v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/topic/kv_metrics/5";
+
+    #[test]
+    fn ids_as_number_or_hex_string_normalise() {
+        let a = parse(EP_KEY, r#"{"type":"Endpoint","endpoint":"generate","instance_id":26}"#);
+        let b = parse(EP_KEY, r#"{"type":"Endpoint","endpoint":"generate","instance_id":"1a"}"#);
+        let c = parse(EP_KEY, r#"{"endpoint":"generate","instance_id":"0x1A"}"#);
+        assert_eq!(a, b);
+        assert_eq!(a, c);
+        let Ok(Record::Endpoint(ep)) = a else {
+            panic!("expected an endpoint, got {a:?}")
+        };
+        assert_eq!(ep.instance_id, InstanceId(26));
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_wrong_types_read_as_absent() {
+        let got = parse(
+            CARD_KEY,
+            r#"{"type":"Model","component":"backend","endpoint":"generate","instance_id":26,
+                "future":{"x":[1,2]},"card_json":{"display_name":7,"kv_cache_block_size":"16",
+                "worker_type":"decode","runtime_config":{"total_kv_blocks":-3,"max_num_seqs":4}}}"#,
+        );
+        let Ok(Record::Card(card)) = got else {
+            panic!("expected a card, got {got:?}")
+        };
+        assert_eq!(card.fields.model, None);
+        assert_eq!(card.fields.block_size, None);
+        assert_eq!(card.fields.claim, CardClaim::Role(Role::Decode));
+        assert_eq!(card.fields.capacity.total_kv_blocks, None);
+        assert_eq!(card.fields.capacity.max_num_seqs, Some(4));
+        assert!(card.card.is_some());
+    }
+
+    #[test]
+    fn endpoint_without_instance_id_is_malformed() {
+        assert_eq!(
+            parse(EP_KEY, r#"{"type":"Endpoint","endpoint":"generate"}"#),
+            Err(RecordError::MissingInstanceId)
+        );
+        assert!(matches!(parse(EP_KEY, "not json"), Err(RecordError::Json(_))));
+        assert!(matches!(parse(EP_KEY, "[1,2]"), Err(RecordError::Json(_))));
+        assert!(matches!(
+            parse(EP_KEY, r#"{"type":"Model","endpoint":"generate","instance_id":1}"#),
+            Err(RecordError::WrongType { .. })
+        ));
+    }
+
+    #[test]
+    fn tcp_addresses_parse_and_refuse_what_cannot_be_dialled() {
+        let ok = TcpAddress::parse("tcp://10.0.0.7:41000").expect("valid");
+        assert_eq!(ok.authority(), "10.0.0.7:41000");
+        let v6 = TcpAddress::parse("tcp://[fd00::1]:5").expect("valid v6");
+        assert_eq!(v6.host, "fd00::1");
+        assert_eq!(v6.authority(), "[fd00::1]:5");
+        for bad in [
+            "tcp://host",
+            "tcp://:5",
+            "tcp://h:0",
+            "tcp://h:+5",
+            "tcp://h:70000",
+            "tcp://fd00::1:5",
+            "tcp://h:5/x",
+            "10.0.0.1:5",
+        ] {
+            assert!(
+                matches!(TcpAddress::parse(bad), Err(RecordError::BadEndpoint(_))),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            TcpAddress::parse("ipc:///tmp/x"),
+            Err(RecordError::UnsupportedScheme(_))
+        ));
+    }
+
+    #[test]
+    fn legacy_channel_shape_is_accepted() {
+        let got = parse(
+            CH_KEY,
+            r#"{"type":"EventChannel","namespace":"dynamo","component":"decode","topic":"kv_metrics",
+                "instance_id":5,"transport":{"kind":"Zmq","config":{"endpoint":"tcp://h:1"}}}"#,
+        );
+        let Ok(Record::Channel(ch)) = got else {
+            panic!("expected a channel, got {got:?}")
+        };
+        assert_eq!(ch.component.as_deref(), Some("decode"));
+        assert_eq!(ch.endpoint, None);
+    }
+
+    #[test]
+    fn legacy_card_without_worker_type_reads_the_prefill_bit() {
+        let got = parse(
+            CARD_KEY,
+            r#"{"instance_id":26,"card_json":{"model_type":"Chat|Prefill"}}"#,
+        );
+        let Ok(Record::Card(card)) = got else {
+            panic!("expected a card, got {got:?}")
+        };
+        assert_eq!(card.fields.claim, CardClaim::Role(Role::Prefill));
+        assert!(card.is_legacy());
+    }
+}

@@ -1,0 +1,841 @@
+//! The per-namespace discovery reducer: folds [`SourceEvent`]s into a [`NamespaceView`].
+//!
+//! The reducer holds records by etcd key and joins and publishes them by an identity read from
+//! the value, so every derived fact is a pure function of the held key → value map: the same
+//! final key set gives the same view whatever the order of puts and deletes (a property test
+//! checks this). Only timestamps remember history, and only on purpose: the reducer lives as
+//! long as its watcher, so a worker's `first_seen` survives resyncs.
+//!
+//! Identities (a generate instance id, a card's `(instance, component, endpoint)`, a legacy
+//! card's instance id, a publisher id) claimed by more than one key are refused together: the
+//! router cannot tell the genuine record from a forged one, and refusing both is order-free.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use tracing::{debug, warn};
+
+use super::keys::{Keyspace, ParsedKey, classify};
+use super::records::{
+    CardClaim, CardFields, CardRecord, ChannelRecord, EndpointRecord, MAX_RECORD_BYTES,
+    MAX_RECORDS_PER_KEYSPACE, Record, RecordError, Role, SourceRecord, parse_record,
+};
+use super::view::{NamespaceView, Publisher, Worker};
+use super::{DiscoveryCounts, DiscoveryEventKind, SourceEvent};
+use crate::ids::{InstanceId, Namespace, PublisherId, WorkerKey};
+use crate::time::UnixMillis;
+
+/// Keys remembered for "logged once per key"; beyond this, bad records are still counted but
+/// no longer logged, so a flood of distinct bad keys cannot grow memory.
+const MAX_LOGGED_KEYS: usize = 4 * MAX_RECORDS_PER_KEYSPACE;
+/// Keys named in one duplicate warning.
+const KEYS_PER_DUPLICATE_LOG: usize = 4;
+
+/// Folds one namespace's discovery events into its fleet view.
+#[derive(Debug)]
+pub struct DiscoveryReducer {
+    namespace: Namespace,
+    held: Held,
+    staging: Option<Staging>,
+    view: Arc<NamespaceView>,
+    counts: DiscoveryCounts,
+    synced: bool,
+    logs: LogState,
+    /// Identities currently claimed by several keys (each set logged once).
+    conflicts: BTreeMap<Identity, Vec<String>>,
+    /// Workers excluded for disagreeing roles: (component role, card role), logged once.
+    role_conflicts: BTreeMap<InstanceId, (Role, Role)>,
+}
+
+impl DiscoveryReducer {
+    pub fn new(namespace: Namespace) -> Self {
+        Self {
+            view: Arc::new(NamespaceView::new(namespace.clone())),
+            namespace,
+            held: Held::default(),
+            staging: None,
+            counts: DiscoveryCounts::default(),
+            synced: false,
+            logs: LogState::default(),
+            conflicts: BTreeMap::new(),
+            role_conflicts: BTreeMap::new(),
+        }
+    }
+
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+
+    /// The materialised view. Cheap to clone; the reducer copies on write only while a reader
+    /// still holds an older `Arc`.
+    pub fn view(&self) -> &Arc<NamespaceView> {
+        &self.view
+    }
+
+    /// True once a resync has completed (the view reflects a full range get).
+    pub fn is_synced(&self) -> bool {
+        self.synced
+    }
+
+    /// True between `Init` and `InitDone`.
+    pub fn is_resyncing(&self) -> bool {
+        self.staging.is_some()
+    }
+
+    /// Keys currently held in `keyspace` (records the reducer uses; skipped keys are not held).
+    pub fn held_keys(&self, keyspace: Keyspace) -> usize {
+        self.held.len(keyspace)
+    }
+
+    /// Drains the counts accumulated since the last call.
+    pub fn take_counts(&mut self) -> DiscoveryCounts {
+        std::mem::take(&mut self.counts)
+    }
+
+    /// Folds one event. Returns true iff the materialised view changed (workers or publishers;
+    /// an idempotent resync returns false and keeps every timestamp).
+    pub fn apply(&mut self, event: SourceEvent, now: UnixMillis) -> bool {
+        match event {
+            SourceEvent::Init => {
+                if self.staging.is_some() {
+                    debug!(namespace = %self.namespace, "Restarted an unfinished discovery resync.");
+                }
+                self.staging = Some(Staging::default());
+                false
+            }
+            SourceEvent::InitApply { key, value } => {
+                let Some(staging) = self.staging.as_mut() else {
+                    debug!(%key, "Took a resync record outside a resync as a put.");
+                    return self.put_live(&key, &value, now);
+                };
+                let mut dirty = Dirty::default();
+                let outcome = ingest(
+                    self.namespace.as_str(),
+                    &mut staging.held,
+                    Some(&self.held),
+                    &key,
+                    &value,
+                    &mut dirty,
+                );
+                note(
+                    &mut self.counts,
+                    &mut self.logs,
+                    Some(&mut staging.bad_keys),
+                    &key,
+                    outcome,
+                );
+                false
+            }
+            SourceEvent::InitDone => self.finish_resync(now),
+            SourceEvent::Apply { key, value } => {
+                if let Some(staging) = self.staging.as_mut() {
+                    // A watch event inside a resync is newer than the range get: keep it.
+                    ingest(
+                        self.namespace.as_str(),
+                        &mut staging.held,
+                        None,
+                        &key,
+                        &value,
+                        &mut Dirty::default(),
+                    );
+                }
+                self.put_live(&key, &value, now)
+            }
+            SourceEvent::Delete { key } => {
+                if let Some(staging) = self.staging.as_mut() {
+                    remove_key(self.namespace.as_str(), &mut staging.held, &key, &mut Dirty::default());
+                }
+                self.delete_live(&key, now)
+            }
+        }
+    }
+
+    fn put_live(&mut self, key: &str, value: &[u8], now: UnixMillis) -> bool {
+        let mut dirty = Dirty::default();
+        let outcome = ingest(
+            self.namespace.as_str(),
+            &mut self.held,
+            None,
+            key,
+            value,
+            &mut dirty,
+        );
+        if !matches!(outcome, Outcome::Ignored) {
+            self.counts.add(DiscoveryEventKind::Put, 1);
+        }
+        note(&mut self.counts, &mut self.logs, None, key, outcome);
+        self.rematerialise(dirty, now)
+    }
+
+    fn delete_live(&mut self, key: &str, now: UnixMillis) -> bool {
+        let mut dirty = Dirty::default();
+        let Some(keyspace) = remove_key(self.namespace.as_str(), &mut self.held, key, &mut dirty)
+        else {
+            return false;
+        };
+        self.counts.add(DiscoveryEventKind::Delete, 1);
+        self.logs.bad_keys.remove(key);
+        if self.held.len(keyspace) < MAX_RECORDS_PER_KEYSPACE {
+            self.logs.capacity_logged.remove(&keyspace);
+        }
+        self.rematerialise(dirty, now)
+    }
+
+    fn finish_resync(&mut self, now: UnixMillis) -> bool {
+        let Some(staging) = self.staging.take() else {
+            debug!(namespace = %self.namespace, "Ignored a resync end without a resync start.");
+            return false;
+        };
+        self.held = staging.held;
+        let mut dirty = Dirty::default();
+        dirty.workers.extend(self.view.workers.keys().copied());
+        dirty.workers.extend(self.held.endpoint_ids.keys().copied());
+        dirty.workers.extend(self.role_conflicts.keys().copied());
+        dirty.publishers.extend(self.view.publishers.keys().copied());
+        dirty.publishers.extend(self.held.channel_ids.keys().copied());
+
+        let fresh = self.held.all_conflicts();
+        for (identity, keys) in &fresh {
+            if self.conflicts.get(identity) != Some(keys) {
+                log_duplicate(&self.namespace, identity, keys);
+                self.counts.add(DiscoveryEventKind::Duplicate, 1);
+            }
+        }
+        self.conflicts = fresh;
+        let seen = staging.bad_keys;
+        self.logs.bad_keys.retain(|k, _| seen.contains(k));
+        for keyspace in Keyspace::ALL {
+            if self.held.len(keyspace) < MAX_RECORDS_PER_KEYSPACE {
+                self.logs.capacity_logged.remove(&keyspace);
+            }
+        }
+        self.counts.add(DiscoveryEventKind::Resync, 1);
+        self.synced = true;
+        self.rematerialise(dirty, now)
+    }
+
+    fn rematerialise(&mut self, dirty: Dirty, now: UnixMillis) -> bool {
+        for identity in &dirty.identities {
+            let keys = self.held.identity_keys(identity);
+            if keys.len() > 1 {
+                if self.conflicts.get(identity).map(Vec::as_slice) != Some(keys) {
+                    log_duplicate(&self.namespace, identity, keys);
+                    self.counts.add(DiscoveryEventKind::Duplicate, 1);
+                    self.conflicts.insert(identity.clone(), keys.to_vec());
+                }
+            } else if self.conflicts.remove(identity).is_some() {
+                debug!(namespace = %self.namespace, identity = ?identity,
+                    "Duplicate discovery records resolved; the survivor is used again.");
+            }
+        }
+
+        let mut worker_changes: Vec<(InstanceId, Option<Arc<Worker>>)> = Vec::new();
+        for id in dirty.workers {
+            let next = materialise_worker(
+                &self.namespace,
+                &self.held,
+                id,
+                &mut self.role_conflicts,
+                &mut self.counts,
+            );
+            match (self.view.workers.get(&id), next) {
+                (None, None) => {}
+                (Some(_), None) => worker_changes.push((id, None)),
+                (None, Some(mut w)) => {
+                    w.first_seen = now;
+                    w.last_updated = now;
+                    worker_changes.push((id, Some(Arc::new(w))));
+                }
+                (Some(old), Some(mut w)) => {
+                    if !old.same_content(&w) {
+                        w.first_seen = old.first_seen;
+                        w.last_updated = now;
+                        worker_changes.push((id, Some(Arc::new(w))));
+                    }
+                }
+            }
+        }
+        let mut publisher_changes: Vec<(PublisherId, Option<Arc<Publisher>>)> = Vec::new();
+        for id in dirty.publishers {
+            let next = materialise_publisher(&self.namespace, &self.held, id);
+            match (self.view.publishers.get(&id), next) {
+                (None, None) => {}
+                (Some(old), Some(p)) if **old == p => {}
+                (_, next) => publisher_changes.push((id, next.map(Arc::new))),
+            }
+        }
+        if worker_changes.is_empty() && publisher_changes.is_empty() {
+            return false;
+        }
+        let view = Arc::make_mut(&mut self.view);
+        for (id, w) in worker_changes {
+            match w {
+                Some(w) => view.workers.insert(id, w),
+                None => view.workers.remove(&id),
+            };
+        }
+        for (id, p) in publisher_changes {
+            match p {
+                Some(p) => view.publishers.insert(id, p),
+                None => view.publishers.remove(&id),
+            };
+        }
+        true
+    }
+}
+
+/// Decides a worker's role from its component and card. `Err((component, card))` when both
+/// claim a role and disagree.
+pub fn decide_role(component: &str, card: Option<&CardFields>) -> Result<Role, (Role, Role)> {
+    let by_component = Role::claimed_by_component(component);
+    let by_card = match card.map(|c| c.claim) {
+        Some(CardClaim::Role(r)) => Some(r),
+        Some(CardClaim::Unrecognised) | None => None,
+    };
+    match (by_component, by_card) {
+        (Some(c), Some(k)) if c != k => Err((c, k)),
+        (Some(c), _) => Ok(c),
+        (None, Some(k)) => Ok(k),
+        // No card yet, or a card with no usable claim, beside a component that claims nothing:
+        // visible to operators, never routed to.
+        (None, None) => Ok(Role::Unknown),
+    }
+}
+
+fn materialise_worker(
+    namespace: &Namespace,
+    held: &Held,
+    id: InstanceId,
+    role_conflicts: &mut BTreeMap<InstanceId, (Role, Role)>,
+    counts: &mut DiscoveryCounts,
+) -> Option<Worker> {
+    let endpoint = match held.endpoint_ids.get(&id).map(Vec::as_slice) {
+        Some([only]) => held.endpoints.get(only).map(|s| &s.rec),
+        _ => None,
+    };
+    let Some(endpoint) = endpoint else {
+        role_conflicts.remove(&id);
+        return None;
+    };
+    let card = match held.scoped_cards.get(&(
+        id,
+        endpoint.component.clone(),
+        endpoint.endpoint.clone(),
+    )) {
+        Some(keys) => unique(keys, &held.cards),
+        // Legacy cards join on the instance id alone, only when no scoped card exists.
+        None => held
+            .legacy_cards
+            .get(&id)
+            .and_then(|keys| unique(keys, &held.cards)),
+    };
+    let role = match decide_role(&endpoint.component, card.map(|c| &c.fields)) {
+        Ok(role) => {
+            role_conflicts.remove(&id);
+            role
+        }
+        Err(pair) => {
+            if role_conflicts.get(&id) != Some(&pair) {
+                warn!(
+                    namespace = %namespace,
+                    instance_id = %id,
+                    component = %endpoint.component,
+                    component_role = %pair.0,
+                    card_role = %pair.1,
+                    "Excluded a worker whose component and card claim different roles."
+                );
+                counts.add(DiscoveryEventKind::RoleConflict, 1);
+                role_conflicts.insert(id, pair);
+            }
+            return None;
+        }
+    };
+    let fields = card.map(|c| &c.fields);
+    Some(Worker {
+        key: WorkerKey {
+            namespace: namespace.clone(),
+            instance_id: id,
+        },
+        component: endpoint.component.clone(),
+        endpoint: endpoint.endpoint.clone(),
+        role,
+        model: fields.and_then(|f| f.model.clone()),
+        block_size: fields.and_then(|f| f.block_size),
+        capacity: fields.map(|f| f.capacity).unwrap_or_default(),
+        dp_start_rank: fields.and_then(|f| f.dp_start_rank),
+        dp_size: fields.and_then(|f| f.dp_size),
+        disaggregated_endpoint: fields.and_then(|f| f.disaggregated_endpoint.clone()),
+        card: card.and_then(|c| c.card.clone()),
+        transport: endpoint.transport.clone(),
+        first_seen: UnixMillis::default(),
+        last_updated: UnixMillis::default(),
+    })
+}
+
+/// The record behind an identity claimed by exactly one key.
+fn unique<'a, T>(keys: &[String], slots: &'a BTreeMap<String, Slot<T>>) -> Option<&'a T> {
+    match keys {
+        [only] => slots.get(only).map(|s| s.rec.as_ref()),
+        _ => None,
+    }
+}
+
+fn materialise_publisher(namespace: &Namespace, held: &Held, id: PublisherId) -> Option<Publisher> {
+    let channel = unique(held.channel_ids.get(&id)?, &held.channels)?;
+    let source = held
+        .source_ids
+        .get(&id)
+        .and_then(|keys| unique(keys, &held.sources));
+    Some(Publisher {
+        namespace: namespace.clone(),
+        component: channel.component.clone(),
+        endpoint: channel.endpoint.clone(),
+        topic: channel.topic,
+        publisher_id: id,
+        worker: source.map(|s| WorkerKey {
+            namespace: namespace.clone(),
+            instance_id: s.worker_id,
+        }),
+        dp_rank: source.and_then(|s| s.dp_rank),
+        address: channel.address.clone(),
+    })
+}
+
+fn log_duplicate(namespace: &Namespace, identity: &Identity, keys: &[String]) {
+    let shown: Vec<&str> = keys
+        .iter()
+        .take(KEYS_PER_DUPLICATE_LOG)
+        .map(String::as_str)
+        .collect();
+    warn!(
+        namespace = %namespace,
+        record = identity.record_kind(),
+        identity = %identity.describe(),
+        conflicts = keys.len(),
+        keys = ?shown,
+        "Refused discovery records that claim one identity."
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Held records and their identity indexes.
+
+type Digest = [u8; 32];
+
+#[derive(Debug)]
+struct Slot<T> {
+    digest: Digest,
+    rec: Arc<T>,
+}
+
+#[derive(Clone, Debug)]
+enum HeldRecord {
+    Endpoint(Arc<EndpointRecord>),
+    Card(Arc<CardRecord>),
+    Channel(Arc<ChannelRecord>),
+    Source(Arc<SourceRecord>),
+}
+
+impl HeldRecord {
+    fn card_trimmed(&self) -> bool {
+        matches!(self, HeldRecord::Card(c) if c.card_trimmed)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Identity {
+    Generate(InstanceId),
+    ScopedCard(InstanceId, String, String),
+    LegacyCard(InstanceId),
+    Channel(PublisherId),
+    Source(PublisherId),
+}
+
+impl Identity {
+    fn record_kind(&self) -> &'static str {
+        match self {
+            Identity::Generate(_) => "generate endpoint",
+            Identity::ScopedCard(..) => "base card",
+            Identity::LegacyCard(_) => "legacy card",
+            Identity::Channel(_) => "event channel",
+            Identity::Source(_) => "event source",
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Identity::Generate(id) | Identity::LegacyCard(id) => format!("instance {id}"),
+            Identity::ScopedCard(id, c, e) => format!("instance {id} at {c}/{e}"),
+            Identity::Channel(p) | Identity::Source(p) => format!("publisher {p}"),
+        }
+    }
+
+    fn mark(&self, dirty: &mut Dirty) {
+        match self {
+            Identity::Generate(id) | Identity::ScopedCard(id, ..) | Identity::LegacyCard(id) => {
+                dirty.workers.insert(*id);
+            }
+            Identity::Channel(p) | Identity::Source(p) => {
+                dirty.publishers.insert(*p);
+            }
+        }
+        dirty.identities.insert(self.clone());
+    }
+}
+
+#[derive(Debug, Default)]
+struct Dirty {
+    workers: BTreeSet<InstanceId>,
+    publishers: BTreeSet<PublisherId>,
+    identities: BTreeSet<Identity>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    endpoints: BTreeMap<String, Slot<EndpointRecord>>,
+    cards: BTreeMap<String, Slot<CardRecord>>,
+    channels: BTreeMap<String, Slot<ChannelRecord>>,
+    sources: BTreeMap<String, Slot<SourceRecord>>,
+    endpoint_ids: BTreeMap<InstanceId, Vec<String>>,
+    scoped_cards: BTreeMap<(InstanceId, String, String), Vec<String>>,
+    legacy_cards: BTreeMap<InstanceId, Vec<String>>,
+    channel_ids: BTreeMap<PublisherId, Vec<String>>,
+    source_ids: BTreeMap<PublisherId, Vec<String>>,
+}
+
+fn index_add<K: Ord>(index: &mut BTreeMap<K, Vec<String>>, id: K, key: &str) {
+    let keys = index.entry(id).or_default();
+    if let Err(at) = keys.binary_search_by(|k| k.as_str().cmp(key)) {
+        keys.insert(at, key.to_owned());
+    }
+}
+
+fn index_remove<K: Ord>(index: &mut BTreeMap<K, Vec<String>>, id: &K, key: &str) {
+    if let Some(keys) = index.get_mut(id) {
+        keys.retain(|k| k != key);
+        if keys.is_empty() {
+            index.remove(id);
+        }
+    }
+}
+
+fn card_identity(card: &CardRecord) -> Identity {
+    if card.is_legacy() {
+        Identity::LegacyCard(card.instance_id)
+    } else {
+        Identity::ScopedCard(card.instance_id, card.component.clone(), card.endpoint.clone())
+    }
+}
+
+impl Held {
+    fn len(&self, keyspace: Keyspace) -> usize {
+        match keyspace {
+            Keyspace::Instances => self.endpoints.len(),
+            Keyspace::Cards => self.cards.len(),
+            Keyspace::Channels => self.channels.len(),
+            Keyspace::Sources => self.sources.len(),
+        }
+    }
+
+    fn contains(&self, keyspace: Keyspace, key: &str) -> bool {
+        self.digest(keyspace, key).is_some()
+    }
+
+    fn digest(&self, keyspace: Keyspace, key: &str) -> Option<Digest> {
+        match keyspace {
+            Keyspace::Instances => self.endpoints.get(key).map(|s| s.digest),
+            Keyspace::Cards => self.cards.get(key).map(|s| s.digest),
+            Keyspace::Channels => self.channels.get(key).map(|s| s.digest),
+            Keyspace::Sources => self.sources.get(key).map(|s| s.digest),
+        }
+    }
+
+    fn record(&self, keyspace: Keyspace, key: &str) -> Option<HeldRecord> {
+        match keyspace {
+            Keyspace::Instances => self
+                .endpoints
+                .get(key)
+                .map(|s| HeldRecord::Endpoint(s.rec.clone())),
+            Keyspace::Cards => self.cards.get(key).map(|s| HeldRecord::Card(s.rec.clone())),
+            Keyspace::Channels => self
+                .channels
+                .get(key)
+                .map(|s| HeldRecord::Channel(s.rec.clone())),
+            Keyspace::Sources => self
+                .sources
+                .get(key)
+                .map(|s| HeldRecord::Source(s.rec.clone())),
+        }
+    }
+
+    fn identity_keys(&self, identity: &Identity) -> &[String] {
+        let keys = match identity {
+            Identity::Generate(id) => self.endpoint_ids.get(id),
+            Identity::ScopedCard(id, c, e) => self.scoped_cards.get(&(*id, c.clone(), e.clone())),
+            Identity::LegacyCard(id) => self.legacy_cards.get(id),
+            Identity::Channel(p) => self.channel_ids.get(p),
+            Identity::Source(p) => self.source_ids.get(p),
+        };
+        keys.map(Vec::as_slice).unwrap_or_default()
+    }
+
+    fn all_conflicts(&self) -> BTreeMap<Identity, Vec<String>> {
+        let mut out = BTreeMap::new();
+        let many = |keys: &&Vec<String>| keys.len() > 1;
+        for (id, keys) in self.endpoint_ids.iter().filter(|(_, k)| many(k)) {
+            out.insert(Identity::Generate(*id), keys.clone());
+        }
+        for ((id, c, e), keys) in self.scoped_cards.iter().filter(|(_, k)| many(k)) {
+            out.insert(Identity::ScopedCard(*id, c.clone(), e.clone()), keys.clone());
+        }
+        for (id, keys) in self.legacy_cards.iter().filter(|(_, k)| many(k)) {
+            out.insert(Identity::LegacyCard(*id), keys.clone());
+        }
+        for (id, keys) in self.channel_ids.iter().filter(|(_, k)| many(k)) {
+            out.insert(Identity::Channel(*id), keys.clone());
+        }
+        for (id, keys) in self.source_ids.iter().filter(|(_, k)| many(k)) {
+            out.insert(Identity::Source(*id), keys.clone());
+        }
+        out
+    }
+
+    fn remove(&mut self, keyspace: Keyspace, key: &str, dirty: &mut Dirty) -> bool {
+        let identity = match keyspace {
+            Keyspace::Instances => self.endpoints.remove(key).map(|s| {
+                index_remove(&mut self.endpoint_ids, &s.rec.instance_id, key);
+                Identity::Generate(s.rec.instance_id)
+            }),
+            Keyspace::Cards => self.cards.remove(key).map(|s| {
+                let identity = card_identity(&s.rec);
+                match &identity {
+                    Identity::LegacyCard(id) => index_remove(&mut self.legacy_cards, id, key),
+                    Identity::ScopedCard(id, c, e) => index_remove(
+                        &mut self.scoped_cards,
+                        &(*id, c.clone(), e.clone()),
+                        key,
+                    ),
+                    _ => {}
+                }
+                identity
+            }),
+            Keyspace::Channels => self.channels.remove(key).map(|s| {
+                index_remove(&mut self.channel_ids, &s.rec.publisher_id, key);
+                Identity::Channel(s.rec.publisher_id)
+            }),
+            Keyspace::Sources => self.sources.remove(key).map(|s| {
+                index_remove(&mut self.source_ids, &s.rec.publisher_id, key);
+                Identity::Source(s.rec.publisher_id)
+            }),
+        };
+        match identity {
+            Some(identity) => {
+                identity.mark(dirty);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn insert(&mut self, keyspace: Keyspace, key: &str, digest: Digest, rec: HeldRecord, dirty: &mut Dirty) {
+        self.remove(keyspace, key, dirty);
+        let identity = match rec {
+            HeldRecord::Endpoint(rec) => {
+                index_add(&mut self.endpoint_ids, rec.instance_id, key);
+                let identity = Identity::Generate(rec.instance_id);
+                self.endpoints.insert(key.to_owned(), Slot { digest, rec });
+                identity
+            }
+            HeldRecord::Card(rec) => {
+                let identity = card_identity(&rec);
+                match &identity {
+                    Identity::LegacyCard(id) => index_add(&mut self.legacy_cards, *id, key),
+                    Identity::ScopedCard(id, c, e) => {
+                        index_add(&mut self.scoped_cards, (*id, c.clone(), e.clone()), key)
+                    }
+                    _ => {}
+                }
+                self.cards.insert(key.to_owned(), Slot { digest, rec });
+                identity
+            }
+            HeldRecord::Channel(rec) => {
+                index_add(&mut self.channel_ids, rec.publisher_id, key);
+                let identity = Identity::Channel(rec.publisher_id);
+                self.channels.insert(key.to_owned(), Slot { digest, rec });
+                identity
+            }
+            HeldRecord::Source(rec) => {
+                index_add(&mut self.source_ids, rec.publisher_id, key);
+                let identity = Identity::Source(rec.publisher_id);
+                self.sources.insert(key.to_owned(), Slot { digest, rec });
+                identity
+            }
+        };
+        identity.mark(dirty);
+    }
+}
+
+#[derive(Debug, Default)]
+struct Staging {
+    held: Held,
+    /// Keys found bad during this resync, so log-once state can forget the others.
+    bad_keys: BTreeSet<String>,
+}
+
+#[derive(Debug, Default)]
+struct LogState {
+    /// Key → the reason last logged for it.
+    bad_keys: BTreeMap<String, String>,
+    capacity_logged: BTreeSet<Keyspace>,
+}
+
+/// What one put did to a held set.
+#[derive(Debug)]
+enum Outcome {
+    /// Outside this namespace or the watched buckets.
+    Ignored,
+    /// Same bytes as the held value.
+    Unchanged,
+    Held,
+    /// Held, with the opaque card dropped for size.
+    HeldTrimmed,
+    /// Skipped on purpose (non-generate endpoint, LoRA card, other topic): no count, no log.
+    Skipped,
+    Bad {
+        kind: DiscoveryEventKind,
+        reason: String,
+    },
+    OverCapacity(Keyspace),
+}
+
+/// Folds one put into `held`. `reuse` is the live set during a resync: an unchanged value reuses
+/// the live parse (and its `Arc`ed card), so an idempotent resync costs a hash per record.
+fn ingest(
+    namespace: &str,
+    held: &mut Held,
+    reuse: Option<&Held>,
+    key: &str,
+    value: &[u8],
+    dirty: &mut Dirty,
+) -> Outcome {
+    let Some((keyspace, parsed)) = classify(namespace, key) else {
+        return Outcome::Ignored;
+    };
+    let parsed: ParsedKey = match parsed {
+        Ok(p) => p,
+        Err(error) => {
+            held.remove(keyspace, key, dirty);
+            return Outcome::Bad {
+                kind: DiscoveryEventKind::Malformed,
+                reason: error.to_string(),
+            };
+        }
+    };
+    if value.len() > MAX_RECORD_BYTES {
+        held.remove(keyspace, key, dirty);
+        return Outcome::Bad {
+            kind: DiscoveryEventKind::Oversized,
+            reason: RecordError::Oversized(value.len()).to_string(),
+        };
+    }
+    let digest: Digest = blake3::hash(value).into();
+    if held.digest(keyspace, key) == Some(digest) {
+        return Outcome::Unchanged;
+    }
+    let reused = reuse
+        .filter(|live| live.digest(keyspace, key) == Some(digest))
+        .and_then(|live| live.record(keyspace, key));
+    let record = match reused {
+        Some(rec) => rec,
+        None => match parse_record(&parsed, value) {
+            Ok(Record::Endpoint(r)) => HeldRecord::Endpoint(Arc::new(r)),
+            Ok(Record::Card(r)) => {
+                if let Some(release) = &r.fields.release {
+                    debug!(namespace, instance_id = %r.instance_id, %release,
+                        "Worker card carries a release string.");
+                }
+                HeldRecord::Card(Arc::new(r))
+            }
+            Ok(Record::Channel(r)) => HeldRecord::Channel(Arc::new(r)),
+            Ok(Record::Source(r)) => HeldRecord::Source(Arc::new(r)),
+            Ok(Record::Skipped(_)) => {
+                held.remove(keyspace, key, dirty);
+                return Outcome::Skipped;
+            }
+            Err(error) => {
+                held.remove(keyspace, key, dirty);
+                let kind = match &error {
+                    RecordError::Oversized(_) => DiscoveryEventKind::Oversized,
+                    e if e.is_unsupported() => DiscoveryEventKind::Unsupported,
+                    _ => DiscoveryEventKind::Malformed,
+                };
+                return Outcome::Bad {
+                    kind,
+                    reason: error.to_string(),
+                };
+            }
+        },
+    };
+    if !held.contains(keyspace, key) && held.len(keyspace) >= MAX_RECORDS_PER_KEYSPACE {
+        return Outcome::OverCapacity(keyspace);
+    }
+    let trimmed = record.card_trimmed();
+    held.insert(keyspace, key, digest, record, dirty);
+    if trimmed {
+        Outcome::HeldTrimmed
+    } else {
+        Outcome::Held
+    }
+}
+
+/// Removes `key` from `held`; `None` when the key is outside this namespace.
+fn remove_key(namespace: &str, held: &mut Held, key: &str, dirty: &mut Dirty) -> Option<Keyspace> {
+    let (keyspace, _) = classify(namespace, key)?;
+    held.remove(keyspace, key, dirty);
+    Some(keyspace)
+}
+
+/// Counts and logs an outcome (logs once per key and reason, once per keyspace at capacity).
+fn note(
+    counts: &mut DiscoveryCounts,
+    logs: &mut LogState,
+    staging_bad: Option<&mut BTreeSet<String>>,
+    key: &str,
+    outcome: Outcome,
+) {
+    let (kind, reason) = match outcome {
+        Outcome::Ignored | Outcome::Unchanged => return,
+        Outcome::Held | Outcome::Skipped => {
+            logs.bad_keys.remove(key);
+            return;
+        }
+        Outcome::OverCapacity(keyspace) => {
+            counts.add(DiscoveryEventKind::OverCapacity, 1);
+            if logs.capacity_logged.insert(keyspace) {
+                warn!(
+                    keyspace = keyspace.as_str(),
+                    limit = MAX_RECORDS_PER_KEYSPACE,
+                    "Refused new discovery keys: the keyspace is at capacity."
+                );
+            }
+            return;
+        }
+        Outcome::HeldTrimmed => (
+            DiscoveryEventKind::Oversized,
+            "model card exceeds MAX_RETAINED_CARD_BYTES; kept its typed subset only".to_owned(),
+        ),
+        Outcome::Bad { kind, reason } => (kind, reason),
+    };
+    counts.add(kind, 1);
+    if let Some(seen) = staging_bad {
+        if seen.len() < MAX_LOGGED_KEYS {
+            seen.insert(key.to_owned());
+        }
+    }
+    let already = logs.bad_keys.get(key).is_some_and(|r| *r == reason);
+    if already || (!logs.bad_keys.contains_key(key) && logs.bad_keys.len() >= MAX_LOGGED_KEYS) {
+        return;
+    }
+    warn!(%key, kind = kind.as_label(), %reason, "Dropped a discovery record.");
+    logs.bad_keys.insert(key.to_owned(), reason);
+}
