@@ -26,6 +26,7 @@
 pub mod clock;
 pub mod lifecycle;
 pub mod metrics;
+pub mod registry;
 pub mod store;
 pub mod supervisor;
 pub mod tree;

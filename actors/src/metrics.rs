@@ -16,6 +16,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
+pub use continuum_protocol::discovery::DiscoveryEventKind;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::Resource;
@@ -65,24 +66,6 @@ macro_rules! label_enum {
     };
 }
 pub(crate) use label_enum;
-
-label_enum! {
-    /// `continuum_dynamo_discovery_events_total{kind}`.
-    DiscoveryEventKind {
-        /// Two or more records claim one identity; all of them are refused.
-        Duplicate => "duplicate",
-        /// A record or resource that does not parse, or an overflowing held set.
-        Malformed => "malformed",
-        /// A record the router understands but cannot use (broker/NATS channels, non-tcp).
-        Unsupported => "unsupported",
-        /// A Kubernetes resource in an unsupported mode (container discovery).
-        Refused => "refused",
-        /// A DynamoWorkerMetadata resource whose records disagree with its hash_pod_name id.
-        Mismatch => "mismatch",
-        /// The running watcher was replaced after a config change.
-        Restart => "restart",
-    }
-}
 
 label_enum! {
     /// The `role` of `continuum_dynamo_workers{namespace, role}`.
@@ -848,7 +831,7 @@ mod tests {
 
     #[test]
     fn label_sets_are_closed_and_unique() {
-        check_closed(DiscoveryEventKind::ALL, DiscoveryEventKind::as_label);
+        check_closed(&DiscoveryEventKind::ALL, DiscoveryEventKind::as_label);
         check_closed(WorkerRole::ALL, WorkerRole::as_label);
         check_closed(LoadEventResult::ALL, LoadEventResult::as_label);
         check_closed(SubscriptionState::ALL, SubscriptionState::as_label);
@@ -872,7 +855,7 @@ mod tests {
             all.iter().map(|v| label(*v)).collect()
         }
         let labels = |all: &[&'static str]| all.iter().copied().collect::<BTreeSet<_>>();
-        let kinds = of(DiscoveryEventKind::ALL, DiscoveryEventKind::as_label);
+        let kinds = of(&DiscoveryEventKind::ALL, DiscoveryEventKind::as_label);
         for kind in ["duplicate", "restart", "refused", "mismatch", "malformed"] {
             assert!(kinds.contains(kind), "{kind}");
         }

@@ -23,7 +23,7 @@ impl<T> std::fmt::Debug for SnapshotStore<T> {
     }
 }
 
-impl<T: PartialEq> SnapshotStore<T> {
+impl<T> SnapshotStore<T> {
     pub fn new(initial: T) -> Arc<Self> {
         let (generation, _) = watch::channel(0);
         Arc::new(Self {
@@ -47,15 +47,22 @@ impl<T: PartialEq> SnapshotStore<T> {
         *self.generation.borrow()
     }
 
-    /// Swaps in `next` and bumps the generation, unless it equals the current snapshot.
+    /// Swaps in `next` and bumps the generation, unless `same(current, next)`.
     /// Returns whether anything changed. Only the store's single writer calls this.
-    pub fn publish(&self, next: T) -> bool {
-        if **self.current.load() == next {
+    pub fn publish_unless(&self, next: T, same: impl FnOnce(&T, &T) -> bool) -> bool {
+        if same(&self.current.load(), &next) {
             return false;
         }
         self.current.store(Arc::new(next));
         self.generation.send_modify(|g| *g += 1);
         true
+    }
+}
+
+impl<T: PartialEq> SnapshotStore<T> {
+    /// Swaps in `next` and bumps the generation, unless it equals the current snapshot.
+    pub fn publish(&self, next: T) -> bool {
+        self.publish_unless(next, |a, b| a == b)
     }
 }
 
