@@ -1,11 +1,11 @@
 //! The read-only etcd discovery source: range gets then watches, folded into `SourceEvent`s.
 //!
 //! Role: produce the event stream the discovery reducer consumes for one Dynamo namespace.
-//! A *pass* connects a read-only client (optionally over TLS, optionally authenticating), reads
-//! `v1/instances/<ns>/`, `v1/mdc/<ns>/`, `v1/event_channels/namespace/<ns>/` and
-//! `v1/event_sources/namespace/<ns>/` at one revision R, emits `Init`, one `InitApply` per
-//! record and `InitDone`, then watches every prefix from R + 1 and emits `Apply` / `Delete` in
-//! order. A pass ends on a dropped connection, a closed or cancelled watch, or a compacted start
+//! A *pass* connects a read-only client (optionally over TLS, optionally authenticating),
+//! reads `v1/instances/<ns>/`, `v1/mdc/<ns>/` and `v1/event_channels/namespace/<ns>/` (the last
+//! with the namespace percent-encoded, as Dynamo writes event-plane keys) at one revision R,
+//! emits `Init`, one `InitApply` per record and `InitDone`, then watches every prefix from
+//! R + 1 and emits `Apply` / `Delete` in order. A pass ends on a dropped connection, a closed or cancelled watch, or a compacted start
 //! revision; the next pass starts from scratch after a backoff (no jitter) that doubles on
 //! repeated failures and returns to its floor only after every watch stayed open for at least
 //! `backoff.max` (`Backoff::session_ended`).

@@ -5,7 +5,7 @@ use continuum_protocol::ids::Namespace;
 /// One watched keyspace of a namespace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WatchedPrefix {
-    /// Short name for logs: `instances`, `mdc`, `event_channels`, `event_sources`.
+    /// Short name for logs: `instances`, `mdc`, `event_channels`.
     pub kind: &'static str,
     /// The full key prefix, ending in `/` so `dyn` never matches `dyn2`.
     pub prefix: String,
@@ -28,16 +28,16 @@ impl WatchedPrefix {
     }
 }
 
-/// The four prefixes of `namespace`, in the order the pass reads them.
+/// The three prefixes of `namespace`, in the order the pass reads them.
 ///
 /// Endpoint and model keys carry the namespace raw; event-plane keys percent-encode every scope
 /// segment (dynamo-wire §4.4), so a namespace such as `my.ns` lives under
 /// `v1/event_channels/namespace/my%2Ens/`.
 ///
-/// `v1/event_sources/` is watched as well: its `EventSource` records are the only place a
-/// kv-events publisher id is tied to its worker id and dp rank (dynamo-live §4), which the KV
-/// indexer needs to attribute a publisher's block events.
-pub fn watched_prefixes(namespace: &Namespace) -> [WatchedPrefix; 4] {
+/// `v1/event_sources/` is deliberately not read: every kv-events record already names its
+/// `worker_id` and `dp_rank` (dynamo-live §5), and an operator's read-only role granting the
+/// seed's three prefixes must be enough for discovery to work.
+pub fn watched_prefixes(namespace: &Namespace) -> [WatchedPrefix; 3] {
     let raw = namespace.as_str();
     let encoded = encode_segment(raw);
     [
@@ -52,10 +52,6 @@ pub fn watched_prefixes(namespace: &Namespace) -> [WatchedPrefix; 4] {
         WatchedPrefix {
             kind: "event_channels",
             prefix: format!("v1/event_channels/namespace/{encoded}/"),
-        },
-        WatchedPrefix {
-            kind: "event_sources",
-            prefix: format!("v1/event_sources/namespace/{encoded}/"),
         },
     ]
 }
@@ -106,7 +102,6 @@ mod tests {
                 "v1/instances/dyntest/",
                 "v1/mdc/dyntest/",
                 "v1/event_channels/namespace/dyntest/",
-                "v1/event_sources/namespace/dyntest/",
             ]
         );
         // A captured 1.6.1 key falls under its prefix.
