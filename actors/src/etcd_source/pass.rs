@@ -1,0 +1,405 @@
+//! One discovery pass: connect, seed from range gets at one revision, then fold the watches.
+//!
+//! Only two RPC families are issued: range gets (`KvClient::get`) and watches
+//! (`WatchClient::watch`). The pass keeps the `Client` only to hold the channel open.
+
+use std::path::Path;
+use std::time::Duration;
+
+use continuum_protocol::discovery::SourceEvent;
+use etcd_client::{
+    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, KvClient, TlsOptions,
+    WatchClient, WatchOptions, WatchResponse, WatchStream,
+};
+use futures::stream::{self, BoxStream, StreamExt};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::EtcdSourceError;
+use super::config::{EtcdAuth, EtcdSourceConfig, EtcdTls};
+use super::keys::WatchedPrefix;
+
+/// Dial, optional Authenticate and the range gets share this bound; so does opening the watches.
+/// The watch streams themselves are unbounded.
+pub const SEED_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Keys per range-get page. Pages keep each response well under the decoding limit.
+const PAGE_SIZE: i64 = 512;
+
+/// Largest gRPC message accepted: four times the reducer's 16 MiB record ceiling, so one page of
+/// typical cards or one oversized record (which the reducer then refuses and counts) fits.
+const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Largest PEM file read for TLS material; real bundles are a few KiB.
+const MAX_PEM_BYTES: u64 = 1024 * 1024;
+
+/// HTTP/2 keep-alive, as Dynamo's own etcd client uses: a silently dead peer ends the pass.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(15);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How a pass ended.
+#[derive(Debug)]
+pub struct PassOutcome {
+    pub end: EtcdSourceError,
+    /// How long every watch was open; zero when the pass never reached its watches.
+    pub watched_for: Duration,
+}
+
+impl PassOutcome {
+    fn early(end: EtcdSourceError) -> Self {
+        Self {
+            end,
+            watched_for: Duration::ZERO,
+        }
+    }
+}
+
+/// The seeded state of a pass.
+struct Seed {
+    /// Held so the balanced channel's endpoint set stays alive while the watches run.
+    _client: Client,
+    watch: WatchClient,
+    revision: i64,
+    records: Vec<(String, Vec<u8>)>,
+}
+
+/// Runs one pass to its end. Events go to `events` in order; `connected` is true while every
+/// watch is open.
+pub async fn run_pass(
+    cfg: &EtcdSourceConfig,
+    endpoints: &[String],
+    prefixes: &[WatchedPrefix],
+    events: &mpsc::Sender<SourceEvent>,
+    connected: &watch::Sender<bool>,
+) -> PassOutcome {
+    let seed = match tokio::time::timeout(SEED_TIMEOUT, seed(cfg, endpoints, prefixes)).await {
+        Ok(Ok(seed)) => seed,
+        Ok(Err(error)) => return PassOutcome::early(error),
+        Err(_) => return PassOutcome::early(EtcdSourceError::SeedTimeout(SEED_TIMEOUT)),
+    };
+    let Seed {
+        _client,
+        mut watch,
+        revision,
+        records,
+    } = seed;
+    let record_count = records.len();
+
+    // The snapshot goes out before the watches open: a slow consumer delays the watches, and
+    // if etcd compacts past `revision` meanwhile the watch is refused and the next pass resyncs.
+    if let Err(end) = emit_snapshot(events, records).await {
+        return PassOutcome::early(end);
+    }
+
+    let opened = tokio::time::timeout(
+        SEED_TIMEOUT,
+        open_watches(&mut watch, prefixes, revision + 1),
+    )
+    .await;
+    let mut merged = match opened {
+        Ok(Ok(merged)) => merged,
+        Ok(Err(error)) => return PassOutcome::early(error),
+        Err(_) => return PassOutcome::early(EtcdSourceError::SeedTimeout(SEED_TIMEOUT)),
+    };
+
+    let started = Instant::now();
+    connected.send_replace(true);
+    info!(
+        revision,
+        records = record_count,
+        endpoints = ?endpoints,
+        namespace = %cfg.namespace,
+        "Connected to etcd, seeded discovery and opened the watches."
+    );
+
+    let end = loop {
+        let item = tokio::select! {
+            item = merged.next() => item,
+            () = events.closed() => break EtcdSourceError::ConsumerGone,
+        };
+        let Some((index, item)) = item else {
+            // Every stream ends with its own `None` marker first; this is unreachable in
+            // practice but still a clean end.
+            break EtcdSourceError::WatchClosed { prefix: "all" };
+        };
+        let kind = prefixes[index].kind;
+        let response = match item {
+            Some(Ok(response)) => response,
+            Some(Err(source)) => {
+                break EtcdSourceError::Watch {
+                    prefix: kind,
+                    source,
+                };
+            }
+            None => break EtcdSourceError::WatchClosed { prefix: kind },
+        };
+        match fold_response(kind, &response) {
+            Ok(folded) => {
+                if let Err(end) = send_all(events, folded).await {
+                    break end;
+                }
+            }
+            Err(end) => break end,
+        }
+    };
+    PassOutcome {
+        end,
+        watched_for: started.elapsed(),
+    }
+}
+
+async fn seed(
+    cfg: &EtcdSourceConfig,
+    endpoints: &[String],
+    prefixes: &[WatchedPrefix],
+) -> Result<Seed, EtcdSourceError> {
+    let mut options = ConnectOptions::new()
+        .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
+        .with_connect_timeout(SEED_TIMEOUT);
+    if let Some(EtcdAuth { username, password }) = &cfg.auth {
+        options = options.with_user(username.clone(), password.clone());
+    }
+    if let Some(tls) = &cfg.tls {
+        options = options.with_tls(tls_options(tls).await?);
+    }
+    // With credentials this runs the Authenticate RPC; otherwise the dial is lazy and the
+    // first range get below makes it.
+    let client = Client::connect(endpoints, Some(options))
+        .await
+        .map_err(EtcdSourceError::Connect)?;
+    let mut kv = client
+        .kv_client()
+        .max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let watch = client
+        .watch_client()
+        .max_decoding_message_size(MAX_MESSAGE_BYTES);
+
+    // The first page fixes the revision; every later page and prefix is read at that same
+    // revision, so the snapshot is one consistent cut of all prefixes and one watch start
+    // (`revision + 1`) is gapless and duplicate-free for every prefix.
+    let mut revision = None;
+    let mut records = Vec::new();
+    for prefix in prefixes {
+        range_prefix(&mut kv, prefix, &mut revision, &mut records).await?;
+    }
+    let revision = revision.ok_or(EtcdSourceError::MissingHeader)?;
+    Ok(Seed {
+        _client: client,
+        watch,
+        revision,
+        records,
+    })
+}
+
+async fn range_prefix(
+    kv: &mut KvClient,
+    prefix: &WatchedPrefix,
+    revision: &mut Option<i64>,
+    records: &mut Vec<(String, Vec<u8>)>,
+) -> Result<(), EtcdSourceError> {
+    let end = prefix.range_end();
+    let mut from = prefix.prefix.as_bytes().to_vec();
+    loop {
+        let mut options = GetOptions::new()
+            .with_range(end.clone())
+            .with_limit(PAGE_SIZE);
+        if let Some(at) = *revision {
+            options = options.with_revision(at);
+        }
+        let mut response =
+            kv.get(from, Some(options))
+                .await
+                .map_err(|source| EtcdSourceError::Range {
+                    prefix: prefix.kind,
+                    source,
+                })?;
+        if revision.is_none() {
+            let header = response.header().ok_or(EtcdSourceError::MissingHeader)?;
+            *revision = Some(header.revision());
+        }
+        let more = response.more();
+        let kvs = response.take_kvs();
+        let Some(last) = kvs.last().map(|kv| kv.key().to_vec()) else {
+            return Ok(());
+        };
+        for kv in kvs {
+            let (key, value) = kv.into_key_value();
+            if let Some(key) = utf8_key(prefix.kind, key) {
+                records.push((key, value));
+            }
+        }
+        if !more {
+            return Ok(());
+        }
+        // The next page starts just after the last key seen.
+        from = last;
+        from.push(0);
+    }
+}
+
+async fn tls_options(tls: &EtcdTls) -> Result<TlsOptions, EtcdSourceError> {
+    let mut options = TlsOptions::new();
+    if let Some(ca) = &tls.ca_cert {
+        options = options.ca_certificate(Certificate::from_pem(read_pem(ca).await?));
+    }
+    if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
+        options = options.identity(Identity::from_pem(
+            read_pem(cert).await?,
+            read_pem(key).await?,
+        ));
+    }
+    if let Some(name) = &tls.server_name {
+        options = options.domain_name(name.clone());
+    }
+    Ok(options)
+}
+
+async fn read_pem(path: &Path) -> Result<Vec<u8>, EtcdSourceError> {
+    let tls_error = |source| EtcdSourceError::ReadTls {
+        path: path.to_owned(),
+        source,
+    };
+    let len = tokio::fs::metadata(path).await.map_err(tls_error)?.len();
+    if len > MAX_PEM_BYTES {
+        return Err(EtcdSourceError::TlsFileTooLarge {
+            path: path.to_owned(),
+            len,
+        });
+    }
+    tokio::fs::read(path).await.map_err(tls_error)
+}
+
+/// Tagged watch responses; each stream ends with a `None` so its end is visible.
+type Merged = BoxStream<'static, (usize, Option<Result<WatchResponse, etcd_client::Error>>)>;
+
+async fn open_watches(
+    client: &mut WatchClient,
+    prefixes: &[WatchedPrefix],
+    start_revision: i64,
+) -> Result<Merged, EtcdSourceError> {
+    let mut tagged = Vec::with_capacity(prefixes.len());
+    for (index, prefix) in prefixes.iter().enumerate() {
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(start_revision);
+        let mut stream: WatchStream = client
+            .watch(prefix.prefix.clone(), Some(options))
+            .await
+            .map_err(|source| EtcdSourceError::Watch {
+                prefix: prefix.kind,
+                source,
+            })?;
+        // etcd acknowledges a watch with a `created` response; a refused start revision
+        // (compacted) shows up as a cancel right after it and is folded like any other.
+        let first = stream
+            .message()
+            .await
+            .map_err(|source| EtcdSourceError::Watch {
+                prefix: prefix.kind,
+                source,
+            })?
+            .ok_or(EtcdSourceError::WatchClosed {
+                prefix: prefix.kind,
+            })?;
+        if let Err(end) = fold_response(prefix.kind, &first) {
+            return Err(end);
+        }
+        debug!(
+            prefix = %prefix.prefix,
+            watch_id = first.watch_id(),
+            start_revision,
+            "Opened an etcd watch."
+        );
+        let rest = stream
+            .map(move |item| (index, Some(item)))
+            .chain(stream::once(async move { (index, None) }));
+        // The first response may already carry events; keep them in order.
+        let head = stream::once(async move { (index, Some(Ok(first))) });
+        tagged.push(head.chain(rest).boxed());
+    }
+    Ok(stream::select_all(tagged).boxed())
+}
+
+/// Turns one watch response into source events, or the reason the pass must end.
+pub fn fold_response(
+    kind: &'static str,
+    response: &WatchResponse,
+) -> Result<Vec<SourceEvent>, EtcdSourceError> {
+    let compact_revision = response.compact_revision();
+    if compact_revision != 0 {
+        return Err(EtcdSourceError::Compacted {
+            prefix: kind,
+            compact_revision,
+        });
+    }
+    if response.canceled() {
+        return Err(EtcdSourceError::WatchCanceled {
+            prefix: kind,
+            reason: response.cancel_reason().to_owned(),
+        });
+    }
+    let mut out = Vec::with_capacity(response.events().len());
+    for event in response.events() {
+        let Some(kv) = event.kv() else {
+            continue;
+        };
+        let Some(key) = utf8_key(kind, kv.key().to_vec()) else {
+            continue;
+        };
+        out.push(match event.event_type() {
+            EventType::Put => SourceEvent::Apply {
+                key,
+                value: kv.value().to_vec(),
+            },
+            EventType::Delete => SourceEvent::Delete { key },
+        });
+    }
+    Ok(out)
+}
+
+fn utf8_key(kind: &'static str, key: Vec<u8>) -> Option<String> {
+    match String::from_utf8(key) {
+        Ok(key) => Some(key),
+        Err(error) => {
+            // Dynamo writes ASCII keys; anything else is not a Dynamo record.
+            warn!(
+                prefix = kind,
+                key_len = error.as_bytes().len(),
+                "Skipped an etcd key that is not UTF-8."
+            );
+            None
+        }
+    }
+}
+
+async fn emit_snapshot(
+    events: &mpsc::Sender<SourceEvent>,
+    records: Vec<(String, Vec<u8>)>,
+) -> Result<(), EtcdSourceError> {
+    send(events, SourceEvent::Init).await?;
+    for (key, value) in records {
+        send(events, SourceEvent::InitApply { key, value }).await?;
+    }
+    send(events, SourceEvent::InitDone).await
+}
+
+async fn send_all(
+    events: &mpsc::Sender<SourceEvent>,
+    folded: Vec<SourceEvent>,
+) -> Result<(), EtcdSourceError> {
+    for event in folded {
+        send(events, event).await?;
+    }
+    Ok(())
+}
+
+async fn send(
+    events: &mpsc::Sender<SourceEvent>,
+    event: SourceEvent,
+) -> Result<(), EtcdSourceError> {
+    events
+        .send(event)
+        .await
+        .map_err(|_| EtcdSourceError::ConsumerGone)
+}
