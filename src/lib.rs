@@ -1,1 +1,2 @@
 //! continuum-router: the daemon library.
+pub mod config;
