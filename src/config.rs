@@ -315,7 +315,10 @@ fn coerce_scalar(text: &str) -> Option<Value> {
         .and_then(|float| serde_json::Number::from_f64(float).map(Value::Number))
 }
 
-fn deserialize_typed(mut value: Value, whole: &BTreeSet<Vec<PathSeg>>) -> Result<Config, ConfigError> {
+fn deserialize_typed(
+    mut value: Value,
+    whole: &BTreeSet<Vec<PathSeg>>,
+) -> Result<Config, ConfigError> {
     // Each retry coerces one more whole-reference scalar, so the loop is bounded by their count.
     for _ in 0..=whole.len() {
         let mut unknown: Vec<Vec<PathSeg>> = Vec::new();

@@ -87,7 +87,11 @@ fn walk(
                 }
                 Err(errors) => {
                     let at = format_path(path);
-                    problems.extend(errors.into_iter().map(|message| Diagnostic::error(&at, message)));
+                    problems.extend(
+                        errors
+                            .into_iter()
+                            .map(|message| Diagnostic::error(&at, message)),
+                    );
                 }
             }
         }

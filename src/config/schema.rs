@@ -80,7 +80,7 @@ impl<'de> Deserialize<'de> for HumanDuration {
 }
 
 /// The whole daemon configuration (one YAML document).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Config {
     pub server: ServerConfig,
@@ -90,20 +90,6 @@ pub struct Config {
     pub disaggregated_serving: DisaggregatedServingConfig,
     pub telemetry: TelemetryConfig,
     pub dynamo: DynamoConfig,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            server: ServerConfig::default(),
-            admin: AdminConfig::default(),
-            api_keys: Vec::new(),
-            backends: Vec::new(),
-            disaggregated_serving: DisaggregatedServingConfig::default(),
-            telemetry: TelemetryConfig::default(),
-            dynamo: DynamoConfig::default(),
-        }
-    }
 }
 
 impl Config {

@@ -18,7 +18,11 @@ fn parse(yaml: &str) -> Result<Config, ConfigError> {
 }
 
 fn parse_paths(error: &ConfigError) -> Vec<&str> {
-    error.diagnostics().iter().map(|d| d.path.as_str()).collect()
+    error
+        .diagnostics()
+        .iter()
+        .map(|d| d.path.as_str())
+        .collect()
 }
 
 #[test]
@@ -26,11 +30,17 @@ fn empty_document_is_all_defaults() {
     let config = parse("").unwrap();
     assert_eq!(config, Config::default());
     assert_eq!(config.server.bind_address.to_string(), "127.0.0.1:8080");
-    assert_eq!(config.dynamo.load.max_staleness.get(), Duration::from_secs(3));
+    assert_eq!(
+        config.dynamo.load.max_staleness.get(),
+        Duration::from_secs(3)
+    );
     assert!(config.dynamo.kv.allow_http_artifacts);
     assert!(!config.dynamo.kv.allow_hf_artifacts);
     assert_eq!(config.dynamo.discovery.namespace_names(), vec!["dynamo"]);
-    assert_eq!(config.dynamo.event_bus.max_session_buffer_bytes, 64 * 1024 * 1024);
+    assert_eq!(
+        config.dynamo.event_bus.max_session_buffer_bytes,
+        64 * 1024 * 1024
+    );
 }
 
 #[test]
@@ -63,10 +73,19 @@ dynamo:
             "http://[::1]:2379"
         ]
     );
-    assert_eq!(etcd.watch_reconnect_backoff.initial.get(), Duration::from_millis(250));
-    assert_eq!(etcd.watch_reconnect_backoff.max.get(), Duration::from_secs(60));
+    assert_eq!(
+        etcd.watch_reconnect_backoff.initial.get(),
+        Duration::from_millis(250)
+    );
+    assert_eq!(
+        etcd.watch_reconnect_backoff.max.get(),
+        Duration::from_secs(60)
+    );
     assert_eq!(config.dynamo.load.allow_cidrs().unwrap().len(), 2);
-    assert_eq!(config.dynamo.shim.backends_for("dynamo"), ["dynamo-frontend"]);
+    assert_eq!(
+        config.dynamo.shim.backends_for("dynamo"),
+        ["dynamo-frontend"]
+    );
 }
 
 #[test]
@@ -157,7 +176,12 @@ dynamo:
         ],
         "{error}"
     );
-    assert!(error.diagnostics().iter().all(|d| d.message == "unknown key"));
+    assert!(
+        error
+            .diagnostics()
+            .iter()
+            .all(|d| d.message == "unknown key")
+    );
 }
 
 #[test]
@@ -205,7 +229,10 @@ fn load_fails_with_every_diagnostic_when_validation_finds_errors() {
     assert!(paths.contains(&"dynamo.discovery.etcd.endpoints"));
     assert!(paths.contains(&"dynamo.load.max_staleness"));
     assert!(paths.contains(&"dynamo.kv.router_temperature"));
-    assert!(diagnostics.iter().any(|d| !d.is_error()), "warnings are kept too");
+    assert!(
+        diagnostics.iter().any(|d| !d.is_error()),
+        "warnings are kept too"
+    );
 }
 
 #[test]
@@ -217,7 +244,10 @@ fn load_refuses_missing_and_oversized_files() {
     ));
     let big = dir.path().join("big.yaml");
     std::fs::write(&big, vec![b'#'; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
-    assert!(matches!(Config::load(&big), Err(ConfigError::TooLarge { .. })));
+    assert!(matches!(
+        Config::load(&big),
+        Err(ConfigError::TooLarge { .. })
+    ));
 }
 
 #[test]
@@ -226,7 +256,10 @@ fn validation_report_exit_codes_and_paths() {
     let ok = Config::from_yaml_str_validated("dynamo: {kv: {send_token_data: true}}", &env(&[]));
     let (text, code) = render_validation_report(path, &ok);
     assert_eq!(code, 0);
-    assert!(text.contains("warning: dynamo.kv.send_token_data:"), "{text}");
+    assert!(
+        text.contains("warning: dynamo.kv.send_token_data:"),
+        "{text}"
+    );
     assert!(text.contains("router.yaml: valid (1 warning)"), "{text}");
 
     let bad = Config::from_yaml_str_validated(
@@ -236,15 +269,19 @@ fn validation_report_exit_codes_and_paths() {
     let (text, code) = render_validation_report(path, &bad);
     assert_eq!(code, 1);
     assert!(text.contains("error: dynamo.load.max_staleness:"), "{text}");
-    assert!(text.contains("warning: dynamo.kv.send_token_data:"), "{text}");
+    assert!(
+        text.contains("warning: dynamo.kv.send_token_data:"),
+        "{text}"
+    );
     assert!(text.contains("invalid (1 error, 1 warning)"), "{text}");
 
-    let (text, code) = render_validation_report(path, &parse("nope: 1").map(|config| {
-        LoadedConfig {
+    let (text, code) = render_validation_report(
+        path,
+        &parse("nope: 1").map(|config| LoadedConfig {
             config,
             diagnostics: Vec::new(),
-        }
-    }));
+        }),
+    );
     assert_eq!(code, 1);
     assert!(text.contains("error: nope: unknown key"), "{text}");
 }
@@ -280,7 +317,12 @@ dynamo:
     ] {
         assert!(!shown.contains(secret), "{secret} leaked:\n{shown}");
     }
-    for visible in ["/etc/etcd/ca.pem", "/etc/etcd/client.pem", "/bus/tls.crt", "router"] {
+    for visible in [
+        "/etc/etcd/ca.pem",
+        "/etc/etcd/client.pem",
+        "/bus/tls.crt",
+        "router",
+    ] {
         assert!(shown.contains(visible), "{visible} missing:\n{shown}");
     }
     // Defaults are filled in.

@@ -145,10 +145,16 @@ impl Validator {
             let hc = &backend.health_check;
             let hc_path = format!("{path}.health_check");
             if hc.interval.get().is_zero() {
-                self.err(format!("{hc_path}.interval"), "interval must be greater than 0");
+                self.err(
+                    format!("{hc_path}.interval"),
+                    "interval must be greater than 0",
+                );
             }
             if hc.timeout.get().is_zero() {
-                self.err(format!("{hc_path}.timeout"), "timeout must be greater than 0");
+                self.err(
+                    format!("{hc_path}.timeout"),
+                    "timeout must be greater than 0",
+                );
             } else if hc.timeout > hc.interval && !hc.interval.get().is_zero() {
                 self.err(
                     format!("{hc_path}.timeout"),
@@ -156,12 +162,16 @@ impl Validator {
                 );
             }
             if hc.unhealthy_threshold == 0 {
-                self.err(format!("{hc_path}.unhealthy_threshold"), "must be at least 1");
+                self.err(
+                    format!("{hc_path}.unhealthy_threshold"),
+                    "must be at least 1",
+                );
             }
             if hc.healthy_threshold == 0 {
                 self.err(format!("{hc_path}.healthy_threshold"), "must be at least 1");
             }
-            if !hc.path.starts_with('/') || hc.path.chars().any(|c| c.is_whitespace() || c.is_control())
+            if !hc.path.starts_with('/')
+                || hc.path.chars().any(|c| c.is_whitespace() || c.is_control())
             {
                 self.err(
                     format!("{hc_path}.path"),
@@ -255,8 +265,15 @@ impl Validator {
                     self.err(format!("{base}.tls.{name}"), "path must not be empty");
                 }
             }
-            if tls.server_name.as_deref().is_some_and(|name| name.trim().is_empty()) {
-                self.err(format!("{base}.tls.server_name"), "server_name must not be empty");
+            if tls
+                .server_name
+                .as_deref()
+                .is_some_and(|name| name.trim().is_empty())
+            {
+                self.err(
+                    format!("{base}.tls.server_name"),
+                    "server_name must not be empty",
+                );
             }
             match (&tls.client_cert, &tls.client_key) {
                 (Some(_), None) => self.err(
@@ -272,10 +289,16 @@ impl Validator {
         }
         if let Some(auth) = &etcd.auth {
             if auth.username.trim().is_empty() {
-                self.err(format!("{base}.auth.username"), "username must not be empty");
+                self.err(
+                    format!("{base}.auth.username"),
+                    "username must not be empty",
+                );
             }
             if auth.password.is_empty() {
-                self.err(format!("{base}.auth.password"), "password must not be empty");
+                self.err(
+                    format!("{base}.auth.password"),
+                    "password must not be empty",
+                );
             }
             if etcd.tls.is_none() || plaintext {
                 self.warn(
@@ -297,7 +320,10 @@ impl Validator {
                 );
             }
         }
-        self.backoff(&format!("{base}.watch_reconnect_backoff"), &etcd.watch_reconnect_backoff);
+        self.backoff(
+            &format!("{base}.watch_reconnect_backoff"),
+            &etcd.watch_reconnect_backoff,
+        );
 
         self.namespaces(
             base,
@@ -310,7 +336,10 @@ impl Validator {
 
         let kube = &discovery.kubernetes;
         let kbase = "dynamo.discovery.kubernetes";
-        self.backoff(&format!("{kbase}.watch_reconnect_backoff"), &kube.watch_reconnect_backoff);
+        self.backoff(
+            &format!("{kbase}.watch_reconnect_backoff"),
+            &kube.watch_reconnect_backoff,
+        );
         if source.is_kubernetes() {
             if !is_dns1123_label(&kube.namespace) {
                 self.err(
@@ -390,7 +419,8 @@ impl Validator {
                     format!("{path}.component"),
                     "component must be a non-empty Kubernetes label value",
                 );
-            } else if !components.insert((entry.dynamo_namespace.as_deref(), entry.component.as_str()))
+            } else if !components
+                .insert((entry.dynamo_namespace.as_deref(), entry.component.as_str()))
             {
                 self.err(
                     format!("{path}.component"),
@@ -448,7 +478,9 @@ impl Validator {
         if scalar != DEFAULT_DYNAMO_NAMESPACE {
             self.err(
                 format!("{base}.{list_key}"),
-                format!("{list_key} is mutually exclusive with a non-default {scalar_key}; set one"),
+                format!(
+                    "{list_key} is mutually exclusive with a non-default {scalar_key}; set one"
+                ),
             );
         }
         if list.len() > MAX_DYNAMO_NAMESPACES {
@@ -473,7 +505,10 @@ impl Validator {
 
     fn backoff(&mut self, path: &str, backoff: &BackoffConfig) {
         if backoff.initial.get().is_zero() {
-            self.err(format!("{path}.initial"), "initial backoff must be greater than 0");
+            self.err(
+                format!("{path}.initial"),
+                "initial backoff must be greater than 0",
+            );
         }
         if backoff.max < backoff.initial {
             self.err(
@@ -506,7 +541,9 @@ impl Validator {
                 }
             }
             Some(cidrs) => {
-                if cidrs.is_empty() && config.dynamo.enabled && load.transport == LoadTransport::Direct
+                if cidrs.is_empty()
+                    && config.dynamo.enabled
+                    && load.transport == LoadTransport::Direct
                 {
                     self.warn(
                         "dynamo.load.direct_allow_cidrs",
@@ -581,7 +618,10 @@ impl Validator {
                     );
                 }
                 if pool.backends.is_empty() {
-                    self.err(format!("{path}.backends"), "a pool needs at least one backend");
+                    self.err(
+                        format!("{path}.backends"),
+                        "a pool needs at least one backend",
+                    );
                 }
                 self.shim_backend_list(config, &format!("{path}.backends"), &pool.backends);
                 for (j, backend) in pool.backends.iter().enumerate() {
@@ -642,7 +682,10 @@ impl Validator {
         }
         for (client, display) in &shim.model_map {
             if client.trim().is_empty() {
-                self.err(format!("{base}.model_map"), "model_map keys must not be empty");
+                self.err(
+                    format!("{base}.model_map"),
+                    "model_map keys must not be empty",
+                );
             } else if display.trim().is_empty() {
                 self.err(
                     format!("{base}.model_map.{client}"),
@@ -671,14 +714,21 @@ impl Validator {
                 continue;
             }
             match config.backend(name) {
-                None => self.err(item, format!("backend {name:?} is not defined in backends[]")),
+                None => self.err(
+                    item,
+                    format!("backend {name:?} is not defined in backends[]"),
+                ),
                 Some(backend) => {
                     if backend.internal || !backend.enabled {
                         self.warn(
                             item.clone(),
                             format!(
                                 "shim replica {name:?} is {}; it will not receive pinned requests",
-                                if backend.internal { "internal: true" } else { "enabled: false" }
+                                if backend.internal {
+                                    "internal: true"
+                                } else {
+                                    "enabled: false"
+                                }
                             ),
                         );
                     }
@@ -732,11 +782,17 @@ impl Validator {
             ("prefill_load_scale", kv.prefill_load_scale),
         ] {
             if !(value.is_finite() && value >= 0.0) {
-                self.err(format!("{base}.{key}"), format!("{key} must be a finite number >= 0"));
+                self.err(
+                    format!("{base}.{key}"),
+                    format!("{key} must be a finite number >= 0"),
+                );
             }
         }
         if kv.artifact_cache_dir.as_os_str().is_empty() {
-            self.err(format!("{base}.artifact_cache_dir"), "artifact_cache_dir must not be empty");
+            self.err(
+                format!("{base}.artifact_cache_dir"),
+                "artifact_cache_dir must not be empty",
+            );
         }
         if kv.enabled {
             if !config.dynamo.enabled {
@@ -795,10 +851,16 @@ impl Validator {
                 ),
                 Some(tls) => {
                     if tls.cert.as_ref().is_none_or(|p| p.as_os_str().is_empty()) {
-                        self.err(format!("{base}.tls.cert"), "tls.cert is required when enabled");
+                        self.err(
+                            format!("{base}.tls.cert"),
+                            "tls.cert is required when enabled",
+                        );
                     }
                     if tls.key.as_ref().is_none_or(|p| p.as_os_str().is_empty()) {
-                        self.err(format!("{base}.tls.key"), "tls.key is required when enabled");
+                        self.err(
+                            format!("{base}.tls.key"),
+                            "tls.key is required when enabled",
+                        );
                     }
                 }
             }
@@ -833,7 +895,10 @@ impl Validator {
             );
         }
         if bus.heartbeat_interval.get().is_zero() {
-            self.err(format!("{base}.heartbeat_interval"), "must be greater than 0");
+            self.err(
+                format!("{base}.heartbeat_interval"),
+                "must be greater than 0",
+            );
         }
         if bus.idle_timeout <= bus.heartbeat_interval {
             self.err(
@@ -865,7 +930,10 @@ impl Validator {
                      DNS SANs; no wildcards)",
                 );
             } else if !ids.insert(broker.id.as_str()) {
-                self.err(format!("{path}.id"), format!("id {:?} is used twice", broker.id));
+                self.err(
+                    format!("{path}.id"),
+                    format!("id {:?} is used twice", broker.id),
+                );
             }
             match &broker.token_hash {
                 Some(hash) if !is_prefixed_hex(hash, "sha256:") => self.err(
@@ -967,7 +1035,9 @@ pub fn check_endpoint(raw: &str) -> Result<EtcdEndpoint, String> {
         return Err("endpoint scheme must be http:// or https://".to_owned());
     };
     if rest.contains('@') {
-        return Err("endpoint must not embed credentials (user:pass@ or user@); use auth".to_owned());
+        return Err(
+            "endpoint must not embed credentials (user:pass@ or user@); use auth".to_owned(),
+        );
     }
     if rest.contains('?') {
         return Err("endpoint must not contain a query string (not even an empty '?')".to_owned());
@@ -1074,7 +1144,9 @@ pub fn check_namespace(name: &str) -> Result<(), String> {
         return Err(format!("namespace {name:?} must not contain whitespace"));
     }
     if name.chars().any(char::is_control) {
-        return Err(format!("namespace {name:?} must not contain control characters"));
+        return Err(format!(
+            "namespace {name:?} must not contain control characters"
+        ));
     }
     Ok(())
 }

@@ -110,7 +110,10 @@ fn event_bus_changes_go_to_the_bus_supervisor() {
     let plan = diff(&old, &new);
     assert!(plan.event_bus);
     assert_eq!(plan.discovery, None);
-    assert_eq!(plan.paths(ReloadClass::EventBus), vec!["dynamo.event_bus.max_sessions"]);
+    assert_eq!(
+        plan.paths(ReloadClass::EventBus),
+        vec!["dynamo.event_bus.max_sessions"]
+    );
 }
 
 #[test]
@@ -120,7 +123,10 @@ fn bind_address_and_telemetry_need_a_restart() {
     new.server.bind_address = "127.0.0.1:9090".parse().unwrap();
     new.telemetry.log_level = "debug".into();
     let plan = diff(&old, &new);
-    assert_eq!(plan.needs_restart, vec!["server.bind_address", "telemetry.log_level"]);
+    assert_eq!(
+        plan.needs_restart,
+        vec!["server.bind_address", "telemetry.log_level"]
+    );
 }
 
 #[test]
@@ -139,7 +145,10 @@ fn discovery_edits_while_disabled_have_no_effect() {
     new.dynamo.discovery.etcd.endpoints = vec!["http://other:2379".into()];
     let plan = diff(&old, &new);
     assert_eq!(plan.discovery, None);
-    assert_eq!(plan.paths(ReloadClass::NoEffect), vec!["dynamo.discovery.etcd.endpoints[0]"]);
+    assert_eq!(
+        plan.paths(ReloadClass::NoEffect),
+        vec!["dynamo.discovery.etcd.endpoints[0]"]
+    );
 }
 
 #[test]
@@ -170,13 +179,19 @@ fn kubernetes_namespace_change_restarts_with_reason_namespace() {
 fn endpoints_tls_or_auth_change_restarts_with_reason_connection() {
     let mut new = base();
     new.dynamo.discovery.etcd.endpoints = vec!["http://etcd-2:2379".into()];
-    assert_eq!(reason(&diff(&base(), &new)), Some(RestartReason::Connection));
+    assert_eq!(
+        reason(&diff(&base(), &new)),
+        Some(RestartReason::Connection)
+    );
     let mut new = base();
     new.dynamo.discovery.etcd.auth = Some(EtcdAuthConfig {
         username: "u".into(),
         password: "p".into(),
     });
-    assert_eq!(reason(&diff(&base(), &new)), Some(RestartReason::Connection));
+    assert_eq!(
+        reason(&diff(&base(), &new)),
+        Some(RestartReason::Connection)
+    );
 }
 
 #[test]
@@ -215,7 +230,10 @@ fn backoff_with_connection_change_does_not_keep_the_snapshot() {
     assert_eq!(reason(&plan), Some(RestartReason::Connection));
     assert!(matches!(
         plan.discovery,
-        Some(DiscoveryAction::Restart { keep_snapshot: false, .. })
+        Some(DiscoveryAction::Restart {
+            keep_snapshot: false,
+            ..
+        })
     ));
 }
 
@@ -292,7 +310,10 @@ fn inactive_source_settings_have_no_effect() {
     new.dynamo.discovery.kubernetes.namespace = "elsewhere".into();
     let plan = diff(&base(), &new);
     assert_eq!(plan.discovery, None);
-    assert_eq!(plan.paths(ReloadClass::NoEffect), vec!["dynamo.discovery.kubernetes.namespace"]);
+    assert_eq!(
+        plan.paths(ReloadClass::NoEffect),
+        vec!["dynamo.discovery.kubernetes.namespace"]
+    );
 }
 
 #[test]
@@ -311,6 +332,14 @@ fn reason_labels_match_the_metric_values() {
     .collect();
     assert_eq!(
         labels,
-        ["enabled", "namespace", "connection", "backoff", "source", "namespaces", "other"]
+        [
+            "enabled",
+            "namespace",
+            "connection",
+            "backoff",
+            "source",
+            "namespaces",
+            "other"
+        ]
     );
 }

@@ -97,9 +97,21 @@ fn short_admin_token_warns() {
 fn api_key_must_be_non_empty_and_unique() {
     let mut c = base();
     c.api_keys = vec![
-        ApiKeyConfig { key: String::new(), name: "a".into(), allowed_backends: None },
-        ApiKeyConfig { key: "k".into(), name: "b".into(), allowed_backends: None },
-        ApiKeyConfig { key: "k".into(), name: "c".into(), allowed_backends: None },
+        ApiKeyConfig {
+            key: String::new(),
+            name: "a".into(),
+            allowed_backends: None,
+        },
+        ApiKeyConfig {
+            key: "k".into(),
+            name: "b".into(),
+            allowed_backends: None,
+        },
+        ApiKeyConfig {
+            key: "k".into(),
+            name: "c".into(),
+            allowed_backends: None,
+        },
     ];
     expect_error(&c, "api_keys[0].key", "must not be empty");
     expect_error(&c, "api_keys[2].key", "listed twice");
@@ -109,9 +121,21 @@ fn api_key_must_be_non_empty_and_unique() {
 fn api_key_name_must_be_non_empty_and_unique() {
     let mut c = base();
     c.api_keys = vec![
-        ApiKeyConfig { key: "k1".into(), name: " ".into(), allowed_backends: None },
-        ApiKeyConfig { key: "k2".into(), name: "n".into(), allowed_backends: None },
-        ApiKeyConfig { key: "k3".into(), name: "n".into(), allowed_backends: None },
+        ApiKeyConfig {
+            key: "k1".into(),
+            name: " ".into(),
+            allowed_backends: None,
+        },
+        ApiKeyConfig {
+            key: "k2".into(),
+            name: "n".into(),
+            allowed_backends: None,
+        },
+        ApiKeyConfig {
+            key: "k3".into(),
+            name: "n".into(),
+            allowed_backends: None,
+        },
     ];
     expect_error(&c, "api_keys[0].name", "must not be empty");
     expect_error(&c, "api_keys[2].name", "used twice");
@@ -174,7 +198,11 @@ fn health_check_timings_must_be_positive_and_timeout_within_interval() {
     c.backends[2].health_check.timeout = HumanDuration::from_secs(20);
     expect_error(&c, "backends[0].health_check.interval", "greater than 0");
     expect_error(&c, "backends[1].health_check.timeout", "greater than 0");
-    expect_error(&c, "backends[2].health_check.timeout", "must not exceed interval");
+    expect_error(
+        &c,
+        "backends[2].health_check.timeout",
+        "must not exceed interval",
+    );
 }
 
 #[test]
@@ -182,8 +210,16 @@ fn health_check_thresholds_must_be_at_least_one() {
     let mut c = base();
     c.backends[0].health_check.unhealthy_threshold = 0;
     c.backends[0].health_check.healthy_threshold = 0;
-    expect_error(&c, "backends[0].health_check.unhealthy_threshold", "at least 1");
-    expect_error(&c, "backends[0].health_check.healthy_threshold", "at least 1");
+    expect_error(
+        &c,
+        "backends[0].health_check.unhealthy_threshold",
+        "at least 1",
+    );
+    expect_error(
+        &c,
+        "backends[0].health_check.healthy_threshold",
+        "at least 1",
+    );
 }
 
 #[test]
@@ -210,9 +246,13 @@ fn telemetry_service_name_must_be_non_empty() {
 #[test]
 fn telemetry_otlp_endpoint_must_be_host_port_url() {
     let mut c = base();
-    c.telemetry.otlp = Some(OtlpConfig { endpoint: "localhost:4317".into() });
+    c.telemetry.otlp = Some(OtlpConfig {
+        endpoint: "localhost:4317".into(),
+    });
     expect_error(&c, "telemetry.otlp.endpoint", "http:// or https://");
-    c.telemetry.otlp = Some(OtlpConfig { endpoint: "http://127.0.0.1:4317".into() });
+    c.telemetry.otlp = Some(OtlpConfig {
+        endpoint: "http://127.0.0.1:4317".into(),
+    });
     expect_clean_at(&c, "telemetry.otlp.endpoint");
 }
 
@@ -237,7 +277,8 @@ fn etcd_endpoints_at_most_sixteen() {
 #[test]
 fn etcd_endpoint_must_not_embed_credentials() {
     let mut c = base();
-    c.dynamo.discovery.etcd.endpoints = strings(&["http://a:2379", "http://user:pass@b:2379", "user@c:2379"]);
+    c.dynamo.discovery.etcd.endpoints =
+        strings(&["http://a:2379", "http://user:pass@b:2379", "user@c:2379"]);
     expect_error(&c, "dynamo.discovery.etcd.endpoints[1]", "credentials");
     expect_error(&c, "dynamo.discovery.etcd.endpoints[2]", "credentials");
 }
@@ -271,21 +312,38 @@ fn etcd_endpoint_needs_host_port_and_known_scheme() {
     c.dynamo.discovery.etcd.endpoints =
         strings(&["etcd", "grpc://a:1", "a:0", "::1:2379", ":2379", "a b:1"]);
     expect_error(&c, "dynamo.discovery.etcd.endpoints[0]", "needs a port");
-    expect_error(&c, "dynamo.discovery.etcd.endpoints[1]", "http:// or https://");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.endpoints[1]",
+        "http:// or https://",
+    );
     expect_error(&c, "dynamo.discovery.etcd.endpoints[2]", "valid port");
     expect_error(&c, "dynamo.discovery.etcd.endpoints[3]", "bracketed");
-    expect_error(&c, "dynamo.discovery.etcd.endpoints[4]", "host must not be empty");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.endpoints[4]",
+        "host must not be empty",
+    );
     expect_error(&c, "dynamo.discovery.etcd.endpoints[5]", "whitespace");
 }
 
 #[test]
 fn etcd_endpoint_accepts_ipv6_and_normalises_bare_host_port_to_http() {
     let mut c = base();
-    c.dynamo.discovery.etcd.endpoints = strings(&["[::1]:2379", "etcd-0:2379", "http://[fd00::5]:2379"]);
-    assert!(validate(&c).iter().all(|d| !d.path.starts_with("dynamo.discovery.etcd")));
+    c.dynamo.discovery.etcd.endpoints =
+        strings(&["[::1]:2379", "etcd-0:2379", "http://[fd00::5]:2379"]);
+    assert!(
+        validate(&c)
+            .iter()
+            .all(|d| !d.path.starts_with("dynamo.discovery.etcd"))
+    );
     assert_eq!(
         c.dynamo.discovery.etcd.normalized_endpoints(),
-        strings(&["http://[::1]:2379", "http://etcd-0:2379", "http://[fd00::5]:2379"])
+        strings(&[
+            "http://[::1]:2379",
+            "http://etcd-0:2379",
+            "http://[fd00::5]:2379"
+        ])
     );
     let parsed = check_endpoint("[::1]:2379").unwrap();
     assert_eq!(parsed.ip, Some("::1".parse().unwrap()));
@@ -304,7 +362,11 @@ fn duplicate_etcd_endpoint_warns() {
 fn public_etcd_endpoint_with_direct_transport_warns() {
     let mut c = base();
     c.dynamo.discovery.etcd.endpoints = strings(&["http://8.8.8.8:2379"]);
-    expect_warning(&c, "dynamo.discovery.etcd.endpoints[0]", "inside the cluster");
+    expect_warning(
+        &c,
+        "dynamo.discovery.etcd.endpoints[0]",
+        "inside the cluster",
+    );
     c.dynamo.load.transport = LoadTransport::Broker;
     expect_clean_at(&c, "dynamo.discovery.etcd.endpoints[0]");
 }
@@ -315,7 +377,11 @@ fn public_etcd_endpoint_with_direct_transport_warns() {
 fn etcd_endpoints_must_not_mix_http_and_https() {
     let mut c = base();
     c.dynamo.discovery.etcd.endpoints = strings(&["https://a:2379", "http://b:2379"]);
-    expect_error(&c, "dynamo.discovery.etcd.endpoints", "mix http:// and https://");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.endpoints",
+        "mix http:// and https://",
+    );
 }
 
 #[test]
@@ -339,12 +405,20 @@ fn tls_client_cert_and_key_must_be_set_together() {
         client_cert: Some(PathBuf::from("/c.pem")),
         ..EtcdTlsConfig::default()
     });
-    expect_error(&c, "dynamo.discovery.etcd.tls.client_key", "set both or neither");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.tls.client_key",
+        "set both or neither",
+    );
     c.dynamo.discovery.etcd.tls = Some(EtcdTlsConfig {
         client_key: Some(PathBuf::from("/k.pem")),
         ..EtcdTlsConfig::default()
     });
-    expect_error(&c, "dynamo.discovery.etcd.tls.client_cert", "set both or neither");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.tls.client_cert",
+        "set both or neither",
+    );
 }
 
 #[test]
@@ -357,7 +431,11 @@ fn tls_paths_and_server_name_must_be_non_empty() {
         ..EtcdTlsConfig::default()
     });
     expect_error(&c, "dynamo.discovery.etcd.tls.ca_cert", "must not be empty");
-    expect_error(&c, "dynamo.discovery.etcd.tls.server_name", "must not be empty");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.tls.server_name",
+        "must not be empty",
+    );
 }
 
 #[test]
@@ -380,8 +458,16 @@ fn auth_username_and_password_must_be_non_empty() {
         username: String::new(),
         password: String::new(),
     });
-    expect_error(&c, "dynamo.discovery.etcd.auth.username", "must not be empty");
-    expect_error(&c, "dynamo.discovery.etcd.auth.password", "must not be empty");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.auth.username",
+        "must not be empty",
+    );
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.auth.password",
+        "must not be empty",
+    );
 }
 
 // ---- namespaces ----
@@ -429,7 +515,11 @@ fn namespaces_exclusive_with_non_default_namespace() {
 fn several_namespaces_require_shim_pools() {
     let mut c = base();
     c.dynamo.discovery.etcd.namespaces = strings(&["prod", "canary"]);
-    expect_error(&c, "dynamo.shim.pools", "shim.pools (one pool per namespace) is required");
+    expect_error(
+        &c,
+        "dynamo.shim.pools",
+        "shim.pools (one pool per namespace) is required",
+    );
 }
 
 fn two_namespace_pools() -> Config {
@@ -437,8 +527,14 @@ fn two_namespace_pools() -> Config {
     c.dynamo.discovery.etcd.namespaces = strings(&["prod", "canary"]);
     c.dynamo.shim.backends.clear();
     c.dynamo.shim.pools = vec![
-        ShimPool { namespace: "prod".into(), backends: strings(&["shim-a"]) },
-        ShimPool { namespace: "canary".into(), backends: strings(&["shim-b"]) },
+        ShimPool {
+            namespace: "prod".into(),
+            backends: strings(&["shim-a"]),
+        },
+        ShimPool {
+            namespace: "canary".into(),
+            backends: strings(&["shim-b"]),
+        },
     ];
     c
 }
@@ -455,7 +551,11 @@ fn each_namespace_has_exactly_one_pool() {
     expect_error(&c, "dynamo.shim.pools[1].namespace", "already has a pool");
     expect_error(&c, "dynamo.shim.pools", "\"canary\" has no shim pool");
     c.dynamo.shim.pools[1].namespace = "staging".into();
-    expect_error(&c, "dynamo.shim.pools[1].namespace", "not a configured Dynamo namespace");
+    expect_error(
+        &c,
+        "dynamo.shim.pools[1].namespace",
+        "not a configured Dynamo namespace",
+    );
 }
 
 #[test]
@@ -488,17 +588,29 @@ fn backoff_max_must_be_at_least_initial() {
         initial: HumanDuration::from_secs(5),
         max: HumanDuration::from_secs(1),
     };
-    expect_error(&c, "dynamo.discovery.etcd.watch_reconnect_backoff.max", ">= initial");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.watch_reconnect_backoff.max",
+        ">= initial",
+    );
     let mut c = base();
     c.dynamo.discovery.kubernetes.watch_reconnect_backoff.max = HumanDuration::from_millis(100);
-    expect_error(&c, "dynamo.discovery.kubernetes.watch_reconnect_backoff.max", ">= initial");
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.watch_reconnect_backoff.max",
+        ">= initial",
+    );
 }
 
 #[test]
 fn backoff_initial_must_be_positive() {
     let mut c = base();
     c.dynamo.discovery.etcd.watch_reconnect_backoff.initial = HumanDuration::from_secs(0);
-    expect_error(&c, "dynamo.discovery.etcd.watch_reconnect_backoff.initial", "greater than 0");
+    expect_error(
+        &c,
+        "dynamo.discovery.etcd.watch_reconnect_backoff.initial",
+        "greater than 0",
+    );
 }
 
 #[test]
@@ -546,16 +658,21 @@ fn shim_backends_must_exist_in_backends() {
 #[test]
 fn model_map_at_most_1024_pairs() {
     let mut c = base();
-    c.dynamo.shim.model_map = (0..1025).map(|i| (format!("m{i}"), format!("M{i}"))).collect();
+    c.dynamo.shim.model_map = (0..1025)
+        .map(|i| (format!("m{i}"), format!("M{i}")))
+        .collect();
     expect_error(&c, "dynamo.shim.model_map", "at most 1024");
 }
 
 #[test]
 fn model_map_keys_and_values_must_be_non_empty() {
     let mut c = base();
-    c.dynamo.shim.model_map = [(String::new(), "x".to_owned()), ("y".to_owned(), String::new())]
-        .into_iter()
-        .collect();
+    c.dynamo.shim.model_map = [
+        (String::new(), "x".to_owned()),
+        ("y".to_owned(), String::new()),
+    ]
+    .into_iter()
+    .collect();
     expect_error(&c, "dynamo.shim.model_map", "keys must not be empty");
     expect_error(&c, "dynamo.shim.model_map.y", "values must not be empty");
 }
@@ -606,9 +723,18 @@ fn direct_allow_cidrs_at_most_sixty_four() {
 #[test]
 fn direct_allow_cidrs_must_parse_as_v4_or_v6() {
     let mut c = base();
-    c.dynamo.load.direct_allow_cidrs = Some(strings(&["10.0.0.0/8", "fd00::/8", "10.0.0.0/33", "pods"]));
-    expect_error(&c, "dynamo.load.direct_allow_cidrs[2]", "not an IPv4 or IPv6 CIDR");
-    expect_error(&c, "dynamo.load.direct_allow_cidrs[3]", "not an IPv4 or IPv6 CIDR");
+    c.dynamo.load.direct_allow_cidrs =
+        Some(strings(&["10.0.0.0/8", "fd00::/8", "10.0.0.0/33", "pods"]));
+    expect_error(
+        &c,
+        "dynamo.load.direct_allow_cidrs[2]",
+        "not an IPv4 or IPv6 CIDR",
+    );
+    expect_error(
+        &c,
+        "dynamo.load.direct_allow_cidrs[3]",
+        "not an IPv4 or IPv6 CIDR",
+    );
     expect_clean_at(&c, "dynamo.load.direct_allow_cidrs[1]");
 }
 
@@ -641,8 +767,16 @@ fn pods() -> Config {
 
 #[test]
 fn kubernetes_pods_gives_no_load_or_capacity_signals_warning() {
-    let diagnostics = expect(&pods(), Severity::Warning, "dynamo.discovery.source", "no load or capacity");
-    assert!(diagnostics.iter().all(|d| !d.is_error()), "{diagnostics:#?}");
+    let diagnostics = expect(
+        &pods(),
+        Severity::Warning,
+        "dynamo.discovery.source",
+        "no load or capacity",
+    );
+    assert!(
+        diagnostics.iter().all(|d| !d.is_error()),
+        "{diagnostics:#?}"
+    );
 }
 
 #[test]
@@ -659,7 +793,12 @@ fn dynamo_namespace_must_be_non_empty_label_value() {
     for bad in ["", "has space", "-edge", "a/b", &"a".repeat(64)] {
         let mut c = pods();
         c.dynamo.discovery.kubernetes.dynamo_namespace = bad.to_owned();
-        expect(&c, Severity::Error, "dynamo.discovery.kubernetes.dynamo_namespace", "");
+        expect(
+            &c,
+            Severity::Error,
+            "dynamo.discovery.kubernetes.dynamo_namespace",
+            "",
+        );
     }
     let mut ok = pods();
     ok.dynamo.discovery.kubernetes.dynamo_namespace = "Kbm.G_np-1".into();
@@ -671,16 +810,32 @@ fn dynamo_namespaces_follow_namespace_list_rules() {
     let mut c = pods();
     c.dynamo.discovery.kubernetes.dynamo_namespace = "solo".into();
     c.dynamo.discovery.kubernetes.dynamo_namespaces = strings(&["a", "a", "bad value"]);
-    expect_error(&c, "dynamo.discovery.kubernetes.dynamo_namespaces", "mutually exclusive");
-    expect_error(&c, "dynamo.discovery.kubernetes.dynamo_namespaces[1]", "listed twice");
-    expect_error(&c, "dynamo.discovery.kubernetes.dynamo_namespaces[2]", "whitespace");
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.dynamo_namespaces",
+        "mutually exclusive",
+    );
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.dynamo_namespaces[1]",
+        "listed twice",
+    );
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.dynamo_namespaces[2]",
+        "whitespace",
+    );
 }
 
 #[test]
 fn kubernetes_pods_needs_exactly_one_of_model_or_models() {
     let mut c = pods();
     c.dynamo.discovery.kubernetes.model = None;
-    expect_error(&c, "dynamo.discovery.kubernetes.model", "needs kubernetes.model");
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.model",
+        "needs kubernetes.model",
+    );
     let mut c = pods();
     c.dynamo.discovery.kubernetes.models = vec![ComponentModel {
         component: "worker".into(),
@@ -714,11 +869,23 @@ fn pods_with_models(n: usize) -> Config {
 
 #[test]
 fn kubernetes_models_one_to_256_unique_components() {
-    expect_error(&pods_with_models(257), "dynamo.discovery.kubernetes.models", "at most 256");
+    expect_error(
+        &pods_with_models(257),
+        "dynamo.discovery.kubernetes.models",
+        "at most 256",
+    );
     let mut c = pods_with_models(2);
     c.dynamo.discovery.kubernetes.models[1].component = "worker-0".into();
-    expect_error(&c, "dynamo.discovery.kubernetes.models[1].component", "listed twice");
-    assert!(validate(&pods_with_models(256)).iter().all(|d| !d.is_error()));
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.models[1].component",
+        "listed twice",
+    );
+    assert!(
+        validate(&pods_with_models(256))
+            .iter()
+            .all(|d| !d.is_error())
+    );
 }
 
 #[test]
@@ -726,8 +893,16 @@ fn kubernetes_models_entries_need_label_component_and_model_without_whitespace()
     let mut c = pods_with_models(1);
     c.dynamo.discovery.kubernetes.models[0].component = String::new();
     c.dynamo.discovery.kubernetes.models[0].model = "two words".into();
-    expect_error(&c, "dynamo.discovery.kubernetes.models[0].component", "label value");
-    expect_error(&c, "dynamo.discovery.kubernetes.models[0].model", "no whitespace");
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.models[0].component",
+        "label value",
+    );
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.models[0].model",
+        "no whitespace",
+    );
 }
 
 #[test]
@@ -737,10 +912,20 @@ fn kubernetes_models_need_dynamo_namespace_with_several_namespaces() {
     c.dynamo.discovery.kubernetes.dynamo_namespaces = strings(&["prod", "canary"]);
     c.dynamo.shim.backends.clear();
     c.dynamo.shim.pools = vec![
-        ShimPool { namespace: "prod".into(), backends: strings(&["shim-a"]) },
-        ShimPool { namespace: "canary".into(), backends: strings(&["shim-b"]) },
+        ShimPool {
+            namespace: "prod".into(),
+            backends: strings(&["shim-a"]),
+        },
+        ShimPool {
+            namespace: "canary".into(),
+            backends: strings(&["shim-b"]),
+        },
     ];
-    expect_error(&c, "dynamo.discovery.kubernetes.models[0].dynamo_namespace", "must name");
+    expect_error(
+        &c,
+        "dynamo.discovery.kubernetes.models[0].dynamo_namespace",
+        "must name",
+    );
     c.dynamo.discovery.kubernetes.models[0].dynamo_namespace = Some("staging".into());
     expect_error(
         &c,
@@ -748,15 +933,27 @@ fn kubernetes_models_need_dynamo_namespace_with_several_namespaces() {
         "not one of the configured",
     );
     c.dynamo.discovery.kubernetes.models[0].dynamo_namespace = Some("prod".into());
-    assert!(validate(&c).iter().all(|d| !d.is_error()), "{:#?}", validate(&c));
+    assert!(
+        validate(&c).iter().all(|d| !d.is_error()),
+        "{:#?}",
+        validate(&c)
+    );
 }
 
 #[test]
 fn kubernetes_source_with_model_warns_ignored() {
     let mut c = pods();
     c.dynamo.discovery.source = DiscoverySource::Kubernetes;
-    let diagnostics = expect(&c, Severity::Warning, "dynamo.discovery.kubernetes.model", "ignored");
-    assert!(diagnostics.iter().all(|d| !d.is_error()), "{diagnostics:#?}");
+    let diagnostics = expect(
+        &c,
+        Severity::Warning,
+        "dynamo.discovery.kubernetes.model",
+        "ignored",
+    );
+    assert!(
+        diagnostics.iter().all(|d| !d.is_error()),
+        "{diagnostics:#?}"
+    );
 }
 
 // ---- kv ----
@@ -772,7 +969,11 @@ fn conditional_disaggregation_enabled_warns() {
 fn decode_busy_threshold_is_a_fraction() {
     let mut c = base();
     c.dynamo.kv.conditional_disaggregation.decode_busy_threshold = Some(1.5);
-    expect_error(&c, "dynamo.kv.conditional_disaggregation.decode_busy_threshold", "0.0..=1.0");
+    expect_error(
+        &c,
+        "dynamo.kv.conditional_disaggregation.decode_busy_threshold",
+        "0.0..=1.0",
+    );
 }
 
 #[test]
@@ -786,7 +987,11 @@ fn pinned_artifacts_must_be_blake3_lowercase_hex() {
     ];
     expect_clean_at(&c, "dynamo.kv.pinned_artifacts[0]");
     for i in 1..=3 {
-        expect_error(&c, &format!("dynamo.kv.pinned_artifacts[{i}]"), "blake3:<64 lowercase hex>");
+        expect_error(
+            &c,
+            &format!("dynamo.kv.pinned_artifacts[{i}]"),
+            "blake3:<64 lowercase hex>",
+        );
     }
 }
 
@@ -884,7 +1089,11 @@ fn event_bus_base_is_clean() {
 fn event_bus_listen_must_not_collide_with_server_bind_address() {
     let mut c = bus();
     c.dynamo.event_bus.listen = "0.0.0.0:8080".parse().unwrap();
-    expect_error(&c, "dynamo.event_bus.listen", "collides with server.bind_address");
+    expect_error(
+        &c,
+        "dynamo.event_bus.listen",
+        "collides with server.bind_address",
+    );
     c.dynamo.event_bus.listen = "127.0.0.2:8080".parse().unwrap();
     expect_clean_at(&c, "dynamo.event_bus.listen");
 }
@@ -906,16 +1115,28 @@ fn event_bus_requires_tls_cert_and_key_when_enabled() {
 fn broker_token_hash_must_be_sha256_lowercase_hex() {
     let mut c = bus();
     c.dynamo.event_bus.brokers[0].token_hash = Some("plaintext-token".into());
-    expect_error(&c, "dynamo.event_bus.brokers[0].token_hash", "sha256:<64 lowercase hex>");
+    expect_error(
+        &c,
+        "dynamo.event_bus.brokers[0].token_hash",
+        "sha256:<64 lowercase hex>",
+    );
     c.dynamo.event_bus.brokers[0].token_hash = Some(format!("sha256:{}", hex64('F')));
-    expect_error(&c, "dynamo.event_bus.brokers[0].token_hash", "sha256:<64 lowercase hex>");
+    expect_error(
+        &c,
+        "dynamo.event_bus.brokers[0].token_hash",
+        "sha256:<64 lowercase hex>",
+    );
 }
 
 #[test]
 fn broker_entry_needs_a_credential() {
     let mut c = bus();
     c.dynamo.event_bus.brokers[0].token_hash = None;
-    expect_error(&c, "dynamo.event_bus.brokers[0].token_hash", "no credential");
+    expect_error(
+        &c,
+        "dynamo.event_bus.brokers[0].token_hash",
+        "no credential",
+    );
     c.dynamo.event_bus.tls.as_mut().unwrap().client_ca = Some("/ca.crt".into());
     expect_clean_at(&c, "dynamo.event_bus.brokers[0].token_hash");
 }
@@ -925,8 +1146,16 @@ fn kv_listener_needs_backends_and_no_namespaces() {
     let mut c = bus();
     c.dynamo.event_bus.brokers[1].backends.clear();
     c.dynamo.event_bus.brokers[1].namespaces = strings(&["dynamo"]);
-    expect_error(&c, "dynamo.event_bus.brokers[1].backends", "at least one granted backend");
-    expect_error(&c, "dynamo.event_bus.brokers[1].namespaces", "not namespaces");
+    expect_error(
+        &c,
+        "dynamo.event_bus.brokers[1].backends",
+        "at least one granted backend",
+    );
+    expect_error(
+        &c,
+        "dynamo.event_bus.brokers[1].namespaces",
+        "not namespaces",
+    );
 }
 
 #[test]
@@ -940,21 +1169,33 @@ fn kv_listener_unknown_backend_warns() {
 fn broker_role_cannot_take_backend_grants() {
     let mut c = bus();
     c.dynamo.event_bus.brokers[0].backends = strings(&["shim-a"]);
-    expect_error(&c, "dynamo.event_bus.brokers[0].backends", "role kv_listener");
+    expect_error(
+        &c,
+        "dynamo.event_bus.brokers[0].backends",
+        "role kv_listener",
+    );
 }
 
 #[test]
 fn broker_with_empty_namespaces_warns() {
     let mut c = bus();
     c.dynamo.event_bus.brokers[0].namespaces.clear();
-    expect_warning(&c, "dynamo.event_bus.brokers[0].namespaces", "any Dynamo namespace");
+    expect_warning(
+        &c,
+        "dynamo.event_bus.brokers[0].namespaces",
+        "any Dynamo namespace",
+    );
 }
 
 #[test]
 fn broker_namespace_not_configured_warns() {
     let mut c = bus();
     c.dynamo.event_bus.brokers[0].namespaces = strings(&["other"]);
-    expect_warning(&c, "dynamo.event_bus.brokers[0].namespaces[0]", "not a configured");
+    expect_warning(
+        &c,
+        "dynamo.event_bus.brokers[0].namespaces[0]",
+        "not a configured",
+    );
 }
 
 #[test]
@@ -978,7 +1219,10 @@ fn brokers_at_most_256() {
     let mut c = bus();
     let template = c.dynamo.event_bus.brokers[0].clone();
     c.dynamo.event_bus.brokers = (0..257)
-        .map(|i| BrokerConfig { id: format!("b{i}"), ..template.clone() })
+        .map(|i| BrokerConfig {
+            id: format!("b{i}"),
+            ..template.clone()
+        })
         .collect();
     expect_error(&c, "dynamo.event_bus.brokers", "at most 256");
 }
@@ -1006,7 +1250,11 @@ fn max_sessions_and_streams_must_be_in_range() {
 fn idle_timeout_must_exceed_positive_heartbeat_interval() {
     let mut c = bus();
     c.dynamo.event_bus.heartbeat_interval = HumanDuration::from_secs(30);
-    expect_error(&c, "dynamo.event_bus.idle_timeout", "must exceed heartbeat_interval");
+    expect_error(
+        &c,
+        "dynamo.event_bus.idle_timeout",
+        "must exceed heartbeat_interval",
+    );
     c.dynamo.event_bus.heartbeat_interval = HumanDuration::from_secs(0);
     expect_error(&c, "dynamo.event_bus.heartbeat_interval", "greater than 0");
 }
