@@ -30,8 +30,8 @@ pub mod validate;
 
 pub use diff::{DiscoveryAction, ReloadClass, ReloadPlan, RestartReason, diff};
 pub use interpolate::{EnvLookup, ProcessEnv};
-pub use mask::show_effective;
-pub use report::render_validation_report;
+pub use mask::{restore_masked, show_effective};
+pub use report::{render_validation_report, validate_file};
 pub use schema::*;
 pub use validate::validate;
 
@@ -145,8 +145,8 @@ impl Config {
     /// Parses YAML text and interpolates `${VAR}`s from `env`. Does not validate: call
     /// [`validate`] (or use [`Config::load`] / [`Config::from_yaml_str_validated`]).
     pub fn from_yaml_str(text: &str, env: &dyn EnvLookup) -> Result<Config, ConfigError> {
-        let mut value: Value =
-            serde_saphyr::from_str(text).map_err(|error| ConfigError::Yaml(error.to_string()))?;
+        let mut value: Value = serde_saphyr::from_str_with_options(text, yaml_options())
+            .map_err(|error| ConfigError::Yaml(error.to_string()))?;
         if value.is_null() {
             // An empty document is the all-defaults config.
             value = Value::Object(serde_json::Map::new());
@@ -198,6 +198,20 @@ impl Config {
         DEMO_YAML
     }
 }
+
+/// YAML 1.2 core reading of untyped scalars: `no`, `on`, `y` stay strings (a namespace called
+/// `no` must not become `false`), as do `0755` and `1_000`. Duplicate keys are errors.
+fn yaml_options() -> serde_saphyr::Options {
+    let mut options = serde_saphyr::Options::default();
+    options.strict_booleans = true;
+    options.leading_zero_numbers_as_strings = true;
+    options.underscored_numbers_as_strings = true;
+    options.duplicate_keys = serde_saphyr::DuplicateKeyPolicy::Error;
+    options
+}
+
+/// Most re-deserialisations spent turning scalars back into what their fields want.
+const MAX_COERCIONS: usize = 1024;
 
 /// An environment with no variables (the demo must not depend on the caller's environment).
 struct ProcessEnvFree;
@@ -319,8 +333,10 @@ fn deserialize_typed(
     mut value: Value,
     whole: &BTreeSet<Vec<PathSeg>>,
 ) -> Result<Config, ConfigError> {
-    // Each retry coerces one more whole-reference scalar, so the loop is bounded by their count.
-    for _ in 0..=whole.len() {
+    // The YAML went through an untyped tree, so a plain scalar was typed by its spelling alone:
+    // `model: 2024` is a number there, `enabled: "${ON}"` a string. When a field rejects such a
+    // scalar, retype that one node and retry; each retry fixes one node, so the loop is bounded.
+    for _ in 0..MAX_COERCIONS {
         let mut unknown: Vec<Vec<PathSeg>> = Vec::new();
         let result: Result<Config, _> = {
             let mut on_ignored = |path: serde_ignored::Path<'_>| {
@@ -335,30 +351,37 @@ fn deserialize_typed(
             .iter()
             .map(|segs| Diagnostic::error(format_path(segs), "unknown key"))
             .collect();
-        match result {
+        let error = match result {
             Ok(config) if problems.is_empty() => return Ok(config),
             Ok(_) => return Err(ConfigError::Parse(problems)),
-            Err(error) => {
-                let segs = error_path(error.path());
-                if whole.contains(&segs)
-                    && let Some(node) = node_mut(&mut value, &segs)
-                    && let Value::String(text) = node
-                    && let Some(coerced) = coerce_scalar(text)
-                {
-                    *node = coerced;
-                    continue;
+            Err(error) => error,
+        };
+        let segs = error_path(error.path());
+        let message = error.into_inner().to_string();
+        if let Some(node) = node_mut(&mut value, &segs) {
+            let retyped = match node {
+                Value::String(text) if whole.contains(&segs) => coerce_scalar(text),
+                // Only where the field wanted text: a negative number for a count must keep
+                // its own error message.
+                Value::Number(number) if message.contains("string") => {
+                    Some(Value::String(number.to_string()))
                 }
-                problems.push(Diagnostic::error(
-                    format_path(&segs),
-                    error.into_inner().to_string(),
-                ));
-                return Err(ConfigError::Parse(problems));
+                Value::Bool(flag) if message.contains("string") => {
+                    Some(Value::String(flag.to_string()))
+                }
+                _ => None,
+            };
+            if let Some(retyped) = retyped {
+                *node = retyped;
+                continue;
             }
         }
+        problems.push(Diagnostic::error(format_path(&segs), message));
+        return Err(ConfigError::Parse(problems));
     }
     Err(ConfigError::Parse(vec![Diagnostic::error(
         "<root>",
-        "interpolated values could not be read as their target types",
+        "too many scalars needed retyping; quote string values that look like numbers",
     )]))
 }
 

@@ -142,6 +142,30 @@ dynamo:
 }
 
 #[test]
+fn yaml_1_1_booleans_and_numeric_looking_strings_stay_strings() {
+    let config = parse(
+        r#"
+api_keys: [{key: 0755, name: n}]
+backends: [{name: on, url: "http://a:1", models: [2024, 1_000, y]}]
+dynamo:
+  discovery: {etcd: {namespace: no}}
+"#,
+    )
+    .unwrap();
+    assert_eq!(config.api_keys[0].key, "0755");
+    assert_eq!(config.api_keys[0].name, "n");
+    assert_eq!(config.backends[0].name, "on");
+    assert_eq!(config.backends[0].models, ["2024", "1_000", "y"]);
+    assert_eq!(config.dynamo.discovery.etcd.namespace, "no");
+    // Booleans take only YAML 1.2 spellings.
+    let error = parse("dynamo: {enabled: yes}").unwrap_err();
+    assert_eq!(parse_paths(&error), vec!["dynamo.enabled"]);
+    // A wrong number keeps its own message rather than turning into a string error.
+    let error = parse("dynamo: {event_bus: {max_sessions: -1}}").unwrap_err();
+    assert!(error.diagnostics()[0].message.contains("-1"), "{error}");
+}
+
+#[test]
 fn unknown_keys_are_errors_with_their_path_at_every_level() {
     let error = parse(
         r#"
@@ -379,4 +403,111 @@ fn seed_templates_validate_without_errors() {
         assert!(loaded.config.dynamo.enabled, "{name}");
         assert!(loaded.config.disaggregated_serving.enabled, "{name}");
     }
+}
+
+#[test]
+fn masked_readback_round_trips_through_restore_masked() {
+    let live = parse(
+        r#"
+admin: {enabled: true, token: "admin-token-0123456789"}
+api_keys: [{key: "sk-1", name: one}]
+dynamo:
+  discovery:
+    etcd:
+      endpoints: ["https://etcd:2379"]
+      tls: {client_cert: /c.pem, client_key: /k.pem}
+      auth: {username: router, password: "pw"}
+  event_bus:
+    tls: {cert: /bus.crt, key: /bus.key}
+    brokers: [{id: b, token_hash: "sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"}]
+"#,
+    )
+    .unwrap();
+    let mut imported = parse(&show_effective(&live)).unwrap();
+    assert_ne!(imported, live);
+    mask::restore_masked(&mut imported, &live);
+    assert_eq!(imported, live);
+}
+
+/// Every leaf key of a fully populated config, with list indices written as `[]`.
+fn leaf_paths(value: &serde_json::Value, prefix: String, out: &mut Vec<String>) {
+    match value {
+        serde_json::Value::Object(map) if !(prefix.ends_with("model_map")) => {
+            for (key, item) in map {
+                let path = if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                leaf_paths(item, path, out);
+            }
+        }
+        serde_json::Value::Array(items)
+            if items.iter().all(|item| item.is_object()) && !items.is_empty() =>
+        {
+            for item in items {
+                leaf_paths(item, format!("{prefix}[]"), out);
+            }
+        }
+        _ => out.push(prefix),
+    }
+}
+
+#[test]
+fn configuration_doc_lists_every_key() {
+    let doc = include_str!("../../docs/configuration.md");
+    let full = parse(
+        r#"
+admin: {token: t}
+api_keys: [{key: k, name: n, allowed_backends: [a]}]
+backends: [{name: a, url: "http://a:1"}]
+telemetry: {otlp: {endpoint: "http://c:4317"}}
+dynamo:
+  discovery:
+    etcd:
+      tls: {ca_cert: /a, client_cert: /b, client_key: /c, server_name: s}
+      auth: {username: u, password: p}
+    kubernetes:
+      model: m
+      models: [{component: c, model: m, dynamo_namespace: d}]
+  load: {direct_allow_cidrs: ["10.0.0.0/8"]}
+  shim: {pools: [{namespace: n, backends: [a]}]}
+  kv: {conditional_disaggregation: {decode_busy_threshold: 0.5}}
+  event_bus:
+    tls: {cert: /a, key: /b, client_ca: /c}
+    brokers: [{id: b, token_hash: h, namespaces: [n], backends: [a]}]
+"#,
+    )
+    .unwrap();
+    let mut paths = Vec::new();
+    leaf_paths(
+        &serde_json::to_value(&full).unwrap(),
+        String::new(),
+        &mut paths,
+    );
+    paths.sort();
+    paths.dedup();
+    let missing: Vec<&String> = paths
+        .iter()
+        .filter(|path| {
+            let short = path.replace("dynamo.discovery.", "…");
+            !doc.contains(&format!("`{path}`")) && !doc.contains(&format!("`{short}`"))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/configuration.md lacks {missing:#?}"
+    );
+}
+
+#[test]
+fn configuration_doc_full_example_is_valid() {
+    let doc = include_str!("../../docs/configuration.md");
+    let example = doc
+        .split("## Full example")
+        .nth(1)
+        .and_then(|rest| rest.split("```yaml\n").nth(1))
+        .and_then(|rest| rest.split("```").next())
+        .unwrap();
+    Config::from_yaml_str_validated(example, &template_env()).unwrap();
 }
