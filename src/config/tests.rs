@@ -511,3 +511,39 @@ fn configuration_doc_full_example_is_valid() {
         .unwrap();
     Config::from_yaml_str_validated(example, &template_env()).unwrap();
 }
+
+#[test]
+fn event_bus_derived_limits_follow_the_reference() {
+    let mut bus = EventBusConfig::default();
+    assert_eq!(bus.stream_buffer_bytes(), 16 * 1024);
+    assert_eq!(bus.max_connections(), 256);
+    bus.max_streams_per_session = 1;
+    assert_eq!(bus.stream_buffer_bytes(), 1024 * 1024);
+    bus.max_sessions = 2;
+    assert_eq!(bus.max_connections(), 16);
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// External input never panics the parser, the interpolator or the validators.
+    #[test]
+    fn arbitrary_text_never_panics(text in "[ -~\n\t:{}\\[\\]$]{0,200}") {
+        if let Ok(config) = parse(&text) {
+            let _ = validate(&config);
+            let _ = show_effective(&config);
+        }
+        let _ = validate::check_endpoint(&text);
+        let _ = interpolate::expand(&text, &env(&[("A", "x")]));
+    }
+
+    #[test]
+    fn arbitrary_endpoint_lists_validate_without_panicking(
+        endpoints in proptest::collection::vec("[a-z0-9:/@?#\\[\\].-]{0,24}", 0..20),
+    ) {
+        let mut config = Config::default();
+        config.dynamo.enabled = true;
+        config.dynamo.discovery.etcd.endpoints = endpoints;
+        let _ = validate(&config);
+    }
+}
