@@ -333,31 +333,37 @@ fn deserialize_typed(
     mut value: Value,
     whole: &BTreeSet<Vec<PathSeg>>,
 ) -> Result<Config, ConfigError> {
-    // The YAML went through an untyped tree, so a plain scalar was typed by its spelling alone:
-    // `model: 2024` is a number there, `enabled: "${ON}"` a string. When a field rejects such a
-    // scalar, retype that one node and retry; each retry fixes one node, so the loop is bounded.
+    let mut unknown: BTreeSet<Vec<PathSeg>> = BTreeSet::new();
+    let mut type_errors: Vec<Diagnostic> = Vec::new();
+    let mut removed: Vec<Vec<PathSeg>> = Vec::new();
+    let mut exhausted = true;
+    // Each pass either returns, stops, or changes one node (retypes or removes it), so the loop
+    // is bounded by the document and by MAX_COERCIONS.
     for _ in 0..MAX_COERCIONS {
-        let mut unknown: Vec<Vec<PathSeg>> = Vec::new();
+        let mut seen: Vec<Vec<PathSeg>> = Vec::new();
         let result: Result<Config, _> = {
             let mut on_ignored = |path: serde_ignored::Path<'_>| {
                 let mut segs = Vec::new();
                 ignored_path(&path, &mut segs);
-                unknown.push(segs);
+                seen.push(segs);
             };
             let ignored = serde_ignored::Deserializer::new(&value, &mut on_ignored);
             serde_path_to_error::deserialize(ignored)
         };
-        let mut problems: Vec<Diagnostic> = unknown
-            .iter()
-            .map(|segs| Diagnostic::error(format_path(segs), "unknown key"))
-            .collect();
+        unknown.extend(seen);
         let error = match result {
-            Ok(config) if problems.is_empty() => return Ok(config),
-            Ok(_) => return Err(ConfigError::Parse(problems)),
+            Ok(config) if unknown.is_empty() && type_errors.is_empty() => return Ok(config),
+            Ok(_) => {
+                exhausted = false;
+                break;
+            }
             Err(error) => error,
         };
         let segs = error_path(error.path());
         let message = error.into_inner().to_string();
+        // The YAML went through an untyped tree, so a plain scalar was typed by its spelling
+        // alone: `model: 2024` is a number there, `enabled: "${ON}"` a string. When a field
+        // rejects such a scalar, retype that one node and retry.
         if let Some(node) = node_mut(&mut value, &segs) {
             let retyped = match node {
                 Value::String(text) if whole.contains(&segs) => coerce_scalar(text),
@@ -376,13 +382,46 @@ fn deserialize_typed(
                 continue;
             }
         }
-        problems.push(Diagnostic::error(format_path(&segs), message));
-        return Err(ConfigError::Parse(problems));
+        // A required field we removed ourselves below is not a second problem.
+        let caused_by_removal = message.starts_with("missing field")
+            && removed
+                .iter()
+                .any(|gone| gone.len() == segs.len() + 1 && gone.starts_with(&segs));
+        if !caused_by_removal {
+            type_errors.push(Diagnostic::error(format_path(&segs), message));
+        }
+        // Drop the nearest key holding the problem (the key itself, or the whole list for a bad
+        // list element) so the rest of the document is still checked; its field falls back to
+        // its default, or reports a missing required field that the check above skips.
+        let target: Option<Vec<PathSeg>> = segs
+            .iter()
+            .rposition(|seg| matches!(seg, PathSeg::Key(_)))
+            .map(|at| segs[..=at].to_vec());
+        let dropped = match target.as_deref().and_then(|target| target.split_last()) {
+            Some((PathSeg::Key(key), parent)) => match node_mut(&mut value, parent) {
+                Some(Value::Object(map)) => map.remove(key).is_some(),
+                _ => false,
+            },
+            _ => false,
+        };
+        let Some(segs) = target.filter(|_| dropped) else {
+            exhausted = false;
+            break;
+        };
+        removed.push(segs);
     }
-    Err(ConfigError::Parse(vec![Diagnostic::error(
-        "<root>",
-        "too many scalars needed retyping; quote string values that look like numbers",
-    )]))
+    let mut problems: Vec<Diagnostic> = unknown
+        .iter()
+        .map(|segs| Diagnostic::error(format_path(segs), "unknown key"))
+        .collect();
+    problems.extend(type_errors);
+    if exhausted {
+        problems.push(Diagnostic::error(
+            "<root>",
+            "too many values needed retyping; quote string values that look like numbers",
+        ));
+    }
+    Err(ConfigError::Parse(problems))
 }
 
 #[cfg(test)]

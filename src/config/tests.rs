@@ -219,6 +219,40 @@ fn type_errors_name_their_path() {
 }
 
 #[test]
+fn every_type_error_is_reported_not_just_the_first() {
+    let error = parse(
+        r#"
+server: {bind_address: "not an address"}
+backends:
+  - {name: [a], url: "http://a:1"}
+api_keys:
+  - {name: no-key}
+dynamo:
+  enabled: maybe
+  discovery: {etcd: {namespace: [x]}}
+  load: {max_staleness: soon}
+  bogus: 1
+"#,
+    )
+    .unwrap_err();
+    let mut paths = parse_paths(&error);
+    paths.sort_unstable();
+    assert_eq!(
+        paths,
+        vec![
+            "api_keys[0]",
+            "backends[0].name",
+            "dynamo.bogus",
+            "dynamo.discovery.etcd.namespace",
+            "dynamo.enabled",
+            "dynamo.load.max_staleness",
+            "server.bind_address",
+        ],
+        "{error}"
+    );
+}
+
+#[test]
 fn duplicate_keys_and_bad_yaml_are_refused() {
     assert!(matches!(
         parse("server: {}\nserver: {}\n"),
