@@ -31,7 +31,7 @@ pub mod validate;
 pub use diff::{DiscoveryAction, ReloadClass, ReloadPlan, RestartReason, diff};
 pub use interpolate::{EnvLookup, ProcessEnv};
 pub use mask::{restore_masked, show_effective};
-pub use report::{render_validation_report, validate_file};
+pub use report::{log_diagnostics, render_validation_report, validate_file};
 pub use schema::*;
 pub use validate::validate;
 

@@ -51,6 +51,25 @@ pub fn validate_file(file: &Path) -> (String, i32) {
     render_validation_report(file, &Config::load(file))
 }
 
+/// Logs each diagnostic as a structured event (startup and reload use this; the CLI prints the
+/// report instead).
+pub fn log_diagnostics(diagnostics: &[Diagnostic]) {
+    for diagnostic in diagnostics {
+        match diagnostic.severity {
+            Severity::Error => tracing::error!(
+                path = %diagnostic.path,
+                message = %diagnostic.message,
+                "Config validation found an error."
+            ),
+            Severity::Warning => tracing::warn!(
+                path = %diagnostic.path,
+                message = %diagnostic.message,
+                "Config validation found a warning."
+            ),
+        }
+    }
+}
+
 fn write_diagnostics(out: &mut String, diagnostics: &[Diagnostic]) {
     for severity in [Severity::Error, Severity::Warning] {
         for diagnostic in diagnostics.iter().filter(|d| d.severity == severity) {
