@@ -1,0 +1,674 @@
+//! The typed configuration tree: every section, key and default the daemon reads.
+//!
+//! Fields stay close to what the operator wrote (strings for endpoints and CIDRs) so that
+//! validation can report each bad entry with its YAML path instead of failing the whole parse on
+//! the first one; typed accessors (`normalized_endpoints`, `allow_cidrs`, `namespaces`) give the
+//! daemon the parsed form once validation has passed.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use continuum_protocol::ids::Namespace;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The default Dynamo namespace (`DYN_NAMESPACE` upstream).
+pub const DEFAULT_DYNAMO_NAMESPACE: &str = "dynamo";
+
+/// A duration written as a humantime string ("500ms", "30s", "5m").
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct HumanDuration(pub Duration);
+
+impl HumanDuration {
+    pub const fn from_millis(ms: u64) -> Self {
+        Self(Duration::from_millis(ms))
+    }
+
+    pub const fn from_secs(secs: u64) -> Self {
+        Self(Duration::from_secs(secs))
+    }
+
+    pub const fn get(self) -> Duration {
+        self.0
+    }
+}
+
+impl fmt::Debug for HumanDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+impl fmt::Display for HumanDuration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+impl From<HumanDuration> for Duration {
+    fn from(value: HumanDuration) -> Self {
+        value.0
+    }
+}
+
+impl Serialize for HumanDuration {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(&humantime::format_duration(self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = HumanDuration;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration string such as \"500ms\", \"30s\" or \"5m\"")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<HumanDuration, E> {
+                humantime::parse_duration(text.trim())
+                    .map(HumanDuration)
+                    .map_err(|error| E::custom(format!("invalid duration {text:?}: {error}")))
+            }
+        }
+        deserializer.deserialize_str(Visitor)
+    }
+}
+
+/// The whole daemon configuration (one YAML document).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub admin: AdminConfig,
+    pub api_keys: Vec<ApiKeyConfig>,
+    pub backends: Vec<BackendConfig>,
+    pub disaggregated_serving: DisaggregatedServingConfig,
+    pub telemetry: TelemetryConfig,
+    pub dynamo: DynamoConfig,
+}
+
+impl Config {
+    /// The configured backend with this name, if any.
+    pub fn backend(&self, name: &str) -> Option<&BackendConfig> {
+        self.backends.iter().find(|backend| backend.name == name)
+    }
+}
+
+/// `server`: the OpenAI-compatible front door.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServerConfig {
+    /// TCP address the front door (and `/admin/*`, `/metrics`) listens on.
+    pub bind_address: SocketAddr,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            bind_address: SocketAddr::from(([127, 0, 0, 1], 8080)),
+        }
+    }
+}
+
+/// `admin`: the `/admin/*` API.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AdminConfig {
+    /// Mounts `/admin/*` when true (a token is then required).
+    pub enabled: bool,
+    /// Bearer token for `/admin/*`. Masked in readbacks.
+    pub token: Option<String>,
+}
+
+/// One `api_keys[]` entry: a client credential for the front door.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ApiKeyConfig {
+    /// The bearer key clients send. Masked in readbacks.
+    pub key: String,
+    /// A human name for logs and metrics (never the key).
+    pub name: String,
+    /// Backends this key may reach; unset means every backend.
+    #[serde(default)]
+    pub allowed_backends: Option<Vec<String>>,
+}
+
+/// Wire type of a backend. Only OpenAI-compatible backends exist today.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendType {
+    #[default]
+    Openai,
+}
+
+/// Serving role of a backend in disaggregated serving.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendRole {
+    #[default]
+    Unified,
+    Prefill,
+    Decode,
+}
+
+/// One `backends[]` entry: an upstream OpenAI-wire server (a Dynamo shim replica, for example).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BackendConfig {
+    pub name: String,
+    #[serde(rename = "type", default)]
+    pub kind: BackendType,
+    /// Base URL, `http(s)://host[:port][/path]`.
+    pub url: String,
+    #[serde(default)]
+    pub role: BackendRole,
+    /// Model ids this backend serves (empty = any).
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Internal backends are reachable only through routing features (never chosen directly).
+    #[serde(default)]
+    pub internal: bool,
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    #[serde(default)]
+    pub health_check: HealthCheckConfig,
+}
+
+/// `backends[].health_check`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HealthCheckConfig {
+    pub enabled: bool,
+    /// Path probed with GET, relative to the backend URL.
+    pub path: String,
+    pub interval: HumanDuration,
+    pub timeout: HumanDuration,
+    /// Consecutive failures before the backend is marked unhealthy.
+    pub unhealthy_threshold: u32,
+    /// Consecutive successes before an unhealthy backend is marked healthy again.
+    pub healthy_threshold: u32,
+}
+
+impl Default for HealthCheckConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            path: "/health".to_owned(),
+            interval: HumanDuration::from_secs(10),
+            timeout: HumanDuration::from_secs(5),
+            unhealthy_threshold: 3,
+            healthy_threshold: 2,
+        }
+    }
+}
+
+/// `disaggregated_serving`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DisaggregatedServingConfig {
+    pub enabled: bool,
+    /// After a shim failure, retry once on a unified backend without worker pins.
+    pub fallback_to_unified: bool,
+}
+
+impl Default for DisaggregatedServingConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            fallback_to_unified: true,
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// `telemetry`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TelemetryConfig {
+    pub log_format: LogFormat,
+    /// A `tracing_subscriber::EnvFilter` directive ("info", "continuum_router=debug,info").
+    pub log_level: String,
+    pub service_name: String,
+    /// OTLP/gRPC trace export; unset disables it.
+    pub otlp: Option<OtlpConfig>,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            log_format: LogFormat::Text,
+            log_level: "info".to_owned(),
+            service_name: "continuum-router".to_owned(),
+            otlp: None,
+        }
+    }
+}
+
+/// `telemetry.otlp`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OtlpConfig {
+    /// Collector address, `http(s)://host:port` (Jaeger's OTLP/gRPC port is 4317).
+    pub endpoint: String,
+}
+
+/// `dynamo`: discovery, load signals, shim routing, KV-aware selection and the event bus.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DynamoConfig {
+    pub enabled: bool,
+    pub discovery: DiscoveryConfig,
+    pub load: LoadConfig,
+    pub shim: ShimConfig,
+    pub kv: KvConfig,
+    pub event_bus: EventBusConfig,
+}
+
+/// Where workers register.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiscoverySource {
+    #[default]
+    Etcd,
+    Kubernetes,
+    KubernetesPods,
+}
+
+impl DiscoverySource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Etcd => "etcd",
+            Self::Kubernetes => "kubernetes",
+            Self::KubernetesPods => "kubernetes_pods",
+        }
+    }
+
+    pub fn is_kubernetes(self) -> bool {
+        matches!(self, Self::Kubernetes | Self::KubernetesPods)
+    }
+}
+
+/// `dynamo.discovery`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DiscoveryConfig {
+    pub source: DiscoverySource,
+    pub etcd: EtcdConfig,
+    pub kubernetes: KubernetesConfig,
+}
+
+impl DiscoveryConfig {
+    /// The Dynamo namespaces the active source watches, in configured order (first = primary).
+    pub fn namespace_names(&self) -> Vec<String> {
+        let (scalar, list) = match self.source {
+            DiscoverySource::Etcd => (&self.etcd.namespace, &self.etcd.namespaces),
+            DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => (
+                &self.kubernetes.dynamo_namespace,
+                &self.kubernetes.dynamo_namespaces,
+            ),
+        };
+        if list.is_empty() {
+            vec![scalar.clone()]
+        } else {
+            list.clone()
+        }
+    }
+
+    /// [`Self::namespace_names`] as protocol newtypes.
+    pub fn namespaces(&self) -> Vec<Namespace> {
+        self.namespace_names()
+            .into_iter()
+            .map(Namespace::new)
+            .collect()
+    }
+
+    /// The active source's reconnect backoff.
+    pub fn watch_reconnect_backoff(&self) -> BackoffConfig {
+        match self.source {
+            DiscoverySource::Etcd => self.etcd.watch_reconnect_backoff,
+            DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {
+                self.kubernetes.watch_reconnect_backoff
+            }
+        }
+    }
+}
+
+/// `watch_reconnect_backoff`: full-jitter exponential backoff between discovery passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackoffConfig {
+    pub initial: HumanDuration,
+    pub max: HumanDuration,
+}
+
+impl Default for BackoffConfig {
+    fn default() -> Self {
+        Self {
+            initial: HumanDuration::from_millis(500),
+            max: HumanDuration::from_secs(30),
+        }
+    }
+}
+
+/// `dynamo.discovery.etcd`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EtcdConfig {
+    /// `http(s)://host:port` or bare `host:port` (normalised to `http://`).
+    pub endpoints: Vec<String>,
+    /// The workers' `DYN_NAMESPACE`.
+    pub namespace: String,
+    /// Several namespaces instead of `namespace` (each needs a shim pool).
+    pub namespaces: Vec<String>,
+    pub tls: Option<EtcdTlsConfig>,
+    pub auth: Option<EtcdAuthConfig>,
+    pub watch_reconnect_backoff: BackoffConfig,
+}
+
+impl Default for EtcdConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            namespace: DEFAULT_DYNAMO_NAMESPACE.to_owned(),
+            namespaces: Vec::new(),
+            tls: None,
+            auth: None,
+            watch_reconnect_backoff: BackoffConfig::default(),
+        }
+    }
+}
+
+impl EtcdConfig {
+    /// Endpoints with bare `host:port` turned into `http://host:port`, as etcd-client wants them.
+    pub fn normalized_endpoints(&self) -> Vec<String> {
+        self.endpoints
+            .iter()
+            .map(|endpoint| crate::config::validate::normalize_endpoint(endpoint))
+            .collect()
+    }
+}
+
+/// `dynamo.discovery.etcd.tls`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EtcdTlsConfig {
+    pub ca_cert: Option<PathBuf>,
+    pub client_cert: Option<PathBuf>,
+    /// Masked in readbacks.
+    pub client_key: Option<PathBuf>,
+    /// SNI / certificate name override.
+    pub server_name: Option<String>,
+}
+
+/// `dynamo.discovery.etcd.auth`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EtcdAuthConfig {
+    pub username: String,
+    /// Masked in readbacks.
+    pub password: String,
+}
+
+/// `dynamo.discovery.kubernetes` (sources `kubernetes` and `kubernetes_pods`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KubernetesConfig {
+    /// Kubernetes namespace of the fleet (a DNS-1123 label).
+    pub namespace: String,
+    /// The workers' `DYN_NAMESPACE` (`nvidia.com/dynamo-namespace` label value).
+    pub dynamo_namespace: String,
+    /// Several Dynamo namespaces instead of `dynamo_namespace`.
+    pub dynamo_namespaces: Vec<String>,
+    /// `kubernetes_pods` only: the served model name for every worker Pod.
+    pub model: Option<String>,
+    /// `kubernetes_pods` only: per-component model names.
+    pub models: Vec<ComponentModel>,
+    pub watch_reconnect_backoff: BackoffConfig,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            namespace: DEFAULT_DYNAMO_NAMESPACE.to_owned(),
+            dynamo_namespace: DEFAULT_DYNAMO_NAMESPACE.to_owned(),
+            dynamo_namespaces: Vec::new(),
+            model: None,
+            models: Vec::new(),
+            watch_reconnect_backoff: BackoffConfig::default(),
+        }
+    }
+}
+
+/// One `dynamo.discovery.kubernetes.models[]` entry.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ComponentModel {
+    /// Exact `nvidia.com/dynamo-component` label value.
+    pub component: String,
+    pub model: String,
+    /// Required when several Dynamo namespaces are configured.
+    #[serde(default)]
+    pub dynamo_namespace: Option<String>,
+}
+
+/// How load and KV subscriptions reach publishers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoadTransport {
+    /// Dial publisher Pod IPs (router inside the cluster).
+    #[default]
+    Direct,
+    /// Ride event-bus streams opened by in-cluster brokers.
+    Broker,
+}
+
+/// `dynamo.load`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LoadConfig {
+    /// Oldest ActiveLoad sample that still counts as fresh (100ms..=5m).
+    pub max_staleness: HumanDuration,
+    pub transport: LoadTransport,
+    /// Networks direct mode may dial; unset allows any address.
+    pub direct_allow_cidrs: Option<Vec<String>>,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        Self {
+            max_staleness: HumanDuration::from_secs(3),
+            transport: LoadTransport::Direct,
+            direct_allow_cidrs: None,
+        }
+    }
+}
+
+impl LoadConfig {
+    /// The parsed allow-list (`None` = allow any). Entries that fail to parse are skipped;
+    /// validation rejects them before a config reaches the daemon.
+    pub fn allow_cidrs(&self) -> Option<Vec<ipnet::IpNet>> {
+        self.direct_allow_cidrs.as_ref().map(|cidrs| {
+            cidrs
+                .iter()
+                .filter_map(|cidr| cidr.trim().parse().ok())
+                .collect()
+        })
+    }
+}
+
+/// `dynamo.shim`: the `dynamo.frontend --router-mode direct` replicas.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ShimConfig {
+    /// `backends[].name` entries of the single namespace's shim replicas.
+    pub backends: Vec<String>,
+    /// One pool per namespace when several namespaces are watched.
+    pub pools: Vec<ShimPool>,
+    /// Client model id -> Dynamo display_name.
+    pub model_map: BTreeMap<String, String>,
+}
+
+impl ShimConfig {
+    /// The shim replicas for `namespace`: its pool, or `backends` when no pools are configured.
+    pub fn backends_for(&self, namespace: &str) -> &[String] {
+        if self.pools.is_empty() {
+            return &self.backends;
+        }
+        self.pools
+            .iter()
+            .find(|pool| pool.namespace == namespace)
+            .map(|pool| pool.backends.as_slice())
+            .unwrap_or(&[])
+    }
+}
+
+/// One `dynamo.shim.pools[]` entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShimPool {
+    pub namespace: String,
+    pub backends: Vec<String>,
+}
+
+/// `dynamo.kv`: KV-overlap-aware prefill selection.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvConfig {
+    pub enabled: bool,
+    /// Fetch http(s) tokenizer URLs named by worker cards.
+    pub allow_http_artifacts: bool,
+    /// Fetch hf:// tokenizer URLs from the Hugging Face Hub.
+    pub allow_hf_artifacts: bool,
+    /// `blake3:<64 lowercase hex>` checksums the router may load.
+    pub pinned_artifacts: Vec<String>,
+    pub artifact_cache_dir: PathBuf,
+    pub overlap_score_credit: f64,
+    pub prefill_load_scale: f64,
+    /// 0 = deterministic lowest cost; above 0 = softmax sampling.
+    pub router_temperature: f64,
+    /// Attach rendered token ids as `nvext.token_data`.
+    pub send_token_data: bool,
+    pub conditional_disaggregation: ConditionalDisaggregationConfig,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            allow_http_artifacts: true,
+            allow_hf_artifacts: false,
+            pinned_artifacts: Vec::new(),
+            artifact_cache_dir: PathBuf::from("/var/cache/continuum-router/kv-artifacts"),
+            overlap_score_credit: 1.0,
+            prefill_load_scale: 1.0,
+            router_temperature: 0.0,
+            send_token_data: false,
+            conditional_disaggregation: ConditionalDisaggregationConfig::default(),
+        }
+    }
+}
+
+/// `dynamo.kv.conditional_disaggregation`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ConditionalDisaggregationConfig {
+    pub enabled: bool,
+    /// Fraction of total_kv_blocks (0..=1) a decode worker may hold and still prefill locally.
+    pub decode_busy_threshold: Option<f64>,
+}
+
+/// `dynamo.event_bus`: the inbound HTTP/2-over-TLS listener for brokers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EventBusConfig {
+    pub enabled: bool,
+    pub listen: SocketAddr,
+    pub tls: Option<EventBusTlsConfig>,
+    pub brokers: Vec<BrokerConfig>,
+    pub max_sessions: u32,
+    pub max_streams_per_session: u32,
+    pub max_session_buffer_bytes: u64,
+    pub heartbeat_interval: HumanDuration,
+    pub idle_timeout: HumanDuration,
+}
+
+impl Default for EventBusConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            listen: SocketAddr::from(([0, 0, 0, 0], 7443)),
+            tls: None,
+            brokers: Vec::new(),
+            max_sessions: 64,
+            max_streams_per_session: 1024,
+            max_session_buffer_bytes: 64 * 1024 * 1024,
+            heartbeat_interval: HumanDuration::from_secs(10),
+            idle_timeout: HumanDuration::from_secs(30),
+        }
+    }
+}
+
+impl EventBusConfig {
+    /// Per-direction buffer of one data stream: `max_session_buffer_bytes / (4 *
+    /// max_streams_per_session)` clamped to 16 KiB..=1 MiB (16 KiB at defaults).
+    pub fn stream_buffer_bytes(&self) -> u64 {
+        let reservations = 4 * u64::from(self.max_streams_per_session.max(1));
+        (self.max_session_buffer_bytes / reservations).clamp(16 * 1024, 1024 * 1024)
+    }
+
+    /// Concurrent TCP connections the listener accepts: `4 * max_sessions`, at least 16.
+    pub fn max_connections(&self) -> u64 {
+        (4 * u64::from(self.max_sessions)).max(16)
+    }
+}
+
+/// `dynamo.event_bus.tls`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EventBusTlsConfig {
+    pub cert: Option<PathBuf>,
+    /// Masked in readbacks.
+    pub key: Option<PathBuf>,
+    /// CA for client-certificate authentication (DNS SAN = broker id).
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Role of an event-bus client.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BrokerRole {
+    /// continuum-event-broker: relays ZMQ publishers of granted Dynamo namespaces.
+    #[default]
+    Broker,
+    /// continuum-kv-listener: pushes KV events of granted backends.
+    KvListener,
+}
+
+/// One `dynamo.event_bus.brokers[]` entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BrokerConfig {
+    /// Client id; also the DNS SAN a client certificate must carry.
+    pub id: String,
+    #[serde(default)]
+    pub role: BrokerRole,
+    /// `sha256:<64 lowercase hex>` of the bearer token (never the token). Masked in readbacks.
+    #[serde(default)]
+    pub token_hash: Option<String>,
+    /// role broker: Dynamo namespaces it may serve (empty = any, with a warning).
+    #[serde(default)]
+    pub namespaces: Vec<String>,
+    /// role kv_listener: backends it may announce.
+    #[serde(default)]
+    pub backends: Vec<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
