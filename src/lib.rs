@@ -1,6 +1,17 @@
 //! continuum-router: the daemon library. `main.rs` parses the command line and calls in here.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`config`] | the typed YAML schema, validation, masking and the reload diff |
+//! | [`daemon`] | startup, the reload control loop and bounded shutdown |
+//! | [`front_door`] | the axum router: OpenAI surface, health, metrics, admin |
+//! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
+//! | [`readiness`] | first-pass tracking behind `GET /ready` |
+//! | [`telemetry`] | logs and OTLP trace export |
 
 pub mod config;
+pub mod daemon;
+pub mod dynamo_admin;
 pub mod front_door;
 pub mod readiness;
 pub mod telemetry;

@@ -1,2 +1,147 @@
-//! The `continuum-router` binary.
-fn main() {}
+//! The `continuum-router` binary: parse the command line, then hand over to the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use continuum_router::config::{self, Config};
+use continuum_router::daemon::{self, RunOptions};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "continuum-router",
+    version,
+    about = "External router for NVIDIA Dynamo fleets"
+)]
+struct Cli {
+    /// Config file to run with (same as `run --config FILE`).
+    #[arg(long, global = false)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the daemon with a config file.
+    Run {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Inspect a config file.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
+    /// Run the daemon on an embedded default: a simulated fleet on this machine.
+    Demo {
+        /// Address to serve on (default from the embedded config).
+        #[arg(long)]
+        bind: Option<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ConfigAction {
+    /// Print every error and warning with its YAML path; exit 0 when valid, 1 otherwise.
+    Validate {
+        #[arg(long)]
+        config: PathBuf,
+    },
+    /// Print the effective config (defaults filled in) with secrets masked.
+    Show {
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    // ring is the one process-wide rustls provider (no aws-lc is compiled in).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cli = Cli::parse();
+    match (cli.command, cli.config) {
+        (Some(Command::Config { action }), _) => config_command(action),
+        (Some(Command::Run { config }), _) | (None, Some(config)) => run_file(config),
+        (Some(Command::Demo { bind }), _) => run_demo(bind),
+        (None, None) => {
+            eprintln!("continuum-router: give --config FILE, or try `continuum-router demo`");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn config_command(action: ConfigAction) -> ExitCode {
+    match action {
+        ConfigAction::Validate { config } => {
+            let (report, code) = config::report::validate_file(&config);
+            print!("{report}");
+            ExitCode::from(code.clamp(0, 255) as u8)
+        }
+        ConfigAction::Show { config } => match Config::load(&config) {
+            Ok(loaded) => {
+                print!("{}", config::show_effective(&loaded.config));
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("{error}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+fn run_file(path: PathBuf) -> ExitCode {
+    let loaded = match Config::load(&path) {
+        Ok(loaded) => loaded,
+        Err(error) => {
+            eprintln!("{error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for warning in &loaded.diagnostics {
+        eprintln!("{warning}");
+    }
+    block_on(RunOptions {
+        config: loaded.config,
+        config_path: Some(path),
+        demo: false,
+    })
+}
+
+fn run_demo(bind: Option<String>) -> ExitCode {
+    let mut config = Config::demo();
+    if let Some(bind) = bind {
+        match bind.parse() {
+            Ok(addr) => config.server.bind_address = addr,
+            Err(error) => {
+                eprintln!("--bind {bind}: {error}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    block_on(RunOptions {
+        config,
+        config_path: None,
+        demo: true,
+    })
+}
+
+fn block_on(options: RunOptions) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(error) => {
+            eprintln!("cannot start the tokio runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(daemon::run_until_signal(options)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("continuum-router: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

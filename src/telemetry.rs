@@ -19,7 +19,6 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{WithExportConfig as _, WithTonicConfig as _};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::SdkTracerProvider;
-use serde::Deserialize;
 use tracing::Subscriber;
 use tracing_subscriber::filter::{EnvFilter, ParseError};
 use tracing_subscriber::fmt::MakeWriter;
@@ -44,16 +43,8 @@ const EXPORT_PIPELINE_TARGETS: &[&str] = &[
     "opentelemetry_otlp",
 ];
 
-/// Log line format.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    /// Human-readable lines, for terminals.
-    #[default]
-    Text,
-    /// One JSON object per line with span context, for log pipelines.
-    Json,
-}
+pub use crate::config::LogFormat;
+use crate::config::TelemetryConfig;
 
 /// What [`init`] sets up.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,44 +65,6 @@ impl Default for TelemetryOptions {
             log_level: "info".to_owned(),
             service_name: "continuum-router".to_owned(),
             otlp_endpoint: None,
-        }
-    }
-}
-
-/// The `telemetry:` section of the YAML config, for the config module to embed.
-///
-/// ```yaml
-/// telemetry:
-///   log_format: json            # text (default) | json
-///   log_level: "info,continuum_actors=debug"
-///   service_name: continuum-router
-///   otlp:
-///     endpoint: "http://127.0.0.1:4317"   # OTLP/gRPC; omit the otlp block to disable export
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TelemetryConfig {
-    pub log_format: LogFormat,
-    pub log_level: String,
-    pub service_name: String,
-    pub otlp: Option<OtlpConfig>,
-}
-
-/// `telemetry.otlp`.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OtlpConfig {
-    pub endpoint: String,
-}
-
-impl Default for TelemetryConfig {
-    fn default() -> Self {
-        let defaults = TelemetryOptions::default();
-        Self {
-            log_format: defaults.log_format,
-            log_level: defaults.log_level,
-            service_name: defaults.service_name,
-            otlp: None,
         }
     }
 }
@@ -416,10 +369,10 @@ mod tests {
 
     #[test]
     fn the_yaml_section_maps_onto_options() {
-        let yaml =
-            "log_format: json\nlog_level: debug\notlp:\n  endpoint: \"http://127.0.0.1:4317\"\n";
-        let config: TelemetryConfig = serde_saphyr::from_str(yaml).expect("valid section");
-        let options = TelemetryOptions::from(&config);
+        let yaml = "telemetry:\n  log_format: json\n  log_level: debug\n  otlp:\n    endpoint: \"http://127.0.0.1:4317\"\n";
+        let config = crate::config::Config::from_yaml_str(yaml, &crate::config::ProcessEnv)
+            .expect("valid section");
+        let options = TelemetryOptions::from(&config.telemetry);
         assert_eq!(options.log_format, LogFormat::Json);
         assert_eq!(options.log_level, "debug");
         assert_eq!(options.service_name, "continuum-router");
@@ -427,22 +380,24 @@ mod tests {
             options.otlp_endpoint.as_deref(),
             Some("http://127.0.0.1:4317")
         );
-
-        let empty: TelemetryConfig = serde_saphyr::from_str("{}").expect("all defaults");
-        assert_eq!(TelemetryOptions::from(&empty), TelemetryOptions::default());
+        let empty = crate::config::Config::from_yaml_str("{}", &crate::config::ProcessEnv)
+            .expect("all defaults");
+        assert_eq!(
+            TelemetryOptions::from(&empty.telemetry),
+            TelemetryOptions::default()
+        );
         // A typo must not silently disable export.
-        assert!(serde_saphyr::from_str::<TelemetryConfig>("otlp:\n  endpiont: x\n").is_err());
+        let typo = "telemetry:\n  otlp:\n    endpiont: x\n";
+        assert!(crate::config::Config::from_yaml_str(typo, &crate::config::ProcessEnv).is_err());
     }
 
     #[test]
     fn the_deploy_example_parses() {
-        #[derive(Deserialize)]
-        struct Example {
-            telemetry: TelemetryConfig,
-        }
-        let example: Example =
-            serde_saphyr::from_str(include_str!("../deploy/observability/router-otlp.yaml"))
-                .expect("deploy/observability/router-otlp.yaml parses");
+        let example = crate::config::Config::from_yaml_str(
+            include_str!("../deploy/observability/router-otlp.yaml"),
+            &crate::config::ProcessEnv,
+        )
+        .expect("deploy/observability/router-otlp.yaml parses");
         let options = TelemetryOptions::from(&example.telemetry);
         assert_eq!(
             options.otlp_endpoint.as_deref(),

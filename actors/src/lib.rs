@@ -24,6 +24,7 @@
 //! | [`lifecycle`] | actor lifecycle spans (start, stop, failure, restart) |
 
 pub mod clock;
+pub mod discovery;
 pub mod etcd_source;
 pub mod lifecycle;
 pub mod metrics;

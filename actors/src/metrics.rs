@@ -538,6 +538,13 @@ impl Metrics {
             .inc();
     }
 
+    pub fn discovery_events(&self, kind: DiscoveryEventKind, n: u64) {
+        self.inner
+            .discovery_events
+            .with_label_values(&[kind.as_label()])
+            .inc_by(n);
+    }
+
     pub fn set_discovery_connected(&self, connected: bool) {
         self.inner.discovery_connected.set(i64::from(connected));
     }

@@ -5,9 +5,8 @@
 //! before bumping the generation; an equal fleet is not republished. It also logs newly mixed
 //! namespaces and keeps the `continuum_dynamo_workers` gauges.
 //!
-//! Parent: root. Children: none. Messages in: `ViewChanged` (from DiscoveryActors), `Configure`
-//! (startup and reload: source, namespaces, reset or prune), `Disable`. Out: snapshots via
-//! [`DynamoRegistry`]. Restart: transient; the views and the snapshot live in [`DynamoRegistry`],
+//! Parent: root. Children: none. Messages in: `Rebuild` (after a DiscoveryActor staged a view, or
+//! the daemon staged a reconfiguration). Out: snapshots via [`DynamoRegistry`]. Restart: transient; the views and the snapshot live in [`DynamoRegistry`],
 //! outside the actor, so a restart loses nothing and readers never stop reading.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -112,9 +111,64 @@ impl DynamoRegistry {
                 .all(|ns| held.connected.get(ns).copied().unwrap_or(false))
     }
 
+    /// Stages a new configuration (startup and reload) for the next rebuild. `reset` drops every
+    /// held view (source, namespace or connection change); otherwise only views of namespaces no
+    /// longer configured are pruned. Returns the namespaces whose views were dropped.
+    pub fn reconfigure(&self, config: RegistryConfig, reset: bool) -> Vec<Namespace> {
+        let mut held = self.held();
+        let keep: BTreeSet<&Namespace> = config.namespaces.iter().collect();
+        let removed: Vec<Namespace> = held
+            .views
+            .keys()
+            .filter(|ns| reset || !config.enabled || !keep.contains(ns))
+            .cloned()
+            .collect();
+        for ns in &removed {
+            held.views.remove(ns);
+        }
+        held.connected.retain(|ns, _| keep.contains(ns));
+        held.config = config;
+        removed
+    }
+
+    /// Stages a namespace's new view for the next rebuild. Discovery actors stage, then poke the
+    /// registry actor with [`RegistryMsg::Rebuild`]; a poke lost while the registry restarts
+    /// loses nothing, since the restarted actor rebuilds from the staged views.
+    pub fn stage_view(&self, view: Arc<NamespaceView>) {
+        let mut held = self.held();
+        if held.config.namespaces.contains(view.namespace()) {
+            held.views.insert(view.namespace().clone(), view);
+        }
+    }
+
     /// A discovery source reports its connection state (not part of the snapshot).
     pub fn set_connected(&self, namespace: &Namespace, connected: bool) {
         self.held().connected.insert(namespace.clone(), connected);
+    }
+}
+
+/// Where to reach the current registry actor: updated at every (re)spawn, so senders never
+/// hold a stale `ActorRef` across a registry restart.
+#[derive(Clone, Default)]
+pub struct RegistryMailbox(Arc<arc_swap::ArcSwapOption<ActorRef<RegistryMsg>>>);
+
+impl std::fmt::Debug for RegistryMailbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryMailbox").finish_non_exhaustive()
+    }
+}
+
+impl RegistryMailbox {
+    pub fn set(&self, actor: ActorRef<RegistryMsg>) {
+        self.0.store(Some(Arc::new(actor)));
+    }
+
+    /// Best effort: a message sent while the registry restarts is dropped, which is safe
+    /// because the restarted actor rebuilds from the staged state.
+    pub fn cast(&self, msg: RegistryMsg) {
+        if let Some(actor) = self.0.load_full() {
+            let _ = actor.cast(msg);
+        }
     }
 }
 
@@ -126,11 +180,8 @@ pub struct RegistryArgs {
 }
 
 pub enum RegistryMsg {
-    /// A namespace's materialised view changed (or completed a resync).
-    ViewChanged(Arc<NamespaceView>),
-    /// Startup and reload. `reset` drops every held view (source, namespace or connection
-    /// change); otherwise views of namespaces no longer configured are pruned.
-    Configure { config: RegistryConfig, reset: bool },
+    /// Staged views or configuration changed: rebuild and publish if the fleet changed.
+    Rebuild,
 }
 
 pub struct RegistryState {
@@ -148,10 +199,13 @@ impl Actor for RegistryActor {
         _myself: ActorRef<Self::Msg>,
         args: RegistryArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
-        Ok(RegistryState {
+        let mut state = RegistryState {
             registry: args.registry,
             metrics: args.metrics,
-        })
+        };
+        // A restarted registry catches up with whatever was staged while it was down.
+        state.publish();
+        Ok(state)
     }
 
     async fn handle(
@@ -161,55 +215,13 @@ impl Actor for RegistryActor {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            RegistryMsg::ViewChanged(view) => state.view_changed(view),
-            RegistryMsg::Configure { config, reset } => state.configure(config, reset),
+            RegistryMsg::Rebuild => state.publish(),
         }
         Ok(())
     }
 }
 
 impl RegistryState {
-    fn view_changed(&mut self, view: Arc<NamespaceView>) {
-        {
-            let mut held = self.registry.held();
-            if !held.config.namespaces.contains(view.namespace()) {
-                // A late view from a namespace removed by a reload.
-                return;
-            }
-            held.views.insert(view.namespace().clone(), view);
-        }
-        self.publish();
-    }
-
-    fn configure(&mut self, config: RegistryConfig, reset: bool) {
-        let removed: Vec<Namespace> = {
-            let mut held = self.registry.held();
-            let keep: BTreeSet<&Namespace> = config.namespaces.iter().collect();
-            let removed = held
-                .views
-                .keys()
-                .filter(|ns| reset || !keep.contains(ns))
-                .cloned()
-                .collect::<Vec<_>>();
-            for ns in &removed {
-                held.views.remove(ns);
-                held.connected.remove(ns);
-            }
-            if !config.enabled {
-                held.views.clear();
-                held.connected.clear();
-            }
-            held.config = config;
-            removed
-        };
-        if let Some(metrics) = &self.metrics {
-            for ns in &removed {
-                metrics.remove_workers_namespace(ns);
-            }
-        }
-        self.publish();
-    }
-
     /// Rebuilds the snapshot from the held views and publishes it if the fleet changed.
     fn publish(&mut self) {
         let next = {
@@ -220,6 +232,12 @@ impl RegistryState {
         let previous = self.registry.snapshot();
         let report = newly_mixed(&previous, &next);
         let gauges = role_counts(&next);
+        let gone: Vec<Namespace> = previous
+            .namespaces()
+            .iter()
+            .filter(|ns| !next.namespaces().contains(ns))
+            .cloned()
+            .collect();
         let changed = self
             .registry
             .shared
@@ -254,6 +272,9 @@ impl RegistryState {
             );
         }
         if let Some(metrics) = &self.metrics {
+            for ns in &gone {
+                metrics.remove_workers_namespace(ns);
+            }
             for ((ns, role), count) in gauges {
                 metrics.set_workers(&ns, role, count);
             }

@@ -87,8 +87,18 @@ impl ChildSpec {
 
     /// A child that is itself a `Supervisor` over `children`.
     pub fn supervisor(name: impl Into<String>, kind: ActorKind, children: Vec<ChildSpec>) -> Self {
+        Self::supervisor_with(name, kind, move || children.clone())
+    }
+
+    /// A child `Supervisor` whose children are computed at every (re)spawn, so restarting the
+    /// subtree picks up the live configuration (live watcher replacement on reload).
+    pub fn supervisor_with<F>(name: impl Into<String>, kind: ActorKind, children: F) -> Self
+    where
+        F: Fn() -> Vec<ChildSpec> + Send + Sync + 'static,
+    {
+        let children = Arc::new(children);
         Self::new(name, kind, move |ctx: ChildContext| {
-            let children = children.clone();
+            let children = children();
             async move {
                 let args = SupervisorArgs {
                     path: ctx.path.clone(),

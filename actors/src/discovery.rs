@@ -1,0 +1,206 @@
+//! DiscoveryActor: one per Dynamo namespace, folding a discovery source into the reducer.
+//!
+//! Role: owns the namespace's `DiscoveryReducer` (created once per incarnation and reused across
+//! the source's reconnects, so `first_seen` survives resyncs) and the etcd source task that
+//! produces `SourceEvent`s. Every event is folded by `protocol`; when the materialised view
+//! changes outside a resync, the new view goes to the RegistryActor.
+//!
+//! Parent: the discovery supervisor. Children: none (the source and its forwarder are tasks
+//! spawned in `pre_start` and stopped in `post_stop`). Messages in: `Events` (batches from the
+//! forwarder), `Connected` (the source's watch state). Out: `RegistryMsg::ViewChanged`, the
+//! first-pass callback (readiness), discovery metrics. Restart: on failure, by its supervisor
+//! with the default budget; the registry keeps the namespace's last view meanwhile.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use continuum_protocol::discovery::SourceEvent;
+use continuum_protocol::discovery::reducer::DiscoveryReducer;
+use continuum_protocol::ids::Namespace;
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{Instrument, info, warn};
+
+use crate::clock::now_unix;
+use crate::etcd_source::{EtcdSource, EtcdSourceConfig};
+use crate::lifecycle::ActorSpan;
+use crate::metrics::Metrics;
+use crate::registry::{DynamoRegistry, RegistryMailbox, RegistryMsg};
+
+/// Events buffered between the source and the actor; a slow reducer back-pressures the watch.
+pub const SOURCE_CHANNEL: usize = 1024;
+/// Events folded per mailbox message.
+pub const MAX_BATCH: usize = 256;
+/// How long a stopping actor waits for its source task.
+pub const SOURCE_STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Called once per incarnation when the first full pass completed (readiness).
+pub type FirstPass = Arc<dyn Fn(&Namespace) + Send + Sync>;
+
+pub struct DiscoveryActor;
+
+pub struct DiscoveryArgs {
+    pub source: EtcdSourceConfig,
+    pub registry_actor: RegistryMailbox,
+    pub registry: DynamoRegistry,
+    pub metrics: Option<Metrics>,
+    pub on_first_pass: FirstPass,
+    pub span: ActorSpan,
+}
+
+pub enum DiscoveryMsg {
+    /// Events from the source, in order.
+    Events(Vec<SourceEvent>),
+    /// The source's watches opened (true) or its pass ended (false).
+    Connected(bool),
+}
+
+pub struct DiscoveryState {
+    namespace: Namespace,
+    reducer: DiscoveryReducer,
+    registry_actor: RegistryMailbox,
+    registry: DynamoRegistry,
+    metrics: Option<Metrics>,
+    on_first_pass: FirstPass,
+    first_pass_done: bool,
+    source: Option<EtcdSource>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Actor for DiscoveryActor {
+    type Msg = DiscoveryMsg;
+    type State = DiscoveryState;
+    type Arguments = DiscoveryArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<Self::Msg>,
+        args: DiscoveryArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let namespace = args.source.namespace.clone();
+        let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
+        let source = EtcdSource::spawn(args.source, tx)?;
+        let span = args.span.span().clone();
+        let forwarder = tokio::spawn(forward_events(rx, myself.clone()).instrument(span.clone()));
+        let watcher = tokio::spawn(forward_connected(source.connected(), myself).instrument(span));
+        Ok(DiscoveryState {
+            reducer: DiscoveryReducer::new(namespace.clone()),
+            namespace,
+            registry_actor: args.registry_actor,
+            registry: args.registry,
+            metrics: args.metrics,
+            on_first_pass: args.on_first_pass,
+            first_pass_done: false,
+            source: Some(source),
+            tasks: vec![forwarder, watcher],
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        state.stop().await;
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            DiscoveryMsg::Events(events) => state.fold(events),
+            DiscoveryMsg::Connected(connected) => state.set_connected(connected),
+        }
+        Ok(())
+    }
+}
+
+impl DiscoveryState {
+    fn fold(&mut self, events: Vec<SourceEvent>) {
+        let mut changed = false;
+        let mut completed_pass = false;
+        let now = now_unix();
+        for event in events {
+            completed_pass |= matches!(event, SourceEvent::InitDone);
+            changed |= self.reducer.apply(event, now);
+        }
+        if let Some(metrics) = &self.metrics {
+            for (kind, n) in self.reducer.take_counts().iter() {
+                metrics.discovery_events(kind, n);
+            }
+        } else {
+            self.reducer.take_counts();
+        }
+        // A view mid-resync is staged, not published: readers see whole passes only.
+        if (changed || (completed_pass && !self.first_pass_done)) && !self.reducer.is_resyncing() {
+            self.registry.stage_view(self.reducer.view().clone());
+            self.registry_actor.cast(RegistryMsg::Rebuild);
+        }
+        if completed_pass && !self.first_pass_done {
+            self.first_pass_done = true;
+            info!(namespace = %self.namespace, workers = self.reducer.view().workers().len(), "First discovery pass complete.");
+            (self.on_first_pass)(&self.namespace);
+        }
+    }
+
+    fn set_connected(&mut self, connected: bool) {
+        self.registry.set_connected(&self.namespace, connected);
+        if let Some(metrics) = &self.metrics {
+            metrics.set_discovery_connected(self.registry.connected());
+        }
+    }
+
+    async fn stop(&mut self) {
+        for task in self.tasks.drain(..) {
+            task.abort();
+        }
+        if let Some(source) = self.source.take()
+            && tokio::time::timeout(SOURCE_STOP_GRACE, source.stop())
+                .await
+                .is_err()
+        {
+            warn!(namespace = %self.namespace, "Discovery source did not stop within its grace period.");
+        }
+        self.registry.set_connected(&self.namespace, false);
+        if let Some(metrics) = &self.metrics {
+            metrics.set_discovery_connected(self.registry.connected());
+        }
+    }
+}
+
+/// Drains the source channel into batches; ends when the source stops.
+async fn forward_events(mut rx: mpsc::Receiver<SourceEvent>, actor: ActorRef<DiscoveryMsg>) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = Vec::with_capacity(16);
+        batch.push(first);
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(event) => batch.push(event),
+                Err(_) => break,
+            }
+        }
+        if actor.cast(DiscoveryMsg::Events(batch)).is_err() {
+            return;
+        }
+    }
+}
+
+async fn forward_connected(
+    mut connected: tokio::sync::watch::Receiver<bool>,
+    actor: ActorRef<DiscoveryMsg>,
+) {
+    loop {
+        let now = *connected.borrow_and_update();
+        if actor.cast(DiscoveryMsg::Connected(now)).is_err() {
+            return;
+        }
+        if connected.changed().await.is_err() {
+            return;
+        }
+    }
+}

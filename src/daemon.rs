@@ -1,0 +1,590 @@
+//! The daemon's lifecycle: one code path for startup and reload (vector's config diff).
+//!
+//! `Daemon::start` turns a validated config into the supervision tree and the front door;
+//! the control loop re-reads the config file when it changes (or on `POST /admin/config/reload`),
+//! refuses an invalid file with a logged reason while the running config stays, and applies the
+//! diff by reload class: immediate settings are swapped, discovery is replaced live, settings that
+//! need a process restart are reported. Shutdown is bounded by 10 s.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use arc_swap::ArcSwap;
+use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs};
+use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
+use continuum_actors::lifecycle::ActorKind;
+use continuum_actors::metrics::{DiscoveryEventKind, Metrics};
+use continuum_actors::registry::{
+    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox, RegistryMsg,
+};
+use continuum_actors::supervisor::{ChildContext, ChildSpec, SupervisorMsg, spawn_root};
+use continuum_actors::tree::ActorTree;
+use continuum_protocol::backoff::{BackoffPolicy, Jitter};
+use continuum_protocol::discovery::snapshot::SourceKind;
+use continuum_protocol::ids::Namespace;
+use ractor::{Actor, ActorRef};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+use tracing::{error, info, warn};
+
+use crate::config::{self, Config, DiscoveryAction, DiscoverySource, LoadedConfig, RestartReason};
+use crate::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
+use crate::readiness::Readiness;
+use crate::telemetry;
+
+/// The whole shutdown (drain HTTP, stop the tree) is bounded by this.
+pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
+/// File-change events closer than this are one reload.
+const RELOAD_DEBOUNCE: Duration = Duration::from_millis(250);
+/// How long a live watcher replacement may take before the reload reports it.
+const REPLACE_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+pub struct RunOptions {
+    pub config: Config,
+    /// The file to watch and reload; `None` for the embedded demo.
+    pub config_path: Option<PathBuf>,
+    pub demo: bool,
+}
+
+/// Runs until SIGTERM or SIGINT, then shuts down within [`SHUTDOWN_BOUND`].
+pub async fn run_until_signal(options: RunOptions) -> anyhow::Result<()> {
+    let guard = telemetry::init(&(&options.config.telemetry).into())
+        .context("cannot initialise telemetry")?;
+    let addr = options.config.server.bind_address;
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let demo = options.demo;
+    let admin_token = options.config.admin.token.clone();
+    let daemon = Daemon::start(options, listener).await?;
+    let local = daemon.local_addr();
+    info!(%local, "continuum-router is serving.");
+    if demo {
+        println!("continuum-router demo is serving on http://{local}");
+        println!("  curl http://{local}/health");
+        println!("  curl http://{local}/metrics");
+        if let Some(token) = admin_token {
+            println!("  curl -H 'authorization: Bearer {token}' http://{local}/admin/subsystems");
+            println!(
+                "  curl -H 'authorization: Bearer {token}' http://{local}/admin/dynamo/workers"
+            );
+        }
+    }
+    shutdown_signal().await;
+    info!("Shutting down.");
+    daemon.shutdown().await;
+    if let Err(error) = guard.shutdown().await {
+        warn!(%error, "Telemetry did not flush cleanly.");
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// What every child spec reads: shared, cheap handles.
+#[derive(Clone)]
+struct Shared {
+    config: Arc<ArcSwap<Config>>,
+    registry: DynamoRegistry,
+    mailbox: RegistryMailbox,
+    readiness: Readiness,
+    metrics: Metrics,
+}
+
+/// A running daemon.
+pub struct Daemon {
+    local_addr: std::net::SocketAddr,
+    shared: Shared,
+    tree: ActorTree,
+    root: ActorRef<SupervisorMsg>,
+    root_task: JoinHandle<()>,
+    server: JoinHandle<()>,
+    stop_server: watch::Sender<bool>,
+    control: JoinHandle<()>,
+    control_tx: mpsc::Sender<ControlCommand>,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon")
+            .field("local_addr", &self.local_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Daemon {
+    /// Builds the supervision tree and serves the front door on `listener`.
+    pub async fn start(options: RunOptions, listener: TcpListener) -> anyhow::Result<Daemon> {
+        let config = options.config;
+        let metrics = Metrics::new(&config.telemetry.service_name)
+            .map_err(|e| anyhow::anyhow!("cannot build metrics: {e}"))?;
+        let registry = DynamoRegistry::new(registry_config(&config));
+        let readiness = Readiness::new();
+        readiness.require_exactly(required_sources(&config));
+        let shared = Shared {
+            config: Arc::new(ArcSwap::from_pointee(config.clone())),
+            registry,
+            mailbox: RegistryMailbox::default(),
+            readiness,
+            metrics,
+        };
+        let tree = ActorTree::default();
+        let (root, root_task) = spawn_root(
+            vec![registry_spec(&shared), discovery_spec(&shared)],
+            tree.clone(),
+            Some(shared.metrics.clone()),
+        )
+        .await
+        .context("the supervision tree did not start")?;
+
+        let live = Arc::new(ArcSwap::from_pointee(live_settings(&config)));
+        let (control_tx, control_rx) = mpsc::channel(8);
+        let state = app_state(&shared, &tree, live.clone(), control_tx.clone());
+        let local_addr = listener.local_addr()?;
+        let (stop_server, mut stop_rx) = watch::channel(false);
+        let app = front_door::router(state);
+        let server = tokio::spawn(async move {
+            let shutdown = async move {
+                let _ = stop_rx.wait_for(|stop| *stop).await;
+            };
+            if let Err(error) = axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+            {
+                error!(%error, "The HTTP server failed.");
+            }
+        });
+        let control = tokio::spawn(
+            ControlLoop {
+                shared: shared.clone(),
+                tree: tree.clone(),
+                live,
+                path: options.config_path,
+                current: config,
+            }
+            .run(control_rx),
+        );
+        Ok(Daemon {
+            local_addr,
+            shared,
+            tree,
+            root,
+            root_task,
+            server,
+            stop_server,
+            control,
+            control_tx,
+        })
+    }
+
+    pub fn local_addr(&self) -> std::net::SocketAddr {
+        self.local_addr
+    }
+
+    pub fn registry(&self) -> &DynamoRegistry {
+        &self.shared.registry
+    }
+
+    pub fn tree(&self) -> &ActorTree {
+        &self.tree
+    }
+
+    pub fn readiness(&self) -> &Readiness {
+        &self.shared.readiness
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.shared.metrics
+    }
+
+    /// Re-reads the config file now, as `POST /admin/config/reload` does.
+    pub async fn reload(&self) -> Result<String, String> {
+        let (tx, rx) = oneshot::channel();
+        self.control_tx
+            .send(ControlCommand::Reload(tx))
+            .await
+            .map_err(|_| "the control loop is not running".to_string())?;
+        rx.await
+            .map_err(|_| "the control loop dropped the request".to_string())?
+    }
+
+    /// Stops accepting, drains in-flight requests, stops the tree; bounded by 10 s.
+    pub async fn shutdown(self) {
+        let Daemon {
+            root,
+            root_task,
+            server,
+            stop_server,
+            control,
+            ..
+        } = self;
+        let work = async move {
+            let _ = stop_server.send(true);
+            let _ = server.await;
+            control.abort();
+            root.stop(Some("shutdown".into()));
+            let _ = root_task.await;
+        };
+        if tokio::time::timeout(SHUTDOWN_BOUND, work).await.is_err() {
+            warn!("Shutdown exceeded its 10 s bound; exiting anyway.");
+        }
+    }
+}
+
+fn app_state(
+    shared: &Shared,
+    tree: &ActorTree,
+    live: Arc<ArcSwap<LiveSettings>>,
+    control: mpsc::Sender<ControlCommand>,
+) -> AppState {
+    let metrics = shared.metrics.clone();
+    let registry = shared.registry.clone();
+    let models_registry = shared.registry.clone();
+    AppState {
+        live,
+        readiness: shared.readiness.clone(),
+        metrics: Arc::new(move || metrics.render()),
+        tree: tree.clone(),
+        control,
+        dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry)),
+        fleet_models: Arc::new(move || {
+            let snapshot = models_registry.snapshot();
+            let mut models: Vec<String> = snapshot.models().map(|(_, m)| m.to_string()).collect();
+            models.dedup();
+            models
+        }),
+    }
+}
+
+/// The front door's per-request settings (the immediate reload class).
+pub fn live_settings(config: &Config) -> LiveSettings {
+    LiveSettings {
+        admin_token: config
+            .admin
+            .enabled
+            .then(|| config.admin.token.clone())
+            .flatten(),
+        api_keys: config
+            .api_keys
+            .iter()
+            .map(|k| ApiKeySetting {
+                key: k.key.clone(),
+                name: k.name.clone(),
+                allowed_backends: k.allowed_backends.clone().unwrap_or_default(),
+            })
+            .collect(),
+        models: config
+            .backends
+            .iter()
+            .filter(|b| b.enabled && !b.internal)
+            .flat_map(|b| b.models.iter().cloned())
+            .collect(),
+    }
+}
+
+fn source_kind(source: DiscoverySource) -> SourceKind {
+    match source {
+        DiscoverySource::Etcd => SourceKind::Etcd,
+        DiscoverySource::Kubernetes => SourceKind::Kubernetes,
+        DiscoverySource::KubernetesPods => SourceKind::KubernetesPods,
+    }
+}
+
+fn registry_config(config: &Config) -> RegistryConfig {
+    RegistryConfig {
+        enabled: config.dynamo.enabled,
+        source: source_kind(config.dynamo.discovery.source),
+        namespaces: config.dynamo.discovery.namespaces(),
+    }
+}
+
+/// The discovery sources that must finish a first pass before `/ready` answers 200.
+fn required_sources(config: &Config) -> Vec<String> {
+    if !config.dynamo.enabled || config.dynamo.discovery.source != DiscoverySource::Etcd {
+        return Vec::new();
+    }
+    config
+        .dynamo
+        .discovery
+        .namespaces()
+        .iter()
+        .map(|ns| source_name(ns))
+        .collect()
+}
+
+fn source_name(namespace: &Namespace) -> String {
+    format!("etcd:{namespace}")
+}
+
+fn registry_spec(shared: &Shared) -> ChildSpec {
+    let shared = shared.clone();
+    ChildSpec::new("registry", ActorKind::Registry, move |ctx: ChildContext| {
+        let args = RegistryArgs {
+            registry: shared.registry.clone(),
+            metrics: ctx.metrics.clone(),
+        };
+        let mailbox = shared.mailbox.clone();
+        async move {
+            let (actor, _) = Actor::spawn_linked(None, RegistryActor, args, ctx.supervisor).await?;
+            mailbox.set(actor.clone());
+            Ok(actor.get_cell())
+        }
+    })
+}
+
+/// The discovery subtree; its children are computed from the live config at every spawn, so
+/// restarting it is the live watcher replacement.
+fn discovery_spec(shared: &Shared) -> ChildSpec {
+    let shared = shared.clone();
+    ChildSpec::supervisor_with("discovery", ActorKind::DiscoverySupervisor, move || {
+        discovery_children(&shared)
+    })
+}
+
+fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
+    let config = shared.config.load();
+    let dynamo = &config.dynamo;
+    if !dynamo.enabled {
+        return Vec::new();
+    }
+    if dynamo.discovery.source != DiscoverySource::Etcd {
+        warn!(
+            source = dynamo.discovery.source.as_str(),
+            "This build discovers fleets from etcd only; the Kubernetes sources are not available yet."
+        );
+        return Vec::new();
+    }
+    dynamo
+        .discovery
+        .namespaces()
+        .into_iter()
+        .map(|namespace| {
+            let source = etcd_source_config(&config, namespace.clone());
+            let shared = shared.clone();
+            ChildSpec::new(
+                source_name(&namespace),
+                ActorKind::Discovery,
+                move |ctx: ChildContext| {
+                    let readiness = shared.readiness.clone();
+                    let args = DiscoveryArgs {
+                        source: source.clone(),
+                        registry_actor: shared.mailbox.clone(),
+                        registry: shared.registry.clone(),
+                        metrics: ctx.metrics.clone(),
+                        on_first_pass: Arc::new(move |ns: &Namespace| {
+                            readiness.mark_ready(&source_name(ns))
+                        }),
+                        span: ctx.span.clone(),
+                    };
+                    async move {
+                        let (actor, _) =
+                            Actor::spawn_linked(None, DiscoveryActor, args, ctx.supervisor).await?;
+                        Ok(actor.get_cell())
+                    }
+                },
+            )
+        })
+        .collect()
+}
+
+/// Maps the YAML etcd section onto the source's plain connection settings.
+pub fn etcd_source_config(config: &Config, namespace: Namespace) -> EtcdSourceConfig {
+    let etcd = &config.dynamo.discovery.etcd;
+    let backoff = etcd.watch_reconnect_backoff;
+    EtcdSourceConfig {
+        endpoints: etcd.normalized_endpoints(),
+        namespace,
+        tls: etcd.tls.as_ref().map(|t| EtcdTls {
+            ca_cert: t.ca_cert.clone(),
+            client_cert: t.client_cert.clone(),
+            client_key: t.client_key.clone(),
+            server_name: t.server_name.clone(),
+        }),
+        auth: etcd.auth.as_ref().map(|a| EtcdAuth {
+            username: a.username.clone(),
+            password: a.password.clone(),
+        }),
+        backoff: BackoffPolicy {
+            initial: backoff.initial.get(),
+            max: backoff.max.get(),
+            jitter: Jitter::None,
+        },
+    }
+}
+
+/// Owns the running config; the only place reloads happen.
+struct ControlLoop {
+    shared: Shared,
+    tree: ActorTree,
+    live: Arc<ArcSwap<LiveSettings>>,
+    path: Option<PathBuf>,
+    current: Config,
+}
+
+impl ControlLoop {
+    async fn run(mut self, mut commands: mpsc::Receiver<ControlCommand>) {
+        let (file_tx, mut file_rx) = mpsc::channel::<()>(16);
+        let _watcher = self.path.as_deref().and_then(|p| watch_file(p, file_tx));
+        loop {
+            tokio::select! {
+                command = commands.recv() => match command {
+                    Some(ControlCommand::Reload(reply)) => {
+                        let outcome = self.reload().await;
+                        let _ = reply.send(outcome);
+                    }
+                    None => return,
+                },
+                Some(()) = file_rx.recv() => {
+                    // Editors write in several steps: settle, then reload once.
+                    tokio::time::sleep(RELOAD_DEBOUNCE).await;
+                    while file_rx.try_recv().is_ok() {}
+                    if let Err(reason) = self.reload().await {
+                        warn!(%reason, "Config file changed but was refused; the running config stays.");
+                    }
+                }
+            }
+        }
+    }
+
+    async fn reload(&mut self) -> Result<String, String> {
+        let Some(path) = self.path.clone() else {
+            return Err("the demo runs on an embedded config; there is no file to reload".into());
+        };
+        let loaded = match Config::load(&path) {
+            Ok(loaded) => loaded,
+            Err(error) => {
+                warn!(%error, path = %path.display(), "Refused the new config; the running config stays.");
+                return Err(error.to_string());
+            }
+        };
+        Ok(self.apply(loaded).await)
+    }
+
+    /// Applies a validated config by reload class.
+    async fn apply(&mut self, loaded: LoadedConfig) -> String {
+        config::log_diagnostics(&loaded.diagnostics);
+        let new = loaded.config;
+        let plan = config::diff(&self.current, &new);
+        if plan.is_empty() {
+            return "no changes".into();
+        }
+        // Immediate class: the next request sees it.
+        self.shared.config.store(Arc::new(new.clone()));
+        self.live.store(Arc::new(live_settings(&new)));
+        let mut summary = vec![format!("{} changed keys", plan.changes.len())];
+        match &plan.discovery {
+            Some(DiscoveryAction::Stop) => {
+                info!("Dynamo discovery stopped.");
+                self.shared
+                    .registry
+                    .reconfigure(registry_config(&new), true);
+                self.shared.readiness.require_exactly(Vec::new());
+                self.replace_discovery().await;
+                summary.push("discovery stopped".into());
+            }
+            Some(DiscoveryAction::Restart {
+                reason,
+                keep_snapshot,
+                added_namespaces,
+                ..
+            }) => {
+                info!(reason = reason.as_str(), "Replacing the discovery watcher.");
+                self.shared
+                    .metrics
+                    .discovery_event(DiscoveryEventKind::Restart);
+                // A backoff-only change keeps the snapshot until the replacement's first
+                // resync; a namespaces change prunes only removed namespaces.
+                let reset = !*keep_snapshot && *reason != RestartReason::Namespaces;
+                self.shared
+                    .registry
+                    .reconfigure(registry_config(&new), reset);
+                let newly_required: Vec<String> = if reset {
+                    required_sources(&new)
+                } else {
+                    added_namespaces
+                        .iter()
+                        .map(|ns| source_name(&Namespace::new(ns.clone())))
+                        .collect()
+                };
+                let mut required = self.shared.readiness.pending();
+                required.extend(newly_required);
+                required.retain(|s| required_sources(&new).contains(s));
+                self.shared.readiness.require_exactly(required);
+                self.replace_discovery().await;
+                summary.push(format!("discovery replaced ({})", reason.as_str()));
+            }
+            None => {}
+        }
+        self.shared.mailbox.cast(RegistryMsg::Rebuild);
+        if plan.restart_subscriptions {
+            summary.push("load subscriptions follow the new dial policy".into());
+        }
+        if !plan.needs_restart.is_empty() {
+            warn!(keys = ?plan.needs_restart, "These settings take effect after a process restart.");
+            summary.push(format!("needs restart: {}", plan.needs_restart.join(", ")));
+        }
+        self.current = new;
+        let summary = summary.join("; ");
+        info!(%summary, "Configuration reloaded.");
+        summary
+    }
+
+    async fn replace_discovery(&self) {
+        if let Err(error) = self.tree.restart("root/discovery", REPLACE_TIMEOUT).await {
+            error!(%error, "Could not replace the discovery watcher.");
+        }
+    }
+}
+
+/// Watches the config file's directory (editors replace files) and pokes on changes to it.
+fn watch_file(path: &Path, tx: mpsc::Sender<()>) -> Option<notify::RecommendedWatcher> {
+    use notify::Watcher as _;
+    let file_name = path.file_name()?.to_os_string();
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .to_path_buf();
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if let Ok(event) = event
+            && event
+                .paths
+                .iter()
+                .any(|p| p.file_name() == Some(&file_name))
+        {
+            let _ = tx.try_send(());
+        }
+    })
+    .map_err(|error| warn!(%error, "Cannot watch the config file; use POST /admin/config/reload."))
+    .ok()?;
+    watcher
+        .watch(&dir, notify::RecursiveMode::NonRecursive)
+        .map_err(
+            |error| warn!(%error, "Cannot watch the config file; use POST /admin/config/reload."),
+        )
+        .ok()?;
+    Some(watcher)
+}
