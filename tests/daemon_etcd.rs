@@ -140,21 +140,23 @@ async fn dynamo_records_become_the_fleet_view_and_follow_the_cluster() {
     // A restart of etcd ends the pass; the resync rebuilds the same fleet, first_seen kept.
     let generation = registry.generation();
     etcd.restart().await;
-    // The source notices, backs off and resyncs; poll the admin view on each registry change
-    // or every 200 ms (the connection flag is not part of the snapshot).
+    // The source notices, backs off and resyncs: wait for the second completed pass, polling
+    // on each registry change or every 200 ms (pass counts are not part of the snapshot).
+    let resyncs = || {
+        daemon
+            .metrics()
+            .value(
+                "continuum_dynamo_discovery_events_total",
+                &[("kind", "resync")],
+            )
+            .unwrap_or(0.0)
+    };
     let deadline = tokio::time::Instant::now() + WAIT;
-    let mut saw_disconnect = false;
-    let mut connected = false;
     let mut generations = registry.subscribe();
-    while tokio::time::Instant::now() < deadline {
-        let v = admin_get(&daemon, "/admin/dynamo/workers").await;
-        saw_disconnect |= v["connected"] == false;
-        if saw_disconnect && v["connected"] == true {
-            connected = v["workers"].as_array().is_some_and(|w| w.len() == 2);
-            break;
-        }
+    while resyncs() < 2.0 && tokio::time::Instant::now() < deadline {
         let _ = tokio::time::timeout(Duration::from_millis(200), generations.changed()).await;
     }
+    let connected = resyncs() >= 2.0 && registry.connected();
     assert!(connected, "discovery reconnected after the etcd restart");
     let view = admin_get(&daemon, "/admin/dynamo/workers").await;
     let again: Vec<Value> = view["workers"]
