@@ -15,3 +15,4 @@ pub mod backoff;
 pub mod discovery;
 pub mod ids;
 pub mod time;
+pub mod zmtp;
