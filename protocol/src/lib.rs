@@ -13,6 +13,7 @@
 
 pub mod backoff;
 pub mod discovery;
+pub mod event_plane;
 pub mod ids;
 pub mod time;
 pub mod zmtp;
