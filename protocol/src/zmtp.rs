@@ -332,7 +332,8 @@ impl ZmtpSub {
         self.pings_answered
     }
 
-    /// Heap bytes currently reserved by the two buffers (frame + write).
+    /// Heap bytes currently reserved by the frame and write buffers (and the topic, until the
+    /// subscription is queued).
     pub fn buffer_bytes(&self) -> usize {
         self.buf.capacity() + self.out.capacity() + self.topic.capacity()
     }
@@ -661,6 +662,8 @@ impl ZmtpSub {
                 self.out.push((self.topic.len() + 1) as u8);
                 self.out.push(0x01);
                 self.out.extend_from_slice(&self.topic);
+                // Only needed for the subscription: an idle connection keeps just its buffers.
+                self.topic = Vec::new();
                 Ok(())
             }
             (Phase::Open, b"PING") => {

@@ -191,6 +191,11 @@ fn empty_frames_and_long_form_small_sizes_are_accepted() {
 #[test]
 fn the_frame_buffer_starts_at_512_and_grows_by_powers_of_two() {
     let mut sub = open_client(ZmtpLimits::KV_METRICS);
+    assert_eq!(
+        sub.buffer_bytes(),
+        INITIAL_FRAME_BUFFER + WRITE_BUFFER,
+        "idle: 576 bytes"
+    );
     let base = sub.buffer_bytes() - INITIAL_FRAME_BUFFER;
     assert_eq!(sub.buf.capacity(), INITIAL_FRAME_BUFFER);
     assert!(sub.out.capacity() <= WRITE_BUFFER);
