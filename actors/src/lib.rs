@@ -22,6 +22,10 @@
 //! | [`clock`] | monotonic ticks and wall-clock time for `protocol` |
 //! | [`metrics`] | every Prometheus family, closed label sets |
 //! | [`lifecycle`] | actor lifecycle spans (start, stop, failure, restart) |
+//! | [`registry`] | RegistryActor and the `DynamoRegistry` reader handle |
+//! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
+//! | [`etcd_source`] | the read-only etcd get-then-watch source |
+//! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |
 
 pub mod clock;
 pub mod discovery;
@@ -32,3 +36,4 @@ pub mod registry;
 pub mod store;
 pub mod supervisor;
 pub mod tree;
+pub mod zmtp_conn;

@@ -10,8 +10,14 @@
 //! | [`time`] | caller-supplied monotonic ticks and wall-clock timestamps |
 //! | [`backoff`] | reconnect backoff and supervisor restart budgets |
 //! | [`discovery`] | the discovery event vocabulary shared by every source |
+//! | [`zmtp`] | bounded ZMTP 3.x SUB client state machine (greeting, READY, frames, PING) |
+//! | [`event_plane`] | 4-frame event-plane messages, EventEnvelope, ActiveLoad, drop results |
+//! | [`load_store`] | latest ActiveLoad per (worker, dp_rank), staleness, missed-message rule |
 
 pub mod backoff;
 pub mod discovery;
+pub mod event_plane;
 pub mod ids;
+pub mod load_store;
 pub mod time;
+pub mod zmtp;

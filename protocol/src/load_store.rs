@@ -1,0 +1,388 @@
+//! The load store: the latest ActiveLoad sample per (worker, dp_rank), with receipt times.
+//!
+//! Rules (seed "Load signals"):
+//! - keyed by (worker_id, dp_rank), at most [`LOAD_STORE_CAPACITY`] entries (`over_capacity`);
+//! - only workers in the live registry snapshot are admitted (`identity_mismatch` otherwise);
+//!   [`LoadStore::set_live_and_retain`] updates that gate and evicts departed workers;
+//! - per key, a sample from the same publisher at or below the held sequence is a `duplicate`,
+//!   while a sample from a different publisher (a restarted worker) replaces the held one
+//!   regardless of sequence;
+//! - [`LoadStore::fresh`] returns a sample only while its receipt age is within `max_age`;
+//!   [`LoadStore::fresh_default`] uses the hot-reloadable `dynamo.load.max_staleness`;
+//! - "missed messages": [`LoadStore::drop_publisher`] forgets every sample of a publisher, on
+//!   every (re)connect and on every sequence gap ([`LoadStream`] applies both).
+//!
+//! The picker reads [`LoadStore::is_quiet`]: a worker whose last sample reported no backlog (or
+//! that never published) counts as idle even without a fresh sample.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::event_plane::{
+    ActiveLoad, LoadEvent, LoadEventResult, SequenceCheck, StreamSequence, decode_kv_metrics,
+};
+use crate::ids::{DpRank, InstanceId, PublisherId};
+use crate::time::{Tick, UnixMillis};
+use crate::zmtp::Delivery;
+
+/// Most (worker, dp_rank) entries the store holds.
+pub const LOAD_STORE_CAPACITY: usize = 65_536;
+/// Default `dynamo.load.max_staleness`.
+pub const DEFAULT_MAX_STALENESS: Duration = Duration::from_secs(3);
+/// Allowed range of `dynamo.load.max_staleness`.
+pub const MIN_MAX_STALENESS: Duration = Duration::from_millis(100);
+pub const MAX_MAX_STALENESS: Duration = Duration::from_secs(300);
+
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LoadStoreError {
+    #[error("max_staleness {0:?} is outside 100ms..=5m")]
+    StalenessOutOfRange(Duration),
+}
+
+/// The store's key: one data-parallel rank of one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WorkerRank {
+    pub worker_id: InstanceId,
+    pub dp_rank: DpRank,
+}
+
+impl WorkerRank {
+    pub fn new(worker_id: InstanceId, dp_rank: DpRank) -> Self {
+        Self { worker_id, dp_rank }
+    }
+}
+
+/// One held sample and where it came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadSample {
+    pub load: ActiveLoad,
+    pub publisher_id: PublisherId,
+    pub sequence: u64,
+    pub published_at: UnixMillis,
+    /// When the router received it; staleness is measured from here, never from the
+    /// publisher's clock.
+    pub received_at: Tick,
+}
+
+impl LoadSample {
+    pub fn from_event(event: LoadEvent, received_at: Tick) -> Self {
+        Self {
+            load: event.load,
+            publisher_id: event.publisher_id,
+            sequence: event.sequence,
+            published_at: event.published_at,
+            received_at,
+        }
+    }
+
+    pub fn key(&self) -> WorkerRank {
+        WorkerRank::new(self.load.worker_id, self.load.dp_rank)
+    }
+
+    /// Decode backlog in blocks: `active_decode_blocks`, falling back to `kv_used_blocks` when
+    /// nil (as live dynamo.vllm workers and the mocker publish).
+    pub fn decode_backlog(&self) -> Option<u64> {
+        self.load.active_decode_blocks.or(self.load.kv_used_blocks)
+    }
+
+    /// Prefill backlog in tokens (nil from 1.4.2–1.6.1 worker publishers).
+    pub fn prefill_backlog(&self) -> Option<u64> {
+        self.load.active_prefill_tokens
+    }
+
+    /// The sample reported work in progress on either phase.
+    pub fn has_backlog(&self) -> bool {
+        self.decode_backlog().is_some_and(|b| b > 0)
+            || self.prefill_backlog().is_some_and(|b| b > 0)
+    }
+
+    /// The sample reported no backlog: a worker that goes idle publishes this and falls silent.
+    pub fn is_quiet(&self) -> bool {
+        !self.has_backlog()
+    }
+
+    pub fn age(&self, now: Tick) -> Duration {
+        now.since(self.received_at)
+    }
+}
+
+/// Latest load sample per (worker, dp_rank).
+#[derive(Debug)]
+pub struct LoadStore {
+    samples: HashMap<WorkerRank, LoadSample>,
+    /// Which keys each publisher's samples occupy, so `drop_publisher` needs no scan.
+    by_publisher: HashMap<PublisherId, HashSet<WorkerRank>>,
+    live: HashSet<InstanceId>,
+    capacity: usize,
+    max_staleness: Duration,
+}
+
+impl Default for LoadStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LoadStore {
+    /// An empty store with no live workers (nothing is admitted until the first registry
+    /// snapshot arrives through [`Self::set_live_and_retain`]).
+    pub fn new() -> Self {
+        Self::with_capacity(LOAD_STORE_CAPACITY)
+    }
+
+    /// A store with a smaller capacity (tests).
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            samples: HashMap::new(),
+            by_publisher: HashMap::new(),
+            live: HashSet::new(),
+            capacity: capacity.min(LOAD_STORE_CAPACITY),
+            max_staleness: DEFAULT_MAX_STALENESS,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn max_staleness(&self) -> Duration {
+        self.max_staleness
+    }
+
+    /// Applies a reloaded `dynamo.load.max_staleness`, effective for the next read.
+    pub fn set_max_staleness(&mut self, max_staleness: Duration) -> Result<(), LoadStoreError> {
+        if !(MIN_MAX_STALENESS..=MAX_MAX_STALENESS).contains(&max_staleness) {
+            return Err(LoadStoreError::StalenessOutOfRange(max_staleness));
+        }
+        self.max_staleness = max_staleness;
+        Ok(())
+    }
+
+    pub fn is_live(&self, worker_id: InstanceId) -> bool {
+        self.live.contains(&worker_id)
+    }
+
+    /// Admits or refuses one sample; returns `applied`, `identity_mismatch`, `duplicate` or
+    /// `over_capacity`.
+    pub fn apply(&mut self, sample: LoadSample) -> LoadEventResult {
+        let key = sample.key();
+        if !self.live.contains(&key.worker_id) {
+            return LoadEventResult::IdentityMismatch;
+        }
+        let full = self.samples.len() >= self.capacity;
+        match self.samples.get_mut(&key) {
+            Some(held)
+                if held.publisher_id == sample.publisher_id && sample.sequence <= held.sequence =>
+            {
+                LoadEventResult::Duplicate
+            }
+            Some(held) => {
+                let previous = held.publisher_id;
+                *held = sample;
+                if previous != sample.publisher_id {
+                    self.unindex(previous, key);
+                    self.index(sample.publisher_id, key);
+                }
+                LoadEventResult::Applied
+            }
+            None if full => LoadEventResult::OverCapacity,
+            None => {
+                self.samples.insert(key, sample);
+                self.index(sample.publisher_id, key);
+                LoadEventResult::Applied
+            }
+        }
+    }
+
+    fn index(&mut self, publisher_id: PublisherId, key: WorkerRank) {
+        self.by_publisher
+            .entry(publisher_id)
+            .or_default()
+            .insert(key);
+    }
+
+    fn unindex(&mut self, publisher_id: PublisherId, key: WorkerRank) {
+        if let Some(keys) = self.by_publisher.get_mut(&publisher_id) {
+            keys.remove(&key);
+            if keys.is_empty() {
+                self.by_publisher.remove(&publisher_id);
+            }
+        }
+    }
+
+    /// The held sample, whatever its age.
+    pub fn latest(&self, worker_id: InstanceId, dp_rank: DpRank) -> Option<&LoadSample> {
+        self.samples.get(&WorkerRank::new(worker_id, dp_rank))
+    }
+
+    /// The held sample while its receipt age is within `max_age`.
+    pub fn fresh(
+        &self,
+        worker_id: InstanceId,
+        dp_rank: DpRank,
+        max_age: Duration,
+        now: Tick,
+    ) -> Option<&LoadSample> {
+        self.latest(worker_id, dp_rank)
+            .filter(|sample| sample.age(now) <= max_age)
+    }
+
+    /// [`Self::fresh`] with the configured `max_staleness`.
+    pub fn fresh_default(
+        &self,
+        worker_id: InstanceId,
+        dp_rank: DpRank,
+        now: Tick,
+    ) -> Option<&LoadSample> {
+        self.fresh(worker_id, dp_rank, self.max_staleness, now)
+    }
+
+    /// Quiet: never published (or its samples were dropped), or the last sample, however old,
+    /// reported no backlog.
+    pub fn is_quiet(&self, worker_id: InstanceId, dp_rank: DpRank) -> bool {
+        self.latest(worker_id, dp_rank)
+            .is_none_or(LoadSample::is_quiet)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&WorkerRank, &LoadSample)> {
+        self.samples.iter()
+    }
+
+    /// Forgets every sample received from `publisher_id`; returns their keys, sorted (so the
+    /// caller can remove gauge series).
+    pub fn drop_publisher(&mut self, publisher_id: PublisherId) -> Vec<WorkerRank> {
+        let mut dropped: Vec<WorkerRank> = self
+            .by_publisher
+            .remove(&publisher_id)
+            .into_iter()
+            .flatten()
+            .collect();
+        for key in &dropped {
+            self.samples.remove(key);
+        }
+        dropped.sort_unstable();
+        dropped
+    }
+
+    /// Replaces the admission gate with the live registry snapshot and evicts every sample of a
+    /// worker that left it. Returns the evicted keys, sorted.
+    pub fn set_live_and_retain(
+        &mut self,
+        live: impl IntoIterator<Item = InstanceId>,
+    ) -> Vec<WorkerRank> {
+        self.live = live.into_iter().collect();
+        let mut evicted: Vec<WorkerRank> = self
+            .samples
+            .keys()
+            .filter(|key| !self.live.contains(&key.worker_id))
+            .copied()
+            .collect();
+        for key in &evicted {
+            if let Some(sample) = self.samples.remove(key) {
+                self.unindex(sample.publisher_id, *key);
+            }
+        }
+        evicted.sort_unstable();
+        evicted
+    }
+}
+
+/// What one delivery did to the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamOutcome {
+    /// The counted result (`continuum_dynamo_load_events_total{result}`).
+    pub result: LoadEventResult,
+    /// The key written, when `result` is `applied`.
+    pub applied: Option<WorkerRank>,
+    /// Sequence numbers missed before this message, when a gap was seen.
+    pub gap: Option<u64>,
+    /// Keys dropped because of the gap (their gauge series should go too).
+    pub dropped: Vec<WorkerRank>,
+}
+
+/// The `kv_metrics` pipeline of one subscription: decode, per-stream dedup, the missed-messages
+/// rule, then the store. One per subscription; the transport task calls
+/// [`LoadStream::on_connected`] after every handshake.
+#[derive(Clone, Debug)]
+pub struct LoadStream {
+    publisher_id: PublisherId,
+    sequence: StreamSequence,
+}
+
+impl LoadStream {
+    /// A stream for the discovered publisher `publisher_id` (the EventChannel instance id).
+    pub fn new(publisher_id: PublisherId) -> Self {
+        Self {
+            publisher_id,
+            sequence: StreamSequence::new(),
+        }
+    }
+
+    pub fn publisher_id(&self) -> PublisherId {
+        self.publisher_id
+    }
+
+    pub fn highest_applied(&self) -> Option<u64> {
+        self.sequence.highest_applied()
+    }
+
+    /// A new TCP stream: forget its sequence and drop the publisher's samples, since changes may
+    /// have been missed while disconnected. Returns the dropped keys.
+    pub fn on_connected(&mut self, store: &mut LoadStore) -> Vec<WorkerRank> {
+        self.sequence.reset();
+        store.drop_publisher(self.publisher_id)
+    }
+
+    /// Runs one transport delivery through decoding, dedup and the store.
+    pub fn on_delivery(
+        &mut self,
+        delivery: &Delivery,
+        store: &mut LoadStore,
+        now: Tick,
+    ) -> StreamOutcome {
+        let mut outcome = StreamOutcome {
+            result: LoadEventResult::Applied,
+            applied: None,
+            gap: None,
+            dropped: Vec::new(),
+        };
+        let event = match decode_kv_metrics(delivery, self.publisher_id) {
+            Ok(event) => event,
+            Err(error) => {
+                outcome.result = error.result();
+                return outcome;
+            }
+        };
+        match self.sequence.check(event.sequence) {
+            SequenceCheck::Duplicate => {
+                outcome.result = LoadEventResult::Duplicate;
+                return outcome;
+            }
+            SequenceCheck::Gap { missed } => {
+                outcome.gap = Some(missed);
+                outcome.dropped = store.drop_publisher(self.publisher_id);
+            }
+            SequenceCheck::First | SequenceCheck::Next => {}
+        }
+        let sample = LoadSample::from_event(event, now);
+        outcome.result = store.apply(sample);
+        if outcome.result == LoadEventResult::Applied {
+            self.sequence.record_applied(event.sequence);
+            outcome.applied = Some(sample.key());
+        }
+        outcome
+    }
+}
+
+#[cfg(test)]
+mod tests;
