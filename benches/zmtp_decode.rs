@@ -15,7 +15,10 @@ use continuum_protocol::time::Tick;
 use continuum_protocol::zmtp::{Delivery, GREETING, ZmtpLimits, ZmtpMessage, ZmtpSub};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/dynamo-1.6.1/zmq");
+const FIXTURES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/dynamo-1.6.1/zmq"
+);
 
 fn captured() -> Vec<[Vec<u8>; 4]> {
     let mut out = Vec::new();

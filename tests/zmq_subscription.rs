@@ -24,7 +24,10 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::mpsc;
 use tokio::time::timeout;
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/dynamo-1.6.1/zmq/agg");
+const FIXTURES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/dynamo-1.6.1/zmq/agg"
+);
 const SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/support/zmq_publisher.py"

@@ -41,7 +41,7 @@ const VECTOR_PUBLISHER: PublisherId = PublisherId(5249132588543811);
 fn vector_frames() -> Vec<Vec<u8>> {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../spec/vectors/active_load_frame.json"
+        "/../tests/fixtures/vectors/active_load_frame.json"
     ))
     .unwrap();
     let json: serde_json::Value = serde_json::from_str(&text).unwrap();

@@ -8,10 +8,13 @@ use serde::{Deserialize, Serialize};
 
 use super::*;
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/dynamo-1.6.1/zmq");
+const FIXTURES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../tests/fixtures/dynamo-1.6.1/zmq"
+);
 const VECTOR: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../spec/vectors/active_load_frame.json"
+    "/../tests/fixtures/vectors/active_load_frame.json"
 );
 
 /// Upstream's field order, encoded by rmp-serde: the reference for byte-exact comparisons.

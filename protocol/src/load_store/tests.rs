@@ -301,7 +301,7 @@ fn quiet_means_never_published_or_no_backlog() {
 
 const FIXTURES: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../fixtures/dynamo-1.6.1/zmq/agg"
+    "/../tests/fixtures/dynamo-1.6.1/zmq/agg"
 );
 
 /// The captured agg-run kv_metrics messages of one publisher, in order.
