@@ -17,6 +17,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
 pub use continuum_protocol::discovery::DiscoveryEventKind;
+pub use continuum_protocol::event_plane::LoadEventResult;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::Resource;
@@ -75,26 +76,6 @@ label_enum! {
         Aggregated => "aggregated",
         /// Visible to operators, never routed to.
         Unknown => "unknown",
-    }
-}
-
-label_enum! {
-    /// `continuum_dynamo_load_events_total{result}`.
-    LoadEventResult {
-        /// A sample decoded and applied to the load store.
-        Applied => "applied",
-        /// A sequence at or below the highest applied on that stream.
-        Duplicate => "duplicate",
-        /// A sequence gap: the subscription dropped the samples it held.
-        Gap => "gap",
-        Malformed => "malformed",
-        UnknownVersion => "unknown_version",
-        TopicMismatch => "topic_mismatch",
-        Oversized => "oversized",
-        IdentityMismatch => "identity_mismatch",
-        OverCapacity => "over_capacity",
-        /// A ZMTP protocol violation; the connection is closed and redialled with backoff.
-        TransportRefused => "transport_refused",
     }
 }
 
@@ -840,7 +821,7 @@ mod tests {
     fn label_sets_are_closed_and_unique() {
         check_closed(&DiscoveryEventKind::ALL, DiscoveryEventKind::as_label);
         check_closed(WorkerRole::ALL, WorkerRole::as_label);
-        check_closed(LoadEventResult::ALL, LoadEventResult::as_label);
+        check_closed(&LoadEventResult::ALL, LoadEventResult::as_label);
         check_closed(SubscriptionState::ALL, SubscriptionState::as_label);
         check_closed(SubscriptionTransport::ALL, SubscriptionTransport::as_label);
         check_closed(SelectionRole::ALL, SelectionRole::as_label);
@@ -866,7 +847,7 @@ mod tests {
         for kind in ["duplicate", "restart", "refused", "mismatch", "malformed"] {
             assert!(kinds.contains(kind), "{kind}");
         }
-        let load = of(LoadEventResult::ALL, LoadEventResult::as_label);
+        let load = of(&LoadEventResult::ALL, LoadEventResult::as_label);
         for result in [
             "malformed",
             "unknown_version",

@@ -62,6 +62,11 @@ impl LoadEventResult {
     ];
 
     /// The metric label value.
+    /// The Prometheus label value (same as [`LoadEventResult::as_str`]).
+    pub fn as_label(self) -> &'static str {
+        self.as_str()
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Applied => "applied",

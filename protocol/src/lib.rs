@@ -13,11 +13,13 @@
 //! | [`zmtp`] | bounded ZMTP 3.x SUB client state machine (greeting, READY, frames, PING) |
 //! | [`event_plane`] | 4-frame event-plane messages, EventEnvelope, ActiveLoad, drop results |
 //! | [`load_store`] | latest ActiveLoad per (worker, dp_rank), staleness, missed-message rule |
+//! | [`subscriptions`] | which publishers to subscribe to (cap, order, diff) |
 
 pub mod backoff;
 pub mod discovery;
 pub mod event_plane;
 pub mod ids;
 pub mod load_store;
+pub mod subscriptions;
 pub mod time;
 pub mod zmtp;
