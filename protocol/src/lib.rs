@@ -10,8 +10,10 @@
 //! | [`time`] | caller-supplied monotonic ticks and wall-clock timestamps |
 //! | [`backoff`] | reconnect backoff and supervisor restart budgets |
 //! | [`discovery`] | the discovery event vocabulary shared by every source |
+//! | [`kube`] | Kubernetes discovery: `hash_pod_name`, Pod membership, metadata ⋈ EndpointSlice |
 
 pub mod backoff;
 pub mod discovery;
 pub mod ids;
+pub mod kube;
 pub mod time;
