@@ -20,8 +20,10 @@
 //! | [`tree`] | the status table behind `GET /admin/subsystems` |
 //! | [`store`] | the lock-free snapshot store (ArcSwap + generation watch) |
 //! | [`clock`] | monotonic ticks and wall-clock time for `protocol` |
+//! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 
 pub mod clock;
+pub mod kube_source;
 pub mod store;
 pub mod supervisor;
 pub mod tree;
