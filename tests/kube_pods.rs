@@ -305,3 +305,27 @@ async fn container_mode_pods_are_counted_once_as_refused() {
         .count();
     assert_eq!(refused, 1);
 }
+
+#[tokio::test]
+async fn a_hung_list_hits_the_setup_budget_and_the_pass_is_retried() {
+    let fake = FakeKube::start().await;
+    fake.apply(Kind::Pods, worker_pod("worker-0", "dyn", true));
+    fake.hang_lists(Kind::Pods);
+    let timing = WatchTiming {
+        setup_timeout: Duration::from_millis(200),
+        ..fast()
+    };
+    let mut source = Source::start(&fake, timing);
+    // Two abandoned attempts prove the budget ended the first one.
+    fake.wait_for(|c| c.lists.get(&Kind::Pods).copied().unwrap_or(0) >= 2)
+        .await;
+    fake.unhang_lists(Kind::Pods);
+    source.members(&["worker-0"]).await;
+    source
+        .until("connected", |u| *u == PodUpdate::Connected(true))
+        .await;
+    assert!(
+        !source.seen.contains(&PodUpdate::Connected(false)),
+        "never connected, so never disconnected"
+    );
+}

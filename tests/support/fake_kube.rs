@@ -106,6 +106,8 @@ struct Inner {
     snapshots: HashMap<String, Snapshot>,
     next_token: u64,
     requests: Vec<String>,
+    /// Collections whose list requests never get an answer (a hung API server).
+    hung: Vec<Kind>,
 }
 
 /// The running fake. Dropping it stops the server.
@@ -236,6 +238,15 @@ impl FakeKube {
         {
             let _ = w.tx.send(line.clone());
         }
+    }
+
+    /// List requests for `kind` are counted but never answered, until `unhang`.
+    pub fn hang_lists(&self, kind: Kind) {
+        self.lock().hung.push(kind);
+    }
+
+    pub fn unhang_lists(&self, kind: Kind) {
+        self.lock().hung.retain(|k| *k != kind);
     }
 
     /// Every request as `path?query`, in arrival order.
@@ -412,6 +423,16 @@ async fn handle(State(app): State<AppState>, uri: Uri) -> Response {
     let selector = parse_selector(query.get("labelSelector").map_or("", String::as_str));
     if query.get("watch").map(String::as_str) == Some("true") {
         watch_response(&app, kind, selector, &query)
+    } else if app
+        .inner
+        .lock()
+        .expect("fake kube lock")
+        .hung
+        .contains(&kind)
+    {
+        app.counters
+            .send_modify(|c| *c.lists.entry(kind).or_default() += 1);
+        std::future::pending::<Response>().await
     } else {
         list_response(&app, kind, &selector, &query)
     }

@@ -74,12 +74,7 @@ fn build_inferred_client() -> Result<Client, KubeSourceError> {
                 in_cluster: in_cluster.to_string(),
                 kubeconfig: e.to_string(),
             })?;
-            // A hung interactive exec plugin must not be able to wait on a terminal forever.
-            for named in &mut kubeconfig.auth_infos {
-                if let Some(exec) = named.auth_info.as_mut().and_then(|a| a.exec.as_mut()) {
-                    exec.interactive_mode = Some(ExecInteractiveMode::Never);
-                }
-            }
+            never_interactive(&mut kubeconfig);
             runtime
                 .block_on(Config::from_custom_kubeconfig(
                     kubeconfig,
@@ -93,6 +88,15 @@ fn build_inferred_client() -> Result<Client, KubeSourceError> {
     };
     let _entered = runtime.enter();
     Ok(Client::try_from(config)?)
+}
+
+/// A hung interactive exec plugin must not be able to wait on a terminal forever.
+fn never_interactive(kubeconfig: &mut Kubeconfig) {
+    for named in &mut kubeconfig.auth_infos {
+        if let Some(exec) = named.auth_info.as_mut().and_then(|a| a.exec.as_mut()) {
+            exec.interactive_mode = Some(ExecInteractiveMode::Never);
+        }
+    }
 }
 
 /// The receiver is gone: the source stops.
@@ -236,26 +240,31 @@ impl PassLoop {
         }
     }
 
+    /// The wait before the next relist, and whether the end was a routine close: a clean end
+    /// of stream after a full-length session. Sessions of at least `reset_after` restore the
+    /// floor; a routine close also leaves the floor in place for the next real failure.
+    fn plan(&mut self, lasted: Duration, clean: bool) -> (Duration, bool) {
+        let routine = clean && lasted >= self.reset_after;
+        let delay = self.backoff.session_ended(lasted, self.reset_after, 0.0);
+        if routine {
+            self.backoff.reset();
+        }
+        (delay, routine)
+    }
+
     /// After any termination: report, then wait the backoff before the next full relist.
     async fn after<T>(
         &mut self,
         ended: Ended,
         tx: &mpsc::Sender<KubeUpdate<T>>,
     ) -> Result<(), Closed> {
-        let routine = ended.error.is_none() && ended.lasted >= self.reset_after;
+        let (delay, routine) = self.plan(ended.lasted, ended.error.is_none());
         if routine {
             debug!(lasted = ?ended.lasted, "Kubernetes watch closed routinely; relisting.");
         } else {
             let error = ended.error.unwrap_or(KubeSourceError::EarlyEof("watch"));
             warn!(%error, lasted = ?ended.lasted, "Kubernetes watch ended; relisting after backoff.");
             self.conn.set(tx, false).await?;
-        }
-        let delay = self
-            .backoff
-            .session_ended(ended.lasted, self.reset_after, 0.0);
-        if routine {
-            // A routine close must not grow the schedule for the next real failure.
-            self.backoff.reset();
         }
         tokio::select! {
             () = tokio::time::sleep(delay) => Ok(()),
@@ -585,6 +594,82 @@ mod tests {
         );
         assert_eq!(ar.plural, "dynamoworkermetadatas");
         assert_eq!(ar.api_version, "nvidia.com/v1alpha1");
+    }
+
+    fn pass_loop(initial_ms: u64, max_ms: u64) -> PassLoop {
+        PassLoop::new(&KubeSourceConfig {
+            connect: KubeConnect::Url("http://127.0.0.1:1".into()),
+            namespace: "dynamo".into(),
+            backoff: continuum_protocol::backoff::BackoffPolicy {
+                initial: Duration::from_millis(initial_ms),
+                max: Duration::from_millis(max_ms),
+                jitter: continuum_protocol::backoff::Jitter::None,
+            },
+            timing: super::super::WatchTiming::default(),
+        })
+    }
+
+    #[test]
+    fn failures_double_the_wait_and_a_long_session_restores_the_floor() {
+        let ms = Duration::from_millis;
+        let mut passes = pass_loop(500, 30_000);
+        assert_eq!(passes.plan(Duration::ZERO, false), (ms(500), false));
+        assert_eq!(passes.plan(Duration::ZERO, false), (ms(1000), false));
+        assert_eq!(
+            passes.plan(ms(100), true),
+            (ms(2000), false),
+            "an early EOF is a failure"
+        );
+        // A transport error after a session of at least min(max, 290 s) waits the floor.
+        assert_eq!(passes.plan(ms(30_000), false), (ms(500), false));
+        assert_eq!(passes.plan(Duration::ZERO, false), (ms(1000), false));
+    }
+
+    #[test]
+    fn routine_closes_wait_the_floor_and_do_not_raise_the_backoff() {
+        let ms = Duration::from_millis;
+        let mut passes = pass_loop(500, 600_000);
+        // reset_after = min(600 s, 290 s).
+        for _ in 0..3 {
+            assert_eq!(passes.plan(Duration::from_secs(290), true), (ms(500), true));
+        }
+        assert_eq!(passes.plan(Duration::ZERO, false), (ms(500), false));
+    }
+
+    #[test]
+    fn kubeconfig_exec_plugins_are_forced_non_interactive() {
+        let mut kubeconfig = Kubeconfig::from_yaml(
+            r#"
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:6443"}}]
+users:
+  - name: exec-user
+    user:
+      exec:
+        apiVersion: client.authentication.k8s.io/v1
+        command: get-token
+        interactiveMode: IfAvailable
+  - name: token-user
+    user: {token: abc}
+contexts: [{name: x, context: {cluster: c, user: exec-user}}]
+current-context: x
+"#,
+        )
+        .expect("kubeconfig parses");
+        never_interactive(&mut kubeconfig);
+        let exec = kubeconfig.auth_infos[0]
+            .auth_info
+            .as_ref()
+            .and_then(|a| a.exec.as_ref())
+            .expect("exec config");
+        assert_eq!(exec.interactive_mode, Some(ExecInteractiveMode::Never));
+        assert!(
+            kubeconfig.auth_infos[1]
+                .auth_info
+                .as_ref()
+                .is_some_and(|a| a.exec.is_none())
+        );
     }
 
     #[test]
