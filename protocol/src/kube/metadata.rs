@@ -76,6 +76,9 @@ pub struct Step {
     pub notes: Vec<MetaNote>,
 }
 
+/// Prefix of slice names in `overflow_noted` (resource uids never contain `/`).
+const SLICE_MARK: &str = "slice/";
+
 type Bytes = Arc<[u8]>;
 type Records = BTreeMap<String, Bytes>;
 
@@ -113,7 +116,7 @@ pub struct MetadataState {
     contributors: BTreeMap<String, BTreeMap<String, Bytes>>,
     /// Key → the value the reducer holds.
     fed: BTreeMap<String, Bytes>,
-    /// Uids refused for overflow, so the count happens once.
+    /// Resource uids (and `slice/<name>`s) refused for overflow, so the count happens once.
     overflow_noted: BTreeSet<String>,
 }
 
@@ -160,44 +163,40 @@ impl MetadataState {
     /// `InitApply` per fed record, `InitDone` (an etcd resync). Counts already made for an
     /// unchanged uid are not repeated.
     pub fn relist(&mut self, resources: &[DynamoWorkerMetadata], slices: &[EndpointSlice]) -> Step {
-        let previous: BTreeMap<String, (String, BTreeSet<NoteKind>)> =
-            std::mem::take(&mut self.resources)
-                .into_iter()
-                .map(|(name, held)| (name, (held.uid, held.noted)))
-                .collect();
+        let mut previous = std::mem::take(&mut self.resources);
         self.held_bytes = 0;
         self.slices.clear();
         self.ready.clear();
         self.contributing.clear();
         self.contributors.clear();
         self.fed.clear();
-        let listed: BTreeSet<&str> = resources.iter().map(|r| r.metadata.uid.as_str()).collect();
-        self.overflow_noted
-            .retain(|uid| listed.contains(uid.as_str()));
+        let listed: BTreeSet<String> = resources
+            .iter()
+            .map(|r| r.metadata.uid.clone())
+            .chain(
+                slices
+                    .iter()
+                    .map(|s| format!("{SLICE_MARK}{}", s.metadata.name)),
+            )
+            .collect();
+        self.overflow_noted.retain(|mark| listed.contains(mark));
 
-        let mut scratch = Step::default();
+        let mut notes = Vec::new();
         for slice in slices {
-            self.store_slice(slice);
+            self.store_slice(slice, &mut notes);
         }
         for resource in resources {
             let name = &resource.metadata.name;
-            if let Some((uid, noted)) = previous.get(name)
-                && *uid == resource.metadata.uid
+            if let Some(held) = previous.remove(name)
+                && held.uid == resource.metadata.uid
+                && self.resources.len() < self.max_objects
             {
-                // Seed the counted kinds so an unchanged refusal is not counted again.
-                self.resources.insert(
-                    name.clone(),
-                    Held {
-                        uid: uid.clone(),
-                        owner_uid: None,
-                        refused: false,
-                        records: Records::new(),
-                        bytes: 0,
-                        noted: noted.clone(),
-                    },
-                );
+                // The same incarnation keeps its last valid records (a malformed relisted spec
+                // must not erase them) and its counts (an unchanged refusal is not recounted).
+                self.held_bytes += held.bytes;
+                self.resources.insert(name.clone(), held);
             }
-            self.store_resource(resource, &mut scratch.notes);
+            self.store_resource(resource, &mut notes);
         }
         let names: Vec<String> = self.resources.keys().cloned().collect();
         for name in names {
@@ -211,10 +210,7 @@ impl MetadataState {
             value: v.to_vec(),
         }));
         events.push(SourceEvent::InitDone);
-        Step {
-            events,
-            notes: scratch.notes,
-        }
+        Step { events, notes }
     }
 
     /// A watch ADDED or MODIFIED of a DynamoWorkerMetadata.
@@ -241,11 +237,7 @@ impl MetadataState {
         let mut step = Step::default();
         let name = &slice.metadata.name;
         if !self.slices.contains_key(name) && self.slices.len() >= self.max_objects {
-            step.notes.push(MetaNote {
-                resource: name.clone(),
-                kind: NoteKind::Malformed,
-                detail: "EndpointSlice ceiling reached".into(),
-            });
+            self.store_slice(slice, &mut step.notes);
             return step;
         }
         let mut affected: BTreeSet<String> = self
@@ -254,7 +246,7 @@ impl MetadataState {
             .map(|t| t.iter().map(|(n, _)| n.clone()).collect())
             .unwrap_or_default();
         self.unstore_slice(name);
-        self.store_slice(slice);
+        self.store_slice(slice, &mut step.notes);
         if let Some(targets) = self.slices.get(name) {
             affected.extend(targets.iter().map(|(n, _)| n.clone()));
         }
@@ -267,6 +259,7 @@ impl MetadataState {
     /// A watch DELETED of an EndpointSlice.
     pub fn delete_slice(&mut self, name: &str) -> Step {
         let mut step = Step::default();
+        self.overflow_noted.remove(&format!("{SLICE_MARK}{name}"));
         let affected: BTreeSet<String> = self
             .slices
             .get(name)
@@ -279,9 +272,16 @@ impl MetadataState {
         step
     }
 
-    fn store_slice(&mut self, slice: &EndpointSlice) {
+    fn store_slice(&mut self, slice: &EndpointSlice, notes: &mut Vec<MetaNote>) {
         let name = &slice.metadata.name;
         if !self.slices.contains_key(name) && self.slices.len() >= self.max_objects {
+            if self.overflow_noted.insert(format!("{SLICE_MARK}{name}")) {
+                notes.push(MetaNote {
+                    resource: name.clone(),
+                    kind: NoteKind::Malformed,
+                    detail: "EndpointSlice ceiling reached".into(),
+                });
+            }
             return;
         }
         let targets: Vec<ReadyTarget> = slice

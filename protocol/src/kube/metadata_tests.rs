@@ -503,3 +503,206 @@ fn relists_do_not_recount_unchanged_refusals() {
             .is_empty()
     );
 }
+
+#[test]
+fn a_malformed_spec_at_relist_keeps_the_last_valid_records() {
+    let mut st = state();
+    st.relist(&[example()], &[ready_slice()]);
+    let mut v = example_json();
+    v["spec"] = json!({"data": "not a map"});
+    let step = st.relist(&[dwm(v)], &[ready_slice()]);
+    assert_eq!(step.notes.len(), 1);
+    assert_eq!(step.notes[0].kind, NoteKind::Malformed);
+    assert_eq!(step.events.len(), 5, "{:?}", keys(&step.events));
+}
+
+#[test]
+fn the_slice_ceiling_is_counted_once() {
+    let mut st = MetadataState::with_bounds(
+        MetadataConfig {
+            namespaces: vec![Namespace::new("dynamo")],
+        },
+        1,
+        MAX_HELD_BYTES,
+    );
+    st.apply_slice(&ready_slice());
+    let extra = slice("extra", &[("worker-1", "u1", true)]);
+    assert_eq!(st.apply_slice(&extra).notes.len(), 1);
+    assert!(st.apply_slice(&extra).notes.is_empty());
+    // The held slice still works.
+    assert_eq!(st.apply_resource(&example()).events.len(), 3);
+}
+
+/// Differential check: replaying the emitted events into a map (as the reducer would hold
+/// them) always matches both the state's own fed set and a naive recomputation from scratch.
+mod differential {
+    use std::collections::BTreeSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    const NAMES: [&str; 2] = ["worker-0", "worker-1"];
+    const SHARED: &str = "namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/abc";
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// Apply resource `name` with spec variant 0..5 (3 = null data maps, 4 = malformed).
+        Resource(usize, u8),
+        Delete(usize),
+        /// Slice `s{slice}` with per-worker readiness.
+        Slice(usize, [bool; 2]),
+        DeleteSlice(usize),
+        Relist,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0..2usize, 0..5u8).prop_map(|(n, v)| Op::Resource(n, v)),
+            (0..2usize).prop_map(Op::Delete),
+            (0..2usize, any::<[bool; 2]>()).prop_map(|(s, r)| Op::Slice(s, r)),
+            (0..2usize).prop_map(Op::DeleteSlice),
+            Just(Op::Relist),
+        ]
+    }
+
+    fn resource(name: &str, variant: u8) -> DynamoWorkerMetadata {
+        let id = hash_pod_name(name);
+        let spec = match variant {
+            3 => json!({"data": {"endpoints": null, "model_cards": null, "event_channels": null}}),
+            4 => json!("malformed"),
+            v => {
+                let mut data = json!({
+                    "endpoints": {format!("dynamo/backend/generate/{}", id.hex()): {
+                        "type": "Endpoint", "namespace": "dynamo", "component": "backend",
+                        "endpoint": "generate", "instance_id": id.0,
+                        "transport": {"tcp": format!("10.0.0.{v}:1")}
+                    }},
+                    "event_channels": {SHARED: {"type": "EventChannel", "topic": "kv-events",
+                        "instance_id": 7, "transport": {"kind": "Zmq",
+                        "config": {"endpoint": format!("tcp://10.0.0.{v}:2")}}}}
+                });
+                if v == 2 {
+                    data["event_channels"] = json!({});
+                }
+                json!({"data": data})
+            }
+        };
+        dwm(json!({
+            "metadata": {"name": name, "uid": format!("dwm-{name}"),
+                "ownerReferences": [{"kind": "Pod", "name": name, "uid": format!("pod-{name}")}]},
+            "spec": spec
+        }))
+    }
+
+    fn slice_of(index: usize, ready: [bool; 2]) -> EndpointSlice {
+        let targets: Vec<(String, String, bool)> = NAMES
+            .iter()
+            .zip(ready)
+            .map(|(n, r)| ((*n).to_owned(), format!("pod-{n}"), r))
+            .collect();
+        let borrowed: Vec<(&str, &str, bool)> = targets
+            .iter()
+            .map(|(n, u, r)| (n.as_str(), u.as_str(), *r))
+            .collect();
+        slice(&format!("s{index}"), &borrowed)
+    }
+
+    /// The reducer's view: a map, with resyncs swapped in at InitDone.
+    #[derive(Default)]
+    struct Replay {
+        held: BTreeMap<String, Vec<u8>>,
+        staging: Option<BTreeMap<String, Vec<u8>>>,
+    }
+
+    impl Replay {
+        fn feed(&mut self, events: &[SourceEvent]) {
+            for e in events {
+                match e {
+                    SourceEvent::Init => self.staging = Some(BTreeMap::new()),
+                    SourceEvent::InitApply { key, value } => {
+                        self.staging
+                            .as_mut()
+                            .expect("InitApply inside a resync")
+                            .insert(key.clone(), value.clone());
+                    }
+                    SourceEvent::InitDone => {
+                        self.held = self.staging.take().expect("InitDone after Init");
+                    }
+                    SourceEvent::Apply { key, value } => {
+                        self.held.insert(key.clone(), value.clone());
+                    }
+                    SourceEvent::Delete { key } => {
+                        assert!(
+                            self.held.remove(key).is_some(),
+                            "Delete of an unknown key {key}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn incremental_events_match_a_naive_recomputation(ops in prop::collection::vec(op(), 1..40)) {
+            let mut st = state();
+            let mut replay = Replay::default();
+            // Naive model: last valid variant per resource, readiness per slice.
+            let mut objects: BTreeMap<usize, u8> = BTreeMap::new();
+            let mut valid: BTreeMap<usize, u8> = BTreeMap::new();
+            let mut slices: BTreeMap<usize, [bool; 2]> = BTreeMap::new();
+            for op in ops {
+                let step = match op {
+                    Op::Resource(n, v) => {
+                        objects.insert(n, v);
+                        if v != 4 {
+                            valid.insert(n, v);
+                        }
+                        st.apply_resource(&resource(NAMES[n], v))
+                    }
+                    Op::Delete(n) => {
+                        objects.remove(&n);
+                        valid.remove(&n);
+                        st.delete_resource(NAMES[n])
+                    }
+                    Op::Slice(s, r) => {
+                        slices.insert(s, r);
+                        st.apply_slice(&slice_of(s, r))
+                    }
+                    Op::DeleteSlice(s) => {
+                        slices.remove(&s);
+                        st.delete_slice(&format!("s{s}"))
+                    }
+                    Op::Relist => {
+                        let rs: Vec<_> =
+                            objects.iter().map(|(n, v)| resource(NAMES[*n], *v)).collect();
+                        let ss: Vec<_> = slices.iter().map(|(s, r)| slice_of(*s, *r)).collect();
+                        st.relist(&rs, &ss)
+                    }
+                };
+                replay.feed(&step.events);
+                let fed: BTreeMap<String, Vec<u8>> =
+                    st.fed().map(|(k, v)| (k.to_owned(), v.to_vec())).collect();
+                prop_assert_eq!(&replay.held, &fed);
+
+                let mut expected = BTreeSet::new();
+                for (n, v) in &valid {
+                    let ready = slices.values().any(|r| r[*n]);
+                    if !ready || !objects.contains_key(n) {
+                        continue;
+                    }
+                    if *v < 3 {
+                        let id = hash_pod_name(NAMES[*n]).hex();
+                        expected.insert(format!("v1/instances/dynamo/backend/generate/{id}"));
+                        if *v != 2 {
+                            expected.insert(format!("v1/event_channels/{SHARED}"));
+                        }
+                    }
+                }
+                let got: BTreeSet<String> = fed.keys().cloned().collect();
+                prop_assert_eq!(got, expected);
+            }
+        }
+    }
+}
