@@ -27,9 +27,15 @@ use serde_json::{Map, Value};
 
 use crate::discovery::SourceEvent;
 use crate::ids::{InstanceId, Namespace};
-use crate::kube::MAX_HELD_OBJECTS;
 use crate::kube::hash::hash_pod_name;
 use crate::kube::objects::{DynamoWorkerMetadata, EndpointSlice};
+use crate::kube::{MAX_HELD_OBJECTS, Signals};
+
+/// Workers come with full cards and event channels: load and capacity signals are available.
+pub const METADATA_SIGNALS: Signals = Signals {
+    load: true,
+    capacity: true,
+};
 
 /// Total bytes of records (keys + values) held across resources.
 pub const MAX_HELD_BYTES: usize = 256 * 1024 * 1024;
