@@ -26,10 +26,11 @@
 //! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
 //! | [`etcd_source`] | the read-only etcd get-then-watch source |
 //! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |
-
+//! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
 pub mod discovery;
 pub mod etcd_source;
+pub mod kube_source;
 pub mod lifecycle;
 pub mod metrics;
 pub mod registry;

@@ -14,11 +14,13 @@
 //! | [`event_plane`] | 4-frame event-plane messages, EventEnvelope, ActiveLoad, drop results |
 //! | [`load_store`] | latest ActiveLoad per (worker, dp_rank), staleness, missed-message rule |
 //! | [`subscriptions`] | which publishers to subscribe to (cap, order, diff) |
+//! | [`kube`] | Kubernetes discovery: `hash_pod_name`, Pod membership, metadata ⋈ EndpointSlice |
 
 pub mod backoff;
 pub mod discovery;
 pub mod event_plane;
 pub mod ids;
+pub mod kube;
 pub mod load_store;
 pub mod subscriptions;
 pub mod time;
