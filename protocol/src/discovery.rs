@@ -27,8 +27,8 @@ pub use records::{
 };
 pub use reducer::DiscoveryReducer;
 pub use snapshot::{
-    DynamoSnapshot, MAX_MIXED_SHOWN, MixedModel, MixedReport, Signals, SourceKind,
-    build_snapshot, mixed_models, newly_mixed,
+    DynamoSnapshot, MAX_MIXED_SHOWN, MixedModel, MixedReport, Signals, SourceKind, build_snapshot,
+    mixed_models, newly_mixed,
 };
 pub use view::{NamespaceView, Publisher, Worker, rfc3339};
 
@@ -156,7 +156,10 @@ mod tests {
 
     #[test]
     fn kinds_are_a_closed_set_with_distinct_labels() {
-        let mut labels: Vec<_> = DiscoveryEventKind::ALL.iter().map(|k| k.as_label()).collect();
+        let mut labels: Vec<_> = DiscoveryEventKind::ALL
+            .iter()
+            .map(|k| k.as_label())
+            .collect();
         labels.sort_unstable();
         labels.dedup();
         assert_eq!(labels.len(), DiscoveryEventKind::ALL.len());
@@ -173,7 +176,10 @@ mod tests {
         let got: Vec<_> = c.iter().collect();
         assert_eq!(
             got,
-            vec![(DiscoveryEventKind::Put, 1), (DiscoveryEventKind::Duplicate, 2)]
+            vec![
+                (DiscoveryEventKind::Put, 1),
+                (DiscoveryEventKind::Duplicate, 2)
+            ]
         );
     }
 }

@@ -19,7 +19,10 @@ pub const EVENT_SOURCES_BUCKET: &str = "v1/event_sources/";
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
     #[error("key has {found} segments after the bucket, expected {expected}")]
-    Shape { expected: &'static str, found: usize },
+    Shape {
+        expected: &'static str,
+        found: usize,
+    },
     #[error("key id segment {0:?} is not lowercase or uppercase hex")]
     Id(String),
     #[error("invalid percent escape in key segment {0:?}")]
@@ -72,10 +75,16 @@ impl Keyspace {
             Keyspace::Instances => format!("{INSTANCES_BUCKET}{namespace}/"),
             Keyspace::Cards => format!("{MDC_BUCKET}{namespace}/"),
             Keyspace::Channels => {
-                format!("{EVENT_CHANNELS_BUCKET}namespace/{}/", encode_segment(namespace))
+                format!(
+                    "{EVENT_CHANNELS_BUCKET}namespace/{}/",
+                    encode_segment(namespace)
+                )
             }
             Keyspace::Sources => {
-                format!("{EVENT_SOURCES_BUCKET}namespace/{}/", encode_segment(namespace))
+                format!(
+                    "{EVENT_SOURCES_BUCKET}namespace/{}/",
+                    encode_segment(namespace)
+                )
             }
         }
     }
@@ -189,8 +198,7 @@ fn strip_encoded_namespace<'a>(rest: &'a str, namespace: &str) -> Option<&'a str
 
 fn hex_id(segment: &str) -> Result<u64, KeyError> {
     // Upstream writes `{:x}`; any case is accepted, a `0x` prefix is not something it writes.
-    if segment.is_empty() || segment.len() > 16 || !segment.bytes().all(|b| b.is_ascii_hexdigit())
-    {
+    if segment.is_empty() || segment.len() > 16 || !segment.bytes().all(|b| b.is_ascii_hexdigit()) {
         return Err(KeyError::Id(segment.to_owned()));
     }
     u64::from_str_radix(segment, 16).map_err(|_| KeyError::Id(segment.to_owned()))
@@ -318,7 +326,10 @@ mod tests {
 
     #[test]
     fn keys_of_other_namespaces_and_buckets_are_ignored() {
-        assert_eq!(classify("dyn", "v1/instances/dynamo/backend/generate/1"), None);
+        assert_eq!(
+            classify("dyn", "v1/instances/dynamo/backend/generate/1"),
+            None
+        );
         assert_eq!(classify("dyn", "v1/other/dyn/backend/generate/1"), None);
         assert_eq!(
             classify(
@@ -353,8 +364,14 @@ mod tests {
         );
         let ns_scoped = classify("d", "v1/event_sources/namespace/d/topic/kv_metrics/a");
         assert!(matches!(ns_scoped, Some((Keyspace::Sources, Ok(_)))));
-        let broken = classify("d", "v1/event_channels/namespace/d/component/b/kv_metrics/a");
-        assert!(matches!(broken, Some((Keyspace::Channels, Err(KeyError::Scope)))));
+        let broken = classify(
+            "d",
+            "v1/event_channels/namespace/d/component/b/kv_metrics/a",
+        );
+        assert!(matches!(
+            broken,
+            Some((Keyspace::Channels, Err(KeyError::Scope)))
+        ));
     }
 
     #[test]
@@ -369,7 +386,13 @@ mod tests {
         ));
         assert!(matches!(
             classify("d", "v1/mdc/d/c/generate/1a/lora-1"),
-            Some((Keyspace::Cards, Ok(ParsedKey::Card { model_suffix: Some(_), .. })))
+            Some((
+                Keyspace::Cards,
+                Ok(ParsedKey::Card {
+                    model_suffix: Some(_),
+                    ..
+                })
+            ))
         ));
     }
 

@@ -211,9 +211,9 @@ impl TcpAddress {
         };
         let host_ok = !host.is_empty()
             && host.len() <= 255
-            && host
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'%'));
+            && host.bytes().all(|b| {
+                b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':' | b'%')
+            });
         let port: u16 = port.parse().map_err(|_| bad())?;
         if !host_ok || port == 0 || !port_is_plain(rest) {
             return Err(bad());
@@ -368,7 +368,10 @@ pub fn parse_record(key: &ParsedKey, value: &[u8]) -> Result<Record, RecordError
 }
 
 fn text(field: Option<&Scalar>) -> String {
-    field.and_then(Scalar::as_str).unwrap_or_default().to_owned()
+    field
+        .and_then(Scalar::as_str)
+        .unwrap_or_default()
+        .to_owned()
 }
 
 fn parse_endpoint(raw: RawRecord<'_>) -> Result<Record, RecordError> {
@@ -399,7 +402,8 @@ fn parse_card(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordError
         .as_ref()
         .and_then(Scalar::as_str)
         .is_some_and(|s| !s.is_empty());
-    let suffix_in_key = matches!(key, ParsedKey::Card { model_suffix: Some(s), .. } if !s.is_empty());
+    let suffix_in_key =
+        matches!(key, ParsedKey::Card { model_suffix: Some(s), .. } if !s.is_empty());
     if suffix_in_value || suffix_in_key {
         return Ok(Record::Skipped(Skip::LoraCard));
     }
@@ -419,7 +423,9 @@ fn parse_card(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordError
                 (fields, None, true)
             } else {
                 // RawValue already validated the JSON; this cannot fail short of allocation.
-                let value = serde_json::from_str::<serde_json::Value>(text).ok().map(Arc::new);
+                let value = serde_json::from_str::<serde_json::Value>(text)
+                    .ok()
+                    .map(Arc::new);
                 (fields, value, false)
             }
         }
@@ -441,7 +447,9 @@ fn parse_channel(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordEr
         ..
     } = key
     else {
-        return Err(RecordError::Json("channel value under a non-channel key".into()));
+        return Err(RecordError::Json(
+            "channel value under a non-channel key".into(),
+        ));
     };
     // Broker registrations are flagged whatever their topic: they mean publishers in this
     // namespace do not register direct channels.
@@ -718,7 +726,11 @@ struct RawScope {
 
 impl RawScope {
     fn component_endpoint(self) -> Result<(Option<String>, Option<String>), RecordError> {
-        let kind = self.kind.as_ref().and_then(Scalar::as_str).unwrap_or("<missing>");
+        let kind = self
+            .kind
+            .as_ref()
+            .and_then(Scalar::as_str)
+            .unwrap_or("<missing>");
         match kind {
             "namespace" => Ok((None, None)),
             "component" => Ok((self.component.and_then(Scalar::into_string), None)),
@@ -727,7 +739,9 @@ impl RawScope {
                     ep.component.and_then(Scalar::into_string),
                     ep.name.and_then(Scalar::into_string),
                 )),
-                _ => Err(RecordError::UnsupportedScope("endpoint without endpoint".into())),
+                _ => Err(RecordError::UnsupportedScope(
+                    "endpoint without endpoint".into(),
+                )),
             },
             other => Err(RecordError::UnsupportedScope(other.to_owned())),
         }
@@ -867,7 +881,9 @@ impl RawCard {
             _ => None,
         };
         let rc_u64 = |f: fn(&RawRuntimeConfig) -> &Option<Scalar>| {
-            rc.as_ref().and_then(|rc| f(rc).as_ref()).and_then(Scalar::as_u64)
+            rc.as_ref()
+                .and_then(|rc| f(rc).as_ref())
+                .and_then(Scalar::as_u64)
         };
         let context_length = rc_u64(|rc| &rc.context_length)
             .or_else(|| self.context_length.as_ref().and_then(Scalar::as_u64));
@@ -904,10 +920,7 @@ impl RawCard {
         CardFields {
             model,
             claim,
-            block_size: self
-                .kv_cache_block_size
-                .as_ref()
-                .and_then(Scalar::as_u32),
+            block_size: self.kv_cache_block_size.as_ref().and_then(Scalar::as_u32),
             capacity,
             dp_start_rank,
             dp_size,
@@ -929,12 +942,19 @@ mod tests {
 
     const EP_KEY: &str = "v1/instances/dynamo/backend/generate/1a";
     const CARD_KEY: &str = "v1/mdc/dynamo/backend/generate/1a";
-    const CH_KEY: &str = "v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/topic/kv_metrics/5";
+    const CH_KEY: &str =
+        "v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/topic/kv_metrics/5";
 
     #[test]
     fn ids_as_number_or_hex_string_normalise() {
-        let a = parse(EP_KEY, r#"{"type":"Endpoint","endpoint":"generate","instance_id":26}"#);
-        let b = parse(EP_KEY, r#"{"type":"Endpoint","endpoint":"generate","instance_id":"1a"}"#);
+        let a = parse(
+            EP_KEY,
+            r#"{"type":"Endpoint","endpoint":"generate","instance_id":26}"#,
+        );
+        let b = parse(
+            EP_KEY,
+            r#"{"type":"Endpoint","endpoint":"generate","instance_id":"1a"}"#,
+        );
         let c = parse(EP_KEY, r#"{"endpoint":"generate","instance_id":"0x1A"}"#);
         assert_eq!(a, b);
         assert_eq!(a, c);
@@ -969,10 +989,16 @@ mod tests {
             parse(EP_KEY, r#"{"type":"Endpoint","endpoint":"generate"}"#),
             Err(RecordError::MissingInstanceId)
         );
-        assert!(matches!(parse(EP_KEY, "not json"), Err(RecordError::Json(_))));
+        assert!(matches!(
+            parse(EP_KEY, "not json"),
+            Err(RecordError::Json(_))
+        ));
         assert!(matches!(parse(EP_KEY, "[1,2]"), Err(RecordError::Json(_))));
         assert!(matches!(
-            parse(EP_KEY, r#"{"type":"Model","endpoint":"generate","instance_id":1}"#),
+            parse(
+                EP_KEY,
+                r#"{"type":"Model","endpoint":"generate","instance_id":1}"#
+            ),
             Err(RecordError::WrongType { .. })
         ));
     }

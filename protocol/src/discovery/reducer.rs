@@ -143,7 +143,12 @@ impl DiscoveryReducer {
             }
             SourceEvent::Delete { key } => {
                 if let Some(staging) = self.staging.as_mut() {
-                    remove_key(self.namespace.as_str(), &mut staging.held, &key, &mut Dirty::default());
+                    remove_key(
+                        self.namespace.as_str(),
+                        &mut staging.held,
+                        &key,
+                        &mut Dirty::default(),
+                    );
                 }
                 self.delete_live(&key, now)
             }
@@ -191,8 +196,12 @@ impl DiscoveryReducer {
         dirty.workers.extend(self.view.workers.keys().copied());
         dirty.workers.extend(self.held.endpoint_ids.keys().copied());
         dirty.workers.extend(self.role_conflicts.keys().copied());
-        dirty.publishers.extend(self.view.publishers.keys().copied());
-        dirty.publishers.extend(self.held.channel_ids.keys().copied());
+        dirty
+            .publishers
+            .extend(self.view.publishers.keys().copied());
+        dirty
+            .publishers
+            .extend(self.held.channel_ids.keys().copied());
 
         let fresh = self.held.all_conflicts();
         for (identity, keys) in &fresh {
@@ -317,18 +326,18 @@ fn materialise_worker(
         role_conflicts.remove(&id);
         return None;
     };
-    let card = match held.scoped_cards.get(&(
-        id,
-        endpoint.component.clone(),
-        endpoint.endpoint.clone(),
-    )) {
-        Some(keys) => unique(keys, &held.cards),
-        // Legacy cards join on the instance id alone, only when no scoped card exists.
-        None => held
-            .legacy_cards
-            .get(&id)
-            .and_then(|keys| unique(keys, &held.cards)),
-    };
+    let card =
+        match held
+            .scoped_cards
+            .get(&(id, endpoint.component.clone(), endpoint.endpoint.clone()))
+        {
+            Some(keys) => unique(keys, &held.cards),
+            // Legacy cards join on the instance id alone, only when no scoped card exists.
+            None => held
+                .legacy_cards
+                .get(&id)
+                .and_then(|keys| unique(keys, &held.cards)),
+        };
     let role = match decide_role(&endpoint.component, card.map(|c| &c.fields)) {
         Ok(role) => {
             role_conflicts.remove(&id);
@@ -523,7 +532,11 @@ fn card_identity(card: &CardRecord) -> Identity {
     if card.is_legacy() {
         Identity::LegacyCard(card.instance_id)
     } else {
-        Identity::ScopedCard(card.instance_id, card.component.clone(), card.endpoint.clone())
+        Identity::ScopedCard(
+            card.instance_id,
+            card.component.clone(),
+            card.endpoint.clone(),
+        )
     }
 }
 
@@ -586,7 +599,10 @@ impl Held {
             out.insert(Identity::Generate(*id), keys.clone());
         }
         for ((id, c, e), keys) in self.scoped_cards.iter().filter(|(_, k)| many(k)) {
-            out.insert(Identity::ScopedCard(*id, c.clone(), e.clone()), keys.clone());
+            out.insert(
+                Identity::ScopedCard(*id, c.clone(), e.clone()),
+                keys.clone(),
+            );
         }
         for (id, keys) in self.legacy_cards.iter().filter(|(_, k)| many(k)) {
             out.insert(Identity::LegacyCard(*id), keys.clone());
@@ -610,11 +626,9 @@ impl Held {
                 let identity = card_identity(&s.rec);
                 match &identity {
                     Identity::LegacyCard(id) => index_remove(&mut self.legacy_cards, id, key),
-                    Identity::ScopedCard(id, c, e) => index_remove(
-                        &mut self.scoped_cards,
-                        &(*id, c.clone(), e.clone()),
-                        key,
-                    ),
+                    Identity::ScopedCard(id, c, e) => {
+                        index_remove(&mut self.scoped_cards, &(*id, c.clone(), e.clone()), key)
+                    }
                     _ => {}
                 }
                 identity
@@ -637,7 +651,14 @@ impl Held {
         }
     }
 
-    fn insert(&mut self, keyspace: Keyspace, key: &str, digest: Digest, rec: HeldRecord, dirty: &mut Dirty) {
+    fn insert(
+        &mut self,
+        keyspace: Keyspace,
+        key: &str,
+        digest: Digest,
+        rec: HeldRecord,
+        dirty: &mut Dirty,
+    ) {
         self.remove(keyspace, key, dirty);
         let identity = match rec {
             HeldRecord::Endpoint(rec) => {
@@ -827,10 +848,10 @@ fn note(
         Outcome::Bad { kind, reason } => (kind, reason),
     };
     counts.add(kind, 1);
-    if let Some(seen) = staging_bad {
-        if seen.len() < MAX_LOGGED_KEYS {
-            seen.insert(key.to_owned());
-        }
+    if let Some(seen) = staging_bad
+        && seen.len() < MAX_LOGGED_KEYS
+    {
+        seen.insert(key.to_owned());
     }
     let already = logs.bad_keys.get(key).is_some_and(|r| *r == reason);
     if already || (!logs.bad_keys.contains_key(key) && logs.bad_keys.len() >= MAX_LOGGED_KEYS) {

@@ -305,11 +305,18 @@ mod tests {
         let b = view("b", vec![worker("b", 1, Role::Decode, "m")]);
         let a = view(
             "a",
-            vec![worker("a", 9, Role::Decode, "m"), worker("a", 2, Role::Prefill, "m")],
+            vec![
+                worker("a", 9, Role::Decode, "m"),
+                worker("a", 2, Role::Prefill, "m"),
+            ],
         );
         let ns = [Namespace::new("a"), Namespace::new("b")];
         let snap = build_snapshot(SourceKind::Etcd, &ns, &[&b, &a]);
-        let keys: Vec<_> = snap.workers().iter().map(|w| (w.key.namespace.as_str(), w.key.instance_id.0)).collect();
+        let keys: Vec<_> = snap
+            .workers()
+            .iter()
+            .map(|w| (w.key.namespace.as_str(), w.key.instance_id.0))
+            .collect();
         assert_eq!(keys, vec![("a", 2), ("a", 9), ("b", 1)]);
         let pruned = build_snapshot(SourceKind::Etcd, &ns[..1], &[&b, &a]);
         assert_eq!(pruned.workers().len(), 2);
@@ -319,20 +326,36 @@ mod tests {
         };
         assert!(snap.worker(&key).is_some());
         assert!(pruned.worker(&key).is_none());
-        let for_model: Vec<_> = snap.workers_for_model(&Namespace::new("a"), "m").map(|w| w.key.instance_id.0).collect();
+        let for_model: Vec<_> = snap
+            .workers_for_model(&Namespace::new("a"), "m")
+            .map(|w| w.key.instance_id.0)
+            .collect();
         assert_eq!(for_model, vec![2, 9]);
     }
 
     #[test]
     fn publisher_counts_follow_topics() {
         let ns = Namespace::new("a");
-        let addr = TcpAddress { host: "h".into(), port: 1 };
+        let addr = TcpAddress {
+            host: "h".into(),
+            port: 1,
+        };
         let v = NamespaceView::from_parts(
             ns.clone(),
             [],
             [
-                Publisher::new(ns.clone(), EventTopic::KvMetrics, PublisherId(1), addr.clone()),
-                Publisher::new(ns.clone(), EventTopic::KvEvents, PublisherId(2), addr.clone()),
+                Publisher::new(
+                    ns.clone(),
+                    EventTopic::KvMetrics,
+                    PublisherId(1),
+                    addr.clone(),
+                ),
+                Publisher::new(
+                    ns.clone(),
+                    EventTopic::KvEvents,
+                    PublisherId(2),
+                    addr.clone(),
+                ),
                 Publisher::new(ns.clone(), EventTopic::KvMetrics, PublisherId(3), addr),
             ],
         );
@@ -346,10 +369,17 @@ mod tests {
     #[test]
     fn mixed_namespaces_are_reported_once_and_capped() {
         let ns = [Namespace::new("a")];
-        let before = build_snapshot(SourceKind::Etcd, &ns, &[&view("a", vec![
-            worker("a", 1, Role::Prefill, "m0"),
-            worker("a", 2, Role::Aggregated, "m0"),
-        ])]);
+        let before = build_snapshot(
+            SourceKind::Etcd,
+            &ns,
+            &[&view(
+                "a",
+                vec![
+                    worker("a", 1, Role::Prefill, "m0"),
+                    worker("a", 2, Role::Aggregated, "m0"),
+                ],
+            )],
+        );
         let mut workers = vec![
             worker("a", 1, Role::Prefill, "m0"),
             worker("a", 2, Role::Aggregated, "m0"),

@@ -123,9 +123,8 @@ pub fn rfc3339(at: UnixMillis) -> String {
     let secs = i64::try_from(at.0 / 1000).unwrap_or(i64::MAX);
     let t = time::OffsetDateTime::from_unix_timestamp(secs)
         .unwrap_or_else(|_| time::PrimitiveDateTime::MAX.assume_utc());
-    let format = time::macros::format_description!(
-        "[year]-[month]-[day]T[hour]:[minute]:[second]+00:00"
-    );
+    let format =
+        time::macros::format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]+00:00");
     t.format(&format)
         .unwrap_or_else(|_| "9999-12-31T23:59:59+00:00".to_owned())
 }

@@ -18,7 +18,10 @@ const NOW: UnixMillis = UnixMillis(1_790_136_662_000);
 
 fn snapshot_of(dump: &str) -> DynamoSnapshot {
     let mut reducer = DiscoveryReducer::new(ns("dyntest"));
-    assert!(resync(&mut reducer, &dump_kvs(dump), NOW), "{dump}: first resync changes the view");
+    assert!(
+        resync(&mut reducer, &dump_kvs(dump), NOW),
+        "{dump}: first resync changes the view"
+    );
     build_snapshot(SourceKind::Etcd, &[ns("dyntest")], &[reducer.view()])
 }
 
@@ -55,7 +58,8 @@ fn golden_json(snapshot: &DynamoSnapshot) -> serde_json::Value {
 fn check_golden(dump: &str) -> DynamoSnapshot {
     let snapshot = snapshot_of(dump);
     let got = golden_json(&snapshot);
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/golden/{dump}.view.json"));
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/golden/{dump}.view.json"));
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         let text = serde_json::to_string_pretty(&got).expect("json") + "\n";
         std::fs::write(&path, text).expect("write golden");
@@ -95,22 +99,33 @@ fn agg_two_workers_dump_gives_two_aggregated_workers_and_four_publishers() {
     assert_eq!(snap.workers_for_model(&ns("dyntest"), "tiny").count(), 2);
     assert_eq!(snap.load_publisher_count(), 2);
     assert_eq!(snap.kv_event_publisher_count(), 2);
-    let kv = snap.publisher(&ns("dyntest"), PublisherId(6_256_666_860_490_770)).expect("kv-events");
+    let kv = snap
+        .publisher(&ns("dyntest"), PublisherId(6_256_666_860_490_770))
+        .expect("kv-events");
     assert_eq!(kv.topic, EventTopic::KvEvents);
     assert_eq!(kv.worker, Some(key(7_668_682_573_709_850_383)));
     assert_eq!(kv.address().authority(), "127.0.0.1:33513");
-    let load = snap.publisher(&ns("dyntest"), PublisherId(7_491_445_273_990_429)).expect("kv_metrics");
+    let load = snap
+        .publisher(&ns("dyntest"), PublisherId(7_491_445_273_990_429))
+        .expect("kv_metrics");
     assert_eq!(load.topic, EventTopic::KvMetrics);
-    assert_eq!(load.worker, None, "kv_metrics has no EventSource naming its worker");
+    assert_eq!(
+        load.worker, None,
+        "kv_metrics has no EventSource naming its worker"
+    );
 }
 
 fn check_disagg(dump: &str) {
     let snap = check_golden(dump);
     assert_eq!(snap.workers().len(), 2, "{dump}");
-    let decode = snap.worker(&key(7_668_682_573_600_862_486)).expect("decode");
+    let decode = snap
+        .worker(&key(7_668_682_573_600_862_486))
+        .expect("decode");
     assert_eq!(decode.role, Role::Decode, "component backend, card decode");
     assert_eq!(decode.component, "backend");
-    let prefill = snap.worker(&key(7_668_682_573_600_862_472)).expect("prefill");
+    let prefill = snap
+        .worker(&key(7_668_682_573_600_862_472))
+        .expect("prefill");
     assert_eq!(prefill.role, Role::Prefill);
     for w in [decode, prefill] {
         assert_eq!(w.model.as_deref(), Some("tiny"));
@@ -119,7 +134,9 @@ fn check_disagg(dump: &str) {
     }
     assert_eq!(snap.load_publisher_count(), 2);
     assert_eq!(snap.kv_event_publisher_count(), 1);
-    let kv = snap.publisher(&ns("dyntest"), PublisherId(2_342_010_624_528_326)).expect("kv-events");
+    let kv = snap
+        .publisher(&ns("dyntest"), PublisherId(2_342_010_624_528_326))
+        .expect("kv-events");
     assert_eq!(kv.worker, Some(key(7_668_682_573_600_862_472)));
     assert_eq!(kv.component.as_deref(), Some("prefill"));
     assert!(continuum_protocol::discovery::mixed_models(&snap).is_empty());

@@ -19,7 +19,10 @@ fn key_pool() -> Vec<String> {
             keys.push(card_key("p", comp, "generate", id));
         }
         keys.push(endpoint_key("p", "backend", "load_metrics", id));
-        keys.push(format!("{}/lora-a", card_key("p", "backend", "generate", id)));
+        keys.push(format!(
+            "{}/lora-a",
+            card_key("p", "backend", "generate", id)
+        ));
         keys.push(card_key("p", "legacy", "x", id));
     }
     for publisher in 1..=4u64 {
@@ -56,12 +59,27 @@ fn value_for(key: &str, choice: u8) -> Vec<u8> {
                 c["model_suffix"] = json!("lora-a");
                 c
             }
-            _ => card("p", comp, id, Some(["prefill", "decode", "aggregated", "encode"][usize::from(choice / 6) % 4])),
+            _ => card(
+                "p",
+                comp,
+                id,
+                Some(["prefill", "decode", "aggregated", "encode"][usize::from(choice / 6) % 4]),
+            ),
         }
     } else if key.starts_with("v1/event_sources/") {
-        source("p", "prefill", id, u64::from(choice % 4) + 1, u32::from(choice % 2))
+        source(
+            "p",
+            "prefill",
+            id,
+            u64::from(choice % 4) + 1,
+            u32::from(choice % 2),
+        )
     } else {
-        let topic = if key.contains("kv_metrics") { "kv_metrics" } else { "kv-events" };
+        let topic = if key.contains("kv_metrics") {
+            "kv_metrics"
+        } else {
+            "kv-events"
+        };
         match choice % 5 {
             0 => {
                 let mut c = channel("p", comp, topic, id, 1);

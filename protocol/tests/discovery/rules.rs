@@ -25,11 +25,23 @@ fn worker_role(r: &DiscoveryReducer, id: u64) -> Option<Role> {
 
 /// Puts a generate endpoint for `component` and returns whether the view changed.
 fn put_endpoint(r: &mut DiscoveryReducer, component: &str, id: u64) -> bool {
-    r.apply(put(&endpoint_key("dyn", component, "generate", id), &endpoint("dyn", component, "generate", id)), T0)
+    r.apply(
+        put(
+            &endpoint_key("dyn", component, "generate", id),
+            &endpoint("dyn", component, "generate", id),
+        ),
+        T0,
+    )
 }
 
 fn put_card(r: &mut DiscoveryReducer, component: &str, id: u64, worker_type: Option<&str>) -> bool {
-    r.apply(put(&card_key("dyn", component, "generate", id), &card("dyn", component, id, worker_type)), T0)
+    r.apply(
+        put(
+            &card_key("dyn", component, "generate", id),
+            &card("dyn", component, id, worker_type),
+        ),
+        T0,
+    )
 }
 
 #[test]
@@ -38,7 +50,10 @@ fn ids_as_json_number_or_hex_string_join_the_same_worker() {
     put_endpoint(&mut r, "decode", 0x1a7f2b);
     let mut c = card("dyn", "decode", 0, Some("decode"));
     c["instance_id"] = json!("1a7f2b");
-    r.apply(put(&card_key("dyn", "decode", "generate", 0x1a7f2b), &c), T0);
+    r.apply(
+        put(&card_key("dyn", "decode", "generate", 0x1a7f2b), &c),
+        T0,
+    );
     let w = r.view().worker(InstanceId(0x1a7f2b)).expect("worker");
     assert_eq!(w.model.as_deref(), Some("Qwen/Qwen3-32B"));
 }
@@ -75,11 +90,17 @@ fn unreadable_typed_card_subset_keeps_the_worker_and_the_raw_card() {
     // A duplicate member makes the typed subset fail; the raw card is still kept verbatim.
     let value = br#"{"type":"Model","component":"decode","endpoint":"generate","instance_id":3,
         "card_json":{"display_name":"a","display_name":"b","worker_type":"decode"}}"#;
-    r.apply(put_raw(&card_key("dyn", "decode", "generate", 3), value), T0);
+    r.apply(
+        put_raw(&card_key("dyn", "decode", "generate", 3), value),
+        T0,
+    );
     let w = r.view().worker(InstanceId(3)).expect("worker");
     assert_eq!(w.role, Role::Decode, "the component still claims decode");
     assert_eq!(w.model, None);
-    assert_eq!(w.card.as_deref().map(|c| c["display_name"].clone()), Some(json!("b")));
+    assert_eq!(
+        w.card.as_deref().map(|c| c["display_name"].clone()),
+        Some(json!("b"))
+    );
 }
 
 #[test]
@@ -87,12 +108,23 @@ fn card_is_stored_once_and_shared_across_updates() {
     let mut r = reducer();
     put_endpoint(&mut r, "decode", 4);
     put_card(&mut r, "decode", 4, Some("decode"));
-    let first = r.view().worker(InstanceId(4)).and_then(|w| w.card.clone()).expect("card");
+    let first = r
+        .view()
+        .worker(InstanceId(4))
+        .and_then(|w| w.card.clone())
+        .expect("card");
     let mut e = endpoint("dyn", "decode", "generate", 4);
     e["transport"] = json!({"tcp": "10.0.0.5:1/4/dyn/decode/generate"});
     assert!(r.apply(put(&endpoint_key("dyn", "decode", "generate", 4), &e), T1));
-    let second = r.view().worker(InstanceId(4)).and_then(|w| w.card.clone()).expect("card");
-    assert!(Arc::ptr_eq(&first, &second), "re-joining a worker must not copy its card");
+    let second = r
+        .view()
+        .worker(InstanceId(4))
+        .and_then(|w| w.card.clone())
+        .expect("card");
+    assert!(
+        Arc::ptr_eq(&first, &second),
+        "re-joining a worker must not copy its card"
+    );
 }
 
 #[test]
@@ -101,8 +133,14 @@ fn values_above_max_record_bytes_are_refused_before_parsing() {
     put_endpoint(&mut r, "decode", 6);
     let mut huge = vec![b' '; MAX_RECORD_BYTES + 1];
     huge[0] = b'{';
-    assert!(r.apply(put_raw(&endpoint_key("dyn", "decode", "generate", 6), &huge), T0));
-    assert!(r.view().worker(InstanceId(6)).is_none(), "the key's current value is refused");
+    assert!(r.apply(
+        put_raw(&endpoint_key("dyn", "decode", "generate", 6), &huge),
+        T0
+    ));
+    assert!(
+        r.view().worker(InstanceId(6)).is_none(),
+        "the key's current value is refused"
+    );
     assert_eq!(r.take_counts().get(Kind::Oversized), 1);
 }
 
@@ -113,7 +151,10 @@ fn cards_above_max_retained_card_bytes_keep_only_the_typed_subset() {
     let mut c = card("dyn", "decode", 7, Some("decode"));
     c["card_json"]["padding"] = json!("x".repeat(MAX_RETAINED_CARD_BYTES));
     r.apply(put(&card_key("dyn", "decode", "generate", 7), &c), T0);
-    let w = r.view().worker(InstanceId(7)).expect("worker still published");
+    let w = r
+        .view()
+        .worker(InstanceId(7))
+        .expect("worker still published");
     assert!(w.card.is_none());
     assert_eq!(w.capacity.total_kv_blocks, Some(12000));
     assert_eq!(w.block_size, Some(64));
@@ -128,7 +169,8 @@ fn keyspace_capacity_refuses_new_keys_but_updates_held_ones_and_other_keyspaces(
         r.apply(
             SourceEvent::InitApply {
                 key: endpoint_key("dyn", "decode", "generate", id),
-                value: serde_json::to_vec(&endpoint("dyn", "decode", "generate", id)).expect("json"),
+                value: serde_json::to_vec(&endpoint("dyn", "decode", "generate", id))
+                    .expect("json"),
             },
             T0,
         );
@@ -154,8 +196,14 @@ fn keyspace_capacity_refuses_new_keys_but_updates_held_ones_and_other_keyspaces(
 fn idempotent_resync_returns_false_and_keeps_timestamps() {
     let mut r = reducer();
     let kvs = vec![
-        (endpoint_key("dyn", "decode", "generate", 8), serde_json::to_vec(&endpoint("dyn", "decode", "generate", 8)).expect("json")),
-        (card_key("dyn", "decode", "generate", 8), serde_json::to_vec(&card("dyn", "decode", 8, Some("decode"))).expect("json")),
+        (
+            endpoint_key("dyn", "decode", "generate", 8),
+            serde_json::to_vec(&endpoint("dyn", "decode", "generate", 8)).expect("json"),
+        ),
+        (
+            card_key("dyn", "decode", "generate", 8),
+            serde_json::to_vec(&card("dyn", "decode", 8, Some("decode"))).expect("json"),
+        ),
     ];
     assert!(resync(&mut r, &kvs, T0));
     assert!(!resync(&mut r, &kvs, T1));
@@ -175,9 +223,16 @@ fn resync_swaps_atomically_at_init_done() {
         value: serde_json::to_vec(&endpoint("dyn", "decode", "generate", 10)).expect("json"),
     };
     assert!(!r.apply(kv, T1));
-    assert_eq!(r.view().workers().len(), 2, "nothing changes before InitDone");
+    assert_eq!(
+        r.view().workers().len(),
+        2,
+        "nothing changes before InitDone"
+    );
     assert!(r.apply(SourceEvent::InitDone, T1));
-    assert!(r.view().worker(InstanceId(9)).is_none(), "held records not in the resync are gone");
+    assert!(
+        r.view().worker(InstanceId(9)).is_none(),
+        "held records not in the resync are gone"
+    );
     assert!(r.view().worker(InstanceId(10)).is_some());
 }
 
@@ -186,8 +241,14 @@ fn first_seen_survives_resyncs_and_last_updated_follows_changes() {
     let mut r = reducer();
     put_endpoint(&mut r, "decode", 11);
     let kvs = vec![
-        (endpoint_key("dyn", "decode", "generate", 11), serde_json::to_vec(&endpoint("dyn", "decode", "generate", 11)).expect("json")),
-        (card_key("dyn", "decode", "generate", 11), serde_json::to_vec(&card("dyn", "decode", 11, Some("decode"))).expect("json")),
+        (
+            endpoint_key("dyn", "decode", "generate", 11),
+            serde_json::to_vec(&endpoint("dyn", "decode", "generate", 11)).expect("json"),
+        ),
+        (
+            card_key("dyn", "decode", "generate", 11),
+            serde_json::to_vec(&card("dyn", "decode", 11, Some("decode"))).expect("json"),
+        ),
     ];
     assert!(resync(&mut r, &kvs, T1));
     let w = r.view().worker(InstanceId(11)).expect("worker");
@@ -198,7 +259,13 @@ fn first_seen_survives_resyncs_and_last_updated_follows_changes() {
 #[test]
 fn namespace_comes_from_the_key_never_from_the_payload() {
     let mut r = reducer();
-    r.apply(put(&endpoint_key("dyn", "decode", "generate", 12), &endpoint("forged", "decode", "generate", 12)), T0);
+    r.apply(
+        put(
+            &endpoint_key("dyn", "decode", "generate", 12),
+            &endpoint("forged", "decode", "generate", 12),
+        ),
+        T0,
+    );
     let w = r.view().worker(InstanceId(12)).expect("worker");
     assert_eq!(w.key.namespace, ns("dyn"));
 }
@@ -206,8 +273,20 @@ fn namespace_comes_from_the_key_never_from_the_payload() {
 #[test]
 fn keys_of_another_namespace_are_ignored() {
     let mut r = reducer();
-    assert!(!r.apply(put(&endpoint_key("other", "decode", "generate", 13), &endpoint("dyn", "decode", "generate", 13)), T0));
-    assert!(!r.apply(put(&endpoint_key("dyn2", "decode", "generate", 13), &endpoint("dyn", "decode", "generate", 13)), T0));
+    assert!(!r.apply(
+        put(
+            &endpoint_key("other", "decode", "generate", 13),
+            &endpoint("dyn", "decode", "generate", 13)
+        ),
+        T0
+    ));
+    assert!(!r.apply(
+        put(
+            &endpoint_key("dyn2", "decode", "generate", 13),
+            &endpoint("dyn", "decode", "generate", 13)
+        ),
+        T0
+    ));
     assert!(!r.apply(del(&endpoint_key("other", "decode", "generate", 13)), T0));
     assert!(r.view().workers().len() == 0);
     assert!(r.take_counts().is_empty());
@@ -218,9 +297,19 @@ fn cards_join_on_component_endpoint_and_instance() {
     let mut r = reducer();
     put_endpoint(&mut r, "decode", 14);
     put_card(&mut r, "other", 14, Some("decode"));
-    assert_eq!(r.view().worker(InstanceId(14)).and_then(|w| w.model.clone()), None);
+    assert_eq!(
+        r.view()
+            .worker(InstanceId(14))
+            .and_then(|w| w.model.clone()),
+        None
+    );
     put_card(&mut r, "decode", 14, Some("decode"));
-    assert!(r.view().worker(InstanceId(14)).and_then(|w| w.model.clone()).is_some());
+    assert!(
+        r.view()
+            .worker(InstanceId(14))
+            .and_then(|w| w.model.clone())
+            .is_some()
+    );
 }
 
 #[test]
@@ -231,7 +320,11 @@ fn legacy_cards_join_on_instance_alone_and_scoped_cards_take_precedence() {
     legacy["endpoint"] = json!("");
     legacy["card_json"]["display_name"] = json!("legacy-model");
     r.apply(put("v1/mdc/dyn/x/y/f", &legacy), T0);
-    let model = |r: &DiscoveryReducer| r.view().worker(InstanceId(15)).and_then(|w| w.model.clone());
+    let model = |r: &DiscoveryReducer| {
+        r.view()
+            .worker(InstanceId(15))
+            .and_then(|w| w.model.clone())
+    };
     assert_eq!(model(&r).as_deref(), Some("legacy-model"));
     put_card(&mut r, "backend", 15, Some("aggregated"));
     assert_eq!(model(&r).as_deref(), Some("Qwen/Qwen3-32B"));
@@ -245,29 +338,63 @@ fn lora_cards_never_join() {
     put_endpoint(&mut r, "decode", 16);
     let mut lora = card("dyn", "decode", 16, Some("decode"));
     lora["model_suffix"] = json!("customer-1");
-    r.apply(put(&format!("{}/customer-1", card_key("dyn", "decode", "generate", 16)), &lora), T0);
+    r.apply(
+        put(
+            &format!("{}/customer-1", card_key("dyn", "decode", "generate", 16)),
+            &lora,
+        ),
+        T0,
+    );
     let mut lora_no_key_suffix = lora.clone();
     lora_no_key_suffix["card_json"]["display_name"] = json!("lora");
-    r.apply(put(&card_key("dyn", "decode", "generate", 16), &lora_no_key_suffix), T0);
-    assert_eq!(r.view().worker(InstanceId(16)).and_then(|w| w.model.clone()), None);
+    r.apply(
+        put(
+            &card_key("dyn", "decode", "generate", 16),
+            &lora_no_key_suffix,
+        ),
+        T0,
+    );
+    assert_eq!(
+        r.view()
+            .worker(InstanceId(16))
+            .and_then(|w| w.model.clone()),
+        None
+    );
     assert_eq!(r.held_keys(Keyspace::Cards), 0);
 }
 
 #[test]
 fn only_generate_endpoints_become_workers() {
     let mut r = reducer();
-    for ep in ["load_metrics", "clear_kv_blocks", "worker_kv_query_source_8520bd755cfc6"] {
-        assert!(!r.apply(put(&endpoint_key("dyn", "prefill", ep, 17), &endpoint("dyn", "prefill", ep, 17)), T0));
+    for ep in [
+        "load_metrics",
+        "clear_kv_blocks",
+        "worker_kv_query_source_8520bd755cfc6",
+    ] {
+        assert!(!r.apply(
+            put(
+                &endpoint_key("dyn", "prefill", ep, 17),
+                &endpoint("dyn", "prefill", ep, 17)
+            ),
+            T0
+        ));
     }
     assert_eq!(r.view().workers().len(), 0);
-    assert!(r.take_counts().iter().all(|(k, _)| k == Kind::Put), "skipped silently");
+    assert!(
+        r.take_counts().iter().all(|(k, _)| k == Kind::Put),
+        "skipped silently"
+    );
 }
 
 #[test]
 fn component_and_card_disagreement_excludes_the_worker_and_is_counted_once() {
     let mut r = reducer();
     put_endpoint(&mut r, "prefill", 18);
-    assert_eq!(worker_role(&r, 18), Some(Role::Prefill), "no card: the component's role");
+    assert_eq!(
+        worker_role(&r, 18),
+        Some(Role::Prefill),
+        "no card: the component's role"
+    );
     put_card(&mut r, "prefill", 18, Some("decode"));
     assert_eq!(worker_role(&r, 18), None);
     put_endpoint(&mut r, "prefill", 18);
@@ -283,17 +410,36 @@ fn component_and_card_disagreement_excludes_the_worker_and_is_counted_once() {
 fn other_components_let_the_card_decide_and_claim_nothing_without_one() {
     let mut r = reducer();
     put_endpoint(&mut r, "backend", 19);
-    assert_eq!(worker_role(&r, 19), Some(Role::Unknown), "no card, no component claim");
+    assert_eq!(
+        worker_role(&r, 19),
+        Some(Role::Unknown),
+        "no card, no component claim"
+    );
     put_card(&mut r, "backend", 19, Some("decode"));
     assert_eq!(worker_role(&r, 19), Some(Role::Decode));
     put_card(&mut r, "backend", 19, Some("aggregated"));
-    assert_eq!(worker_role(&r, 19), Some(Role::Aggregated), "1.6.1 agg workers write aggregated");
+    assert_eq!(
+        worker_role(&r, 19),
+        Some(Role::Aggregated),
+        "1.6.1 agg workers write aggregated"
+    );
     put_card(&mut r, "backend", 19, None);
-    assert_eq!(worker_role(&r, 19), Some(Role::Aggregated), "legacy card without worker_type");
+    assert_eq!(
+        worker_role(&r, 19),
+        Some(Role::Aggregated),
+        "legacy card without worker_type"
+    );
     let mut legacy_prefill = card("dyn", "backend", 19, None);
     legacy_prefill["card_json"]["model_type"] = json!("Chat | Prefill");
-    r.apply(put(&card_key("dyn", "backend", "generate", 19), &legacy_prefill), T0);
-    assert_eq!(worker_role(&r, 19), Some(Role::Prefill), "legacy Prefill bit");
+    r.apply(
+        put(&card_key("dyn", "backend", "generate", 19), &legacy_prefill),
+        T0,
+    );
+    assert_eq!(
+        worker_role(&r, 19),
+        Some(Role::Prefill),
+        "legacy Prefill bit"
+    );
 }
 
 #[test]
@@ -303,9 +449,17 @@ fn duplicate_generate_instance_ids_give_no_worker_until_the_extra_is_deleted() {
     put_endpoint(&mut r, "prefill", 20);
     assert!(r.view().worker(InstanceId(20)).is_none());
     put_endpoint(&mut r, "prefill", 20);
-    assert_eq!(r.take_counts().get(Kind::Duplicate), 1, "one log and count per key set");
+    assert_eq!(
+        r.take_counts().get(Kind::Duplicate),
+        1,
+        "one log and count per key set"
+    );
     r.apply(del(&endpoint_key("dyn", "prefill", "generate", 20)), T1);
-    assert_eq!(worker_role(&r, 20), Some(Role::Decode), "the survivor is used again");
+    assert_eq!(
+        worker_role(&r, 20),
+        Some(Role::Decode),
+        "the survivor is used again"
+    );
 }
 
 #[test]
@@ -313,21 +467,44 @@ fn duplicate_base_cards_leave_the_worker_without_a_card() {
     let mut r = reducer();
     put_endpoint(&mut r, "decode", 21);
     put_card(&mut r, "decode", 21, Some("decode"));
-    r.apply(put("v1/mdc/dyn/forged/generate/15", &card("dyn", "decode", 21, Some("decode"))), T0);
+    r.apply(
+        put(
+            "v1/mdc/dyn/forged/generate/15",
+            &card("dyn", "decode", 21, Some("decode")),
+        ),
+        T0,
+    );
     let w = r.view().worker(InstanceId(21)).expect("never excluded");
     assert!(w.card.is_none() && w.model.is_none());
     assert_eq!(w.role, Role::Decode);
     assert_eq!(r.take_counts().get(Kind::Duplicate), 1);
     r.apply(del("v1/mdc/dyn/forged/generate/15"), T1);
-    assert!(r.view().worker(InstanceId(21)).and_then(|w| w.card.clone()).is_some());
+    assert!(
+        r.view()
+            .worker(InstanceId(21))
+            .and_then(|w| w.card.clone())
+            .is_some()
+    );
 }
 
 #[test]
 fn duplicate_publisher_ids_are_both_refused() {
     let mut r = reducer();
-    r.apply(put(&channel_key("dyn", "decode", "kv_metrics", 30), &channel("dyn", "decode", "kv_metrics", 30, 41000)), T0);
+    r.apply(
+        put(
+            &channel_key("dyn", "decode", "kv_metrics", 30),
+            &channel("dyn", "decode", "kv_metrics", 30, 41000),
+        ),
+        T0,
+    );
     assert!(r.view().publisher(PublisherId(30)).is_some());
-    r.apply(put(&channel_key("dyn", "prefill", "kv_metrics", 31), &channel("dyn", "prefill", "kv_metrics", 30, 41001)), T0);
+    r.apply(
+        put(
+            &channel_key("dyn", "prefill", "kv_metrics", 31),
+            &channel("dyn", "prefill", "kv_metrics", 30, 41001),
+        ),
+        T0,
+    );
     assert!(r.view().publisher(PublisherId(30)).is_none());
     assert_eq!(r.take_counts().get(Kind::Duplicate), 1);
     r.apply(del(&channel_key("dyn", "prefill", "kv_metrics", 31)), T1);
@@ -338,8 +515,17 @@ fn duplicate_publisher_ids_are_both_refused() {
 fn one_bad_record_never_affects_the_others() {
     let mut r = reducer();
     put_endpoint(&mut r, "decode", 22);
-    r.apply(put_raw(&endpoint_key("dyn", "decode", "generate", 23), b"{not json"), T0);
-    r.apply(put(&endpoint_key("dyn", "decode", "generate", 24), &json!({"type": "Endpoint", "endpoint": "generate"})), T0);
+    r.apply(
+        put_raw(&endpoint_key("dyn", "decode", "generate", 23), b"{not json"),
+        T0,
+    );
+    r.apply(
+        put(
+            &endpoint_key("dyn", "decode", "generate", 24),
+            &json!({"type": "Endpoint", "endpoint": "generate"}),
+        ),
+        T0,
+    );
     r.apply(put_raw("v1/instances/dyn/too/short", b"{}"), T0);
     put_endpoint(&mut r, "prefill", 25);
     assert!(r.view().worker(InstanceId(22)).is_some());
@@ -352,7 +538,10 @@ fn one_bad_record_never_affects_the_others() {
 fn a_malformed_update_drops_the_keys_previous_value() {
     let mut r = reducer();
     put_endpoint(&mut r, "decode", 26);
-    assert!(r.apply(put_raw(&endpoint_key("dyn", "decode", "generate", 26), b"[]"), T1));
+    assert!(r.apply(
+        put_raw(&endpoint_key("dyn", "decode", "generate", 26), b"[]"),
+        T1
+    ));
     assert!(r.view().worker(InstanceId(26)).is_none());
 }
 
@@ -362,7 +551,8 @@ fn only_direct_zmq_tcp_channels_become_publishers() {
     let key = |p: u64| channel_key("dyn", "decode", "kv_metrics", p);
     let base = channel("dyn", "decode", "kv_metrics", 40, 41000);
     let mut broker = base.clone();
-    broker["transport"] = json!({"kind": "ZmqBroker", "config": {"xsub_endpoints": [], "xpub_endpoints": []}});
+    broker["transport"] =
+        json!({"kind": "ZmqBroker", "config": {"xsub_endpoints": [], "xpub_endpoints": []}});
     let mut nats = base.clone();
     nats["transport"] = json!({"kind": "Nats", "config": {"subject_prefix": "namespace.dyn"}});
     let mut unknown_kind = base.clone();
@@ -371,7 +561,10 @@ fn only_direct_zmq_tcp_channels_become_publishers() {
     unknown_scope["scope"] = json!({"kind": "galaxy"});
     let mut ipc = base.clone();
     ipc["transport"]["config"]["endpoint"] = json!("ipc:///tmp/pub");
-    for (i, v) in [broker, nats, unknown_kind, unknown_scope, ipc].iter().enumerate() {
+    for (i, v) in [broker, nats, unknown_kind, unknown_scope, ipc]
+        .iter()
+        .enumerate()
+    {
         let mut v = v.clone();
         v["instance_id"] = json!(41 + i as u64);
         r.apply(put(&key(41 + i as u64), &v), T0);
@@ -386,7 +579,13 @@ fn only_direct_zmq_tcp_channels_become_publishers() {
     let mut other_topic = base.clone();
     other_topic["topic"] = json!("active_sequences_events");
     other_topic["instance_id"] = json!(52);
-    r.apply(put(&channel_key("dyn", "decode", "active_sequences_events", 52), &other_topic), T0);
+    r.apply(
+        put(
+            &channel_key("dyn", "decode", "active_sequences_events", 52),
+            &other_topic,
+        ),
+        T0,
+    );
     r.apply(put(&key(40), &base), T0);
     assert_eq!(r.view().publishers().len(), 1);
     let counts = r.take_counts();
@@ -402,18 +601,42 @@ fn kv_events_and_kv_metrics_topics_are_kept_with_percent_decoded_scopes() {
     v.as_object_mut().expect("object").remove("scope");
     r.apply(put(key, &v), T0);
     let p = r.view().publisher(PublisherId(60)).expect("publisher");
-    assert_eq!(p.component.as_deref(), Some("dec/ode"), "scope from the decoded key");
+    assert_eq!(
+        p.component.as_deref(),
+        Some("dec/ode"),
+        "scope from the decoded key"
+    );
     assert_eq!(p.topic.as_str(), "kv-events");
 }
 
 #[test]
 fn event_sources_name_the_worker_behind_a_kv_events_publisher() {
     let mut r = reducer();
-    r.apply(put(&channel_key("dyn", "prefill", "kv-events", 70), &channel("dyn", "prefill", "kv-events", 70, 41000)), T0);
-    assert_eq!(r.view().publisher(PublisherId(70)).and_then(|p| p.worker.clone()), None);
-    assert!(r.apply(put(&source_key("dyn", "prefill", 70), &source("dyn", "prefill", 70, 0x77, 1)), T0));
+    r.apply(
+        put(
+            &channel_key("dyn", "prefill", "kv-events", 70),
+            &channel("dyn", "prefill", "kv-events", 70, 41000),
+        ),
+        T0,
+    );
+    assert_eq!(
+        r.view()
+            .publisher(PublisherId(70))
+            .and_then(|p| p.worker.clone()),
+        None
+    );
+    assert!(r.apply(
+        put(
+            &source_key("dyn", "prefill", 70),
+            &source("dyn", "prefill", 70, 0x77, 1)
+        ),
+        T0
+    ));
     let p = r.view().publisher(PublisherId(70)).expect("publisher");
-    assert_eq!(p.worker.as_ref().map(|k| k.instance_id), Some(InstanceId(0x77)));
+    assert_eq!(
+        p.worker.as_ref().map(|k| k.instance_id),
+        Some(InstanceId(0x77))
+    );
     assert_eq!(p.dp_rank.map(|d| d.0), Some(1));
 }
 
@@ -438,11 +661,21 @@ fn admin_json_is_exactly_the_seed_worker_object() {
     c["card_json"]["runtime_config"]["max_num_seqs"] = json!(128);
     let first = UnixMillis(1_790_136_662_000);
     let later = UnixMillis(1_790_137_188_000);
-    r.apply(put(&endpoint_key("dyn", "decode", "generate", id), &endpoint("dyn", "decode", "generate", id)), first);
+    r.apply(
+        put(
+            &endpoint_key("dyn", "decode", "generate", id),
+            &endpoint("dyn", "decode", "generate", id),
+        ),
+        first,
+    );
     r.apply(put(&card_key("dyn", "decode", "generate", id), &c), first);
     c["card_json"]["runtime_config"]["max_num_seqs"] = json!(256);
     r.apply(put(&card_key("dyn", "decode", "generate", id), &c), later);
-    let got = r.view().worker(InstanceId(id)).expect("worker").admin_json();
+    let got = r
+        .view()
+        .worker(InstanceId(id))
+        .expect("worker")
+        .admin_json();
     let want = json!({
         "instance_id": "1a7f2b",
         "namespace": "dyn",
@@ -465,17 +698,30 @@ fn admin_json_is_exactly_the_seed_worker_object() {
         "last_updated": "2026-09-23T04:19:48+00:00"
     });
     assert_eq!(got, want);
-    let text = serde_json::to_string(r.view().worker(InstanceId(id)).expect("worker").as_ref()).expect("json");
-    assert!(!text.contains("10.0.0.4"), "transport never serialised: {text}");
+    let text = serde_json::to_string(r.view().worker(InstanceId(id)).expect("worker").as_ref())
+        .expect("json");
+    assert!(
+        !text.contains("10.0.0.4"),
+        "transport never serialised: {text}"
+    );
     assert!(!text.contains("slug"), "raw card never serialised: {text}");
 }
 
 #[test]
 fn publishers_never_serialise_their_tcp_endpoint() {
     let mut r = reducer();
-    r.apply(put(&channel_key("dyn", "decode", "kv_metrics", 90), &channel("dyn", "decode", "kv_metrics", 90, 41999)), T0);
+    r.apply(
+        put(
+            &channel_key("dyn", "decode", "kv_metrics", 90),
+            &channel("dyn", "decode", "kv_metrics", 90, 41999),
+        ),
+        T0,
+    );
     let p = r.view().publisher(PublisherId(90)).expect("publisher");
     let text = serde_json::to_string(p.as_ref()).expect("json");
-    assert!(!text.contains("41999") && !text.contains("10.0.0.7"), "{text}");
+    assert!(
+        !text.contains("41999") && !text.contains("10.0.0.7"),
+        "{text}"
+    );
     assert_eq!(p.address().authority(), "10.0.0.7:41999");
 }

@@ -22,9 +22,7 @@ pub fn shared_dir() -> PathBuf {
         .iter()
         .find(|c| c.join("spec").is_dir())
         .cloned()
-        .unwrap_or_else(|| {
-            panic!("shared/ not found at {candidates:?}; set CONTINUUM_SHARED_DIR")
-        })
+        .unwrap_or_else(|| panic!("shared/ not found at {candidates:?}; set CONTINUUM_SHARED_DIR"))
 }
 
 pub fn read_json(relative: &str) -> serde_json::Value {
@@ -158,7 +156,13 @@ pub fn card(ns: &str, component: &str, id: u64, worker_type: Option<&str>) -> se
     })
 }
 
-pub fn channel(ns: &str, component: &str, topic: &str, publisher: u64, port: u16) -> serde_json::Value {
+pub fn channel(
+    ns: &str,
+    component: &str,
+    topic: &str,
+    publisher: u64,
+    port: u16,
+) -> serde_json::Value {
     serde_json::json!({
         "type": "EventChannel",
         "scope": {"kind": "endpoint", "endpoint": {"namespace": ns, "component": component, "name": "generate"}},
@@ -167,7 +171,13 @@ pub fn channel(ns: &str, component: &str, topic: &str, publisher: u64, port: u16
     })
 }
 
-pub fn source(ns: &str, component: &str, publisher: u64, worker: u64, dp_rank: u32) -> serde_json::Value {
+pub fn source(
+    ns: &str,
+    component: &str,
+    publisher: u64,
+    worker: u64,
+    dp_rank: u32,
+) -> serde_json::Value {
     serde_json::json!({
         "type": "EventSource",
         "scope": {"kind": "endpoint", "endpoint": {"namespace": ns, "component": component, "name": "generate"}},

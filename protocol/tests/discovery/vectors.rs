@@ -1,11 +1,11 @@
 //! The etcd-record and percent-encoding cases of `spec/vectors/discovery_examples.json`, and the
 //! discovery records of one live 1.6.1 mocker (`mocker_observed.json`).
 
+use continuum_protocol::discovery::keys::{ParsedKey, classify};
 use continuum_protocol::discovery::{
     DiscoveryEventKind, DiscoveryReducer, EventTopic, Role, SourceEvent, decode_segment,
     encode_segment,
 };
-use continuum_protocol::discovery::keys::{ParsedKey, classify};
 use continuum_protocol::ids::{DpRank, InstanceId, PublisherId, WorkerKey};
 use continuum_protocol::time::UnixMillis;
 
@@ -18,13 +18,19 @@ fn examples() -> serde_json::Value {
 #[test]
 fn percent_encoding_vectors_round_trip() {
     let ex = examples();
-    let cases = ex["event_segment_percent_encoding"].as_array().expect("cases");
+    let cases = ex["event_segment_percent_encoding"]
+        .as_array()
+        .expect("cases");
     assert!(cases.len() >= 10);
     for case in cases {
         let input = case["in"].as_str().expect("in");
         let output = case["out"].as_str().expect("out");
         assert_eq!(encode_segment(input), output, "encode {input:?}");
-        assert_eq!(decode_segment(output).as_deref(), Ok(input), "decode {output:?}");
+        assert_eq!(
+            decode_segment(output).as_deref(),
+            Ok(input),
+            "decode {output:?}"
+        );
     }
 }
 
@@ -71,15 +77,23 @@ fn etcd_examples_give_one_aggregated_worker_and_two_publishers() {
     }
     assert!(reducer.apply(SourceEvent::InitDone, UnixMillis(1)));
     let view = reducer.view();
-    assert_eq!(view.workers().len(), 1, "the LoRA card never joins nor adds a worker");
-    let w = view.worker(InstanceId(7_587_888_921_470_146_835)).expect("worker");
+    assert_eq!(
+        view.workers().len(),
+        1,
+        "the LoRA card never joins nor adds a worker"
+    );
+    let w = view
+        .worker(InstanceId(7_587_888_921_470_146_835))
+        .expect("worker");
     assert_eq!(w.role, Role::Aggregated);
     assert_eq!(w.model.as_deref(), Some("Qwen/Qwen3-0.6B"));
     assert_eq!(w.block_size, Some(16));
     assert_eq!(w.capacity.total_kv_blocks, Some(16_384));
     assert_eq!(w.capacity.context_length, Some(40_960));
     assert_eq!(view.publishers().len(), 2);
-    let kv = view.publisher(PublisherId(6_203_785_128_840_361)).expect("kv-events");
+    let kv = view
+        .publisher(PublisherId(6_203_785_128_840_361))
+        .expect("kv-events");
     assert_eq!(kv.topic, EventTopic::KvEvents);
     assert_eq!(
         kv.worker,
@@ -90,23 +104,38 @@ fn etcd_examples_give_one_aggregated_worker_and_two_publishers() {
     );
     assert_eq!(kv.dp_rank, Some(DpRank(0)));
     assert_eq!(kv.address().authority(), "10.0.0.5:45731");
-    let load = view.publisher(PublisherId(5_249_132_588_543_811)).expect("kv_metrics");
+    let load = view
+        .publisher(PublisherId(5_249_132_588_543_811))
+        .expect("kv_metrics");
     assert_eq!(load.topic, EventTopic::KvMetrics);
-    assert!(reducer.take_counts().iter().all(|(k, _)| k == DiscoveryEventKind::Resync));
+    assert!(
+        reducer
+            .take_counts()
+            .iter()
+            .all(|(k, _)| k == DiscoveryEventKind::Resync)
+    );
 }
 
 #[test]
 fn nats_and_broker_channels_are_unsupported() {
     let ex = examples();
     let mut reducer = DiscoveryReducer::new(ns("dynamo"));
-    for (i, value) in ex["other_event_channel_transports"].as_array().expect("channels").iter().enumerate() {
+    for (i, value) in ex["other_event_channel_transports"]
+        .as_array()
+        .expect("channels")
+        .iter()
+        .enumerate()
+    {
         let key = format!(
             "v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/topic/kv-events/{i}"
         );
         assert!(!reducer.apply(put(&key, value), UnixMillis(1)));
     }
     assert_eq!(reducer.view().publishers().len(), 0);
-    assert_eq!(reducer.take_counts().get(DiscoveryEventKind::Unsupported), 2);
+    assert_eq!(
+        reducer.take_counts().get(DiscoveryEventKind::Unsupported),
+        2
+    );
 }
 
 #[test]
@@ -124,13 +153,32 @@ fn prefill_card_differences_give_a_prefill_worker_with_a_bootstrap_port() {
     let mut endpoint = ex["etcd_examples"][0]["value"].clone();
     endpoint["component"] = "prefill".into();
     let mut reducer = DiscoveryReducer::new(ns("dynamo"));
-    reducer.apply(put("v1/instances/dynamo/prefill/generate/694d98c58f599913", &endpoint), UnixMillis(1));
-    reducer.apply(put("v1/mdc/dynamo/prefill/generate/694d98c58f599913", &card), UnixMillis(1));
-    let w = reducer.view().worker(InstanceId(7_587_888_921_470_146_835)).expect("worker").clone();
+    reducer.apply(
+        put(
+            "v1/instances/dynamo/prefill/generate/694d98c58f599913",
+            &endpoint,
+        ),
+        UnixMillis(1),
+    );
+    reducer.apply(
+        put("v1/mdc/dynamo/prefill/generate/694d98c58f599913", &card),
+        UnixMillis(1),
+    );
+    let w = reducer
+        .view()
+        .worker(InstanceId(7_587_888_921_470_146_835))
+        .expect("worker")
+        .clone();
     assert_eq!(w.role, Role::Prefill);
     let admin = w.admin_json();
-    assert_eq!(admin["disaggregated_endpoint"], serde_json::json!({"bootstrap_port": 41000}));
-    assert!(!admin.to_string().contains("10.0.0.6"), "bootstrap host is internal");
+    assert_eq!(
+        admin["disaggregated_endpoint"],
+        serde_json::json!({"bootstrap_port": 41000})
+    );
+    assert!(
+        !admin.to_string().contains("10.0.0.6"),
+        "bootstrap host is internal"
+    );
 }
 
 #[test]
@@ -156,14 +204,27 @@ fn kubernetes_metadata_records_reduce_like_etcd_records() {
         }
     }
     reducer.apply(SourceEvent::InitDone, UnixMillis(1));
-    let id = InstanceId(ex["kubernetes_instance_id"]["instance_id"].as_u64().expect("id"));
-    assert_eq!(id.hex(), ex["kubernetes_instance_id"]["hex"].as_str().expect("hex"));
+    let id = InstanceId(
+        ex["kubernetes_instance_id"]["instance_id"]
+            .as_u64()
+            .expect("id"),
+    );
+    assert_eq!(
+        id.hex(),
+        ex["kubernetes_instance_id"]["hex"].as_str().expect("hex")
+    );
     let w = reducer.view().worker(id).expect("worker");
     // The example's card_json is a placeholder string: the typed subset is unreadable, the raw
     // card is kept verbatim and the backend component claims no role.
     assert_eq!(w.role, Role::Unknown);
-    assert!(matches!(w.card.as_deref(), Some(serde_json::Value::String(_))));
-    let p = reducer.view().publisher(PublisherId(6_203_785_128_840_361)).expect("publisher");
+    assert!(matches!(
+        w.card.as_deref(),
+        Some(serde_json::Value::String(_))
+    ));
+    let p = reducer
+        .view()
+        .publisher(PublisherId(6_203_785_128_840_361))
+        .expect("publisher");
     assert_eq!(p.worker.as_ref().map(|k| k.instance_id), Some(id));
 }
 
@@ -171,12 +232,20 @@ fn kubernetes_metadata_records_reduce_like_etcd_records() {
 fn live_mocker_records_give_one_aggregated_worker() {
     let observed = read_json("spec/vectors/mocker_observed.json");
     let mut reducer = DiscoveryReducer::new(ns("dynamo"));
-    for r in observed["file_backend_records_of_one_mocker"]["records"].as_array().expect("records") {
-        reducer.apply(put(r["decoded_key"].as_str().expect("key"), &r["value"]), UnixMillis(1));
+    for r in observed["file_backend_records_of_one_mocker"]["records"]
+        .as_array()
+        .expect("records")
+    {
+        reducer.apply(
+            put(r["decoded_key"].as_str().expect("key"), &r["value"]),
+            UnixMillis(1),
+        );
     }
     let view = reducer.view();
     assert_eq!(view.workers().len(), 1);
-    let w = view.worker(InstanceId(2_408_177_061_458_911_194)).expect("worker");
+    let w = view
+        .worker(InstanceId(2_408_177_061_458_911_194))
+        .expect("worker");
     assert_eq!(w.role, Role::Aggregated);
     assert_eq!(w.model.as_deref(), Some("tiny"));
     assert_eq!(w.capacity.total_kv_blocks, Some(256));
