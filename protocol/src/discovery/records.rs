@@ -416,17 +416,23 @@ fn parse_card(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordError
         None => (CardFields::unreadable(), None, false),
         Some(raw_card) => {
             let text = raw_card.get();
-            let fields = serde_json::from_str::<RawCard>(text)
-                .map(RawCard::into_fields)
-                .unwrap_or_else(|_| CardFields::unreadable());
             if text.len() > MAX_RETAINED_CARD_BYTES {
+                // Only the typed subset is built; the opaque blob is never materialised.
+                let fields = serde_json::from_str::<RawCard>(text)
+                    .map(RawCard::into_fields)
+                    .unwrap_or_else(|_| CardFields::unreadable());
                 (fields, None, true)
             } else {
-                // RawValue already validated the JSON; this cannot fail short of allocation.
-                let value = serde_json::from_str::<serde_json::Value>(text)
-                    .ok()
-                    .map(Arc::new);
-                (fields, value, false)
+                // One text parse per card: the subset is read from the retained value itself.
+                match serde_json::from_str::<serde_json::Value>(text) {
+                    Ok(value) => {
+                        let fields = RawCard::deserialize(&value)
+                            .map(RawCard::into_fields)
+                            .unwrap_or_else(|_| CardFields::unreadable());
+                        (fields, Some(Arc::new(value)), false)
+                    }
+                    Err(_) => (CardFields::unreadable(), None, false),
+                }
             }
         }
     };

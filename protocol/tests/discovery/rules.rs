@@ -87,9 +87,9 @@ fn unknown_worker_type_claims_no_role_and_the_component_decides() {
 fn unreadable_typed_card_subset_keeps_the_worker_and_the_raw_card() {
     let mut r = reducer();
     put_endpoint(&mut r, "decode", 3);
-    // A duplicate member makes the typed subset fail; the raw card is still kept verbatim.
+    // A card that is not an object has no typed subset; it is still kept verbatim.
     let value = br#"{"type":"Model","component":"decode","endpoint":"generate","instance_id":3,
-        "card_json":{"display_name":"a","display_name":"b","worker_type":"decode"}}"#;
+        "card_json":["a future", {"card": "shape"}]}"#;
     r.apply(
         put_raw(&card_key("dyn", "decode", "generate", 3), value),
         T0,
@@ -98,9 +98,10 @@ fn unreadable_typed_card_subset_keeps_the_worker_and_the_raw_card() {
     assert_eq!(w.role, Role::Decode, "the component still claims decode");
     assert_eq!(w.model, None);
     assert_eq!(
-        w.card.as_deref().map(|c| c["display_name"].clone()),
-        Some(json!("b"))
+        w.card.as_deref(),
+        Some(&json!(["a future", {"card": "shape"}]))
     );
+    assert!(r.take_counts().iter().all(|(k, _)| k == Kind::Put));
 }
 
 #[test]
