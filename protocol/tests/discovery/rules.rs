@@ -726,3 +726,33 @@ fn publishers_never_serialise_their_tcp_endpoint() {
     );
     assert_eq!(p.address().authority(), "10.0.0.7:41999");
 }
+
+#[test]
+fn watch_events_during_a_resync_survive_the_swap() {
+    let mut r = reducer();
+    put_endpoint(&mut r, "decode", 100);
+    r.apply(SourceEvent::Init, T1);
+    for id in [101, 102] {
+        r.apply(
+            SourceEvent::InitApply {
+                key: endpoint_key("dyn", "decode", "generate", id),
+                value: serde_json::to_vec(&endpoint("dyn", "decode", "generate", id))
+                    .expect("json"),
+            },
+            T1,
+        );
+    }
+    assert!(r.apply(
+        put(
+            &endpoint_key("dyn", "prefill", "generate", 103),
+            &endpoint("dyn", "prefill", "generate", 103)
+        ),
+        T1
+    ));
+    r.apply(del(&endpoint_key("dyn", "decode", "generate", 102)), T1);
+    assert!(r.is_resyncing());
+    r.apply(SourceEvent::InitDone, T1);
+    let ids: Vec<u64> = r.view().workers().map(|w| w.key.instance_id.0).collect();
+    assert_eq!(ids, vec![101, 103]);
+    assert!(r.is_synced() && !r.is_resyncing());
+}
