@@ -4,6 +4,7 @@
 //! the watched prefix, never from a payload) plus fallbacks for channel scope and topic; the
 //! identity used for joins is read from the value (see `records`).
 
+use super::records::clip;
 use crate::ids::{InstanceId, PublisherId};
 
 /// Bucket prefix of Endpoint records.
@@ -199,9 +200,9 @@ fn strip_encoded_namespace<'a>(rest: &'a str, namespace: &str) -> Option<&'a str
 fn hex_id(segment: &str) -> Result<u64, KeyError> {
     // Upstream writes `{:x}`; any case is accepted, a `0x` prefix is not something it writes.
     if segment.is_empty() || segment.len() > 16 || !segment.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(KeyError::Id(segment.to_owned()));
+        return Err(KeyError::Id(clip(segment)));
     }
-    u64::from_str_radix(segment, 16).map_err(|_| KeyError::Id(segment.to_owned()))
+    u64::from_str_radix(segment, 16).map_err(|_| KeyError::Id(clip(segment)))
 }
 
 fn parse_instance(rest: &str) -> Result<ParsedKey, KeyError> {
@@ -298,16 +299,16 @@ pub fn decode_segment(segment: &str) -> Result<String, KeyError> {
                     out.push(u8::try_from(hi * 16 + lo).unwrap_or(u8::MAX));
                     i += 3;
                 }
-                _ => return Err(KeyError::Escape(segment.to_owned())),
+                _ => return Err(KeyError::Escape(clip(segment))),
             }
         } else if bytes[i].is_ascii_alphanumeric() || matches!(bytes[i], b'-' | b'_') {
             out.push(bytes[i]);
             i += 1;
         } else {
-            return Err(KeyError::Escape(segment.to_owned()));
+            return Err(KeyError::Escape(clip(segment)));
         }
     }
-    String::from_utf8(out).map_err(|_| KeyError::Utf8(segment.to_owned()))
+    String::from_utf8(out).map_err(|_| KeyError::Utf8(clip(segment)))
 }
 
 #[cfg(test)]

@@ -25,6 +25,22 @@ pub const MAX_RETAINED_CARD_BYTES: usize = 1024 * 1024;
 /// Distinct held keys per keyspace (instances, cards, channels and sources independently).
 pub const MAX_RECORDS_PER_KEYSPACE: usize = 16_384;
 
+/// Payload text quoted in errors and logs is cut to this many bytes: a fleet-authored string may
+/// be megabytes long.
+pub const MAX_QUOTED_BYTES: usize = 128;
+
+/// `text` cut to [`MAX_QUOTED_BYTES`] on a character boundary, marked when cut.
+pub fn clip(text: &str) -> String {
+    if text.len() <= MAX_QUOTED_BYTES {
+        return text.to_owned();
+    }
+    let mut end = MAX_QUOTED_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
 /// Why a value was refused. Each error is one counted, logged drop of one record.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RecordError {
@@ -193,12 +209,12 @@ impl TcpAddress {
     pub fn parse(endpoint: &str) -> Result<Self, RecordError> {
         let Some(rest) = endpoint.strip_prefix("tcp://") else {
             return Err(if endpoint.contains("://") {
-                RecordError::UnsupportedScheme(endpoint.to_owned())
+                RecordError::UnsupportedScheme(clip(endpoint))
             } else {
-                RecordError::BadEndpoint(endpoint.to_owned())
+                RecordError::BadEndpoint(clip(endpoint))
             });
         };
-        let bad = || RecordError::BadEndpoint(endpoint.to_owned());
+        let bad = || RecordError::BadEndpoint(clip(endpoint));
         let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
             let (host, tail) = v6.split_once(']').ok_or_else(bad)?;
             (host, tail.strip_prefix(':').ok_or_else(bad)?)
@@ -347,7 +363,7 @@ pub fn parse_record(key: &ParsedKey, value: &[u8]) -> Result<Record, RecordError
         return Err(RecordError::Oversized(value.len()));
     }
     let raw: RawRecord<'_> =
-        serde_json::from_slice(value).map_err(|e| RecordError::Json(e.to_string()))?;
+        serde_json::from_slice(value).map_err(|e| RecordError::Json(clip(&e.to_string())))?;
     let keyspace = key.keyspace();
     if let Some(found) = raw.kind.as_ref() {
         let found = found.as_str().unwrap_or("<non-string>");
@@ -355,7 +371,7 @@ pub fn parse_record(key: &ParsedKey, value: &[u8]) -> Result<Record, RecordError
             return Err(RecordError::WrongType {
                 keyspace: keyspace.as_str(),
                 expected: keyspace.record_type(),
-                found: found.to_owned(),
+                found: clip(found),
             });
         }
     }
@@ -416,17 +432,23 @@ fn parse_card(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordError
         None => (CardFields::unreadable(), None, false),
         Some(raw_card) => {
             let text = raw_card.get();
-            let fields = serde_json::from_str::<RawCard>(text)
-                .map(RawCard::into_fields)
-                .unwrap_or_else(|_| CardFields::unreadable());
             if text.len() > MAX_RETAINED_CARD_BYTES {
+                // Only the typed subset is built; the opaque blob is never materialised.
+                let fields = serde_json::from_str::<RawCard>(text)
+                    .map(RawCard::into_fields)
+                    .unwrap_or_else(|_| CardFields::unreadable());
                 (fields, None, true)
             } else {
-                // RawValue already validated the JSON; this cannot fail short of allocation.
-                let value = serde_json::from_str::<serde_json::Value>(text)
-                    .ok()
-                    .map(Arc::new);
-                (fields, value, false)
+                // One text parse per card: the subset is read from the retained value itself.
+                match serde_json::from_str::<serde_json::Value>(text) {
+                    Ok(value) => {
+                        let fields = RawCard::deserialize(&value)
+                            .map(RawCard::into_fields)
+                            .unwrap_or_else(|_| CardFields::unreadable());
+                        (fields, Some(Arc::new(value)), false)
+                    }
+                    Err(_) => (CardFields::unreadable(), None, false),
+                }
             }
         }
     };
@@ -493,7 +515,7 @@ fn parse_channel(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordEr
     };
     match kind.as_deref() {
         Some("Zmq") => {}
-        Some(other) => return Err(RecordError::UnsupportedTransport(other.to_owned())),
+        Some(other) => return Err(RecordError::UnsupportedTransport(clip(other))),
         None => return Err(RecordError::MissingEndpoint),
     }
     let endpoint_text = match transport.config {
@@ -743,7 +765,7 @@ impl RawScope {
                     "endpoint without endpoint".into(),
                 )),
             },
-            other => Err(RecordError::UnsupportedScope(other.to_owned())),
+            other => Err(RecordError::UnsupportedScope(clip(other))),
         }
     }
 }
@@ -1025,6 +1047,11 @@ mod tests {
                 "{bad}"
             );
         }
+        let long = format!("tcp://{}:1", "é".repeat(500));
+        let Err(RecordError::BadEndpoint(quoted)) = TcpAddress::parse(&long) else {
+            panic!("a long host is not dialable");
+        };
+        assert!(quoted.len() <= MAX_QUOTED_BYTES + '…'.len_utf8());
         assert!(matches!(
             TcpAddress::parse("ipc:///tmp/x"),
             Err(RecordError::UnsupportedScheme(_))

@@ -18,7 +18,7 @@ use tracing::{debug, warn};
 use super::keys::{Keyspace, ParsedKey, classify};
 use super::records::{
     CardClaim, CardFields, CardRecord, ChannelRecord, EndpointRecord, MAX_RECORD_BYTES,
-    MAX_RECORDS_PER_KEYSPACE, Record, RecordError, Role, SourceRecord, parse_record,
+    MAX_RECORDS_PER_KEYSPACE, Record, RecordError, Role, SourceRecord, clip, parse_record,
 };
 use super::view::{NamespaceView, Publisher, Worker};
 use super::{DiscoveryCounts, DiscoveryEventKind, SourceEvent};
@@ -105,7 +105,7 @@ impl DiscoveryReducer {
             }
             SourceEvent::InitApply { key, value } => {
                 let Some(staging) = self.staging.as_mut() else {
-                    debug!(%key, "Took a resync record outside a resync as a put.");
+                    debug!(key = %clip(&key), "Took a resync record outside a resync as a put.");
                     return self.put_live(&key, &value, now);
                 };
                 let mut dirty = Dirty::default();
@@ -179,7 +179,7 @@ impl DiscoveryReducer {
             return false;
         };
         self.counts.add(DiscoveryEventKind::Delete, 1);
-        self.logs.bad_keys.remove(key);
+        self.logs.bad_keys.remove(&key_digest(key));
         if self.held.len(keyspace) < MAX_RECORDS_PER_KEYSPACE {
             self.logs.capacity_logged.remove(&keyspace);
         }
@@ -411,10 +411,10 @@ fn materialise_publisher(namespace: &Namespace, held: &Held, id: PublisherId) ->
 }
 
 fn log_duplicate(namespace: &Namespace, identity: &Identity, keys: &[String]) {
-    let shown: Vec<&str> = keys
+    let shown: Vec<String> = keys
         .iter()
         .take(KEYS_PER_DUPLICATE_LOG)
-        .map(String::as_str)
+        .map(|k| clip(k))
         .collect();
     warn!(
         namespace = %namespace,
@@ -699,14 +699,15 @@ impl Held {
 #[derive(Debug, Default)]
 struct Staging {
     held: Held,
-    /// Keys found bad during this resync, so log-once state can forget the others.
-    bad_keys: BTreeSet<String>,
+    /// Digests of keys found bad during this resync, so log-once state can forget the others.
+    bad_keys: BTreeSet<Digest>,
 }
 
 #[derive(Debug, Default)]
 struct LogState {
-    /// Key → the reason last logged for it.
-    bad_keys: BTreeMap<String, String>,
+    /// Digest of a key → hash of the reason last logged for it (digests keep this small
+    /// whatever the key lengths).
+    bad_keys: BTreeMap<Digest, u64>,
     capacity_logged: BTreeSet<Keyspace>,
 }
 
@@ -820,14 +821,14 @@ fn remove_key(namespace: &str, held: &mut Held, key: &str, dirty: &mut Dirty) ->
 fn note(
     counts: &mut DiscoveryCounts,
     logs: &mut LogState,
-    staging_bad: Option<&mut BTreeSet<String>>,
+    staging_bad: Option<&mut BTreeSet<Digest>>,
     key: &str,
     outcome: Outcome,
 ) {
     let (kind, reason) = match outcome {
         Outcome::Ignored | Outcome::Unchanged => return,
         Outcome::Held | Outcome::Skipped => {
-            logs.bad_keys.remove(key);
+            logs.bad_keys.remove(&key_digest(key));
             return;
         }
         Outcome::OverCapacity(keyspace) => {
@@ -848,15 +849,21 @@ fn note(
         Outcome::Bad { kind, reason } => (kind, reason),
     };
     counts.add(kind, 1);
-    if let Some(seen) = staging_bad {
-        if seen.len() < MAX_LOGGED_KEYS {
-            seen.insert(key.to_owned());
-        }
+    let digest = key_digest(key);
+    if let Some(seen) = staging_bad
+        && seen.len() < MAX_LOGGED_KEYS
+    {
+        seen.insert(digest);
     }
-    let already = logs.bad_keys.get(key).is_some_and(|r| *r == reason);
-    if already || (!logs.bad_keys.contains_key(key) && logs.bad_keys.len() >= MAX_LOGGED_KEYS) {
+    let reason_hash = xxhash_rust::xxh3::xxh3_64(reason.as_bytes());
+    let already = logs.bad_keys.get(&digest) == Some(&reason_hash);
+    if already || (!logs.bad_keys.contains_key(&digest) && logs.bad_keys.len() >= MAX_LOGGED_KEYS) {
         return;
     }
-    warn!(%key, kind = kind.as_label(), %reason, "Dropped a discovery record.");
-    logs.bad_keys.insert(key.to_owned(), reason);
+    warn!(key = %clip(key), kind = kind.as_label(), %reason, "Dropped a discovery record.");
+    logs.bad_keys.insert(digest, reason_hash);
+}
+
+fn key_digest(key: &str) -> Digest {
+    blake3::hash(key.as_bytes()).into()
 }

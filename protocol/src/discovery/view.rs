@@ -11,6 +11,7 @@ use std::sync::Arc;
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
+use super::keys::encode_segment;
 use super::records::{Capacity, DisaggregatedEndpoint, EventTopic, Role, TcpAddress};
 use crate::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
 use crate::time::UnixMillis;
@@ -209,6 +210,24 @@ impl Publisher {
     /// Where to dial. Internal: never log at info, never export.
     pub fn address(&self) -> &TcpAddress {
         &self.address
+    }
+
+    /// The dotted event-plane subject (`namespace.<ns>.component.<c>.endpoint.<e>.<topic>`,
+    /// segments percent-encoded). Upstream uses it for NATS and broker routing only; the router
+    /// keeps it for diagnostics, never as the ZMQ SUB filter (that is the bare topic).
+    pub fn subject(&self) -> String {
+        let mut subject = format!("namespace.{}", encode_segment(self.namespace.as_str()));
+        if let Some(c) = &self.component {
+            subject.push_str(".component.");
+            subject.push_str(&encode_segment(c));
+            if let Some(e) = &self.endpoint {
+                subject.push_str(".endpoint.");
+                subject.push_str(&encode_segment(e));
+            }
+        }
+        subject.push('.');
+        subject.push_str(&encode_segment(self.topic.as_str()));
+        subject
     }
 }
 

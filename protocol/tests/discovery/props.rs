@@ -145,6 +145,8 @@ proptest! {
         let mut fresh = DiscoveryReducer::new(ns("p"));
         resync(&mut fresh, &kvs, now);
         prop_assert_eq!(&**incremental.view(), &**fresh.view());
+        // Both agree with a naive reading of the rules over the final key set.
+        prop_assert_eq!(summarise(&incremental), reference(&kvs));
         // And resyncing the incremental reducer to the same set changes nothing.
         prop_assert!(!resync(&mut incremental, &kvs, UnixMillis(8)));
     }
@@ -160,4 +162,143 @@ proptest! {
         }
         prop_assert_eq!(r.view().workers().len(), 0);
     }
+}
+
+type Summary = (
+    BTreeMap<u64, (String, Option<String>, bool)>,
+    BTreeMap<u64, (String, Option<u64>)>,
+);
+
+fn summarise(r: &DiscoveryReducer) -> Summary {
+    let workers = r
+        .view()
+        .workers()
+        .map(|w| {
+            (
+                w.key.instance_id.0,
+                (
+                    w.role.as_str().to_owned(),
+                    w.model.clone(),
+                    w.card.is_some(),
+                ),
+            )
+        })
+        .collect();
+    let publishers = r
+        .view()
+        .publishers()
+        .map(|p| {
+            (
+                p.publisher_id.0,
+                (
+                    p.topic.as_str().to_owned(),
+                    p.worker.as_ref().map(|k| k.instance_id.0),
+                ),
+            )
+        })
+        .collect();
+    (workers, publishers)
+}
+
+/// The rules of the seed read naively over the final key set of namespace `p` (only the shapes
+/// the pool generates).
+fn reference(kvs: &[(String, Vec<u8>)]) -> Summary {
+    use serde_json::Value;
+    let mut endpoints: BTreeMap<u64, Vec<String>> = BTreeMap::new();
+    let mut scoped: BTreeMap<(u64, String, String), Vec<Value>> = BTreeMap::new();
+    let mut legacy: BTreeMap<u64, Vec<Value>> = BTreeMap::new();
+    let mut channels: BTreeMap<u64, Vec<String>> = BTreeMap::new();
+    let mut sources: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for (key, value) in kvs {
+        let Ok(v) = serde_json::from_slice::<Value>(value) else {
+            continue;
+        };
+        if !v.is_object() {
+            continue;
+        }
+        if key.starts_with("v1/instances/p/") {
+            if v["endpoint"] == "generate" {
+                endpoints
+                    .entry(v["instance_id"].as_u64().expect("id"))
+                    .or_default()
+                    .push(v["component"].as_str().expect("component").to_owned());
+            }
+        } else if key.starts_with("v1/mdc/p/") {
+            if key.split('/').count() == 7 || v.get("model_suffix").is_some() {
+                continue;
+            }
+            let id = v["instance_id"].as_u64().expect("id");
+            let comp = v["component"].as_str().unwrap_or_default().to_owned();
+            let ep = v["endpoint"].as_str().unwrap_or_default().to_owned();
+            if comp.is_empty() && ep.is_empty() {
+                legacy.entry(id).or_default().push(v["card_json"].clone());
+            } else {
+                scoped
+                    .entry((id, comp, ep))
+                    .or_default()
+                    .push(v["card_json"].clone());
+            }
+        } else if key.starts_with("v1/event_channels/namespace/p/") {
+            let topic = v["topic"].as_str().expect("topic");
+            if (topic == "kv_metrics" || topic == "kv-events") && v["transport"]["kind"] == "Zmq" {
+                channels
+                    .entry(v["instance_id"].as_u64().expect("id"))
+                    .or_default()
+                    .push(topic.to_owned());
+            }
+        } else if key.starts_with("v1/event_sources/namespace/p/") {
+            sources
+                .entry(v["publisher_id"].as_u64().expect("id"))
+                .or_default()
+                .push(
+                    v["metadata"]["worker"]["worker_id"]
+                        .as_u64()
+                        .expect("worker"),
+                );
+        }
+    }
+    let mut workers = BTreeMap::new();
+    for (id, comps) in &endpoints {
+        let [comp] = comps.as_slice() else { continue };
+        let card = match scoped.get(&(*id, comp.clone(), "generate".to_owned())) {
+            Some(cards) => (cards.len() == 1).then(|| cards[0].clone()),
+            None => legacy
+                .get(id)
+                .and_then(|cards| (cards.len() == 1).then(|| cards[0].clone())),
+        };
+        let by_comp = match comp.as_str() {
+            "prefill" | "decode" => Some(comp.clone()),
+            _ => None,
+        };
+        let by_card = card.as_ref().and_then(|c| match &c["worker_type"] {
+            Value::Null => Some(
+                if c["model_type"].as_str().unwrap_or("").contains("Prefill") {
+                    "prefill".to_owned()
+                } else {
+                    "aggregated".to_owned()
+                },
+            ),
+            Value::String(t) if ["prefill", "decode", "aggregated"].contains(&t.as_str()) => {
+                Some(t.clone())
+            }
+            _ => None,
+        });
+        let role = match (by_comp, by_card) {
+            (Some(a), Some(b)) if a != b => continue,
+            (Some(a), _) => a,
+            (None, Some(b)) => b,
+            (None, None) => "unknown".to_owned(),
+        };
+        let model = card
+            .as_ref()
+            .and_then(|c| c["display_name"].as_str().map(str::to_owned));
+        workers.insert(*id, (role, model, card.is_some()));
+    }
+    let mut publishers = BTreeMap::new();
+    for (id, topics) in &channels {
+        let [topic] = topics.as_slice() else { continue };
+        let worker = sources.get(id).and_then(|w| (w.len() == 1).then(|| w[0]));
+        publishers.insert(*id, (topic.clone(), worker));
+    }
+    (workers, publishers)
 }

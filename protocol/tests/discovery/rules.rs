@@ -87,9 +87,9 @@ fn unknown_worker_type_claims_no_role_and_the_component_decides() {
 fn unreadable_typed_card_subset_keeps_the_worker_and_the_raw_card() {
     let mut r = reducer();
     put_endpoint(&mut r, "decode", 3);
-    // A duplicate member makes the typed subset fail; the raw card is still kept verbatim.
+    // A card that is not an object has no typed subset; it is still kept verbatim.
     let value = br#"{"type":"Model","component":"decode","endpoint":"generate","instance_id":3,
-        "card_json":{"display_name":"a","display_name":"b","worker_type":"decode"}}"#;
+        "card_json":["a future", {"card": "shape"}]}"#;
     r.apply(
         put_raw(&card_key("dyn", "decode", "generate", 3), value),
         T0,
@@ -98,9 +98,10 @@ fn unreadable_typed_card_subset_keeps_the_worker_and_the_raw_card() {
     assert_eq!(w.role, Role::Decode, "the component still claims decode");
     assert_eq!(w.model, None);
     assert_eq!(
-        w.card.as_deref().map(|c| c["display_name"].clone()),
-        Some(json!("b"))
+        w.card.as_deref(),
+        Some(&json!(["a future", {"card": "shape"}]))
     );
+    assert!(r.take_counts().iter().all(|(k, _)| k == Kind::Put));
 }
 
 #[test]
@@ -724,4 +725,34 @@ fn publishers_never_serialise_their_tcp_endpoint() {
         "{text}"
     );
     assert_eq!(p.address().authority(), "10.0.0.7:41999");
+}
+
+#[test]
+fn watch_events_during_a_resync_survive_the_swap() {
+    let mut r = reducer();
+    put_endpoint(&mut r, "decode", 100);
+    r.apply(SourceEvent::Init, T1);
+    for id in [101, 102] {
+        r.apply(
+            SourceEvent::InitApply {
+                key: endpoint_key("dyn", "decode", "generate", id),
+                value: serde_json::to_vec(&endpoint("dyn", "decode", "generate", id))
+                    .expect("json"),
+            },
+            T1,
+        );
+    }
+    assert!(r.apply(
+        put(
+            &endpoint_key("dyn", "prefill", "generate", 103),
+            &endpoint("dyn", "prefill", "generate", 103)
+        ),
+        T1
+    ));
+    r.apply(del(&endpoint_key("dyn", "decode", "generate", 102)), T1);
+    assert!(r.is_resyncing());
+    r.apply(SourceEvent::InitDone, T1);
+    let ids: Vec<u64> = r.view().workers().map(|w| w.key.instance_id.0).collect();
+    assert_eq!(ids, vec![101, 103]);
+    assert!(r.is_synced() && !r.is_resyncing());
 }

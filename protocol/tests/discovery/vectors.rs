@@ -104,6 +104,12 @@ fn etcd_examples_give_one_aggregated_worker_and_two_publishers() {
     );
     assert_eq!(kv.dp_rank, Some(DpRank(0)));
     assert_eq!(kv.address().authority(), "10.0.0.5:45731");
+    assert_eq!(
+        kv.subject(),
+        ex["event_scope_examples"][2]["subject_for_kv_events"]
+            .as_str()
+            .expect("subject")
+    );
     let load = view
         .publisher(PublisherId(5_249_132_588_543_811))
         .expect("kv_metrics");
