@@ -10,8 +10,10 @@
 //! | [`time`] | caller-supplied monotonic ticks and wall-clock timestamps |
 //! | [`backoff`] | reconnect backoff and supervisor restart budgets |
 //! | [`discovery`] | the discovery event vocabulary shared by every source |
+//! | [`kv`] | kv-events decoding, the bounded radix index, block hashing, the KV cost function |
 
 pub mod backoff;
 pub mod discovery;
 pub mod ids;
+pub mod kv;
 pub mod time;
