@@ -287,12 +287,27 @@ mod tests {
     fn softmax_edge_cases() {
         assert_eq!(softmax_sample_index(&[], 1.0, 0.5), None);
         // All equal: uniform over the candidates.
-        assert_eq!(softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.0), Some(0));
-        assert_eq!(softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.5), Some(2));
-        assert_eq!(softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.99), Some(3));
+        assert_eq!(
+            softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.0),
+            Some(0)
+        );
+        assert_eq!(
+            softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.5),
+            Some(2)
+        );
+        assert_eq!(
+            softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.99),
+            Some(3)
+        );
         // Infinite costs never win while a finite one exists.
-        assert_eq!(softmax_sample_index(&[f64::INFINITY, 1.0], 1.0, 0.99), Some(1));
-        assert_eq!(softmax_sample_index(&[f64::NAN, 1.0, 3.0], 1.0, 0.0), Some(1));
+        assert_eq!(
+            softmax_sample_index(&[f64::INFINITY, 1.0], 1.0, 0.99),
+            Some(1)
+        );
+        assert_eq!(
+            softmax_sample_index(&[f64::NAN, 1.0, 3.0], 1.0, 0.0),
+            Some(1)
+        );
         // Zero temperature is the argmin; out-of-range units are clamped.
         assert_eq!(softmax_sample_index(&[5.0, 1.0], 0.0, 0.9), Some(1));
         assert_eq!(softmax_sample_index(&[0.0, 1.0], 1.0, 7.0), Some(1));

@@ -229,3 +229,6 @@ pub fn encode_router_events(events: &[RouterEvent]) -> Vec<u8> {
     // Writing plain structs of integers and strings into a Vec cannot fail.
     rmp_serde::to_vec_named(events).expect("RouterEvent encodes infallibly into a Vec")
 }
+
+#[cfg(test)]
+mod tests;

@@ -141,7 +141,13 @@ mod tests {
         assert_eq!(file.vectors.len(), 8);
         for v in &file.vectors {
             let seed = salt_seed(v.lora_name.as_deref(), v.cache_salt.as_deref());
-            assert_eq!(seed.to_string(), v.seed, "seed for {:?}/{:?}", v.lora_name, v.cache_salt);
+            assert_eq!(
+                seed.to_string(),
+                v.seed,
+                "seed for {:?}/{:?}",
+                v.lora_name,
+                v.cache_salt
+            );
             let local = local_block_hashes_any(&v.tokens, v.block_size, seed);
             let want_local = parse(&v.local_block_hashes, &v.local_block_hashes_hex);
             assert_eq!(local.iter().map(|h| h.0).collect::<Vec<_>>(), want_local);

@@ -531,10 +531,8 @@ impl KvIndex {
         for (hash, node) in &rank.blocks {
             by_node.entry(*node).or_default().push(*hash);
         }
-        let mut order: Vec<(usize, NodeIdx)> = by_node
-            .keys()
-            .map(|n| (self.tree.depth(*n), *n))
-            .collect();
+        let mut order: Vec<(usize, NodeIdx)> =
+            by_node.keys().map(|n| (self.tree.depth(*n), *n)).collect();
         order.sort_unstable();
         for hashes in by_node.values_mut() {
             hashes.sort_unstable();

@@ -130,14 +130,20 @@ fn store_match_remove_and_clear() {
     assert_eq!(f.index.stats().nodes, 4);
     assert_eq!(f.index.stats().ownerships, 6);
 
-    assert_eq!(f.apply(W1, R0, removed(&[103, 999])), KvEventResult::Applied);
+    assert_eq!(
+        f.apply(W1, R0, removed(&[103, 999])),
+        KvEventResult::Applied
+    );
     assert_eq!(
         f.index.find_matches(&q(&[1, 2, 3])),
         vec![overlap(W1, R0, 2), overlap(W2, R0, 2)]
     );
     assert_eq!(f.index.stats().nodes, 3);
 
-    assert_eq!(f.apply(W2, R0, KvCacheEventData::Cleared), KvEventResult::Applied);
+    assert_eq!(
+        f.apply(W2, R0, KvCacheEventData::Cleared),
+        KvEventResult::Applied
+    );
     assert_eq!(
         f.index.find_matches(&q(&[1, 2, 9])),
         vec![overlap(W1, R0, 2)]
@@ -151,14 +157,23 @@ fn removing_a_parent_truncates_the_walk_and_restoring_it_resumes() {
     f.apply(W1, R0, stored(None, &[(1, 10), (2, 20), (3, 30)]));
     f.apply(W1, R0, removed(&[2]));
     // The rank keeps block 3 but no longer holds a contiguous path to it.
-    assert_eq!(f.index.find_matches(&q(&[10, 20, 30])), vec![overlap(W1, R0, 1)]);
+    assert_eq!(
+        f.index.find_matches(&q(&[10, 20, 30])),
+        vec![overlap(W1, R0, 1)]
+    );
     assert_eq!(f.index.stats().nodes, 3);
     assert_eq!(f.index.stats().ownerships, 2);
     // A child of the removed block is now an orphan for this rank.
-    assert_eq!(f.apply(W1, R0, stored(Some(2), &[(4, 40)])), KvEventResult::Orphan);
+    assert_eq!(
+        f.apply(W1, R0, stored(Some(2), &[(4, 40)])),
+        KvEventResult::Orphan
+    );
     // Re-storing the block brings the descendants back into the walk.
     f.apply(W1, R0, stored(Some(1), &[(2, 20)]));
-    assert_eq!(f.index.find_matches(&q(&[10, 20, 30])), vec![overlap(W1, R0, 3)]);
+    assert_eq!(
+        f.index.find_matches(&q(&[10, 20, 30])),
+        vec![overlap(W1, R0, 3)]
+    );
     // Removing everything frees every node.
     f.apply(W1, R0, removed(&[1, 2, 3]));
     assert_eq!(f.index.stats().nodes, 0);
@@ -197,10 +212,16 @@ fn invalid_and_orphan_stores_change_nothing() {
         f.apply(W1, R0, stored(Some(5), &[(5, 10)])),
         KvEventResult::Malformed
     );
-    assert_eq!(f.apply(W1, R0, stored(Some(77), &[(6, 10)])), KvEventResult::Orphan);
+    assert_eq!(
+        f.apply(W1, R0, stored(Some(77), &[(6, 10)])),
+        KvEventResult::Orphan
+    );
     // Another rank's hash is not a parent for this one.
     f.apply(W2, R0, stored(None, &[(77, 10)]));
-    assert_eq!(f.apply(W1, R0, stored(Some(77), &[(6, 11)])), KvEventResult::Orphan);
+    assert_eq!(
+        f.apply(W1, R0, stored(Some(77), &[(6, 11)])),
+        KvEventResult::Orphan
+    );
     assert_eq!(f.index.stats().ownerships, 1);
 }
 
@@ -333,20 +354,33 @@ fn default_limits_are_the_compiled_ceilings_and_cannot_be_raised() {
 fn node_ceiling_refuses_new_nodes_but_not_shared_ones() {
     let mut f = Fixture::new(small(3, 100, 100, 100));
     assert_eq!(
-        f.apply(W1, R0, stored(None, &[(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)])),
+        f.apply(
+            W1,
+            R0,
+            stored(None, &[(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)])
+        ),
         KvEventResult::OverCapacity
     );
     assert_eq!(f.index.stats().nodes, 3);
-    assert_eq!(f.index.find_matches(&q(&[1, 2, 3, 4])), vec![overlap(W1, R0, 3)]);
+    assert_eq!(
+        f.index.find_matches(&q(&[1, 2, 3, 4])),
+        vec![overlap(W1, R0, 3)]
+    );
     // Joining existing nodes needs no new node.
     assert_eq!(
         f.apply(W2, R0, stored(None, &[(1, 1), (2, 2)])),
         KvEventResult::Applied
     );
-    assert_eq!(f.apply(W2, R0, stored(None, &[(9, 9)])), KvEventResult::OverCapacity);
+    assert_eq!(
+        f.apply(W2, R0, stored(None, &[(9, 9)])),
+        KvEventResult::OverCapacity
+    );
     // Freeing a node makes room again.
     f.apply(W1, R0, removed(&[3]));
-    assert_eq!(f.apply(W2, R0, stored(None, &[(9, 9)])), KvEventResult::Applied);
+    assert_eq!(
+        f.apply(W2, R0, stored(None, &[(9, 9)])),
+        KvEventResult::Applied
+    );
 }
 
 #[test]
@@ -358,7 +392,10 @@ fn per_rank_ceiling_refuses_that_rank_only() {
     );
     assert_eq!(f.index.stats().ownerships, 2);
     // Re-storing a held hash is not a new ownership.
-    assert_eq!(f.apply(W1, R0, stored(None, &[(1, 1)])), KvEventResult::Applied);
+    assert_eq!(
+        f.apply(W1, R0, stored(None, &[(1, 1)])),
+        KvEventResult::Applied
+    );
     assert_eq!(
         f.apply(W1, R1, stored(None, &[(1, 1), (2, 2)])),
         KvEventResult::Applied
@@ -385,9 +422,15 @@ fn owners_per_node_ceiling() {
     let mut f = Fixture::new(small(100, 100, 100, 2));
     f.apply(W1, R0, stored(None, &[(1, 1)]));
     f.apply(W1, R1, stored(None, &[(1, 1)]));
-    assert_eq!(f.apply(W2, R0, stored(None, &[(1, 1)])), KvEventResult::OverCapacity);
+    assert_eq!(
+        f.apply(W2, R0, stored(None, &[(1, 1)])),
+        KvEventResult::OverCapacity
+    );
     // A second engine hash of an existing owner is still admitted.
-    assert_eq!(f.apply(W1, R0, stored(None, &[(5, 1)])), KvEventResult::Applied);
+    assert_eq!(
+        f.apply(W1, R0, stored(None, &[(5, 1)])),
+        KvEventResult::Applied
+    );
     assert_eq!(f.index.stats().ownerships, 3);
 }
 
@@ -411,7 +454,10 @@ fn dump_rebuilds_an_equal_index_including_holes() {
     assert_eq!(replayed.ownership_paths(), f.index.ownership_paths());
     assert_eq!(replayed.stats().nodes, f.index.stats().nodes);
     for query in [&[10, 20, 30, 40][..], &[10, 50], &[10, 20, 30], &[11]] {
-        assert_eq!(replayed.find_matches(&q(query)), f.index.find_matches(&q(query)));
+        assert_eq!(
+            replayed.find_matches(&q(query)),
+            f.index.find_matches(&q(query))
+        );
     }
 }
 
