@@ -170,7 +170,11 @@ fn main() {
         let matches = index.find_matches(&req.local);
         lookups.push(t.elapsed());
         lookup_blocks += req.local.len() as u64;
-        overlap_blocks += matches.iter().map(|m| u64::from(m.blocks)).max().unwrap_or(0);
+        overlap_blocks += matches
+            .iter()
+            .map(|m| u64::from(m.blocks))
+            .max()
+            .unwrap_or(0);
 
         if r % AGREEMENT_EVERY == 0 {
             checked += 1;
@@ -253,7 +257,10 @@ fn main() {
     lookups.sort_unstable();
     applies.sort_unstable();
     let ops = lookup_blocks + stored_blocks + removed_blocks;
-    println!("kv_index replay of {path} ({} requests, {WORKERS} workers)", requests.len());
+    println!(
+        "kv_index replay of {path} ({} requests, {WORKERS} workers)",
+        requests.len()
+    );
     println!(
         "  blocks: lookup {lookup_blocks}, stored {stored_blocks}, removed {removed_blocks}; events {}; not applied {not_applied}",
         applies.len()

@@ -143,13 +143,90 @@ struct Owner {
     refs: u32,
 }
 
+/// A node's owners sorted by slot. Most nodes have exactly one owner, kept inline so creating
+/// and freeing a node costs no allocation.
+#[derive(Debug, Default)]
+enum Owners {
+    #[default]
+    None,
+    One(Owner),
+    Many(Vec<Owner>),
+}
+
+impl std::ops::Deref for Owners {
+    type Target = [Owner];
+    fn deref(&self) -> &[Owner] {
+        match self {
+            Owners::None => &[],
+            Owners::One(owner) => std::slice::from_ref(owner),
+            Owners::Many(owners) => owners,
+        }
+    }
+}
+
+impl Owners {
+    fn add(&mut self, slot: Slot) {
+        match self {
+            Owners::None => *self = Owners::One(Owner { slot, refs: 1 }),
+            Owners::One(owner) if owner.slot == slot => owner.refs += 1,
+            Owners::One(owner) => {
+                let new = Owner { slot, refs: 1 };
+                let pair = if owner.slot < slot {
+                    vec![*owner, new]
+                } else {
+                    vec![new, *owner]
+                };
+                *self = Owners::Many(pair);
+            }
+            Owners::Many(owners) => match owners.binary_search_by_key(&slot, |o| o.slot) {
+                Ok(i) => owners[i].refs += 1,
+                Err(i) => owners.insert(i, Owner { slot, refs: 1 }),
+            },
+        }
+    }
+
+    fn remove(&mut self, slot: Slot) {
+        match self {
+            Owners::None => {}
+            Owners::One(owner) => {
+                if owner.slot == slot {
+                    owner.refs -= 1;
+                    if owner.refs == 0 {
+                        *self = Owners::None;
+                    }
+                }
+            }
+            Owners::Many(owners) => {
+                if let Ok(i) = owners.binary_search_by_key(&slot, |o| o.slot) {
+                    owners[i].refs -= 1;
+                    if owners[i].refs == 0 {
+                        owners.remove(i);
+                    }
+                }
+                match owners.len() {
+                    0 => *self = Owners::None,
+                    1 => *self = Owners::One(owners[0]),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn heap_entries(&self) -> usize {
+        match self {
+            Owners::Many(owners) => owners.capacity(),
+            _ => 0,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Node {
     tokens_hash: LocalBlockHash,
     parent: NodeIdx,
     children: u32,
     /// Sorted by slot, so `find_matches` intersects by merging.
-    owners: Vec<Owner>,
+    owners: Owners,
 }
 
 #[derive(Debug)]
@@ -167,7 +244,7 @@ impl Tree {
                 tokens_hash: LocalBlockHash(0),
                 parent: ROOT,
                 children: 0,
-                owners: Vec::new(),
+                owners: Owners::None,
             }],
             free: Vec::new(),
             live: 0,
@@ -184,7 +261,7 @@ impl Tree {
             tokens_hash: hash,
             parent,
             children: 0,
-            owners: Vec::new(),
+            owners: Owners::None,
         };
         let idx = match self.free.pop() {
             Some(idx) => {
@@ -212,21 +289,11 @@ impl Tree {
     }
 
     fn add_owner(&mut self, node: NodeIdx, slot: Slot) {
-        let owners = &mut self.nodes[node as usize].owners;
-        match owners.binary_search_by_key(&slot, |o| o.slot) {
-            Ok(i) => owners[i].refs += 1,
-            Err(i) => owners.insert(i, Owner { slot, refs: 1 }),
-        }
+        self.nodes[node as usize].owners.add(slot);
     }
 
     fn remove_owner(&mut self, node: NodeIdx, slot: Slot) {
-        let owners = &mut self.nodes[node as usize].owners;
-        if let Ok(i) = owners.binary_search_by_key(&slot, |o| o.slot) {
-            owners[i].refs -= 1;
-            if owners[i].refs == 0 {
-                owners.remove(i);
-            }
-        }
+        self.nodes[node as usize].owners.remove(slot);
         self.prune(node);
     }
 
@@ -239,7 +306,6 @@ impl Tree {
             }
             let (parent, hash) = (n.parent, n.tokens_hash);
             self.edges.remove(&(parent, hash));
-            self.nodes[node as usize].owners = Vec::new();
             self.free.push(node);
             self.live -= 1;
             self.nodes[parent as usize].children -= 1;
@@ -462,7 +528,12 @@ impl KvIndex {
     }
 
     pub fn stats(&self) -> KvIndexStats {
-        let owner_entries: usize = self.tree.nodes.iter().map(|n| n.owners.capacity()).sum();
+        let owner_entries: usize = self
+            .tree
+            .nodes
+            .iter()
+            .map(|n| n.owners.heap_entries())
+            .sum();
         let rank_entries: usize = self
             .ranks
             .iter()
@@ -683,7 +754,7 @@ impl KvIndex {
             if free.contains(&(i as NodeIdx)) {
                 continue;
             }
-            for owner in &node.owners {
+            for owner in node.owners.iter() {
                 seen += 1;
                 if refs.get(&(i as NodeIdx, owner.slot)) != Some(&owner.refs) {
                     return Err(format!("node {i} slot {} refs {}", owner.slot, owner.refs));
