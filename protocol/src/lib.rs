@@ -15,12 +15,14 @@
 //! | [`load_store`] | latest ActiveLoad per (worker, dp_rank), staleness, missed-message rule |
 //! | [`subscriptions`] | which publishers to subscribe to (cap, order, diff) |
 //! | [`kube`] | Kubernetes discovery: `hash_pod_name`, Pod membership, metadata ⋈ EndpointSlice |
+//! | [`kv`] | kv-events decoding, the bounded radix index, block hashing, the KV cost function |
 
 pub mod backoff;
 pub mod discovery;
 pub mod event_plane;
 pub mod ids;
 pub mod kube;
+pub mod kv;
 pub mod load_store;
 pub mod subscriptions;
 pub mod time;

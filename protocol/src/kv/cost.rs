@@ -1,0 +1,318 @@
+//! Upstream's per-candidate cost (dynamo-wire §12, the seed's "The formula") and the two
+//! selection rules: argmin with a caller-owned tie-break cursor at temperature 0, softmax
+//! sampling with a caller-drawn unit above it. Lower cost is better.
+
+use super::hashing::BlockSize;
+
+/// Tunables of the formula (upstream defaults: both 1.0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostParams {
+    pub overlap_score_credit: f64,
+    pub prefill_load_scale: f64,
+}
+
+impl Default for CostParams {
+    fn default() -> Self {
+        Self {
+            overlap_score_credit: 1.0,
+            prefill_load_scale: 1.0,
+        }
+    }
+}
+
+/// What the picker knows about one candidate rank for one request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CandidateLoad {
+    /// Leading request blocks the rank holds (from `KvIndex::find_matches`).
+    pub overlap_blocks: u64,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+}
+
+/// Every intermediate of the formula, so callers (and logs) can use the part they need.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CostBreakdown {
+    pub cached_tokens: u64,
+    pub raw_prefill_tokens: u64,
+    pub raw_prefill_blocks: f64,
+    pub overlap_credit_blocks: f64,
+    pub adjusted_prefill: f64,
+    pub decode_cost_blocks: f64,
+    pub cost: f64,
+}
+
+impl CostBreakdown {
+    /// Conditional disaggregation's decode score: `max(0, decode_cost_blocks - credit)`.
+    pub fn conditional_decode_cost(&self) -> f64 {
+        (self.decode_cost_blocks - self.overlap_credit_blocks).max(0.0)
+    }
+}
+
+/// The seed's formula for one candidate with prompt length `isl` tokens:
+///
+/// ```text
+/// cached_tokens         = min(overlap_blocks * bs, isl)
+/// raw_prefill_tokens    = active_prefill_tokens + (isl - cached_tokens) + cached_tokens
+/// raw_prefill_blocks    = raw_prefill_tokens / bs
+/// overlap_credit_blocks = overlap_score_credit * overlap_blocks
+/// adjusted_prefill      = max(0, raw_prefill_blocks - overlap_credit_blocks)
+/// decode_cost_blocks    = active_decode_blocks + max(0, ceil(isl / bs) - overlap_blocks)
+/// cost                  = prefill_load_scale * adjusted_prefill + decode_cost_blocks
+/// ```
+pub fn candidate_cost(
+    isl: u64,
+    block_size: BlockSize,
+    load: CandidateLoad,
+    params: CostParams,
+) -> CostBreakdown {
+    let bs = u64::from(block_size.get());
+    let cached_tokens = load.overlap_blocks.saturating_mul(bs).min(isl);
+    let raw_prefill_tokens = load
+        .active_prefill_tokens
+        .saturating_add(isl - cached_tokens)
+        .saturating_add(cached_tokens);
+    let raw_prefill_blocks = raw_prefill_tokens as f64 / bs as f64;
+    let overlap_credit_blocks = params.overlap_score_credit * load.overlap_blocks as f64;
+    let adjusted_prefill = (raw_prefill_blocks - overlap_credit_blocks).max(0.0);
+    let request_blocks = isl.div_ceil(bs);
+    let decode_cost_blocks = load.active_decode_blocks as f64
+        + request_blocks.saturating_sub(load.overlap_blocks) as f64;
+    let cost = params.prefill_load_scale * adjusted_prefill + decode_cost_blocks;
+    CostBreakdown {
+        cached_tokens,
+        raw_prefill_tokens,
+        raw_prefill_blocks,
+        overlap_credit_blocks,
+        adjusted_prefill,
+        decode_cost_blocks,
+        cost,
+    }
+}
+
+/// The seed's quiet-fleet rule (no fresh prefill backlog anywhere): candidates compete on
+/// request size and overlap alone, `isl / bs - overlap_score_credit * overlap_blocks`.
+pub fn overlap_only_cost(
+    isl: u64,
+    block_size: BlockSize,
+    overlap_blocks: u64,
+    overlap_score_credit: f64,
+) -> f64 {
+    isl as f64 / f64::from(block_size.get()) - overlap_score_credit * overlap_blocks as f64
+}
+
+/// NaN sorts as +inf: a candidate whose cost cannot be computed is never preferred.
+fn sane(cost: f64) -> f64 {
+    if cost.is_nan() { f64::INFINITY } else { cost }
+}
+
+/// Temperature 0: the lowest cost wins; among exactly equal minima the `cursor`-th (mod the tie
+/// count) wins, so a caller that advances its per-phase cursor rotates through ties
+/// deterministically. `None` only for an empty slice.
+pub fn argmin_with_cursor(costs: &[f64], cursor: u64) -> Option<usize> {
+    let min = costs.iter().copied().map(sane).reduce(f64::min)?;
+    let ties = costs.iter().filter(|c| sane(**c) == min).count() as u64;
+    let pick = (cursor % ties) as usize;
+    costs
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| sane(**c) == min)
+        .nth(pick)
+        .map(|(i, _)| i)
+}
+
+/// Temperature > 0 (wire §12.3): `p_i ∝ exp(-(c_i - c_min) / ((c_max - c_min) * T))`, then the
+/// first `i` whose cumulative probability reaches `unit` (a caller-drawn value in `[0, 1)`).
+/// All-equal costs (or all non-finite) sample uniformly; non-finite costs get probability 0
+/// when any cost is finite. A non-positive or NaN temperature degrades to the cursor-free argmin.
+pub fn softmax_sample_index(logits: &[f64], temperature: f64, unit: f64) -> Option<usize> {
+    if logits.is_empty() {
+        return None;
+    }
+    let unit = if unit.is_finite() {
+        unit.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    if temperature.is_nan() || temperature <= 0.0 {
+        return argmin_with_cursor(logits, 0);
+    }
+    let finite: Vec<f64> = logits.iter().copied().filter(|c| c.is_finite()).collect();
+    let uniform = |n: usize| ((unit * n as f64) as usize).min(n - 1);
+    if finite.is_empty() {
+        return Some(uniform(logits.len()));
+    }
+    let c_min = finite.iter().copied().fold(f64::INFINITY, f64::min);
+    let c_max = finite.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let range = c_max - c_min;
+    if range == 0.0 || !range.is_finite() {
+        // Equal finite costs, or a span too large to represent: treat the finite ones as equal.
+        let finite_positions: Vec<usize> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.is_finite())
+            .map(|(i, _)| i)
+            .collect();
+        return Some(finite_positions[uniform(finite_positions.len())]);
+    }
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|c| {
+            if c.is_finite() {
+                (-(c - c_min) / (range * temperature)).exp()
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut cumulative = 0.0;
+    let mut last_positive = 0;
+    for (i, w) in weights.iter().enumerate() {
+        if *w > 0.0 {
+            last_positive = i;
+            cumulative += w / total;
+            if unit <= cumulative {
+                return Some(i);
+            }
+        }
+    }
+    // Rounding can leave the cumulative sum a hair under 1.
+    Some(last_positive)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bs(n: u32) -> BlockSize {
+        BlockSize::new(n).unwrap()
+    }
+
+    #[test]
+    fn hand_computed_cost_with_overlap() {
+        // isl 100, bs 16, overlap 3, prefill backlog 64 tokens, 10 decode blocks, defaults.
+        let b = candidate_cost(
+            100,
+            bs(16),
+            CandidateLoad {
+                overlap_blocks: 3,
+                active_prefill_tokens: 64,
+                active_decode_blocks: 10,
+            },
+            CostParams::default(),
+        );
+        assert_eq!(b.cached_tokens, 48);
+        assert_eq!(b.raw_prefill_tokens, 164);
+        assert_eq!(b.raw_prefill_blocks, 10.25);
+        assert_eq!(b.overlap_credit_blocks, 3.0);
+        assert_eq!(b.adjusted_prefill, 7.25);
+        // ceil(100/16) = 7 request blocks, 3 already held.
+        assert_eq!(b.decode_cost_blocks, 14.0);
+        assert_eq!(b.cost, 21.25);
+        assert_eq!(b.conditional_decode_cost(), 11.0);
+    }
+
+    #[test]
+    fn overlap_beyond_prompt_caps_cached_tokens_and_floors_at_zero() {
+        let b = candidate_cost(
+            32,
+            bs(16),
+            CandidateLoad {
+                overlap_blocks: 5,
+                active_prefill_tokens: 0,
+                active_decode_blocks: 0,
+            },
+            CostParams {
+                overlap_score_credit: 2.0,
+                prefill_load_scale: 3.0,
+            },
+        );
+        assert_eq!(b.cached_tokens, 32);
+        assert_eq!(b.raw_prefill_blocks, 2.0);
+        assert_eq!(b.overlap_credit_blocks, 10.0);
+        assert_eq!(b.adjusted_prefill, 0.0);
+        assert_eq!(b.decode_cost_blocks, 0.0);
+        assert_eq!(b.cost, 0.0);
+    }
+
+    #[test]
+    fn scale_weights_prefill_only() {
+        let load = CandidateLoad {
+            overlap_blocks: 0,
+            active_prefill_tokens: 32,
+            active_decode_blocks: 4,
+        };
+        let b = candidate_cost(
+            64,
+            bs(32),
+            load,
+            CostParams {
+                overlap_score_credit: 1.0,
+                prefill_load_scale: 0.5,
+            },
+        );
+        // raw prefill = (32 + 64) / 32 = 3 blocks, halved; decode = 4 + 2.
+        assert_eq!(b.cost, 1.5 + 6.0);
+        assert_eq!(overlap_only_cost(64, bs(32), 1, 1.0), 1.0);
+    }
+
+    #[test]
+    fn argmin_rotates_ties_with_the_cursor() {
+        let costs = [3.0, 1.0, 2.0, 1.0, 1.0];
+        assert_eq!(argmin_with_cursor(&costs, 0), Some(1));
+        assert_eq!(argmin_with_cursor(&costs, 1), Some(3));
+        assert_eq!(argmin_with_cursor(&costs, 2), Some(4));
+        assert_eq!(argmin_with_cursor(&costs, 3), Some(1));
+        assert_eq!(argmin_with_cursor(&[], 7), None);
+        assert_eq!(argmin_with_cursor(&[f64::NAN, 5.0], 0), Some(1));
+        assert_eq!(argmin_with_cursor(&[f64::NAN, f64::NAN], 1), Some(1));
+    }
+
+    #[test]
+    fn softmax_matches_hand_computed_probabilities() {
+        // costs 0 and 1, T = 1: weights 1 and e^-1; p0 = 1 / (1 + e^-1) ≈ 0.731.
+        let p0 = 1.0 / (1.0 + (-1.0f64).exp());
+        assert_eq!(softmax_sample_index(&[0.0, 1.0], 1.0, 0.0), Some(0));
+        assert_eq!(softmax_sample_index(&[0.0, 1.0], 1.0, p0 - 1e-9), Some(0));
+        assert_eq!(softmax_sample_index(&[0.0, 1.0], 1.0, p0 + 1e-9), Some(1));
+        assert_eq!(softmax_sample_index(&[0.0, 1.0], 1.0, 0.999_999), Some(1));
+        // Scale invariance: the range normalises the costs.
+        assert_eq!(
+            softmax_sample_index(&[100.0, 200.0], 1.0, p0 + 1e-9),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn softmax_edge_cases() {
+        assert_eq!(softmax_sample_index(&[], 1.0, 0.5), None);
+        // All equal: uniform over the candidates.
+        assert_eq!(
+            softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.0),
+            Some(0)
+        );
+        assert_eq!(
+            softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.5),
+            Some(2)
+        );
+        assert_eq!(
+            softmax_sample_index(&[2.0, 2.0, 2.0, 2.0], 0.7, 0.99),
+            Some(3)
+        );
+        // Infinite costs never win while a finite one exists.
+        assert_eq!(
+            softmax_sample_index(&[f64::INFINITY, 1.0], 1.0, 0.99),
+            Some(1)
+        );
+        assert_eq!(
+            softmax_sample_index(&[f64::NAN, 1.0, 3.0], 1.0, 0.0),
+            Some(1)
+        );
+        // Zero temperature is the argmin; out-of-range units are clamped.
+        assert_eq!(softmax_sample_index(&[5.0, 1.0], 0.0, 0.9), Some(1));
+        assert_eq!(softmax_sample_index(&[0.0, 1.0], 1.0, 7.0), Some(1));
+        assert_eq!(softmax_sample_index(&[0.0, 1.0], 1.0, f64::NAN), Some(0));
+        // A very low temperature concentrates on the minimum.
+        assert_eq!(softmax_sample_index(&[0.0, 1.0], 0.01, 0.999), Some(0));
+    }
+}

@@ -1,0 +1,905 @@
+//! The bounded device-tier radix index (seed "Index structure and compiled-in bounds").
+//!
+//! Nodes live in an arena (`Vec` + free list, `u32` indices, no pointers) and are keyed by
+//! `tokens_hash` under their parent, starting from a root that stands for the empty prefix. Each
+//! (worker, dp_rank) maps the engine's `block_hash` to a node; a node counts, per rank, how many
+//! engine hashes name it (two engine hashes may name one `tokens_hash` node). A node lives while
+//! some rank owns it or it has children.
+//!
+//! Semantics chosen where upstream (wire §10.4) leaves room:
+//! * A store whose `parent_hash` the rank does not hold is dropped whole (`orphan`), as upstream
+//!   drops it with "parent block not found".
+//! * Removing a block removes only that rank's ownership of that node. The rank keeps its
+//!   descendants (the engine still holds them until it says otherwise), but a prefix walk stops
+//!   at the removed node, which is upstream's "truncated at the removed position"; re-storing the
+//!   block restores the path. Nodes with neither owners nor children are freed at once.
+//! * Each (worker, dp_rank) has an `event_id` cursor: at or below it is a replay (skipped); a
+//!   forward jump clears the rank's blocks, counts `gap`, and then applies the event. The first
+//!   event of a rank sets the cursor wherever it is (the router may join mid-stream).
+//! * Ceilings refuse the offending block and the rest of its store (`over_capacity`); blocks
+//!   before it stay.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{BuildHasher, Hasher};
+
+use super::events::{KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier, StoredBlock};
+use super::{ExternalBlockHash, KvEventCounts, KvEventResult, LocalBlockHash};
+use crate::ids::{DpRank, InstanceId};
+
+/// Radix nodes in the whole index (the root not counted).
+pub const MAX_INDEX_BLOCKS: usize = 1_048_576;
+/// Engine block hashes one (worker, dp_rank) may hold.
+pub const MAX_BLOCKS_PER_RANK: usize = 262_144;
+/// (rank, engine block hash) ownerships across the index.
+pub const MAX_INDEX_OWNERSHIPS: usize = 8_388_608;
+/// Ranks that may own one node.
+pub const MAX_OWNERS_PER_NODE: usize = 4_096;
+
+/// The ceilings in force. `Default` is the compiled-in consts; lower values are for tests and
+/// small deployments, higher values are clamped to the consts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvIndexLimits {
+    pub max_index_blocks: usize,
+    pub max_blocks_per_rank: usize,
+    pub max_index_ownerships: usize,
+    pub max_owners_per_node: usize,
+}
+
+impl Default for KvIndexLimits {
+    fn default() -> Self {
+        Self {
+            max_index_blocks: MAX_INDEX_BLOCKS,
+            max_blocks_per_rank: MAX_BLOCKS_PER_RANK,
+            max_index_ownerships: MAX_INDEX_OWNERSHIPS,
+            max_owners_per_node: MAX_OWNERS_PER_NODE,
+        }
+    }
+}
+
+impl KvIndexLimits {
+    fn clamped(self) -> Self {
+        Self {
+            max_index_blocks: self.max_index_blocks.min(MAX_INDEX_BLOCKS),
+            max_blocks_per_rank: self.max_blocks_per_rank.min(MAX_BLOCKS_PER_RANK),
+            max_index_ownerships: self.max_index_ownerships.min(MAX_INDEX_OWNERSHIPS),
+            max_owners_per_node: self.max_owners_per_node.clamp(1, MAX_OWNERS_PER_NODE),
+        }
+    }
+}
+
+/// One rank's overlap with a request: its longest contiguous prefix, in blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RankOverlap {
+    pub worker: InstanceId,
+    pub dp_rank: DpRank,
+    pub blocks: u32,
+}
+
+/// Sizes for gauges and the memory estimate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvIndexStats {
+    pub nodes: usize,
+    pub ranks: usize,
+    pub ownerships: usize,
+    /// Arena, edge table and rank maps, counted at their element sizes (a lower bound on the
+    /// heap footprint; hash-table slack is not included).
+    pub approx_bytes: usize,
+}
+
+/// Ownership paths: per rank, engine hash → `tokens_hash` path from the root. Two indexes with
+/// equal paths answer every `find_matches` identically.
+pub type OwnershipPaths =
+    BTreeMap<(InstanceId, DpRank), BTreeMap<ExternalBlockHash, Vec<LocalBlockHash>>>;
+
+type NodeIdx = u32;
+const ROOT: NodeIdx = 0;
+type Slot = u32;
+
+/// Keys here are hashes chosen by the fleet, so the table hasher is keyed by a caller-supplied
+/// seed (a folded 64×64→128 multiply, much cheaper than SipHash on these hot maps).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SeededBuild(u64);
+
+pub(crate) struct FoldHasher(u64);
+
+const FOLD_MUL: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn fold(a: u64, b: u64) -> u64 {
+    let p = u128::from(a) * u128::from(b);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+impl BuildHasher for SeededBuild {
+    type Hasher = FoldHasher;
+    fn build_hasher(&self) -> FoldHasher {
+        FoldHasher(self.0)
+    }
+}
+
+impl Hasher for FoldHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = fold(self.0 ^ x, FOLD_MUL);
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+    fn finish(&self) -> u64 {
+        fold(self.0, 0xD6E8_FEB8_6659_FD93)
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, SeededBuild>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Owner {
+    slot: Slot,
+    refs: u32,
+}
+
+/// A node's owners sorted by slot. Most nodes have exactly one owner, kept inline so creating
+/// and freeing a node costs no allocation.
+#[derive(Debug, Default)]
+enum Owners {
+    #[default]
+    None,
+    One(Owner),
+    Many(Vec<Owner>),
+}
+
+impl std::ops::Deref for Owners {
+    type Target = [Owner];
+    fn deref(&self) -> &[Owner] {
+        match self {
+            Owners::None => &[],
+            Owners::One(owner) => std::slice::from_ref(owner),
+            Owners::Many(owners) => owners,
+        }
+    }
+}
+
+impl Owners {
+    fn add(&mut self, slot: Slot) {
+        match self {
+            Owners::None => *self = Owners::One(Owner { slot, refs: 1 }),
+            Owners::One(owner) if owner.slot == slot => owner.refs += 1,
+            Owners::One(owner) => {
+                let new = Owner { slot, refs: 1 };
+                let pair = if owner.slot < slot {
+                    vec![*owner, new]
+                } else {
+                    vec![new, *owner]
+                };
+                *self = Owners::Many(pair);
+            }
+            Owners::Many(owners) => match owners.binary_search_by_key(&slot, |o| o.slot) {
+                Ok(i) => owners[i].refs += 1,
+                Err(i) => owners.insert(i, Owner { slot, refs: 1 }),
+            },
+        }
+    }
+
+    fn remove(&mut self, slot: Slot) {
+        match self {
+            Owners::None => {}
+            Owners::One(owner) => {
+                if owner.slot == slot {
+                    owner.refs -= 1;
+                    if owner.refs == 0 {
+                        *self = Owners::None;
+                    }
+                }
+            }
+            Owners::Many(owners) => {
+                if let Ok(i) = owners.binary_search_by_key(&slot, |o| o.slot) {
+                    owners[i].refs -= 1;
+                    if owners[i].refs == 0 {
+                        owners.remove(i);
+                    }
+                }
+                match owners.len() {
+                    0 => *self = Owners::None,
+                    1 => *self = Owners::One(owners[0]),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn heap_entries(&self) -> usize {
+        match self {
+            Owners::Many(owners) => owners.capacity(),
+            _ => 0,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Node {
+    tokens_hash: LocalBlockHash,
+    parent: NodeIdx,
+    children: u32,
+    /// Sorted by slot, so `find_matches` intersects by merging.
+    owners: Owners,
+}
+
+#[derive(Debug)]
+struct Tree {
+    nodes: Vec<Node>,
+    free: Vec<NodeIdx>,
+    live: usize,
+    edges: FastMap<(NodeIdx, LocalBlockHash), NodeIdx>,
+}
+
+impl Tree {
+    fn new(build: SeededBuild) -> Self {
+        Self {
+            nodes: vec![Node {
+                tokens_hash: LocalBlockHash(0),
+                parent: ROOT,
+                children: 0,
+                owners: Owners::None,
+            }],
+            free: Vec::new(),
+            live: 0,
+            edges: HashMap::with_hasher(build),
+        }
+    }
+
+    fn child(&self, parent: NodeIdx, hash: LocalBlockHash) -> Option<NodeIdx> {
+        self.edges.get(&(parent, hash)).copied()
+    }
+
+    fn create(&mut self, parent: NodeIdx, hash: LocalBlockHash) -> NodeIdx {
+        let node = Node {
+            tokens_hash: hash,
+            parent,
+            children: 0,
+            owners: Owners::None,
+        };
+        let idx = match self.free.pop() {
+            Some(idx) => {
+                self.nodes[idx as usize] = node;
+                idx
+            }
+            None => {
+                // The ceiling (≤ 2^20 nodes) keeps this far below u32::MAX.
+                let idx = self.nodes.len() as NodeIdx;
+                self.nodes.push(node);
+                idx
+            }
+        };
+        self.edges.insert((parent, hash), idx);
+        self.nodes[parent as usize].children += 1;
+        self.live += 1;
+        idx
+    }
+
+    fn has_owner(&self, node: NodeIdx, slot: Slot) -> bool {
+        self.nodes[node as usize]
+            .owners
+            .binary_search_by_key(&slot, |o| o.slot)
+            .is_ok()
+    }
+
+    fn add_owner(&mut self, node: NodeIdx, slot: Slot) {
+        self.nodes[node as usize].owners.add(slot);
+    }
+
+    fn remove_owner(&mut self, node: NodeIdx, slot: Slot) {
+        self.nodes[node as usize].owners.remove(slot);
+        self.prune(node);
+    }
+
+    /// Frees `node` and then its ancestors while they have neither owners nor children.
+    fn prune(&mut self, mut node: NodeIdx) {
+        while node != ROOT {
+            let n = &self.nodes[node as usize];
+            if n.children > 0 || !n.owners.is_empty() {
+                return;
+            }
+            let (parent, hash) = (n.parent, n.tokens_hash);
+            self.edges.remove(&(parent, hash));
+            self.free.push(node);
+            self.live -= 1;
+            self.nodes[parent as usize].children -= 1;
+            node = parent;
+        }
+    }
+
+    fn path(&self, mut node: NodeIdx) -> Vec<LocalBlockHash> {
+        let mut out = Vec::new();
+        while node != ROOT {
+            let n = &self.nodes[node as usize];
+            out.push(n.tokens_hash);
+            node = n.parent;
+        }
+        out.reverse();
+        out
+    }
+
+    fn depth(&self, mut node: NodeIdx) -> usize {
+        let mut d = 0;
+        while node != ROOT {
+            node = self.nodes[node as usize].parent;
+            d += 1;
+        }
+        d
+    }
+}
+
+#[derive(Debug)]
+struct RankState {
+    worker: InstanceId,
+    dp_rank: DpRank,
+    cursor: Option<u64>,
+    blocks: FastMap<ExternalBlockHash, NodeIdx>,
+}
+
+/// The device-tier KV index of one router. `Send`, single-writer; owned by the KV actor.
+#[derive(Debug)]
+pub struct KvIndex {
+    limits: KvIndexLimits,
+    build: SeededBuild,
+    tree: Tree,
+    ranks: Vec<Option<RankState>>,
+    free_slots: Vec<Slot>,
+    slot_of: FastMap<(InstanceId, DpRank), Slot>,
+    live: BTreeMap<InstanceId, BTreeSet<DpRank>>,
+    ownerships: usize,
+}
+
+/// Why a store stopped early.
+enum Refusal {
+    OverCapacity,
+}
+
+impl KvIndex {
+    /// An index with the compiled-in ceilings. `hash_seed` keys the internal hash tables; pass a
+    /// random value in production so fleet-chosen hashes cannot aim at collisions.
+    pub fn new(hash_seed: u64) -> Self {
+        Self::with_limits(KvIndexLimits::default(), hash_seed)
+    }
+
+    pub fn with_limits(limits: KvIndexLimits, hash_seed: u64) -> Self {
+        let build = SeededBuild(hash_seed);
+        Self {
+            limits: limits.clamped(),
+            build,
+            tree: Tree::new(build),
+            ranks: Vec::new(),
+            free_slots: Vec::new(),
+            slot_of: HashMap::with_hasher(build),
+            live: BTreeMap::new(),
+            ownerships: 0,
+        }
+    }
+
+    pub fn limits(&self) -> KvIndexLimits {
+        self.limits
+    }
+
+    /// Replaces the live identity gate: events are admitted only for these workers and the
+    /// dp_ranks their cards declare. Ranks no longer declared lose their blocks and cursors.
+    /// Returns how many ranks were dropped.
+    pub fn set_live_and_retain(&mut self, live: BTreeMap<InstanceId, BTreeSet<DpRank>>) -> usize {
+        let departed: Vec<(InstanceId, DpRank)> = self
+            .slot_of
+            .keys()
+            .filter(|(w, r)| !live.get(w).is_some_and(|ranks| ranks.contains(r)))
+            .copied()
+            .collect();
+        self.live = live;
+        for key in &departed {
+            self.drop_rank(*key);
+        }
+        departed.len()
+    }
+
+    /// Drops the blocks and cursors of these ranks (a subscription disconnected or pending too
+    /// long; the caller decides when). Returns the number of engine blocks dropped.
+    pub fn clear_ranks(&mut self, ranks: &[(InstanceId, DpRank)]) -> usize {
+        ranks.iter().map(|key| self.drop_rank(*key)).sum()
+    }
+
+    /// [`Self::clear_ranks`] for every rank of one worker.
+    pub fn clear_worker(&mut self, worker: InstanceId) -> usize {
+        let keys: Vec<_> = self
+            .slot_of
+            .keys()
+            .filter(|(w, _)| *w == worker)
+            .copied()
+            .collect();
+        self.clear_ranks(&keys)
+    }
+
+    /// Applies a decoded batch in order and counts each event's result.
+    pub fn apply_batch(&mut self, events: &[RouterEvent]) -> KvEventCounts {
+        let mut counts = KvEventCounts::default();
+        for event in events {
+            counts.add(self.apply(event));
+        }
+        counts
+    }
+
+    /// Applies one RouterEvent: identity gate, then the rank's cursor, then tier and domain,
+    /// then the operation.
+    pub fn apply(&mut self, event: &RouterEvent) -> KvEventResult {
+        let key = (event.worker_id, event.event.dp_rank);
+        if !self
+            .live
+            .get(&key.0)
+            .is_some_and(|ranks| ranks.contains(&key.1))
+        {
+            return KvEventResult::IdentityMismatch;
+        }
+        let slot = self.slot_for(key);
+        let id = event.event.event_id;
+        let rank = self.rank_mut(slot);
+        let gap = match rank.cursor {
+            Some(cursor) if id <= cursor => return KvEventResult::Replay,
+            Some(cursor) => id > cursor + 1,
+            None => false,
+        };
+        rank.cursor = Some(id);
+        if gap {
+            self.clear_slot(slot);
+        }
+        let result = match event.residency_domain {
+            Some(ResidencyDomain::Unknown) => KvEventResult::Malformed,
+            Some(ResidencyDomain::CacheOwner) => KvEventResult::CacheOwner,
+            None | Some(ResidencyDomain::Worker) if event.storage_tier != StorageTier::Device => {
+                KvEventResult::OtherTier
+            }
+            None | Some(ResidencyDomain::Worker) => match &event.event.data {
+                KvCacheEventData::Stored(store) => {
+                    self.store(slot, store.parent_hash, &store.blocks)
+                }
+                KvCacheEventData::Removed(remove) => {
+                    for hash in remove.block_hashes.iter() {
+                        self.remove_block(slot, *hash);
+                    }
+                    KvEventResult::Applied
+                }
+                KvCacheEventData::Cleared => {
+                    self.clear_slot(slot);
+                    KvEventResult::Applied
+                }
+            },
+        };
+        if gap { KvEventResult::Gap } else { result }
+    }
+
+    /// Per rank, the number of leading `hashes` it holds contiguously from the root. Ranks with
+    /// no overlap are omitted; the result is sorted by (worker, dp_rank).
+    pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> Vec<RankOverlap> {
+        let mut scores: Vec<(Slot, u32)> = Vec::new();
+        let mut active: Vec<Slot> = Vec::new();
+        let mut next: Vec<Slot> = Vec::new();
+        let mut node = ROOT;
+        let mut depth = 0u32;
+        for (i, hash) in hashes.iter().enumerate() {
+            let Some(child) = self.tree.child(node, *hash) else {
+                break;
+            };
+            let owners = &self.tree.nodes[child as usize].owners;
+            if i == 0 {
+                active.extend(owners.iter().map(|o| o.slot));
+            } else {
+                // Merge the sorted active set with the sorted owners; leavers score `depth`.
+                next.clear();
+                let mut o = owners.iter().peekable();
+                for slot in &active {
+                    while o.next_if(|x| x.slot < *slot).is_some() {}
+                    if o.next_if(|x| x.slot == *slot).is_some() {
+                        next.push(*slot);
+                    } else {
+                        scores.push((*slot, depth));
+                    }
+                }
+                std::mem::swap(&mut active, &mut next);
+            }
+            if active.is_empty() {
+                break;
+            }
+            depth += 1;
+            node = child;
+        }
+        scores.extend(active.iter().map(|s| (*s, depth)));
+        let mut out: Vec<RankOverlap> = scores
+            .into_iter()
+            .filter(|(_, blocks)| *blocks > 0)
+            .filter_map(|(slot, blocks)| {
+                self.ranks[slot as usize].as_ref().map(|r| RankOverlap {
+                    worker: r.worker,
+                    dp_rank: r.dp_rank,
+                    blocks,
+                })
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    pub fn stats(&self) -> KvIndexStats {
+        let owner_entries: usize = self
+            .tree
+            .nodes
+            .iter()
+            .map(|n| n.owners.heap_entries())
+            .sum();
+        let rank_entries: usize = self
+            .ranks
+            .iter()
+            .flatten()
+            .map(|r| r.blocks.capacity())
+            .sum();
+        let approx_bytes = self.tree.nodes.capacity() * std::mem::size_of::<Node>()
+            + owner_entries * std::mem::size_of::<Owner>()
+            + self.tree.edges.capacity()
+                * (std::mem::size_of::<((NodeIdx, LocalBlockHash), NodeIdx)>() + 1)
+            + rank_entries * (std::mem::size_of::<(ExternalBlockHash, NodeIdx)>() + 1)
+            + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>();
+        KvIndexStats {
+            nodes: self.tree.live,
+            ranks: self.slot_of.len(),
+            ownerships: self.ownerships,
+            approx_bytes,
+        }
+    }
+
+    /// The index's content as ownership paths (see [`OwnershipPaths`]); ranks without blocks
+    /// are omitted. For tests and debugging: it walks every block.
+    pub fn ownership_paths(&self) -> OwnershipPaths {
+        let mut out = OwnershipPaths::new();
+        for rank in self.ranks.iter().flatten() {
+            if rank.blocks.is_empty() {
+                continue;
+            }
+            let paths = rank
+                .blocks
+                .iter()
+                .map(|(hash, node)| (*hash, self.tree.path(*node)))
+                .collect();
+            out.insert((rank.worker, rank.dp_rank), paths);
+        }
+        out
+    }
+
+    /// RouterEvents that rebuild this index's blocks in an index with the same live set (event
+    /// ids are fresh per rank, starting at 0; cursors are not part of a dump). A rank that holds
+    /// a block without its parent gets its missing ancestors stored under synthetic engine
+    /// hashes, which a final `removed` event of that rank takes away again.
+    pub fn dump(&self) -> Vec<RouterEvent> {
+        let mut out = Vec::new();
+        let mut keys: Vec<(InstanceId, DpRank, Slot)> = self
+            .slot_of
+            .iter()
+            .map(|((w, r), s)| (*w, *r, *s))
+            .collect();
+        keys.sort_unstable();
+        for (_, _, slot) in keys {
+            if let Some(rank) = &self.ranks[slot as usize] {
+                self.dump_rank(rank, &mut out);
+            }
+        }
+        out
+    }
+
+    fn dump_rank(&self, rank: &RankState, out: &mut Vec<RouterEvent>) {
+        use super::events::{KvCacheEvent, KvCacheRemoveData, KvCacheStoreData};
+        if rank.blocks.is_empty() {
+            return;
+        }
+        // Node → the engine hashes naming it, nodes ordered by depth so parents come first.
+        let mut by_node: BTreeMap<NodeIdx, Vec<ExternalBlockHash>> = BTreeMap::new();
+        for (hash, node) in &rank.blocks {
+            by_node.entry(*node).or_default().push(*hash);
+        }
+        let mut order: Vec<(usize, NodeIdx)> =
+            by_node.keys().map(|n| (self.tree.depth(*n), *n)).collect();
+        order.sort_unstable();
+        for hashes in by_node.values_mut() {
+            hashes.sort_unstable();
+        }
+        let mut synthetic: BTreeMap<NodeIdx, ExternalBlockHash> = BTreeMap::new();
+        let mut next_synthetic = u64::MAX;
+        let mut event_id = 0u64;
+        let mut push = |data: KvCacheEventData, out: &mut Vec<RouterEvent>| {
+            out.push(RouterEvent {
+                worker_id: rank.worker,
+                storage_tier: StorageTier::Device,
+                residency_domain: Some(ResidencyDomain::Worker),
+                event: KvCacheEvent {
+                    event_id,
+                    data,
+                    dp_rank: rank.dp_rank,
+                },
+                session_id: None,
+            });
+            event_id += 1;
+        };
+        let block = |hash: ExternalBlockHash, node: NodeIdx| StoredBlock {
+            block_hash: hash,
+            tokens_hash: self.tree.nodes[node as usize].tokens_hash,
+            mm_extra_info: None,
+        };
+        for (_, node) in order {
+            let parent = self.tree.nodes[node as usize].parent;
+            // The engine hash this rank can name the parent by, synthesising missing ancestors.
+            let mut missing = Vec::new();
+            let mut anchor = parent;
+            let anchor_hash = loop {
+                if anchor == ROOT {
+                    break None;
+                }
+                if let Some(hashes) = by_node.get(&anchor) {
+                    break Some(hashes[0]);
+                }
+                if let Some(hash) = synthetic.get(&anchor) {
+                    break Some(*hash);
+                }
+                missing.push(anchor);
+                anchor = self.tree.nodes[anchor as usize].parent;
+            };
+            let mut parent_hash = anchor_hash;
+            if !missing.is_empty() {
+                missing.reverse();
+                let mut blocks = Vec::with_capacity(missing.len());
+                for m in &missing {
+                    while rank.blocks.contains_key(&ExternalBlockHash(next_synthetic)) {
+                        next_synthetic -= 1;
+                    }
+                    let hash = ExternalBlockHash(next_synthetic);
+                    next_synthetic -= 1;
+                    synthetic.insert(*m, hash);
+                    blocks.push(block(hash, *m));
+                }
+                push(
+                    KvCacheEventData::Stored(KvCacheStoreData {
+                        parent_hash,
+                        start_position: None,
+                        blocks: blocks.into(),
+                    }),
+                    out,
+                );
+                parent_hash = synthetic.get(&parent).copied();
+            }
+            for hash in &by_node[&node] {
+                push(
+                    KvCacheEventData::Stored(KvCacheStoreData {
+                        parent_hash,
+                        start_position: None,
+                        blocks: vec![block(*hash, node)].into(),
+                    }),
+                    out,
+                );
+            }
+        }
+        if !synthetic.is_empty() {
+            let mut hashes: Vec<ExternalBlockHash> = synthetic.into_values().collect();
+            hashes.sort_unstable();
+            push(
+                KvCacheEventData::Removed(KvCacheRemoveData {
+                    block_hashes: hashes.into(),
+                }),
+                out,
+            );
+        }
+    }
+
+    /// Structural invariants (for tests): edges, child counts, owner refcounts and the
+    /// ownership total all agree with the rank maps; no node is both ownerless and childless.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let free: BTreeSet<NodeIdx> = self.tree.free.iter().copied().collect();
+        let mut children = vec![0u32; self.tree.nodes.len()];
+        let mut live = 0;
+        for (i, node) in self.tree.nodes.iter().enumerate().skip(1) {
+            if free.contains(&(i as NodeIdx)) {
+                continue;
+            }
+            live += 1;
+            children[node.parent as usize] += 1;
+            if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx)) {
+                return Err(format!("node {i} is missing its edge"));
+            }
+            if node.children == 0 && node.owners.is_empty() {
+                return Err(format!("node {i} is neither owned nor a parent"));
+            }
+            if node.owners.len() > self.limits.max_owners_per_node {
+                return Err(format!("node {i} has {} owners", node.owners.len()));
+            }
+            if !node.owners.windows(2).all(|w| w[0].slot < w[1].slot) {
+                return Err(format!("node {i} owners are not sorted"));
+            }
+        }
+        if live != self.tree.live || self.tree.edges.len() != live {
+            return Err(format!(
+                "live {} / counted {live} / edges {}",
+                self.tree.live,
+                self.tree.edges.len()
+            ));
+        }
+        for (i, node) in self.tree.nodes.iter().enumerate() {
+            if !free.contains(&(i as NodeIdx)) && node.children != children[i] {
+                return Err(format!("node {i} child count {}", node.children));
+            }
+        }
+        let mut refs: BTreeMap<(NodeIdx, Slot), u32> = BTreeMap::new();
+        let mut total = 0;
+        for (slot, rank) in self.ranks.iter().enumerate() {
+            let Some(rank) = rank else { continue };
+            if self.slot_of.get(&(rank.worker, rank.dp_rank)) != Some(&(slot as Slot)) {
+                return Err(format!("slot {slot} is not registered"));
+            }
+            total += rank.blocks.len();
+            for node in rank.blocks.values() {
+                if free.contains(node) || *node == ROOT {
+                    return Err(format!("slot {slot} maps to dead node {node}"));
+                }
+                *refs.entry((*node, slot as Slot)).or_default() += 1;
+            }
+        }
+        if total != self.ownerships {
+            return Err(format!("ownerships {} != {total}", self.ownerships));
+        }
+        let mut seen = 0;
+        for (i, node) in self.tree.nodes.iter().enumerate() {
+            if free.contains(&(i as NodeIdx)) {
+                continue;
+            }
+            for owner in node.owners.iter() {
+                seen += 1;
+                if refs.get(&(i as NodeIdx, owner.slot)) != Some(&owner.refs) {
+                    return Err(format!("node {i} slot {} refs {}", owner.slot, owner.refs));
+                }
+            }
+        }
+        if seen != refs.len() {
+            return Err(format!("owner entries {seen} != {}", refs.len()));
+        }
+        Ok(())
+    }
+
+    fn rank_mut(&mut self, slot: Slot) -> &mut RankState {
+        self.ranks[slot as usize]
+            .as_mut()
+            .expect("slot_of only names occupied slots")
+    }
+
+    fn slot_for(&mut self, key: (InstanceId, DpRank)) -> Slot {
+        if let Some(slot) = self.slot_of.get(&key) {
+            return *slot;
+        }
+        let state = RankState {
+            worker: key.0,
+            dp_rank: key.1,
+            cursor: None,
+            blocks: HashMap::with_hasher(self.build),
+        };
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.ranks[slot as usize] = Some(state);
+                slot
+            }
+            None => {
+                // Ranks are bounded by the live set the registry declares.
+                self.ranks.push(Some(state));
+                (self.ranks.len() - 1) as Slot
+            }
+        };
+        self.slot_of.insert(key, slot);
+        slot
+    }
+
+    fn drop_rank(&mut self, key: (InstanceId, DpRank)) -> usize {
+        let Some(slot) = self.slot_of.remove(&key) else {
+            return 0;
+        };
+        let dropped = self.clear_slot(slot);
+        self.ranks[slot as usize] = None;
+        self.free_slots.push(slot);
+        dropped
+    }
+
+    fn clear_slot(&mut self, slot: Slot) -> usize {
+        let empty = HashMap::with_hasher(self.build);
+        let blocks = std::mem::replace(&mut self.rank_mut(slot).blocks, empty);
+        let dropped = blocks.len();
+        self.ownerships -= dropped;
+        for node in blocks.into_values() {
+            self.tree.remove_owner(node, slot);
+        }
+        dropped
+    }
+
+    fn remove_block(&mut self, slot: Slot, hash: ExternalBlockHash) {
+        if let Some(node) = self.rank_mut(slot).blocks.remove(&hash) {
+            self.ownerships -= 1;
+            self.tree.remove_owner(node, slot);
+        }
+    }
+
+    fn store(
+        &mut self,
+        slot: Slot,
+        parent_hash: Option<ExternalBlockHash>,
+        blocks: &[StoredBlock],
+    ) -> KvEventResult {
+        if parent_hash.is_some_and(|p| blocks.iter().any(|b| b.block_hash == p)) {
+            return KvEventResult::Malformed;
+        }
+        let mut parent = match parent_hash {
+            None => ROOT,
+            Some(hash) => match self.rank_mut(slot).blocks.get(&hash) {
+                Some(node) => *node,
+                None => return KvEventResult::Orphan,
+            },
+        };
+        for block in blocks {
+            match self.attach(slot, parent, block) {
+                Ok(node) => parent = node,
+                Err(Refusal::OverCapacity) => return KvEventResult::OverCapacity,
+            }
+        }
+        KvEventResult::Applied
+    }
+
+    fn attach(
+        &mut self,
+        slot: Slot,
+        parent: NodeIdx,
+        block: &StoredBlock,
+    ) -> Result<NodeIdx, Refusal> {
+        let existing = self.rank_mut(slot).blocks.get(&block.block_hash).copied();
+        let child = self.tree.child(parent, block.tokens_hash);
+        if let (Some(old), Some(new)) = (existing, child)
+            && old == new
+        {
+            // Idempotent re-store of a block the rank already holds here.
+            return Ok(old);
+        }
+        if existing.is_none() {
+            let rank_blocks = self.rank_mut(slot).blocks.len();
+            if rank_blocks >= self.limits.max_blocks_per_rank
+                || self.ownerships >= self.limits.max_index_ownerships
+            {
+                return Err(Refusal::OverCapacity);
+            }
+        }
+        let node = match child {
+            Some(node) => {
+                if !self.tree.has_owner(node, slot)
+                    && self.tree.nodes[node as usize].owners.len()
+                        >= self.limits.max_owners_per_node
+                {
+                    return Err(Refusal::OverCapacity);
+                }
+                node
+            }
+            None => {
+                if self.tree.live >= self.limits.max_index_blocks {
+                    return Err(Refusal::OverCapacity);
+                }
+                self.tree.create(parent, block.tokens_hash)
+            }
+        };
+        self.tree.add_owner(node, slot);
+        self.rank_mut(slot).blocks.insert(block.block_hash, node);
+        match existing {
+            // The engine reused a hash for another block: move this rank's claim.
+            Some(old) => self.tree.remove_owner(old, slot),
+            None => self.ownerships += 1,
+        }
+        Ok(node)
+    }
+}
+
+#[cfg(test)]
+mod tests;
