@@ -33,7 +33,8 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 pub use config::{
-    EtcdAuth, EtcdConfigError, EtcdConfigWarning, EtcdSourceConfig, EtcdTls, MAX_ENDPOINTS,
+    EtcdAuth, EtcdConfigError, EtcdConfigWarning, EtcdRestartReason, EtcdSourceConfig, EtcdTls,
+    MAX_ENDPOINTS,
 };
 pub use keys::{WatchedPrefix, encode_segment, watched_prefixes};
 pub use pass::SEED_TIMEOUT;
@@ -54,6 +55,8 @@ pub enum EtcdSourceError {
     Connect(etcd_client::Error),
     #[error("connecting and seeding took longer than {0:?}")]
     SeedTimeout(Duration),
+    #[error("opening the watches took longer than {0:?}")]
+    WatchOpenTimeout(Duration),
     #[error("range get of the {prefix} prefix failed: {source}")]
     Range {
         prefix: &'static str,
@@ -243,10 +246,10 @@ mod tests {
             move || {
                 recorded.lock().unwrap().push(origin.elapsed());
                 let step = script.next();
-                if step.is_none() {
-                    if let Some(stop) = stop_tx.take() {
-                        let _ = stop.send(());
-                    }
+                if step.is_none()
+                    && let Some(stop) = stop_tx.take()
+                {
+                    let _ = stop.send(());
                 }
                 async move {
                     let Some((runs, watched)) = step else {
@@ -263,8 +266,7 @@ mod tests {
             },
         )
         .await;
-        let got = starts.lock().unwrap().clone();
-        got
+        starts.lock().unwrap().clone()
     }
 
     #[tokio::test(start_paused = true)]

@@ -94,13 +94,13 @@ pub async fn run_pass(
 
     let opened = tokio::time::timeout(
         SEED_TIMEOUT,
-        open_watches(&mut watch, prefixes, revision + 1),
+        open_watches(&mut watch, prefixes, revision.saturating_add(1)),
     )
     .await;
     let mut merged = match opened {
         Ok(Ok(merged)) => merged,
         Ok(Err(error)) => return PassOutcome::early(error),
-        Err(_) => return PassOutcome::early(EtcdSourceError::SeedTimeout(SEED_TIMEOUT)),
+        Err(_) => return PassOutcome::early(EtcdSourceError::WatchOpenTimeout(SEED_TIMEOUT)),
     };
 
     let started = Instant::now();
@@ -123,7 +123,7 @@ pub async fn run_pass(
             // practice but still a clean end.
             break EtcdSourceError::WatchClosed { prefix: "all" };
         };
-        let kind = prefixes[index].kind;
+        let kind = prefixes.get(index).map_or("unknown", |p| p.kind);
         let response = match item {
             Some(Ok(response)) => response,
             Some(Err(source)) => {
@@ -302,9 +302,7 @@ async fn open_watches(
             .ok_or(EtcdSourceError::WatchClosed {
                 prefix: prefix.kind,
             })?;
-        if let Err(end) = fold_response(prefix.kind, &first) {
-            return Err(end);
-        }
+        fold_response(prefix.kind, &first)?;
         debug!(
             prefix = %prefix.prefix,
             watch_id = first.watch_id(),
