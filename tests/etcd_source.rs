@@ -105,14 +105,31 @@ async fn write_like_dynamo(client: &mut Client, kvs: &[CapturedKv]) {
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
 
+/// Keeps the capture installed; prints it when the test fails.
+struct LogGuard {
+    logs: Logs,
+    _default: tracing::subscriber::DefaultGuard,
+}
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("captured logs:\n{}", self.logs.text());
+        }
+    }
+}
+
 impl Logs {
-    fn install(&self) -> tracing::subscriber::DefaultGuard {
+    fn install(&self) -> LogGuard {
         let subscriber = tracing_subscriber::fmt()
             .with_max_level(tracing::Level::DEBUG)
             .with_ansi(false)
             .with_writer(self.clone())
             .finish();
-        tracing::subscriber::set_default(subscriber)
+        LogGuard {
+            logs: self.clone(),
+            _default: tracing::subscriber::set_default(subscriber),
+        }
     }
 
     fn text(&self) -> String {
@@ -494,4 +511,42 @@ async fn discovery_works_over_mutual_tls() {
         }
     );
     source.stop().await;
+}
+
+#[tokio::test]
+async fn a_dead_endpoint_beside_a_live_one_does_not_stop_discovery() {
+    let logs = Logs::default();
+    let _guard = logs.install();
+    let server = EtcdServer::start().await;
+    let mut admin = server.client().await;
+    admin
+        .put(format!("v1/instances/{NS}/b/generate/1"), "{}", None)
+        .await
+        .unwrap();
+    // A loopback port nobody listens on: connections are refused at once.
+    let dead = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", listener.local_addr().unwrap())
+    };
+    let mut cfg = config(&server);
+    cfg.endpoints = vec![dead, server.endpoint()];
+    let (tx, mut rx) = mpsc::channel(64);
+    let source = EtcdSource::spawn(cfg, tx).unwrap();
+    assert_eq!(resync(&mut rx).await.len(), 1);
+    tokio::time::timeout(EVENT_TIMEOUT, source.connected().wait_for(|c| *c))
+        .await
+        .expect("watches open")
+        .unwrap();
+    for i in 0..20 {
+        admin
+            .put(format!("v1/mdc/{NS}/b/generate/{i}"), "{}", None)
+            .await
+            .unwrap();
+        assert!(matches!(next(&mut rx).await, SourceEvent::Apply { .. }));
+    }
+    source.stop().await;
+    // The dead member was tried first and skipped within the same pass.
+    let text = logs.text();
+    assert!(text.contains("trying the next one"), "logs: {text}");
+    assert!(!text.contains("pass ended"), "logs: {text}");
 }

@@ -5,8 +5,10 @@
 //! reads `v1/instances/<ns>/`, `v1/mdc/<ns>/` and `v1/event_channels/namespace/<ns>/` (the last
 //! with the namespace percent-encoded, as Dynamo writes event-plane keys) at one revision R,
 //! emits `Init`, one `InitApply` per record and `InitDone`, then watches every prefix from
-//! R + 1 and emits `Apply` / `Delete` in order. A pass ends on a dropped connection, a closed or cancelled watch, or a compacted start
-//! revision; the next pass starts from scratch after a backoff (no jitter) that doubles on
+//! R + 1 and emits `Apply` / `Delete` in order. A pass talks to one endpoint: the first of the
+//! list, starting after the member the previous pass ended on, that completes the seed. A pass
+//! ends on a dropped connection, a closed or cancelled watch, or a compacted start revision;
+//! the next pass starts from scratch after a backoff (no jitter) that doubles on
 //! repeated failures and returns to its floor only after every watch stayed open for at least
 //! `backoff.max` (`Backoff::session_ended`).
 //!
@@ -24,6 +26,7 @@ mod pass;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::pin;
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use continuum_protocol::backoff::{Backoff, BackoffPolicy, Jitter};
@@ -33,7 +36,8 @@ use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 pub use config::{
-    EtcdAuth, EtcdConfigError, EtcdConfigWarning, EtcdSourceConfig, EtcdTls, MAX_ENDPOINTS,
+    EtcdAuth, EtcdConfigError, EtcdConfigWarning, EtcdRestartReason, EtcdSourceConfig, EtcdTls,
+    MAX_ENDPOINTS,
 };
 pub use keys::{WatchedPrefix, encode_segment, watched_prefixes};
 pub use pass::SEED_TIMEOUT;
@@ -54,6 +58,8 @@ pub enum EtcdSourceError {
     Connect(etcd_client::Error),
     #[error("connecting and seeding took longer than {0:?}")]
     SeedTimeout(Duration),
+    #[error("opening the watches took longer than {0:?}")]
+    WatchOpenTimeout(Duration),
     #[error("range get of the {prefix} prefix failed: {source}")]
     Range {
         prefix: &'static str,
@@ -100,8 +106,10 @@ where
     }
     let endpoints = cfg.normalized_endpoints()?;
     let prefixes = watched_prefixes(&cfg.namespace);
+    // Which endpoint the next pass tries first.
+    let cursor = AtomicUsize::new(0);
     drive(cfg.backoff, shutdown, &connected, || {
-        pass::run_pass(&cfg, &endpoints, &prefixes, &events, &connected)
+        pass::run_pass(&cfg, &endpoints, &prefixes, &cursor, &events, &connected)
     })
     .await;
     Ok(())
@@ -243,10 +251,10 @@ mod tests {
             move || {
                 recorded.lock().unwrap().push(origin.elapsed());
                 let step = script.next();
-                if step.is_none() {
-                    if let Some(stop) = stop_tx.take() {
-                        let _ = stop.send(());
-                    }
+                if step.is_none()
+                    && let Some(stop) = stop_tx.take()
+                {
+                    let _ = stop.send(());
                 }
                 async move {
                     let Some((runs, watched)) = step else {
@@ -263,8 +271,7 @@ mod tests {
             },
         )
         .await;
-        let got = starts.lock().unwrap().clone();
-        got
+        starts.lock().unwrap().clone()
     }
 
     #[tokio::test(start_paused = true)]

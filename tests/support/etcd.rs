@@ -231,12 +231,10 @@ fn copy_log(
         }
         // etcd 3.4's zap logger: "serving client traffic (in)securely"; capnslog and older
         // releases: "ready to serve client requests". Both follow joining the cluster.
-        if line.contains("serving client traffic")
-            || line.contains("ready to serve client requests")
-        {
-            if let Some(ready) = ready.take() {
-                let _ = ready.send(());
-            }
+        let ready_line = line.contains("serving client traffic")
+            || line.contains("ready to serve client requests");
+        if ready_line && let Some(ready) = ready.take() {
+            let _ = ready.send(());
         }
     }
 }

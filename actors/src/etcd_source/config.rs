@@ -90,6 +90,21 @@ impl EtcdSourceConfig {
         Ok(warnings)
     }
 
+    /// Why replacing a source running with `self` by one with `new` is needed, if it is
+    /// (seed "Reload class"). Only `Backoff` lets the caller keep the current snapshot readable
+    /// until the replacement's first resync completes.
+    pub fn restart_reason(&self, new: &EtcdSourceConfig) -> Option<EtcdRestartReason> {
+        if self.namespace != new.namespace {
+            Some(EtcdRestartReason::Namespace)
+        } else if self.endpoints != new.endpoints || self.tls != new.tls || self.auth != new.auth {
+            Some(EtcdRestartReason::Connection)
+        } else if self.backoff != new.backoff {
+            Some(EtcdRestartReason::Backoff)
+        } else {
+            None
+        }
+    }
+
     /// The endpoints as URLs: bare `host:port` gains `http://`; anything else the seed forbids
     /// (credentials, paths, queries, fragments, other schemes) is refused.
     pub fn normalized_endpoints(&self) -> Result<Vec<String>, EtcdConfigError> {
@@ -103,6 +118,24 @@ impl EtcdSourceConfig {
             .iter()
             .map(|e| normalize_endpoint(e))
             .collect()
+    }
+}
+
+/// Which setting forced a source replacement; its label is the `reason` the daemon logs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EtcdRestartReason {
+    Namespace,
+    Connection,
+    Backoff,
+}
+
+impl EtcdRestartReason {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Namespace => "namespace",
+            Self::Connection => "connection",
+            Self::Backoff => "backoff",
+        }
     }
 }
 
@@ -342,6 +375,26 @@ mod tests {
         c.tls = Some(tls());
         c.auth = Some(auth);
         assert_eq!(c.validate(), Ok(vec![]));
+    }
+
+    #[test]
+    fn restart_reasons_follow_the_reload_class() {
+        let old = cfg(&["a:1"]);
+        assert_eq!(old.restart_reason(&old.clone()), None);
+        let mut new = old.clone();
+        new.backoff.max = Duration::from_secs(60);
+        assert_eq!(old.restart_reason(&new), Some(EtcdRestartReason::Backoff));
+        new.auth = Some(EtcdAuth {
+            username: "u".into(),
+            password: "p".into(),
+        });
+        assert_eq!(
+            old.restart_reason(&new),
+            Some(EtcdRestartReason::Connection)
+        );
+        new.namespace = Namespace::new("other");
+        assert_eq!(old.restart_reason(&new), Some(EtcdRestartReason::Namespace));
+        assert_eq!(EtcdRestartReason::Connection.label(), "connection");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! (`WatchClient::watch`). The pass keeps the `Client` only to hold the channel open.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use continuum_protocol::discovery::SourceEvent;
@@ -23,6 +24,9 @@ use super::keys::WatchedPrefix;
 /// Dial, optional Authenticate and the range gets share this bound; so does opening the watches.
 /// The watch streams themselves are unbounded.
 pub const SEED_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Per-endpoint TCP (and TLS) dial bound, so a blackholed member leaves time for the next.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Keys per range-get page. Pages keep each response well under the decoding limit.
 const PAGE_SIZE: i64 = 512;
@@ -59,6 +63,7 @@ impl PassOutcome {
 struct Seed {
     /// Held so the balanced channel's endpoint set stays alive while the watches run.
     _client: Client,
+    endpoint: String,
     watch: WatchClient,
     revision: i64,
     records: Vec<(String, Vec<u8>)>,
@@ -70,16 +75,33 @@ pub async fn run_pass(
     cfg: &EtcdSourceConfig,
     endpoints: &[String],
     prefixes: &[WatchedPrefix],
+    cursor: &AtomicUsize,
     events: &mpsc::Sender<SourceEvent>,
     connected: &watch::Sender<bool>,
 ) -> PassOutcome {
-    let seed = match tokio::time::timeout(SEED_TIMEOUT, seed(cfg, endpoints, prefixes)).await {
+    let seeded = tokio::time::timeout(SEED_TIMEOUT, seed(cfg, endpoints, cursor, prefixes)).await;
+    let seed = match seeded {
         Ok(Ok(seed)) => seed,
         Ok(Err(error)) => return PassOutcome::early(error),
         Err(_) => return PassOutcome::early(EtcdSourceError::SeedTimeout(SEED_TIMEOUT)),
     };
+    let outcome = watch_phase(cfg, seed, prefixes, events, connected).await;
+    // The member may be what failed: the next pass starts with the next one.
+    cursor.fetch_add(1, Ordering::Relaxed);
+    outcome
+}
+
+/// Hands the snapshot over, opens the watches and folds them until the pass ends.
+async fn watch_phase(
+    cfg: &EtcdSourceConfig,
+    seed: Seed,
+    prefixes: &[WatchedPrefix],
+    events: &mpsc::Sender<SourceEvent>,
+    connected: &watch::Sender<bool>,
+) -> PassOutcome {
     let Seed {
         _client,
+        endpoint,
         mut watch,
         revision,
         records,
@@ -94,13 +116,13 @@ pub async fn run_pass(
 
     let opened = tokio::time::timeout(
         SEED_TIMEOUT,
-        open_watches(&mut watch, prefixes, revision + 1),
+        open_watches(&mut watch, prefixes, revision.saturating_add(1)),
     )
     .await;
     let mut merged = match opened {
         Ok(Ok(merged)) => merged,
         Ok(Err(error)) => return PassOutcome::early(error),
-        Err(_) => return PassOutcome::early(EtcdSourceError::SeedTimeout(SEED_TIMEOUT)),
+        Err(_) => return PassOutcome::early(EtcdSourceError::WatchOpenTimeout(SEED_TIMEOUT)),
     };
 
     let started = Instant::now();
@@ -108,7 +130,7 @@ pub async fn run_pass(
     info!(
         revision,
         records = record_count,
-        endpoints = ?endpoints,
+        endpoint = %endpoint,
         namespace = %cfg.namespace,
         "Connected to etcd, seeded discovery and opened the watches."
     );
@@ -123,7 +145,7 @@ pub async fn run_pass(
             // practice but still a clean end.
             break EtcdSourceError::WatchClosed { prefix: "all" };
         };
-        let kind = prefixes[index].kind;
+        let kind = prefixes.get(index).map_or("unknown", |p| p.kind);
         let response = match item {
             Some(Ok(response)) => response,
             Some(Err(source)) => {
@@ -149,23 +171,61 @@ pub async fn run_pass(
     }
 }
 
+/// Seeds from the first endpoint that works, starting at `cursor`, which then points at it.
+///
+/// One endpoint per pass: etcd-client balances every RPC over all its endpoints, so one dead
+/// member would fail a share of the range gets and watches of every pass. Trying members in
+/// turn fails over at once instead.
 async fn seed(
     cfg: &EtcdSourceConfig,
     endpoints: &[String],
+    cursor: &AtomicUsize,
     prefixes: &[WatchedPrefix],
 ) -> Result<Seed, EtcdSourceError> {
+    let options = connect_options(cfg).await?;
+    let start = cursor.load(Ordering::Relaxed);
+    let mut last_error =
+        EtcdSourceError::Connect(etcd_client::Error::InvalidArgs("no endpoints".to_owned()));
+    for attempt in 0..endpoints.len() {
+        let index = (start + attempt) % endpoints.len();
+        let endpoint = &endpoints[index];
+        match seed_from(endpoint, options.clone(), prefixes).await {
+            Ok(seed) => {
+                cursor.store(index, Ordering::Relaxed);
+                return Ok(seed);
+            }
+            Err(error) => {
+                if endpoints.len() > 1 {
+                    warn!(%error, endpoint = %endpoint, "etcd endpoint failed; trying the next one.");
+                }
+                last_error = error;
+            }
+        }
+    }
+    Err(last_error)
+}
+
+async fn connect_options(cfg: &EtcdSourceConfig) -> Result<ConnectOptions, EtcdSourceError> {
     let mut options = ConnectOptions::new()
         .with_keep_alive(KEEP_ALIVE_INTERVAL, KEEP_ALIVE_TIMEOUT)
-        .with_connect_timeout(SEED_TIMEOUT);
+        .with_connect_timeout(CONNECT_TIMEOUT);
     if let Some(EtcdAuth { username, password }) = &cfg.auth {
         options = options.with_user(username.clone(), password.clone());
     }
     if let Some(tls) = &cfg.tls {
         options = options.with_tls(tls_options(tls).await?);
     }
+    Ok(options)
+}
+
+async fn seed_from(
+    endpoint: &str,
+    options: ConnectOptions,
+    prefixes: &[WatchedPrefix],
+) -> Result<Seed, EtcdSourceError> {
     // With credentials this runs the Authenticate RPC; otherwise the dial is lazy and the
     // first range get below makes it.
-    let client = Client::connect(endpoints, Some(options))
+    let client = Client::connect([endpoint], Some(options))
         .await
         .map_err(EtcdSourceError::Connect)?;
     let mut kv = client
@@ -186,6 +246,7 @@ async fn seed(
     let revision = revision.ok_or(EtcdSourceError::MissingHeader)?;
     Ok(Seed {
         _client: client,
+        endpoint: endpoint.to_owned(),
         watch,
         revision,
         records,
@@ -302,9 +363,7 @@ async fn open_watches(
             .ok_or(EtcdSourceError::WatchClosed {
                 prefix: prefix.kind,
             })?;
-        if let Err(end) = fold_response(prefix.kind, &first) {
-            return Err(end);
-        }
+        fold_response(prefix.kind, &first)?;
         debug!(
             prefix = %prefix.prefix,
             watch_id = first.watch_id(),
