@@ -331,7 +331,7 @@ fn required_sources(config: &Config) -> Vec<String> {
         .discovery
         .namespaces()
         .iter()
-        .map(|ns| source_name(ns))
+        .map(source_name)
         .collect()
 }
 
