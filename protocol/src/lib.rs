@@ -10,8 +10,10 @@
 //! | [`time`] | caller-supplied monotonic ticks and wall-clock timestamps |
 //! | [`backoff`] | reconnect backoff and supervisor restart budgets |
 //! | [`discovery`] | the discovery event vocabulary shared by every source |
+//! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
 
 pub mod backoff;
 pub mod discovery;
 pub mod ids;
+pub mod picker;
 pub mod time;
