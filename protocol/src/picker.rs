@@ -196,6 +196,31 @@ pub enum SampleState {
 }
 
 impl SampleState {
+    /// Classifies the last sample held for a rank: fresh while it is within `max_staleness`,
+    /// else stale, remembering whether it reported any backlog (a nonzero field). A worker that
+    /// goes idle publishes zeros and falls silent, so a stale all-zero sample reads as quiet.
+    pub fn from_last(
+        fresh: bool,
+        active_decode_blocks: Option<u64>,
+        active_prefill_tokens: Option<u64>,
+        kv_used_blocks: Option<u64>,
+    ) -> Self {
+        if fresh {
+            SampleState::Fresh {
+                active_decode_blocks,
+                active_prefill_tokens,
+                kv_used_blocks,
+            }
+        } else {
+            let busy = |field: Option<u64>| field.is_some_and(|v| v > 0);
+            SampleState::Stale {
+                last_had_backlog: busy(active_decode_blocks)
+                    || busy(active_prefill_tokens)
+                    || busy(kv_used_blocks),
+            }
+        }
+    }
+
     /// The backlog a fresh sample carries for `phase`: prefill tokens, or decode blocks with
     /// `kv_used_blocks` standing in for a nil `active_decode_blocks` (live 1.4.2 dynamo.vllm).
     pub fn fresh_backlog(&self, phase: Phase) -> Option<u64> {

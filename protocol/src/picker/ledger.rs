@@ -31,6 +31,15 @@ pub const STALL_MIN_BLOCKS: u64 = 2;
 /// Dispatches held at most; the oldest are forgotten first.
 pub const MAX_LEDGER_DISPATCHES: usize = 65_536;
 
+/// Slots of the counting filter that lets a pick skip the map lookup for the (usually many)
+/// ranks without an unanswered dispatch.
+const FILTER_SLOTS: usize = 1024;
+
+fn filter_slot(instance: InstanceId) -> usize {
+    // The top bits of a Fibonacci hash: < FILTER_SLOTS by construction.
+    (instance.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - FILTER_SLOTS.trailing_zeros())) as usize
+}
+
 /// One pinned request, as the ledger knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DispatchId(pub u64);
@@ -116,6 +125,9 @@ pub struct DispatchLedger {
     /// Dispatch order (ids increase), including dispatches already answered by a sample.
     order: VecDeque<Dispatched>,
     next_id: u64,
+    /// Pending legs per instance-id slot (empty until the first dispatch): zero means no rank of
+    /// any instance in that slot has one.
+    filter: Vec<u32>,
 }
 
 impl DispatchLedger {
@@ -158,6 +170,11 @@ impl DispatchLedger {
                 .entry(leg.worker.instance_id)
                 .or_default()
                 .push_back(pending);
+            if self.filter.is_empty() {
+                self.filter = vec![0; FILTER_SLOTS];
+            }
+            let slot = &mut self.filter[filter_slot(leg.worker.instance_id)];
+            *slot = slot.saturating_add(1);
             workers.push(leg.worker.clone());
         }
         self.order.push_back(Dispatched {
@@ -216,6 +233,7 @@ impl DispatchLedger {
             // Pendings are in dispatch order, so the answered ones are a prefix.
             while pendings.front().is_some_and(|p| p.at < at) {
                 pendings.pop_front();
+                unfilter(&mut self.filter, worker.instance_id);
             }
             if pendings.is_empty() {
                 ns.workers.remove(&worker.instance_id);
@@ -251,7 +269,10 @@ impl DispatchLedger {
         self.namespaces
             .iter()
             .find(|ns| &ns.namespace == namespace)
-            .map(|ns| NamespaceBacklog { workers: &ns.workers })
+            .map(|ns| NamespaceBacklog {
+                workers: &ns.workers,
+                filter: &self.filter,
+            })
     }
 
     fn namespace_mut(&mut self, namespace: &Namespace) -> &mut NamespaceLedger {
@@ -285,10 +306,14 @@ impl DispatchLedger {
             let ns = &mut self.namespaces[ns_pos];
             if let Some(pendings) = ns.workers.get_mut(&worker.instance_id) {
                 // Expiry and the size bound forget the oldest dispatch, which sits at the front.
-                if pendings.front().is_some_and(|p| p.id == dispatched.id) {
-                    pendings.pop_front();
-                } else if let Some(pos) = pendings.iter().position(|p| p.id == dispatched.id) {
+                let pos = if pendings.front().is_some_and(|p| p.id == dispatched.id) {
+                    Some(0)
+                } else {
+                    pendings.iter().position(|p| p.id == dispatched.id)
+                };
+                if let Some(pos) = pos {
                     pendings.remove(pos);
+                    unfilter(&mut self.filter, worker.instance_id);
                 }
                 if pendings.is_empty() {
                     ns.workers.remove(&worker.instance_id);
@@ -301,10 +326,17 @@ impl DispatchLedger {
     }
 }
 
+fn unfilter(filter: &mut [u32], instance: InstanceId) {
+    if let Some(slot) = filter.get_mut(filter_slot(instance)) {
+        *slot = slot.saturating_sub(1);
+    }
+}
+
 /// The ledger of one namespace, borrowed for one pick.
 #[derive(Clone, Copy)]
 pub struct NamespaceBacklog<'a> {
     workers: &'a IdMap<VecDeque<Pending>>,
+    filter: &'a [u32],
 }
 
 impl std::fmt::Debug for NamespaceBacklog<'_> {
@@ -320,6 +352,9 @@ impl NamespaceBacklog<'_> {
     /// [`DISPATCH_MAX_AGE`] count for nothing even before [`DispatchLedger::expire`] drops them.
     pub fn backlog(&self, instance: InstanceId, rank: DpRank, now: Tick) -> RankBacklog {
         let mut out = RankBacklog::default();
+        if self.filter.get(filter_slot(instance)).is_none_or(|&n| n == 0) {
+            return out;
+        }
         let Some(pendings) = self.workers.get(&instance) else {
             return out;
         };
@@ -444,6 +479,25 @@ mod tests {
     }
 
     #[test]
+    fn the_lookup_filter_empties_with_the_ledger() {
+        let (a, b) = (key("ns", 1), key("other", 2));
+        let mut ledger = DispatchLedger::new();
+        let first = ledger.record_dispatch(&[leg(a.clone(), 2, false), leg(b.clone(), 2, true)], s(0));
+        let second = ledger.record_dispatch(&[leg(a.clone(), 3, false)], s(1));
+        ledger.record_dispatch(&[leg(b.clone(), 4, false)], s(2));
+        assert!(ledger.filter.iter().any(|&n| n > 0));
+        ledger.withdraw(second);
+        ledger.request_ended(first);
+        ledger.sample_arrived(&a, s(5));
+        assert_eq!(ledger.backlog(&b, DpRank(0), s(5)).decode_blocks, 6);
+        ledger.expire(s(31));
+        assert_eq!(ledger.backlog(&b, DpRank(0), s(31)).decode_blocks, 4);
+        ledger.sample_arrived(&b, s(32));
+        assert!(ledger.is_empty());
+        assert!(ledger.filter.iter().all(|&n| n == 0));
+    }
+
+    #[test]
     fn the_ledger_is_bounded() {
         let w = key("ns", 1);
         let mut ledger = DispatchLedger::new();
@@ -455,5 +509,103 @@ mod tests {
             ledger.backlog(&w, DpRank(0), s(0)).decode_blocks,
             MAX_LEDGER_DISPATCHES as u64
         );
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Record { worker: usize, rank: u32, blocks: u64, exempt: bool, advance_ms: u64 },
+        Sample { worker: usize, advance_ms: u64 },
+        End { nth: usize },
+        Withdraw { nth: usize },
+    }
+
+    fn arb_op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0usize..4, 0u32..2, 0u64..4, any::<bool>(), 0u64..9000).prop_map(
+                |(worker, rank, blocks, exempt, advance_ms)| Op::Record {
+                    worker, rank, blocks, exempt, advance_ms
+                }
+            ),
+            2 => (0usize..4, 0u64..9000).prop_map(|(worker, advance_ms)| Op::Sample { worker, advance_ms }),
+            1 => (0usize..16).prop_map(|nth| Op::End { nth }),
+            1 => (0usize..16).prop_map(|nth| Op::Withdraw { nth }),
+        ]
+    }
+
+    /// The naive reference: every leg in a list, answered legs removed, age checked on read.
+    struct Naive {
+        legs: Vec<(DispatchId, WorkerKey, DpRank, Tick, u64, bool)>,
+    }
+
+    impl Naive {
+        fn backlog(&self, worker: &WorkerKey, rank: DpRank, now: Tick) -> RankBacklog {
+            let mut out = RankBacklog::default();
+            for (_, w, r, at, blocks, may_stall) in &self.legs {
+                if w != worker || *r != rank || now.since(*at) >= DISPATCH_MAX_AGE {
+                    continue;
+                }
+                out.prefill_tokens += blocks * 16;
+                out.decode_blocks += blocks;
+                out.stalled |= *may_stall && now.since(*at) >= STALL_AFTER;
+            }
+            out
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_ledger_matches_a_naive_reference(ops in proptest::collection::vec(arb_op(), 1..60)) {
+            // Two namespaces share instance ids 1 and 2.
+            let workers = [key("a", 1), key("a", 2), key("b", 1), key("b", 2)];
+            let mut ledger = DispatchLedger::new();
+            let mut naive = Naive { legs: Vec::new() };
+            let mut ids = Vec::new();
+            let mut now = Tick::ZERO;
+            for op in ops {
+                match op {
+                    Op::Record { worker, rank, blocks, exempt, advance_ms } => {
+                        now = now.add(Duration::from_millis(advance_ms));
+                        let mut l = leg(workers[worker].clone(), blocks, exempt);
+                        l.rank = DpRank(rank);
+                        let id = ledger.record_dispatch(std::slice::from_ref(&l), now);
+                        ids.push(id);
+                        let may_stall = !exempt && blocks >= STALL_MIN_BLOCKS;
+                        naive.legs.push((id, l.worker, l.rank, now, blocks, may_stall));
+                    }
+                    Op::Sample { worker, advance_ms } => {
+                        now = now.add(Duration::from_millis(advance_ms));
+                        ledger.sample_arrived(&workers[worker], now);
+                        naive.legs.retain(|(_, w, _, at, _, _)| w != &workers[worker] || *at >= now);
+                    }
+                    Op::End { nth } => {
+                        if let Some(&id) = ids.get(nth % ids.len().max(1)) {
+                            ledger.request_ended(id);
+                            for l in naive.legs.iter_mut().filter(|l| l.0 == id) {
+                                l.5 = false;
+                            }
+                        }
+                    }
+                    Op::Withdraw { nth } => {
+                        if let Some(&id) = ids.get(nth % ids.len().max(1)) {
+                            ledger.withdraw(id);
+                            naive.legs.retain(|l| l.0 != id);
+                        }
+                    }
+                }
+                for w in &workers {
+                    for rank in [DpRank(0), DpRank(1)] {
+                        proptest::prop_assert_eq!(
+                            ledger.backlog(w, rank, now),
+                            naive.backlog(w, rank, now),
+                            "{:?} rank {:?} at {:?}", w, rank, now
+                        );
+                    }
+                }
+            }
+            ledger.expire(now.add(DISPATCH_MAX_AGE));
+            proptest::prop_assert!(ledger.is_empty());
+            proptest::prop_assert!(ledger.filter.iter().all(|&n| n == 0));
+        }
     }
 }

@@ -184,7 +184,7 @@ struct Roles {
 pub(super) struct Scratch {
     matched: Vec<Matched>,
     roles: Vec<Roles>,
-    positions: Vec<u32>,
+    positions: Vec<Matched>,
     scored: Vec<Scored>,
 }
 
@@ -285,7 +285,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             if !decodes {
                 continue;
             }
-            positions.push(m.index);
+            positions.push(*m);
             scored.push(score_one(Phase::Decode, c, req, load, &ledgers, ns, tokens, now));
         }
         if positions.is_empty() {
@@ -295,10 +295,11 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         let Some((pos, decode_reason)) = select(scored, req.load_signals, cursor) else {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
         };
-        let decode = &candidates[positions[pos] as usize];
-        let Some(decode_ns) = namespaces.iter().position(|n| *n == decode.worker.namespace) else {
+        let Some(&won) = positions.get(pos) else {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
         };
+        let decode = &candidates[won.index as usize];
+        let decode_ns = usize::from(won.namespace);
 
         // Pass 3: prefill within the decode winner's namespace, for a decode worker only.
         let mut prefill: Option<&Candidate> = None;
@@ -311,13 +312,15 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 if usize::from(m.namespace) != decode_ns || c.role != CandidateRole::Prefill {
                     continue;
                 }
-                positions.push(m.index);
+                positions.push(*m);
                 let ns = usize::from(m.namespace);
                 scored.push(score_one(Phase::Prefill, c, req, load, &ledgers, ns, tokens, now));
             }
             let cursor = cursors.advance(req.model, Phase::Prefill);
-            if let Some((pos, reason)) = select(scored, req.load_signals, cursor) {
-                prefill = Some(&candidates[positions[pos] as usize]);
+            if let Some((pos, reason)) = select(scored, req.load_signals, cursor)
+                && let Some(won) = positions.get(pos)
+            {
+                prefill = Some(&candidates[won.index as usize]);
                 prefill_reason = reason;
             }
         }

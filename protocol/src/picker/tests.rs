@@ -230,6 +230,23 @@ fn quiet_candidates_compete_with_zero_backlog() {
 }
 
 #[test]
+fn a_stale_sample_is_quiet_only_when_it_reported_no_backlog() {
+    assert_eq!(
+        SampleState::from_last(false, Some(0), None, Some(0)),
+        SampleState::Stale { last_had_backlog: false }
+    );
+    assert_eq!(
+        SampleState::from_last(false, None, None, Some(3)),
+        SampleState::Stale { last_had_backlog: true }
+    );
+    assert_eq!(SampleState::from_last(true, None, None, Some(3)), SampleState::Fresh {
+        active_decode_blocks: None,
+        active_prefill_tokens: None,
+        kv_used_blocks: Some(3),
+    });
+}
+
+#[test]
 fn silent_under_load_is_not_chosen_while_another_has_a_cost() {
     // A's last sample reported a backlog and aged out: no cost. B is nearly full (92/100) but has
     // a cost, so B takes every request.
