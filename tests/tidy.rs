@@ -28,7 +28,9 @@ fn collect(path: &Path, out: &mut Vec<PathBuf>) {
     };
     for entry in entries.flatten() {
         let p = entry.path();
-        if p.file_name().is_some_and(|n| n == "target" || n == "golden") {
+        if p.file_name()
+            .is_some_and(|n| n == "target" || n == "golden")
+        {
             continue;
         }
         collect(&p, out);
@@ -36,7 +38,10 @@ fn collect(path: &Path, out: &mut Vec<PathBuf>) {
 }
 
 fn rel(p: &Path) -> String {
-    p.strip_prefix(repo_root()).unwrap_or(p).display().to_string()
+    p.strip_prefix(repo_root())
+        .unwrap_or(p)
+        .display()
+        .to_string()
 }
 
 #[test]
@@ -49,7 +54,10 @@ fn every_rust_file_starts_with_a_module_doc() {
         })
         .map(|p| rel(&p))
         .collect();
-    assert!(offenders.is_empty(), "files without a leading //! doc: {offenders:?}");
+    assert!(
+        offenders.is_empty(),
+        "files without a leading //! doc: {offenders:?}"
+    );
 }
 
 #[test]
@@ -59,7 +67,10 @@ fn no_mod_rs() {
         .filter(|p| p.file_name().is_some_and(|n| n == "mod.rs"))
         .map(|p| rel(&p))
         .collect();
-    assert!(offenders.is_empty(), "use foo.rs + foo/ instead of mod.rs: {offenders:?}");
+    assert!(
+        offenders.is_empty(),
+        "use foo.rs + foo/ instead of mod.rs: {offenders:?}"
+    );
 }
 
 #[test]
@@ -87,10 +98,20 @@ fn tests_never_sleep() {
 
 #[test]
 fn protocol_stays_sans_io() {
-    let manifest = std::fs::read_to_string(repo_root().join("protocol/Cargo.toml")).expect("manifest");
+    let manifest =
+        std::fs::read_to_string(repo_root().join("protocol/Cargo.toml")).expect("manifest");
     let deps = manifest.split("[dependencies]").nth(1).unwrap_or("");
     let deps = deps.split("\n[").next().unwrap_or("");
-    for forbidden in ["tokio", "ractor", "etcd-client", "kube", "hyper", "axum", "reqwest", "zeromq"] {
+    for forbidden in [
+        "tokio",
+        "ractor",
+        "etcd-client",
+        "kube",
+        "hyper",
+        "axum",
+        "reqwest",
+        "zeromq",
+    ] {
         let hit = deps.lines().any(|l| {
             let name = l.split(['=', '.', ' ']).next().unwrap_or("").trim();
             name == forbidden
@@ -101,8 +122,18 @@ fn protocol_stays_sans_io() {
     collect(&repo_root().join("protocol/src"), &mut files);
     for f in files {
         let text = std::fs::read_to_string(&f).unwrap_or_default();
-        for needle in ["std::net::", "std::fs::", "TcpStream", "Instant::now", "SystemTime::now"] {
-            assert!(!text.contains(needle), "{} uses {needle}: protocol does no IO and reads no clock", rel(&f));
+        for needle in [
+            "std::net::",
+            "std::fs::",
+            "TcpStream",
+            "Instant::now",
+            "SystemTime::now",
+        ] {
+            assert!(
+                !text.contains(needle),
+                "{} uses {needle}: protocol does no IO and reads no clock",
+                rel(&f)
+            );
         }
     }
 }

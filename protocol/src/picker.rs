@@ -16,6 +16,7 @@
 //! the discovery snapshot and the load store live with the caller.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::ids::{DpRank, Namespace, WorkerKey};
 use crate::time::Tick;
@@ -29,8 +30,8 @@ mod tests;
 
 pub use estimate::{estimate_prompt_tokens, estimate_text_tokens};
 pub use ledger::{
-    DISPATCH_MAX_AGE, DispatchId, DispatchLedger, DispatchLeg, MAX_LEDGER_DISPATCHES,
-    RankBacklog, STALL_AFTER, STALL_MIN_BLOCKS,
+    DISPATCH_MAX_AGE, DispatchId, DispatchLedger, DispatchLeg, MAX_LEDGER_DISPATCHES, RankBacklog,
+    STALL_AFTER, STALL_MIN_BLOCKS,
 };
 pub use load_based::LoadBasedPicker;
 
@@ -134,8 +135,10 @@ impl SelectionReason {
 pub struct Candidate {
     pub worker: WorkerKey,
     pub role: CandidateRole,
-    /// The Dynamo display name the worker serves (after `shim.model_map`).
-    pub model: String,
+    /// The Dynamo display name the worker serves (after `shim.model_map`). Share one `Arc` per
+    /// model across candidates: the picker then recognises a match by pointer, without reading
+    /// the bytes.
+    pub model: Arc<str>,
     /// `None` when the card declares no `data_parallel_size`; load samples are then keyed by rank 0.
     pub dp_rank: Option<DpRank>,
     /// `data_parallel_size` is declared (including 0): the rank header is sent.

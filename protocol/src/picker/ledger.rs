@@ -37,7 +37,8 @@ const FILTER_SLOTS: usize = 1024;
 
 fn filter_slot(instance: InstanceId) -> usize {
     // The top bits of a Fibonacci hash: < FILTER_SLOTS by construction.
-    (instance.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - FILTER_SLOTS.trailing_zeros())) as usize
+    (instance.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - FILTER_SLOTS.trailing_zeros()))
+        as usize
 }
 
 /// One pinned request, as the ledger knows it.
@@ -352,7 +353,11 @@ impl NamespaceBacklog<'_> {
     /// [`DISPATCH_MAX_AGE`] count for nothing even before [`DispatchLedger::expire`] drops them.
     pub fn backlog(&self, instance: InstanceId, rank: DpRank, now: Tick) -> RankBacklog {
         let mut out = RankBacklog::default();
-        if self.filter.get(filter_slot(instance)).is_none_or(|&n| n == 0) {
+        if self
+            .filter
+            .get(filter_slot(instance))
+            .is_none_or(|&n| n == 0)
+        {
             return out;
         }
         let Some(pendings) = self.workers.get(&instance) else {
@@ -482,7 +487,8 @@ mod tests {
     fn the_lookup_filter_empties_with_the_ledger() {
         let (a, b) = (key("ns", 1), key("other", 2));
         let mut ledger = DispatchLedger::new();
-        let first = ledger.record_dispatch(&[leg(a.clone(), 2, false), leg(b.clone(), 2, true)], s(0));
+        let first =
+            ledger.record_dispatch(&[leg(a.clone(), 2, false), leg(b.clone(), 2, true)], s(0));
         let second = ledger.record_dispatch(&[leg(a.clone(), 3, false)], s(1));
         ledger.record_dispatch(&[leg(b.clone(), 4, false)], s(2));
         assert!(ledger.filter.iter().any(|&n| n > 0));
@@ -513,10 +519,23 @@ mod tests {
 
     #[derive(Clone, Debug)]
     enum Op {
-        Record { worker: usize, rank: u32, blocks: u64, exempt: bool, advance_ms: u64 },
-        Sample { worker: usize, advance_ms: u64 },
-        End { nth: usize },
-        Withdraw { nth: usize },
+        Record {
+            worker: usize,
+            rank: u32,
+            blocks: u64,
+            exempt: bool,
+            advance_ms: u64,
+        },
+        Sample {
+            worker: usize,
+            advance_ms: u64,
+        },
+        End {
+            nth: usize,
+        },
+        Withdraw {
+            nth: usize,
+        },
     }
 
     fn arb_op() -> impl proptest::strategy::Strategy<Value = Op> {

@@ -27,8 +27,8 @@ use std::cmp::Ordering;
 
 use super::ledger::{DispatchLeg, NamespaceBacklog};
 use super::{
-    Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick,
-    PickOutcome, PickReasons, PickRequest, Pinned, PickerState, SampleState, SelectionReason,
+    Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickOutcome,
+    PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
 };
 use crate::time::Tick;
 
@@ -69,6 +69,42 @@ pub struct Scored {
     pub stalled: bool,
 }
 
+/// The request's prompt size, with its block count memoised for the last block size seen: one
+/// division per distinct block size instead of one per rank (a 64-bit division costs more than
+/// the rest of a rank's scoring).
+#[derive(Clone, Copy, Debug)]
+pub struct RequestSize {
+    tokens: u64,
+    block_size: u32,
+    blocks: u64,
+}
+
+impl RequestSize {
+    pub fn new(estimated_prompt_tokens: u64) -> Self {
+        Self {
+            tokens: estimated_prompt_tokens,
+            block_size: 0,
+            blocks: 0,
+        }
+    }
+
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// `ceil(tokens / block_size)`; 0 for a zero block size.
+    pub fn blocks(&mut self, block_size: u32) -> u64 {
+        if block_size == 0 {
+            return 0;
+        }
+        if block_size != self.block_size {
+            self.block_size = block_size;
+            self.blocks = self.tokens.div_ceil(u64::from(block_size));
+        }
+        self.blocks
+    }
+}
+
 /// Scores `candidate` for `phase`: the sample's backlog (zero when quiet) plus the ledger's,
 /// over the card's capacity.
 pub fn score(
@@ -76,14 +112,19 @@ pub fn score(
     candidate: &Candidate,
     sample: SampleState,
     ledger: Option<NamespaceBacklog<'_>>,
-    estimated_prompt_tokens: u64,
+    size: &mut RequestSize,
     now: Tick,
 ) -> Scored {
     let fresh = sample.fresh_backlog(phase);
     let base = match sample {
         SampleState::Fresh { .. } => fresh,
-        SampleState::Never | SampleState::Stale { last_had_backlog: false } => Some(0),
-        SampleState::Stale { last_had_backlog: true } => None,
+        SampleState::Never
+        | SampleState::Stale {
+            last_had_backlog: false,
+        } => Some(0),
+        SampleState::Stale {
+            last_had_backlog: true,
+        } => None,
     };
     let backlog = ledger
         .map(|l| l.backlog(candidate.worker.instance_id, candidate.rank(), now))
@@ -99,7 +140,7 @@ pub fn score(
         Phase::Decode => {
             let block_size = candidate.block_size.filter(|&b| b > 0)?;
             let den = candidate.total_kv_blocks.filter(|&d| d > 0)?;
-            let request_blocks = estimated_prompt_tokens.div_ceil(u64::from(block_size));
+            let request_blocks = size.blocks(block_size);
             Some(Cost {
                 num: base
                     .saturating_add(backlog.decode_blocks)
@@ -232,12 +273,18 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         // Pass 1: candidates serving the model in an eligible namespace, and each namespace's
         // roles. Candidates usually come grouped by namespace, so the previous one's is tried first.
         let mut last_ns: Option<usize> = None;
+        // (address, length) of a candidate model already found equal to the request's.
+        let mut known_model: (*const u8, usize) = (std::ptr::null(), 0);
         for (index, c) in candidates.iter().enumerate() {
-            if c.model != req.model {
-                continue;
+            let model = (c.model.as_ptr(), c.model.len());
+            if model != known_model {
+                if !str_eq(&c.model, req.model) {
+                    continue;
+                }
+                known_model = model;
             }
             let ns = match last_ns {
-                Some(ns) if namespaces[ns] == c.worker.namespace => ns,
+                Some(ns) if str_eq(namespaces[ns].as_str(), c.worker.namespace.as_str()) => ns,
                 _ => match namespaces.iter().position(|n| *n == c.worker.namespace) {
                     Some(ns) => ns,
                     None => continue,
@@ -268,6 +315,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             Vec::new()
         };
         let tokens = req.estimated_prompt_tokens;
+        let mut size = RequestSize::new(tokens);
 
         // Pass 2: decode across every eligible namespace.
         positions.clear();
@@ -286,7 +334,16 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 continue;
             }
             positions.push(*m);
-            scored.push(score_one(Phase::Decode, c, req, load, &ledgers, ns, tokens, now));
+            scored.push(score_one(
+                Phase::Decode,
+                c,
+                req,
+                load,
+                &ledgers,
+                ns,
+                &mut size,
+                now,
+            ));
         }
         if positions.is_empty() {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
@@ -314,7 +371,16 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 }
                 positions.push(*m);
                 let ns = usize::from(m.namespace);
-                scored.push(score_one(Phase::Prefill, c, req, load, &ledgers, ns, tokens, now));
+                scored.push(score_one(
+                    Phase::Prefill,
+                    c,
+                    req,
+                    load,
+                    &ledgers,
+                    ns,
+                    &mut size,
+                    now,
+                ));
             }
             let cursor = cursors.advance(req.model, Phase::Prefill);
             if let Some((pos, reason)) = select(scored, req.load_signals, cursor)
@@ -371,7 +437,7 @@ fn score_one(
     load: &dyn LoadView,
     ledgers: &[Option<NamespaceBacklog<'_>>],
     ns: usize,
-    tokens: u64,
+    size: &mut RequestSize,
     now: Tick,
 ) -> Scored {
     if !req.load_signals {
@@ -384,7 +450,28 @@ fn score_one(
     }
     let sample = load.sample(&c.worker, c.rank());
     let ledger = ledgers.get(ns).copied().flatten();
-    score(phase, c, sample, ledger, tokens, now)
+    score(phase, c, sample, ledger, size, now)
+}
+
+/// String equality without a `memcmp` call for the short strings (namespaces, most model names)
+/// compared once per candidate.
+#[inline]
+fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let len = a.len();
+    if len != b.len() {
+        return false;
+    }
+    let word = |s: &[u8], at: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&s[at..at + 8]);
+        u64::from_ne_bytes(w)
+    };
+    match len {
+        // Two overlapping words cover 8..=16 bytes.
+        8..=16 => word(a, 0) == word(b, 0) && word(a, len - 8) == word(b, len - 8),
+        _ => a == b,
+    }
 }
 
 /// The request's size in blocks of `block_size` (0 when the card declares none).
@@ -392,4 +479,26 @@ fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {
     block_size
         .filter(|&b| b > 0)
         .map_or(0, |b| tokens.div_ceil(u64::from(b)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn str_eq_matches_slice_equality_at_every_length() {
+        let text = "namespace-prod-graph-0123456789";
+        for len in 0..text.len() {
+            let a = &text[..len];
+            let same = a.to_owned();
+            assert!(str_eq(a, &same), "{a:?}");
+            for at in 0..len {
+                let mut other = same.clone().into_bytes();
+                other[at] ^= 1;
+                let other = String::from_utf8(other).expect("ascii stays utf-8");
+                assert!(!str_eq(a, &other), "{a:?} vs {other:?}");
+            }
+            assert!(!str_eq(a, &text[..len + 1]));
+        }
+    }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 
-use super::load_based::{Cost, Scored, score};
+use super::load_based::{Cost, RequestSize, Scored, score};
 use super::*;
 use crate::ids::{InstanceId, Namespace, WorkerKey};
 
@@ -24,7 +24,7 @@ fn cand(ns: &str, id: u64, role: CandidateRole) -> Candidate {
     Candidate {
         worker: key(ns, id),
         role,
-        model: MODEL.to_owned(),
+        model: MODEL.into(),
         dp_rank: Some(DpRank(0)),
         rank_declared: true,
         block_size: Some(16),
@@ -147,7 +147,14 @@ fn decode_cost_adds_request_blocks_to_active_decode_blocks_over_total_kv_blocks(
     let load = FakeLoad::default()
         .with("ns", 1, fresh_decode(10))
         .with("ns", 2, fresh_decode(5));
-    let scored = score(Phase::Decode, &b, load.sample(&key("ns", 2), DpRank(0)), None, TOKENS, secs(0));
+    let scored = score(
+        Phase::Decode,
+        &b,
+        load.sample(&key("ns", 2), DpRank(0)),
+        None,
+        &mut RequestSize::new(TOKENS),
+        secs(0),
+    );
     assert_eq!(scored.cost, Some(Cost { num: 7, den: 40 }));
     let mut h = Harness::new(vec![decode(1), b], load);
     let pick = h.pick(secs(0));
@@ -202,9 +209,26 @@ fn prefill_cost_is_active_prefill_tokens_over_max_num_batched_tokens() {
 #[test]
 fn costs_compare_exactly_so_equal_ratios_tie() {
     // 1/3 and 2/6 are equal; 1/3 < 334/1000.
-    assert_eq!(Cost { num: 1, den: 3 }.cmp(&Cost { num: 2, den: 6 }), std::cmp::Ordering::Equal);
-    assert!(Cost { num: 1, den: 3 } < Cost { num: 334, den: 1000 });
-    assert!(Cost { num: u64::MAX, den: 1 } > Cost { num: u64::MAX - 1, den: 1 });
+    assert_eq!(
+        Cost { num: 1, den: 3 }.cmp(&Cost { num: 2, den: 6 }),
+        std::cmp::Ordering::Equal
+    );
+    assert!(
+        Cost { num: 1, den: 3 }
+            < Cost {
+                num: 334,
+                den: 1000
+            }
+    );
+    assert!(
+        Cost {
+            num: u64::MAX,
+            den: 1
+        } > Cost {
+            num: u64::MAX - 1,
+            den: 1
+        }
+    );
 }
 
 // ---- Staleness: quiet, silent under load, no fresh sample -------------------------------------
@@ -213,9 +237,13 @@ fn costs_compare_exactly_so_equal_ratios_tie() {
 fn quiet_candidates_compete_with_zero_backlog() {
     // A fresh at 30 blocks: 32/100.  B never sampled and C stale without backlog: 2/100 each, so
     // they win and tie, rotating.
-    let load = FakeLoad::default()
-        .with("ns", 1, fresh_decode(30))
-        .with("ns", 3, SampleState::Stale { last_had_backlog: false });
+    let load = FakeLoad::default().with("ns", 1, fresh_decode(30)).with(
+        "ns",
+        3,
+        SampleState::Stale {
+            last_had_backlog: false,
+        },
+    );
     let mut h = Harness::new(vec![decode(1), decode(2), decode(3)], load);
     // Ledger backlog would break the tie; answer each dispatch immediately.
     let mut ids = Vec::new();
@@ -224,7 +252,9 @@ fn quiet_candidates_compete_with_zero_backlog() {
         assert_eq!(pick.reasons.decode, SelectionReason::Load);
         let worker = pick.decode.worker.clone();
         ids.push(worker.instance_id.0);
-        h.state.ledger.sample_arrived(&worker, secs(t).add(Duration::from_millis(1)));
+        h.state
+            .ledger
+            .sample_arrived(&worker, secs(t).add(Duration::from_millis(1)));
     }
     assert_eq!(ids, vec![2, 3, 2, 3]);
 }
@@ -233,17 +263,24 @@ fn quiet_candidates_compete_with_zero_backlog() {
 fn a_stale_sample_is_quiet_only_when_it_reported_no_backlog() {
     assert_eq!(
         SampleState::from_last(false, Some(0), None, Some(0)),
-        SampleState::Stale { last_had_backlog: false }
+        SampleState::Stale {
+            last_had_backlog: false
+        }
     );
     assert_eq!(
         SampleState::from_last(false, None, None, Some(3)),
-        SampleState::Stale { last_had_backlog: true }
+        SampleState::Stale {
+            last_had_backlog: true
+        }
     );
-    assert_eq!(SampleState::from_last(true, None, None, Some(3)), SampleState::Fresh {
-        active_decode_blocks: None,
-        active_prefill_tokens: None,
-        kv_used_blocks: Some(3),
-    });
+    assert_eq!(
+        SampleState::from_last(true, None, None, Some(3)),
+        SampleState::Fresh {
+            active_decode_blocks: None,
+            active_prefill_tokens: None,
+            kv_used_blocks: Some(3),
+        }
+    );
 }
 
 #[test]
@@ -251,7 +288,13 @@ fn silent_under_load_is_not_chosen_while_another_has_a_cost() {
     // A's last sample reported a backlog and aged out: no cost. B is nearly full (92/100) but has
     // a cost, so B takes every request.
     let load = FakeLoad::default()
-        .with("ns", 1, SampleState::Stale { last_had_backlog: true })
+        .with(
+            "ns",
+            1,
+            SampleState::Stale {
+                last_had_backlog: true,
+            },
+        )
         .with("ns", 2, fresh_decode(90));
     let mut h = Harness::new(vec![decode(1), decode(2)], load);
     assert_eq!(h.decode_ids(4, secs(0)), vec![2, 2, 2, 2]);
@@ -324,7 +367,13 @@ fn without_a_fresh_field_the_cursor_rotates_across_all_candidates_round_robin_st
         kv_used_blocks: None,
     };
     let load = FakeLoad::default()
-        .with("ns", 1, SampleState::Stale { last_had_backlog: true })
+        .with(
+            "ns",
+            1,
+            SampleState::Stale {
+                last_had_backlog: true,
+            },
+        )
         .with("ns", 3, c_sample);
     let mut h = Harness::new(vec![decode(1), decode(2), decode(3)], load);
     let pick = h.pick(secs(0));
@@ -388,7 +437,10 @@ fn unanswered_dispatches_fill_a_quiet_worker_up_to_its_peers_load() {
     let mut h = Harness::new(vec![decode(1), decode(2)], load);
     assert_eq!(h.decode_ids(4, secs(0)), vec![1, 1, 1, 2]);
     let a = key("ns", 1);
-    assert_eq!(h.state.ledger.backlog(&a, DpRank(0), secs(0)).decode_blocks, 6);
+    assert_eq!(
+        h.state.ledger.backlog(&a, DpRank(0), secs(0)).decode_blocks,
+        6
+    );
 }
 
 #[test]
@@ -479,7 +531,9 @@ fn an_ended_request_never_marks_a_stall() {
     let first = h.pick(secs(0));
     assert_eq!(first.decode.worker.instance_id.0, 1);
     // Refused by the frontend: it may never have reached the engine.
-    h.state.ledger.request_ended(first.dispatch.expect("load signals record dispatches"));
+    h.state
+        .ledger
+        .request_ended(first.dispatch.expect("load signals record dispatches"));
     // Its 2 blocks still count as backlog: A costs 4/100 and wins.
     assert_eq!(h.decode_ids(1, secs(5)), vec![1]);
 }
@@ -528,7 +582,11 @@ fn aggregated_workers_sit_out_beside_a_prefill_decode_pool() {
     let load = FakeLoad::default()
         .with("ns", 1, fresh_decode(60))
         .with("ns", 21, fresh_decode(0));
-    let candidates = vec![decode(1), prefill(11), cand("ns", 21, CandidateRole::Aggregated)];
+    let candidates = vec![
+        decode(1),
+        prefill(11),
+        cand("ns", 21, CandidateRole::Aggregated),
+    ];
     let mut h = Harness::new(candidates, load);
     for t in 0..3 {
         let pick = h.pick(secs(t));
@@ -564,7 +622,10 @@ fn decode_and_aggregated_workers_compete_without_a_prefill_pool() {
     // A decode winner without a prefill pool is pinned alone too.
     let mut h = Harness::new(vec![decode(1)], FakeLoad::default());
     let pick = h.pick(secs(0));
-    assert_eq!((pick.prefill, pick.reasons.prefill), (None, SelectionReason::NoPrefillPool));
+    assert_eq!(
+        (pick.prefill, pick.reasons.prefill),
+        (None, SelectionReason::NoPrefillPool)
+    );
 }
 
 #[test]
@@ -614,25 +675,35 @@ fn roles_are_judged_per_namespace() {
 #[test]
 fn ineligible_namespaces_and_other_models_are_never_chosen() {
     let mut other_model = decode(3);
-    other_model.model = "other".to_owned();
+    other_model.model = "other".into();
     let load = FakeLoad::default()
         .with("ns", 1, fresh_decode(90))
         .with("ns", 3, fresh_decode(0))
         .with("nopool", 2, fresh_decode(0));
-    let candidates = vec![decode(1), cand("nopool", 2, CandidateRole::Decode), other_model];
+    let candidates = vec![
+        decode(1),
+        cand("nopool", 2, CandidateRole::Decode),
+        other_model,
+    ];
     let mut h = Harness::new(candidates, load);
     assert_eq!(h.decode_ids(3, secs(0)), vec![1, 1, 1]);
 }
 
 #[test]
 fn no_worker_for_the_model_falls_through() {
-    let mut h = Harness::new(vec![cand("other", 1, CandidateRole::Decode)], FakeLoad::default());
+    let mut h = Harness::new(
+        vec![cand("other", 1, CandidateRole::Decode)],
+        FakeLoad::default(),
+    );
     assert_eq!(
         h.outcome(secs(0)),
         PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel)
     );
     let mut h = Harness::new(vec![prefill(11)], FakeLoad::default());
-    assert_eq!(h.outcome(secs(0)), PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker));
+    assert_eq!(
+        h.outcome(secs(0)),
+        PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker)
+    );
     assert!(h.state.ledger.is_empty());
 }
 
@@ -641,7 +712,10 @@ fn no_worker_for_the_model_falls_through() {
 #[test]
 fn each_dp_rank_is_a_candidate_with_its_own_sample() {
     let ranks: Vec<_> = dp_ranks(4, Some(2)).expect("small range").collect();
-    assert_eq!(ranks, vec![(Some(DpRank(4)), true), (Some(DpRank(5)), true)]);
+    assert_eq!(
+        ranks,
+        vec![(Some(DpRank(4)), true), (Some(DpRank(5)), true)]
+    );
     let candidates: Vec<_> = ranks
         .into_iter()
         .map(|(dp_rank, rank_declared)| Candidate {
@@ -687,7 +761,10 @@ fn rank_headers_are_sent_whenever_data_parallel_size_is_declared() {
         rank_declared: false,
         ..decode(1)
     };
-    let mut h = Harness::new(vec![undeclared], FakeLoad::default().with("ns", 1, fresh_decode(1)));
+    let mut h = Harness::new(
+        vec![undeclared],
+        FakeLoad::default().with("ns", 1, fresh_decode(1)),
+    );
     let pick = h.pick(secs(0));
     assert_eq!(pick.decode.rank_header(), None);
     // Samples of an undeclared worker are keyed by rank 0.
@@ -700,7 +777,7 @@ fn cursors_are_kept_per_model() {
     let mut candidates = vec![decode(1), decode(2)];
     for id in [3, 4] {
         candidates.push(Candidate {
-            model: "other".to_owned(),
+            model: "other".into(),
             ..decode(id)
         });
     }
@@ -738,15 +815,13 @@ fn selection_labels_are_a_closed_distinct_set() {
             "conditional_bypass"
         ]
     );
-    assert_eq!(
-        Phase::ALL.map(Phase::as_label),
-        ["prefill", "decode"]
-    );
+    assert_eq!(Phase::ALL.map(Phase::as_label), ["prefill", "decode"]);
 }
 
 #[test]
 fn the_picker_is_object_safe_and_shareable() {
-    let picker: std::sync::Arc<dyn DynamoWorkerPicker> = std::sync::Arc::new(LoadBasedPicker::new());
+    let picker: std::sync::Arc<dyn DynamoWorkerPicker> =
+        std::sync::Arc::new(LoadBasedPicker::new());
     assert_eq!(picker.name(), "load_based");
     let mut state = PickerState::new();
     let namespaces = [Namespace::new("ns")];
@@ -765,7 +840,9 @@ fn the_picker_is_object_safe_and_shareable() {
 fn arb_sample() -> impl Strategy<Value = SampleState> {
     prop_oneof![
         Just(SampleState::Never),
-        any::<bool>().prop_map(|b| SampleState::Stale { last_had_backlog: b }),
+        any::<bool>().prop_map(|b| SampleState::Stale {
+            last_had_backlog: b
+        }),
         (
             proptest::option::of(0u64..200),
             proptest::option::of(0u64..5000),
@@ -798,24 +875,39 @@ struct ArbCandidate {
 }
 
 fn arb_candidate() -> impl Strategy<Value = ArbCandidate> {
-    (0usize..3, 1u64..6, arb_role(), 0usize..2, 1u32..3, proptest::bool::weighted(0.8)).prop_map(
-        |(ns, id, role, model, ranks, capacity)| ArbCandidate {
+    (
+        0usize..3,
+        1u64..6,
+        arb_role(),
+        0usize..2,
+        1u32..3,
+        proptest::bool::weighted(0.8),
+    )
+        .prop_map(|(ns, id, role, model, ranks, capacity)| ArbCandidate {
             ns,
             id,
             role,
             model,
             ranks,
             capacity,
-        },
-    )
+        })
 }
 
 /// One step of a random session: a pick, or a sample answering a worker's dispatches.
 #[derive(Clone, Debug)]
 enum Step {
-    Pick { model: usize, tokens: u64, advance_ms: u64 },
-    Sample { ns: usize, id: u64 },
-    End { nth: usize },
+    Pick {
+        model: usize,
+        tokens: u64,
+        advance_ms: u64,
+    },
+    Sample {
+        ns: usize,
+        id: u64,
+    },
+    End {
+        nth: usize,
+    },
 }
 
 fn arb_step() -> impl Strategy<Value = Step> {
@@ -853,10 +945,10 @@ proptest! {
                 candidates.push(Candidate {
                     worker: key(NAMESPACES[a.ns], a.id),
                     role: a.role,
-                    model: MODELS[a.model].to_owned(),
+                    model: MODELS[a.model].into(),
                     dp_rank,
                     rank_declared,
-                    block_size: a.capacity.then_some(16),
+                    block_size: a.capacity.then_some(if a.id % 2 == 0 { 16 } else { 32 }),
                     total_kv_blocks: a.capacity.then_some(100),
                     max_num_batched_tokens: a.capacity.then_some(1000),
                 });
@@ -900,7 +992,7 @@ proptest! {
             };
             let serving: Vec<&Candidate> = candidates
                 .iter()
-                .filter(|c| c.model == model && namespaces.contains(&c.worker.namespace))
+                .filter(|c| &*c.model == model && namespaces.contains(&c.worker.namespace))
                 .collect();
             let has = |ns: &Namespace, role| {
                 serving.iter().any(|c| &c.worker.namespace == ns && c.role == role)
@@ -916,7 +1008,7 @@ proptest! {
             // Scores before the pick, for the cost-minimality check (the pick records a dispatch).
             let ledger_now = |c: &Candidate, st: &PickerState, phase| {
                 let view = st.ledger.namespace(&c.worker.namespace);
-                score(phase, c, load.sample(&c.worker, c.rank()), view, tokens, now)
+                score(phase, c, load.sample(&c.worker, c.rank()), view, &mut RequestSize::new(tokens), now)
             };
             state.ledger.expire(now);
             let before: Vec<(Candidate, Scored)> = serving
