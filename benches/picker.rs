@@ -62,7 +62,7 @@ fn fleet(name: &'static str, decode_workers: u64, prefill_workers: u64) -> Fleet
 
 /// A deterministic spread of loads, so costs differ and a few tie.
 fn sample_for(worker: u64, rank: u32) -> SampleState {
-    let mix = (worker.wrapping_mul(2_654_435_761) ^ u64::from(rank) * 40_503) % 4096;
+    let mix = (worker.wrapping_mul(2_654_435_761) ^ (u64::from(rank) * 40_503)) % 4096;
     SampleState::Fresh {
         active_decode_blocks: Some(mix),
         active_prefill_tokens: Some(mix * 2),
@@ -196,6 +196,33 @@ fn percentiles(fleet: &Fleet, view: &str, load: &dyn LoadView, picks: usize) {
     );
 }
 
+/// The floor the `LoadView` API sets: one dynamic `sample` call per candidate and nothing else.
+fn view_floor(fleet: &Fleet, view: &str, load: &dyn LoadView, rounds: usize) {
+    let mut nanos = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let start = Instant::now();
+        let mut sum = 0u64;
+        for c in black_box(&fleet.candidates) {
+            if let SampleState::Fresh {
+                kv_used_blocks: Some(v),
+                ..
+            } = load.sample(&c.worker, c.rank())
+            {
+                sum = sum.wrapping_add(v);
+            }
+        }
+        black_box(sum);
+        nanos.push(start.elapsed().as_nanos() as u64);
+    }
+    nanos.sort_unstable();
+    println!(
+        "view_floor/{}/{view}: p50={:.2}µs ({} sample calls)",
+        fleet.name,
+        nanos[nanos.len() / 2] as f64 / 1e3,
+        fleet.candidates.len(),
+    );
+}
+
 fn main() {
     let fleets = [
         fleet("decode_1000_ranks", 500, 0),
@@ -222,8 +249,17 @@ fn main() {
     criterion.final_summary();
     // Under `cargo test` (no --bench) a short pass only checks the harness runs.
     let picks = if measuring { 20_000 } else { 50 };
+    // PICKER_VIEW=dense or =hashmap narrows the percentile pass to one view (for profiling).
+    let view = std::env::var("PICKER_VIEW").unwrap_or_default();
     for fleet in &fleets {
-        percentiles(fleet, "hashmap_view", &map_load(fleet), picks);
-        percentiles(fleet, "dense_view", &dense_load(fleet), picks);
+        if view != "dense" {
+            percentiles(fleet, "hashmap_view", &map_load(fleet), picks);
+        }
+        if view != "hashmap" {
+            percentiles(fleet, "dense_view", &dense_load(fleet), picks);
+        }
     }
+    let floor = &fleets[0];
+    view_floor(floor, "hashmap_view", &map_load(floor), picks);
+    view_floor(floor, "dense_view", &dense_load(floor), picks);
 }

@@ -351,15 +351,22 @@ impl std::fmt::Debug for NamespaceBacklog<'_> {
 impl NamespaceBacklog<'_> {
     /// What the ledger adds to `(instance, rank)` at `now`. Dispatches past
     /// [`DISPATCH_MAX_AGE`] count for nothing even before [`DispatchLedger::expire`] drops them.
+    #[inline]
     pub fn backlog(&self, instance: InstanceId, rank: DpRank, now: Tick) -> RankBacklog {
-        let mut out = RankBacklog::default();
+        // Most ranks have nothing pending: the filter answers without a map lookup or a call.
         if self
             .filter
             .get(filter_slot(instance))
             .is_none_or(|&n| n == 0)
         {
-            return out;
+            return RankBacklog::default();
         }
+        self.lookup(instance, rank, now)
+    }
+
+    #[inline(never)]
+    fn lookup(&self, instance: InstanceId, rank: DpRank, now: Tick) -> RankBacklog {
+        let mut out = RankBacklog::default();
         let Some(pendings) = self.workers.get(&instance) else {
             return out;
         };

@@ -218,11 +218,13 @@ struct Matched {
 struct Roles {
     prefill: bool,
     decode: bool,
+    aggregated: bool,
 }
 
 /// Buffers reused across picks.
 #[derive(Debug, Default)]
 pub(super) struct Scratch {
+    /// Prefill ranks serving the model in an eligible namespace.
     matched: Vec<Matched>,
     roles: Vec<Roles>,
     positions: Vec<Matched>,
@@ -270,8 +272,23 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         let namespaces = &req.eligible_namespaces[..req.eligible_namespaces.len().min(1 << 15)];
         roles.resize(namespaces.len(), Roles::default());
 
-        // Pass 1: candidates serving the model in an eligible namespace, and each namespace's
-        // roles. Candidates usually come grouped by namespace, so the previous one's is tried first.
+        // The ledger per eligible namespace, resolved once so each rank hashes only its id.
+        let ledgers: Vec<_> = if req.load_signals && !ledger.is_empty() {
+            namespaces.iter().map(|n| ledger.namespace(n)).collect()
+        } else {
+            Vec::new()
+        };
+        let tokens = req.estimated_prompt_tokens;
+        let mut size = RequestSize::new(tokens);
+
+        // One pass over the candidates (the fat, cache-unfriendly input): those serving the model
+        // in an eligible namespace, each namespace's roles, and a decode score for every decode
+        // and aggregated rank. Prefill ranks are only remembered; they are scored in the winner's
+        // namespace alone. Candidates usually come grouped by namespace, so the previous one's
+        // namespace is tried first.
+        positions.clear();
+        scored.clear();
+        let mut any_served = false;
         let mut last_ns: Option<usize> = None;
         // (address, length) of a candidate model already found equal to the request's.
         let mut known_model: (*const u8, usize) = (std::ptr::null(), 0);
@@ -291,49 +308,24 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 },
             };
             last_ns = Some(ns);
-            match c.role {
-                CandidateRole::Prefill => roles[ns].prefill = true,
-                CandidateRole::Decode => roles[ns].decode = true,
-                CandidateRole::Aggregated => {}
-            }
+            any_served = true;
             let Ok(index) = u32::try_from(index) else {
                 break;
             };
-            matched.push(Matched {
+            let m = Matched {
                 index,
                 namespace: ns as u16,
-            });
-        }
-        if matched.is_empty() {
-            return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
-        }
-
-        // The ledger per eligible namespace, resolved once so each rank hashes only its id.
-        let ledgers: Vec<_> = if req.load_signals && !ledger.is_empty() {
-            namespaces.iter().map(|n| ledger.namespace(n)).collect()
-        } else {
-            Vec::new()
-        };
-        let tokens = req.estimated_prompt_tokens;
-        let mut size = RequestSize::new(tokens);
-
-        // Pass 2: decode across every eligible namespace.
-        positions.clear();
-        scored.clear();
-        for m in matched.iter() {
-            let c = &candidates[m.index as usize];
-            let ns = usize::from(m.namespace);
-            let decodes = match c.role {
-                CandidateRole::Decode => true,
-                // Dynamo serves no prefill+aggregated pair: beside a prefill/decode pool,
-                // aggregated workers sit out.
-                CandidateRole::Aggregated => !(roles[ns].prefill && roles[ns].decode),
-                CandidateRole::Prefill => false,
             };
-            if !decodes {
-                continue;
+            match c.role {
+                CandidateRole::Prefill => {
+                    roles[ns].prefill = true;
+                    matched.push(m);
+                    continue;
+                }
+                CandidateRole::Decode => roles[ns].decode = true,
+                CandidateRole::Aggregated => roles[ns].aggregated = true,
             }
-            positions.push(*m);
+            positions.push(m);
             scored.push(score_one(
                 Phase::Decode,
                 c,
@@ -344,6 +336,28 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 &mut size,
                 now,
             ));
+        }
+        if !any_served {
+            return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
+        }
+        // Dynamo serves no prefill+aggregated pair: beside a prefill/decode pool, aggregated
+        // workers sit out.
+        if roles.iter().any(|r| r.prefill && r.decode && r.aggregated) {
+            let mut kept = 0;
+            for i in 0..positions.len() {
+                let m = positions[i];
+                let r = roles[usize::from(m.namespace)];
+                let sits_out = r.prefill
+                    && r.decode
+                    && candidates[m.index as usize].role == CandidateRole::Aggregated;
+                if !sits_out {
+                    positions[kept] = m;
+                    scored[kept] = scored[i];
+                    kept += 1;
+                }
+            }
+            positions.truncate(kept);
+            scored.truncate(kept);
         }
         if positions.is_empty() {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
@@ -358,7 +372,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         let decode = &candidates[won.index as usize];
         let decode_ns = usize::from(won.namespace);
 
-        // Pass 3: prefill within the decode winner's namespace, for a decode worker only.
+        // Then prefill within the decode winner's namespace, for a decode worker only.
         let mut prefill: Option<&Candidate> = None;
         let mut prefill_reason = SelectionReason::NoPrefillPool;
         if decode.role == CandidateRole::Decode && roles[decode_ns].prefill {
