@@ -481,9 +481,16 @@ fn str_eq(a: &str, b: &str) -> bool {
         w.copy_from_slice(&s[at..at + 8]);
         u64::from_ne_bytes(w)
     };
+    let half = |s: &[u8], at: usize| {
+        let mut w = [0u8; 4];
+        w.copy_from_slice(&s[at..at + 4]);
+        u32::from_ne_bytes(w)
+    };
     match len {
-        // Two overlapping words cover 8..=16 bytes.
+        // Two overlapping loads cover 4..=7 and 8..=16 bytes.
         8..=16 => word(a, 0) == word(b, 0) && word(a, len - 8) == word(b, len - 8),
+        4..=7 => half(a, 0) == half(b, 0) && half(a, len - 4) == half(b, len - 4),
+        0..=3 => a.iter().zip(b).all(|(x, y)| x == y),
         _ => a == b,
     }
 }
