@@ -6,7 +6,9 @@
 //! samples of a busy fleet. Each fleet runs against two `LoadView`s: a std `HashMap` keyed by
 //! `WorkerKey` (what a straightforward load-store adapter costs) and a dense `Vec` (close to the
 //! picker's own cost). Criterion reports the mean; the percentile pass after it times 20,000
-//! single picks and prints p50 / p99 / max.
+//! single picks and prints p50 / p99 / max, then the floor the `LoadView` API sets (1,000
+//! dynamic `sample` calls alone). `PICKER_BENCH=percentiles` skips criterion; `PICKER_VIEW=dense`
+//! or `=hashmap` keeps one view (for `perf record`).
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
