@@ -32,8 +32,9 @@ use super::{
 };
 use crate::time::Tick;
 
-/// A load cost `num / den` (`den > 0`), compared exactly.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A load cost `num / den` (`den > 0`), compared exactly: equality is equality of the ratios
+/// (`1/3 == 2/6`), consistent with the ordering.
+#[derive(Clone, Copy, Debug)]
 pub struct Cost {
     pub num: u64,
     pub den: u64,
@@ -51,6 +52,14 @@ impl Ord for Cost {
             .cmp(&(u128::from(other.num) * u128::from(self.den)))
     }
 }
+
+impl PartialEq for Cost {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Cost {}
 
 impl PartialOrd for Cost {
     fn partial_cmp(&self, other: &Self) -> Option<Ordering> {

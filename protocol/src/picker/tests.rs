@@ -358,6 +358,20 @@ fn equal_costs_rotate_on_the_phase_cursor() {
 }
 
 #[test]
+fn equal_ratios_over_different_capacities_tie_and_rotate() {
+    // A: 12 / 100.  B: 6 / 50.  The same cost, so they rotate; C at 13 / 100 never wins.
+    let mut b = decode(2);
+    b.total_kv_blocks = Some(50);
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(12))
+        .with("ns", 2, fresh_decode(6))
+        .with("ns", 3, fresh_decode(13));
+    let mut h = Harness::new(vec![decode(1), b, decode(3)], load);
+    h.tokens = 0;
+    assert_eq!(h.decode_ids(4, secs(0)), vec![1, 2, 1, 2]);
+}
+
+#[test]
 fn without_a_fresh_field_the_cursor_rotates_across_all_candidates_round_robin_stale() {
     // Nobody has a fresh decode field: A silent under load, B never sampled, C fresh but with
     // neither decode field. All three rotate, the silent one included.
@@ -949,7 +963,8 @@ proptest! {
                     dp_rank,
                     rank_declared,
                     block_size: a.capacity.then_some(if a.id % 2 == 0 { 16 } else { 32 }),
-                    total_kv_blocks: a.capacity.then_some(100),
+                    // Capacities 50 and 100 make equal ratios with different terms.
+                    total_kv_blocks: a.capacity.then_some(if a.id % 3 == 0 { 50 } else { 100 }),
                     max_num_batched_tokens: a.capacity.then_some(1000),
                 });
                 load.set(
