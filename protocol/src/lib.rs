@@ -16,6 +16,7 @@
 //! | [`subscriptions`] | which publishers to subscribe to (cap, order, diff) |
 //! | [`kube`] | Kubernetes discovery: `hash_pod_name`, Pod membership, metadata ⋈ EndpointSlice |
 //! | [`kv`] | kv-events decoding, the bounded radix index, block hashing, the KV cost function |
+//! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
 
 pub mod backoff;
 pub mod discovery;
@@ -24,6 +25,7 @@ pub mod ids;
 pub mod kube;
 pub mod kv;
 pub mod load_store;
+pub mod picker;
 pub mod subscriptions;
 pub mod time;
 pub mod zmtp;

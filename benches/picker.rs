@@ -1,0 +1,273 @@
+//! Decision latency of the `LoadBasedPicker` over 1,000 candidate ranks (goal: p99 ≤ 5 µs).
+//!
+//! Two fleets: 500 decode workers × 2 dp ranks (1,000 decode ranks, no prefill pool), and 250
+//! decode + 250 prefill workers × 2 ranks (a prefill/decode pair over 500 + 500 ranks). Every
+//! rank has a fresh sample, and the ledger keeps the last 64 dispatches unanswered, as between two
+//! samples of a busy fleet. Each fleet runs against two `LoadView`s: a std `HashMap` keyed by
+//! `WorkerKey` (what a straightforward load-store adapter costs) and a dense `Vec` (close to the
+//! picker's own cost). Criterion reports the mean; the percentile pass after it times 20,000
+//! single picks and prints p50 / p99 / max, then the floor the `LoadView` API sets (1,000
+//! dynamic `sample` calls alone). `PICKER_BENCH=percentiles` skips criterion; `PICKER_VIEW=dense`
+//! or `=hashmap` keeps one view (for `perf record`).
+
+use std::collections::{HashMap, VecDeque};
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use continuum_protocol::ids::{DpRank, InstanceId, Namespace, WorkerKey};
+use continuum_protocol::picker::{
+    Candidate, CandidateRole, DynamoWorkerPicker, LoadBasedPicker, LoadView, PickOutcome,
+    PickRequest, PickerState, SampleState,
+};
+use continuum_protocol::time::Tick;
+use criterion::Criterion;
+
+const MODEL: &str = "Qwen/Qwen3-32B";
+const NAMESPACE: &str = "prod";
+const FIRST_ID: u64 = 0x694d_7b2c_9a4e_0000;
+/// Dispatches left unanswered at any time.
+const OUTSTANDING: usize = 64;
+
+struct Fleet {
+    name: &'static str,
+    candidates: Vec<Candidate>,
+}
+
+fn fleet(name: &'static str, decode_workers: u64, prefill_workers: u64) -> Fleet {
+    // One shared allocation per model, as a snapshot adapter would intern it.
+    let model: std::sync::Arc<str> = MODEL.into();
+    let mut candidates = Vec::new();
+    for w in 0..decode_workers + prefill_workers {
+        let role = if w < decode_workers {
+            CandidateRole::Decode
+        } else {
+            CandidateRole::Prefill
+        };
+        for rank in 0..2 {
+            candidates.push(Candidate {
+                worker: WorkerKey {
+                    namespace: Namespace::new(NAMESPACE),
+                    instance_id: InstanceId(FIRST_ID + w),
+                },
+                role,
+                model: model.clone(),
+                dp_rank: Some(DpRank(rank)),
+                rank_declared: true,
+                block_size: Some(16),
+                total_kv_blocks: Some(16_384),
+                max_num_batched_tokens: Some(8192),
+            });
+        }
+    }
+    Fleet { name, candidates }
+}
+
+/// A deterministic spread of loads, so costs differ and a few tie.
+fn sample_for(worker: u64, rank: u32) -> SampleState {
+    let mix = (worker.wrapping_mul(2_654_435_761) ^ (u64::from(rank) * 40_503)) % 4096;
+    SampleState::Fresh {
+        active_decode_blocks: Some(mix),
+        active_prefill_tokens: Some(mix * 2),
+        kv_used_blocks: Some(mix),
+    }
+}
+
+/// Samples per worker, ranks in a small vector: one std `HashMap` lookup per rank.
+struct MapLoad(HashMap<WorkerKey, Vec<SampleState>>);
+
+impl LoadView for MapLoad {
+    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+        self.0
+            .get(worker)
+            .and_then(|ranks| ranks.get(rank.0 as usize))
+            .copied()
+            .unwrap_or(SampleState::Never)
+    }
+}
+
+struct DenseLoad(Vec<SampleState>);
+
+impl LoadView for DenseLoad {
+    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+        let index = (worker.instance_id.0.wrapping_sub(FIRST_ID) * 2 + u64::from(rank.0)) as usize;
+        self.0.get(index).copied().unwrap_or(SampleState::Never)
+    }
+}
+
+fn map_load(fleet: &Fleet) -> MapLoad {
+    let mut map: HashMap<WorkerKey, Vec<SampleState>> = HashMap::new();
+    for c in &fleet.candidates {
+        let sample = sample_for(c.worker.instance_id.0 - FIRST_ID, c.rank().0);
+        map.entry(c.worker.clone()).or_default().push(sample);
+    }
+    MapLoad(map)
+}
+
+fn dense_load(fleet: &Fleet) -> DenseLoad {
+    DenseLoad(
+        fleet
+            .candidates
+            .iter()
+            .map(|c| sample_for(c.worker.instance_id.0 - FIRST_ID, c.rank().0))
+            .collect(),
+    )
+}
+
+/// Picks in a loop, answering each dispatch `OUTSTANDING` picks later, 100 µs apart.
+struct Driver<'a> {
+    fleet: &'a Fleet,
+    load: &'a dyn LoadView,
+    namespaces: Vec<Namespace>,
+    state: PickerState,
+    now: Tick,
+    unanswered: VecDeque<WorkerKey>,
+}
+
+impl<'a> Driver<'a> {
+    fn new(fleet: &'a Fleet, load: &'a dyn LoadView) -> Self {
+        Self {
+            fleet,
+            load,
+            namespaces: vec![Namespace::new(NAMESPACE)],
+            state: PickerState::new(),
+            now: Tick::ZERO,
+            unanswered: VecDeque::new(),
+        }
+    }
+
+    fn pick(&mut self) -> PickOutcome {
+        let req = PickRequest {
+            model: MODEL,
+            eligible_namespaces: &self.namespaces,
+            estimated_prompt_tokens: 1500,
+            load_signals: true,
+        };
+        LoadBasedPicker.pick(
+            &req,
+            &self.fleet.candidates,
+            self.load,
+            &mut self.state,
+            self.now,
+        )
+    }
+
+    fn settle(&mut self, outcome: PickOutcome) {
+        if let PickOutcome::Picked(pick) = outcome {
+            self.unanswered.push_back(pick.decode.worker);
+            if let Some(prefill) = pick.prefill {
+                self.unanswered.push_back(prefill.worker);
+            }
+        }
+        self.now = self.now.plus(Duration::from_micros(100));
+        while self.unanswered.len() > OUTSTANDING {
+            if let Some(worker) = self.unanswered.pop_front() {
+                self.state.ledger.sample_arrived(&worker, self.now);
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let outcome = self.pick();
+        self.settle(black_box(outcome));
+    }
+}
+
+fn percentiles(fleet: &Fleet, view: &str, load: &dyn LoadView, picks: usize) {
+    let mut driver = Driver::new(fleet, load);
+    for _ in 0..1_000.min(picks) {
+        driver.step();
+    }
+    let mut nanos = Vec::with_capacity(picks);
+    for _ in 0..picks {
+        let start = Instant::now();
+        let outcome = driver.pick();
+        let elapsed = start.elapsed();
+        driver.settle(black_box(outcome));
+        nanos.push(elapsed.as_nanos() as u64);
+    }
+    nanos.sort_unstable();
+    let at = |q: f64| nanos[((nanos.len() - 1) as f64 * q) as usize];
+    println!(
+        "pick/{}/{view}: n={} p50={:.2}µs p99={:.2}µs max={:.2}µs (ledger {} dispatches)",
+        fleet.name,
+        nanos.len(),
+        at(0.50) as f64 / 1e3,
+        at(0.99) as f64 / 1e3,
+        at(1.0) as f64 / 1e3,
+        driver.state.ledger.len(),
+    );
+}
+
+/// The floor the `LoadView` API sets: one dynamic `sample` call per candidate and nothing else.
+fn view_floor(fleet: &Fleet, view: &str, load: &dyn LoadView, rounds: usize) {
+    // Opaque to the optimiser, so the calls stay dynamic as in the picker.
+    let load: &dyn LoadView = black_box(load);
+    let mut nanos = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let start = Instant::now();
+        let mut sum = 0u64;
+        for c in black_box(&fleet.candidates) {
+            if let SampleState::Fresh {
+                kv_used_blocks: Some(v),
+                ..
+            } = load.sample(&c.worker, c.rank())
+            {
+                sum = sum.wrapping_add(v);
+            }
+        }
+        black_box(sum);
+        nanos.push(start.elapsed().as_nanos() as u64);
+    }
+    nanos.sort_unstable();
+    println!(
+        "view_floor/{}/{view}: p50={:.2}µs ({} sample calls)",
+        fleet.name,
+        nanos[nanos.len() / 2] as f64 / 1e3,
+        fleet.candidates.len(),
+    );
+}
+
+fn main() {
+    let fleets = [
+        fleet("decode_1000_ranks", 500, 0),
+        fleet("pair_500_500_ranks", 250, 250),
+    ];
+    let measuring = std::env::args().any(|a| a == "--bench");
+    // PICKER_BENCH=percentiles skips criterion (for `perf stat` over the percentile pass alone).
+    let criterion_too = std::env::var("PICKER_BENCH").map_or(true, |v| v != "percentiles");
+    let mut criterion = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    for fleet in fleets.iter().filter(|_| criterion_too) {
+        let map = map_load(fleet);
+        let dense = dense_load(fleet);
+        let views: [(&str, &dyn LoadView); 2] = [("hashmap_view", &map), ("dense_view", &dense)];
+        for (view, load) in views {
+            let mut driver = Driver::new(fleet, load);
+            criterion.bench_function(&format!("pick/{}/{view}", fleet.name), |b| {
+                b.iter(|| driver.step())
+            });
+        }
+    }
+    criterion.final_summary();
+    // Under `cargo test` (no --bench) a short pass only checks the harness runs.
+    let picks = if measuring { 20_000 } else { 50 };
+    // PICKER_VIEW=dense or =hashmap narrows the percentile pass to one view (for profiling).
+    let view = std::env::var("PICKER_VIEW").unwrap_or_default();
+    for fleet in &fleets {
+        if view != "dense" {
+            percentiles(fleet, "hashmap_view", &map_load(fleet), picks);
+        }
+        if view != "hashmap" {
+            percentiles(fleet, "dense_view", &dense_load(fleet), picks);
+        }
+    }
+    let floor = &fleets[0];
+    if view != "dense" {
+        view_floor(floor, "hashmap_view", &map_load(floor), picks);
+    }
+    if view != "hashmap" {
+        view_floor(floor, "dense_view", &dense_load(floor), picks);
+    }
+}

@@ -1,0 +1,89 @@
+//! The tokenizer-free prompt-size estimate the load-only picker charges a request with.
+//!
+//! The load-only picker has no tokenizer, so it estimates coarsely: English averages about four
+//! characters or three quarters of a word per token, and the larger of the two guards against
+//! either count alone undershooting (long words, dense punctuation). A non-ASCII character (CJK,
+//! most emoji) is usually a token of its own, so it counts one. Each chat message adds a few
+//! tokens of template framing (role markers), and the assistant turn prime adds a few more.
+
+/// Template framing per chat message (role header and separators).
+pub const TOKENS_PER_MESSAGE: u64 = 4;
+
+/// The assistant turn the chat template appends after the last message.
+pub const TOKENS_PER_PROMPT: u64 = 3;
+
+/// Estimated tokens of one text: `max(ceil(ascii_chars / 4), ceil(words * 4 / 3))` plus one per
+/// non-ASCII character.
+pub fn estimate_text_tokens(text: &str) -> u64 {
+    let mut ascii: u64 = 0;
+    let mut non_ascii: u64 = 0;
+    let mut words: u64 = 0;
+    let mut in_word = false;
+    for ch in text.chars() {
+        if ch.is_ascii() {
+            ascii += 1;
+        } else {
+            non_ascii += 1;
+        }
+        if ch.is_whitespace() {
+            in_word = false;
+        } else if !in_word {
+            in_word = true;
+            words += 1;
+        }
+    }
+    ascii
+        .div_ceil(4)
+        .max(words.saturating_mul(4).div_ceil(3))
+        .saturating_add(non_ascii)
+}
+
+/// Estimated prompt tokens of a chat request from its messages' text (one item per message, with
+/// multi-part contents joined or passed as separate items of one message by the caller). An empty
+/// request estimates to zero.
+pub fn estimate_prompt_tokens<'a>(messages: impl IntoIterator<Item = &'a str>) -> u64 {
+    let mut total: u64 = 0;
+    let mut any = false;
+    for text in messages {
+        any = true;
+        total = total
+            .saturating_add(estimate_text_tokens(text))
+            .saturating_add(TOKENS_PER_MESSAGE);
+    }
+    if any {
+        total.saturating_add(TOKENS_PER_PROMPT)
+    } else {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn characters_dominate_for_long_words() {
+        // 26 ASCII characters, one word: ceil(26 / 4) = 7 beats ceil(4 / 3) = 2.
+        assert_eq!(estimate_text_tokens("abcdefghijklmnopqrstuvwxyz"), 7);
+    }
+
+    #[test]
+    fn words_dominate_for_short_words() {
+        // "a b c d e f": 11 characters -> 3; 6 words -> ceil(24 / 3) = 8.
+        assert_eq!(estimate_text_tokens("a b c d e f"), 8);
+    }
+
+    #[test]
+    fn non_ascii_characters_count_one_each() {
+        // Four CJK characters, one word, no ASCII: max(0, ceil(4 / 3) = 2) + 4 = 6.
+        assert_eq!(estimate_text_tokens("你好世界"), 6);
+    }
+
+    #[test]
+    fn messages_add_template_framing() {
+        // "hello" = max(2, 2) = 2; "hi there" = max(2, 3) = 3; framing 2 * 4 + 3.
+        assert_eq!(estimate_prompt_tokens(["hello", "hi there"]), 2 + 3 + 8 + 3);
+        assert_eq!(estimate_prompt_tokens(std::iter::empty::<&str>()), 0);
+        assert_eq!(estimate_text_tokens(""), 0);
+    }
+}

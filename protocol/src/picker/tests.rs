@@ -1,0 +1,1112 @@
+//! Rule-by-rule tests of the load-based picker, with hand-computed costs, and a property test of
+//! its structural guarantees over random fleets.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::load_based::{Cost, RequestSize, Scored, score};
+use super::*;
+use crate::ids::{InstanceId, Namespace, WorkerKey};
+
+const MODEL: &str = "Qwen/Qwen3-0.6B";
+
+fn key(ns: &str, id: u64) -> WorkerKey {
+    WorkerKey {
+        namespace: Namespace::new(ns),
+        instance_id: InstanceId(id),
+    }
+}
+
+/// A candidate with block size 16, 100 KV blocks and a prefill budget of 1,000 tokens.
+fn cand(ns: &str, id: u64, role: CandidateRole) -> Candidate {
+    Candidate {
+        worker: key(ns, id),
+        role,
+        model: MODEL.into(),
+        dp_rank: Some(DpRank(0)),
+        rank_declared: true,
+        block_size: Some(16),
+        total_kv_blocks: Some(100),
+        max_num_batched_tokens: Some(1000),
+    }
+}
+
+fn decode(id: u64) -> Candidate {
+    cand("ns", id, CandidateRole::Decode)
+}
+
+fn prefill(id: u64) -> Candidate {
+    cand("ns", id, CandidateRole::Prefill)
+}
+
+fn fresh_decode(blocks: u64) -> SampleState {
+    SampleState::Fresh {
+        active_decode_blocks: Some(blocks),
+        active_prefill_tokens: None,
+        kv_used_blocks: None,
+    }
+}
+
+fn fresh_prefill(tokens: u64) -> SampleState {
+    SampleState::Fresh {
+        active_decode_blocks: Some(0),
+        active_prefill_tokens: Some(tokens),
+        kv_used_blocks: None,
+    }
+}
+
+#[derive(Default)]
+struct FakeLoad(HashMap<(WorkerKey, DpRank), SampleState>);
+
+impl FakeLoad {
+    fn with(mut self, ns: &str, id: u64, sample: SampleState) -> Self {
+        self.0.insert((key(ns, id), DpRank(0)), sample);
+        self
+    }
+
+    fn set(&mut self, ns: &str, id: u64, rank: u32, sample: SampleState) {
+        self.0.insert((key(ns, id), DpRank(rank)), sample);
+    }
+}
+
+impl LoadView for FakeLoad {
+    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+        self.0
+            .get(&(worker.clone(), rank))
+            .copied()
+            .unwrap_or(SampleState::Never)
+    }
+}
+
+fn secs(s: u64) -> Tick {
+    Tick(Duration::from_secs(s))
+}
+
+/// A 32-token request: 2 blocks of 16.
+const TOKENS: u64 = 32;
+
+struct Harness {
+    namespaces: Vec<Namespace>,
+    candidates: Vec<Candidate>,
+    load: FakeLoad,
+    state: PickerState,
+    tokens: u64,
+    load_signals: bool,
+}
+
+impl Harness {
+    fn new(candidates: Vec<Candidate>, load: FakeLoad) -> Self {
+        Self {
+            namespaces: vec![Namespace::new("ns")],
+            candidates,
+            load,
+            state: PickerState::new(),
+            tokens: TOKENS,
+            load_signals: true,
+        }
+    }
+
+    fn outcome(&mut self, now: Tick) -> PickOutcome {
+        let req = PickRequest {
+            model: MODEL,
+            eligible_namespaces: &self.namespaces,
+            estimated_prompt_tokens: self.tokens,
+            load_signals: self.load_signals,
+        };
+        LoadBasedPicker.pick(&req, &self.candidates, &self.load, &mut self.state, now)
+    }
+
+    fn pick(&mut self, now: Tick) -> Pick {
+        match self.outcome(now) {
+            PickOutcome::Picked(pick) => pick,
+            PickOutcome::NoCandidates(why) => panic!("expected a pick, got {why:?}"),
+        }
+    }
+
+    /// The decode instance ids of `n` picks at `now`.
+    fn decode_ids(&mut self, n: usize, now: Tick) -> Vec<u64> {
+        (0..n)
+            .map(|_| self.pick(now).decode.worker.instance_id.0)
+            .collect()
+    }
+
+    fn prefill_id(&mut self, now: Tick) -> Option<u64> {
+        self.pick(now).prefill.map(|p| p.worker.instance_id.0)
+    }
+}
+
+// ---- Cost formulas -------------------------------------------------------------------------
+
+#[test]
+fn decode_cost_adds_request_blocks_to_active_decode_blocks_over_total_kv_blocks() {
+    // A: (10 + ceil(32/16)) / 100 = 0.12.  B: (5 + 2) / 40 = 0.175.  A wins with more blocks.
+    let mut b = decode(2);
+    b.total_kv_blocks = Some(40);
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(10))
+        .with("ns", 2, fresh_decode(5));
+    let scored = score(
+        Phase::Decode,
+        &b,
+        load.sample(&key("ns", 2), DpRank(0)),
+        None,
+        &mut RequestSize::new(TOKENS),
+        secs(0),
+    );
+    assert_eq!(scored.cost, Some(Cost { num: 7, den: 40 }));
+    let mut h = Harness::new(vec![decode(1), b], load);
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.decode.worker.instance_id.0, 1);
+    assert_eq!(pick.reasons.decode, SelectionReason::Load);
+}
+
+#[test]
+fn decode_cost_falls_back_to_kv_used_blocks_when_active_decode_blocks_is_nil() {
+    // A: nil active_decode_blocks, kv_used 50 -> (50 + 2) / 100.  B: active 20 (its kv_used 90 is
+    // ignored) -> (20 + 2) / 100.  B wins; with A at kv_used 10 -> 12/100, A wins.
+    let a_sample = |kv| SampleState::Fresh {
+        active_decode_blocks: None,
+        active_prefill_tokens: None,
+        kv_used_blocks: Some(kv),
+    };
+    let b_sample = SampleState::Fresh {
+        active_decode_blocks: Some(20),
+        active_prefill_tokens: None,
+        kv_used_blocks: Some(90),
+    };
+    let load = FakeLoad::default()
+        .with("ns", 1, a_sample(50))
+        .with("ns", 2, b_sample);
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.pick(secs(0)).decode.worker.instance_id.0, 2);
+
+    let load = FakeLoad::default()
+        .with("ns", 1, a_sample(10))
+        .with("ns", 2, b_sample);
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.pick(secs(0)).decode.worker.instance_id.0, 1);
+}
+
+#[test]
+fn prefill_cost_is_active_prefill_tokens_over_max_num_batched_tokens() {
+    // P1: 4000 / 8192 = 0.49.  P2: 1000 / 1024 = 0.98.  P1 wins with more tokens queued.
+    let mut p1 = prefill(11);
+    p1.max_num_batched_tokens = Some(8192);
+    let mut p2 = prefill(12);
+    p2.max_num_batched_tokens = Some(1024);
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 11, fresh_prefill(4000))
+        .with("ns", 12, fresh_prefill(1000));
+    let mut h = Harness::new(vec![decode(1), p1, p2], load);
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.prefill.map(|p| p.worker.instance_id.0), Some(11));
+    assert_eq!(pick.reasons.prefill, SelectionReason::Load);
+}
+
+#[test]
+fn costs_compare_exactly_so_equal_ratios_tie() {
+    // 1/3 and 2/6 are equal; 1/3 < 334/1000.
+    assert_eq!(
+        Cost { num: 1, den: 3 }.cmp(&Cost { num: 2, den: 6 }),
+        std::cmp::Ordering::Equal
+    );
+    assert!(
+        Cost { num: 1, den: 3 }
+            < Cost {
+                num: 334,
+                den: 1000
+            }
+    );
+    assert!(
+        Cost {
+            num: u64::MAX,
+            den: 1
+        } > Cost {
+            num: u64::MAX - 1,
+            den: 1
+        }
+    );
+}
+
+// ---- Staleness: quiet, silent under load, no fresh sample -------------------------------------
+
+#[test]
+fn quiet_candidates_compete_with_zero_backlog() {
+    // A fresh at 30 blocks: 32/100.  B never sampled and C stale without backlog: 2/100 each, so
+    // they win and tie, rotating.
+    let load = FakeLoad::default().with("ns", 1, fresh_decode(30)).with(
+        "ns",
+        3,
+        SampleState::Stale {
+            last_had_backlog: false,
+        },
+    );
+    let mut h = Harness::new(vec![decode(1), decode(2), decode(3)], load);
+    // Ledger backlog would break the tie; answer each dispatch immediately.
+    let mut ids = Vec::new();
+    for t in 0..4 {
+        let pick = h.pick(secs(t));
+        assert_eq!(pick.reasons.decode, SelectionReason::Load);
+        let worker = pick.decode.worker.clone();
+        ids.push(worker.instance_id.0);
+        h.state
+            .ledger
+            .sample_arrived(&worker, secs(t).plus(Duration::from_millis(1)));
+    }
+    assert_eq!(ids, vec![2, 3, 2, 3]);
+}
+
+#[test]
+fn a_stale_sample_is_quiet_only_when_it_reported_no_backlog() {
+    assert_eq!(
+        SampleState::from_last(false, Some(0), None, Some(0)),
+        SampleState::Stale {
+            last_had_backlog: false
+        }
+    );
+    assert_eq!(
+        SampleState::from_last(false, None, None, Some(3)),
+        SampleState::Stale {
+            last_had_backlog: true
+        }
+    );
+    assert_eq!(
+        SampleState::from_last(true, None, None, Some(3)),
+        SampleState::Fresh {
+            active_decode_blocks: None,
+            active_prefill_tokens: None,
+            kv_used_blocks: Some(3),
+        }
+    );
+}
+
+#[test]
+fn silent_under_load_is_not_chosen_while_another_has_a_cost() {
+    // A's last sample reported a backlog and aged out: no cost. B is nearly full (92/100) but has
+    // a cost, so B takes every request.
+    let load = FakeLoad::default()
+        .with(
+            "ns",
+            1,
+            SampleState::Stale {
+                last_had_backlog: true,
+            },
+        )
+        .with("ns", 2, fresh_decode(90));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.decode_ids(4, secs(0)), vec![2, 2, 2, 2]);
+}
+
+#[test]
+fn a_fresh_sample_without_the_phase_field_has_no_cost() {
+    // P1's fresh sample has nil active_prefill_tokens (dynamo.vllm): undefined. P2 reports 900 of
+    // 1000 and still takes every prefill.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 11, fresh_decode(0))
+        .with("ns", 12, fresh_prefill(900));
+    let mut h = Harness::new(vec![decode(1), prefill(11), prefill(12)], load);
+    for t in 0..3 {
+        assert_eq!(h.prefill_id(secs(t)), Some(12));
+    }
+}
+
+#[test]
+fn a_candidate_without_capacity_has_no_cost() {
+    // A is idle but its card carries no total_kv_blocks: undefined. B at 50/100 wins.
+    let mut a = decode(1);
+    a.total_kv_blocks = None;
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 2, fresh_decode(50));
+    let mut h = Harness::new(vec![a, decode(2)], load);
+    assert_eq!(h.decode_ids(3, secs(0)), vec![2, 2, 2]);
+}
+
+#[test]
+fn no_capacity_on_any_card_rotates_round_robin() {
+    let mut a = decode(1);
+    a.total_kv_blocks = None;
+    let mut b = decode(2);
+    b.block_size = None;
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 2, fresh_decode(0));
+    let mut h = Harness::new(vec![a, b], load);
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.reasons.decode, SelectionReason::RoundRobin);
+    assert_eq!(h.decode_ids(3, secs(0)), vec![2, 1, 2]);
+}
+
+#[test]
+fn equal_costs_rotate_on_the_phase_cursor() {
+    // A, B, C at (10 + 2) / 100 tie; D at 12/50 never wins. Zero-token requests add no ledger
+    // blocks, so the tie holds.
+    let mut d = decode(4);
+    d.total_kv_blocks = Some(50);
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(10))
+        .with("ns", 2, fresh_decode(10))
+        .with("ns", 3, fresh_decode(10))
+        .with("ns", 4, fresh_decode(10));
+    let mut h = Harness::new(vec![decode(1), decode(2), decode(3), d], load);
+    h.tokens = 0;
+    assert_eq!(h.decode_ids(5, secs(0)), vec![1, 2, 3, 1, 2]);
+}
+
+#[test]
+fn equal_ratios_over_different_capacities_tie_and_rotate() {
+    // A: 12 / 100.  B: 6 / 50.  The same cost, so they rotate; C at 13 / 100 never wins.
+    let mut b = decode(2);
+    b.total_kv_blocks = Some(50);
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(12))
+        .with("ns", 2, fresh_decode(6))
+        .with("ns", 3, fresh_decode(13));
+    let mut h = Harness::new(vec![decode(1), b, decode(3)], load);
+    h.tokens = 0;
+    assert_eq!(h.decode_ids(4, secs(0)), vec![1, 2, 1, 2]);
+}
+
+#[test]
+fn without_a_fresh_field_the_cursor_rotates_across_all_candidates_round_robin_stale() {
+    // Nobody has a fresh decode field: A silent under load, B never sampled, C fresh but with
+    // neither decode field. All three rotate, the silent one included.
+    let c_sample = SampleState::Fresh {
+        active_decode_blocks: None,
+        active_prefill_tokens: Some(5),
+        kv_used_blocks: None,
+    };
+    let load = FakeLoad::default()
+        .with(
+            "ns",
+            1,
+            SampleState::Stale {
+                last_had_backlog: true,
+            },
+        )
+        .with("ns", 3, c_sample);
+    let mut h = Harness::new(vec![decode(1), decode(2), decode(3)], load);
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.reasons.decode, SelectionReason::RoundRobinStale);
+    assert_eq!(h.decode_ids(4, secs(0)), vec![2, 3, 1, 2]);
+}
+
+#[test]
+fn a_vllm_prefill_pool_rotates_round_robin_stale_while_decode_uses_load() {
+    let vllm = SampleState::Fresh {
+        active_decode_blocks: None,
+        active_prefill_tokens: None,
+        kv_used_blocks: Some(3),
+    };
+    let load = FakeLoad::default()
+        .with("ns", 1, vllm)
+        .with("ns", 11, vllm)
+        .with("ns", 12, vllm);
+    let mut h = Harness::new(vec![decode(1), prefill(11), prefill(12)], load);
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.reasons.decode, SelectionReason::Load);
+    assert_eq!(pick.reasons.prefill, SelectionReason::RoundRobinStale);
+    assert_eq!(pick.prefill.map(|p| p.worker.instance_id.0), Some(11));
+    assert_eq!(h.prefill_id(secs(0)), Some(12));
+    assert_eq!(h.prefill_id(secs(0)), Some(11));
+}
+
+#[test]
+fn without_load_signals_the_cursor_rotates_round_robin_and_records_nothing() {
+    let load = FakeLoad::default().with("ns", 1, fresh_decode(99));
+    let mut h = Harness::new(vec![decode(1), decode(2), prefill(11)], load);
+    h.load_signals = false;
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.reasons.decode, SelectionReason::RoundRobin);
+    assert_eq!(pick.reasons.prefill, SelectionReason::RoundRobin);
+    assert_eq!(pick.dispatch, None);
+    assert!(h.state.ledger.is_empty());
+    assert_eq!(h.decode_ids(3, secs(0)), vec![2, 1, 2]);
+}
+
+#[test]
+fn dropped_samples_after_a_missed_change_read_as_quiet() {
+    // A's held sample says busy (80/100): B (40/100) wins. The subscription saw a gap and dropped
+    // A's samples, so A reads as never sampled: quiet, zero backlog, and it wins.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(80))
+        .with("ns", 2, fresh_decode(40));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.decode_ids(1, secs(0)), vec![2]);
+    h.load.0.remove(&(key("ns", 1), DpRank(0)));
+    assert_eq!(h.decode_ids(1, secs(0)), vec![1]);
+}
+
+// ---- Unanswered dispatches and stalls -----------------------------------------------------------
+
+#[test]
+fn unanswered_dispatches_fill_a_quiet_worker_up_to_its_peers_load() {
+    // A is quiet (never publishes), B reports 5 blocks. Each request is 2 blocks. A costs
+    // 0+2, 2+2, 4+2 (vs B's 5+2) for three requests, then 6+2 > 7: B takes the fourth.
+    let load = FakeLoad::default().with("ns", 2, fresh_decode(5));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.decode_ids(4, secs(0)), vec![1, 1, 1, 2]);
+    let a = key("ns", 1);
+    assert_eq!(
+        h.state.ledger.backlog(&a, DpRank(0), secs(0)).decode_blocks,
+        6
+    );
+}
+
+#[test]
+fn a_sample_answers_every_dispatch_before_it() {
+    let load = FakeLoad::default().with("ns", 2, fresh_decode(5));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.decode_ids(4, secs(0)), vec![1, 1, 1, 2]);
+    // A sample from A (any rank) clears its 6 blocks: A costs 2 again and wins.
+    h.state.ledger.sample_arrived(&key("ns", 1), secs(1));
+    assert_eq!(h.decode_ids(1, secs(1)), vec![1]);
+}
+
+#[test]
+fn unanswered_dispatches_age_out_after_thirty_seconds() {
+    let load = FakeLoad::default().with("ns", 2, fresh_decode(5));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    h.tokens = 16 * 4; // 4 blocks: A goes 0+4 < 9, then 4+4 < 9, then 8+4 > 9.
+    assert_eq!(h.decode_ids(3, secs(0)), vec![1, 1, 2]);
+    // B's own dispatch ages out with A's; B reports 5 again. At 30 s A is back to 4 < 9.
+    assert_eq!(h.decode_ids(1, secs(30)), vec![1]);
+}
+
+#[test]
+fn a_stalled_rank_is_not_chosen_while_another_has_a_cost() {
+    // A (0 blocks) takes a 2-block request at t=0 and never answers. At t=5 s A would cost
+    // (0 + 2 + 2) / 100, cheaper than B's (50 + 2) / 100, but A is stalled: B wins.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 2, fresh_decode(50));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.decode_ids(1, secs(0)), vec![1]);
+    assert_eq!(h.decode_ids(1, Tick::from_millis(4_999)), vec![1]);
+    let pick = h.pick(secs(5));
+    assert_eq!(pick.decode.worker.instance_id.0, 2);
+    assert_eq!(pick.reasons.decode, SelectionReason::Load);
+    // A sample from A clears the stall.
+    h.state.ledger.sample_arrived(&key("ns", 1), secs(6));
+    assert_eq!(h.decode_ids(1, secs(6)), vec![1]);
+}
+
+#[test]
+fn a_stall_lasts_until_the_request_ages_out() {
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 2, fresh_decode(50));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.decode_ids(1, secs(0)), vec![1]);
+    assert_eq!(h.decode_ids(1, secs(29)), vec![2]);
+    assert_eq!(h.decode_ids(1, secs(30)), vec![1]);
+}
+
+#[test]
+fn a_one_block_request_never_marks_a_stall() {
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 2, fresh_decode(50));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    h.tokens = 16;
+    assert_eq!(h.decode_ids(1, secs(0)), vec![1]);
+    assert_eq!(h.decode_ids(1, secs(10)), vec![1]);
+}
+
+#[test]
+fn the_decode_half_of_a_pair_never_stalls_but_its_prefill_does() {
+    // D1 (0 blocks) and P11 (0 tokens) serve the t=0 pair and never answer. At t=5 s D1 still
+    // wins decode ((0 + 2 + 2) / 100 vs (50 + 2) / 100): the decode half is exempt. P11 is
+    // stalled (a 2-block prefill), so P12 (500/1000, versus P11's 32/1000) takes the prefill.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 2, fresh_decode(50))
+        .with("ns", 11, fresh_prefill(0))
+        .with("ns", 12, fresh_prefill(500));
+    let mut h = Harness::new(vec![decode(1), decode(2), prefill(11), prefill(12)], load);
+    let first = h.pick(secs(0));
+    assert_eq!(first.decode.worker.instance_id.0, 1);
+    assert_eq!(first.prefill.map(|p| p.worker.instance_id.0), Some(11));
+    let later = h.pick(secs(5));
+    assert_eq!(later.decode.worker.instance_id.0, 1);
+    assert_eq!(later.prefill.map(|p| p.worker.instance_id.0), Some(12));
+}
+
+#[test]
+fn an_ended_request_never_marks_a_stall() {
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 2, fresh_decode(50));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    let first = h.pick(secs(0));
+    assert_eq!(first.decode.worker.instance_id.0, 1);
+    // Refused by the frontend: it may never have reached the engine.
+    h.state
+        .ledger
+        .request_ended(first.dispatch.expect("load signals record dispatches"));
+    // Its 2 blocks still count as backlog: A costs 4/100 and wins.
+    assert_eq!(h.decode_ids(1, secs(5)), vec![1]);
+}
+
+#[test]
+fn a_withdrawn_pick_adds_no_backlog() {
+    let load = FakeLoad::default().with("ns", 2, fresh_decode(1));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    // A (0 + 2) beats B (1 + 2); withdrawn, A has no backlog and wins again.
+    for _ in 0..3 {
+        let pick = h.pick(secs(0));
+        assert_eq!(pick.decode.worker.instance_id.0, 1);
+        h.state.ledger.withdraw(pick.dispatch.expect("recorded"));
+    }
+}
+
+#[test]
+fn stalled_ranks_compete_on_cost_when_every_ranked_candidate_is_stalled() {
+    // Both take a request at t=0 (A first at 0+2, then B: A's 2+2 vs B's 1+2) and both stall.
+    // At t=5 s A costs (0 + 2 + 2) / 100 and B (1 + 2 + 2) / 100: both stalled, A wins.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(0))
+        .with("ns", 2, fresh_decode(1));
+    let mut h = Harness::new(vec![decode(1), decode(2)], load);
+    assert_eq!(h.decode_ids(2, secs(0)), vec![1, 2]);
+    assert_eq!(h.decode_ids(1, secs(5)), vec![1]);
+}
+
+#[test]
+fn a_stall_is_ignored_when_no_candidate_has_a_fresh_sample() {
+    // Nobody ever published: round_robin_stale rotates A, B, A, ... and A's unanswered t=0
+    // request does not keep it out at t=5 s.
+    let mut h = Harness::new(vec![decode(1), decode(2)], FakeLoad::default());
+    assert_eq!(h.decode_ids(1, secs(0)), vec![1]);
+    let ids = h.decode_ids(2, secs(5));
+    assert_eq!(ids, vec![2, 1]);
+    let pick = h.pick(secs(5));
+    assert_eq!(pick.reasons.decode, SelectionReason::RoundRobinStale);
+}
+
+// ---- Mixed namespaces ---------------------------------------------------------------------------
+
+#[test]
+fn aggregated_workers_sit_out_beside_a_prefill_decode_pool() {
+    // The idle aggregated worker would be cheapest, but its namespace pairs prefill with decode.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(60))
+        .with("ns", 21, fresh_decode(0));
+    let candidates = vec![
+        decode(1),
+        prefill(11),
+        cand("ns", 21, CandidateRole::Aggregated),
+    ];
+    let mut h = Harness::new(candidates, load);
+    for t in 0..3 {
+        let pick = h.pick(secs(t));
+        assert_eq!(pick.decode.worker.instance_id.0, 1);
+        assert_eq!(pick.prefill.map(|p| p.worker.instance_id.0), Some(11));
+    }
+}
+
+#[test]
+fn an_aggregated_decode_winner_gets_no_prefill_even_beside_prefill_workers() {
+    // Prefill + aggregated, no decode worker: the aggregated worker decodes, alone.
+    let candidates = vec![prefill(11), cand("ns", 21, CandidateRole::Aggregated)];
+    let mut h = Harness::new(candidates, FakeLoad::default());
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.decode.worker.instance_id.0, 21);
+    assert_eq!(pick.decode.role, CandidateRole::Aggregated);
+    assert_eq!(pick.prefill, None);
+    assert_eq!(pick.reasons.prefill, SelectionReason::NoPrefillPool);
+    assert_eq!(pick.reasons.labels()[1], ("prefill", "no_prefill_pool"));
+}
+
+#[test]
+fn decode_and_aggregated_workers_compete_without_a_prefill_pool() {
+    // Decode at 40/100 vs aggregated at 10/100: the aggregated worker wins; no prefill pool.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(38))
+        .with("ns", 21, fresh_decode(8));
+    let candidates = vec![decode(1), cand("ns", 21, CandidateRole::Aggregated)];
+    let mut h = Harness::new(candidates, load);
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.decode.worker.instance_id.0, 21);
+    assert_eq!(pick.reasons.prefill, SelectionReason::NoPrefillPool);
+    // A decode winner without a prefill pool is pinned alone too.
+    let mut h = Harness::new(vec![decode(1)], FakeLoad::default());
+    let pick = h.pick(secs(0));
+    assert_eq!(
+        (pick.prefill, pick.reasons.prefill),
+        (None, SelectionReason::NoPrefillPool)
+    );
+}
+
+#[test]
+fn decode_is_compared_across_namespaces_then_prefill_within_the_winner() {
+    // ns "a": busy decode (70/100), idle prefill. ns "b": idle decode, busy prefill (900/1000).
+    // Decode goes to b, and the prefill stays in b despite a's idle prefill.
+    let load = FakeLoad::default()
+        .with("a", 1, fresh_decode(70))
+        .with("a", 11, fresh_prefill(0))
+        .with("b", 2, fresh_decode(0))
+        .with("b", 12, fresh_prefill(900));
+    let candidates = vec![
+        cand("a", 1, CandidateRole::Decode),
+        cand("a", 11, CandidateRole::Prefill),
+        cand("b", 2, CandidateRole::Decode),
+        cand("b", 12, CandidateRole::Prefill),
+    ];
+    let mut h = Harness::new(candidates, load);
+    h.namespaces = vec![Namespace::new("a"), Namespace::new("b")];
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.namespace, Namespace::new("b"));
+    assert_eq!(pick.decode.worker, key("b", 2));
+    assert_eq!(pick.prefill.map(|p| p.worker), Some(key("b", 12)));
+}
+
+#[test]
+fn roles_are_judged_per_namespace() {
+    // ns "a" has prefill + decode (its aggregated worker sits out); ns "b" has only an aggregated
+    // worker, which stays a decode candidate and wins on cost (0 vs 60 blocks).
+    let load = FakeLoad::default()
+        .with("a", 1, fresh_decode(60))
+        .with("a", 21, fresh_decode(0))
+        .with("b", 22, fresh_decode(0));
+    let candidates = vec![
+        cand("a", 1, CandidateRole::Decode),
+        cand("a", 11, CandidateRole::Prefill),
+        cand("a", 21, CandidateRole::Aggregated),
+        cand("b", 22, CandidateRole::Aggregated),
+    ];
+    let mut h = Harness::new(candidates, load);
+    h.namespaces = vec![Namespace::new("a"), Namespace::new("b")];
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.decode.worker, key("b", 22));
+    assert_eq!(pick.prefill, None);
+}
+
+#[test]
+fn ineligible_namespaces_and_other_models_are_never_chosen() {
+    let mut other_model = decode(3);
+    other_model.model = "other".into();
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh_decode(90))
+        .with("ns", 3, fresh_decode(0))
+        .with("nopool", 2, fresh_decode(0));
+    let candidates = vec![
+        decode(1),
+        cand("nopool", 2, CandidateRole::Decode),
+        other_model,
+    ];
+    let mut h = Harness::new(candidates, load);
+    assert_eq!(h.decode_ids(3, secs(0)), vec![1, 1, 1]);
+}
+
+#[test]
+fn no_worker_for_the_model_falls_through() {
+    let mut h = Harness::new(
+        vec![cand("other", 1, CandidateRole::Decode)],
+        FakeLoad::default(),
+    );
+    assert_eq!(
+        h.outcome(secs(0)),
+        PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel)
+    );
+    let mut h = Harness::new(vec![prefill(11)], FakeLoad::default());
+    assert_eq!(
+        h.outcome(secs(0)),
+        PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker)
+    );
+    assert!(h.state.ledger.is_empty());
+}
+
+// ---- Ranks, cursors, labels ---------------------------------------------------------------------
+
+#[test]
+fn each_dp_rank_is_a_candidate_with_its_own_sample() {
+    let ranks: Vec<_> = dp_ranks(4, Some(2)).expect("small range").collect();
+    assert_eq!(
+        ranks,
+        vec![(Some(DpRank(4)), true), (Some(DpRank(5)), true)]
+    );
+    let candidates: Vec<_> = ranks
+        .into_iter()
+        .map(|(dp_rank, rank_declared)| Candidate {
+            dp_rank,
+            rank_declared,
+            ..decode(1)
+        })
+        .collect();
+    let mut load = FakeLoad::default();
+    load.set("ns", 1, 4, fresh_decode(50));
+    load.set("ns", 1, 5, fresh_decode(10));
+    let mut h = Harness::new(candidates, load);
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.decode.dp_rank, Some(DpRank(5)));
+    assert_eq!(pick.decode.rank_header(), Some(DpRank(5)));
+}
+
+#[test]
+fn rank_headers_are_sent_whenever_data_parallel_size_is_declared() {
+    assert_eq!(
+        dp_ranks(0, Some(0)).expect("zero").collect::<Vec<_>>(),
+        vec![(Some(DpRank(0)), true)]
+    );
+    assert_eq!(
+        dp_ranks(0, None).expect("undeclared").collect::<Vec<_>>(),
+        vec![(None, false)]
+    );
+    assert_eq!(
+        dp_ranks(0, Some(MAX_DP_RANKS_PER_WORKER + 1)).err(),
+        Some(PickerError::TooManyRanks {
+            size: MAX_DP_RANKS_PER_WORKER + 1
+        })
+    );
+    assert_eq!(
+        dp_ranks(u32::MAX, Some(2)).err(),
+        Some(PickerError::RankOverflow {
+            start: u32::MAX,
+            size: 2
+        })
+    );
+    let undeclared = Candidate {
+        dp_rank: None,
+        rank_declared: false,
+        ..decode(1)
+    };
+    let mut h = Harness::new(
+        vec![undeclared],
+        FakeLoad::default().with("ns", 1, fresh_decode(1)),
+    );
+    let pick = h.pick(secs(0));
+    assert_eq!(pick.decode.rank_header(), None);
+    // Samples of an undeclared worker are keyed by rank 0.
+    assert_eq!(pick.reasons.decode, SelectionReason::Load);
+}
+
+#[test]
+fn cursors_are_kept_per_model() {
+    // Two models alternating on one shared cursor would each see only even or odd offsets.
+    let mut candidates = vec![decode(1), decode(2)];
+    for id in [3, 4] {
+        candidates.push(Candidate {
+            model: "other".into(),
+            ..decode(id)
+        });
+    }
+    let mut h = Harness::new(candidates, FakeLoad::default());
+    let namespaces = h.namespaces.clone();
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        seen.extend(h.decode_ids(1, secs(0)));
+        let req = PickRequest {
+            model: "other",
+            eligible_namespaces: &namespaces,
+            estimated_prompt_tokens: TOKENS,
+            load_signals: true,
+        };
+        match LoadBasedPicker.pick(&req, &h.candidates, &h.load, &mut h.state, secs(0)) {
+            PickOutcome::Picked(pick) => seen.push(pick.decode.worker.instance_id.0),
+            PickOutcome::NoCandidates(why) => panic!("{why:?}"),
+        }
+    }
+    assert_eq!(seen, vec![1, 3, 2, 4]);
+    assert_eq!(h.state.cursor(MODEL, Phase::Decode), 2);
+}
+
+#[test]
+fn selection_labels_are_a_closed_distinct_set() {
+    let labels: Vec<_> = SelectionReason::ALL.iter().map(|r| r.as_label()).collect();
+    assert_eq!(
+        labels,
+        vec![
+            "load",
+            "round_robin_stale",
+            "round_robin",
+            "no_prefill_pool",
+            "kv_aware",
+            "conditional_bypass"
+        ]
+    );
+    assert_eq!(Phase::ALL.map(Phase::as_label), ["prefill", "decode"]);
+}
+
+#[test]
+fn the_picker_is_object_safe_and_shareable() {
+    let picker: std::sync::Arc<dyn DynamoWorkerPicker> =
+        std::sync::Arc::new(LoadBasedPicker::new());
+    assert_eq!(picker.name(), "load_based");
+    let mut state = PickerState::new();
+    let namespaces = [Namespace::new("ns")];
+    let req = PickRequest {
+        model: MODEL,
+        eligible_namespaces: &namespaces,
+        estimated_prompt_tokens: estimate_prompt_tokens(["hello"]),
+        load_signals: true,
+    };
+    let outcome = picker.pick(&req, &[decode(1)], &NoLoad, &mut state, secs(0));
+    assert!(matches!(outcome, PickOutcome::Picked(_)));
+}
+
+// ---- Properties ---------------------------------------------------------------------------------
+
+fn arb_sample() -> impl Strategy<Value = SampleState> {
+    prop_oneof![
+        Just(SampleState::Never),
+        any::<bool>().prop_map(|b| SampleState::Stale {
+            last_had_backlog: b
+        }),
+        (
+            proptest::option::of(0u64..200),
+            proptest::option::of(0u64..5000),
+            proptest::option::of(0u64..200)
+        )
+            .prop_map(|(d, p, k)| SampleState::Fresh {
+                active_decode_blocks: d,
+                active_prefill_tokens: p,
+                kv_used_blocks: k,
+            }),
+    ]
+}
+
+fn arb_role() -> impl Strategy<Value = CandidateRole> {
+    prop_oneof![
+        Just(CandidateRole::Prefill),
+        Just(CandidateRole::Decode),
+        Just(CandidateRole::Aggregated),
+    ]
+}
+
+#[derive(Clone, Debug)]
+struct ArbCandidate {
+    ns: usize,
+    id: u64,
+    role: CandidateRole,
+    model: usize,
+    ranks: u32,
+    capacity: bool,
+}
+
+fn arb_candidate() -> impl Strategy<Value = ArbCandidate> {
+    (
+        0usize..3,
+        1u64..6,
+        arb_role(),
+        0usize..2,
+        1u32..3,
+        proptest::bool::weighted(0.8),
+    )
+        .prop_map(|(ns, id, role, model, ranks, capacity)| ArbCandidate {
+            ns,
+            id,
+            role,
+            model,
+            ranks,
+            capacity,
+        })
+}
+
+/// One step of a random session: a pick, or a sample answering a worker's dispatches.
+#[derive(Clone, Debug)]
+enum Step {
+    Pick {
+        model: usize,
+        tokens: u64,
+        advance_ms: u64,
+    },
+    Sample {
+        ns: usize,
+        id: u64,
+    },
+    End {
+        nth: usize,
+    },
+}
+
+fn arb_step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        4 => (0usize..2, 0u64..400, 0u64..7000)
+            .prop_map(|(model, tokens, advance_ms)| Step::Pick { model, tokens, advance_ms }),
+        1 => (0usize..3, 1u64..6).prop_map(|(ns, id)| Step::Sample { ns, id }),
+        1 => (0usize..8).prop_map(|nth| Step::End { nth }),
+    ]
+}
+
+const NAMESPACES: [&str; 3] = ["a", "b", "c"];
+const MODELS: [&str; 2] = [MODEL, "other"];
+
+proptest! {
+    #[test]
+    fn picks_stay_eligible_graph_local_and_never_pair_prefill_with_aggregated(
+        arb in proptest::collection::vec(arb_candidate(), 0..14),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        eligible_mask in 1usize..8,
+        load_signals in proptest::bool::weighted(0.85),
+        steps in proptest::collection::vec(arb_step(), 1..20),
+    ) {
+        // Worker ids are unique per namespace: the first occurrence of (ns, id) wins.
+        let mut seen = std::collections::HashSet::new();
+        let mut candidates = Vec::new();
+        let mut load = FakeLoad::default();
+        for (i, a) in arb.iter().enumerate() {
+            if !seen.insert((a.ns, a.id)) {
+                continue;
+            }
+            for (offset, (dp_rank, rank_declared)) in
+                dp_ranks(0, Some(a.ranks)).expect("small").enumerate()
+            {
+                candidates.push(Candidate {
+                    worker: key(NAMESPACES[a.ns], a.id),
+                    role: a.role,
+                    model: MODELS[a.model].into(),
+                    dp_rank,
+                    rank_declared,
+                    block_size: a.capacity.then_some(if a.id % 2 == 0 { 16 } else { 32 }),
+                    // Capacities 50 and 100 make equal ratios with different terms.
+                    total_kv_blocks: a.capacity.then_some(if a.id % 3 == 0 { 50 } else { 100 }),
+                    max_num_batched_tokens: a.capacity.then_some(1000),
+                });
+                load.set(
+                    NAMESPACES[a.ns],
+                    a.id,
+                    offset as u32,
+                    samples[(i * 3 + offset) % samples.len()],
+                );
+            }
+        }
+        let namespaces: Vec<Namespace> = (0..3)
+            .filter(|i| eligible_mask & (1 << i) != 0)
+            .map(|i| Namespace::new(NAMESPACES[i]))
+            .collect();
+        let mut state = PickerState::new();
+        let mut now = Tick::ZERO;
+        let mut dispatches = Vec::new();
+        for step in steps {
+            let (model, tokens) = match step {
+                Step::Pick { model, tokens, advance_ms } => {
+                    now = now.plus(Duration::from_millis(advance_ms));
+                    (MODELS[model], tokens)
+                }
+                Step::Sample { ns, id } => {
+                    state.ledger.sample_arrived(&key(NAMESPACES[ns], id), now);
+                    continue;
+                }
+                Step::End { nth } => {
+                    if !dispatches.is_empty() {
+                        state.ledger.request_ended(dispatches[nth % dispatches.len()]);
+                    }
+                    continue;
+                }
+            };
+            let req = PickRequest {
+                model,
+                eligible_namespaces: &namespaces,
+                estimated_prompt_tokens: tokens,
+                load_signals,
+            };
+            let serving: Vec<&Candidate> = candidates
+                .iter()
+                .filter(|c| &*c.model == model && namespaces.contains(&c.worker.namespace))
+                .collect();
+            let has = |ns: &Namespace, role| {
+                serving.iter().any(|c| &c.worker.namespace == ns && c.role == role)
+            };
+            let pools = |ns: &Namespace| {
+                has(ns, CandidateRole::Prefill) && has(ns, CandidateRole::Decode)
+            };
+            let decodable = serving.iter().any(|c| match c.role {
+                CandidateRole::Decode => true,
+                CandidateRole::Aggregated => !pools(&c.worker.namespace),
+                CandidateRole::Prefill => false,
+            });
+            // Scores before the pick, for the cost-minimality check (the pick records a dispatch).
+            let ledger_now = |c: &Candidate, st: &PickerState, phase| {
+                let view = st.ledger.namespace(&c.worker.namespace);
+                score(phase, c, load.sample(&c.worker, c.rank()), view, &mut RequestSize::new(tokens), now)
+            };
+            state.ledger.expire(now);
+            let before: Vec<(Candidate, Scored)> = serving
+                .iter()
+                .map(|c| ((*c).clone(), ledger_now(c, &state, Phase::Decode)))
+                .collect();
+            let outcome = LoadBasedPicker.pick(&req, &candidates, &load, &mut state, now);
+            let pick = match outcome {
+                PickOutcome::NoCandidates(why) => {
+                    prop_assert!(!decodable, "fell through with decodable candidates: {why:?}");
+                    prop_assert_eq!(
+                        why,
+                        if serving.is_empty() {
+                            NoCandidates::NoWorkerForModel
+                        } else {
+                            NoCandidates::NoDecodeWorker
+                        }
+                    );
+                    continue;
+                }
+                PickOutcome::Picked(pick) => pick,
+            };
+            prop_assert!(decodable);
+            if let Some(id) = pick.dispatch {
+                dispatches.push(id);
+            }
+            let decode = serving
+                .iter()
+                .find(|c| c.worker == pick.decode.worker && c.dp_rank == pick.decode.dp_rank);
+            prop_assert!(decode.is_some(), "decode winner is not an eligible candidate");
+            let decode = decode.copied().expect("checked");
+            prop_assert_eq!(&pick.namespace, &decode.worker.namespace);
+            prop_assert!(decode.role != CandidateRole::Prefill);
+            if decode.role == CandidateRole::Aggregated {
+                prop_assert!(!pools(&decode.worker.namespace));
+                prop_assert!(pick.prefill.is_none());
+                prop_assert_eq!(pick.reasons.prefill, SelectionReason::NoPrefillPool);
+            }
+            match &pick.prefill {
+                Some(p) => {
+                    let prefill = serving
+                        .iter()
+                        .find(|c| c.worker == p.worker && c.dp_rank == p.dp_rank);
+                    prop_assert!(prefill.is_some(), "prefill is not an eligible candidate");
+                    let prefill = prefill.copied().expect("checked");
+                    prop_assert_eq!(prefill.role, CandidateRole::Prefill);
+                    prop_assert_eq!(&prefill.worker.namespace, &pick.namespace);
+                    prop_assert_eq!(decode.role, CandidateRole::Decode);
+                }
+                None => {
+                    // A decode winner is paired whenever its namespace has a prefill worker.
+                    if decode.role == CandidateRole::Decode {
+                        prop_assert!(!has(&pick.namespace, CandidateRole::Prefill));
+                    }
+                }
+            }
+            // Load selections are cost-minimal among the tier they came from.
+            if pick.reasons.decode == SelectionReason::Load {
+                let winner = before
+                    .iter()
+                    .find(|(c, _)| c.worker == decode.worker && c.dp_rank == decode.dp_rank)
+                    .map(|(_, s)| *s)
+                    .expect("winner was scored");
+                let cost = winner.cost.expect("a load winner has a cost");
+                for (c, s) in &before {
+                    let competes = match c.role {
+                        CandidateRole::Decode => true,
+                        CandidateRole::Aggregated => !pools(&c.worker.namespace),
+                        CandidateRole::Prefill => false,
+                    };
+                    if !competes {
+                        continue;
+                    }
+                    if let Some(other) = s.cost {
+                        if !s.stalled || winner.stalled {
+                            prop_assert!(cost <= other, "{:?} beat by {:?}", winner, s);
+                        }
+                        if !s.stalled {
+                            prop_assert!(!winner.stalled, "stalled winner beside a free cost");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
