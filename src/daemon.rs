@@ -15,10 +15,13 @@ use arc_swap::ArcSwap;
 use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_actors::lifecycle::ActorKind;
+use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::metrics::SubscriptionTransport;
 use continuum_actors::metrics::{DiscoveryEventKind, Metrics};
 use continuum_actors::registry::{
     DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox, RegistryMsg,
 };
+use continuum_actors::subscription::{DialPolicy, follower_spec};
 use continuum_actors::supervisor::{ChildContext, ChildSpec, SupervisorMsg, spawn_root};
 use continuum_actors::tree::ActorTree;
 use continuum_protocol::backoff::{BackoffPolicy, Jitter};
@@ -30,7 +33,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 
-use crate::config::{self, Config, DiscoveryAction, DiscoverySource, LoadedConfig, RestartReason};
+use crate::config::{
+    self, Config, DiscoveryAction, DiscoverySource, LoadTransport, LoadedConfig, RestartReason,
+};
 use crate::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
 use crate::readiness::Readiness;
 use crate::telemetry;
@@ -112,6 +117,7 @@ struct Shared {
     mailbox: RegistryMailbox,
     readiness: Readiness,
     metrics: Metrics,
+    load: DynamoLoadStore,
 }
 
 /// A running daemon.
@@ -144,16 +150,25 @@ impl Daemon {
         let registry = DynamoRegistry::new(registry_config(&config));
         let readiness = Readiness::new();
         readiness.require_exactly(required_sources(&config));
+        let load = DynamoLoadStore::new(Some(metrics.clone()));
+        if let Err(error) = load.set_max_staleness(config.dynamo.load.max_staleness.get()) {
+            warn!(%error, "Keeping the default load.max_staleness.");
+        }
         let shared = Shared {
             config: Arc::new(ArcSwap::from_pointee(config.clone())),
             registry,
             mailbox: RegistryMailbox::default(),
             readiness,
             metrics,
+            load,
         };
         let tree = ActorTree::default();
         let (root, root_task) = spawn_root(
-            vec![registry_spec(&shared), discovery_spec(&shared)],
+            vec![
+                registry_spec(&shared),
+                discovery_spec(&shared),
+                subscriptions_spec(&shared),
+            ],
             tree.clone(),
             Some(shared.metrics.clone()),
         )
@@ -220,6 +235,11 @@ impl Daemon {
         &self.shared.metrics
     }
 
+    /// The latest load samples (`registry.load_store()` in the seed).
+    pub fn load_store(&self) -> &DynamoLoadStore {
+        &self.shared.load
+    }
+
     /// Re-reads the config file now, as `POST /admin/config/reload` does.
     pub async fn reload(&self) -> Result<String, String> {
         let (tx, rx) = oneshot::channel();
@@ -262,6 +282,7 @@ fn app_state(
 ) -> AppState {
     let metrics = shared.metrics.clone();
     let registry = shared.registry.clone();
+    let load = shared.load.clone();
     let models_registry = shared.registry.clone();
     AppState {
         live,
@@ -269,7 +290,7 @@ fn app_state(
         metrics: Arc::new(move || metrics.render()),
         tree: tree.clone(),
         control,
-        dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry)),
+        dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry, &load)),
         fleet_models: Arc::new(move || {
             let snapshot = models_registry.snapshot();
             let mut models: Vec<String> = snapshot.models().map(|(_, m)| m.to_string()).collect();
@@ -362,6 +383,35 @@ fn discovery_spec(shared: &Shared) -> ChildSpec {
     ChildSpec::supervisor_with("discovery", ActorKind::DiscoverySupervisor, move || {
         discovery_children(&shared)
     })
+}
+
+/// The load subscriptions subtree: a follower that keeps one SubscriptionActor per publisher.
+/// Restarting it applies a new dial policy (`load.transport`, `direct_allow_cidrs`).
+fn subscriptions_spec(shared: &Shared) -> ChildSpec {
+    let shared = shared.clone();
+    ChildSpec::supervisor_with(
+        "subscriptions",
+        ActorKind::SubscriptionSupervisor,
+        move || {
+            let config = shared.config.clone();
+            let policy = Arc::new(move || dial_policy(&config.load()));
+            vec![follower_spec(
+                shared.registry.clone(),
+                shared.load.clone(),
+                policy,
+            )]
+        },
+    )
+}
+
+fn dial_policy(config: &Config) -> DialPolicy {
+    DialPolicy {
+        transport: match config.dynamo.load.transport {
+            LoadTransport::Direct => SubscriptionTransport::Direct,
+            LoadTransport::Broker => SubscriptionTransport::Broker,
+        },
+        allow_cidrs: config.dynamo.load.allow_cidrs(),
+    }
 }
 
 fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
@@ -494,6 +544,13 @@ impl ControlLoop {
         // Immediate class: the next request sees it.
         self.shared.config.store(Arc::new(new.clone()));
         self.live.store(Arc::new(live_settings(&new)));
+        if let Err(error) = self
+            .shared
+            .load
+            .set_max_staleness(new.dynamo.load.max_staleness.get())
+        {
+            warn!(%error, "Keeping the previous load.max_staleness.");
+        }
         let mut summary = vec![format!("{} changed keys", plan.changes.len())];
         match &plan.discovery {
             Some(DiscoveryAction::Stop) => {
@@ -540,7 +597,15 @@ impl ControlLoop {
         }
         self.shared.mailbox.cast(RegistryMsg::Rebuild);
         if plan.restart_subscriptions {
-            summary.push("load subscriptions follow the new dial policy".into());
+            // Only the subscriptions restart; discovery, the load store and the KV index stay.
+            if let Err(error) = self
+                .tree
+                .restart("root/subscriptions", REPLACE_TIMEOUT)
+                .await
+            {
+                error!(%error, "Could not restart the load subscriptions.");
+            }
+            summary.push("load subscriptions restarted under the new dial policy".into());
         }
         if !plan.needs_restart.is_empty() {
             warn!(keys = ?plan.needs_restart, "These settings take effect after a process restart.");

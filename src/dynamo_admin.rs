@@ -1,11 +1,12 @@
 //! `GET /admin/dynamo/workers`: the discovered fleet as operators read it. Built from the
 //! registry snapshot; never exposes transport addresses, Pod IPs or raw model cards.
 
+use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::registry::DynamoRegistry;
 use serde_json::{Value, json};
 
 /// The response body; `enabled: false` (still 200) when discovery is off in the live config.
-pub fn workers_view(registry: &DynamoRegistry) -> Value {
+pub fn workers_view(registry: &DynamoRegistry, load: &DynamoLoadStore) -> Value {
     if !registry.is_enabled() {
         return json!({"enabled": false});
     }
@@ -23,6 +24,6 @@ pub fn workers_view(registry: &DynamoRegistry) -> Value {
         "workers": workers,
         "load_publishers": snapshot.load_publisher_count(),
         "kv_event_publishers": snapshot.kv_event_publisher_count(),
-        "subscriptions": [],
+        "subscriptions": load.subscriptions(),
     })
 }

@@ -26,15 +26,19 @@
 //! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
 //! | [`etcd_source`] | the read-only etcd get-then-watch source |
 //! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |
+//! | [`subscription`] | SubscriptionActor per publisher and the follower of registry generations |
+//! | [`load`] | the shared load store and the subscription status table |
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
 pub mod discovery;
 pub mod etcd_source;
 pub mod kube_source;
 pub mod lifecycle;
+pub mod load;
 pub mod metrics;
 pub mod registry;
 pub mod store;
+pub mod subscription;
 pub mod supervisor;
 pub mod tree;
 pub mod zmtp_conn;

@@ -52,6 +52,7 @@ label_enum! {
         Discovery => "discovery",
         SubscriptionSupervisor => "subscription_supervisor",
         Subscription => "subscription",
+        SubscriptionFollower => "subscription_follower",
         BrokerSupervisor => "broker_supervisor",
         BrokerSession => "broker_session",
     }

@@ -1,0 +1,150 @@
+//! The shared load store and the subscription status table.
+//!
+//! Subscriptions write samples through `protocol::load_store` rules; pickers read fresh samples
+//! per request. Critical sections are a few map operations and never span an await.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
+use continuum_protocol::load_store::{LoadSample, LoadStore, LoadStoreError};
+use continuum_protocol::time::Tick;
+use serde::Serialize;
+
+use crate::metrics::{Metrics, SubscriptionState, SubscriptionTransport};
+
+/// One row of `subscriptions` in `GET /admin/dynamo/workers` (no addresses).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SubscriptionStatus {
+    pub family: &'static str,
+    pub publisher_id: String,
+    pub namespace: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub component: Option<String>,
+    pub state: &'static str,
+    pub transport: &'static str,
+    #[serde(skip)]
+    pub state_kind: SubscriptionState,
+    #[serde(skip)]
+    pub transport_kind: SubscriptionTransport,
+}
+
+struct Inner {
+    store: Mutex<LoadStore>,
+    /// Bumped after writes, so waiters (tests, later the picker's caches) wake without polling.
+    changes: tokio::sync::watch::Sender<u64>,
+    subscriptions: Mutex<BTreeMap<String, SubscriptionStatus>>,
+    metrics: Option<Metrics>,
+}
+
+/// The process-wide load store handle (`registry.load_store()` in the seed).
+#[derive(Clone)]
+pub struct DynamoLoadStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for DynamoLoadStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DynamoLoadStore").finish_non_exhaustive()
+    }
+}
+
+impl DynamoLoadStore {
+    pub fn new(metrics: Option<Metrics>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                store: Mutex::new(LoadStore::new()),
+                changes: tokio::sync::watch::channel(0).0,
+                subscriptions: Mutex::new(BTreeMap::new()),
+                metrics,
+            }),
+        }
+    }
+
+    fn store(&self) -> MutexGuard<'_, LoadStore> {
+        self.inner.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn subs(&self) -> MutexGuard<'_, BTreeMap<String, SubscriptionStatus>> {
+        self.inner
+            .subscriptions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the store under its lock (writers: subscriptions and the follower), then
+    /// bumps the change counter.
+    pub fn with<R>(&self, f: impl FnOnce(&mut LoadStore) -> R) -> R {
+        let result = f(&mut self.store());
+        self.inner.changes.send_modify(|n| *n = n.wrapping_add(1));
+        result
+    }
+
+    /// A counter bumped after every write.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.changes.subscribe()
+    }
+
+    /// The sample of (worker, rank) while younger than `dynamo.load.max_staleness`.
+    pub fn fresh_default(&self, worker: InstanceId, rank: DpRank, now: Tick) -> Option<LoadSample> {
+        self.store().fresh_default(worker, rank, now).cloned()
+    }
+
+    /// The last sample of (worker, rank), whatever its age.
+    pub fn latest(&self, worker: InstanceId, rank: DpRank) -> Option<LoadSample> {
+        self.store().latest(worker, rank).cloned()
+    }
+
+    /// Hot-reloads `dynamo.load.max_staleness`.
+    pub fn set_max_staleness(&self, max: Duration) -> Result<(), LoadStoreError> {
+        self.store().set_max_staleness(max)
+    }
+
+    pub fn len(&self) -> usize {
+        self.store().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.store().is_empty()
+    }
+
+    /// Drops every sample a publisher contributed.
+    pub fn drop_publisher(&self, publisher: PublisherId) {
+        self.store().drop_publisher(publisher);
+    }
+
+    /// Records a subscription's state and refreshes the `{state, transport}` gauges.
+    pub fn set_status(&self, name: &str, status: SubscriptionStatus) {
+        let mut subs = self.subs();
+        subs.insert(name.to_string(), status);
+        self.publish_gauges(&subs);
+    }
+
+    /// Forgets a stopped subscription.
+    pub fn remove_status(&self, name: &str) {
+        let mut subs = self.subs();
+        subs.remove(name);
+        self.publish_gauges(&subs);
+    }
+
+    /// Every running subscription, ordered by name.
+    pub fn subscriptions(&self) -> Vec<SubscriptionStatus> {
+        self.subs().values().cloned().collect()
+    }
+
+    fn publish_gauges(&self, subs: &BTreeMap<String, SubscriptionStatus>) {
+        let Some(metrics) = &self.inner.metrics else {
+            return;
+        };
+        for state in SubscriptionState::ALL {
+            for transport in SubscriptionTransport::ALL {
+                let n = subs
+                    .values()
+                    .filter(|s| s.state_kind == *state && s.transport_kind == *transport)
+                    .count() as u64;
+                metrics.set_load_subscriptions(*state, *transport, n);
+            }
+        }
+    }
+}

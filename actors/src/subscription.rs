@@ -1,0 +1,467 @@
+//! Load-signal subscriptions: one SubscriptionActor per `kv_metrics` publisher, kept in line with
+//! the registry by a SubscriptionFollower, both under the `subscriptions` supervisor.
+//!
+//! SubscriptionActor — role: owns one publisher's bounded ZMTP SUB connection task: dial (under
+//! the dial policy), fold every delivery through `protocol::load_store::LoadStream` into the
+//! shared store, reconnect with full-jitter backoff 500 ms → 30 s whose floor resets only after a
+//! 30 s session. Parent: the `subscriptions` supervisor. Messages in: none but Stop (the task owns
+//! the socket and reports through the store's status table). Restart: on failure, by its
+//! supervisor; the next connection drops the publisher's samples first (missed-messages rule).
+//!
+//! SubscriptionFollower — role: on every registry generation, applies the live-worker gate to
+//! the store (evicting samples and gauges of departed workers), plans the wanted subscriptions
+//! (`protocol::subscriptions::plan`: ≤ 1,024, ascending publisher id) and tells its supervisor to
+//! stop departed or modified ones (concurrently) and start new ones. Parent: the same supervisor,
+//! whose dynamic children it manages. Messages in: `Reconcile` (from its generation watcher).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use continuum_protocol::backoff::{Backoff, BackoffPolicy};
+use continuum_protocol::discovery::records::EventTopic;
+use continuum_protocol::ids::{InstanceId, Namespace, WorkerKey};
+use continuum_protocol::load_store::{LoadStream, WorkerRank};
+use continuum_protocol::subscriptions::{self, MAX_SUBSCRIPTIONS, SubscriptionTarget};
+use ipnet::IpNet;
+use ractor::{Actor, ActorProcessingErr, ActorRef, call_t};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tracing::{Instrument, debug, info, warn};
+
+use crate::clock::now_tick;
+use crate::lifecycle::ActorKind;
+use crate::load::{DynamoLoadStore, SubscriptionStatus};
+use crate::metrics::{Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges};
+use crate::registry::DynamoRegistry;
+use crate::supervisor::{ChildContext, ChildSpec, SupervisorMsg};
+use crate::zmtp_conn::{ConnEvent, ZmtpConnConfig, run_session};
+
+/// A session must last this long before the reconnect backoff returns to its floor.
+pub const SESSION_RESET_AFTER: Duration = Duration::from_secs(30);
+/// The follower's name under its supervisor.
+pub const FOLLOWER_NAME: &str = "follower";
+/// How long a stop of departed subscriptions may take before the follower moves on.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// How subscriptions reach publishers (`dynamo.load.transport`, `direct_allow_cidrs`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DialPolicy {
+    pub transport: SubscriptionTransport,
+    pub allow_cidrs: Option<Vec<IpNet>>,
+}
+
+/// Reads the live dial policy (it changes on reload, which restarts the subtree).
+pub type DialPolicySource = Arc<dyn Fn() -> DialPolicy + Send + Sync>;
+
+pub struct SubscriptionActor;
+
+pub struct SubscriptionArgs {
+    pub name: String,
+    pub target: SubscriptionTarget,
+    pub policy: DialPolicy,
+    pub store: DynamoLoadStore,
+    pub metrics: Option<Metrics>,
+    pub span: tracing::Span,
+}
+
+pub struct SubscriptionActorState {
+    name: String,
+    store: DynamoLoadStore,
+    task: JoinHandle<()>,
+}
+
+impl Actor for SubscriptionActor {
+    type Msg = ();
+    type State = SubscriptionActorState;
+    type Arguments = SubscriptionArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<()>,
+        args: SubscriptionArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let name = args.name.clone();
+        let store = args.store.clone();
+        let span = args.span.clone();
+        let task = tokio::spawn(run_subscription(args).instrument(span));
+        Ok(SubscriptionActorState { name, store, task })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<()>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        state.task.abort();
+        state.store.remove_status(&state.name);
+        Ok(())
+    }
+}
+
+/// Reports a subscription's state into the status table.
+struct Reporter {
+    name: String,
+    store: DynamoLoadStore,
+    template: SubscriptionStatus,
+}
+
+impl Reporter {
+    fn report(&self, state: SubscriptionState) {
+        let mut status = self.template.clone();
+        status.state = state.as_label();
+        status.state_kind = state;
+        self.store.set_status(&self.name, status);
+    }
+}
+
+/// The connection loop of one subscription: connect, fold, back off, repeat.
+async fn run_subscription(args: SubscriptionArgs) {
+    let SubscriptionArgs {
+        name,
+        target,
+        policy,
+        store,
+        metrics,
+        ..
+    } = args;
+    let reporter = Reporter {
+        name: name.clone(),
+        store: store.clone(),
+        template: SubscriptionStatus {
+            family: "kv_metrics",
+            publisher_id: target.publisher_id.0.to_string(),
+            namespace: target.namespace.to_string(),
+            component: target.component.clone(),
+            state: SubscriptionState::Connecting.as_label(),
+            transport: policy.transport.as_label(),
+            state_kind: SubscriptionState::Connecting,
+            transport_kind: policy.transport,
+        },
+    };
+    if policy.transport == SubscriptionTransport::Broker {
+        // Broker mode needs the event-bus listener, which this build does not have: stay pending
+        // (workers read as having no fresh sample) and never fall back to dialing directly.
+        reporter.report(SubscriptionState::Pending);
+        warn!(subscription = %name, "load.transport is broker but no event bus is available; the subscription stays pending.");
+        std::future::pending::<()>().await;
+        return;
+    }
+    let config = ZmtpConnConfig::kv_metrics(
+        target.publisher_id,
+        target.endpoint.clone(),
+        policy.allow_cidrs.clone(),
+    );
+    let mut backoff = Backoff::new(BackoffPolicy::SUBSCRIPTION);
+    let mut stream = LoadStream::new(target.publisher_id);
+    let mut jitter = Jitter::seeded(target.publisher_id.0);
+    loop {
+        reporter.report(SubscriptionState::Connecting);
+        let started = tokio::time::Instant::now();
+        let (tx, mut rx) = mpsc::channel::<ConnEvent>(64);
+        let cfg = config.clone();
+        let session = tokio::spawn(async move { run_session(&cfg, &tx).await });
+        while let Some(event) = rx.recv().await {
+            match event {
+                ConnEvent::Connected { .. } => {
+                    reporter.report(SubscriptionState::Connected);
+                    let dropped = store.with(|s| stream.on_connected(s));
+                    clear_gauges(&metrics, &target.namespace, &dropped);
+                    debug!(subscription = %name, dropped = dropped.len(), "Subscribed; dropped samples that may have missed changes.");
+                }
+                ConnEvent::Delivery(delivery) => {
+                    let now = now_tick();
+                    let (outcome, sample) = store.with(|s| {
+                        let outcome = stream.on_delivery(&delivery, s, now);
+                        let sample = outcome
+                            .applied
+                            .and_then(|k| s.latest(k.worker_id, k.dp_rank).cloned());
+                        (outcome, sample)
+                    });
+                    if let Some(metrics) = &metrics {
+                        metrics.load_event(outcome.result);
+                        if let Some(sample) = sample {
+                            let key = WorkerKey {
+                                namespace: target.namespace.clone(),
+                                instance_id: sample.load.worker_id,
+                            };
+                            metrics.set_worker_load(
+                                &key,
+                                sample.load.dp_rank,
+                                WorkerLoadGauges {
+                                    active_decode_blocks: sample.load.active_decode_blocks,
+                                    active_prefill_tokens: sample.load.active_prefill_tokens,
+                                    kv_used_blocks: sample.load.kv_used_blocks,
+                                },
+                            );
+                        }
+                    }
+                    if let Some(missed) = outcome.gap {
+                        debug!(subscription = %name, missed, "Sequence gap: dropped this publisher's samples.");
+                    }
+                    clear_gauges(&metrics, &target.namespace, &outcome.dropped);
+                }
+            }
+        }
+        let ended = match session.await {
+            Ok(Ok(())) => "closed".to_string(),
+            Ok(Err(error)) => {
+                if let (Some(metrics), Some(result)) = (&metrics, error.counted_result()) {
+                    metrics.load_event(result);
+                }
+                error.to_string()
+            }
+            Err(join) => join.to_string(),
+        };
+        let delay = backoff.session_ended(started.elapsed(), SESSION_RESET_AFTER, jitter.unit());
+        reporter.report(SubscriptionState::Backoff);
+        debug!(subscription = %name, reason = %ended, delay_ms = delay.as_millis() as u64, "Subscription session ended; reconnecting after backoff.");
+        tokio::time::sleep(delay).await;
+    }
+}
+
+fn clear_gauges(metrics: &Option<Metrics>, namespace: &Namespace, ranks: &[WorkerRank]) {
+    let Some(metrics) = metrics else {
+        return;
+    };
+    for rank in ranks {
+        let key = WorkerKey {
+            namespace: namespace.clone(),
+            instance_id: rank.worker_id,
+        };
+        metrics.set_worker_load(&key, rank.dp_rank, WorkerLoadGauges::default());
+    }
+}
+
+/// A small xorshift source for backoff jitter: reconnect storms only need decorrelation.
+struct Jitter(u64);
+
+impl Jitter {
+    fn seeded(seed: u64) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos() as u64)
+            .unwrap_or(0);
+        Self((seed ^ nanos.rotate_left(17)) | 1)
+    }
+
+    fn unit(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+pub struct SubscriptionFollower;
+
+pub struct FollowerArgs {
+    pub supervisor: ActorRef<SupervisorMsg>,
+    pub registry: DynamoRegistry,
+    pub store: DynamoLoadStore,
+    pub policy: DialPolicySource,
+    pub metrics: Option<Metrics>,
+}
+
+pub enum FollowerMsg {
+    /// The registry published a new generation.
+    Reconcile,
+}
+
+pub struct FollowerState {
+    args: FollowerArgs,
+    policy: DialPolicy,
+    running: BTreeMap<String, SubscriptionTarget>,
+    watcher: JoinHandle<()>,
+    warned_cap: bool,
+    /// Whether leftovers of a previous follower incarnation were cleared.
+    adopted: bool,
+}
+
+impl Actor for SubscriptionFollower {
+    type Msg = FollowerMsg;
+    type State = FollowerState;
+    type Arguments = FollowerArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<FollowerMsg>,
+        args: FollowerArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let mut generations = args.registry.subscribe();
+        let watcher = tokio::spawn(async move {
+            loop {
+                generations.borrow_and_update();
+                if myself.cast(FollowerMsg::Reconcile).is_err() {
+                    return;
+                }
+                if generations.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        let policy = (args.policy)();
+        Ok(FollowerState {
+            args,
+            policy,
+            running: BTreeMap::new(),
+            watcher,
+            warned_cap: false,
+            adopted: false,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<FollowerMsg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        state.watcher.abort();
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<FollowerMsg>,
+        msg: FollowerMsg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            FollowerMsg::Reconcile => state.reconcile().await,
+        }
+        Ok(())
+    }
+}
+
+impl FollowerState {
+    async fn reconcile(&mut self) {
+        if !self.adopted {
+            // A restarted follower does not know its siblings' targets: stop them and start over
+            // (their next connection drops possibly missed samples anyway).
+            self.adopted = true;
+            if let Ok(names) = call_t!(self.args.supervisor, SupervisorMsg::ListChildren, 5_000) {
+                let orphans: Vec<String> =
+                    names.into_iter().filter(|n| n != FOLLOWER_NAME).collect();
+                self.stop_all(&orphans).await;
+            }
+        }
+        let snapshot = self.args.registry.snapshot();
+        // The live-worker gate and eviction, atomically with respect to writers.
+        let live: BTreeSet<InstanceId> = snapshot
+            .workers()
+            .iter()
+            .map(|w| w.key.instance_id)
+            .collect();
+        self.args
+            .store
+            .with(|s| s.set_live_and_retain(live.iter().copied()));
+        if let Some(metrics) = &self.args.metrics {
+            metrics.retain_workers(|key| snapshot.worker(key).is_some());
+        }
+        let (wanted, left_out) =
+            subscriptions::plan(&snapshot, EventTopic::KvMetrics, MAX_SUBSCRIPTIONS);
+        if left_out > 0 && !self.warned_cap {
+            self.warned_cap = true;
+            warn!(
+                left_out,
+                cap = MAX_SUBSCRIPTIONS,
+                "More kv_metrics publishers than the subscription cap; the highest ids are not subscribed."
+            );
+        }
+        let (stop, start) = subscriptions::diff(&self.running, &wanted);
+        self.stop_all(&stop).await;
+        for target in start {
+            let name = target.child_name();
+            let spec = self.spec(&name, target.clone());
+            match call_t!(self.args.supervisor, SupervisorMsg::AddChild, 10_000, spec) {
+                Ok(Ok(())) => {
+                    self.running.insert(name, target);
+                }
+                Ok(Err(error)) => {
+                    warn!(subscription = %name, %error, "Could not start a subscription.")
+                }
+                Err(error) => {
+                    warn!(subscription = %name, %error, "Could not start a subscription.")
+                }
+            }
+        }
+        if !self.running.is_empty() {
+            debug!(
+                subscriptions = self.running.len(),
+                "Subscriptions follow the registry."
+            );
+        }
+    }
+
+    /// Stops subscriptions concurrently, each within [`STOP_GRACE`].
+    async fn stop_all(&mut self, names: &[String]) {
+        let stops = names.iter().map(|name| {
+            let supervisor = self.args.supervisor.clone();
+            let name = name.clone();
+            async move {
+                let result = call_t!(supervisor, SupervisorMsg::RemoveChild, STOP_GRACE.as_millis() as u64, name.clone());
+                if let Err(error) = result {
+                    warn!(subscription = %name, %error, "A subscription did not stop within its grace period.");
+                }
+                name
+            }
+        });
+        for name in futures::future::join_all(stops).await {
+            if let Some(target) = self.running.remove(&name) {
+                info!(subscription = %name, publisher_id = target.publisher_id.0, "Stopped a subscription.");
+            }
+        }
+    }
+
+    fn spec(&self, name: &str, target: SubscriptionTarget) -> ChildSpec {
+        let policy = self.policy.clone();
+        let store = self.args.store.clone();
+        let metrics = self.args.metrics.clone();
+        let name = name.to_string();
+        ChildSpec::new(
+            name.clone(),
+            ActorKind::Subscription,
+            move |ctx: ChildContext| {
+                let args = SubscriptionArgs {
+                    name: name.clone(),
+                    target: target.clone(),
+                    policy: policy.clone(),
+                    store: store.clone(),
+                    metrics: metrics.clone(),
+                    span: ctx.span.span().clone(),
+                };
+                async move {
+                    let (actor, _) =
+                        Actor::spawn_linked(None, SubscriptionActor, args, ctx.supervisor).await?;
+                    Ok(actor.get_cell())
+                }
+            },
+        )
+    }
+}
+
+/// The follower's child spec; its parent supervisor is the one whose children it manages.
+pub fn follower_spec(
+    registry: DynamoRegistry,
+    store: DynamoLoadStore,
+    policy: DialPolicySource,
+) -> ChildSpec {
+    ChildSpec::new(
+        FOLLOWER_NAME,
+        ActorKind::SubscriptionFollower,
+        move |ctx: ChildContext| {
+            let args = FollowerArgs {
+                supervisor: ActorRef::from(ctx.supervisor.clone()),
+                registry: registry.clone(),
+                store: store.clone(),
+                policy: policy.clone(),
+                metrics: ctx.metrics.clone(),
+            };
+            async move {
+                let (actor, _) =
+                    Actor::spawn_linked(None, SubscriptionFollower, args, ctx.supervisor).await?;
+                Ok(actor.get_cell())
+            }
+        },
+    )
+}

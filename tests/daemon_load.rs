@@ -1,0 +1,214 @@
+//! Load signals end to end inside the daemon: a worker and its kv_metrics channel registered in a
+//! real etcd, a real libzmq publisher (pyzmq) sending ActiveLoad; the daemon's follower starts one
+//! subscription, samples land in the load store and the per-worker gauges, foreign publisher ids
+//! are counted, and a departed worker's sample and gauges are evicted.
+#![cfg(feature = "real-peers")]
+
+mod support {
+    pub mod etcd;
+    pub mod zmq;
+}
+
+use std::time::Duration;
+
+use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
+use continuum_router::config::{Config, ProcessEnv};
+use continuum_router::daemon::{Daemon, RunOptions};
+use serde_json::{Value, json};
+use support::etcd::EtcdServer;
+use support::zmq::{Publisher, make};
+use tokio::net::TcpListener;
+
+const WAIT: Duration = Duration::from_secs(30);
+const NS: &str = "loadns";
+const WORKER: InstanceId = InstanceId(0x6a6c_a22b_96b5_3116);
+const PUBLISHER: PublisherId = PublisherId(0x0018_6c12_17a6_6976);
+
+fn records(port: u16) -> Vec<(String, Value)> {
+    let id = WORKER.0;
+    vec![
+        (
+            format!("v1/instances/{NS}/backend/generate/{id:x}"),
+            json!({"type": "Endpoint", "namespace": NS, "component": "backend", "endpoint": "generate",
+                   "instance_id": id, "transport": {"tcp": "127.0.0.1:1/x/generate"}}),
+        ),
+        (
+            format!("v1/mdc/{NS}/backend/generate/{id:x}"),
+            json!({"type": "Model", "namespace": NS, "component": "backend", "endpoint": "generate",
+                   "instance_id": id, "card_json": {"display_name": "tiny", "worker_type": "decode",
+                   "kv_cache_block_size": 16, "runtime_config": {"total_kv_blocks": 1024,
+                   "max_num_batched_tokens": 8192, "data_parallel_size": 1}}}),
+        ),
+        (
+            format!(
+                "v1/event_channels/namespace/{NS}/component/backend/endpoint/generate/topic/kv_metrics/{:x}",
+                PUBLISHER.0
+            ),
+            json!({"type": "EventChannel", "scope": {"kind": "endpoint", "endpoint":
+                   {"namespace": NS, "component": "backend", "name": "generate"}},
+                   "topic": "kv_metrics", "instance_id": PUBLISHER.0,
+                   "transport": {"kind": "Zmq", "config": {"endpoint": format!("tcp://127.0.0.1:{port}")}}}),
+        ),
+    ]
+}
+
+async fn until(daemon: &Daemon, done: impl Fn(&Daemon) -> bool) {
+    let mut changes = daemon.load_store().subscribe();
+    let mut generations = daemon.registry().subscribe();
+    tokio::time::timeout(WAIT, async {
+        while !done(daemon) {
+            tokio::select! {
+                r = changes.changed() => r.expect("store alive"),
+                r = generations.changed() => r.expect("registry alive"),
+            }
+        }
+    })
+    .await
+    .expect("reached the expected state in time");
+}
+
+fn gauge(daemon: &Daemon, family: &str) -> Option<f64> {
+    let worker = WORKER.hex();
+    daemon.metrics().value(
+        family,
+        &[
+            ("namespace", NS),
+            ("worker", worker.as_str()),
+            ("dp_rank", "0"),
+        ],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn samples_flow_from_a_real_publisher_into_the_store_and_gauges() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    let mut publisher = Publisher::spawn().await;
+    let port = publisher.bind("xpub", 0).await;
+    let mut client = etcd.client().await;
+    for (key, value) in records(port) {
+        client.put(key, value.to_string(), None).await.expect("put");
+    }
+    let yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\nadmin:\n  enabled: true\n  token: t\n\
+         dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{}\"]\n      \
+         namespace: \"{NS}\"\n  load:\n    max_staleness: \"5m\"\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n",
+        etcd.endpoint()
+    );
+    let config = Config::from_yaml_str(&yaml, &ProcessEnv).expect("config");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let daemon = Daemon::start(
+        RunOptions {
+            config,
+            config_path: None,
+            demo: false,
+        },
+        listener,
+    )
+    .await
+    .expect("daemon");
+
+    // The follower subscribes: the XPUB socket reports the subscription (no slow-joiner race).
+    let subs = publisher.await_subscriptions(1).await;
+    assert_eq!(subs, vec![format!("01{}", hex(b"kv_metrics"))]);
+    publisher.send(&[make(PUBLISHER, 1, WORKER, 7)]).await;
+    until(&daemon, |d| {
+        d.load_store().latest(WORKER, DpRank(0)).is_some()
+    })
+    .await;
+    let sample = daemon
+        .load_store()
+        .latest(WORKER, DpRank(0))
+        .expect("sample");
+    assert_eq!(sample.load.kv_used_blocks, Some(7));
+    assert_eq!(
+        gauge(&daemon, "continuum_dynamo_worker_kv_used_blocks"),
+        Some(7.0)
+    );
+    assert_eq!(
+        gauge(&daemon, "continuum_dynamo_worker_active_decode_blocks"),
+        None,
+        "nil → no series"
+    );
+
+    let url = format!("http://{}/admin/dynamo/workers", daemon.local_addr());
+    let view: Value = reqwest::Client::new()
+        .get(&url)
+        .bearer_auth("t")
+        .send()
+        .await
+        .expect("admin")
+        .json()
+        .await
+        .expect("json");
+    let subs = view["subscriptions"].as_array().expect("subscriptions");
+    assert_eq!(subs.len(), 1);
+    assert_eq!(subs[0]["family"], "kv_metrics");
+    assert_eq!(subs[0]["publisher_id"], PUBLISHER.0.to_string());
+    assert_eq!(subs[0]["state"], "connected");
+    assert_eq!(subs[0]["transport"], "direct");
+    assert!(
+        !view.to_string().contains(&format!(":{port}")),
+        "no publisher address"
+    );
+
+    // A newer sample replaces it; a foreign publisher id is refused and counted.
+    publisher
+        .send(&[
+            make(PublisherId(42), 2, WORKER, 99),
+            make(PUBLISHER, 3, WORKER, 9),
+        ])
+        .await;
+    until(&daemon, |d| {
+        d.load_store()
+            .latest(WORKER, DpRank(0))
+            .is_some_and(|s| s.load.kv_used_blocks == Some(9))
+    })
+    .await;
+    let mismatches = daemon
+        .metrics()
+        .value(
+            "continuum_dynamo_load_events_total",
+            &[("result", "identity_mismatch")],
+        )
+        .unwrap_or(0.0);
+    assert!(mismatches >= 1.0, "foreign publisher counted");
+    let connected = daemon.metrics().value(
+        "continuum_dynamo_load_subscriptions",
+        &[("state", "connected"), ("transport", "direct")],
+    );
+    assert_eq!(connected, Some(1.0));
+
+    // The worker departs: its sample and gauge series go, and so does the subscription.
+    client
+        .delete(
+            format!("v1/instances/{NS}/backend/generate/{:x}", WORKER.0),
+            None,
+        )
+        .await
+        .expect("delete");
+    client
+        .delete(
+            format!(
+                "v1/event_channels/namespace/{NS}/component/backend/endpoint/generate/topic/kv_metrics/{:x}",
+                PUBLISHER.0
+            ),
+            None,
+        )
+        .await
+        .expect("delete channel");
+    until(&daemon, |d| {
+        d.load_store().latest(WORKER, DpRank(0)).is_none()
+            && d.load_store().subscriptions().is_empty()
+    })
+    .await;
+    assert_eq!(
+        gauge(&daemon, "continuum_dynamo_worker_kv_used_blocks"),
+        None
+    );
+    daemon.shutdown().await;
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
