@@ -187,6 +187,8 @@ impl DynamoStack {
     }
 
     pub async fn start_with(options: StackOptions) -> Self {
+        // reqwest (the frontend readiness probe) needs the one process-wide rustls provider.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let python = python();
         let dir = tempfile::Builder::new()
             .prefix("dynamo-stack-")
@@ -278,7 +280,10 @@ impl DynamoStack {
     /// Starts one more worker of `role` and waits until it is registered; returns its id.
     pub async fn add_worker(&mut self, role: WorkerRole) -> u64 {
         self.start_workers(&[role]).await;
-        self.workers.last().expect("a worker was just added").instance_id
+        self.workers
+            .last()
+            .expect("a worker was just added")
+            .instance_id
     }
 
     /// Stops the first running worker of `role` and waits for the process to exit (a SIGTERMed
@@ -307,7 +312,10 @@ impl DynamoStack {
                     .await
                     .is_err()
                 {
-                    child.kill().await.expect("SIGKILL a worker that ignored SIGTERM");
+                    child
+                        .kill()
+                        .await
+                        .expect("SIGKILL a worker that ignored SIGTERM");
                 }
             }
         }
@@ -336,7 +344,11 @@ impl DynamoStack {
         let namespace = self.namespace.clone();
         let mut ids = Vec::new();
         for (role, child, log) in &mut spawned {
-            let what = format!("{} worker registered (log {})", role.as_str(), log.display());
+            let what = format!(
+                "{} worker registered (log {})",
+                role.as_str(),
+                log.display()
+            );
             let component = role.component();
             let id = wait_etcd(
                 &mut self.etcd_client,
@@ -465,11 +477,13 @@ impl Drop for DynamoStack {
 
 /// The venv python from `CONTINUUM_DYNAMO_PYTHON`.
 pub fn python() -> PathBuf {
-    let python = std::env::var_os(PYTHON_ENV).map(PathBuf::from).unwrap_or_else(|| {
-        panic!(
-            "{PYTHON_ENV} is not set; run `export {PYTHON_ENV}=$(scripts/setup-dynamo-venv.sh)`"
-        )
-    });
+    let python = std::env::var_os(PYTHON_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            panic!(
+                "{PYTHON_ENV} is not set; run `export {PYTHON_ENV}=$(scripts/setup-dynamo-venv.sh)`"
+            )
+        });
     assert!(
         python.exists(),
         "{PYTHON_ENV}={} does not exist; run scripts/setup-dynamo-venv.sh",
@@ -526,8 +540,9 @@ fn registered_worker(
 ) -> Option<u64> {
     let instances = format!("v1/instances/{namespace}/{component}/generate/");
     let cards = format!("v1/mdc/{namespace}/{component}/generate/");
-    let channels =
-        format!("v1/event_channels/namespace/{namespace}/component/{component}/endpoint/generate/topic/kv_metrics/");
+    let channels = format!(
+        "v1/event_channels/namespace/{namespace}/component/{component}/endpoint/generate/topic/kv_metrics/"
+    );
     kvs.iter()
         .filter(|kv| kv.key.starts_with(&instances))
         .filter_map(|kv| {
