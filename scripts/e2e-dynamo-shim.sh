@@ -33,6 +33,11 @@ if [[ -z $PY ]]; then PY=$(scripts/setup-dynamo-venv.sh | tail -n 1); fi
 command -v etcd >/dev/null && command -v etcdctl >/dev/null ||
   { echo "need etcd and etcdctl: apt-get install -y etcd-server etcd-client" >&2; exit 2; }
 
+# Build first, so no Dynamo process idles (or its lease ticks) through a cold compile.
+log "building continuum-router"
+cargo build -q --bin continuum-router
+BIN=$(cargo metadata --format-version 1 --no-deps | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/continuum-router
+
 # --------------------------------------------------------------- processes and teardown
 PIDS=() NAMES=()
 teardown() {
@@ -120,9 +125,6 @@ export DYNAMO_FRONTEND_URL=http://127.0.0.1:$HTTP_PORT
 export ROUTER_ADMIN_TOKEN=${ROUTER_ADMIN_TOKEN:-e2e-admin-$$-$RANDOM}
 export CLIENT_API_KEY=${CLIENT_API_KEY:-e2e-client-$$-$RANDOM}
 cp deploy/examples/dynamo-direct-shim/router.yaml "$RUN/router.yaml"
-log "building continuum-router"
-cargo build -q --bin continuum-router
-BIN=$(cargo metadata --format-version 1 --no-deps | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug/continuum-router
 start router "$BIN" --config "$RUN/router.yaml"
 ROUTER_URL=http://127.0.0.1:$ROUTER_PORT
 wait_for "router /ready" 60 curl -sf "$ROUTER_URL/ready"

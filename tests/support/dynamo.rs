@@ -384,16 +384,8 @@ impl DynamoStack {
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         loop {
             tick.tick().await;
-            if let Ok(resp) = http.get(&url).send().await {
-                if let Ok(body) = resp.text().await {
-                    if serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| {
-                        v["data"]
-                            .as_array()
-                            .is_some_and(|m| m.iter().any(|m| m["id"] == MODEL))
-                    }) {
-                        break;
-                    }
-                }
+            if models_listed(&http, &url).await {
+                break;
             }
             if let Ok(Some(status)) = child.try_wait() {
                 panic!(
@@ -466,11 +458,11 @@ impl Drop for DynamoStack {
                 let _ = child.start_kill();
             }
         }
-        if std::thread::panicking() {
-            if let Some(dir) = self.dir.take() {
-                let kept = dir.keep();
-                eprintln!("dynamo stack logs kept in {}", kept.join("logs").display());
-            }
+        if std::thread::panicking()
+            && let Some(dir) = self.dir.take()
+        {
+            let kept = dir.keep();
+            eprintln!("dynamo stack logs kept in {}", kept.join("logs").display());
         }
     }
 }
@@ -490,6 +482,19 @@ pub fn python() -> PathBuf {
         python.display()
     );
     python
+}
+
+/// Whether `GET url` (the frontend's `/v1/models`) lists [`MODEL`].
+async fn models_listed(http: &reqwest::Client, url: &str) -> bool {
+    let Ok(resp) = http.get(url).send().await else {
+        return false;
+    };
+    let Ok(body) = resp.json::<serde_json::Value>().await else {
+        return false;
+    };
+    body["data"]
+        .as_array()
+        .is_some_and(|models| models.iter().any(|m| m["id"] == MODEL))
 }
 
 async fn make_tiny_model(python: &Path, out: &Path) {
