@@ -64,8 +64,8 @@ PYEOF
 # ai-dynamo-runtime is pinned explicitly: the METADATA may allow a range.
 filtered=()
 for r in "${reqs[@]}"; do [[ $r == ai-dynamo-runtime* ]] || filtered+=("$r"); done
-"$VENV/bin/pip" install -q "ai-dynamo-runtime==$DYNAMO_VERSION" "${filtered[@]}"
-"$VENV/bin/pip" install -q --no-deps "$wheel"
+"$VENV/bin/pip" install -q --no-compile "ai-dynamo-runtime==$DYNAMO_VERSION" "${filtered[@]}"
+"$VENV/bin/pip" install -q --no-compile --no-deps "$wheel"
 got=$(installed_version || true)
 if [[ $got != "$DYNAMO_VERSION $DYNAMO_VERSION" ]]; then
   log "install finished but dynamo.mocker/dynamo.frontend do not import (versions: '${got}')"
