@@ -245,6 +245,38 @@ async fn disaggregated_fleet_is_discovered_and_follows_sigterm_and_sigkill() {
     assert_fleet(&stack, &daemon, 1).await;
     let registry = daemon.registry().clone();
 
+    // The harness's frontend serves a request pinned to the discovered pair (decimal ids), the
+    // exchange later shim-routing tests build on.
+    let snapshot = registry.snapshot();
+    let id_of = |role: Role| {
+        snapshot
+            .workers()
+            .iter()
+            .find(|w| w.role == role)
+            .expect("worker of the role")
+            .instance_id()
+            .decimal()
+    };
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", stack.frontend_url()))
+        .header("x-dynamo-worker-instance-id", id_of(Role::Decode))
+        .header("x-dynamo-prefill-instance-id", id_of(Role::Prefill))
+        .json(&serde_json::json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hello world"}],
+            "max_tokens": 4,
+        }))
+        .send()
+        .await
+        .expect("frontend request");
+    assert_eq!(
+        resp.status(),
+        200,
+        "pinned request through the real frontend"
+    );
+    let body: Value = resp.json().await.expect("completion json");
+    assert_eq!(body["object"], "chat.completion");
+
     // SIGTERM: the worker deletes its keys itself; the view drops it (and its publishers) at
     // once, and the other worker stays.
     let signalled = Instant::now();
