@@ -1,4 +1,5 @@
-//! put→event latency of the etcd discovery source against a real etcd, and resync time.
+//! put→event latency of the etcd discovery source against a real etcd, resync time, and the
+//! whole daemon's put→snapshot convergence (source → reducer → registry publish).
 //!
 //! `cargo bench --features real-peers --bench etcd_convergence` (needs `etcd` on PATH or
 //! `ETCD_BIN`). Prints percentiles; a measurement script, not a criterion bench, because each
@@ -155,4 +156,59 @@ async fn run() {
         &format!("resync of {total} records ({RESYNC_RECORDS} of {RECORD_BYTES} B) to InitDone"),
         samples,
     );
+
+    // 4. The whole daemon: put an Endpoint record, wait until the published snapshot has it.
+    let yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\ndynamo:\n  enabled: true\n  discovery:\n    \
+         etcd:\n      endpoints: [\"{}\"]\n      namespace: \"snap\"\n",
+        server.endpoint()
+    );
+    let config = continuum_router::config::Config::from_yaml_str(
+        &yaml,
+        &continuum_router::config::ProcessEnv,
+    )
+    .expect("config");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let daemon = continuum_router::daemon::Daemon::start(
+        continuum_router::daemon::RunOptions {
+            config,
+            config_path: None,
+            demo: false,
+        },
+        listener,
+    )
+    .await
+    .expect("daemon");
+    let registry = daemon.registry().clone();
+    let mut generations = registry.subscribe();
+    let mut put_to_snapshot = Vec::with_capacity(SEQUENTIAL_PUTS);
+    for i in 0..SEQUENTIAL_PUTS as u64 {
+        let id = 0x1000 + i;
+        let record = format!(
+            r#"{{"type":"Endpoint","namespace":"snap","component":"decode","endpoint":"generate","instance_id":{id},"transport":{{"tcp":"127.0.0.1:1/x"}}}}"#
+        );
+        let start = Instant::now();
+        admin
+            .put(
+                format!("v1/instances/snap/decode/generate/{id:x}"),
+                record,
+                None,
+            )
+            .await
+            .expect("put");
+        while registry.snapshot().workers().len() as u64 != i + 1 {
+            tokio::time::timeout(Duration::from_secs(60), generations.changed())
+                .await
+                .expect("a generation within a minute")
+                .expect("registry alive");
+        }
+        put_to_snapshot.push(start.elapsed());
+    }
+    report(
+        "daemon put->published snapshot (from issuing the put)",
+        put_to_snapshot,
+    );
+    daemon.shutdown().await;
 }
