@@ -52,7 +52,20 @@ fn records(port: u16) -> Vec<(String, Value)> {
     ]
 }
 
-async fn until(daemon: &Daemon, done: impl Fn(&Daemon) -> bool) {
+#[track_caller]
+fn until<'a>(
+    daemon: &'a Daemon,
+    done: impl Fn(&Daemon) -> bool + 'a,
+) -> impl std::future::Future<Output = ()> + 'a {
+    let caller = std::panic::Location::caller();
+    async move { until_at(daemon, done, caller).await }
+}
+
+async fn until_at(
+    daemon: &Daemon,
+    done: impl Fn(&Daemon) -> bool,
+    caller: &std::panic::Location<'_>,
+) {
     let mut changes = daemon.load_store().subscribe();
     let mut generations = daemon.registry().subscribe();
     tokio::time::timeout(WAIT, async {
@@ -64,7 +77,7 @@ async fn until(daemon: &Daemon, done: impl Fn(&Daemon) -> bool) {
         }
     })
     .await
-    .expect("reached the expected state in time");
+    .unwrap_or_else(|_| panic!("state expected at {caller} not reached in time"));
 }
 
 fn gauge(daemon: &Daemon, family: &str) -> Option<f64> {
@@ -112,8 +125,10 @@ async fn samples_flow_from_a_real_publisher_into_the_store_and_gauges() {
     let subs = publisher.await_subscriptions(1).await;
     assert_eq!(subs, vec![format!("01{}", hex(b"kv_metrics"))]);
     publisher.send(&[make(PUBLISHER, 1, WORKER, 7)]).await;
+    // The gauge is written right after the store write that wakes us: wait for both.
     until(&daemon, |d| {
         d.load_store().latest(WORKER, DpRank(0)).is_some()
+            && gauge(d, "continuum_dynamo_worker_kv_used_blocks").is_some()
     })
     .await;
     let sample = daemon
@@ -200,6 +215,7 @@ async fn samples_flow_from_a_real_publisher_into_the_store_and_gauges() {
     until(&daemon, |d| {
         d.load_store().latest(WORKER, DpRank(0)).is_none()
             && d.load_store().subscriptions().is_empty()
+            && gauge(d, "continuum_dynamo_worker_kv_used_blocks").is_none()
     })
     .await;
     assert_eq!(

@@ -73,15 +73,18 @@ impl DynamoLoadStore {
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Runs `f` on the store under its lock (writers: subscriptions and the follower), then
-    /// bumps the change counter.
+    /// Runs `f` on the store under its lock (writers: subscriptions and the follower). Writers
+    /// call [`DynamoLoadStore::notify`] once their whole update (store and gauges) is done.
     pub fn with<R>(&self, f: impl FnOnce(&mut LoadStore) -> R) -> R {
-        let result = f(&mut self.store());
-        self.inner.changes.send_modify(|n| *n = n.wrapping_add(1));
-        result
+        f(&mut self.store())
     }
 
-    /// A counter bumped after every write.
+    /// Bumps the change counter: an update is complete and visible.
+    pub fn notify(&self) {
+        self.inner.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A counter bumped after every completed update.
     pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
         self.inner.changes.subscribe()
     }
@@ -116,16 +119,22 @@ impl DynamoLoadStore {
 
     /// Records a subscription's state and refreshes the `{state, transport}` gauges.
     pub fn set_status(&self, name: &str, status: SubscriptionStatus) {
-        let mut subs = self.subs();
-        subs.insert(name.to_string(), status);
-        self.publish_gauges(&subs);
+        {
+            let mut subs = self.subs();
+            subs.insert(name.to_string(), status);
+            self.publish_gauges(&subs);
+        }
+        self.notify();
     }
 
     /// Forgets a stopped subscription.
     pub fn remove_status(&self, name: &str) {
-        let mut subs = self.subs();
-        subs.remove(name);
-        self.publish_gauges(&subs);
+        {
+            let mut subs = self.subs();
+            subs.remove(name);
+            self.publish_gauges(&subs);
+        }
+        self.notify();
     }
 
     /// Every running subscription, ordered by name.

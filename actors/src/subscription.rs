@@ -167,6 +167,7 @@ async fn run_subscription(args: SubscriptionArgs) {
                     reporter.report(SubscriptionState::Connected);
                     let dropped = store.with(|s| stream.on_connected(s));
                     clear_gauges(&metrics, &target.namespace, &dropped);
+                    store.notify();
                     debug!(subscription = %name, dropped = dropped.len(), "Subscribed; dropped samples that may have missed changes.");
                 }
                 ConnEvent::Delivery(delivery) => {
@@ -200,6 +201,7 @@ async fn run_subscription(args: SubscriptionArgs) {
                         debug!(subscription = %name, missed, "Sequence gap: dropped this publisher's samples.");
                     }
                     clear_gauges(&metrics, &target.namespace, &outcome.dropped);
+                    store.notify();
                 }
             }
         }
@@ -358,6 +360,7 @@ impl FollowerState {
         if let Some(metrics) = &self.args.metrics {
             metrics.retain_workers(|key| snapshot.worker(key).is_some());
         }
+        self.args.store.notify();
         let (wanted, left_out) =
             subscriptions::plan(&snapshot, EventTopic::KvMetrics, MAX_SUBSCRIPTIONS);
         if left_out > 0 && !self.warned_cap {

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use crate::ids::{DpRank, Namespace, WorkerKey};
 use crate::time::Tick;
 
+pub mod candidates;
 pub mod estimate;
 pub mod ledger;
 pub mod load_based;
