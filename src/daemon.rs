@@ -32,6 +32,7 @@ use tracing::{error, info, warn};
 
 use crate::config::{self, Config, DiscoveryAction, DiscoverySource, LoadedConfig, RestartReason};
 use crate::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
+use crate::proxy::{Proxy, ProxyOptions};
 use crate::readiness::Readiness;
 use crate::telemetry;
 
@@ -112,6 +113,8 @@ struct Shared {
     mailbox: RegistryMailbox,
     readiness: Readiness,
     metrics: Metrics,
+    /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
+    proxy: Arc<Proxy>,
 }
 
 /// A running daemon.
@@ -148,9 +151,11 @@ impl Daemon {
             config: Arc::new(ArcSwap::from_pointee(config.clone())),
             registry,
             mailbox: RegistryMailbox::default(),
+            proxy: Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone()))),
             readiness,
             metrics,
         };
+        shared.proxy.reconfigure(&config);
         let tree = ActorTree::default();
         let (root, root_task) = spawn_root(
             vec![registry_spec(&shared), discovery_spec(&shared)],
@@ -233,6 +238,7 @@ impl Daemon {
 
     /// Stops accepting, drains in-flight requests, stops the tree; bounded by 10 s.
     pub async fn shutdown(self) {
+        self.shared.proxy.shutdown();
         let Daemon {
             root,
             root_task,
@@ -270,6 +276,7 @@ fn app_state(
         tree: tree.clone(),
         control,
         dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry)),
+        proxy: shared.proxy.clone(),
         fleet_models: Arc::new(move || {
             let snapshot = models_registry.snapshot();
             let mut models: Vec<String> = snapshot.models().map(|(_, m)| m.to_string()).collect();
@@ -494,6 +501,7 @@ impl ControlLoop {
         // Immediate class: the next request sees it.
         self.shared.config.store(Arc::new(new.clone()));
         self.live.store(Arc::new(live_settings(&new)));
+        self.shared.proxy.reconfigure(&new);
         let mut summary = vec![format!("{} changed keys", plan.changes.len())];
         match &plan.discovery {
             Some(DiscoveryAction::Stop) => {
