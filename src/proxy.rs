@@ -37,7 +37,7 @@ pub use headers::Dispatch;
 
 use crate::config::schema::{BackendConfig, Config, DisaggregatedServingConfig};
 use crate::front_door::error::ApiError;
-use crate::front_door::{LiveSettings, authenticate_client};
+use crate::front_door::{ApiKeySetting, LiveSettings, authenticate_client};
 use upstream::{Upstream, UpstreamError};
 
 /// The OpenAI routes the proxy serves.
@@ -169,6 +169,35 @@ impl Proxy {
         headers: HeaderMap,
         body: Body,
     ) -> Result<Response<Body>, ApiError> {
+        let (request, key) = self.prepare(live, route, headers, body).await?;
+        let allowed = key
+            .as_ref()
+            .map(|k| k.allowed_backends.as_slice())
+            .unwrap_or(&[]);
+        let scope = Scope {
+            allowed,
+            only: None,
+        };
+        let candidates = self.candidates(&request.body.model, scope)?;
+        self.count_routing_path(RoutingPath::Unified);
+        self.dispatch(
+            &request,
+            &candidates,
+            &Dispatch::none(),
+            RoutingPath::Unified,
+        )
+        .await
+    }
+
+    /// Everything before routing: authenticate, read the bounded body, validate it and strip
+    /// its pins. Returns the request and the caller's key policy (`None` when keys are off).
+    pub async fn prepare(
+        &self,
+        live: &LiveSettings,
+        route: OpenAiRoute,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Result<(ClientRequest, Option<ApiKeySetting>), ApiError> {
         let key = authenticate_client(live, &headers)?;
         let bytes = body::read_bounded(&headers, body, self.options.max_request_body_bytes).await?;
         let parsed = body::parse(bytes)?;
@@ -185,25 +214,12 @@ impl Proxy {
             headers,
             body: parsed,
         };
-        let allowed = key
-            .as_ref()
-            .map(|k| k.allowed_backends.as_slice())
-            .unwrap_or(&[]);
-        let candidates = self.candidates(
-            &request.body.model,
-            Scope {
-                allowed,
-                only: None,
-            },
-        )?;
-        self.count_routing_path(RoutingPath::Unified);
-        self.dispatch(
-            &request,
-            &candidates,
-            &Dispatch::none(),
-            RoutingPath::Unified,
-        )
-        .await
+        Ok((request, key))
+    }
+
+    /// Whether `disaggregated_serving.enabled` is on in the current configuration.
+    pub fn disaggregated_enabled(&self) -> bool {
+        self.disaggregated.load(Ordering::Acquire)
     }
 
     /// Replicas for a model, or the client-facing error: 404 `model_not_found` when no backend
@@ -224,7 +240,7 @@ impl Proxy {
     /// Counts `disaggregated_requests_total{routing_path}` when disaggregated serving is on;
     /// call once per request.
     pub fn count_routing_path(&self, path: RoutingPath) {
-        if self.disaggregated.load(Ordering::Acquire)
+        if self.disaggregated_enabled()
             && let Some(metrics) = &self.metrics
         {
             metrics.disaggregated_request(path);

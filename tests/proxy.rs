@@ -609,3 +609,43 @@ async fn routing_path_is_counted_once_per_request_when_disaggregated_serving_is_
         0.0
     );
 }
+
+#[tokio::test]
+async fn a_reload_that_moves_a_backend_starts_it_fresh_and_probes_the_new_url() {
+    let mut sick = FakeUpstream::start_with_health(StatusCode::SERVICE_UNAVAILABLE).await;
+    let mut fine = FakeUpstream::start().await;
+    let probed = |url: &str| {
+        let mut config = backend("b1", url, &["m"]);
+        config.health_check = HealthCheckConfig {
+            enabled: true,
+            path: "/health".into(),
+            interval: HumanDuration(Duration::from_millis(2)),
+            timeout: HumanDuration(Duration::from_secs(5)),
+            unhealthy_threshold: 1,
+            healthy_threshold: 1,
+        };
+        config
+    };
+    let h = harness(vec![probed(&sick.url())]);
+    sick.next_probe().await;
+    sick.next_probe().await;
+    assert!(!h.proxy.pool().get("b1").expect("b1").is_healthy());
+
+    // Unchanged: the unhealthy state survives a reload.
+    h.proxy.set_backends(
+        &[probed(&sick.url())],
+        &DisaggregatedServingConfig::default(),
+    );
+    assert!(!h.proxy.pool().get("b1").expect("b1").is_healthy());
+
+    // Moved: fresh state, and the probe task follows the new URL.
+    h.proxy.set_backends(
+        &[probed(&fine.url())],
+        &DisaggregatedServingConfig::default(),
+    );
+    assert!(h.proxy.pool().get("b1").expect("b1").is_healthy());
+    assert_eq!(fine.next_probe().await.answered, StatusCode::OK);
+    assert_eq!(h.send(chat(chat_body())).await.status(), StatusCode::OK);
+    fine.next_request().await;
+    h.proxy.shutdown();
+}
