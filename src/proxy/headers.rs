@@ -114,6 +114,14 @@ pub fn outbound(client: &HeaderMap, dispatch: &Dispatch, drop_authorization: boo
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
     headers.remove(DISCLOSE_REQUEST_HEADER);
+    // The body was read whole already; `100-continue` has nothing left to gate.
+    headers.remove(header::EXPECT);
+    // The body is validated JSON; OpenAI-wire servers (the Dynamo frontend among them) refuse
+    // a JSON body without this content type.
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if drop_authorization {
         // The client's router key is not the backend's credential.
         headers.remove(header::AUTHORIZATION);
@@ -149,7 +157,8 @@ mod tests {
             ("x-prefill-dp-rank", "3"),
             ("authorization", "Bearer client"),
             ("x-backend", ""),
-            ("content-type", "application/json"),
+            ("content-type", "text/plain"),
+            ("expect", "100-continue"),
             ("x-request-id", "r1"),
         ] {
             client.append(k, HeaderValue::from_static(v));
@@ -175,6 +184,7 @@ mod tests {
         assert_eq!(out[WORKER_INSTANCE_ID], "6699");
         assert_eq!(out[DP_RANK], "0");
         assert_eq!(out[PREFILL_INSTANCE_ID], "7");
+        assert_eq!(out[header::CONTENT_TYPE], "application/json");
         assert!(outbound(&client, &Dispatch::none(), false).contains_key("authorization"));
     }
 }
