@@ -12,6 +12,19 @@
 //! Flow per request: authenticate → read ≤ 8 MiB → parse (`model` required) → strip pins →
 //! select replicas (key policy, health, breaker, round-robin) → dispatch with the `Dispatch`
 //! headers, retrying only connection failures on the next replica with the same headers → relay.
+//!
+//! Decisions worth knowing:
+//! - Standard routing considers enabled, non-internal backends of role `unified` that list the
+//!   model (or list none). A key whose `allowed_backends` excludes every such backend gets the
+//!   same 404 `model_not_found` as an unknown model, so a key's policy never reveals what other
+//!   keys can reach. Backends that serve the model but are all unhealthy or breaker-open: 503.
+//! - New backends start healthy (they serve before their first probe completes); the breaker
+//!   counts transport errors and 5xx, not 4xx or 429. Retries happen only on connection failures
+//!   (nothing was sent); a response-head timeout is a 504 and another transport error a 502.
+//! - The router's own `Authorization` is not forwarded when API keys are configured; with an
+//!   open surface the client's header passes through. Client `x-dynamo-*`, the pin aliases and
+//!   the rank aliases (`x-dp-rank`, `x-data-parallel-rank`, `x-prefill-dp-rank`) never leave.
+//! - A stream that fails after its head ends with one SSE `data: {"error": ...}` event.
 
 pub mod backends;
 pub mod body;

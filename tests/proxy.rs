@@ -649,3 +649,53 @@ async fn a_reload_that_moves_a_backend_starts_it_fresh_and_probes_the_new_url() 
     fine.next_request().await;
     h.proxy.shutdown();
 }
+
+#[tokio::test]
+async fn streaming_through_a_real_listener_arrives_chunk_by_chunk() {
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let mut up = FakeUpstream::start().await;
+    let (tx, rx) = mpsc::unbounded_channel();
+    up.push(Reply::Sse(rx));
+    let h = harness(vec![backend("b1", &up.url(), &["m"])]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let app = front_door::router(h.state.clone());
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+
+    let client: Client<_, http_body_util::Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let mut body = chat_body();
+    body["stream"] = json!(true);
+    let req = Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(Bytes::from(body.to_string())))
+        .expect("request");
+    let resp = client.request(req).await.expect("response head");
+    assert_eq!(resp.status(), StatusCode::OK);
+    up.next_request().await;
+    let mut body = resp.into_body();
+    for chunk in [
+        "data: {\"n\":1}\n\n",
+        "data: {\"n\":2}\n\n",
+        "data: [DONE]\n\n",
+    ] {
+        tx.send(Bytes::from(chunk)).expect("send");
+        let got = body
+            .frame()
+            .await
+            .expect("frame")
+            .expect("ok")
+            .into_data()
+            .expect("data");
+        assert_eq!(got, Bytes::from(chunk));
+    }
+    drop(tx);
+    assert!(body.frame().await.is_none());
+    server.abort();
+}
