@@ -3,7 +3,6 @@
 
 use axum::body::Body;
 use axum::http::{HeaderValue, Response, header};
-use axum::response::IntoResponse;
 use bytes::Bytes;
 use futures::StreamExt;
 use http_body_util::{BodyExt, BodyStream, Limited};
@@ -80,9 +79,4 @@ fn error_event(message: &str) -> Bytes {
     let body = json!({"error": {"message": format!("the upstream stream failed: {message}"),
                                 "type": "bad_gateway", "code": "bad_gateway"}});
     Bytes::from(format!("data: {body}\n\n"))
-}
-
-/// Renders an error the same way everywhere (for callers holding a `Result`).
-pub fn into_response(result: Result<Response<Body>, ApiError>) -> Response<Body> {
-    result.unwrap_or_else(IntoResponse::into_response)
 }
