@@ -37,6 +37,7 @@ use crate::config::{
     self, Config, DiscoveryAction, DiscoverySource, LoadTransport, LoadedConfig, RestartReason,
 };
 use crate::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
+use crate::proxy::{Proxy, ProxyOptions};
 use crate::readiness::Readiness;
 use crate::telemetry;
 
@@ -118,6 +119,8 @@ struct Shared {
     readiness: Readiness,
     metrics: Metrics,
     load: DynamoLoadStore,
+    /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
+    proxy: Arc<Proxy>,
 }
 
 /// A running daemon.
@@ -158,10 +161,12 @@ impl Daemon {
             config: Arc::new(ArcSwap::from_pointee(config.clone())),
             registry,
             mailbox: RegistryMailbox::default(),
+            proxy: Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone()))),
             readiness,
             metrics,
             load,
         };
+        shared.proxy.reconfigure(&config);
         let tree = ActorTree::default();
         let (root, root_task) = spawn_root(
             vec![
@@ -253,6 +258,7 @@ impl Daemon {
 
     /// Stops accepting, drains in-flight requests, stops the tree; bounded by 10 s.
     pub async fn shutdown(self) {
+        self.shared.proxy.shutdown();
         let Daemon {
             root,
             root_task,
@@ -291,6 +297,7 @@ fn app_state(
         tree: tree.clone(),
         control,
         dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry, &load)),
+        proxy: shared.proxy.clone(),
         fleet_models: Arc::new(move || {
             let snapshot = models_registry.snapshot();
             let mut models: Vec<String> = snapshot.models().map(|(_, m)| m.to_string()).collect();
@@ -544,6 +551,7 @@ impl ControlLoop {
         // Immediate class: the next request sees it.
         self.shared.config.store(Arc::new(new.clone()));
         self.live.store(Arc::new(live_settings(&new)));
+        self.shared.proxy.reconfigure(&new);
         if let Err(error) = self
             .shared
             .load

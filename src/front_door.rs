@@ -11,11 +11,12 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use axum::Router;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use continuum_actors::tree::ActorTree;
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
@@ -64,6 +65,8 @@ pub struct AppState {
     pub dynamo_workers: JsonView,
     /// Model ids the discovered fleet serves, merged into `GET /v1/models`.
     pub fleet_models: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
+    /// The OpenAI-wire proxy behind `POST /v1/chat/completions` and `POST /v1/completions`.
+    pub proxy: Arc<crate::proxy::Proxy>,
 }
 
 /// The whole router, with the always-on pin-stripping middleware outermost.
@@ -74,6 +77,8 @@ pub fn router(state: AppState) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
         .merge(admin)
         .fallback(not_found)
         .layer(middleware::from_fn(strip::strip_client_pins))
@@ -138,6 +143,24 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Result<Res
         .map(|id| json!({"id": id, "object": "model", "owned_by": "continuum-router"}))
         .collect();
     Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
+}
+
+// The OpenAI-wire proxy routes: everything past the route match lives in `crate::proxy`.
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let live = state.live.load_full();
+    let route = crate::proxy::OpenAiRoute::ChatCompletions;
+    state.proxy.serve(&live, route, headers, body).await
+}
+
+async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let live = state.live.load_full();
+    let route = crate::proxy::OpenAiRoute::Completions;
+    state.proxy.serve(&live, route, headers, body).await
 }
 
 async fn not_found() -> ApiError {

@@ -6,6 +6,7 @@
 //! | [`daemon`] | startup, the reload control loop and bounded shutdown |
 //! | [`front_door`] | the axum router: OpenAI surface, health, metrics, admin |
 //! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
+//! | [`proxy`] | the OpenAI-wire serving path: backend pool, health, breakers, relay |
 //! | [`readiness`] | first-pass tracking behind `GET /ready` |
 //! | [`telemetry`] | logs and OTLP trace export |
 
@@ -13,5 +14,6 @@ pub mod config;
 pub mod daemon;
 pub mod dynamo_admin;
 pub mod front_door;
+pub mod proxy;
 pub mod readiness;
 pub mod telemetry;

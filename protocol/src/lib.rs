@@ -9,6 +9,7 @@
 //! | [`ids`] | identifier newtypes shared by every crate |
 //! | [`time`] | caller-supplied monotonic ticks and wall-clock timestamps |
 //! | [`backoff`] | reconnect backoff and supervisor restart budgets |
+//! | [`breaker`] | backend circuit breaker and active-health thresholds |
 //! | [`discovery`] | the discovery event vocabulary shared by every source |
 //! | [`zmtp`] | bounded ZMTP 3.x SUB client state machine (greeting, READY, frames, PING) |
 //! | [`event_plane`] | 4-frame event-plane messages, EventEnvelope, ActiveLoad, drop results |
@@ -19,6 +20,7 @@
 //! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
 
 pub mod backoff;
+pub mod breaker;
 pub mod discovery;
 pub mod event_plane;
 pub mod ids;

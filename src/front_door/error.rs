@@ -22,6 +22,18 @@ pub enum ApiError {
     Unavailable(String),
     #[error("{0}")]
     Internal(String),
+    /// The request body exceeds the front door's bound.
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    /// No backend the caller may use serves the requested model.
+    #[error("{0}")]
+    ModelNotFound(String),
+    /// The upstream failed before answering (transport error).
+    #[error("{0}")]
+    BadGateway(String),
+    /// The upstream did not answer within the proxy's deadline.
+    #[error("{0}")]
+    GatewayTimeout(String),
 }
 
 impl ApiError {
@@ -34,6 +46,10 @@ impl ApiError {
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+            ApiError::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            ApiError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
+            ApiError::BadGateway(_) => (StatusCode::BAD_GATEWAY, "bad_gateway"),
+            ApiError::GatewayTimeout(_) => (StatusCode::GATEWAY_TIMEOUT, "gateway_timeout"),
         }
     }
 }

@@ -1,0 +1,355 @@
+//! The OpenAI-wire serving path: `POST /v1/chat/completions` and `POST /v1/completions` relayed
+//! to `type: openai` backends (Dynamo direct-mode shim replicas among them).
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`body`] | bounded body reading, JSON validation, `nvext` pin stripping |
+//! | [`headers`] | hop-by-hop and pin header hygiene, [`Dispatch`] (worker pins) |
+//! | [`backends`] | the backend pool: selection, health-check tasks, circuit breakers |
+//! | [`upstream`] | the pooled hyper-util client and backend URLs |
+//! | [`relay`] | buffered and streamed (SSE) response relay |
+//!
+//! Flow per request: authenticate → read ≤ 8 MiB → parse (`model` required) → strip pins →
+//! select replicas (key policy, health, breaker, round-robin) → dispatch with the `Dispatch`
+//! headers, retrying only connection failures on the next replica with the same headers → relay.
+//!
+//! Decisions worth knowing:
+//! - Standard routing considers enabled, non-internal backends of role `unified` that list the
+//!   model (or list none). A key whose `allowed_backends` excludes every such backend gets the
+//!   same 404 `model_not_found` as an unknown model, so a key's policy never reveals what other
+//!   keys can reach. Backends that serve the model but are all unhealthy or breaker-open: 503.
+//! - New backends start healthy (they serve before their first probe completes); the breaker
+//!   counts transport errors and 5xx, not 4xx or 429. Retries happen only on connection failures
+//!   (nothing was sent); a response-head timeout is a 504 and another transport error a 502.
+//! - The router's own `Authorization` is not forwarded when API keys are configured; with an
+//!   open surface the client's header passes through. Client `x-dynamo-*`, the pin aliases and
+//!   the rank aliases (`x-dp-rank`, `x-data-parallel-rank`, `x-prefill-dp-rank`) never leave.
+//! - A stream that fails after its head ends with one SSE `data: {"error": ...}` event.
+
+pub mod backends;
+pub mod body;
+pub mod headers;
+pub mod relay;
+pub mod upstream;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
+use axum::response::IntoResponse;
+use continuum_actors::metrics::{HttpRoute, Metrics, RoutingPath};
+use continuum_protocol::breaker::BreakerConfig;
+use http_body_util::Full;
+use tracing::{debug, warn};
+
+pub use backends::{Backend, BackendPool, Clock, Scope, Selection};
+pub use body::ParsedBody;
+pub use headers::Dispatch;
+
+use crate::config::schema::{BackendConfig, Config, DisaggregatedServingConfig};
+use crate::front_door::error::ApiError;
+use crate::front_door::{ApiKeySetting, LiveSettings, authenticate_client};
+use upstream::{Upstream, UpstreamError};
+
+/// The OpenAI routes the proxy serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpenAiRoute {
+    ChatCompletions,
+    Completions,
+}
+
+impl OpenAiRoute {
+    pub fn path(self) -> &'static str {
+        match self {
+            OpenAiRoute::ChatCompletions => "/v1/chat/completions",
+            OpenAiRoute::Completions => "/v1/completions",
+        }
+    }
+
+    fn metric(self) -> HttpRoute {
+        match self {
+            OpenAiRoute::ChatCompletions => HttpRoute::ChatCompletions,
+            OpenAiRoute::Completions => HttpRoute::Completions,
+        }
+    }
+}
+
+/// Tuning that is not in the config file.
+#[derive(Clone)]
+pub struct ProxyOptions {
+    pub breaker: BreakerConfig,
+    /// Replicas tried for one request when connections fail (at least 1).
+    pub max_attempts: usize,
+    pub connect_timeout: Duration,
+    /// How long to wait for an upstream response head.
+    pub response_head_timeout: Duration,
+    pub max_request_body_bytes: usize,
+    pub clock: Clock,
+}
+
+impl Default for ProxyOptions {
+    fn default() -> Self {
+        Self {
+            breaker: BreakerConfig::default(),
+            max_attempts: 3,
+            connect_timeout: Duration::from_secs(5),
+            response_head_timeout: Duration::from_secs(600),
+            max_request_body_bytes: body::MAX_REQUEST_BODY_BYTES,
+            clock: Arc::new(continuum_actors::clock::now_tick),
+        }
+    }
+}
+
+/// A parsed client request, as the dispatch step sees it.
+#[derive(Clone, Debug)]
+pub struct ClientRequest {
+    pub route: OpenAiRoute,
+    pub body: ParsedBody,
+    /// The client's headers (sanitised again at dispatch).
+    pub headers: HeaderMap,
+    /// The client sent `x-backend`: identities may be disclosed.
+    pub disclose: bool,
+    /// The router consumed the `Authorization` header as its own API key.
+    pub authenticated: bool,
+}
+
+/// The proxy: a backend pool, the upstream client and the reloadable routing switches.
+pub struct Proxy {
+    pool: BackendPool,
+    upstream: Upstream,
+    options: ProxyOptions,
+    disaggregated: AtomicBool,
+    metrics: Option<Metrics>,
+}
+
+impl Proxy {
+    /// An empty proxy; call [`Proxy::reconfigure`] (inside a tokio runtime) to load backends.
+    pub fn new(options: ProxyOptions, metrics: Option<Metrics>) -> Self {
+        let upstream = Upstream::new(options.connect_timeout);
+        Self {
+            pool: BackendPool::new(upstream.clone(), options.clock.clone(), options.breaker),
+            upstream,
+            options,
+            disaggregated: AtomicBool::new(false),
+            metrics,
+        }
+    }
+
+    /// Applies the immediate-class settings: `backends` and `disaggregated_serving`. Unchanged
+    /// backends keep their health, breaker and probe task.
+    pub fn reconfigure(&self, config: &Config) {
+        self.set_backends(&config.backends, &config.disaggregated_serving);
+    }
+
+    pub fn set_backends(&self, backends: &[BackendConfig], disagg: &DisaggregatedServingConfig) {
+        self.pool.reconfigure(backends);
+        self.disaggregated.store(disagg.enabled, Ordering::Release);
+    }
+
+    pub fn pool(&self) -> &BackendPool {
+        &self.pool
+    }
+
+    /// Stops every health-check task.
+    pub fn shutdown(&self) {
+        self.pool.shutdown();
+    }
+
+    /// The whole standard path for one request; always answers (errors as `ApiError` bodies).
+    pub async fn serve(
+        &self,
+        live: &LiveSettings,
+        route: OpenAiRoute,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Response<Body> {
+        let response = match self.serve_inner(live, route, headers, body).await {
+            Ok(resp) => resp,
+            Err(error) => error.into_response(),
+        };
+        if let Some(metrics) = &self.metrics {
+            metrics.http_request(route.metric(), response.status().as_u16());
+        }
+        response
+    }
+
+    async fn serve_inner(
+        &self,
+        live: &LiveSettings,
+        route: OpenAiRoute,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Result<Response<Body>, ApiError> {
+        let (request, key) = self.prepare(live, route, headers, body).await?;
+        let allowed = key
+            .as_ref()
+            .map(|k| k.allowed_backends.as_slice())
+            .unwrap_or(&[]);
+        let scope = Scope {
+            allowed,
+            only: None,
+        };
+        let candidates = self.candidates(&request.body.model, scope)?;
+        self.count_routing_path(RoutingPath::Unified);
+        self.dispatch(
+            &request,
+            &candidates,
+            &Dispatch::none(),
+            RoutingPath::Unified,
+        )
+        .await
+    }
+
+    /// Everything before routing: authenticate, read the bounded body, validate it and strip
+    /// its pins. Returns the request and the caller's key policy (`None` when keys are off).
+    pub async fn prepare(
+        &self,
+        live: &LiveSettings,
+        route: OpenAiRoute,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Result<(ClientRequest, Option<ApiKeySetting>), ApiError> {
+        let key = authenticate_client(live, &headers)?;
+        let bytes = body::read_bounded(&headers, body, self.options.max_request_body_bytes).await?;
+        let parsed = body::parse(bytes)?;
+        if parsed.stripped > 0 {
+            debug!(
+                stripped = parsed.stripped,
+                "Stripped client nvext worker pins."
+            );
+        }
+        let request = ClientRequest {
+            route,
+            disclose: headers.contains_key(headers::DISCLOSE_REQUEST_HEADER),
+            authenticated: key.is_some(),
+            headers,
+            body: parsed,
+        };
+        Ok((request, key))
+    }
+
+    /// Whether `disaggregated_serving.enabled` is on in the current configuration.
+    pub fn disaggregated_enabled(&self) -> bool {
+        self.disaggregated.load(Ordering::Acquire)
+    }
+
+    /// Replicas for a model, or the client-facing error: 404 `model_not_found` when no backend
+    /// the key may use serves it (a key's policy is not disclosed as a 403), 503 when all such
+    /// backends are unhealthy or breaker-open.
+    pub fn candidates(&self, model: &str, scope: Scope<'_>) -> Result<Vec<Arc<Backend>>, ApiError> {
+        match self.pool.select(model, scope) {
+            Selection::Candidates(c) => Ok(c),
+            Selection::NoneServes => Err(ApiError::ModelNotFound(format!(
+                "the model {model:?} does not exist or you do not have access to it"
+            ))),
+            Selection::NoneUsable => Err(ApiError::Unavailable(format!(
+                "no healthy backend is available for the model {model:?}"
+            ))),
+        }
+    }
+
+    /// Counts `disaggregated_requests_total{routing_path}` when disaggregated serving is on;
+    /// call once per request.
+    pub fn count_routing_path(&self, path: RoutingPath) {
+        if self.disaggregated_enabled()
+            && let Some(metrics) = &self.metrics
+        {
+            metrics.disaggregated_request(path);
+        }
+    }
+
+    /// Sends `request` to the first admitted candidate with `dispatch`'s headers. Only connection
+    /// failures move on to the next candidate (nothing was sent), with the same headers: workers
+    /// are never re-selected here. 5xx and transport errors count against the breaker.
+    pub async fn dispatch(
+        &self,
+        request: &ClientRequest,
+        candidates: &[Arc<Backend>],
+        dispatch: &Dispatch,
+        path: RoutingPath,
+    ) -> Result<Response<Body>, ApiError> {
+        let outbound_headers = headers::outbound(&request.headers, dispatch, request.authenticated);
+        let mut last_error = None;
+        for backend in candidates.iter().take(self.options.max_attempts.max(1)) {
+            if !backend.admit(self.pool.now()).is_admitted() {
+                continue;
+            }
+            let Ok(target) = backend.target() else {
+                continue;
+            };
+            let uri = target
+                .uri(request.route.path())
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            let mut req = Request::builder()
+                .method(Method::POST)
+                .uri(uri)
+                .body(Full::new(request.body.outbound.clone()))
+                .map_err(|e| ApiError::Internal(e.to_string()))?;
+            *req.headers_mut() = outbound_headers.clone();
+            match self
+                .upstream
+                .send(req, self.options.response_head_timeout)
+                .await
+            {
+                Ok(resp) => {
+                    if resp.status().is_server_error() {
+                        backend.record_failure(self.pool.now());
+                    } else {
+                        backend.record_success();
+                    }
+                    let relayed = if request.body.stream {
+                        Ok(relay::streamed(resp, backend.name()))
+                    } else {
+                        relay::buffered(resp, backend.name()).await
+                    };
+                    return relayed.map(|resp| decorate(resp, request, backend, dispatch, path));
+                }
+                Err(error) if error.is_connect() => {
+                    backend.record_failure(self.pool.now());
+                    warn!(backend = %backend.name(), %error, "Could not connect to a backend; trying the next replica.");
+                    last_error = Some(error);
+                }
+                Err(error) => {
+                    backend.record_failure(self.pool.now());
+                    warn!(backend = %backend.name(), %error, "A backend failed before answering.");
+                    return Err(match error {
+                        UpstreamError::Timeout(_) => ApiError::GatewayTimeout(error.to_string()),
+                        _ => ApiError::BadGateway(error.to_string()),
+                    });
+                }
+            }
+        }
+        Err(match last_error {
+            Some(error) => {
+                ApiError::BadGateway(format!("no backend replica was reachable: {error}"))
+            }
+            None => ApiError::Unavailable("no backend replica admitted the request".into()),
+        })
+    }
+}
+
+/// Routing headers on every relayed response; identities only when asked with `x-backend`.
+fn decorate(
+    mut resp: Response<Body>,
+    request: &ClientRequest,
+    backend: &Backend,
+    dispatch: &Dispatch,
+    path: RoutingPath,
+) -> Response<Body> {
+    let headers = resp.headers_mut();
+    headers.insert(
+        headers::ROUTING_PATH_HEADER,
+        HeaderValue::from_static(path.as_label()),
+    );
+    if request.disclose {
+        if let Ok(name) = HeaderValue::from_str(backend.name()) {
+            headers.insert(headers::BACKEND_RESPONSE_HEADER, name);
+        }
+        for (name, value) in &dispatch.disclosed {
+            headers.insert(name.clone(), value.clone());
+        }
+    }
+    resp
+}

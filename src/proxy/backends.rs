@@ -1,0 +1,353 @@
+//! The backend pool: `type: openai` backends with active health checks and a circuit breaker each.
+//!
+//! Health checks are plain tokio tasks, one per enabled backend with `health_check.enabled`, owned
+//! by the pool: [`BackendPool::shutdown`] (and dropping the pool) aborts them, and a reload aborts
+//! only the tasks of removed or changed backends. Health and breaker decisions are the pure state
+//! machines of `continuum_protocol::breaker`; the tasks only probe and fold results in.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use axum::http::{Method, Request};
+use bytes::Bytes;
+use continuum_protocol::breaker::{
+    Admission, Breaker, BreakerConfig, BreakerState, HealthThresholds, HealthTracker,
+    HealthTransition,
+};
+use continuum_protocol::time::Tick;
+use http_body_util::{BodyExt, Full, Limited};
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use super::upstream::{Target, Upstream};
+use crate::config::schema::{BackendConfig, BackendRole, HealthCheckConfig};
+
+/// Caller-supplied monotonic clock (tests drive it by hand).
+pub type Clock = Arc<dyn Fn() -> Tick + Send + Sync>;
+
+/// Largest health-check response body read (the rest is discarded with the connection).
+const MAX_HEALTH_BODY_BYTES: usize = 64 * 1024;
+/// Shortest probe interval honoured, so a zero interval cannot spin.
+const MIN_HEALTH_INTERVAL: Duration = Duration::from_millis(1);
+
+/// Health and breaker state of one backend; survives reloads that leave the backend unchanged.
+#[derive(Debug)]
+struct BackendState {
+    healthy: AtomicBool,
+    health: Mutex<HealthTracker>,
+    breaker: Mutex<Breaker>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The guarded state machines are updated by single assignments: a panic elsewhere leaves
+    // them consistent.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One configured backend replica.
+#[derive(Debug)]
+pub struct Backend {
+    config: BackendConfig,
+    target: Result<Target, String>,
+    state: Arc<BackendState>,
+}
+
+impl Backend {
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    pub fn config(&self) -> &BackendConfig {
+        &self.config
+    }
+
+    pub fn target(&self) -> Result<&Target, &str> {
+        self.target.as_ref().map_err(String::as_str)
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.state.healthy.load(Ordering::Acquire)
+    }
+
+    pub fn breaker_state(&self) -> BreakerState {
+        lock(&self.state.breaker).state()
+    }
+
+    /// Whether this backend serves `model` (an empty `models` list serves any).
+    pub fn serves(&self, model: &str) -> bool {
+        self.config.models.is_empty() || self.config.models.iter().any(|m| m == model)
+    }
+
+    fn usable(&self, now: Tick) -> bool {
+        self.target.is_ok() && self.is_healthy() && lock(&self.state.breaker).would_admit(now)
+    }
+
+    pub fn admit(&self, now: Tick) -> Admission {
+        lock(&self.state.breaker).admit(now)
+    }
+
+    pub fn record_success(&self) {
+        lock(&self.state.breaker).on_success();
+    }
+
+    pub fn record_failure(&self, now: Tick) {
+        if lock(&self.state.breaker).on_failure(now) {
+            warn!(backend = %self.config.name, "Opened the circuit breaker of a backend.");
+        }
+    }
+}
+
+/// The outcome of choosing replicas for one request.
+#[derive(Debug)]
+pub enum Selection {
+    /// Usable replicas in round-robin order: the first is the choice, the rest the retry order.
+    Candidates(Vec<Arc<Backend>>),
+    /// No backend the caller may use serves the model.
+    NoneServes,
+    /// Backends serve it, but every one is unhealthy, breaker-open or undialable.
+    NoneUsable,
+}
+
+/// Which backends a selection may consider.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Scope<'a> {
+    /// The API key's `allowed_backends` (empty = all).
+    pub allowed: &'a [String],
+    /// Restrict to these names (a shim pool); `None` = every unified backend.
+    pub only: Option<&'a [String]>,
+}
+
+struct Checker {
+    /// The settings the task was started with; a change restarts it.
+    key: (String, HealthCheckConfig),
+    task: JoinHandle<()>,
+}
+
+/// The configured backends, swapped whole on reload.
+pub struct BackendPool {
+    backends: ArcSwap<Vec<Arc<Backend>>>,
+    cursor: AtomicUsize,
+    checkers: Mutex<HashMap<String, Checker>>,
+    upstream: Upstream,
+    clock: Clock,
+    breaker: BreakerConfig,
+}
+
+impl BackendPool {
+    pub fn new(upstream: Upstream, clock: Clock, breaker: BreakerConfig) -> Self {
+        Self {
+            backends: ArcSwap::from_pointee(Vec::new()),
+            cursor: AtomicUsize::new(0),
+            checkers: Mutex::new(HashMap::new()),
+            upstream,
+            clock,
+            breaker,
+        }
+    }
+
+    pub fn now(&self) -> Tick {
+        (self.clock)()
+    }
+
+    /// The current backends, in configuration order.
+    pub fn backends(&self) -> Arc<Vec<Arc<Backend>>> {
+        self.backends.load_full()
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Backend>> {
+        self.backends
+            .load()
+            .iter()
+            .find(|b| b.name() == name)
+            .cloned()
+    }
+
+    /// Replaces the backend set. A backend whose name, URL and health-check settings are
+    /// unchanged keeps its health, breaker and probe task; others start fresh (healthy, closed).
+    /// Must run inside a tokio runtime (it spawns probe tasks).
+    pub fn reconfigure(&self, configs: &[BackendConfig]) {
+        let old = self.backends.load_full();
+        let mut checkers = lock(&self.checkers);
+        let mut next = Vec::with_capacity(configs.len());
+        for config in configs {
+            let same = old.iter().find(|b| {
+                b.config.name == config.name
+                    && b.config.url == config.url
+                    && b.config.health_check == config.health_check
+            });
+            let state = match same {
+                Some(b) => b.state.clone(),
+                None => Arc::new(BackendState {
+                    healthy: AtomicBool::new(true),
+                    health: Mutex::new(HealthTracker::new(thresholds(&config.health_check))),
+                    breaker: Mutex::new(Breaker::new(self.breaker)),
+                }),
+            };
+            let target = Target::parse(&config.url).map_err(|e| e.to_string());
+            if let Err(error) = &target {
+                warn!(backend = %config.name, %error, "A backend cannot be dialled; it is never selected.");
+            }
+            next.push(Arc::new(Backend {
+                config: config.clone(),
+                target,
+                state,
+            }));
+        }
+        // Probe tasks follow the new set.
+        let wanted: HashMap<&str, &Arc<Backend>> = next
+            .iter()
+            .filter(|b| b.config.enabled && b.config.health_check.enabled && b.target.is_ok())
+            .map(|b| (b.name(), b))
+            .collect();
+        checkers.retain(|name, checker| {
+            let keep = wanted.get(name.as_str()).is_some_and(|b| {
+                checker.key == (b.config.url.clone(), b.config.health_check.clone())
+                    && same_state(&old, &next, name)
+            });
+            if !keep {
+                checker.task.abort();
+            }
+            keep
+        });
+        for (name, backend) in wanted {
+            if checkers.contains_key(name) {
+                continue;
+            }
+            let task = tokio::spawn(probe_loop(self.upstream.clone(), backend.clone()));
+            checkers.insert(
+                name.to_owned(),
+                Checker {
+                    key: (
+                        backend.config.url.clone(),
+                        backend.config.health_check.clone(),
+                    ),
+                    task,
+                },
+            );
+        }
+        self.backends.store(Arc::new(next));
+    }
+
+    /// Usable replicas for `model` within `scope`, rotated by the pool's round-robin cursor.
+    /// Standard routing considers enabled, non-internal backends of role `unified`.
+    pub fn select(&self, model: &str, scope: Scope<'_>) -> Selection {
+        let now = self.now();
+        let backends = self.backends.load();
+        let serving: Vec<&Arc<Backend>> = backends
+            .iter()
+            .filter(|b| {
+                let c = &b.config;
+                c.enabled
+                    && !c.internal
+                    && c.role == BackendRole::Unified
+                    && b.serves(model)
+                    && (scope.allowed.is_empty() || scope.allowed.contains(&c.name))
+                    && scope.only.is_none_or(|only| only.contains(&c.name))
+            })
+            .collect();
+        if serving.is_empty() {
+            return Selection::NoneServes;
+        }
+        let usable: Vec<Arc<Backend>> = serving
+            .into_iter()
+            .filter(|b| b.usable(now))
+            .cloned()
+            .collect();
+        if usable.is_empty() {
+            return Selection::NoneUsable;
+        }
+        let start = self.cursor.fetch_add(1, Ordering::Relaxed) % usable.len();
+        let mut ordered = usable;
+        ordered.rotate_left(start);
+        Selection::Candidates(ordered)
+    }
+
+    /// Aborts every probe task.
+    pub fn shutdown(&self) {
+        for (_, checker) in lock(&self.checkers).drain() {
+            checker.task.abort();
+        }
+    }
+}
+
+impl Drop for BackendPool {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn same_state(old: &[Arc<Backend>], next: &[Arc<Backend>], name: &str) -> bool {
+    let find = |set: &[Arc<Backend>]| {
+        set.iter()
+            .find(|b| b.name() == name)
+            .map(|b| b.state.clone())
+    };
+    matches!((find(old), find(next)), (Some(a), Some(b)) if Arc::ptr_eq(&a, &b))
+}
+
+fn thresholds(hc: &HealthCheckConfig) -> HealthThresholds {
+    HealthThresholds {
+        unhealthy: hc.unhealthy_threshold,
+        healthy: hc.healthy_threshold,
+    }
+}
+
+/// Probes one backend forever: GET `health_check.path`, 2xx within the timeout passes.
+async fn probe_loop(upstream: Upstream, backend: Arc<Backend>) {
+    let hc = backend.config.health_check.clone();
+    let Ok(target) = backend.target.clone() else {
+        return;
+    };
+    let uri = match target.uri(&hc.path) {
+        Ok(uri) => uri,
+        Err(error) => {
+            warn!(backend = %backend.name(), %error, "The health-check path is not a valid URI; not probing.");
+            return;
+        }
+    };
+    let mut interval = tokio::time::interval(hc.interval.0.max(MIN_HEALTH_INTERVAL));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let passed = probe(&upstream, &uri, hc.timeout.0).await;
+        let transition = lock(&backend.state.health).record(passed);
+        match transition {
+            Some(HealthTransition::BecameUnhealthy) => {
+                backend.state.healthy.store(false, Ordering::Release);
+                warn!(backend = %backend.name(), "Marked a backend unhealthy after failed health checks.");
+            }
+            Some(HealthTransition::BecameHealthy) => {
+                backend.state.healthy.store(true, Ordering::Release);
+                info!(backend = %backend.name(), "Marked a backend healthy again.");
+            }
+            None => {}
+        }
+    }
+}
+
+async fn probe(upstream: &Upstream, uri: &axum::http::Uri, timeout: Duration) -> bool {
+    let Ok(req) = Request::builder()
+        .method(Method::GET)
+        .uri(uri.clone())
+        .body(Full::new(Bytes::new()))
+    else {
+        return false;
+    };
+    let exchange = async {
+        let resp = upstream.send(req, timeout).await.ok()?;
+        let ok = resp.status().is_success();
+        // Drain a bounded body so the pooled connection can be reused.
+        Limited::new(resp.into_body(), MAX_HEALTH_BODY_BYTES)
+            .collect()
+            .await
+            .ok()?;
+        Some(ok)
+    };
+    matches!(
+        tokio::time::timeout(timeout, exchange).await,
+        Ok(Some(true))
+    )
+}

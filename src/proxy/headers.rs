@@ -1,0 +1,190 @@
+//! Outbound and response header hygiene, and the `Dispatch` a worker picker fills with pins.
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
+use continuum_protocol::ids::{DpRank, InstanceId};
+
+use crate::front_door::strip::strip_pin_headers;
+
+/// The routing path of every response (`unified`, `aggregated` or `disaggregated`).
+pub const ROUTING_PATH_HEADER: &str = "x-continuum-routing-path";
+/// The request header asking for identity disclosure (its value is ignored, even blank).
+pub const DISCLOSE_REQUEST_HEADER: &str = "x-backend";
+/// The response header naming the backend replica, sent only on request.
+pub const BACKEND_RESPONSE_HEADER: &str = "x-continuum-backend";
+
+pub const WORKER_INSTANCE_ID: &str = "x-dynamo-worker-instance-id";
+pub const PREFILL_INSTANCE_ID: &str = "x-dynamo-prefill-instance-id";
+pub const DP_RANK: &str = "x-dynamo-dp-rank";
+pub const PREFILL_DP_RANK: &str = "x-dynamo-prefill-dp-rank";
+
+/// Rank aliases the 1.6.1 frontend honours (dynamo-wire §14.1) that do not start with
+/// `x-dynamo-`; beside a pinned worker they would let a client choose the rank.
+const RANK_ALIASES: [&str; 3] = ["x-dp-rank", "x-data-parallel-rank", "x-prefill-dp-rank"];
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) plus those the proxy recomputes.
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    HeaderName::from_static("proxy-connection"),
+];
+
+/// Extra outbound headers chosen by routing (worker pins), and identities disclosed to a client
+/// that sent `x-backend`. Connection retries reuse the same `Dispatch` on another replica: the
+/// workers are never re-selected for one request.
+#[derive(Clone, Debug, Default)]
+pub struct Dispatch {
+    /// Written on the outbound request after the client's pins were stripped.
+    pub headers: HeaderMap,
+    /// Added to the response only when the client sent `x-backend`.
+    pub disclosed: HeaderMap,
+}
+
+impl Dispatch {
+    /// No pins: standard (unified) routing.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Pin headers for a direct-mode shim: decimal instance ids (the frontend treats hex as
+    /// absent); a rank header whenever the worker declares `data_parallel_size` (`Some`, even 0).
+    pub fn pins(
+        decode: InstanceId,
+        decode_rank: Option<DpRank>,
+        prefill: Option<(InstanceId, Option<DpRank>)>,
+    ) -> Self {
+        let mut headers = HeaderMap::new();
+        headers.insert(WORKER_INSTANCE_ID, decimal(decode.0));
+        if let Some(rank) = decode_rank {
+            headers.insert(DP_RANK, decimal(u64::from(rank.0)));
+        }
+        if let Some((prefill, rank)) = prefill {
+            headers.insert(PREFILL_INSTANCE_ID, decimal(prefill.0));
+            if let Some(rank) = rank {
+                headers.insert(PREFILL_DP_RANK, decimal(u64::from(rank.0)));
+            }
+        }
+        Self {
+            headers,
+            disclosed: HeaderMap::new(),
+        }
+    }
+}
+
+fn decimal(n: u64) -> HeaderValue {
+    HeaderValue::from(n)
+}
+
+/// Removes hop-by-hop headers, including any the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+}
+
+/// Removes every header a client could pin a worker or a rank with.
+pub fn strip_all_pins(headers: &mut HeaderMap) -> usize {
+    let mut removed = strip_pin_headers(headers);
+    for alias in RANK_ALIASES {
+        removed += headers.get_all(alias).iter().count();
+        headers.remove(alias);
+    }
+    removed
+}
+
+/// The outbound header set: the client's headers minus hop-by-hop, pins, the router's own
+/// credentials and request-only headers, plus the dispatch's pins.
+pub fn outbound(client: &HeaderMap, dispatch: &Dispatch, drop_authorization: bool) -> HeaderMap {
+    let mut headers = client.clone();
+    strip_hop_by_hop(&mut headers);
+    // Stripped again right before dispatch, whatever middleware ran before.
+    strip_all_pins(&mut headers);
+    headers.remove(header::HOST);
+    headers.remove(header::CONTENT_LENGTH);
+    headers.remove(DISCLOSE_REQUEST_HEADER);
+    // The body was read whole already; `100-continue` has nothing left to gate.
+    headers.remove(header::EXPECT);
+    // The body is validated JSON; OpenAI-wire servers (the Dynamo frontend among them) refuse
+    // a JSON body without this content type.
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if drop_authorization {
+        // The client's router key is not the backend's credential.
+        headers.remove(header::AUTHORIZATION);
+    }
+    for (name, value) in &dispatch.headers {
+        headers.insert(name.clone(), value.clone());
+    }
+    headers
+}
+
+/// Cleans an upstream response's headers before they reach the client.
+pub fn response(headers: &mut HeaderMap) {
+    strip_hop_by_hop(headers);
+    strip_all_pins(headers);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outbound_drops_hop_by_hop_pins_and_keys_and_adds_dispatch_pins() {
+        let mut client = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, x-custom-hop"),
+            ("x-custom-hop", "1"),
+            ("te", "trailers"),
+            ("host", "router"),
+            ("x-dynamo-worker-instance-id", "666"),
+            ("x-worker-instance-id", "666"),
+            ("x-dp-rank", "3"),
+            ("x-data-parallel-rank", "3"),
+            ("x-prefill-dp-rank", "3"),
+            ("authorization", "Bearer client"),
+            ("x-backend", ""),
+            ("content-type", "text/plain"),
+            ("expect", "100-continue"),
+            ("x-request-id", "r1"),
+        ] {
+            client.append(k, HeaderValue::from_static(v));
+        }
+        let dispatch = Dispatch::pins(
+            InstanceId(0x1a2b),
+            Some(DpRank(0)),
+            Some((InstanceId(7), None)),
+        );
+        let out = outbound(&client, &dispatch, true);
+        let mut names: Vec<_> = out.keys().map(|k| k.as_str().to_owned()).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "content-type",
+                "x-dynamo-dp-rank",
+                "x-dynamo-prefill-instance-id",
+                "x-dynamo-worker-instance-id",
+                "x-request-id"
+            ]
+        );
+        assert_eq!(out[WORKER_INSTANCE_ID], "6699");
+        assert_eq!(out[DP_RANK], "0");
+        assert_eq!(out[PREFILL_INSTANCE_ID], "7");
+        assert_eq!(out[header::CONTENT_TYPE], "application/json");
+        assert!(outbound(&client, &Dispatch::none(), false).contains_key("authorization"));
+    }
+}
