@@ -153,7 +153,8 @@ async fn dynamo_records_become_the_fleet_view_and_follow_the_cluster() {
     };
     let deadline = tokio::time::Instant::now() + WAIT;
     let mut generations = registry.subscribe();
-    while resyncs() < 2.0 && tokio::time::Instant::now() < deadline {
+    // The resync is handed over before the watches open, so `connected` follows it.
+    while !(resyncs() >= 2.0 && registry.connected()) && tokio::time::Instant::now() < deadline {
         let _ = tokio::time::timeout(Duration::from_millis(200), generations.changed()).await;
     }
     let connected = resyncs() >= 2.0 && registry.connected();
