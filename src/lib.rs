@@ -8,6 +8,7 @@
 //! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
 //! | [`proxy`] | the OpenAI-wire serving path: backend pool, health, breakers, relay |
 //! | [`readiness`] | first-pass tracking behind `GET /ready` |
+//! | [`shim`] | Dynamo direct-mode shim routing: picks and pins per request |
 //! | [`telemetry`] | logs and OTLP trace export |
 
 pub mod config;
@@ -16,4 +17,5 @@ pub mod dynamo_admin;
 pub mod front_door;
 pub mod proxy;
 pub mod readiness;
+pub mod shim;
 pub mod telemetry;

@@ -122,6 +122,8 @@ pub struct Proxy {
     options: ProxyOptions,
     disaggregated: AtomicBool,
     metrics: Option<Metrics>,
+    /// The Dynamo shim path, when the daemon runs one.
+    shim: arc_swap::ArcSwapOption<crate::shim::ShimRouter>,
 }
 
 impl Proxy {
@@ -134,7 +136,13 @@ impl Proxy {
             options,
             disaggregated: AtomicBool::new(false),
             metrics,
+            shim: arc_swap::ArcSwapOption::empty(),
         }
+    }
+
+    /// Installs the Dynamo shim path (the disaggregated orchestrator runs it first).
+    pub fn set_shim(&self, shim: Arc<crate::shim::ShimRouter>) {
+        self.shim.store(Some(shim));
     }
 
     /// Applies the immediate-class settings: `backends` and `disaggregated_serving`. Unchanged
@@ -187,6 +195,30 @@ impl Proxy {
             .as_ref()
             .map(|k| k.allowed_backends.as_slice())
             .unwrap_or(&[]);
+        // The disaggregated orchestrator: the Dynamo path when a permitted shim replica and a
+        // worker for the model exist, else standard routing.
+        if self.disaggregated_enabled()
+            && let Some(shim) = self.shim.load_full()
+        {
+            let usable = |name: &str| {
+                self.pool
+                    .get(name)
+                    .is_some_and(|b| b.is_healthy() && b.config().enabled)
+            };
+            if let Some(decision) =
+                shim.decide(&request.body.model, &request.body.outbound, allowed, usable)
+            {
+                let scope = Scope {
+                    allowed,
+                    only: Some(&decision.pool),
+                };
+                let candidates = self.candidates(&request.body.model, scope)?;
+                self.count_routing_path(decision.path);
+                return self
+                    .dispatch(&request, &candidates, &decision.dispatch, decision.path)
+                    .await;
+            }
+        }
         let scope = Scope {
             allowed,
             only: None,

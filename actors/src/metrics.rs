@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 pub use continuum_protocol::discovery::DiscoveryEventKind;
 pub use continuum_protocol::event_plane::LoadEventResult;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
+pub use continuum_protocol::picker::{Phase as SelectionRole, SelectionReason};
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
@@ -94,30 +95,6 @@ label_enum! {
     SubscriptionTransport {
         Direct => "direct",
         Broker => "broker",
-    }
-}
-
-label_enum! {
-    /// The `role` of `continuum_dynamo_selection_total{role, reason}`.
-    SelectionRole {
-        Prefill => "prefill",
-        Decode => "decode",
-    }
-}
-
-label_enum! {
-    /// The `reason` of `continuum_dynamo_selection_total{role, reason}`.
-    SelectionReason {
-        /// Lowest load-only cost among candidates with a fresh sample.
-        Load => "load",
-        /// No candidate had a fresh sample: the per-phase cursor decided.
-        RoundRobinStale => "round_robin_stale",
-        /// An aggregated decode winner: no prefill worker is chosen.
-        NoPrefillPool => "no_prefill_pool",
-        /// The KV-aware picker's formula decided.
-        KvAware => "kv_aware",
-        /// Conditional disaggregation let the decode worker prefill locally.
-        ConditionalBypass => "conditional_bypass",
     }
 }
 
@@ -824,8 +801,8 @@ mod tests {
         check_closed(&LoadEventResult::ALL, LoadEventResult::as_label);
         check_closed(SubscriptionState::ALL, SubscriptionState::as_label);
         check_closed(SubscriptionTransport::ALL, SubscriptionTransport::as_label);
-        check_closed(SelectionRole::ALL, SelectionRole::as_label);
-        check_closed(SelectionReason::ALL, SelectionReason::as_label);
+        check_closed(&SelectionRole::ALL, SelectionRole::as_label);
+        check_closed(&SelectionReason::ALL, SelectionReason::as_label);
         check_closed(KvEventResult::ALL, KvEventResult::as_label);
         check_closed(KvSelectionResult::ALL, KvSelectionResult::as_label);
         check_closed(KvArtifactResult::ALL, KvArtifactResult::as_label);

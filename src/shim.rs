@@ -1,0 +1,253 @@
+//! Direct-mode shim routing: for one request, pick the (prefill, decode) ranks of a Dynamo fleet
+//! and name the namespace's shim pool to send it to, with the pins as decimal `x-dynamo-*`
+//! headers (`dynamo.frontend --router-mode direct` executes the two-phase handoff).
+//!
+//! Every decision is `protocol`'s: candidates come from `picker::candidates` (rebuilt once per
+//! registry generation), load from the shared store through a `LoadView` adapter, and the pick
+//! from the pluggable `DynamoWorkerPicker` (`picker()` / `set_picker()`).
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use arc_swap::ArcSwap;
+use continuum_actors::clock::now_tick;
+use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::metrics::{Metrics, RoutingPath};
+use continuum_actors::registry::DynamoRegistry;
+use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
+use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
+use continuum_protocol::picker::estimate::estimate_prompt_tokens;
+use continuum_protocol::picker::load_based::LoadBasedPicker;
+use continuum_protocol::picker::{
+    DynamoWorkerPicker, LoadView, PickOutcome, PickRequest, PickerState, SampleState,
+};
+use continuum_protocol::time::Tick;
+use tracing::debug;
+
+use crate::config::Config;
+use crate::proxy::Dispatch;
+
+/// Where and how to send one request through a shim.
+#[derive(Debug)]
+pub struct ShimDecision {
+    /// The namespace's shim replicas (backend names), already filtered by key policy and health.
+    pub pool: Vec<String>,
+    pub dispatch: Dispatch,
+    pub path: RoutingPath,
+}
+
+/// The Dynamo routing state shared by every request.
+pub struct ShimRouter {
+    config: Arc<ArcSwap<Config>>,
+    registry: DynamoRegistry,
+    load: DynamoLoadStore,
+    picker: Mutex<Arc<dyn DynamoWorkerPicker>>,
+    state: Mutex<PickerState>,
+    index: Mutex<(u64, Arc<CandidateIndex>)>,
+    metrics: Option<Metrics>,
+}
+
+impl std::fmt::Debug for ShimRouter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShimRouter").finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The load store as the picker reads it: fresh while younger than `max_staleness`.
+struct StoreView<'a> {
+    load: &'a DynamoLoadStore,
+    now: Tick,
+    max_age: std::time::Duration,
+}
+
+impl LoadView for StoreView<'_> {
+    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+        let sample = self.load.latest(worker.instance_id, rank);
+        sample_state(sample.as_ref(), self.now, self.max_age)
+    }
+}
+
+impl ShimRouter {
+    pub fn new(
+        config: Arc<ArcSwap<Config>>,
+        registry: DynamoRegistry,
+        load: DynamoLoadStore,
+        metrics: Option<Metrics>,
+    ) -> Self {
+        Self {
+            config,
+            registry,
+            load,
+            picker: Mutex::new(Arc::new(LoadBasedPicker::new())),
+            state: Mutex::new(PickerState::new()),
+            index: Mutex::new((u64::MAX, Arc::new(CandidateIndex::default()))),
+            metrics,
+        }
+    }
+
+    /// The active picker.
+    pub fn picker(&self) -> Arc<dyn DynamoWorkerPicker> {
+        lock(&self.picker).clone()
+    }
+
+    /// Replaces the picker (the KV-aware picker plugs in here).
+    pub fn set_picker(&self, picker: Arc<dyn DynamoWorkerPicker>) {
+        *lock(&self.picker) = picker;
+    }
+
+    /// The candidate index of the current registry generation, rebuilt once per generation.
+    fn index(&self) -> Arc<CandidateIndex> {
+        let generation = self.registry.generation();
+        let mut cached = lock(&self.index);
+        if cached.0 != generation {
+            let snapshot = self.registry.snapshot();
+            *cached = (generation, Arc::new(CandidateIndex::build(&snapshot)));
+        }
+        cached.1.clone()
+    }
+
+    /// Picks workers for a request of `client_model` whose outbound body is `body`. `usable`
+    /// tells whether a backend replica is healthy and admitted. `None` means the Dynamo path does
+    /// not apply (disabled, no usable shim replica, or no worker serves the model): the caller
+    /// routes normally.
+    pub fn decide(
+        &self,
+        client_model: &str,
+        body: &[u8],
+        allowed: &[String],
+        usable: impl Fn(&str) -> bool,
+    ) -> Option<ShimDecision> {
+        let config = self.config.load();
+        if !config.dynamo.enabled || !config.disaggregated_serving.enabled {
+            return None;
+        }
+        let shim = &config.dynamo.shim;
+        let pool_of = |ns: &Namespace| -> Vec<String> {
+            shim.backends_for(ns.as_str())
+                .iter()
+                .filter(|name| allowed.is_empty() || allowed.contains(name))
+                .filter(|name| usable(name))
+                .cloned()
+                .collect()
+        };
+        // Only namespaces with a usable, permitted replica are offered to the picker.
+        let eligible: Vec<Namespace> = config
+            .dynamo
+            .discovery
+            .namespaces()
+            .into_iter()
+            .filter(|ns| !pool_of(ns).is_empty())
+            .collect();
+        if eligible.is_empty() {
+            return None;
+        }
+        let model = shim
+            .model_map
+            .get(client_model)
+            .map(String::as_str)
+            .unwrap_or(client_model);
+        let index = self.index();
+        let candidates = index.for_model(model);
+        if candidates.is_empty() {
+            return None;
+        }
+        let now = now_tick();
+        let view = StoreView {
+            load: &self.load,
+            now,
+            max_age: config.dynamo.load.max_staleness.get(),
+        };
+        let request = PickRequest {
+            model,
+            eligible_namespaces: &eligible,
+            estimated_prompt_tokens: estimate_tokens(body),
+            load_signals: self.registry.snapshot().signals().load,
+        };
+        let picker = self.picker();
+        let outcome = {
+            let mut state = lock(&self.state);
+            // Samples that arrived since earlier dispatches answer them.
+            let mut seen = BTreeSet::new();
+            for c in candidates {
+                if seen.insert((c.worker.clone(), c.rank()))
+                    && let Some(sample) = self.load.latest(c.worker.instance_id, c.rank())
+                {
+                    state.ledger.sample_arrived(&c.worker, sample.received_at);
+                }
+            }
+            state.ledger.expire(now);
+            picker.pick(&request, candidates, &view, &mut state, now)
+        };
+        let pick = match outcome {
+            PickOutcome::Picked(pick) => pick,
+            PickOutcome::NoCandidates(why) => {
+                debug!(
+                    model,
+                    reason = why.as_label(),
+                    "No Dynamo worker for the request; routing normally."
+                );
+                return None;
+            }
+        };
+        if let Some(metrics) = &self.metrics {
+            metrics.selection(
+                continuum_protocol::picker::Phase::Decode,
+                pick.reasons.decode,
+            );
+            metrics.selection(
+                continuum_protocol::picker::Phase::Prefill,
+                pick.reasons.prefill,
+            );
+        }
+        let pool = pool_of(&pick.namespace);
+        let dispatch = Dispatch::pins(
+            pick.decode.worker.instance_id,
+            pick.decode.rank_header(),
+            pick.prefill
+                .as_ref()
+                .map(|p| (p.worker.instance_id, p.rank_header())),
+        );
+        let path = if pick.prefill.is_some() {
+            RoutingPath::Disaggregated
+        } else {
+            RoutingPath::Aggregated
+        };
+        Some(ShimDecision {
+            pool,
+            dispatch,
+            path,
+        })
+    }
+}
+
+/// The coarse prompt-size estimate from a chat (`messages[].content`) or completions (`prompt`)
+/// body; no tokenizer.
+pub fn estimate_tokens(body: &[u8]) -> u64 {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return 0;
+    };
+    let mut texts: Vec<&str> = Vec::new();
+    if let Some(messages) = value.get("messages").and_then(|m| m.as_array()) {
+        for message in messages {
+            match message.get("content") {
+                Some(serde_json::Value::String(s)) => texts.push(s),
+                Some(serde_json::Value::Array(parts)) => {
+                    texts.extend(parts.iter().filter_map(|p| p.get("text")?.as_str()));
+                }
+                _ => {}
+            }
+        }
+    }
+    match value.get("prompt") {
+        Some(serde_json::Value::String(s)) => texts.push(s),
+        Some(serde_json::Value::Array(items)) => {
+            texts.extend(items.iter().filter_map(|i| i.as_str()))
+        }
+        _ => {}
+    }
+    estimate_prompt_tokens(texts)
+}
