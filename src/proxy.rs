@@ -39,7 +39,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
 use axum::response::IntoResponse;
-use continuum_actors::metrics::{HttpRoute, Metrics, RoutingPath};
+use continuum_actors::metrics::{DisaggregatedPhase, HttpRoute, Metrics, RoutingPath};
 use continuum_protocol::breaker::BreakerConfig;
 use http_body_util::Full;
 use tracing::{debug, warn};
@@ -51,6 +51,7 @@ pub use headers::Dispatch;
 use crate::config::schema::{BackendConfig, Config, DisaggregatedServingConfig};
 use crate::front_door::error::ApiError;
 use crate::front_door::{ApiKeySetting, LiveSettings, authenticate_client};
+use crate::shim;
 use upstream::{Upstream, UpstreamError};
 
 /// The OpenAI routes the proxy serves.
@@ -121,6 +122,7 @@ pub struct Proxy {
     upstream: Upstream,
     options: ProxyOptions,
     disaggregated: AtomicBool,
+    fallback_to_unified: AtomicBool,
     metrics: Option<Metrics>,
     /// The Dynamo shim path, when the daemon runs one.
     shim: arc_swap::ArcSwapOption<crate::shim::ShimRouter>,
@@ -135,6 +137,7 @@ impl Proxy {
             upstream,
             options,
             disaggregated: AtomicBool::new(false),
+            fallback_to_unified: AtomicBool::new(true),
             metrics,
             shim: arc_swap::ArcSwapOption::empty(),
         }
@@ -154,6 +157,8 @@ impl Proxy {
     pub fn set_backends(&self, backends: &[BackendConfig], disagg: &DisaggregatedServingConfig) {
         self.pool.reconfigure(backends);
         self.disaggregated.store(disagg.enabled, Ordering::Release);
+        self.fallback_to_unified
+            .store(disagg.fallback_to_unified, Ordering::Release);
     }
 
     pub fn pool(&self) -> &BackendPool {
@@ -214,8 +219,11 @@ impl Proxy {
                 };
                 let candidates = self.candidates(&request.body.model, scope)?;
                 self.count_routing_path(decision.path);
-                return self
+                let outcome = self
                     .dispatch(&request, &candidates, &decision.dispatch, decision.path)
+                    .await;
+                return self
+                    .settle_shim(&request, allowed, &decision.pool, outcome)
                     .await;
             }
         }
@@ -227,6 +235,76 @@ impl Proxy {
         self.count_routing_path(RoutingPath::Unified);
         self.dispatch(
             &request,
+            &candidates,
+            &Dispatch::none(),
+            RoutingPath::Unified,
+        )
+        .await
+    }
+
+    /// The shim's answer under the seed's failure semantics. A success (or, on a stream, an
+    /// ordinary 4xx) is relayed. A buffered direct-mode refusal for lack of a prefill id is a 503
+    /// without retry. Any other failure counts `disaggregated_errors_total{phase="decode"}` and
+    /// falls back to unified routing without pins when `fallback_to_unified`, else answers
+    /// `disaggregated_decode_failed`. Workers are never re-selected for the request.
+    async fn settle_shim(
+        &self,
+        request: &ClientRequest,
+        allowed: &[String],
+        shim_pool: &[String],
+        outcome: Result<Response<Body>, ApiError>,
+    ) -> Result<Response<Body>, ApiError> {
+        let failure = match outcome {
+            Ok(resp) if resp.status().is_success() => return Ok(resp),
+            Ok(resp) if request.body.stream && !shim::falls_back_on_stream(resp.status()) => {
+                return Ok(resp);
+            }
+            Ok(resp) if !request.body.stream => {
+                let status = resp.status();
+                let bytes = http_body_util::BodyExt::collect(resp.into_body())
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                if shim::is_prefill_id_refusal(&bytes) {
+                    if let Some(metrics) = &self.metrics {
+                        metrics.disaggregated_error(DisaggregatedPhase::Orchestration);
+                    }
+                    return Err(ApiError::PrefillDecodeUnavailable(
+                        "the direct-mode frontend refused the worker pair: prefill worker id required"
+                            .into(),
+                    ));
+                }
+                format!("shim answered {status}")
+            }
+            Ok(resp) => format!("shim answered {}", resp.status()),
+            Err(error) => error.to_string(),
+        };
+        if let Some(metrics) = &self.metrics {
+            metrics.disaggregated_error(DisaggregatedPhase::Decode);
+        }
+        if !self.fallback_to_unified.load(Ordering::Acquire) {
+            return Err(ApiError::DisaggregatedDecodeFailed(format!(
+                "the Dynamo shim failed ({failure}) and fallback_to_unified is off"
+            )));
+        }
+        warn!(reason = %failure, "Dynamo shim failed; falling back to unified routing without pins.");
+        let scope = Scope {
+            allowed,
+            only: None,
+        };
+        // Shim replicas are direct-mode frontends: without pins they cannot serve the request.
+        let candidates: Vec<_> = self
+            .candidates(&request.body.model, scope)?
+            .into_iter()
+            .filter(|b| !shim_pool.iter().any(|name| name == b.name()))
+            .collect();
+        if candidates.is_empty() {
+            return Err(ApiError::DisaggregatedDecodeFailed(format!(
+                "the Dynamo shim failed ({failure}) and no unified backend serves the model"
+            )));
+        }
+        self.dispatch(
+            request,
             &candidates,
             &Dispatch::none(),
             RoutingPath::Unified,

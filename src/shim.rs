@@ -251,3 +251,59 @@ pub fn estimate_tokens(body: &[u8]) -> u64 {
     }
     estimate_prompt_tokens(texts)
 }
+
+/// What a direct-mode frontend says when a disaggregated request lacks a prefill pin
+/// (`DIRECT_MODE_PREFILL_ID_ERROR`). Dynamo 1.6.1 logs it and answers a generic 500, which then
+/// takes the decode-failure arm; a release that puts it in the body gets the 503.
+pub const DIRECT_MODE_PREFILL_ID_ERROR: &str = "Prefill worker ID required in Direct routing mode";
+
+/// Whether a buffered shim answer is the direct-mode prefill refusal.
+pub fn is_prefill_id_refusal(body: &[u8]) -> bool {
+    body.windows(DIRECT_MODE_PREFILL_ID_ERROR.len())
+        .any(|w| w == DIRECT_MODE_PREFILL_ID_ERROR.as_bytes())
+}
+
+/// On a stream, only these heads (and transport failures) fall back; other 4xx are relayed.
+pub fn falls_back_on_stream(status: http::StatusCode) -> bool {
+    status.is_server_error()
+        || status == http::StatusCode::TOO_MANY_REQUESTS
+        || status == http::StatusCode::REQUEST_TIMEOUT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_refusal_is_recognised_in_a_body() {
+        let body =
+            br#"{"message":"Prefill worker ID required in Direct routing mode but none found"}"#;
+        assert!(is_prefill_id_refusal(body));
+        assert!(!is_prefill_id_refusal(
+            br#"{"message":"Failed to generate completions"}"#
+        ));
+    }
+
+    #[test]
+    fn streams_fall_back_only_on_5xx_429_408() {
+        for code in [500, 502, 503, 429, 408] {
+            assert!(falls_back_on_stream(
+                http::StatusCode::from_u16(code).expect("code")
+            ));
+        }
+        for code in [400, 401, 404, 422] {
+            assert!(!falls_back_on_stream(
+                http::StatusCode::from_u16(code).expect("code")
+            ));
+        }
+    }
+
+    #[test]
+    fn prompt_estimates_read_chat_and_completion_bodies() {
+        let chat = br#"{"model":"m","messages":[{"role":"user","content":"one two three"},{"role":"user","content":[{"type":"text","text":"four"}]}]}"#;
+        let completion = br#"{"model":"m","prompt":"one two three four"}"#;
+        assert!(estimate_tokens(chat) > 0);
+        assert!(estimate_tokens(completion) > 0);
+        assert_eq!(estimate_tokens(b"not json"), 0);
+    }
+}

@@ -22,6 +22,12 @@ pub enum ApiError {
     Unavailable(String),
     #[error("{0}")]
     Internal(String),
+    /// A direct-mode frontend refused the pair for lack of a prefill id (no retry).
+    #[error("{0}")]
+    PrefillDecodeUnavailable(String),
+    /// The shim failed and `fallback_to_unified` is off.
+    #[error("{0}")]
+    DisaggregatedDecodeFailed(String),
     /// The request body exceeds the front door's bound.
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -46,6 +52,13 @@ impl ApiError {
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+            ApiError::PrefillDecodeUnavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "disaggregated_prefill_decode_unavailable",
+            ),
+            ApiError::DisaggregatedDecodeFailed(_) => {
+                (StatusCode::BAD_GATEWAY, "disaggregated_decode_failed")
+            }
             ApiError::PayloadTooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             ApiError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
             ApiError::BadGateway(_) => (StatusCode::BAD_GATEWAY, "bad_gateway"),
