@@ -17,11 +17,13 @@ use continuum_router::config::{Config, ProcessEnv};
 use continuum_router::daemon::{Daemon, RunOptions};
 use futures::StreamExt;
 use serde_json::json;
-use support::dynamo::{DynamoStack, MODEL, Topology};
+use support::dynamo::{DynamoStack, MODEL, Signal, Topology, WorkerRole};
 use tokio::net::TcpListener;
 
-const BUFFERED: usize = 60;
-const STREAMING: usize = 12;
+const BUFFERED: usize = 500;
+const STREAMING: usize = 100;
+/// Requests after a decode worker was stopped with SIGTERM.
+const AFTER_TERM: usize = 50;
 
 fn config_yaml(stack: &DynamoStack) -> String {
     format!(
@@ -41,7 +43,9 @@ fn config_yaml(stack: &DynamoStack) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_are_pinned_by_our_picker_and_served_by_the_real_frontend() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let stack = DynamoStack::start(Topology::Disagg).await;
+    let mut stack = DynamoStack::start(Topology::Disagg).await;
+    // Two decode workers, so one can leave mid-run.
+    stack.add_worker(WorkerRole::Decode).await;
     let config = Config::from_yaml_str(&config_yaml(&stack), &ProcessEnv).expect("config");
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let daemon = Daemon::start(
@@ -57,12 +61,12 @@ async fn requests_are_pinned_by_our_picker_and_served_by_the_real_frontend() {
     let registry = daemon.registry().clone();
     let mut generations = registry.subscribe();
     tokio::time::timeout(Duration::from_secs(30), async {
-        while registry.snapshot().workers().len() < 2 {
+        while registry.snapshot().workers().len() < 3 {
             generations.changed().await.expect("registry alive");
         }
     })
     .await
-    .expect("both workers discovered");
+    .expect("all three workers discovered");
 
     let url = format!("http://{}/v1/chat/completions", daemon.local_addr());
     let client = reqwest::Client::new();
@@ -116,6 +120,62 @@ async fn requests_are_pinned_by_our_picker_and_served_by_the_real_frontend() {
             "{text}"
         );
     }
+    // A decode worker stops with SIGTERM: it leaves the view at once and routing continues on the
+    // rest without a single error.
+    let stopped = stack.stop_worker(WorkerRole::Decode, Signal::Term).await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while registry
+            .snapshot()
+            .workers()
+            .iter()
+            .any(|w| w.instance_id().0 == stopped)
+        {
+            generations.changed().await.expect("registry alive");
+        }
+    })
+    .await
+    .expect("the stopped worker left the view");
+    for i in 0..AFTER_TERM {
+        let resp = client
+            .post(&url)
+            .json(&body(i, false))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200, "after SIGTERM, request {i}");
+    }
+
+    // The frontend's own log names the workers our picker pinned (decimal ids it resolved).
+    let frontend_log =
+        strip_ansi(&std::fs::read_to_string(stack.log_dir().join("frontend.log")).expect("log"));
+    let selected: std::collections::BTreeSet<u64> = frontend_log
+        .lines()
+        .filter(|l| l.contains("Selected worker") && l.contains("router_mode=\"direct\""))
+        .filter_map(|l| {
+            l.split("worker_id=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    let known: std::collections::BTreeSet<u64> =
+        stack.workers().iter().map(|w| w.instance_id).collect();
+    let sample: Vec<&str> = frontend_log
+        .lines()
+        .filter(|l| l.contains("worker"))
+        .take(8)
+        .collect();
+    assert!(
+        selected.len() >= 3,
+        "prefill and both decode workers were pinned: {selected:?}\n{sample:#?}"
+    );
+    assert!(
+        selected.is_subset(&known),
+        "only real workers were selected: {selected:?}"
+    );
+
     let metrics = daemon.metrics();
     let disagg = metrics
         .value(
@@ -123,7 +183,7 @@ async fn requests_are_pinned_by_our_picker_and_served_by_the_real_frontend() {
             &[("routing_path", "disaggregated")],
         )
         .unwrap_or(0.0);
-    assert_eq!(disagg as usize, BUFFERED + STREAMING);
+    assert_eq!(disagg as usize, BUFFERED + STREAMING + AFTER_TERM);
     let selections: f64 = ["load", "round_robin_stale", "round_robin"]
         .iter()
         .filter_map(|r| {
@@ -133,6 +193,28 @@ async fn requests_are_pinned_by_our_picker_and_served_by_the_real_frontend() {
             )
         })
         .sum();
-    assert_eq!(selections as usize, BUFFERED + STREAMING);
+    assert_eq!(selections as usize, BUFFERED + STREAMING + AFTER_TERM);
+    let errors = metrics
+        .value("disaggregated_errors_total", &[("phase", "decode")])
+        .unwrap_or(0.0);
+    assert_eq!(errors, 0.0, "no shim failure at all");
     daemon.shutdown().await;
+}
+
+/// The frontend colours its log even with NO_COLOR; drop `ESC [ ... m` sequences.
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for next in chars.by_ref() {
+                if next.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
