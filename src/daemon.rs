@@ -12,8 +12,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
-use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs};
+use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
+use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::metrics::SubscriptionTransport;
@@ -357,7 +358,7 @@ fn registry_config(config: &Config) -> RegistryConfig {
 
 /// The discovery sources that must finish a first pass before `/ready` answers 200.
 fn required_sources(config: &Config) -> Vec<String> {
-    if !config.dynamo.enabled || config.dynamo.discovery.source != DiscoverySource::Etcd {
+    if !config.dynamo.enabled || config.dynamo.discovery.source == DiscoverySource::KubernetesPods {
         return Vec::new();
     }
     config
@@ -365,12 +366,21 @@ fn required_sources(config: &Config) -> Vec<String> {
         .discovery
         .namespaces()
         .iter()
-        .map(source_name)
+        .map(|ns| source_name(config.dynamo.discovery.source, ns))
         .collect()
 }
 
-fn source_name(namespace: &Namespace) -> String {
-    format!("etcd:{namespace}")
+/// The supervision-tree name (and readiness key) of one namespace's discovery actor.
+fn source_name(source: DiscoverySource, namespace: &Namespace) -> String {
+    format!("{}:{namespace}", source_prefix(source))
+}
+
+fn source_prefix(source: DiscoverySource) -> &'static str {
+    match source {
+        DiscoverySource::Etcd => "etcd",
+        DiscoverySource::Kubernetes => "kubernetes",
+        DiscoverySource::KubernetesPods => "kubernetes_pods",
+    }
 }
 
 fn registry_spec(shared: &Shared) -> ChildSpec {
@@ -433,10 +443,11 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
     if !dynamo.enabled {
         return Vec::new();
     }
-    if dynamo.discovery.source != DiscoverySource::Etcd {
+    let kind = dynamo.discovery.source;
+    if kind == DiscoverySource::KubernetesPods {
         warn!(
-            source = dynamo.discovery.source.as_str(),
-            "This build discovers fleets from etcd only; the Kubernetes sources are not available yet."
+            source = kind.as_str(),
+            "The kubernetes_pods source is not wired into this build yet; use etcd or kubernetes."
         );
         return Vec::new();
     }
@@ -445,10 +456,16 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
         .namespaces()
         .into_iter()
         .map(|namespace| {
-            let source = etcd_source_config(&config, namespace.clone());
+            let source = match kind {
+                DiscoverySource::Kubernetes => SourceSpec::KubeMetadata {
+                    kube: kube_source_config(&config),
+                    namespace: namespace.clone(),
+                },
+                _ => SourceSpec::Etcd(etcd_source_config(&config, namespace.clone())),
+            };
             let shared = shared.clone();
             ChildSpec::new(
-                source_name(&namespace),
+                source_name(kind, &namespace),
                 ActorKind::Discovery,
                 move |ctx: ChildContext| {
                     let readiness = shared.readiness.clone();
@@ -458,7 +475,7 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
                         registry: shared.registry.clone(),
                         metrics: ctx.metrics.clone(),
                         on_first_pass: Arc::new(move |ns: &Namespace| {
-                            readiness.mark_ready(&source_name(ns))
+                            readiness.mark_ready(&source_name(kind, ns))
                         }),
                         span: ctx.span.clone(),
                     };
@@ -471,6 +488,21 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
             )
         })
         .collect()
+}
+
+/// The Kubernetes metadata source's settings: in-cluster credentials, then KUBECONFIG.
+pub fn kube_source_config(config: &Config) -> KubeSourceConfig {
+    let kube = &config.dynamo.discovery.kubernetes;
+    KubeSourceConfig {
+        connect: KubeConnect::Infer,
+        namespace: kube.namespace.clone(),
+        backoff: BackoffPolicy {
+            initial: kube.watch_reconnect_backoff.initial.get(),
+            max: kube.watch_reconnect_backoff.max.get(),
+            jitter: Jitter::None,
+        },
+        timing: WatchTiming::default(),
+    }
 }
 
 /// Maps the YAML etcd section onto the source's plain connection settings.
@@ -597,7 +629,9 @@ impl ControlLoop {
                 } else {
                     added_namespaces
                         .iter()
-                        .map(|ns| source_name(&Namespace::new(ns.clone())))
+                        .map(|ns| {
+                            source_name(new.dynamo.discovery.source, &Namespace::new(ns.clone()))
+                        })
                         .collect()
                 };
                 let mut required = self.shared.readiness.pending();

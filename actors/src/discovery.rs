@@ -24,9 +24,12 @@ use tracing::{Instrument, info, warn};
 
 use crate::clock::now_unix;
 use crate::etcd_source::{EtcdSource, EtcdSourceConfig};
+use crate::kube_source::{KubeSourceConfig, KubeUpdate, run_metadata_source};
 use crate::lifecycle::ActorSpan;
+use crate::metrics::DiscoveryEventKind;
 use crate::metrics::Metrics;
 use crate::registry::{DynamoRegistry, RegistryMailbox, RegistryMsg};
+use continuum_protocol::kube::metadata::MetadataConfig;
 
 /// Events buffered between the source and the actor; a slow reducer back-pressures the watch.
 pub const SOURCE_CHANNEL: usize = 1024;
@@ -40,8 +43,35 @@ pub type FirstPass = Arc<dyn Fn(&Namespace) + Send + Sync>;
 
 pub struct DiscoveryActor;
 
+/// Where a namespace's records come from. Both speak the same `SourceEvent` vocabulary, so the
+/// reducer (and everything after it) is shared.
+#[derive(Clone, Debug)]
+pub enum SourceSpec {
+    Etcd(EtcdSourceConfig),
+    /// DynamoWorkerMetadata ⋈ EndpointSlice, fed as etcd-style records.
+    KubeMetadata {
+        kube: KubeSourceConfig,
+        namespace: Namespace,
+    },
+}
+
+impl SourceSpec {
+    pub fn namespace(&self) -> &Namespace {
+        match self {
+            SourceSpec::Etcd(cfg) => &cfg.namespace,
+            SourceSpec::KubeMetadata { namespace, .. } => namespace,
+        }
+    }
+}
+
+/// A running source: the etcd loop, or the Kubernetes watch task.
+enum RunningSource {
+    Etcd(EtcdSource),
+    Kube(JoinHandle<()>),
+}
+
 pub struct DiscoveryArgs {
-    pub source: EtcdSourceConfig,
+    pub source: SourceSpec,
     pub registry_actor: RegistryMailbox,
     pub registry: DynamoRegistry,
     pub metrics: Option<Metrics>,
@@ -52,6 +82,8 @@ pub struct DiscoveryArgs {
 pub enum DiscoveryMsg {
     /// Events from the source, in order.
     Events(Vec<SourceEvent>),
+    /// A source-side refusal to count (`refused`, `mismatch`, `malformed`, `duplicate`).
+    Counted(DiscoveryEventKind),
     /// The source's watches opened (true) or its pass ended (false).
     Connected(bool),
 }
@@ -64,7 +96,7 @@ pub struct DiscoveryState {
     metrics: Option<Metrics>,
     on_first_pass: FirstPass,
     first_pass_done: bool,
-    source: Option<EtcdSource>,
+    source: Option<RunningSource>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -78,12 +110,30 @@ impl Actor for DiscoveryActor {
         myself: ActorRef<Self::Msg>,
         args: DiscoveryArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
-        let namespace = args.source.namespace.clone();
-        let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
-        let source = EtcdSource::spawn(args.source, tx)?;
+        let namespace = args.source.namespace().clone();
         let span = args.span.span().clone();
-        let forwarder = tokio::spawn(forward_events(rx, myself.clone()).instrument(span.clone()));
-        let watcher = tokio::spawn(forward_connected(source.connected(), myself).instrument(span));
+        let (source, tasks) = match args.source {
+            SourceSpec::Etcd(cfg) => {
+                let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
+                let source = EtcdSource::spawn(cfg, tx)?;
+                let forwarder =
+                    tokio::spawn(forward_events(rx, myself.clone()).instrument(span.clone()));
+                let watcher = tokio::spawn(
+                    forward_connected(source.connected(), myself.clone()).instrument(span),
+                );
+                (RunningSource::Etcd(source), vec![forwarder, watcher])
+            }
+            SourceSpec::KubeMetadata { kube, namespace } => {
+                let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
+                let metadata = MetadataConfig {
+                    namespaces: vec![namespace],
+                };
+                let task =
+                    tokio::spawn(run_metadata_source(kube, metadata, tx).instrument(span.clone()));
+                let forwarder = tokio::spawn(forward_kube(rx, myself.clone()).instrument(span));
+                (RunningSource::Kube(task), vec![forwarder])
+            }
+        };
         Ok(DiscoveryState {
             reducer: DiscoveryReducer::new(namespace.clone()),
             namespace,
@@ -93,7 +143,7 @@ impl Actor for DiscoveryActor {
             on_first_pass: args.on_first_pass,
             first_pass_done: false,
             source: Some(source),
-            tasks: vec![forwarder, watcher],
+            tasks,
         })
     }
 
@@ -115,6 +165,7 @@ impl Actor for DiscoveryActor {
         match msg {
             DiscoveryMsg::Events(events) => state.fold(events),
             DiscoveryMsg::Connected(connected) => state.set_connected(connected),
+            DiscoveryMsg::Counted(kind) => state.count(kind),
         }
         Ok(())
     }
@@ -148,6 +199,12 @@ impl DiscoveryState {
         }
     }
 
+    fn count(&self, kind: DiscoveryEventKind) {
+        if let Some(metrics) = &self.metrics {
+            metrics.discovery_event(kind);
+        }
+    }
+
     fn set_connected(&mut self, connected: bool) {
         self.registry.set_connected(&self.namespace, connected);
         if let Some(metrics) = &self.metrics {
@@ -159,11 +216,19 @@ impl DiscoveryState {
         for task in self.tasks.drain(..) {
             task.abort();
         }
-        if let Some(source) = self.source.take()
-            && tokio::time::timeout(SOURCE_STOP_GRACE, source.stop())
-                .await
-                .is_err()
-        {
+        let stopped = match self.source.take() {
+            Some(RunningSource::Etcd(source)) => {
+                tokio::time::timeout(SOURCE_STOP_GRACE, source.stop())
+                    .await
+                    .is_ok()
+            }
+            Some(RunningSource::Kube(task)) => {
+                task.abort();
+                true
+            }
+            None => true,
+        };
+        if !stopped {
             warn!(namespace = %self.namespace, "Discovery source did not stop within its grace period.");
         }
         self.registry.set_connected(&self.namespace, false);
@@ -200,6 +265,32 @@ async fn forward_connected(
             return;
         }
         if connected.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Forwards a Kubernetes source's updates: event batches, connection state, counted refusals.
+async fn forward_kube(
+    mut rx: mpsc::Receiver<KubeUpdate<Vec<SourceEvent>>>,
+    actor: ActorRef<DiscoveryMsg>,
+) {
+    while let Some(update) = rx.recv().await {
+        let msg = match update {
+            KubeUpdate::Data(events) => DiscoveryMsg::Events(events),
+            KubeUpdate::Connected(connected) => DiscoveryMsg::Connected(connected),
+            KubeUpdate::Counted { kind, object } => {
+                let kind = match kind {
+                    "refused" => DiscoveryEventKind::Refused,
+                    "mismatch" => DiscoveryEventKind::Mismatch,
+                    "duplicate" => DiscoveryEventKind::Duplicate,
+                    _ => DiscoveryEventKind::Malformed,
+                };
+                warn!(kind = kind.as_label(), %object, "Kubernetes discovery refused a resource.");
+                DiscoveryMsg::Counted(kind)
+            }
+        };
+        if actor.cast(msg).is_err() {
             return;
         }
     }

@@ -1,0 +1,123 @@
+//! `source: kubernetes` end to end inside the actors: a DiscoveryActor runs the metadata source
+//! against the fake API server and the RegistryActor publishes the same kind of fleet snapshot
+//! etcd yields; readiness flaps of the EndpointSlice add and remove the worker.
+
+#[path = "support/fake_kube.rs"]
+mod fake_kube;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
+use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
+use continuum_actors::lifecycle::{ActorKind, ActorSpan};
+use continuum_actors::registry::{
+    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox,
+};
+use continuum_protocol::backoff::{BackoffPolicy, Jitter};
+use continuum_protocol::discovery::records::Role;
+use continuum_protocol::discovery::snapshot::{DynamoSnapshot, SourceKind};
+use continuum_protocol::ids::Namespace;
+use continuum_protocol::kube::hash_pod_name;
+use fake_kube::{EXAMPLE_POD_UID, FakeKube, Kind, endpoint_slice, example_metadata};
+use ractor::Actor;
+
+async fn wait_for(registry: &DynamoRegistry, what: &str, done: impl Fn(&DynamoSnapshot) -> bool) {
+    let mut generations = registry.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while !done(&registry.snapshot()) {
+            generations.changed().await.expect("registry alive");
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what} in time"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_source_feeds_the_registry_through_the_shared_reducer() {
+    let fake = FakeKube::start().await;
+    fake.apply(Kind::Metadata, example_metadata());
+    fake.apply(
+        Kind::EndpointSlices,
+        endpoint_slice("backend-abc", &[("worker-0", EXAMPLE_POD_UID, true)]),
+    );
+    let namespace = Namespace::new("dynamo");
+    let registry = DynamoRegistry::new(RegistryConfig {
+        enabled: true,
+        source: SourceKind::Kubernetes,
+        namespaces: vec![namespace.clone()],
+    });
+    let mailbox = RegistryMailbox::default();
+    let (registry_actor, _) = Actor::spawn(
+        None,
+        RegistryActor,
+        RegistryArgs {
+            registry: registry.clone(),
+            metrics: None,
+        },
+    )
+    .await
+    .expect("registry");
+    mailbox.set(registry_actor.clone());
+    let (first_pass, mut passed) = tokio::sync::mpsc::unbounded_channel();
+    let source = SourceSpec::KubeMetadata {
+        kube: KubeSourceConfig {
+            connect: KubeConnect::Url(fake.url()),
+            namespace: "llm-prod".into(),
+            backoff: BackoffPolicy {
+                initial: Duration::from_millis(10),
+                max: Duration::from_millis(100),
+                jitter: Jitter::None,
+            },
+            timing: WatchTiming::default(),
+        },
+        namespace: namespace.clone(),
+    };
+    let (discovery, _) = Actor::spawn(
+        None,
+        DiscoveryActor,
+        DiscoveryArgs {
+            source,
+            registry_actor: mailbox,
+            registry: registry.clone(),
+            metrics: None,
+            on_first_pass: Arc::new(move |ns: &Namespace| {
+                let _ = first_pass.send(ns.clone());
+            }),
+            span: ActorSpan::start("kubernetes:dynamo", ActorKind::Discovery, None),
+        },
+    )
+    .await
+    .expect("discovery");
+
+    wait_for(&registry, "worker-0 published", |s| s.workers().len() == 1).await;
+    assert_eq!(
+        passed.recv().await,
+        Some(namespace.clone()),
+        "first pass reported"
+    );
+    let snapshot = registry.snapshot();
+    let worker = &snapshot.workers()[0];
+    assert_eq!(worker.instance_id(), hash_pod_name("worker-0"));
+    assert_eq!(snapshot.source().as_str(), "kubernetes");
+    assert!(snapshot.signals().load && snapshot.signals().capacity);
+    assert_ne!(worker.role, Role::Unknown);
+    assert!(worker.model.is_some(), "the card's model");
+
+    // The Pod turns not ready: its records leave; ready again: they return.
+    fake.apply(
+        Kind::EndpointSlices,
+        endpoint_slice("backend-abc", &[("worker-0", EXAMPLE_POD_UID, false)]),
+    );
+    wait_for(&registry, "not-ready worker removed", |s| {
+        s.workers().is_empty()
+    })
+    .await;
+    fake.apply(
+        Kind::EndpointSlices,
+        endpoint_slice("backend-abc", &[("worker-0", EXAMPLE_POD_UID, true)]),
+    );
+    wait_for(&registry, "ready again", |s| s.workers().len() == 1).await;
+    discovery.stop(None);
+    registry_actor.stop(None);
+}
