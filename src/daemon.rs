@@ -28,6 +28,9 @@ use continuum_actors::tree::ActorTree;
 use continuum_protocol::backoff::{BackoffPolicy, Jitter};
 use continuum_protocol::discovery::snapshot::SourceKind;
 use continuum_protocol::ids::Namespace;
+use continuum_protocol::kube::pods::{
+    ComponentModel as PodComponentModel, ModelMapping, PodSourceConfig,
+};
 use ractor::{Actor, ActorRef};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -358,7 +361,7 @@ fn registry_config(config: &Config) -> RegistryConfig {
 
 /// The discovery sources that must finish a first pass before `/ready` answers 200.
 fn required_sources(config: &Config) -> Vec<String> {
-    if !config.dynamo.enabled || config.dynamo.discovery.source == DiscoverySource::KubernetesPods {
+    if !config.dynamo.enabled {
         return Vec::new();
     }
     config
@@ -444,13 +447,6 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
         return Vec::new();
     }
     let kind = dynamo.discovery.source;
-    if kind == DiscoverySource::KubernetesPods {
-        warn!(
-            source = kind.as_str(),
-            "The kubernetes_pods source is not wired into this build yet; use etcd or kubernetes."
-        );
-        return Vec::new();
-    }
     dynamo
         .discovery
         .namespaces()
@@ -459,6 +455,11 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
             let source = match kind {
                 DiscoverySource::Kubernetes => SourceSpec::KubeMetadata {
                     kube: kube_source_config(&config),
+                    namespace: namespace.clone(),
+                },
+                DiscoverySource::KubernetesPods => SourceSpec::KubePods {
+                    kube: kube_source_config(&config),
+                    pods: pod_source_config(&config, &namespace),
                     namespace: namespace.clone(),
                 },
                 _ => SourceSpec::Etcd(etcd_source_config(&config, namespace.clone())),
@@ -490,7 +491,29 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
         .collect()
 }
 
-/// The Kubernetes metadata source's settings: in-cluster credentials, then KUBECONFIG.
+/// What the Pod source needs for one Dynamo namespace: membership and model mapping.
+pub fn pod_source_config(config: &Config, namespace: &Namespace) -> PodSourceConfig {
+    let kube = &config.dynamo.discovery.kubernetes;
+    let models = match &kube.model {
+        Some(model) => ModelMapping::Single(model.clone()),
+        None => ModelMapping::PerComponent(
+            kube.models
+                .iter()
+                .map(|m| PodComponentModel {
+                    component: m.component.clone(),
+                    model: m.model.clone(),
+                    dynamo_namespace: m.dynamo_namespace.clone().map(Namespace::new),
+                })
+                .collect(),
+        ),
+    };
+    PodSourceConfig {
+        namespaces: vec![namespace.clone()],
+        models,
+    }
+}
+
+/// The Kubernetes sources' settings: in-cluster credentials, then KUBECONFIG.
 pub fn kube_source_config(config: &Config) -> KubeSourceConfig {
     let kube = &config.dynamo.discovery.kubernetes;
     KubeSourceConfig {

@@ -1,6 +1,7 @@
 //! `source: kubernetes` end to end inside the actors: a DiscoveryActor runs the metadata source
 //! against the fake API server and the RegistryActor publishes the same kind of fleet snapshot
-//! etcd yields; readiness flaps of the EndpointSlice add and remove the worker.
+//! etcd yields; readiness flaps of the EndpointSlice add and remove the worker. `kubernetes_pods`:
+//! ready labelled Pods become card-less workers with no load or capacity signals.
 
 #[path = "support/fake_kube.rs"]
 mod fake_kube;
@@ -19,7 +20,8 @@ use continuum_protocol::discovery::records::Role;
 use continuum_protocol::discovery::snapshot::{DynamoSnapshot, SourceKind};
 use continuum_protocol::ids::Namespace;
 use continuum_protocol::kube::hash_pod_name;
-use fake_kube::{EXAMPLE_POD_UID, FakeKube, Kind, endpoint_slice, example_metadata};
+use continuum_protocol::kube::pods::{ModelMapping, PodSourceConfig};
+use fake_kube::{EXAMPLE_POD_UID, FakeKube, Kind, endpoint_slice, example_metadata, worker_pod};
 use ractor::Actor;
 
 async fn wait_for(registry: &DynamoRegistry, what: &str, done: impl Fn(&DynamoSnapshot) -> bool) {
@@ -118,6 +120,86 @@ async fn metadata_source_feeds_the_registry_through_the_shared_reducer() {
         endpoint_slice("backend-abc", &[("worker-0", EXAMPLE_POD_UID, true)]),
     );
     wait_for(&registry, "ready again", |s| s.workers().len() == 1).await;
+    discovery.stop(None);
+    registry_actor.stop(None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_source_publishes_ready_pods_without_signals() {
+    let fake = FakeKube::start().await;
+    fake.apply(Kind::Pods, worker_pod("worker-0", "dyn", true));
+    fake.apply(Kind::Pods, worker_pod("worker-1", "dyn", false));
+    let namespace = Namespace::new("dyn");
+    let registry = DynamoRegistry::new(RegistryConfig {
+        enabled: true,
+        source: SourceKind::KubernetesPods,
+        namespaces: vec![namespace.clone()],
+    });
+    let mailbox = RegistryMailbox::default();
+    let (registry_actor, _) = Actor::spawn(
+        None,
+        RegistryActor,
+        RegistryArgs {
+            registry: registry.clone(),
+            metrics: None,
+        },
+    )
+    .await
+    .expect("registry");
+    mailbox.set(registry_actor.clone());
+    let source = SourceSpec::KubePods {
+        kube: KubeSourceConfig {
+            connect: KubeConnect::Url(fake.url()),
+            namespace: "dynamo".into(),
+            backoff: BackoffPolicy {
+                initial: Duration::from_millis(10),
+                max: Duration::from_millis(100),
+                jitter: Jitter::None,
+            },
+            timing: WatchTiming::default(),
+        },
+        pods: PodSourceConfig {
+            namespaces: vec![namespace.clone()],
+            models: ModelMapping::Single("solar".into()),
+        },
+        namespace: namespace.clone(),
+    };
+    let (discovery, _) = Actor::spawn(
+        None,
+        DiscoveryActor,
+        DiscoveryArgs {
+            source,
+            registry_actor: mailbox,
+            registry: registry.clone(),
+            metrics: None,
+            on_first_pass: Arc::new(|_: &Namespace| {}),
+            span: ActorSpan::start("kubernetes_pods:dyn", ActorKind::Discovery, None),
+        },
+    )
+    .await
+    .expect("discovery");
+
+    wait_for(&registry, "the ready Pod", |s| s.workers().len() == 1).await;
+    let snapshot = registry.snapshot();
+    let worker = &snapshot.workers()[0];
+    assert_eq!(worker.instance_id(), hash_pod_name("worker-0"));
+    assert_eq!(worker.model.as_deref(), Some("solar"));
+    assert_eq!(worker.role, Role::Aggregated);
+    assert!(!snapshot.signals().load && !snapshot.signals().capacity);
+    let first_seen = worker.first_seen;
+
+    // Another Pod turns ready; the first keeps its first_seen.
+    fake.apply(Kind::Pods, worker_pod("worker-1", "dyn", true));
+    wait_for(&registry, "both ready Pods", |s| s.workers().len() == 2).await;
+    let snapshot = registry.snapshot();
+    let again = snapshot
+        .workers()
+        .iter()
+        .find(|w| w.instance_id() == hash_pod_name("worker-0"))
+        .expect("worker-0");
+    assert_eq!(again.first_seen, first_seen);
+    fake.delete(Kind::Pods, "worker-0");
+    wait_for(&registry, "deleted Pod removed", |s| s.workers().len() == 1).await;
     discovery.stop(None);
     registry_actor.stop(None);
 }

@@ -24,12 +24,15 @@ use tracing::{Instrument, info, warn};
 
 use crate::clock::now_unix;
 use crate::etcd_source::{EtcdSource, EtcdSourceConfig};
-use crate::kube_source::{KubeSourceConfig, KubeUpdate, run_metadata_source};
+use crate::kube_source::{KubeSourceConfig, KubeUpdate, run_metadata_source, run_pod_source};
 use crate::lifecycle::ActorSpan;
 use crate::metrics::DiscoveryEventKind;
 use crate::metrics::Metrics;
 use crate::registry::{DynamoRegistry, RegistryMailbox, RegistryMsg};
+use continuum_protocol::discovery::view::NamespaceView;
 use continuum_protocol::kube::metadata::MetadataConfig;
+use continuum_protocol::kube::pod_view::pod_view;
+use continuum_protocol::kube::pods::{PodMember, PodSourceConfig};
 
 /// Events buffered between the source and the actor; a slow reducer back-pressures the watch.
 pub const SOURCE_CHANNEL: usize = 1024;
@@ -53,13 +56,21 @@ pub enum SourceSpec {
         kube: KubeSourceConfig,
         namespace: Namespace,
     },
+    /// Operator-labelled Pods: member sets, no cards or publishers.
+    KubePods {
+        kube: KubeSourceConfig,
+        pods: PodSourceConfig,
+        namespace: Namespace,
+    },
 }
 
 impl SourceSpec {
     pub fn namespace(&self) -> &Namespace {
         match self {
             SourceSpec::Etcd(cfg) => &cfg.namespace,
-            SourceSpec::KubeMetadata { namespace, .. } => namespace,
+            SourceSpec::KubeMetadata { namespace, .. } | SourceSpec::KubePods { namespace, .. } => {
+                namespace
+            }
         }
     }
 }
@@ -84,6 +95,8 @@ pub enum DiscoveryMsg {
     Events(Vec<SourceEvent>),
     /// A source-side refusal to count (`refused`, `mismatch`, `malformed`, `duplicate`).
     Counted(DiscoveryEventKind),
+    /// The Pod source's full member set after a change.
+    Members(Vec<PodMember>),
     /// The source's watches opened (true) or its pass ended (false).
     Connected(bool),
 }
@@ -96,6 +109,8 @@ pub struct DiscoveryState {
     metrics: Option<Metrics>,
     on_first_pass: FirstPass,
     first_pass_done: bool,
+    /// The `kubernetes_pods` source's current view (unused by record sources).
+    pods_view: Arc<NamespaceView>,
     source: Option<RunningSource>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -133,9 +148,16 @@ impl Actor for DiscoveryActor {
                 let forwarder = tokio::spawn(forward_kube(rx, myself.clone()).instrument(span));
                 (RunningSource::Kube(task), vec![forwarder])
             }
+            SourceSpec::KubePods { kube, pods, .. } => {
+                let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
+                let task = tokio::spawn(run_pod_source(kube, pods, tx).instrument(span.clone()));
+                let forwarder = tokio::spawn(forward_pods(rx, myself.clone()).instrument(span));
+                (RunningSource::Kube(task), vec![forwarder])
+            }
         };
         Ok(DiscoveryState {
             reducer: DiscoveryReducer::new(namespace.clone()),
+            pods_view: Arc::new(NamespaceView::new(namespace.clone())),
             namespace,
             registry_actor: args.registry_actor,
             registry: args.registry,
@@ -166,6 +188,7 @@ impl Actor for DiscoveryActor {
             DiscoveryMsg::Events(events) => state.fold(events),
             DiscoveryMsg::Connected(connected) => state.set_connected(connected),
             DiscoveryMsg::Counted(kind) => state.count(kind),
+            DiscoveryMsg::Members(members) => state.members(members),
         }
         Ok(())
     }
@@ -195,6 +218,23 @@ impl DiscoveryState {
         if completed_pass && !self.first_pass_done {
             self.first_pass_done = true;
             info!(namespace = %self.namespace, workers = self.reducer.view().workers().len(), "First discovery pass complete.");
+            (self.on_first_pass)(&self.namespace);
+        }
+    }
+
+    /// Pods carry no records to reduce: the member set is the view.
+    fn members(&mut self, members: Vec<PodMember>) {
+        let previous = self.pods_view.clone();
+        let next = pod_view(&self.namespace, &members, &previous, now_unix());
+        if !previous.same_content(&next) || !self.first_pass_done {
+            let next = Arc::new(next);
+            self.pods_view = next.clone();
+            self.registry.stage_view(next);
+            self.registry_actor.cast(RegistryMsg::Rebuild);
+        }
+        if !self.first_pass_done {
+            self.first_pass_done = true;
+            info!(namespace = %self.namespace, workers = members.len(), "First Pod discovery pass complete.");
             (self.on_first_pass)(&self.namespace);
         }
     }
@@ -280,12 +320,7 @@ async fn forward_kube(
             KubeUpdate::Data(events) => DiscoveryMsg::Events(events),
             KubeUpdate::Connected(connected) => DiscoveryMsg::Connected(connected),
             KubeUpdate::Counted { kind, object } => {
-                let kind = match kind {
-                    "refused" => DiscoveryEventKind::Refused,
-                    "mismatch" => DiscoveryEventKind::Mismatch,
-                    "duplicate" => DiscoveryEventKind::Duplicate,
-                    _ => DiscoveryEventKind::Malformed,
-                };
+                let kind = counted_kind(kind);
                 warn!(kind = kind.as_label(), %object, "Kubernetes discovery refused a resource.");
                 DiscoveryMsg::Counted(kind)
             }
@@ -293,5 +328,35 @@ async fn forward_kube(
         if actor.cast(msg).is_err() {
             return;
         }
+    }
+}
+
+/// Forwards the Pod source's member sets, connection state and counted refusals.
+async fn forward_pods(
+    mut rx: mpsc::Receiver<KubeUpdate<Vec<PodMember>>>,
+    actor: ActorRef<DiscoveryMsg>,
+) {
+    while let Some(update) = rx.recv().await {
+        let msg = match update {
+            KubeUpdate::Data(members) => DiscoveryMsg::Members(members),
+            KubeUpdate::Connected(connected) => DiscoveryMsg::Connected(connected),
+            KubeUpdate::Counted { kind, object } => {
+                let kind = counted_kind(kind);
+                warn!(kind = kind.as_label(), %object, "Kubernetes discovery refused a Pod.");
+                DiscoveryMsg::Counted(kind)
+            }
+        };
+        if actor.cast(msg).is_err() {
+            return;
+        }
+    }
+}
+
+fn counted_kind(kind: &str) -> DiscoveryEventKind {
+    match kind {
+        "refused" => DiscoveryEventKind::Refused,
+        "mismatch" => DiscoveryEventKind::Mismatch,
+        "duplicate" => DiscoveryEventKind::Duplicate,
+        _ => DiscoveryEventKind::Malformed,
     }
 }

@@ -18,6 +18,7 @@ pub mod hash;
 pub mod labels;
 pub mod metadata;
 pub mod objects;
+pub mod pod_view;
 pub mod pods;
 pub mod settings;
 
