@@ -5,6 +5,7 @@
 #![cfg(feature = "real-peers")]
 
 mod support {
+    pub mod daemon;
     pub mod etcd;
     pub mod zmq;
 }
@@ -12,12 +13,10 @@ mod support {
 use std::time::Duration;
 
 use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
-use continuum_router::config::{Config, ProcessEnv};
-use continuum_router::daemon::{Daemon, RunOptions};
+use continuum_router::daemon::Daemon;
 use serde_json::{Value, json};
 use support::etcd::EtcdServer;
 use support::zmq::{Publisher, make};
-use tokio::net::TcpListener;
 
 const WAIT: Duration = Duration::from_secs(30);
 const NS: &str = "loadns";
@@ -108,18 +107,7 @@ async fn samples_flow_from_a_real_publisher_into_the_store_and_gauges() {
          namespace: \"{NS}\"\n  load:\n    max_staleness: \"5m\"\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n",
         etcd.endpoint()
     );
-    let config = Config::from_yaml_str(&yaml, &ProcessEnv).expect("config");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let daemon = Daemon::start(
-        RunOptions {
-            config,
-            config_path: None,
-            demo: false,
-        },
-        listener,
-    )
-    .await
-    .expect("daemon");
+    let daemon = support::daemon::start(&yaml).await;
 
     // The follower subscribes: the XPUB socket reports the subscription (no slow-joiner race).
     let subs = publisher.await_subscriptions(1).await;

@@ -7,18 +7,16 @@
 #![cfg(feature = "dynamo-e2e")]
 
 mod support {
+    pub mod daemon;
     pub mod dynamo;
     pub mod etcd;
 }
 
 use std::time::Duration;
 
-use continuum_router::config::{Config, ProcessEnv};
-use continuum_router::daemon::{Daemon, RunOptions};
 use futures::StreamExt;
 use serde_json::json;
 use support::dynamo::{DynamoStack, MODEL, Signal, Topology, WorkerRole};
-use tokio::net::TcpListener;
 
 const BUFFERED: usize = 500;
 const STREAMING: usize = 100;
@@ -46,27 +44,10 @@ async fn requests_are_pinned_by_our_picker_and_served_by_the_real_frontend() {
     let mut stack = DynamoStack::start(Topology::Disagg).await;
     // Two decode workers, so one can leave mid-run.
     stack.add_worker(WorkerRole::Decode).await;
-    let config = Config::from_yaml_str(&config_yaml(&stack), &ProcessEnv).expect("config");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let daemon = Daemon::start(
-        RunOptions {
-            config,
-            config_path: None,
-            demo: false,
-        },
-        listener,
-    )
-    .await
-    .expect("daemon");
+    let daemon = support::daemon::start(&config_yaml(&stack)).await;
+    support::daemon::wait_for_workers(&daemon, 3).await;
     let registry = daemon.registry().clone();
     let mut generations = registry.subscribe();
-    tokio::time::timeout(Duration::from_secs(30), async {
-        while registry.snapshot().workers().len() < 3 {
-            generations.changed().await.expect("registry alive");
-        }
-    })
-    .await
-    .expect("all three workers discovered");
 
     let url = format!("http://{}/v1/chat/completions", daemon.local_addr());
     let client = reqwest::Client::new();

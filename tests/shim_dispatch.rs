@@ -7,19 +7,16 @@
 #![cfg(feature = "real-peers")]
 
 mod support {
+    pub mod daemon;
     pub mod etcd;
     pub mod upstream;
 }
 
-use std::time::Duration;
-
-use continuum_router::config::{Config, ProcessEnv};
-use continuum_router::daemon::{Daemon, RunOptions};
+use continuum_router::daemon::Daemon;
 use etcd_client::PutOptions;
 use serde_json::{Value, json};
 use support::etcd::{EtcdServer, captured_kvs};
 use support::upstream::{FakeUpstream, Reply, completion};
-use tokio::net::TcpListener;
 
 async fn fleet() -> (EtcdServer, Vec<u64>) {
     let etcd = EtcdServer::start().await;
@@ -64,27 +61,8 @@ async fn daemon(
         unified.url(),
         etcd.endpoint()
     );
-    let config = Config::from_yaml_str(&yaml, &ProcessEnv).expect("config");
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let daemon = Daemon::start(
-        RunOptions {
-            config,
-            config_path: None,
-            demo: false,
-        },
-        listener,
-    )
-    .await
-    .expect("daemon");
-    let registry = daemon.registry().clone();
-    let mut generations = registry.subscribe();
-    tokio::time::timeout(Duration::from_secs(30), async {
-        while registry.snapshot().workers().len() < 2 {
-            generations.changed().await.expect("registry alive");
-        }
-    })
-    .await
-    .expect("workers discovered");
+    let daemon = support::daemon::start(&yaml).await;
+    support::daemon::wait_for_workers(&daemon, 2).await;
     daemon
 }
 

@@ -145,13 +145,17 @@ impl Actor for DiscoveryActor {
                 };
                 let task =
                     tokio::spawn(run_metadata_source(kube, metadata, tx).instrument(span.clone()));
-                let forwarder = tokio::spawn(forward_kube(rx, myself.clone()).instrument(span));
+                let forwarder = tokio::spawn(
+                    forward_kube(rx, myself.clone(), DiscoveryMsg::Events).instrument(span),
+                );
                 (RunningSource::Kube(task), vec![forwarder])
             }
             SourceSpec::KubePods { kube, pods, .. } => {
                 let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
                 let task = tokio::spawn(run_pod_source(kube, pods, tx).instrument(span.clone()));
-                let forwarder = tokio::spawn(forward_pods(rx, myself.clone()).instrument(span));
+                let forwarder = tokio::spawn(
+                    forward_kube(rx, myself.clone(), DiscoveryMsg::Members).instrument(span),
+                );
                 (RunningSource::Kube(task), vec![forwarder])
             }
         };
@@ -310,39 +314,20 @@ async fn forward_connected(
     }
 }
 
-/// Forwards a Kubernetes source's updates: event batches, connection state, counted refusals.
-async fn forward_kube(
-    mut rx: mpsc::Receiver<KubeUpdate<Vec<SourceEvent>>>,
+/// Forwards a Kubernetes source's updates (records or member sets, connection state, counted
+/// refusals) to the actor; `data` turns a source's payload into its message.
+async fn forward_kube<T>(
+    mut rx: mpsc::Receiver<KubeUpdate<T>>,
     actor: ActorRef<DiscoveryMsg>,
+    data: fn(T) -> DiscoveryMsg,
 ) {
     while let Some(update) = rx.recv().await {
         let msg = match update {
-            KubeUpdate::Data(events) => DiscoveryMsg::Events(events),
+            KubeUpdate::Data(payload) => data(payload),
             KubeUpdate::Connected(connected) => DiscoveryMsg::Connected(connected),
             KubeUpdate::Counted { kind, object } => {
                 let kind = counted_kind(kind);
-                warn!(kind = kind.as_label(), %object, "Kubernetes discovery refused a resource.");
-                DiscoveryMsg::Counted(kind)
-            }
-        };
-        if actor.cast(msg).is_err() {
-            return;
-        }
-    }
-}
-
-/// Forwards the Pod source's member sets, connection state and counted refusals.
-async fn forward_pods(
-    mut rx: mpsc::Receiver<KubeUpdate<Vec<PodMember>>>,
-    actor: ActorRef<DiscoveryMsg>,
-) {
-    while let Some(update) = rx.recv().await {
-        let msg = match update {
-            KubeUpdate::Data(members) => DiscoveryMsg::Members(members),
-            KubeUpdate::Connected(connected) => DiscoveryMsg::Connected(connected),
-            KubeUpdate::Counted { kind, object } => {
-                let kind = counted_kind(kind);
-                warn!(kind = kind.as_label(), %object, "Kubernetes discovery refused a Pod.");
+                warn!(kind = kind.as_label(), %object, "Kubernetes discovery refused an object.");
                 DiscoveryMsg::Counted(kind)
             }
         };
