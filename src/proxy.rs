@@ -222,9 +222,25 @@ impl Proxy {
                 let outcome = self
                     .dispatch(&request, &candidates, &decision.dispatch, decision.path)
                     .await;
-                return self
+                let settled = self
                     .settle_shim(&request, allowed, &decision.pool, outcome)
                     .await;
+                // The dispatch ends with the response body (or at once on an error).
+                let guard = decision
+                    .dispatch_id
+                    .map(|id| shim::DispatchGuard::new(shim.clone(), id));
+                return settled.map(|resp| match guard {
+                    Some(guard) => resp.map(|body| {
+                        Body::from_stream(futures::StreamExt::map(
+                            body.into_data_stream(),
+                            move |chunk| {
+                                let _ = &guard;
+                                chunk
+                            },
+                        ))
+                    }),
+                    None => resp,
+                });
             }
         }
         let scope = Scope {

@@ -17,6 +17,7 @@ use continuum_actors::registry::DynamoRegistry;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
 use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
+use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::load_based::LoadBasedPicker;
 use continuum_protocol::picker::{
     DynamoWorkerPicker, LoadView, PickOutcome, PickRequest, PickerState, SampleState,
@@ -34,6 +35,28 @@ pub struct ShimDecision {
     pub pool: Vec<String>,
     pub dispatch: Dispatch,
     pub path: RoutingPath,
+    /// The ledger entry of this pick, to end when the response does.
+    pub dispatch_id: Option<DispatchId>,
+}
+
+/// Ends a dispatch in the picker's ledger when dropped: a request that has ended (answered,
+/// refused, failed or cancelled) may never have reached an engine, so it must not make its worker
+/// look stalled.
+pub struct DispatchGuard {
+    router: Arc<ShimRouter>,
+    id: DispatchId,
+}
+
+impl DispatchGuard {
+    pub fn new(router: Arc<ShimRouter>, id: DispatchId) -> Self {
+        Self { router, id }
+    }
+}
+
+impl Drop for DispatchGuard {
+    fn drop(&mut self) {
+        self.router.request_ended(self.id);
+    }
 }
 
 /// The Dynamo routing state shared by every request.
@@ -87,6 +110,11 @@ impl ShimRouter {
             index: Mutex::new((u64::MAX, Arc::new(CandidateIndex::default()))),
             metrics,
         }
+    }
+
+    /// A dispatch ended (its response finished or failed).
+    pub fn request_ended(&self, id: DispatchId) {
+        lock(&self.state).ledger.request_ended(id);
     }
 
     /// The active picker.
@@ -220,6 +248,7 @@ impl ShimRouter {
             pool,
             dispatch,
             path,
+            dispatch_id: pick.dispatch,
         })
     }
 }
