@@ -15,6 +15,7 @@ use arc_swap::ArcSwap;
 use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
+use continuum_actors::kv_index::DynamoKvIndex;
 use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::metrics::SubscriptionTransport;
@@ -123,6 +124,8 @@ struct Shared {
     readiness: Readiness,
     metrics: Metrics,
     load: DynamoLoadStore,
+    /// The bounded KV index fed by kv-events subscriptions (`dynamo.kv.enabled`).
+    kv: DynamoKvIndex,
     /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
     proxy: Arc<Proxy>,
 }
@@ -167,6 +170,7 @@ impl Daemon {
             mailbox: RegistryMailbox::default(),
             proxy: Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone()))),
             readiness,
+            kv: DynamoKvIndex::new(Some(metrics.clone())),
             metrics,
             load,
         };
@@ -248,6 +252,11 @@ impl Daemon {
 
     pub fn metrics(&self) -> &Metrics {
         &self.shared.metrics
+    }
+
+    /// The KV index kv-events subscriptions feed.
+    pub fn kv_index(&self) -> &DynamoKvIndex {
+        &self.shared.kv
     }
 
     /// The latest load samples (`registry.load_store()` in the seed).
@@ -424,6 +433,7 @@ fn subscriptions_spec(shared: &Shared) -> ChildSpec {
             vec![follower_spec(
                 shared.registry.clone(),
                 shared.load.clone(),
+                shared.kv.clone(),
                 policy,
             )]
         },
@@ -437,6 +447,7 @@ fn dial_policy(config: &Config) -> DialPolicy {
             LoadTransport::Broker => SubscriptionTransport::Broker,
         },
         allow_cidrs: config.dynamo.load.allow_cidrs(),
+        kv_events: config.dynamo.enabled && config.dynamo.kv.enabled,
     }
 }
 
@@ -667,7 +678,9 @@ impl ControlLoop {
             None => {}
         }
         self.shared.mailbox.cast(RegistryMsg::Rebuild);
-        if plan.restart_subscriptions {
+        // Turning KV indexing on or off starts or stops the kv-events subscriptions.
+        let kv_toggled = self.current.dynamo.kv.enabled != new.dynamo.kv.enabled;
+        if plan.restart_subscriptions || kv_toggled {
             // Only the subscriptions restart; discovery, the load store and the KV index stay.
             if let Err(error) = self
                 .tree

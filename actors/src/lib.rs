@@ -33,6 +33,7 @@ pub mod clock;
 pub mod discovery;
 pub mod etcd_source;
 pub mod kube_source;
+pub mod kv_index;
 pub mod lifecycle;
 pub mod load;
 pub mod metrics;

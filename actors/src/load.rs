@@ -148,11 +148,17 @@ impl DynamoLoadStore {
         };
         for state in SubscriptionState::ALL {
             for transport in SubscriptionTransport::ALL {
-                let n = subs
-                    .values()
-                    .filter(|s| s.state_kind == *state && s.transport_kind == *transport)
-                    .count() as u64;
-                metrics.set_load_subscriptions(*state, *transport, n);
+                let count = |family: &str| {
+                    subs.values()
+                        .filter(|s| {
+                            s.family == family
+                                && s.state_kind == *state
+                                && s.transport_kind == *transport
+                        })
+                        .count() as u64
+                };
+                metrics.set_load_subscriptions(*state, *transport, count("kv_metrics"));
+                metrics.set_kv_subscriptions(*state, *transport, count("kv-events"));
             }
         }
     }

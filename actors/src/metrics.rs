@@ -115,6 +115,10 @@ label_enum! {
         IdentityMismatch => "identity_mismatch",
         OverCapacity => "over_capacity",
         TransportRefused => "transport_refused",
+        /// An event about a cache the worker does not own (not indexed).
+        CacheOwner => "cache_owner",
+        /// A stored chain whose parent block is unknown (dropped, as upstream does).
+        Orphan => "orphan",
     }
 }
 

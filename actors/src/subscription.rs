@@ -30,12 +30,15 @@ use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::clock::now_tick;
+use crate::kv_index::DynamoKvIndex;
 use crate::lifecycle::ActorKind;
 use crate::load::{DynamoLoadStore, SubscriptionStatus};
 use crate::metrics::{Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges};
 use crate::registry::DynamoRegistry;
 use crate::supervisor::{ChildContext, ChildSpec, SupervisorMsg};
-use crate::zmtp_conn::{ConnEvent, ZmtpConnConfig, run_session};
+use crate::zmtp_conn::{CONNECT_TIMEOUT, ConnEvent, ZmtpConnConfig, run_session};
+use continuum_protocol::event_plane::{StreamExpectation, decode_delivery};
+use continuum_protocol::zmtp::ZmtpLimits;
 
 /// A session must last this long before the reconnect backoff returns to its floor.
 pub const SESSION_RESET_AFTER: Duration = Duration::from_secs(30);
@@ -49,6 +52,8 @@ pub const STOP_GRACE: Duration = Duration::from_secs(5);
 pub struct DialPolicy {
     pub transport: SubscriptionTransport,
     pub allow_cidrs: Option<Vec<IpNet>>,
+    /// `dynamo.kv.enabled`: also subscribe to kv-events publishers.
+    pub kv_events: bool,
 }
 
 /// Reads the live dial policy (it changes on reload, which restarts the subtree).
@@ -61,6 +66,7 @@ pub struct SubscriptionArgs {
     pub target: SubscriptionTarget,
     pub policy: DialPolicy,
     pub store: DynamoLoadStore,
+    pub kv: DynamoKvIndex,
     pub metrics: Option<Metrics>,
     pub span: tracing::Span,
 }
@@ -122,14 +128,16 @@ async fn run_subscription(args: SubscriptionArgs) {
         target,
         policy,
         store,
+        kv,
         metrics,
         ..
     } = args;
+    let kv_events = target.topic == EventTopic::KvEvents;
     let reporter = Reporter {
         name: name.clone(),
         store: store.clone(),
         template: SubscriptionStatus {
-            family: "kv_metrics",
+            family: target.topic.as_str(),
             publisher_id: target.publisher_id.0.to_string(),
             namespace: target.namespace.to_string(),
             component: target.component.clone(),
@@ -147,11 +155,22 @@ async fn run_subscription(args: SubscriptionArgs) {
         std::future::pending::<()>().await;
         return;
     }
-    let config = ZmtpConnConfig::kv_metrics(
-        target.publisher_id,
-        target.endpoint.clone(),
-        policy.allow_cidrs.clone(),
-    );
+    let config = if kv_events {
+        ZmtpConnConfig {
+            publisher_id: target.publisher_id,
+            endpoint: target.endpoint.clone(),
+            topic: b"kv-events".to_vec(),
+            limits: ZmtpLimits::KV_EVENTS,
+            allow_cidrs: policy.allow_cidrs.clone(),
+            connect_timeout: CONNECT_TIMEOUT,
+        }
+    } else {
+        ZmtpConnConfig::kv_metrics(
+            target.publisher_id,
+            target.endpoint.clone(),
+            policy.allow_cidrs.clone(),
+        )
+    };
     let mut backoff = Backoff::new(BackoffPolicy::SUBSCRIPTION);
     let mut stream = LoadStream::new(target.publisher_id);
     let mut jitter = Jitter::seeded(target.publisher_id.0);
@@ -163,6 +182,19 @@ async fn run_subscription(args: SubscriptionArgs) {
         let session = tokio::spawn(async move { run_session(&cfg, &tx).await });
         while let Some(event) = rx.recv().await {
             match event {
+                ConnEvent::Connected { .. } if kv_events => {
+                    // kv-events gaps are caught by the index's per-rank event_id cursors.
+                    reporter.report(SubscriptionState::Connected);
+                }
+                ConnEvent::Delivery(delivery) if kv_events => {
+                    match decode_delivery(
+                        &delivery,
+                        StreamExpectation::kv_events(target.publisher_id),
+                    ) {
+                        Ok(envelope) => kv.apply_payload(envelope.payload),
+                        Err(error) => kv.count_envelope(error.result()),
+                    }
+                }
                 ConnEvent::Connected { .. } => {
                     reporter.report(SubscriptionState::Connected);
                     let dropped = store.with(|s| stream.on_connected(s));
@@ -209,7 +241,11 @@ async fn run_subscription(args: SubscriptionArgs) {
             Ok(Ok(())) => "closed".to_string(),
             Ok(Err(error)) => {
                 if let (Some(metrics), Some(result)) = (&metrics, error.counted_result()) {
-                    metrics.load_event(result);
+                    if kv_events {
+                        kv.count_envelope(result);
+                    } else {
+                        metrics.load_event(result);
+                    }
                 }
                 error.to_string()
             }
@@ -261,6 +297,7 @@ pub struct FollowerArgs {
     pub supervisor: ActorRef<SupervisorMsg>,
     pub registry: DynamoRegistry,
     pub store: DynamoLoadStore,
+    pub kv: DynamoKvIndex,
     pub policy: DialPolicySource,
     pub metrics: Option<Metrics>,
 }
@@ -361,8 +398,17 @@ impl FollowerState {
             metrics.retain_workers(|key| snapshot.worker(key).is_some());
         }
         self.args.store.notify();
-        let (wanted, left_out) =
+        if self.policy.kv_events {
+            self.args.kv.set_live(&snapshot);
+        }
+        let (mut wanted, mut left_out) =
             subscriptions::plan(&snapshot, EventTopic::KvMetrics, MAX_SUBSCRIPTIONS);
+        if self.policy.kv_events {
+            let (kv, kv_left_out) =
+                subscriptions::plan(&snapshot, EventTopic::KvEvents, MAX_SUBSCRIPTIONS);
+            wanted.extend(kv);
+            left_out += kv_left_out;
+        }
         if left_out > 0 && !self.warned_cap {
             self.warned_cap = true;
             warn!(
@@ -419,6 +465,7 @@ impl FollowerState {
     fn spec(&self, name: &str, target: SubscriptionTarget) -> ChildSpec {
         let policy = self.policy.clone();
         let store = self.args.store.clone();
+        let kv = self.args.kv.clone();
         let metrics = self.args.metrics.clone();
         let name = name.to_string();
         ChildSpec::new(
@@ -430,6 +477,7 @@ impl FollowerState {
                     target: target.clone(),
                     policy: policy.clone(),
                     store: store.clone(),
+                    kv: kv.clone(),
                     metrics: metrics.clone(),
                     span: ctx.span.span().clone(),
                 };
@@ -447,6 +495,7 @@ impl FollowerState {
 pub fn follower_spec(
     registry: DynamoRegistry,
     store: DynamoLoadStore,
+    kv: DynamoKvIndex,
     policy: DialPolicySource,
 ) -> ChildSpec {
     ChildSpec::new(
@@ -457,6 +506,7 @@ pub fn follower_spec(
                 supervisor: ActorRef::from(ctx.supervisor.clone()),
                 registry: registry.clone(),
                 store: store.clone(),
+                kv: kv.clone(),
                 policy: policy.clone(),
                 metrics: ctx.metrics.clone(),
             };
