@@ -6,7 +6,6 @@
 //! registry generation), load from the shared store through a `LoadView` adapter, and the pick
 //! from the pluggable `DynamoWorkerPicker` (`picker()` / `set_picker()`).
 
-use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
@@ -15,6 +14,7 @@ use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::metrics::{Metrics, RoutingPath};
 use continuum_actors::registry::DynamoRegistry;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
+use continuum_protocol::load_store::LoadStore;
 use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
 use continuum_protocol::picker::ledger::DispatchId;
@@ -81,16 +81,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The load store as the picker reads it: fresh while younger than `max_staleness`.
+/// Borrows the store under the one lock a decision takes: no per-rank locking or cloning.
 struct StoreView<'a> {
-    load: &'a DynamoLoadStore,
+    store: &'a LoadStore,
     now: Tick,
     max_age: std::time::Duration,
 }
 
 impl LoadView for StoreView<'_> {
     fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
-        let sample = self.load.latest(worker.instance_id, rank);
-        sample_state(sample.as_ref(), self.now, self.max_age)
+        let sample = self.store.latest(worker.instance_id, rank);
+        sample_state(sample, self.now, self.max_age)
     }
 }
 
@@ -184,11 +185,6 @@ impl ShimRouter {
             return None;
         }
         let now = now_tick();
-        let view = StoreView {
-            load: &self.load,
-            now,
-            max_age: config.dynamo.load.max_staleness.get(),
-        };
         let request = PickRequest {
             model,
             eligible_namespaces: &eligible,
@@ -196,20 +192,24 @@ impl ShimRouter {
             load_signals: self.registry.snapshot().signals().load,
         };
         let picker = self.picker();
-        let outcome = {
+        let max_age = config.dynamo.load.max_staleness.get();
+        // One load-store lock for the whole decision (order: load store, then picker state).
+        let outcome = self.load.with(|store| {
             let mut state = lock(&self.state);
             // Samples that arrived since earlier dispatches answer them.
-            let mut seen = BTreeSet::new();
             for c in candidates {
-                if seen.insert((c.worker.clone(), c.rank()))
-                    && let Some(sample) = self.load.latest(c.worker.instance_id, c.rank())
-                {
+                if let Some(sample) = store.latest(c.worker.instance_id, c.rank()) {
                     state.ledger.sample_arrived(&c.worker, sample.received_at);
                 }
             }
             state.ledger.expire(now);
+            let view = StoreView {
+                store,
+                now,
+                max_age,
+            };
             picker.pick(&request, candidates, &view, &mut state, now)
-        };
+        });
         let pick = match outcome {
             PickOutcome::Picked(pick) => pick,
             PickOutcome::NoCandidates(why) => {
