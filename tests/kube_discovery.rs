@@ -35,18 +35,37 @@ async fn wait_for(registry: &DynamoRegistry, what: &str, done: impl Fn(&DynamoSn
     .unwrap_or_else(|_| panic!("{what} in time"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn metadata_source_feeds_the_registry_through_the_shared_reducer() {
-    let fake = FakeKube::start().await;
-    fake.apply(Kind::Metadata, example_metadata());
-    fake.apply(
-        Kind::EndpointSlices,
-        endpoint_slice("backend-abc", &[("worker-0", EXAMPLE_POD_UID, true)]),
-    );
-    let namespace = Namespace::new("dynamo");
+fn backoff() -> BackoffPolicy {
+    BackoffPolicy {
+        initial: Duration::from_millis(10),
+        max: Duration::from_millis(100),
+        jitter: Jitter::None,
+    }
+}
+
+fn kube(fake: &FakeKube, namespace: &str) -> KubeSourceConfig {
+    KubeSourceConfig {
+        connect: KubeConnect::Url(fake.url()),
+        namespace: namespace.into(),
+        backoff: backoff(),
+        timing: WatchTiming::default(),
+    }
+}
+
+/// A registry actor and one discovery actor over `source`, wired as the daemon wires them.
+async fn spawn_discovery(
+    kind: SourceKind,
+    source: SourceSpec,
+    on_first_pass: Arc<dyn Fn(&Namespace) + Send + Sync>,
+) -> (
+    DynamoRegistry,
+    ractor::ActorRef<continuum_actors::registry::RegistryMsg>,
+    ractor::ActorRef<continuum_actors::discovery::DiscoveryMsg>,
+) {
+    let namespace = source.namespace().clone();
     let registry = DynamoRegistry::new(RegistryConfig {
         enabled: true,
-        source: SourceKind::Kubernetes,
+        source: kind,
         namespaces: vec![namespace.clone()],
     });
     let mailbox = RegistryMailbox::default();
@@ -61,20 +80,11 @@ async fn metadata_source_feeds_the_registry_through_the_shared_reducer() {
     .await
     .expect("registry");
     mailbox.set(registry_actor.clone());
-    let (first_pass, mut passed) = tokio::sync::mpsc::unbounded_channel();
-    let source = SourceSpec::KubeMetadata {
-        kube: KubeSourceConfig {
-            connect: KubeConnect::Url(fake.url()),
-            namespace: "llm-prod".into(),
-            backoff: BackoffPolicy {
-                initial: Duration::from_millis(10),
-                max: Duration::from_millis(100),
-                jitter: Jitter::None,
-            },
-            timing: WatchTiming::default(),
-        },
-        namespace: namespace.clone(),
-    };
+    let span = ActorSpan::start(
+        &format!("{}:{namespace}", kind.as_str()),
+        ActorKind::Discovery,
+        None,
+    );
     let (discovery, _) = Actor::spawn(
         None,
         DiscoveryActor,
@@ -83,14 +93,37 @@ async fn metadata_source_feeds_the_registry_through_the_shared_reducer() {
             registry_actor: mailbox,
             registry: registry.clone(),
             metrics: None,
-            on_first_pass: Arc::new(move |ns: &Namespace| {
-                let _ = first_pass.send(ns.clone());
-            }),
-            span: ActorSpan::start("kubernetes:dynamo", ActorKind::Discovery, None),
+            on_first_pass,
+            span,
         },
     )
     .await
     .expect("discovery");
+    (registry, registry_actor, discovery)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_source_feeds_the_registry_through_the_shared_reducer() {
+    let fake = FakeKube::start().await;
+    fake.apply(Kind::Metadata, example_metadata());
+    fake.apply(
+        Kind::EndpointSlices,
+        endpoint_slice("backend-abc", &[("worker-0", EXAMPLE_POD_UID, true)]),
+    );
+    let namespace = Namespace::new("dynamo");
+    let (first_pass, mut passed) = tokio::sync::mpsc::unbounded_channel();
+    let source = SourceSpec::KubeMetadata {
+        kube: kube(&fake, "llm-prod"),
+        namespace: namespace.clone(),
+    };
+    let (registry, registry_actor, discovery) = spawn_discovery(
+        SourceKind::Kubernetes,
+        source,
+        Arc::new(move |ns: &Namespace| {
+            let _ = first_pass.send(ns.clone());
+        }),
+    )
+    .await;
 
     wait_for(&registry, "worker-0 published", |s| s.workers().len() == 1).await;
     assert_eq!(
@@ -130,54 +163,20 @@ async fn pod_source_publishes_ready_pods_without_signals() {
     fake.apply(Kind::Pods, worker_pod("worker-0", "dyn", true));
     fake.apply(Kind::Pods, worker_pod("worker-1", "dyn", false));
     let namespace = Namespace::new("dyn");
-    let registry = DynamoRegistry::new(RegistryConfig {
-        enabled: true,
-        source: SourceKind::KubernetesPods,
-        namespaces: vec![namespace.clone()],
-    });
-    let mailbox = RegistryMailbox::default();
-    let (registry_actor, _) = Actor::spawn(
-        None,
-        RegistryActor,
-        RegistryArgs {
-            registry: registry.clone(),
-            metrics: None,
-        },
-    )
-    .await
-    .expect("registry");
-    mailbox.set(registry_actor.clone());
     let source = SourceSpec::KubePods {
-        kube: KubeSourceConfig {
-            connect: KubeConnect::Url(fake.url()),
-            namespace: "dynamo".into(),
-            backoff: BackoffPolicy {
-                initial: Duration::from_millis(10),
-                max: Duration::from_millis(100),
-                jitter: Jitter::None,
-            },
-            timing: WatchTiming::default(),
-        },
+        kube: kube(&fake, "dynamo"),
         pods: PodSourceConfig {
             namespaces: vec![namespace.clone()],
             models: ModelMapping::Single("solar".into()),
         },
         namespace: namespace.clone(),
     };
-    let (discovery, _) = Actor::spawn(
-        None,
-        DiscoveryActor,
-        DiscoveryArgs {
-            source,
-            registry_actor: mailbox,
-            registry: registry.clone(),
-            metrics: None,
-            on_first_pass: Arc::new(|_: &Namespace| {}),
-            span: ActorSpan::start("kubernetes_pods:dyn", ActorKind::Discovery, None),
-        },
+    let (registry, registry_actor, discovery) = spawn_discovery(
+        SourceKind::KubernetesPods,
+        source,
+        Arc::new(|_: &Namespace| {}),
     )
-    .await
-    .expect("discovery");
+    .await;
 
     wait_for(&registry, "the ready Pod", |s| s.workers().len() == 1).await;
     let snapshot = registry.snapshot();
