@@ -134,7 +134,15 @@ impl ShimRouter {
         let mut cached = lock(&self.index);
         if cached.0 != generation {
             let snapshot = self.registry.snapshot();
-            *cached = (generation, Arc::new(CandidateIndex::build(&snapshot)));
+            let index = CandidateIndex::build(&snapshot);
+            if index.refused_workers > 0 {
+                tracing::warn!(
+                    workers = index.refused_workers,
+                    generation,
+                    "Workers whose cards declare an impossible dp rank range are never picked."
+                );
+            }
+            *cached = (generation, Arc::new(index));
         }
         cached.1.clone()
     }
