@@ -11,6 +11,7 @@
 //! | [`estimate`] | the tokenizer-free prompt-size heuristic |
 //! | [`ledger`] | unanswered dispatches: backlog until a sample answers, stalled ranks |
 //! | [`load_based`] | the default [`LoadBasedPicker`] (Dynamo's load-only cost formulas) |
+//! | [`kv_aware`] | the [`KvAwarePicker`] (upstream's KV cost formula over index overlaps) |
 //!
 //! The picker works on its own small input types ([`Candidate`], [`SampleState`]); adapters from
 //! the discovery snapshot and the load store live with the caller.
@@ -23,6 +24,7 @@ use crate::time::Tick;
 
 pub mod candidates;
 pub mod estimate;
+pub mod kv_aware;
 pub mod ledger;
 pub mod load_based;
 
@@ -33,6 +35,10 @@ pub use estimate::{estimate_prompt_tokens, estimate_text_tokens};
 pub use ledger::{
     DISPATCH_MAX_AGE, DispatchId, DispatchLedger, DispatchLeg, MAX_LEDGER_DISPATCHES, RankBacklog,
     STALL_AFTER, STALL_MIN_BLOCKS,
+};
+pub use kv_aware::{
+    BlockOverlaps, ConditionalDisaggregation, KvAwarePicker, KvPickInput, KvPickOutcome,
+    KvPickParams, KvSelectionResult, KvUnavailable,
 };
 pub use load_based::LoadBasedPicker;
 
@@ -100,9 +106,9 @@ pub enum SelectionReason {
     /// No prefill worker was chosen: the decode winner is aggregated, or its namespace has no
     /// prefill worker for the model.
     NoPrefillPool,
-    /// Reserved for the KV-aware picker.
+    /// The KV-aware picker's formula (or overlap and size) chose the rank.
     KvAware,
-    /// Reserved for the KV-aware picker's conditional disaggregation bypass.
+    /// Conditional disaggregation: the decode worker prefills locally (role `prefill`).
     ConditionalBypass,
 }
 
@@ -366,6 +372,24 @@ pub trait DynamoWorkerPicker: Send + Sync {
         state: &mut PickerState,
         now: Tick,
     ) -> PickOutcome;
+
+    /// A pick that may use the request's KV input (`Err` says why there is none). Pickers that
+    /// ignore KV keep this default: their plain pick, with no KV result.
+    fn pick_kv(
+        &self,
+        req: &PickRequest<'_>,
+        kv: Result<&KvPickInput<'_>, KvUnavailable>,
+        candidates: &[Candidate],
+        load: &dyn LoadView,
+        state: &mut PickerState,
+        now: Tick,
+    ) -> KvPickOutcome {
+        let _ = kv;
+        KvPickOutcome {
+            outcome: self.pick(req, candidates, load, state, now),
+            kv: None,
+        }
+    }
 }
 
 /// Everything a picker mutates: per-(model, phase) round-robin cursors, the dispatch ledger, and

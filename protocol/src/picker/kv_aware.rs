@@ -1,0 +1,736 @@
+//! The `KvAwarePicker`: upstream's KV cost formula (seed "The formula", dynamo-wire §12) over the
+//! router's load store and the overlaps the caller read from the KV index.
+//!
+//! Which phase the formula scores:
+//! * **Pair fleets** (some eligible namespace serves the model with prefill and decode workers):
+//!   decode is chosen by the load-only rule ([`load_based::score`] / [`load_based::select`]), then
+//!   prefill within the winner's namespace by the formula. With conditional disaggregation, decode
+//!   is scored by the formula's `max(0, decode_cost_blocks - overlap_credit_blocks)` instead, and
+//!   the decode winner may prefill locally (a *bypass*, see [`KvAwarePicker::bypasses`]).
+//! * **Aggregated fleets** (no prefill/decode pair): the decode candidates prefill their own
+//!   requests, so the formula scores them; their decode blocks (`kv_used_blocks` on dynamo.vllm)
+//!   are the backlog, plus `active_prefill_tokens` when a sample carries it.
+//!
+//! Freshness, per formula-scored phase: when some rank has a fresh sample carrying the phase's
+//! backlog, those ranks and the quiet ranks (never sampled, or last sample all zero) compete on the
+//! full formula, and the rest sit out; stalled ranks compete only when no other rank can. When
+//! none has, every rank competes on overlap and size (`isl / bs - credit * overlap`), and the
+//! cursor rotates only among equal minima (`round_robin_stale`, or `round_robin` without load
+//! signals). Temperature 0 takes the lowest cost with the per-(model, phase) cursor breaking ties;
+//! above 0 the caller's unit samples [`softmax_sample_index`]. A rank whose card lacks a valid
+//! block size has no formula cost; when no rank has one, the phase falls back to the load-only
+//! rule.
+//!
+//! Namespaces follow the load-based picker's rules exactly: pairs never cross namespaces, a
+//! prefill rank is chosen only beside a decode winner of its namespace, aggregated workers beside
+//! a prefill/decode pool sit out, and an aggregated winner gets no prefill (`no_prefill_pool`).
+//! Without a KV input (no tokenizer, prompt too large, render failed, artifact unpinned) the whole
+//! pick is the load-based one and the outcome reports why.
+
+use super::ledger::{DispatchLeg, NamespaceBacklog};
+use super::load_based::{self, LoadBasedPicker, RequestSize, Scored};
+use super::{
+    Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickOutcome,
+    PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
+};
+use crate::ids::{DpRank, InstanceId};
+use crate::kv::cost::{
+    CandidateLoad, CostParams, argmin_with_cursor, candidate_cost, overlap_only_cost,
+    softmax_sample_index,
+};
+use crate::kv::hashing::BlockSize;
+use crate::kv::index::RankOverlap;
+use crate::time::Tick;
+
+#[cfg(test)]
+mod tests;
+
+/// `dynamo.kv.conditional_disaggregation`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ConditionalDisaggregation {
+    pub enabled: bool,
+    /// Fraction of `total_kv_blocks` (0..=1) the decode winner's projected decode blocks may
+    /// reach and still prefill locally; `None` adds no load condition.
+    pub decode_busy_threshold: Option<f64>,
+}
+
+/// The `dynamo.kv` tunables the picker reads (upstream defaults: credit 1, scale 1, temperature 0).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvPickParams {
+    pub overlap_score_credit: f64,
+    pub prefill_load_scale: f64,
+    /// 0 = lowest cost (cursor on ties); above 0 = softmax sampling with the input's unit.
+    pub router_temperature: f64,
+    pub conditional_disaggregation: ConditionalDisaggregation,
+}
+
+impl Default for KvPickParams {
+    fn default() -> Self {
+        Self {
+            overlap_score_credit: 1.0,
+            prefill_load_scale: 1.0,
+            router_temperature: 0.0,
+            conditional_disaggregation: ConditionalDisaggregation::default(),
+        }
+    }
+}
+
+impl KvPickParams {
+    fn cost(&self) -> CostParams {
+        CostParams {
+            overlap_score_credit: self.overlap_score_credit,
+            prefill_load_scale: self.prefill_load_scale,
+        }
+    }
+}
+
+/// The overlaps of one block size: `KvIndex::find_matches` over the request's hashes for it
+/// (sorted by `(worker, dp_rank)`, ranks without overlap omitted).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockOverlaps {
+    pub block_size: BlockSize,
+    pub ranks: Vec<RankOverlap>,
+}
+
+impl BlockOverlaps {
+    /// Blocks `(worker, rank)` holds; 0 when it is not listed.
+    pub fn of(&self, worker: InstanceId, rank: DpRank) -> u64 {
+        match self
+            .ranks
+            .binary_search_by(|o| (o.worker, o.dp_rank).cmp(&(worker, rank)))
+        {
+            Ok(pos) => u64::from(self.ranks[pos].blocks),
+            // Tolerate an unsorted list from a caller: fall back to a scan.
+            Err(_) => self
+                .ranks
+                .iter()
+                .find(|o| o.worker == worker && o.dp_rank == rank)
+                .map_or(0, |o| u64::from(o.blocks)),
+        }
+    }
+}
+
+/// One request's KV input, computed by the caller from the rendered prompt and the KV index.
+#[derive(Clone, Copy, Debug)]
+pub struct KvPickInput<'a> {
+    /// Prompt length in tokens (the rendered token count).
+    pub isl: u64,
+    /// Overlaps per block size the model's workers declare.
+    pub overlaps: &'a [BlockOverlaps],
+    /// A caller-drawn value in `[0, 1)` for softmax sampling (unused at temperature 0).
+    pub unit: f64,
+}
+
+impl KvPickInput<'_> {
+    fn overlap(&self, block_size: BlockSize, worker: InstanceId, rank: DpRank) -> u64 {
+        self.overlaps
+            .iter()
+            .find(|o| o.block_size == block_size)
+            .map_or(0, |o| o.of(worker, rank))
+    }
+}
+
+/// Why a request has no KV input: the pick falls back to load-based selection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvUnavailable {
+    /// No tokenizer loaded, or the model's workers disagree on one.
+    TokenizerUnavailable,
+    /// The rendered prompt exceeded the text or token cap.
+    PromptTooLarge,
+    /// The template failed, ran out of fuel, or missed its deadline.
+    RenderUnavailable,
+    /// The model's tokenizer or template is not in `kv.pinned_artifacts`.
+    ArtifactUnpinned,
+}
+
+/// The closed `result` label of `continuum_dynamo_kv_selection_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvSelectionResult {
+    /// The rank that prefills holds at least one block of the prompt.
+    Overlap,
+    NoOverlap,
+    TokenizerUnavailable,
+    PromptTooLarge,
+    RenderUnavailable,
+    ArtifactUnpinned,
+    /// Conditional disaggregation: the decode winner prefills locally.
+    Bypass,
+}
+
+impl KvSelectionResult {
+    pub const ALL: [KvSelectionResult; 7] = [
+        KvSelectionResult::Overlap,
+        KvSelectionResult::NoOverlap,
+        KvSelectionResult::TokenizerUnavailable,
+        KvSelectionResult::PromptTooLarge,
+        KvSelectionResult::RenderUnavailable,
+        KvSelectionResult::ArtifactUnpinned,
+        KvSelectionResult::Bypass,
+    ];
+
+    pub fn as_label(self) -> &'static str {
+        match self {
+            KvSelectionResult::Overlap => "overlap",
+            KvSelectionResult::NoOverlap => "no_overlap",
+            KvSelectionResult::TokenizerUnavailable => "tokenizer_unavailable",
+            KvSelectionResult::PromptTooLarge => "prompt_too_large",
+            KvSelectionResult::RenderUnavailable => "render_unavailable",
+            KvSelectionResult::ArtifactUnpinned => "artifact_unpinned",
+            KvSelectionResult::Bypass => "bypass",
+        }
+    }
+}
+
+impl From<KvUnavailable> for KvSelectionResult {
+    fn from(why: KvUnavailable) -> Self {
+        match why {
+            KvUnavailable::TokenizerUnavailable => KvSelectionResult::TokenizerUnavailable,
+            KvUnavailable::PromptTooLarge => KvSelectionResult::PromptTooLarge,
+            KvUnavailable::RenderUnavailable => KvSelectionResult::RenderUnavailable,
+            KvUnavailable::ArtifactUnpinned => KvSelectionResult::ArtifactUnpinned,
+        }
+    }
+}
+
+/// A pick plus what KV-aware selection made of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvPickOutcome {
+    pub outcome: PickOutcome,
+    /// `None` for pickers that do not look at KV input, and when nothing was picked.
+    pub kv: Option<KvSelectionResult>,
+}
+
+impl KvPickOutcome {
+    /// Conditional disaggregation chose local prefill: send only the worker pin, on the unified
+    /// routing path.
+    pub fn is_bypass(&self) -> bool {
+        self.kv == Some(KvSelectionResult::Bypass)
+    }
+}
+
+/// The KV-aware picker. Holds only its parameters; everything it mutates lives in
+/// [`PickerState`], and its randomness is the input's `unit`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KvAwarePicker {
+    params: KvPickParams,
+}
+
+/// Which backlog a formula-scored phase reads and which cost it takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scoring {
+    /// Prefill workers: `active_prefill_tokens` is the backlog.
+    Prefill,
+    /// Aggregated fleets: decode blocks are the backlog, prefill tokens added when present.
+    Aggregated,
+    /// Conditional disaggregation's decode score.
+    ConditionalDecode,
+}
+
+impl Scoring {
+    fn phase(self) -> Phase {
+        match self {
+            Scoring::Prefill => Phase::Prefill,
+            Scoring::Aggregated | Scoring::ConditionalDecode => Phase::Decode,
+        }
+    }
+}
+
+/// One rank as a formula-scored phase sees it.
+#[derive(Clone, Copy, Debug)]
+struct KvRank {
+    block_size: Option<BlockSize>,
+    overlap: u64,
+    /// `(prefill tokens, decode blocks)` when the rank may compete on the full formula.
+    load: Option<(u64, u64)>,
+    fresh_field: bool,
+    stalled: bool,
+}
+
+/// A candidate serving the model in an eligible namespace.
+#[derive(Clone, Copy, Debug)]
+struct Matched {
+    index: usize,
+    namespace: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Roles {
+    prefill: bool,
+    decode: bool,
+}
+
+/// Read-only inputs shared by the phases of one pick.
+struct Ctx<'r, 'a> {
+    req: &'r PickRequest<'a>,
+    kv: &'r KvPickInput<'r>,
+    candidates: &'r [Candidate],
+    load: &'r dyn LoadView,
+    ledgers: Vec<Option<NamespaceBacklog<'r>>>,
+    now: Tick,
+}
+
+impl Ctx<'_, '_> {
+    fn sample(&self, c: &Candidate) -> SampleState {
+        if self.req.load_signals {
+            self.load.sample(&c.worker, c.rank())
+        } else {
+            SampleState::Never
+        }
+    }
+
+    fn ledger(&self, ns: usize) -> Option<NamespaceBacklog<'_>> {
+        self.ledgers.get(ns).copied().flatten()
+    }
+
+    fn overlap_of(&self, c: &Candidate) -> u64 {
+        block_size_of(c).map_or(0, |bs| self.kv.overlap(bs, c.worker.instance_id, c.rank()))
+    }
+}
+
+fn block_size_of(c: &Candidate) -> Option<BlockSize> {
+    c.block_size.and_then(|b| BlockSize::new(b).ok())
+}
+
+impl KvAwarePicker {
+    pub fn new(params: KvPickParams) -> Self {
+        Self { params }
+    }
+
+    pub fn params(&self) -> KvPickParams {
+        self.params
+    }
+
+    /// Reads one rank for a formula-scored phase: its overlap and, when it may compete on the
+    /// full formula, its backlog (sample plus the ledger's unanswered dispatches).
+    fn rank(&self, ctx: &Ctx<'_, '_>, m: Matched, scoring: Scoring) -> KvRank {
+        let c = &ctx.candidates[m.index];
+        let sample = ctx.sample(c);
+        let backlog = ctx
+            .ledger(m.namespace)
+            .map(|l| l.backlog(c.worker.instance_id, c.rank(), ctx.now))
+            .unwrap_or_default();
+        let fresh_field = sample.fresh_backlog(scoring.phase()).is_some();
+        let base = match sample {
+            SampleState::Fresh {
+                active_decode_blocks,
+                active_prefill_tokens,
+                kv_used_blocks,
+            } => {
+                let decode = active_decode_blocks.or(kv_used_blocks);
+                match scoring {
+                    Scoring::Prefill => active_prefill_tokens.map(|p| (p, decode.unwrap_or(0))),
+                    Scoring::Aggregated | Scoring::ConditionalDecode => {
+                        decode.map(|d| (active_prefill_tokens.unwrap_or(0), d))
+                    }
+                }
+            }
+            // Quiet: never sampled, or the last sample reported nothing.
+            SampleState::Never
+            | SampleState::Stale {
+                last_had_backlog: false,
+            } => Some((0, 0)),
+            SampleState::Stale {
+                last_had_backlog: true,
+            } => None,
+        };
+        KvRank {
+            block_size: block_size_of(c),
+            overlap: ctx.overlap_of(c),
+            load: base.map(|(p, d)| {
+                (
+                    p.saturating_add(backlog.prefill_tokens),
+                    d.saturating_add(backlog.decode_blocks),
+                )
+            }),
+            fresh_field,
+            stalled: backlog.stalled,
+        }
+    }
+
+    /// Chooses among `ranks` with the formula; `None` when no rank can be scored (no valid block
+    /// size anywhere), and the caller falls back to the load-only rule.
+    fn select_kv(
+        &self,
+        ctx: &Ctx<'_, '_>,
+        ranks: &[KvRank],
+        scoring: Scoring,
+        cursor: u64,
+    ) -> Option<(usize, SelectionReason)> {
+        let isl = ctx.kv.isl;
+        let any_fresh = ctx.req.load_signals && ranks.iter().any(|r| r.fresh_field);
+        let mut positions: Vec<usize> = Vec::with_capacity(ranks.len());
+        let mut costs: Vec<f64> = Vec::with_capacity(ranks.len());
+        if any_fresh {
+            let competes = |r: &KvRank| r.block_size.is_some() && r.load.is_some();
+            let any_free = ranks.iter().any(|r| competes(r) && !r.stalled);
+            for (pos, r) in ranks.iter().enumerate() {
+                let (Some(bs), Some((prefill, decode))) = (r.block_size, r.load) else {
+                    continue;
+                };
+                if any_free && r.stalled {
+                    continue;
+                }
+                let load = CandidateLoad {
+                    overlap_blocks: r.overlap,
+                    active_prefill_tokens: prefill,
+                    active_decode_blocks: decode,
+                };
+                let breakdown = candidate_cost(isl, bs, load, self.params.cost());
+                positions.push(pos);
+                costs.push(match scoring {
+                    Scoring::ConditionalDecode => breakdown.conditional_decode_cost(),
+                    Scoring::Prefill | Scoring::Aggregated => breakdown.cost,
+                });
+            }
+        } else {
+            for (pos, r) in ranks.iter().enumerate() {
+                let Some(bs) = r.block_size else { continue };
+                positions.push(pos);
+                costs.push(overlap_only_cost(
+                    isl,
+                    bs,
+                    r.overlap,
+                    self.params.overlap_score_credit,
+                ));
+            }
+        }
+        if costs.is_empty() {
+            return None;
+        }
+        let temperature = self.params.router_temperature;
+        let chosen = if temperature > 0.0 {
+            softmax_sample_index(&costs, temperature, ctx.kv.unit)?
+        } else {
+            argmin_with_cursor(&costs, cursor)?
+        };
+        let reason = if any_fresh || temperature > 0.0 {
+            SelectionReason::KvAware
+        } else {
+            // Overlap and size decided unless the minimum was shared: then the cursor did.
+            let min = costs[chosen];
+            let ties = costs.iter().filter(|c| **c == min).count();
+            match (ties > 1, ctx.req.load_signals) {
+                (false, _) => SelectionReason::KvAware,
+                (true, true) => SelectionReason::RoundRobinStale,
+                (true, false) => SelectionReason::RoundRobin,
+            }
+        };
+        Some((positions[chosen], reason))
+    }
+
+    /// The load-only rule for one phase over `members`.
+    fn select_load(
+        ctx: &Ctx<'_, '_>,
+        members: &[Matched],
+        phase: Phase,
+        cursor: u64,
+    ) -> Option<(usize, SelectionReason)> {
+        let mut size = RequestSize::new(ctx.kv.isl);
+        let scored: Vec<Scored> = members
+            .iter()
+            .map(|m| {
+                let c = &ctx.candidates[m.index];
+                if !ctx.req.load_signals {
+                    return Scored {
+                        cost: None,
+                        fresh_field: false,
+                        stalled: false,
+                    };
+                }
+                load_based::score(
+                    phase,
+                    c,
+                    ctx.sample(c),
+                    ctx.ledger(m.namespace),
+                    &mut size,
+                    ctx.now,
+                )
+            })
+            .collect();
+        load_based::select(&scored, ctx.req.load_signals, cursor)
+    }
+
+    /// One phase: the formula when it can score anyone, else the load-only rule.
+    fn choose(
+        &self,
+        ctx: &Ctx<'_, '_>,
+        members: &[Matched],
+        scoring: Option<Scoring>,
+        phase: Phase,
+        cursor: u64,
+    ) -> Option<(Matched, SelectionReason)> {
+        if let Some(scoring) = scoring {
+            let ranks: Vec<KvRank> = members
+                .iter()
+                .map(|m| self.rank(ctx, *m, scoring))
+                .collect();
+            if let Some((pos, reason)) = self.select_kv(ctx, &ranks, scoring, cursor) {
+                return Some((members[pos], reason));
+            }
+        }
+        let (pos, reason) = Self::select_load(ctx, members, phase, cursor)?;
+        members.get(pos).map(|m| (*m, reason))
+    }
+
+    /// Conditional disaggregation's per-request decision for a decode winner `decode` whose
+    /// namespace has a prefill pool, against the prefill rank the formula would otherwise pair it
+    /// with. The decode worker prefills locally when it already holds some of the prompt and at
+    /// least as much as that prefill rank (a remote prefill would recompute or re-send blocks it
+    /// has), and, with `decode_busy_threshold`, its projected decode blocks stay at or below the
+    /// threshold's share of `total_kv_blocks`. A missing fresh sample or capacity vetoes.
+    pub fn bypasses(
+        &self,
+        decode: &Candidate,
+        decode_overlap: u64,
+        prefill_overlap: u64,
+        sample: SampleState,
+        ledger_decode_blocks: u64,
+        isl: u64,
+    ) -> bool {
+        let conditional = self.params.conditional_disaggregation;
+        if !conditional.enabled || decode_overlap == 0 || decode_overlap < prefill_overlap {
+            return false;
+        }
+        let Some(threshold) = conditional.decode_busy_threshold else {
+            return true;
+        };
+        let (Some(active), Some(total), Some(bs)) = (
+            sample.fresh_backlog(Phase::Decode),
+            decode.total_kv_blocks.filter(|&t| t > 0),
+            block_size_of(decode),
+        ) else {
+            return false;
+        };
+        let request_blocks = isl.div_ceil(u64::from(bs.get()));
+        let projected = active
+            .saturating_add(ledger_decode_blocks)
+            .saturating_add(request_blocks.saturating_sub(decode_overlap));
+        projected as f64 <= threshold * total as f64
+    }
+
+    /// The pick with a KV input (or the reason there is none).
+    pub fn pick_with(
+        &self,
+        req: &PickRequest<'_>,
+        kv: Result<&KvPickInput<'_>, KvUnavailable>,
+        candidates: &[Candidate],
+        load: &dyn LoadView,
+        state: &mut PickerState,
+        now: Tick,
+    ) -> KvPickOutcome {
+        let kv = match kv {
+            Ok(kv) => kv,
+            Err(why) => {
+                let outcome = LoadBasedPicker.pick(req, candidates, load, state, now);
+                let kv = matches!(outcome, PickOutcome::Picked(_)).then(|| why.into());
+                return KvPickOutcome { outcome, kv };
+            }
+        };
+        let PickerState {
+            ledger, cursors, ..
+        } = state;
+        ledger.expire(now);
+        let namespaces = req.eligible_namespaces;
+
+        let mut matched: Vec<Matched> = Vec::new();
+        let mut roles = vec![Roles::default(); namespaces.len()];
+        for (index, c) in candidates.iter().enumerate() {
+            if &*c.model != req.model {
+                continue;
+            }
+            let Some(namespace) = namespaces.iter().position(|n| *n == c.worker.namespace) else {
+                continue;
+            };
+            match c.role {
+                CandidateRole::Prefill => roles[namespace].prefill = true,
+                CandidateRole::Decode => roles[namespace].decode = true,
+                CandidateRole::Aggregated => {}
+            }
+            matched.push(Matched { index, namespace });
+        }
+        if matched.is_empty() {
+            return KvPickOutcome {
+                outcome: PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel),
+                kv: None,
+            };
+        }
+        let paired = |ns: usize| roles[ns].prefill && roles[ns].decode;
+        // Decode candidates: decode workers, and aggregated workers outside prefill/decode pools.
+        let decode_pool: Vec<Matched> = matched
+            .iter()
+            .copied()
+            .filter(|m| match candidates[m.index].role {
+                CandidateRole::Prefill => false,
+                CandidateRole::Decode => true,
+                CandidateRole::Aggregated => !paired(m.namespace),
+            })
+            .collect();
+        if decode_pool.is_empty() {
+            return KvPickOutcome {
+                outcome: PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker),
+                kv: None,
+            };
+        }
+        let pair_fleet = decode_pool.iter().any(|m| paired(m.namespace));
+        let conditional = pair_fleet && self.params.conditional_disaggregation.enabled;
+
+        let ctx = Ctx {
+            req,
+            kv,
+            candidates,
+            load,
+            ledgers: if req.load_signals && !ledger.is_empty() {
+                namespaces.iter().map(|n| ledger.namespace(n)).collect()
+            } else {
+                Vec::new()
+            },
+            now,
+        };
+        let decode_scoring = if !pair_fleet {
+            Some(Scoring::Aggregated)
+        } else if conditional {
+            Some(Scoring::ConditionalDecode)
+        } else {
+            None
+        };
+        let cursor = cursors.advance(req.model, Phase::Decode);
+        let Some((won, decode_reason)) =
+            self.choose(&ctx, &decode_pool, decode_scoring, Phase::Decode, cursor)
+        else {
+            return KvPickOutcome {
+                outcome: PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker),
+                kv: None,
+            };
+        };
+        let decode = &candidates[won.index];
+
+        let mut prefill: Option<&Candidate> = None;
+        let mut prefill_reason = SelectionReason::NoPrefillPool;
+        let mut bypass = false;
+        if decode.role == CandidateRole::Decode && roles[won.namespace].prefill {
+            let members: Vec<Matched> = matched
+                .iter()
+                .copied()
+                .filter(|m| {
+                    m.namespace == won.namespace
+                        && candidates[m.index].role == CandidateRole::Prefill
+                })
+                .collect();
+            let cursor = cursors.advance(req.model, Phase::Prefill);
+            if let Some((p, reason)) = self.choose(
+                &ctx,
+                &members,
+                Some(Scoring::Prefill),
+                Phase::Prefill,
+                cursor,
+            ) {
+                let p = &candidates[p.index];
+                let ledger_decode = ctx
+                    .ledger(won.namespace)
+                    .map(|l| l.backlog(decode.worker.instance_id, decode.rank(), now))
+                    .unwrap_or_default()
+                    .decode_blocks;
+                bypass = conditional
+                    && self.bypasses(
+                        decode,
+                        ctx.overlap_of(decode),
+                        ctx.overlap_of(p),
+                        ctx.sample(decode),
+                        ledger_decode,
+                        kv.isl,
+                    );
+                if bypass {
+                    prefill_reason = SelectionReason::ConditionalBypass;
+                } else {
+                    prefill = Some(p);
+                    prefill_reason = reason;
+                }
+            }
+        }
+        // The rank that prefills decides the result: the prefill rank, else the decode winner.
+        let result = if bypass {
+            KvSelectionResult::Bypass
+        } else if ctx.overlap_of(prefill.unwrap_or(decode)) > 0 {
+            KvSelectionResult::Overlap
+        } else {
+            KvSelectionResult::NoOverlap
+        };
+        drop(ctx);
+
+        let tokens = kv.isl;
+        let dispatch = req.load_signals.then(|| {
+            let mut legs = Vec::with_capacity(2);
+            if let Some(p) = prefill {
+                legs.push(DispatchLeg {
+                    worker: p.worker.clone(),
+                    rank: p.rank(),
+                    prefill_tokens: tokens,
+                    decode_blocks: 0,
+                    request_blocks: blocks_of(tokens, p.block_size),
+                    stall_exempt: false,
+                });
+            }
+            let blocks = blocks_of(tokens, decode.block_size);
+            legs.push(DispatchLeg {
+                worker: decode.worker.clone(),
+                rank: decode.rank(),
+                prefill_tokens: 0,
+                decode_blocks: blocks,
+                request_blocks: blocks,
+                // The decode half of a pair receives the request only after the prefill.
+                stall_exempt: prefill.is_some(),
+            });
+            ledger.record_dispatch(&legs, now)
+        });
+        KvPickOutcome {
+            outcome: PickOutcome::Picked(Pick {
+                namespace: decode.worker.namespace.clone(),
+                decode: Pinned::of(decode),
+                prefill: prefill.map(Pinned::of),
+                reasons: PickReasons {
+                    decode: decode_reason,
+                    prefill: prefill_reason,
+                },
+                dispatch,
+            }),
+            kv: Some(result),
+        }
+    }
+}
+
+impl DynamoWorkerPicker for KvAwarePicker {
+    fn name(&self) -> &'static str {
+        "kv_aware"
+    }
+
+    /// Without a KV input the pick is the load-based one.
+    fn pick(
+        &self,
+        req: &PickRequest<'_>,
+        candidates: &[Candidate],
+        load: &dyn LoadView,
+        state: &mut PickerState,
+        now: Tick,
+    ) -> PickOutcome {
+        LoadBasedPicker.pick(req, candidates, load, state, now)
+    }
+
+    fn pick_kv(
+        &self,
+        req: &PickRequest<'_>,
+        kv: Result<&KvPickInput<'_>, KvUnavailable>,
+        candidates: &[Candidate],
+        load: &dyn LoadView,
+        state: &mut PickerState,
+        now: Tick,
+    ) -> KvPickOutcome {
+        self.pick_with(req, kv, candidates, load, state, now)
+    }
+}
+
+/// The request's size in blocks of `block_size` (0 when the card declares none).
+fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {
+    block_size
+        .filter(|&b| b > 0)
+        .map_or(0, |b| tokens.div_ceil(u64::from(b)))
+}

@@ -1,0 +1,809 @@
+//! Rule-by-rule tests of the KV-aware picker with hand-computed costs, a differential property
+//! test against a naive transcription of the seed's formula, and structural properties over
+//! random multi-namespace fleets.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::ids::{Namespace, WorkerKey};
+use crate::kv::hashing::BlockSize;
+
+const MODEL: &str = "m";
+
+fn key(ns: &str, id: u64) -> WorkerKey {
+    WorkerKey {
+        namespace: Namespace::new(ns),
+        instance_id: InstanceId(id),
+    }
+}
+
+/// Block size 16, 100 KV blocks, a prefill budget of 1,000 tokens.
+fn cand(ns: &str, id: u64, role: CandidateRole) -> Candidate {
+    Candidate {
+        worker: key(ns, id),
+        role,
+        model: MODEL.into(),
+        dp_rank: Some(DpRank(0)),
+        rank_declared: true,
+        block_size: Some(16),
+        total_kv_blocks: Some(100),
+        max_num_batched_tokens: Some(1000),
+    }
+}
+
+fn agg(id: u64) -> Candidate {
+    cand("ns", id, CandidateRole::Aggregated)
+}
+fn dec(id: u64) -> Candidate {
+    cand("ns", id, CandidateRole::Decode)
+}
+fn pre(id: u64) -> Candidate {
+    cand("ns", id, CandidateRole::Prefill)
+}
+
+fn fresh(decode: Option<u64>, prefill: Option<u64>) -> SampleState {
+    SampleState::Fresh {
+        active_decode_blocks: decode,
+        active_prefill_tokens: prefill,
+        kv_used_blocks: None,
+    }
+}
+
+#[derive(Default)]
+struct FakeLoad(HashMap<(WorkerKey, DpRank), SampleState>);
+
+impl FakeLoad {
+    fn with(mut self, ns: &str, id: u64, sample: SampleState) -> Self {
+        self.0.insert((key(ns, id), DpRank(0)), sample);
+        self
+    }
+}
+
+impl LoadView for FakeLoad {
+    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+        self.0
+            .get(&(worker.clone(), rank))
+            .copied()
+            .unwrap_or(SampleState::Never)
+    }
+}
+
+fn bs16() -> BlockSize {
+    BlockSize::new(16).expect("valid")
+}
+
+/// Overlaps at block size 16, as `find_matches` would list them (sorted, zeros omitted).
+fn overlaps(list: &[(u64, u32)]) -> Vec<BlockOverlaps> {
+    let mut ranks: Vec<RankOverlap> = list
+        .iter()
+        .filter(|(_, b)| *b > 0)
+        .map(|(id, blocks)| RankOverlap {
+            worker: InstanceId(*id),
+            dp_rank: DpRank(0),
+            blocks: *blocks,
+        })
+        .collect();
+    ranks.sort();
+    vec![BlockOverlaps {
+        block_size: bs16(),
+        ranks,
+    }]
+}
+
+fn now() -> Tick {
+    Tick(Duration::from_secs(100))
+}
+
+struct Harness {
+    namespaces: Vec<Namespace>,
+    candidates: Vec<Candidate>,
+    load: FakeLoad,
+    state: PickerState,
+    params: KvPickParams,
+    isl: u64,
+    overlaps: Vec<BlockOverlaps>,
+    unit: f64,
+    load_signals: bool,
+}
+
+impl Harness {
+    fn new(candidates: Vec<Candidate>, load: FakeLoad, overlap: &[(u64, u32)]) -> Self {
+        Self {
+            namespaces: vec![Namespace::new("ns")],
+            candidates,
+            load,
+            state: PickerState::new(),
+            params: KvPickParams::default(),
+            isl: 64,
+            overlaps: overlaps(overlap),
+            unit: 0.0,
+            load_signals: true,
+        }
+    }
+
+    fn run(&mut self, kv: Result<(), KvUnavailable>) -> KvPickOutcome {
+        let req = PickRequest {
+            model: MODEL,
+            eligible_namespaces: &self.namespaces,
+            estimated_prompt_tokens: self.isl,
+            load_signals: self.load_signals,
+        };
+        let input = KvPickInput {
+            isl: self.isl,
+            overlaps: &self.overlaps,
+            unit: self.unit,
+        };
+        let picker = KvAwarePicker::new(self.params);
+        picker.pick_kv(
+            &req,
+            kv.map(|()| &input),
+            &self.candidates,
+            &self.load,
+            &mut self.state,
+            now(),
+        )
+    }
+
+    fn pick(&mut self) -> (Pick, KvSelectionResult) {
+        let out = self.run(Ok(()));
+        match out.outcome {
+            PickOutcome::Picked(pick) => (pick, out.kv.expect("a kv result")),
+            PickOutcome::NoCandidates(why) => panic!("expected a pick, got {why:?}"),
+        }
+    }
+
+    fn decode_id(&mut self) -> u64 {
+        self.pick().0.decode.worker.instance_id.0
+    }
+}
+
+fn ids(pick: &Pick) -> (u64, Option<u64>) {
+    (
+        pick.decode.worker.instance_id.0,
+        pick.prefill.as_ref().map(|p| p.worker.instance_id.0),
+    )
+}
+
+// ---- Aggregated fleets: the formula scores the decode candidates --------------------------
+
+#[test]
+fn quiet_aggregated_fleet_goes_where_the_prefix_is_cached() {
+    let mut h = Harness::new(vec![agg(1), agg(2), agg(3)], FakeLoad::default(), &[(2, 3)]);
+    for _ in 0..3 {
+        let (pick, result) = h.pick();
+        assert_eq!(ids(&pick), (2, None));
+        assert_eq!(result, KvSelectionResult::Overlap);
+        assert_eq!(pick.reasons.decode, SelectionReason::KvAware);
+        assert_eq!(pick.reasons.prefill, SelectionReason::NoPrefillPool);
+    }
+}
+
+#[test]
+fn without_overlap_or_fresh_backlog_ties_rotate_as_round_robin_stale() {
+    let mut h = Harness::new(vec![agg(1), agg(2), agg(3)], FakeLoad::default(), &[]);
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let (pick, result) = h.pick();
+        assert_eq!(pick.reasons.decode, SelectionReason::RoundRobinStale);
+        assert_eq!(result, KvSelectionResult::NoOverlap);
+        seen.push(pick.decode.worker.instance_id.0);
+    }
+    assert_eq!(seen, vec![1, 2, 3]);
+    // Without load signals the same rotation is `round_robin`, and nothing is recorded.
+    h.load_signals = false;
+    let (pick, _) = h.pick();
+    assert_eq!(pick.reasons.decode, SelectionReason::RoundRobin);
+    assert_eq!(pick.dispatch, None);
+}
+
+#[test]
+fn hand_computed_full_formula_trades_overlap_against_load() {
+    // isl 64 at bs 16 = 4 blocks, defaults (credit 1, scale 1).
+    // A: 10 decode blocks, holds all 4: prefill max(0, 4 - 4) = 0, decode 10 + 0 -> 10.
+    // B: 3 decode blocks, no overlap: prefill 4, decode 3 + 4 -> 11.  A wins despite its load.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh(Some(10), None))
+        .with("ns", 2, fresh(Some(3), None));
+    let mut h = Harness::new(vec![agg(1), agg(2)], load, &[(1, 4)]);
+    let (pick, result) = h.pick();
+    assert_eq!(ids(&pick), (1, None));
+    assert_eq!(pick.reasons.decode, SelectionReason::KvAware);
+    assert_eq!(result, KvSelectionResult::Overlap);
+
+    // A at 13 blocks costs 13 > 11: B wins, and its prefill holds nothing.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh(Some(13), None))
+        .with("ns", 2, fresh(Some(3), None));
+    let mut h = Harness::new(vec![agg(1), agg(2)], load, &[(1, 4)]);
+    let (pick, result) = h.pick();
+    assert_eq!(ids(&pick), (2, None));
+    assert_eq!(result, KvSelectionResult::NoOverlap);
+}
+
+#[test]
+fn aggregated_prefill_tokens_add_when_a_sample_carries_them() {
+    // A: 0 decode blocks, 160 prefill tokens: (160 + 64) / 16 = 14 blocks + 4 -> 18.
+    // B: 5 decode blocks, no prefill field: 4 + 5 + 4 -> 13.  B wins.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh(Some(0), Some(160)))
+        .with("ns", 2, fresh(Some(5), None));
+    let mut h = Harness::new(vec![agg(1), agg(2)], load, &[]);
+    assert_eq!(h.decode_id(), 2);
+}
+
+#[test]
+fn kv_used_blocks_stand_in_for_nil_decode_blocks() {
+    let vllm = |kv_used| SampleState::Fresh {
+        active_decode_blocks: None,
+        active_prefill_tokens: None,
+        kv_used_blocks: Some(kv_used),
+    };
+    let load = FakeLoad::default()
+        .with("ns", 1, vllm(50))
+        .with("ns", 2, vllm(5));
+    let mut h = Harness::new(vec![agg(1), agg(2)], load, &[]);
+    let (pick, _) = h.pick();
+    assert_eq!(ids(&pick), (2, None));
+    assert_eq!(pick.reasons.decode, SelectionReason::KvAware);
+}
+
+#[test]
+fn ranks_silent_under_load_sit_out_while_quiet_ranks_compete() {
+    // A holds the prefix but went silent with a backlog; B is fresh and busy; C is quiet.
+    // B: 4 + 20 + 4 = 28.  C (quiet, zero backlog): 4 + 0 + 4 = 8.  A sits out.
+    let load = FakeLoad::default()
+        .with(
+            "ns",
+            1,
+            SampleState::Stale {
+                last_had_backlog: true,
+            },
+        )
+        .with("ns", 2, fresh(Some(20), None));
+    let mut h = Harness::new(vec![agg(1), agg(2), agg(3)], load, &[(1, 4)]);
+    assert_eq!(h.decode_id(), 3);
+}
+
+#[test]
+fn stale_fleets_compete_on_overlap_and_size_only() {
+    // Every sample aged out (one with a backlog): nobody has a fresh field, so overlap decides
+    // even for the rank that was busy.
+    let load = FakeLoad::default()
+        .with(
+            "ns",
+            1,
+            SampleState::Stale {
+                last_had_backlog: true,
+            },
+        )
+        .with(
+            "ns",
+            2,
+            SampleState::Stale {
+                last_had_backlog: false,
+            },
+        );
+    let mut h = Harness::new(vec![agg(1), agg(2)], load, &[(1, 1)]);
+    let (pick, result) = h.pick();
+    assert_eq!(ids(&pick), (1, None));
+    assert_eq!(pick.reasons.decode, SelectionReason::KvAware);
+    assert_eq!(result, KvSelectionResult::Overlap);
+}
+
+#[test]
+fn block_sizes_are_matched_per_candidate() {
+    // B has block size 32: its overlap is read from the 32-token list. isl 64:
+    // A (bs 16, 1 block held): 4 - 1 = 3.  B (bs 32, 2 blocks held): 2 - 2 = 0.
+    let mut b = agg(2);
+    b.block_size = Some(32);
+    let mut h = Harness::new(vec![agg(1), b], FakeLoad::default(), &[(1, 1)]);
+    h.overlaps.push(BlockOverlaps {
+        block_size: BlockSize::new(32).expect("valid"),
+        ranks: vec![RankOverlap {
+            worker: InstanceId(2),
+            dp_rank: DpRank(0),
+            blocks: 2,
+        }],
+    });
+    assert_eq!(h.decode_id(), 2);
+}
+
+#[test]
+fn without_a_valid_block_size_the_phase_takes_the_load_only_rule() {
+    let mut a = agg(1);
+    a.block_size = None;
+    let mut b = agg(2);
+    b.block_size = Some(3);
+    let mut h = Harness::new(vec![a, b], FakeLoad::default(), &[(1, 4)]);
+    let (pick, result) = h.pick();
+    assert_eq!(pick.reasons.decode, SelectionReason::RoundRobinStale);
+    assert_eq!(result, KvSelectionResult::NoOverlap);
+}
+
+#[test]
+fn unanswered_dispatches_count_as_backlog() {
+    // isl 1024 = 64 blocks. A holds 4: 60 + 60 = 120; B: 64 + 64 = 128, so A wins first. Its
+    // unanswered dispatch then adds 64 decode blocks to A (184), and B wins.
+    let load = FakeLoad::default()
+        .with("ns", 1, fresh(Some(0), None))
+        .with("ns", 2, fresh(Some(0), None));
+    let mut h = Harness::new(vec![agg(1), agg(2)], load, &[(1, 4)]);
+    h.isl = 16 * 64;
+    assert_eq!(h.decode_id(), 1);
+    assert_eq!(h.decode_id(), 2, "the ledger's backlog moves load to B");
+    assert_eq!(h.state.ledger.len(), 2);
+}
+
+// ---- Pair fleets: load-only decode, formula prefill ---------------------------------------
+
+#[test]
+fn pair_fleet_scores_decode_by_load_and_prefill_by_the_formula() {
+    // Decode: D10 (5 blocks) vs D11 (1 block) by load: D11.
+    // Prefill, isl 64: P1 (0 tokens, no overlap): 4 + 4 = 8.  P2 (32 tokens, holds 4):
+    // (32 + 64) / 16 - 4 = 2, decode 0 -> 2.  P2 wins.
+    let load = FakeLoad::default()
+        .with("ns", 10, fresh(Some(5), None))
+        .with("ns", 11, fresh(Some(1), None))
+        .with("ns", 1, fresh(Some(0), Some(0)))
+        .with("ns", 2, fresh(Some(0), Some(32)));
+    let mut h = Harness::new(vec![dec(10), dec(11), pre(1), pre(2)], load, &[(2, 4)]);
+    let (pick, result) = h.pick();
+    assert_eq!(ids(&pick), (11, Some(2)));
+    assert_eq!(pick.reasons.decode, SelectionReason::Load);
+    assert_eq!(pick.reasons.prefill, SelectionReason::KvAware);
+    assert_eq!(result, KvSelectionResult::Overlap);
+    assert!(pick.dispatch.is_some());
+}
+
+#[test]
+fn vllm_prefill_pools_without_prefill_backlog_compete_on_overlap() {
+    // dynamo.vllm prefill workers publish no active_prefill_tokens: overlap decides, and ties
+    // rotate as round_robin_stale.
+    let load = FakeLoad::default()
+        .with("ns", 10, fresh(Some(0), None))
+        .with("ns", 1, fresh(Some(0), None))
+        .with("ns", 2, fresh(Some(0), None));
+    let mut h = Harness::new(vec![dec(10), pre(1), pre(2)], load, &[(2, 2)]);
+    let (pick, _) = h.pick();
+    assert_eq!(ids(&pick), (10, Some(2)));
+    assert_eq!(pick.reasons.prefill, SelectionReason::KvAware);
+    h.overlaps = overlaps(&[]);
+    let a = h.pick().0;
+    let b = h.pick().0;
+    assert_eq!(a.reasons.prefill, SelectionReason::RoundRobinStale);
+    assert_ne!(ids(&a).1, ids(&b).1, "ties rotate on the prefill cursor");
+}
+
+#[test]
+fn mixed_namespaces_follow_the_load_based_rules() {
+    // ns "a": prefill + decode + aggregated (the aggregated worker sits out even holding the
+    // prefix); ns "b": aggregated only. Prefill never crosses namespaces.
+    let candidates = vec![
+        cand("a", 1, CandidateRole::Prefill),
+        cand("a", 2, CandidateRole::Decode),
+        cand("a", 3, CandidateRole::Aggregated),
+        cand("b", 4, CandidateRole::Aggregated),
+        cand("b", 5, CandidateRole::Prefill),
+    ];
+    let mut h = Harness::new(candidates, FakeLoad::default(), &[(3, 4), (5, 4)]);
+    h.namespaces = vec![Namespace::new("a"), Namespace::new("b")];
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..6 {
+        let (pick, _) = h.pick();
+        match ids(&pick) {
+            (2, Some(1)) => {}
+            (4, None) => assert_eq!(pick.reasons.prefill, SelectionReason::NoPrefillPool),
+            other => panic!("unexpected pair {other:?}"),
+        }
+        seen.insert(ids(&pick).0);
+    }
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![2, 4]);
+}
+
+#[test]
+fn prefill_only_fleets_have_no_decode_worker_and_other_models_none() {
+    let mut h = Harness::new(vec![pre(1)], FakeLoad::default(), &[]);
+    assert_eq!(
+        h.run(Ok(())),
+        KvPickOutcome {
+            outcome: PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker),
+            kv: None
+        }
+    );
+    let mut other = agg(1);
+    other.model = "other".into();
+    let mut h = Harness::new(vec![other], FakeLoad::default(), &[]);
+    assert_eq!(
+        h.run(Ok(())).outcome,
+        PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel)
+    );
+}
+
+// ---- Without KV input ----------------------------------------------------------------------
+
+#[test]
+fn without_kv_input_the_pick_is_load_based_and_says_why() {
+    let cases = [
+        (
+            KvUnavailable::TokenizerUnavailable,
+            "tokenizer_unavailable",
+        ),
+        (KvUnavailable::PromptTooLarge, "prompt_too_large"),
+        (KvUnavailable::RenderUnavailable, "render_unavailable"),
+        (KvUnavailable::ArtifactUnpinned, "artifact_unpinned"),
+    ];
+    for (why, label) in cases {
+        let load = FakeLoad::default()
+            .with("ns", 10, fresh(Some(50), None))
+            .with("ns", 11, fresh(Some(1), None))
+            .with("ns", 1, fresh(Some(0), Some(900)))
+            .with("ns", 2, fresh(Some(0), Some(10)));
+        let candidates = vec![dec(10), dec(11), pre(1), pre(2)];
+        let mut h = Harness::new(candidates.clone(), load, &[(1, 4)]);
+        let out = h.run(Err(why));
+        assert_eq!(out.kv.map(KvSelectionResult::as_label), Some(label));
+        let PickOutcome::Picked(pick) = out.outcome else {
+            panic!("picked")
+        };
+        // The load-based choice: the least loaded decode and prefill, overlap ignored.
+        assert_eq!(ids(&pick), (11, Some(2)));
+        assert_eq!(pick.reasons.prefill, SelectionReason::Load);
+        // The plain trait pick is the same load-based pick.
+        let mut state = PickerState::new();
+        let req = PickRequest {
+            model: MODEL,
+            eligible_namespaces: &h.namespaces,
+            estimated_prompt_tokens: 64,
+            load_signals: true,
+        };
+        let plain = KvAwarePicker::default().pick(&req, &candidates, &h.load, &mut state, now());
+        let PickOutcome::Picked(plain) = plain else {
+            panic!("picked")
+        };
+        assert_eq!(ids(&plain), (11, Some(2)));
+    }
+}
+
+#[test]
+fn the_load_based_picker_reports_no_kv_result() {
+    let mut state = PickerState::new();
+    let namespaces = [Namespace::new("ns")];
+    let req = PickRequest {
+        model: MODEL,
+        eligible_namespaces: &namespaces,
+        estimated_prompt_tokens: 64,
+        load_signals: true,
+    };
+    let out = LoadBasedPicker.pick_kv(
+        &req,
+        Err(KvUnavailable::TokenizerUnavailable),
+        &[agg(1)],
+        &FakeLoad::default(),
+        &mut state,
+        now(),
+    );
+    assert_eq!(out.kv, None);
+    assert!(matches!(out.outcome, PickOutcome::Picked(_)));
+}
+
+#[test]
+fn result_labels_are_the_seeds_closed_set() {
+    let labels: Vec<_> = KvSelectionResult::ALL
+        .iter()
+        .map(|r| r.as_label())
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            "overlap",
+            "no_overlap",
+            "tokenizer_unavailable",
+            "prompt_too_large",
+            "render_unavailable",
+            "artifact_unpinned",
+            "bypass"
+        ]
+    );
+}
+
+// ---- Temperature ---------------------------------------------------------------------------
+
+#[test]
+fn positive_temperature_samples_with_the_callers_unit() {
+    // Quiet fleet, isl 64: costs 4 - 4 = 0 (A) and 4 (B). T = 1: p(A) = 1 / (1 + e^-1).
+    let p_a = 1.0 / (1.0 + (-1.0f64).exp());
+    let mut h = Harness::new(vec![agg(1), agg(2)], FakeLoad::default(), &[(1, 4)]);
+    h.params.router_temperature = 1.0;
+    h.unit = p_a - 1e-9;
+    assert_eq!(h.decode_id(), 1);
+    h.unit = p_a + 1e-9;
+    let (pick, result) = h.pick();
+    assert_eq!(ids(&pick), (2, None));
+    assert_eq!(pick.reasons.decode, SelectionReason::KvAware);
+    assert_eq!(result, KvSelectionResult::NoOverlap);
+}
+
+// ---- Conditional disaggregation -----------------------------------------------------------
+
+fn conditional(threshold: Option<f64>) -> KvPickParams {
+    KvPickParams {
+        conditional_disaggregation: ConditionalDisaggregation {
+            enabled: true,
+            decode_busy_threshold: threshold,
+        },
+        ..KvPickParams::default()
+    }
+}
+
+#[test]
+fn conditional_decode_scores_subtract_the_overlap_credit() {
+    // isl 64. D10: 10 decode blocks, holds 4: decode cost 10 + 0, minus 4 -> 6.
+    // D11: 8 blocks, nothing held: 8 + 4 -> 12.  D10 wins (load-only would take D11).
+    let load = FakeLoad::default()
+        .with("ns", 10, fresh(Some(10), None))
+        .with("ns", 11, fresh(Some(8), None));
+    let mut h = Harness::new(vec![dec(10), dec(11), pre(1)], load, &[(10, 4), (1, 4)]);
+    h.params = conditional(None);
+    let (pick, _) = h.pick();
+    assert_eq!(pick.decode.worker.instance_id.0, 10);
+    assert_eq!(pick.reasons.decode, SelectionReason::KvAware);
+    // Disabled: the load-only rule picks D11.
+    h.params = KvPickParams::default();
+    let (pick, _) = h.pick();
+    assert_eq!(pick.decode.worker.instance_id.0, 11);
+    assert_eq!(pick.reasons.decode, SelectionReason::Load);
+}
+
+#[test]
+fn a_decode_winner_holding_the_prefix_prefills_locally() {
+    // (threshold, decode sample, expected bypass)
+    let cases: [(Option<f64>, Option<SampleState>, bool); 6] = [
+        (None, None, true),
+        // 10 active + (4 - 4) request blocks = 10 <= 0.5 * 100.
+        (Some(0.5), Some(fresh(Some(10), None)), true),
+        // 60 > 50: too busy.
+        (Some(0.5), Some(fresh(Some(60), None)), false),
+        // A missing sample vetoes.
+        (Some(0.5), None, false),
+        (
+            Some(0.5),
+            Some(SampleState::Stale {
+                last_had_backlog: false,
+            }),
+            false,
+        ),
+        // Exactly at the threshold still bypasses.
+        (Some(0.5), Some(fresh(Some(50), None)), true),
+    ];
+    for (threshold, sample, bypass) in cases {
+        let mut load = FakeLoad::default();
+        if let Some(sample) = sample {
+            load = load.with("ns", 10, sample);
+        }
+        let mut h = Harness::new(vec![dec(10), pre(1)], load, &[(10, 4), (1, 2)]);
+        h.params = conditional(threshold);
+        let (pick, result) = h.pick();
+        if bypass {
+            assert_eq!(ids(&pick), (10, None), "{threshold:?} {sample:?}");
+            assert_eq!(result, KvSelectionResult::Bypass);
+            assert_eq!(pick.reasons.prefill, SelectionReason::ConditionalBypass);
+        } else {
+            assert_eq!(ids(&pick), (10, Some(1)), "{threshold:?} {sample:?}");
+            assert_eq!(result, KvSelectionResult::Overlap);
+            assert_eq!(pick.reasons.prefill, SelectionReason::KvAware);
+        }
+    }
+}
+
+#[test]
+fn no_bypass_when_the_prefill_rank_holds_more_or_nothing_is_held() {
+    for overlap in [[(10, 2), (1, 4)], [(10, 0), (1, 0)]] {
+        let mut h = Harness::new(vec![dec(10), pre(1)], FakeLoad::default(), &overlap);
+        h.params = conditional(None);
+        let (pick, result) = h.pick();
+        assert_eq!(ids(&pick), (10, Some(1)));
+        assert_ne!(result, KvSelectionResult::Bypass);
+    }
+    // Disabled: never a bypass even when the decode worker holds everything.
+    let mut h = Harness::new(vec![dec(10), pre(1)], FakeLoad::default(), &[(10, 4)]);
+    let (pick, _) = h.pick();
+    assert_eq!(ids(&pick), (10, Some(1)));
+}
+
+// ---- Properties ----------------------------------------------------------------------------
+
+/// The seed's formula, transcribed line by line, and its selection rules for one aggregated
+/// namespace at temperature 0: the expected winners (in candidate order).
+fn naive_winners(
+    candidates: &[Candidate],
+    samples: &[SampleState],
+    overlap: &[u64],
+    isl: u64,
+    params: KvPickParams,
+) -> Vec<usize> {
+    let has_field = |s: &SampleState| match *s {
+        SampleState::Fresh {
+            active_decode_blocks,
+            kv_used_blocks,
+            ..
+        } => active_decode_blocks.or(kv_used_blocks).is_some(),
+        _ => false,
+    };
+    let any_fresh = samples.iter().any(has_field);
+    let mut costs: Vec<Option<f64>> = Vec::new();
+    for (i, c) in candidates.iter().enumerate() {
+        let bs = u64::from(c.block_size.expect("set"));
+        let ov = overlap[i];
+        if !any_fresh {
+            costs.push(Some(
+                isl as f64 / bs as f64 - params.overlap_score_credit * ov as f64,
+            ));
+            continue;
+        }
+        let (active_prefill, active_decode) = match samples[i] {
+            SampleState::Fresh {
+                active_decode_blocks,
+                active_prefill_tokens,
+                kv_used_blocks,
+            } => match active_decode_blocks.or(kv_used_blocks) {
+                Some(d) => (active_prefill_tokens.unwrap_or(0), d),
+                None => {
+                    costs.push(None);
+                    continue;
+                }
+            },
+            SampleState::Never
+            | SampleState::Stale {
+                last_had_backlog: false,
+            } => (0, 0),
+            SampleState::Stale {
+                last_had_backlog: true,
+            } => {
+                costs.push(None);
+                continue;
+            }
+        };
+        let cached_tokens = (ov * bs).min(isl);
+        let raw_prefill_tokens = active_prefill + (isl - cached_tokens) + cached_tokens;
+        let raw_prefill_blocks = raw_prefill_tokens as f64 / bs as f64;
+        let overlap_credit_blocks = params.overlap_score_credit * ov as f64;
+        let adjusted_prefill = (raw_prefill_blocks - overlap_credit_blocks).max(0.0);
+        let decode_cost_blocks =
+            active_decode as f64 + (isl.div_ceil(bs) as i64 - ov as i64).max(0) as f64;
+        costs.push(Some(
+            params.prefill_load_scale * adjusted_prefill + decode_cost_blocks,
+        ));
+    }
+    let min = costs
+        .iter()
+        .flatten()
+        .copied()
+        .fold(f64::INFINITY, f64::min);
+    costs
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c == Some(min))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+fn sample_strategy() -> impl Strategy<Value = SampleState> {
+    let field = || prop::option::of(0u64..200);
+    prop_oneof![
+        Just(SampleState::Never),
+        any::<bool>().prop_map(|b| SampleState::Stale {
+            last_had_backlog: b
+        }),
+        (field(), field(), field()).prop_map(|(d, p, k)| SampleState::Fresh {
+            active_decode_blocks: d,
+            active_prefill_tokens: p,
+            kv_used_blocks: k,
+        }),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn aggregated_picks_match_a_naive_transcription_of_the_formula(
+        ranks in prop::collection::vec(
+            (prop_oneof![Just(16u32), Just(32u32)], sample_strategy(), 0u64..10),
+            1..7,
+        ),
+        isl in 0u64..400,
+        credit in prop_oneof![Just(0.0), Just(0.5), Just(1.0), Just(2.0)],
+        scale in prop_oneof![Just(0.5), Just(1.0), Just(3.0)],
+    ) {
+        let mut candidates = Vec::new();
+        let mut load = FakeLoad::default();
+        let mut by_size: HashMap<u32, Vec<RankOverlap>> = HashMap::new();
+        for (i, (bs, sample, ov)) in ranks.iter().enumerate() {
+            let id = i as u64 + 1;
+            let mut c = agg(id);
+            c.block_size = Some(*bs);
+            candidates.push(c);
+            load = load.with("ns", id, *sample);
+            if *ov > 0 {
+                by_size.entry(*bs).or_default().push(RankOverlap {
+                    worker: InstanceId(id),
+                    dp_rank: DpRank(0),
+                    blocks: *ov as u32,
+                });
+            }
+        }
+        let params = KvPickParams {
+            overlap_score_credit: credit,
+            prefill_load_scale: scale,
+            ..KvPickParams::default()
+        };
+        let samples: Vec<_> = ranks.iter().map(|r| r.1).collect();
+        let overlap: Vec<_> = ranks.iter().map(|r| r.2).collect();
+        let expected = naive_winners(&candidates, &samples, &overlap, isl, params);
+
+        let mut h = Harness::new(candidates, load, &[]);
+        h.isl = isl;
+        h.params = params;
+        h.overlaps = by_size
+            .into_iter()
+            .map(|(bs, mut ranks)| {
+                ranks.sort();
+                BlockOverlaps { block_size: BlockSize::new(bs).expect("valid"), ranks }
+            })
+            .collect();
+        // A fresh cursor takes the first of equal minima.
+        let won = (h.decode_id() - 1) as usize;
+        prop_assert_eq!(Some(&won), expected.first(), "expected one of {:?}", expected);
+    }
+
+    #[test]
+    fn pairs_never_cross_namespaces_and_never_pair_an_aggregated_worker(
+        workers in prop::collection::vec((0usize..3, 0u8..3, 0u32..5), 1..10),
+        conditional_on in any::<bool>(),
+        fresh_prefill in any::<bool>(),
+    ) {
+        let names = ["a", "b", "c"];
+        let mut candidates = Vec::new();
+        let mut load = FakeLoad::default();
+        let mut overlap = Vec::new();
+        for (i, (ns, role, ov)) in workers.iter().enumerate() {
+            let role = match role {
+                0 => CandidateRole::Prefill,
+                1 => CandidateRole::Decode,
+                _ => CandidateRole::Aggregated,
+            };
+            let id = i as u64 + 1;
+            candidates.push(cand(names[*ns], id, role));
+            let prefill = fresh_prefill.then_some(u64::from(*ov) * 7);
+            load = load.with(names[*ns], id, fresh(Some(u64::from(*ov)), prefill));
+            overlap.push((id, *ov));
+        }
+        let mut h = Harness::new(candidates.clone(), load, &overlap);
+        h.namespaces = names.iter().map(|n| Namespace::new(*n)).collect();
+        if conditional_on {
+            h.params = conditional(None);
+        }
+        for _ in 0..4 {
+            let out = h.run(Ok(()));
+            let PickOutcome::Picked(pick) = out.outcome else { continue };
+            let ns = &pick.decode.worker.namespace;
+            let has = |role| candidates.iter().any(|c| &c.worker.namespace == ns && c.role == role);
+            let paired = has(CandidateRole::Prefill) && has(CandidateRole::Decode);
+            prop_assert_ne!(pick.decode.role, CandidateRole::Prefill);
+            if pick.decode.role == CandidateRole::Aggregated {
+                prop_assert!(!paired, "aggregated workers sit out beside a pair pool");
+                prop_assert!(pick.prefill.is_none());
+                prop_assert_eq!(pick.reasons.prefill, SelectionReason::NoPrefillPool);
+            }
+            if let Some(p) = &pick.prefill {
+                prop_assert_eq!(&p.worker.namespace, ns);
+                prop_assert_eq!(p.role, CandidateRole::Prefill);
+                prop_assert_eq!(pick.decode.role, CandidateRole::Decode);
+            } else if pick.decode.role == CandidateRole::Decode && paired {
+                prop_assert!(out.kv == Some(KvSelectionResult::Bypass));
+            }
+            prop_assert_eq!(out.kv == Some(KvSelectionResult::Bypass), pick.reasons.prefill == SelectionReason::ConditionalBypass);
+        }
+    }
+}
