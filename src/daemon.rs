@@ -180,7 +180,8 @@ impl Daemon {
             shared.registry.clone(),
             shared.load.clone(),
             Some(shared.metrics.clone()),
-        )));
+        )
+        .with_kv_index(shared.kv.clone())));
         let tree = ActorTree::default();
         let (root, root_task) = spawn_root(
             vec![
@@ -257,6 +258,11 @@ impl Daemon {
     /// The KV index kv-events subscriptions feed.
     pub fn kv_index(&self) -> &DynamoKvIndex {
         &self.shared.kv
+    }
+
+    /// The Dynamo shim router (its picker and KV preparation hook plug in here).
+    pub fn shim(&self) -> Option<Arc<crate::shim::ShimRouter>> {
+        self.shared.proxy.shim()
     }
 
     /// The latest load samples (`registry.load_store()` in the seed).

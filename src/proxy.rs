@@ -143,6 +143,11 @@ impl Proxy {
         }
     }
 
+    /// The Dynamo shim path, when installed.
+    pub fn shim(&self) -> Option<Arc<crate::shim::ShimRouter>> {
+        self.shim.load_full()
+    }
+
     /// Installs the Dynamo shim path (the disaggregated orchestrator runs it first).
     pub fn set_shim(&self, shim: Arc<crate::shim::ShimRouter>) {
         self.shim.store(Some(shim));
@@ -210,8 +215,9 @@ impl Proxy {
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
             };
-            if let Some(decision) =
-                shim.decide(&request.body.model, &request.body.outbound, allowed, usable)
+            if let Some(mut decision) = shim
+                .decide_async(&request.body.model, &request.body.outbound, allowed, usable)
+                .await
             {
                 let scope = Scope {
                     allowed,
@@ -219,8 +225,22 @@ impl Proxy {
                 };
                 let candidates = self.candidates(&request.body.model, scope)?;
                 self.count_routing_path(decision.path);
+                // The shim copy may carry the rendered tokens; `request` (used by any fallback)
+                // keeps the client's body, which never carries `nvext.token_data`.
+                let shim_request = decision.body.take().map(|outbound| ClientRequest {
+                    body: ParsedBody {
+                        outbound,
+                        ..request.body.clone()
+                    },
+                    ..request.clone()
+                });
                 let outcome = self
-                    .dispatch(&request, &candidates, &decision.dispatch, decision.path)
+                    .dispatch(
+                        shim_request.as_ref().unwrap_or(&request),
+                        &candidates,
+                        &decision.dispatch,
+                        decision.path,
+                    )
                     .await;
                 let settled = self
                     .settle_shim(&request, allowed, &decision.pool, outcome)

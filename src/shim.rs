@@ -5,28 +5,46 @@
 //! Every decision is `protocol`'s: candidates come from `picker::candidates` (rebuilt once per
 //! registry generation), load from the shared store through a `LoadView` adapter, and the pick
 //! from the pluggable `DynamoWorkerPicker` (`picker()` / `set_picker()`).
+//!
+//! Under `dynamo.kv.enabled` the shim installs the `KvAwarePicker` (and the load-based one back
+//! when KV is turned off; every `dynamo.kv` field applies on the next request), prepares the
+//! prompt through the [`KvPromptPrep`] hook, reads the candidates' overlaps from the shared KV
+//! index, and may attach the rendered tokens as `nvext.token_data`.
 
+pub mod kv_prep;
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
+use bytes::Bytes;
 use continuum_actors::clock::now_tick;
+use continuum_actors::kv_index::DynamoKvIndex;
 use continuum_actors::load::DynamoLoadStore;
-use continuum_actors::metrics::{Metrics, RoutingPath};
+use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, RoutingPath};
 use continuum_actors::registry::DynamoRegistry;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
+use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::load_store::LoadStore;
 use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
 use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::load_based::LoadBasedPicker;
 use continuum_protocol::picker::{
-    DynamoWorkerPicker, LoadView, PickOutcome, PickRequest, PickerState, SampleState,
+    BlockOverlaps, Candidate, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker,
+    KvPickInput, KvPickParams, KvSelectionResult, KvUnavailable, LoadView, PickOutcome,
+    PickRequest, PickerState, SampleState,
 };
 use continuum_protocol::time::Tick;
 use tracing::debug;
 
 use crate::config::Config;
+use crate::config::schema::KvConfig;
 use crate::proxy::Dispatch;
+pub use kv_prep::{
+    KvPrepFailure, KvPrepRequest, KvPromptPrep, MAX_BLOCK_SIZES_PER_MODEL, PreparedPrompt,
+};
 
 /// Where and how to send one request through a shim.
 #[derive(Debug)]
@@ -37,6 +55,11 @@ pub struct ShimDecision {
     pub path: RoutingPath,
     /// The ledger entry of this pick, to end when the response does.
     pub dispatch_id: Option<DispatchId>,
+    /// The outbound shim body when it differs from the client's (rendered tokens attached as
+    /// `nvext.token_data`). Fallback copies to other backends always use the client's body.
+    pub body: Option<Bytes>,
+    /// What KV-aware selection made of the request (`None` when KV is off).
+    pub kv: Option<KvSelectionResult>,
 }
 
 /// Ends a dispatch in the picker's ledger when dropped: a request that has ended (answered,
@@ -68,6 +91,15 @@ pub struct ShimRouter {
     state: Mutex<PickerState>,
     index: Mutex<(u64, Arc<CandidateIndex>)>,
     metrics: Option<Metrics>,
+    /// The shared KV index overlaps are read from (`None`: no overlaps).
+    kv_index: Option<DynamoKvIndex>,
+    /// The prompt preparation hook (`None`: `tokenizer_unavailable`).
+    kv_prep: Mutex<Option<Arc<dyn KvPromptPrep>>>,
+    /// The KV parameters the installed picker was built from (`None`: KV off, the picker is not
+    /// managed by `dynamo.kv`).
+    kv_applied: Mutex<Option<KvPickParams>>,
+    /// Softmax units: a randomly keyed hash of a counter (the picker draws no randomness).
+    draws: (std::collections::hash_map::RandomState, AtomicU64),
 }
 
 impl std::fmt::Debug for ShimRouter {
@@ -110,7 +142,82 @@ impl ShimRouter {
             state: Mutex::new(PickerState::new()),
             index: Mutex::new((u64::MAX, Arc::new(CandidateIndex::default()))),
             metrics,
+            kv_index: None,
+            kv_prep: Mutex::new(None),
+            kv_applied: Mutex::new(None),
+            draws: (Default::default(), AtomicU64::new(0)),
         }
+    }
+
+    /// Reads overlaps from `index` when `dynamo.kv.enabled`.
+    pub fn with_kv_index(mut self, index: DynamoKvIndex) -> Self {
+        self.kv_index = Some(index);
+        self
+    }
+
+    /// Installs the prompt preparation hook (the tokenizer and renderer plug in here).
+    pub fn set_kv_prep(&self, prep: Arc<dyn KvPromptPrep>) {
+        *lock(&self.kv_prep) = Some(prep);
+    }
+
+    /// Installs the KV-aware picker built from `kv` when it is enabled, and the load-based picker
+    /// back when it was turned off. A picker set by `set_picker` stays until `dynamo.kv` changes.
+    fn sync_picker(&self, kv: &KvConfig) {
+        let wanted = kv.enabled.then(|| kv_params(kv));
+        let mut applied = lock(&self.kv_applied);
+        if *applied == wanted {
+            return;
+        }
+        match wanted {
+            Some(params) => self.set_picker(Arc::new(KvAwarePicker::new(params))),
+            None => self.set_picker(Arc::new(LoadBasedPicker::new())),
+        }
+        *applied = wanted;
+    }
+
+    /// A unit in `[0, 1)` for softmax sampling.
+    fn draw_unit(&self) -> f64 {
+        let n = self.draws.1.fetch_add(1, Ordering::Relaxed);
+        let mut hasher = self.draws.0.build_hasher();
+        hasher.write_u64(n);
+        (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Picks workers like [`ShimRouter::decide`], first preparing the prompt for KV-aware
+    /// selection when `dynamo.kv.enabled`.
+    pub async fn decide_async(
+        &self,
+        client_model: &str,
+        body: &[u8],
+        allowed: &[String],
+        usable: impl Fn(&str) -> bool,
+    ) -> Option<ShimDecision> {
+        let config = self.config.load_full();
+        if !config.dynamo.enabled
+            || !config.disaggregated_serving.enabled
+            || !config.dynamo.kv.enabled
+        {
+            return self.decide(client_model, body, allowed, usable);
+        }
+        let model = mapped_model(&config, client_model);
+        let block_sizes = block_sizes(self.index().for_model(model));
+        if block_sizes.is_empty() {
+            return self.decide_with(client_model, body, allowed, usable, None);
+        }
+        let prep = lock(&self.kv_prep).clone();
+        let prepared = match (prep, serde_json::from_slice::<serde_json::Value>(body)) {
+            (Some(prep), Ok(value)) => {
+                let request = KvPrepRequest {
+                    model,
+                    body: &value,
+                    block_sizes: &block_sizes,
+                };
+                prep.prepare(request).await
+            }
+            (None, _) => Err(KvPrepFailure::TokenizerUnavailable),
+            (Some(_), Err(_)) => Err(KvPrepFailure::RenderUnavailable),
+        };
+        self.decide_with(client_model, body, allowed, usable, Some(prepared))
     }
 
     /// A dispatch ended (its response finished or failed).
@@ -151,6 +258,8 @@ impl ShimRouter {
     /// tells whether a backend replica is healthy and admitted. `None` means the Dynamo path does
     /// not apply (disabled, no usable shim replica, or no worker serves the model): the caller
     /// routes normally.
+    /// Under `dynamo.kv.enabled` this scores without a KV term (`tokenizer_unavailable`); use
+    /// [`ShimRouter::decide_async`] to prepare the prompt first.
     pub fn decide(
         &self,
         client_model: &str,
@@ -158,10 +267,26 @@ impl ShimRouter {
         allowed: &[String],
         usable: impl Fn(&str) -> bool,
     ) -> Option<ShimDecision> {
+        let kv = Err(KvPrepFailure::TokenizerUnavailable);
+        self.decide_with(client_model, body, allowed, usable, Some(kv))
+    }
+
+    /// The decision, with the prepared prompt (or why there is none) when KV applies.
+    fn decide_with(
+        &self,
+        client_model: &str,
+        body: &[u8],
+        allowed: &[String],
+        usable: impl Fn(&str) -> bool,
+        prepared: Option<Result<PreparedPrompt, KvPrepFailure>>,
+    ) -> Option<ShimDecision> {
         let config = self.config.load();
         if !config.dynamo.enabled || !config.disaggregated_serving.enabled {
             return None;
         }
+        let kv_config = &config.dynamo.kv;
+        self.sync_picker(kv_config);
+        let prepared = prepared.filter(|_| kv_config.enabled);
         let shim = &config.dynamo.shim;
         let pool_of = |ns: &Namespace| -> Vec<String> {
             shim.backends_for(ns.as_str())
@@ -182,21 +307,42 @@ impl ShimRouter {
         if eligible.is_empty() {
             return None;
         }
-        let model = shim
-            .model_map
-            .get(client_model)
-            .map(String::as_str)
-            .unwrap_or(client_model);
+        let model = mapped_model(&config, client_model);
         let index = self.index();
         let candidates = index.for_model(model);
         if candidates.is_empty() {
             return None;
         }
         let now = now_tick();
+        // Overlaps per block size, read once from the shared index.
+        let overlaps: Vec<BlockOverlaps> = match (&prepared, &self.kv_index) {
+            (Some(Ok(prompt)), Some(kv_index)) => prompt
+                .hashes
+                .iter()
+                .map(|(block_size, hashes)| BlockOverlaps {
+                    block_size: *block_size,
+                    ranks: kv_index.find_matches(hashes),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let kv_input = match &prepared {
+            Some(Ok(prompt)) => Some(Ok(KvPickInput {
+                isl: prompt.tokens.len() as u64,
+                overlaps: &overlaps,
+                unit: self.draw_unit(),
+            })),
+            Some(Err(failure)) => Some(Err(KvUnavailable::from(*failure))),
+            None => None,
+        };
+        let estimated_prompt_tokens = match &kv_input {
+            Some(Ok(input)) => input.isl,
+            _ => estimate_tokens(body),
+        };
         let request = PickRequest {
             model,
             eligible_namespaces: &eligible,
-            estimated_prompt_tokens: estimate_tokens(body),
+            estimated_prompt_tokens,
             load_signals: self.registry.snapshot().signals().load,
         };
         let picker = self.picker();
@@ -216,9 +362,24 @@ impl ShimRouter {
                 now,
                 max_age,
             };
-            picker.pick(&request, candidates, &view, &mut state, now)
+            match &kv_input {
+                Some(kv) => picker.pick_kv(
+                    &request,
+                    kv.as_ref().map_err(|why| *why),
+                    candidates,
+                    &view,
+                    &mut state,
+                    now,
+                ),
+                None => continuum_protocol::picker::KvPickOutcome {
+                    outcome: picker.pick(&request, candidates, &view, &mut state, now),
+                    kv: None,
+                },
+            }
         });
-        let pick = match outcome {
+        let bypass = outcome.is_bypass();
+        let kv_result = outcome.kv;
+        let pick = match outcome.outcome {
             PickOutcome::Picked(pick) => pick,
             PickOutcome::NoCandidates(why) => {
                 debug!(
@@ -238,6 +399,9 @@ impl ShimRouter {
                 continuum_protocol::picker::Phase::Prefill,
                 pick.reasons.prefill,
             );
+            if let Some(result) = kv_result {
+                metrics.kv_selection(kv_label(result));
+            }
         }
         let pool = pool_of(&pick.namespace);
         let dispatch = Dispatch::pins(
@@ -247,18 +411,93 @@ impl ShimRouter {
                 .as_ref()
                 .map(|p| (p.worker.instance_id, p.rank_header())),
         );
-        let path = if pick.prefill.is_some() {
+        let path = if bypass {
+            // Conditional disaggregation: the decode worker prefills locally.
+            RoutingPath::Unified
+        } else if pick.prefill.is_some() {
             RoutingPath::Disaggregated
         } else {
             RoutingPath::Aggregated
+        };
+        let body = match &prepared {
+            Some(Ok(prompt)) if kv_config.send_token_data => with_token_data(body, &prompt.tokens),
+            _ => None,
         };
         Some(ShimDecision {
             pool,
             dispatch,
             path,
             dispatch_id: pick.dispatch,
+            body,
+            kv: kv_result,
         })
     }
+}
+
+/// The client model id as the fleet names it (`shim.model_map`).
+fn mapped_model<'a>(config: &'a Config, client_model: &'a str) -> &'a str {
+    config
+        .dynamo
+        .shim
+        .model_map
+        .get(client_model)
+        .map(String::as_str)
+        .unwrap_or(client_model)
+}
+
+/// The distinct valid block sizes of a model's candidates, ascending, at most
+/// [`MAX_BLOCK_SIZES_PER_MODEL`] (further sizes are not hashed: their ranks score without overlap).
+fn block_sizes(candidates: &[Candidate]) -> Vec<BlockSize> {
+    let mut sizes: Vec<BlockSize> = candidates
+        .iter()
+        .filter_map(|c| c.block_size.and_then(|b| BlockSize::new(b).ok()))
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes.truncate(MAX_BLOCK_SIZES_PER_MODEL);
+    sizes
+}
+
+/// The `dynamo.kv` tunables as the picker reads them.
+pub fn kv_params(kv: &KvConfig) -> KvPickParams {
+    KvPickParams {
+        overlap_score_credit: kv.overlap_score_credit,
+        prefill_load_scale: kv.prefill_load_scale,
+        router_temperature: kv.router_temperature,
+        conditional_disaggregation: ConditionalDisaggregation {
+            enabled: kv.conditional_disaggregation.enabled,
+            decode_busy_threshold: kv.conditional_disaggregation.decode_busy_threshold,
+        },
+    }
+}
+
+fn kv_label(result: KvSelectionResult) -> KvSelectionLabel {
+    match result {
+        KvSelectionResult::Overlap => KvSelectionLabel::Overlap,
+        KvSelectionResult::NoOverlap => KvSelectionLabel::NoOverlap,
+        KvSelectionResult::TokenizerUnavailable => KvSelectionLabel::TokenizerUnavailable,
+        KvSelectionResult::PromptTooLarge => KvSelectionLabel::PromptTooLarge,
+        KvSelectionResult::RenderUnavailable => KvSelectionLabel::RenderUnavailable,
+        KvSelectionResult::ArtifactUnpinned => KvSelectionLabel::ArtifactUnpinned,
+        KvSelectionResult::Bypass => KvSelectionLabel::Bypass,
+    }
+}
+
+/// `body` with `nvext.token_data` set to `tokens` (replacing any value). `None` when the body is
+/// not a JSON object (it was validated as one, so this does not happen on the request path).
+pub fn with_token_data(body: &[u8], tokens: &[u32]) -> Option<Bytes> {
+    let mut value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let object = value.as_object_mut()?;
+    let nvext = object
+        .entry("nvext")
+        .or_insert_with(|| serde_json::Value::Object(Default::default()));
+    if !nvext.is_object() {
+        *nvext = serde_json::Value::Object(Default::default());
+    }
+    nvext
+        .as_object_mut()?
+        .insert("token_data".into(), serde_json::Value::from(tokens.to_vec()));
+    serde_json::to_vec(&value).ok().map(Bytes::from)
 }
 
 /// The coarse prompt-size estimate from a chat (`messages[].content`) or completions (`prompt`)

@@ -12,7 +12,8 @@ use continuum_protocol::event_plane::LoadEventResult;
 use continuum_protocol::ids::{DpRank, InstanceId};
 use continuum_protocol::kv::KvEventResult as IndexResult;
 use continuum_protocol::kv::events::decode_router_events;
-use continuum_protocol::kv::index::{KvIndex, KvIndexStats};
+use continuum_protocol::kv::LocalBlockHash;
+use continuum_protocol::kv::index::{KvIndex, KvIndexStats, RankOverlap};
 
 use crate::metrics::{KvEventResult, Metrics};
 
@@ -95,6 +96,15 @@ impl DynamoKvIndex {
             live.insert(worker.key.instance_id, ranks);
         }
         self.lock().set_live_and_retain(live);
+    }
+
+    /// Per rank, how many leading `hashes` it holds (the picker's one read of the index): ranks
+    /// without overlap are omitted, the list is sorted by (worker, dp_rank).
+    pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> Vec<RankOverlap> {
+        if hashes.is_empty() {
+            return Vec::new();
+        }
+        self.lock().find_matches(hashes)
     }
 
     /// Node, rank and ownership counts (walks the index: not for the request path).
