@@ -175,13 +175,15 @@ impl Daemon {
             load,
         };
         shared.proxy.reconfigure(&config);
-        shared.proxy.set_shim(Arc::new(crate::shim::ShimRouter::new(
-            shared.config.clone(),
-            shared.registry.clone(),
-            shared.load.clone(),
-            Some(shared.metrics.clone()),
-        )
-        .with_kv_index(shared.kv.clone())));
+        shared.proxy.set_shim(Arc::new(
+            crate::shim::ShimRouter::new(
+                shared.config.clone(),
+                shared.registry.clone(),
+                shared.load.clone(),
+                Some(shared.metrics.clone()),
+            )
+            .with_kv_index(shared.kv.clone()),
+        ));
         let tree = ActorTree::default();
         let (root, root_task) = spawn_root(
             vec![

@@ -494,9 +494,10 @@ pub fn with_token_data(body: &[u8], tokens: &[u32]) -> Option<Bytes> {
     if !nvext.is_object() {
         *nvext = serde_json::Value::Object(Default::default());
     }
-    nvext
-        .as_object_mut()?
-        .insert("token_data".into(), serde_json::Value::from(tokens.to_vec()));
+    nvext.as_object_mut()?.insert(
+        "token_data".into(),
+        serde_json::Value::from(tokens.to_vec()),
+    );
     serde_json::to_vec(&value).ok().map(Bytes::from)
 }
 

@@ -11,8 +11,8 @@ use continuum_protocol::discovery::snapshot::DynamoSnapshot;
 use continuum_protocol::event_plane::LoadEventResult;
 use continuum_protocol::ids::{DpRank, InstanceId};
 use continuum_protocol::kv::KvEventResult as IndexResult;
-use continuum_protocol::kv::events::decode_router_events;
 use continuum_protocol::kv::LocalBlockHash;
+use continuum_protocol::kv::events::decode_router_events;
 use continuum_protocol::kv::index::{KvIndex, KvIndexStats, RankOverlap};
 
 use crate::metrics::{KvEventResult, Metrics};

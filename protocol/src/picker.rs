@@ -32,13 +32,13 @@ pub mod load_based;
 mod tests;
 
 pub use estimate::{estimate_prompt_tokens, estimate_text_tokens};
-pub use ledger::{
-    DISPATCH_MAX_AGE, DispatchId, DispatchLedger, DispatchLeg, MAX_LEDGER_DISPATCHES, RankBacklog,
-    STALL_AFTER, STALL_MIN_BLOCKS,
-};
 pub use kv_aware::{
     BlockOverlaps, ConditionalDisaggregation, KvAwarePicker, KvPickInput, KvPickOutcome,
     KvPickParams, KvSelectionResult, KvUnavailable,
+};
+pub use ledger::{
+    DISPATCH_MAX_AGE, DispatchId, DispatchLedger, DispatchLeg, MAX_LEDGER_DISPATCHES, RankBacklog,
+    STALL_AFTER, STALL_MIN_BLOCKS,
 };
 pub use load_based::LoadBasedPicker;
 

@@ -427,10 +427,7 @@ fn prefill_only_fleets_have_no_decode_worker_and_other_models_none() {
 #[test]
 fn without_kv_input_the_pick_is_load_based_and_says_why() {
     let cases = [
-        (
-            KvUnavailable::TokenizerUnavailable,
-            "tokenizer_unavailable",
-        ),
+        (KvUnavailable::TokenizerUnavailable, "tokenizer_unavailable"),
         (KvUnavailable::PromptTooLarge, "prompt_too_large"),
         (KvUnavailable::RenderUnavailable, "render_unavailable"),
         (KvUnavailable::ArtifactUnpinned, "artifact_unpinned"),
