@@ -576,6 +576,71 @@ mod tests {
     }
 
     #[test]
+    fn token_data_is_set_or_replaced_and_other_nvext_fields_kept() {
+        let out = with_token_data(br#"{"model":"m"}"#, &[1, 2]).expect("object");
+        let v: serde_json::Value = serde_json::from_slice(&out).expect("json");
+        assert_eq!(v["nvext"]["token_data"], serde_json::json!([1, 2]));
+        let out = with_token_data(
+            br#"{"model":"m","nvext":{"token_data":[9],"greed_sampling":true}}"#,
+            &[3],
+        )
+        .expect("object");
+        let v: serde_json::Value = serde_json::from_slice(&out).expect("json");
+        assert_eq!(
+            v["nvext"],
+            serde_json::json!({"token_data": [3], "greed_sampling": true})
+        );
+        assert_eq!(with_token_data(b"[1]", &[1]), None);
+    }
+
+    #[test]
+    fn at_most_two_valid_block_sizes_are_hashed() {
+        use continuum_protocol::ids::{InstanceId, WorkerKey};
+        use continuum_protocol::picker::CandidateRole;
+        let cand = |bs: Option<u32>| Candidate {
+            worker: WorkerKey {
+                namespace: Namespace::new("ns"),
+                instance_id: InstanceId(1),
+            },
+            role: CandidateRole::Aggregated,
+            model: "m".into(),
+            dp_rank: None,
+            rank_declared: false,
+            block_size: bs,
+            total_kv_blocks: None,
+            max_num_batched_tokens: None,
+        };
+        let sizes = block_sizes(&[
+            cand(Some(64)),
+            cand(Some(16)),
+            cand(None),
+            cand(Some(8)),
+            cand(Some(16)),
+            cand(Some(32)),
+        ]);
+        let sizes: Vec<u32> = sizes.iter().map(|b| b.get()).collect();
+        assert_eq!(sizes, vec![16, 32]);
+    }
+
+    #[test]
+    fn kv_params_follow_the_config() {
+        let mut kv = KvConfig::default();
+        assert_eq!(kv_params(&kv), KvPickParams::default());
+        kv.router_temperature = 0.5;
+        kv.conditional_disaggregation.enabled = true;
+        kv.conditional_disaggregation.decode_busy_threshold = Some(0.25);
+        let params = kv_params(&kv);
+        assert_eq!(params.router_temperature, 0.5);
+        assert_eq!(
+            params.conditional_disaggregation,
+            ConditionalDisaggregation {
+                enabled: true,
+                decode_busy_threshold: Some(0.25)
+            }
+        );
+    }
+
+    #[test]
     fn prompt_estimates_read_chat_and_completion_bodies() {
         let chat = br#"{"model":"m","messages":[{"role":"user","content":"one two three"},{"role":"user","content":[{"type":"text","text":"four"}]}]}"#;
         let completion = br#"{"model":"m","prompt":"one two three four"}"#;
