@@ -15,7 +15,9 @@ use serde_json::value::RawValue;
 
 use super::keys::{Keyspace, ParsedKey};
 use crate::ids::{DpRank, InstanceId, PublisherId};
-use crate::kv::artifacts::{CardArtifacts, CheckedFile, FormatterKind, FormatterSlot, TokenizerSlot};
+use crate::kv::artifacts::{
+    CardArtifacts, CheckedFile, FormatterKind, FormatterSlot, TokenizerSlot,
+};
 
 /// Raw values above this size are refused before parsing (an order of magnitude above etcd's
 /// default 1.5 MiB `--max-request-bytes`).
@@ -862,7 +864,9 @@ impl RawTokenizerSlot {
     /// Exactly one recognised variant, else absent.
     fn slot(self) -> Option<TokenizerSlot> {
         match (self.hf_tokenizer_json, self.tik_token_model) {
-            (Some(f), None) => valid(Some(f))?.checked().map(TokenizerSlot::HfTokenizerJson),
+            (Some(f), None) => valid(Some(f))?
+                .checked()
+                .map(TokenizerSlot::HfTokenizerJson),
             (None, Some(f)) => valid(Some(f))?.checked().map(TokenizerSlot::TikTokenModel),
             _ => None,
         }
@@ -1190,7 +1194,10 @@ mod tests {
 
     #[test]
     fn captured_card_keeps_its_artifact_slots() {
-        let got = parse("v1/mdc/dynamo/backend/generate/6a6ca22b9d343707", CAPTURED_CARD);
+        let got = parse(
+            "v1/mdc/dynamo/backend/generate/6a6ca22b9d343707",
+            CAPTURED_CARD,
+        );
         let Ok(Record::Card(card)) = got else {
             panic!("expected a card, got {got:?}")
         };
@@ -1220,7 +1227,9 @@ mod tests {
                 "chat_template_file":{{"hf_chat_template_json":{{"is_custom":false,
                     "file":{{"path":"/m/chat_template.json","checksum":"{ck}","size":7}}}}}}}}"#
         ));
-        assert!(matches!(a.tokenizer, Some(TokenizerSlot::TikTokenModel(ref f)) if f.size.is_none()));
+        assert!(
+            matches!(a.tokenizer, Some(TokenizerSlot::TikTokenModel(ref f)) if f.size.is_none())
+        );
         let pf = a.prompt_formatter.expect("jinja alias");
         assert_eq!(pf.kind, FormatterKind::ChatTemplateJinja);
         assert!(pf.is_custom);
@@ -1232,14 +1241,25 @@ mod tests {
         for bad in [
             r#"{"tokenizer":null}"#.to_owned(),
             r#"{"tokenizer":"tokenizer.json"}"#.to_owned(),
-            r#"{"tokenizer":{"hf_tokenizer_json":{"path":"/m/t","checksum":"blake3:00"}}}"#.to_owned(),
-            format!(r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/m/t","checksum":"{ck}","size":-1}}}}}}"#),
-            format!(r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/m/t","checksum":"{ck}","size":"5"}}}}}}"#),
+            r#"{"tokenizer":{"hf_tokenizer_json":{"path":"/m/t","checksum":"blake3:00"}}}"#
+                .to_owned(),
+            format!(
+                r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/m/t","checksum":"{ck}","size":-1}}}}}}"#
+            ),
+            format!(
+                r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/m/t","checksum":"{ck}","size":"5"}}}}}}"#
+            ),
             format!(r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":7,"checksum":"{ck}"}}}}}}"#),
-            format!(r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/{long}","checksum":"{ck}"}}}}}}"#),
-            format!(r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/a","checksum":"{ck}"}},"tik_token_model":{{"path":"/b","checksum":"{ck}"}}}}}}"#),
+            format!(
+                r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/{long}","checksum":"{ck}"}}}}}}"#
+            ),
+            format!(
+                r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/a","checksum":"{ck}"}},"tik_token_model":{{"path":"/b","checksum":"{ck}"}}}}}}"#
+            ),
             format!(r#"{{"tokenizer":{{"future_kind":{{"path":"/a","checksum":"{ck}"}}}}}}"#),
-            format!(r#"{{"prompt_formatter":{{"hf_chat_template":{{"is_custom":"yes","file":{{"path":"/a","checksum":"{ck}"}}}}}}}}"#),
+            format!(
+                r#"{{"prompt_formatter":{{"hf_chat_template":{{"is_custom":"yes","file":{{"path":"/a","checksum":"{ck}"}}}}}}}}"#
+            ),
             r#"{"prompt_formatter":[1],"chat_template_file":{"hf_chat_template":{}}}"#.to_owned(),
         ] {
             let card = format!(r#"{{"display_name":"m",{}"#, &bad[1..]);

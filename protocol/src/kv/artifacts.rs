@@ -255,9 +255,18 @@ impl Unavailable {
     }
 }
 
-/// Where each checksum of an agreed key can be read from: the distinct card paths of the
-/// model's workers, sorted, at most [`MAX_SOURCES_PER_ARTIFACT`] each.
-pub type Sources = BTreeMap<Checksum, Vec<String>>;
+/// Where one checksum can be read from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ArtifactSources {
+    /// The distinct card paths of the model's workers, sorted, at most
+    /// [`MAX_SOURCES_PER_ARTIFACT`].
+    pub paths: Vec<String>,
+    /// The largest size any card declares (checked before fetching).
+    pub declared_size: Option<u64>,
+}
+
+/// Where each checksum of an agreed key can be read from.
+pub type Sources = BTreeMap<Checksum, ArtifactSources>;
 
 /// Fleet agreement: the key every live worker of one model names, and the paths to fetch it
 /// from. One worker without a usable tokenizer, or two distinct keys (a rolling tokenizer
@@ -282,10 +291,13 @@ pub fn agree<'a>(
                     .chain(card.prompt_formatter.as_ref().map(|s| &s.file))
                     .chain(card.chat_template_file.as_ref().map(|s| &s.file));
                 for file in files {
-                    let paths = sources.entry(file.checksum).or_default();
-                    if paths.len() < MAX_SOURCES_PER_ARTIFACT && !paths.contains(&file.path) {
-                        paths.push(file.path.clone());
+                    let entry = sources.entry(file.checksum).or_default();
+                    if entry.paths.len() < MAX_SOURCES_PER_ARTIFACT
+                        && !entry.paths.contains(&file.path)
+                    {
+                        entry.paths.push(file.path.clone());
                     }
+                    entry.declared_size = entry.declared_size.max(file.size);
                 }
             }
             Err(e) => {
@@ -302,8 +314,8 @@ pub fn agree<'a>(
     let mut it = keys.iter();
     match (it.next(), it.next()) {
         (Some(key), None) => {
-            for paths in sources.values_mut() {
-                paths.sort();
+            for entry in sources.values_mut() {
+                entry.paths.sort();
             }
             Ok((*key, sources))
         }
@@ -342,7 +354,10 @@ impl ArtifactUri {
         if path.starts_with('/') {
             return local(path);
         }
-        let lower = path.get(..8).map(str::to_ascii_lowercase).unwrap_or_default();
+        let lower = path
+            .get(..8)
+            .map(str::to_ascii_lowercase)
+            .unwrap_or_default();
         if lower.starts_with("http://") || lower.starts_with("https://") {
             let authority = path.split_once("://").map(|(_, r)| r).unwrap_or_default();
             if authority.is_empty() || authority.starts_with('/') {
@@ -417,7 +432,10 @@ pub enum Fetch {
     Local(String),
     /// GET this URL; `hf_auth` means send `HF_TOKEN` as a bearer token (Hub URLs only, so the
     /// token never reaches a worker).
-    Http { url: String, hf_auth: bool },
+    Http {
+        url: String,
+        hf_auth: bool,
+    },
 }
 
 impl ArtifactPolicy {
@@ -560,7 +578,12 @@ impl LoadBook {
     /// Decides, for the keys the fleet currently `wanted` (already agreed and fully pinned),
     /// which loads to start and which entries to drop. Keys with an unpinned checksum are
     /// dropped whatever their state; failed keys start again once their retry time passed.
-    pub fn plan(&mut self, wanted: &BTreeSet<ArtifactKey>, policy: &ArtifactPolicy, now: Tick) -> LoadPlan {
+    pub fn plan(
+        &mut self,
+        wanted: &BTreeSet<ArtifactKey>,
+        policy: &ArtifactPolicy,
+        now: Tick,
+    ) -> LoadPlan {
         let mut plan = LoadPlan::default();
         // A removed pin drops the loaded tokenizer and forgets failures (a re-pin retries now).
         let unpinned: Vec<ArtifactKey> = self
@@ -607,9 +630,18 @@ impl LoadBook {
     /// Records a finished load: `Ok(bytes)` held, or a failure retried after
     /// [`LOAD_RETRY_AFTER`]. Returns entries evicted to stay within bounds. A result for a key
     /// no longer loading (dropped meanwhile) is ignored and returns the key itself for eviction.
-    pub fn finished(&mut self, key: ArtifactKey, result: Result<u64, ()>, now: Tick) -> Vec<ArtifactKey> {
+    pub fn finished(
+        &mut self,
+        key: ArtifactKey,
+        result: Result<u64, ()>,
+        now: Tick,
+    ) -> Vec<ArtifactKey> {
         if self.states.get(&key) != Some(&LoadState::Loading) {
-            return if result.is_ok() { vec![key] } else { Vec::new() };
+            return if result.is_ok() {
+                vec![key]
+            } else {
+                Vec::new()
+            };
         }
         match result {
             Ok(bytes) => {
@@ -752,16 +784,28 @@ mod tests {
         let check = |path: &str, want: Result<ArtifactUri, UriError>| {
             assert_eq!(ArtifactUri::classify(path), want, "{path}");
         };
-        check("/m/tokenizer.json", Ok(ArtifactUri::Local("/m/tokenizer.json".into())));
-        check("file:///m/t.json", Ok(ArtifactUri::Local("/m/t.json".into())));
-        check("file://localhost/m/t.json", Ok(ArtifactUri::Local("/m/t.json".into())));
+        check(
+            "/m/tokenizer.json",
+            Ok(ArtifactUri::Local("/m/tokenizer.json".into())),
+        );
+        check(
+            "file:///m/t.json",
+            Ok(ArtifactUri::Local("/m/t.json".into())),
+        );
+        check(
+            "file://localhost/m/t.json",
+            Ok(ArtifactUri::Local("/m/t.json".into())),
+        );
         check(
             "http://10.0.0.5:9090/v1/metadata/ns/c/e/slug/base/tokenizer.json",
             Ok(ArtifactUri::Http(
                 "http://10.0.0.5:9090/v1/metadata/ns/c/e/slug/base/tokenizer.json".into(),
             )),
         );
-        check("https://h/t.json", Ok(ArtifactUri::Http("https://h/t.json".into())));
+        check(
+            "https://h/t.json",
+            Ok(ArtifactUri::Http("https://h/t.json".into())),
+        );
         check(
             "hf://Qwen/Qwen3-0.6B/tokenizer.json",
             Ok(ArtifactUri::Hf {
@@ -789,7 +833,11 @@ mod tests {
             "hf://Qwen//x",
             "hf://Qwen/Q?x/t.json",
         ] {
-            assert_eq!(ArtifactUri::classify(bad), Err(UriError::Unsupported), "{bad}");
+            assert_eq!(
+                ArtifactUri::classify(bad),
+                Err(UriError::Unsupported),
+                "{bad}"
+            );
         }
     }
 
@@ -821,7 +869,10 @@ mod tests {
             policy.resolve("https://w/t.json"),
             Err(UriError::Disallowed { scheme: "http" })
         );
-        assert_eq!(policy.resolve("/m/t.json"), Ok(Fetch::Local("/m/t.json".into())));
+        assert_eq!(
+            policy.resolve("/m/t.json"),
+            Ok(Fetch::Local("/m/t.json".into()))
+        );
     }
 
     #[test]
@@ -830,11 +881,18 @@ mod tests {
         let a_elsewhere = card('a', Some('b'), "http://w2:1/meta");
         let (key, sources) = agree([&a, &a_elsewhere]).expect("agreed");
         assert_eq!(key.tokenizer, ck('a'));
-        assert_eq!(key.prompt_formatter, Some((FormatterKind::TokenizerConfigJson, ck('b'))));
         assert_eq!(
-            sources[&ck('a')],
-            vec!["/w1/tokenizer.json".to_owned(), "http://w2:1/meta/tokenizer.json".to_owned()]
+            key.prompt_formatter,
+            Some((FormatterKind::TokenizerConfigJson, ck('b')))
         );
+        assert_eq!(
+            sources[&ck('a')].paths,
+            vec![
+                "/w1/tokenizer.json".to_owned(),
+                "http://w2:1/meta/tokenizer.json".to_owned()
+            ]
+        );
+        assert_eq!(sources[&ck('a')].declared_size, Some(10));
         // A rolling tokenizer upgrade: two keys.
         let upgraded = card('c', Some('b'), "/w3");
         assert_eq!(
@@ -859,7 +917,10 @@ mod tests {
             Unavailable::Unpinned(vec![ck('a')]).selection_label(),
             "artifact_unpinned"
         );
-        assert_eq!(Unavailable::NoWorkers.selection_label(), "tokenizer_unavailable");
+        assert_eq!(
+            Unavailable::NoWorkers.selection_label(),
+            "tokenizer_unavailable"
+        );
     }
 
     #[test]
