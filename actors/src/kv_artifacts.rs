@@ -404,7 +404,7 @@ impl ArtifactRegistry {
         if state.logged.len() > MAX_LOGGED {
             state.logged.clear();
         }
-        let (key, found) = match agree(workers.iter().map(|w| &w.artifacts)) {
+        let (key, found) = match agree(workers.iter().map(|w| w.artifacts.as_ref())) {
             Ok(agreed) => agreed,
             Err(Unavailable::UnsupportedTokenizer) => {
                 if state.logged.insert((model.to_owned(), None)) {

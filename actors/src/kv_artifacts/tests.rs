@@ -88,7 +88,7 @@ fn worker(id: u64, artifacts: CardArtifacts) -> Worker {
         UnixMillis(0),
     );
     w.model = Some("tiny".to_owned());
-    w.artifacts = artifacts;
+    w.artifacts = Arc::new(artifacts);
     w
 }
 

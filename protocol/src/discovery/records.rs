@@ -173,8 +173,8 @@ pub struct CardFields {
     /// `dynamo_version`, `runtime_version`, `version` or `release`, for a debug log.
     pub release: Option<String>,
     /// The `tokenizer`, `prompt_formatter` and `chat_template_file` slots; an unusable slot is
-    /// absent, never a failed record.
-    pub artifacts: CardArtifacts,
+    /// absent, never a failed record. Shared with the workers built from this card.
+    pub artifacts: Arc<CardArtifacts>,
 }
 
 impl CardFields {
@@ -188,7 +188,7 @@ impl CardFields {
             dp_size: None,
             disaggregated_endpoint: None,
             release: None,
-            artifacts: CardArtifacts::default(),
+            artifacts: Arc::default(),
         }
     }
 }
@@ -1042,11 +1042,11 @@ impl RawCard {
         .into_iter()
         .flatten()
         .find_map(Scalar::into_string);
-        let artifacts = CardArtifacts {
+        let artifacts = Arc::new(CardArtifacts {
             tokenizer: valid(self.tokenizer).and_then(RawTokenizerSlot::slot),
             prompt_formatter: valid(self.prompt_formatter).and_then(RawFormatterSlot::slot),
             chat_template_file: valid(self.chat_template_file).and_then(RawFormatterSlot::slot),
-        };
+        });
         CardFields {
             model,
             claim,
@@ -1187,7 +1187,7 @@ mod tests {
     fn artifacts_of(card_json: &str) -> CardArtifacts {
         let value = format!(r#"{{"instance_id":26,"card_json":{card_json}}}"#);
         match parse(CARD_KEY, &value) {
-            Ok(Record::Card(card)) => card.fields.artifacts,
+            Ok(Record::Card(card)) => (*card.fields.artifacts).clone(),
             other => panic!("expected a card, got {other:?}"),
         }
     }

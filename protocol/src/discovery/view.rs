@@ -36,7 +36,7 @@ pub struct Worker {
     pub disaggregated_endpoint: Option<DisaggregatedEndpoint>,
     /// The card's tokenizer / prompt-formatter / chat-template slots (paths may be internal
     /// addresses: never serialised).
-    pub artifacts: CardArtifacts,
+    pub artifacts: Arc<CardArtifacts>,
     /// The full card, stored once at parse time (`None` without a card or when it exceeded
     /// `MAX_RETAINED_CARD_BYTES`). Never serialised.
     pub card: Option<Arc<serde_json::Value>>,
@@ -60,7 +60,7 @@ impl Worker {
             dp_start_rank: None,
             dp_size: None,
             disaggregated_endpoint: None,
-            artifacts: CardArtifacts::default(),
+            artifacts: Arc::default(),
             card: None,
             transport: None,
             first_seen: now,
@@ -113,7 +113,7 @@ impl Worker {
             && self.dp_start_rank == other.dp_start_rank
             && self.dp_size == other.dp_size
             && self.disaggregated_endpoint == other.disaggregated_endpoint
-            && self.artifacts == other.artifacts
+            && (Arc::ptr_eq(&self.artifacts, &other.artifacts) || self.artifacts == other.artifacts)
             && self.transport == other.transport
     }
 
