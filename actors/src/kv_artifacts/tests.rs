@@ -368,6 +368,8 @@ async fn an_oversized_card_size_is_refused_before_any_read() {
 #[derive(Clone, Default)]
 struct Loopback {
     routes: Arc<Mutex<BTreeMap<String, Vec<u8>>>>,
+    /// Paths answered with a Content-Length past the artifact bound (and no body).
+    huge: Arc<Mutex<Vec<String>>>,
     seen: Arc<Mutex<Vec<String>>>,
 }
 
@@ -393,7 +395,13 @@ impl Loopback {
                     let path = head.split(' ').nth(1).unwrap_or_default().to_owned();
                     this.seen.lock().expect("seen").push(head);
                     let body = this.routes.lock().expect("routes").get(&path).cloned();
+                    let huge = this.huge.lock().expect("huge").contains(&path);
                     let response = match body {
+                        _ if huge => format!(
+                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                            MAX_ARTIFACT_BYTES + 1
+                        )
+                        .into_bytes(),
                         Some(body) => {
                             let mut r = format!(
                                 "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
@@ -528,4 +536,28 @@ async fn hf_sources_need_allow_hf_and_send_the_token_to_the_hub_only() {
             "{r}"
         );
     }
+}
+
+#[tokio::test]
+async fn an_announced_body_past_the_bound_is_refused_before_reading() {
+    let server = Loopback::default();
+    server.serve_fixture("/m");
+    server
+        .huge
+        .lock()
+        .expect("huge")
+        .push("/m/tokenizer.json".into());
+    let url = server.clone().start().await;
+    let mut legacy = card(&format!("{url}/m"));
+    if let Some(TokenizerSlot::HfTokenizerJson(f)) = &mut legacy.tokenizer {
+        f.size = None; // no card size: the announced length is the first bound
+    }
+    let s = setup(all_pins(), true, false);
+    s.registry.observe(fleet(vec![worker(1, legacy)]));
+    until(&s.registry, settled).await;
+    assert_eq!(
+        tiny(&s.registry).expect_err("too large"),
+        ArtifactUnavailable::Failed
+    );
+    assert_eq!(counted(&s.metrics, "oversized"), 1);
 }
