@@ -28,11 +28,13 @@
 //! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |
 //! | [`subscription`] | SubscriptionActor per publisher and the follower of registry generations |
 //! | [`load`] | the shared load store and the subscription status table |
+//! | [`kv_artifacts`] | tokenizer artifacts: card slots → pinned, verified, cached, loaded tokenizers |
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
 pub mod discovery;
 pub mod etcd_source;
 pub mod kube_source;
+pub mod kv_artifacts;
 pub mod kv_index;
 pub mod lifecycle;
 pub mod load;

@@ -149,6 +149,10 @@ label_enum! {
         ChecksumMismatch => "checksum_mismatch",
         FetchFailed => "fetch_failed",
         LoadFailed => "load_failed",
+        /// Read from the content-addressed cache, checksum verified.
+        CacheHit => "cache_hit",
+        /// An http(s):// or hf:// path while kv.allow_{http,hf}_artifacts is false.
+        Disallowed => "disallowed",
     }
 }
 

@@ -9,6 +9,7 @@
 //! | [`hashing`] | XXH3-64 LocalBlockHash / SequenceHash (wire §11) |
 //! | [`cost`] | the per-candidate cost, softmax sampling and the zero-temperature argmin |
 //! | [`reference`] | a naive HashMap index with the same semantics, for differential tests |
+//! | [`artifacts`] | tokenizer artifacts: card slots, ArtifactKey, URI rules, pinning, fleet agreement, loader bookkeeping |
 //!
 //! Nothing here reads a clock or draws a random number: the index hasher seed, the sampling unit
 //! and the tie-break cursor arrive as arguments.
@@ -17,6 +18,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+pub mod artifacts;
 pub mod cost;
 pub mod events;
 pub mod hashing;

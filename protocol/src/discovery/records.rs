@@ -15,6 +15,9 @@ use serde_json::value::RawValue;
 
 use super::keys::{Keyspace, ParsedKey};
 use crate::ids::{DpRank, InstanceId, PublisherId};
+use crate::kv::artifacts::{
+    CardArtifacts, CheckedFile, FormatterKind, FormatterSlot, TokenizerSlot,
+};
 
 /// Raw values above this size are refused before parsing (an order of magnitude above etcd's
 /// default 1.5 MiB `--max-request-bytes`).
@@ -169,6 +172,9 @@ pub struct CardFields {
     pub disaggregated_endpoint: Option<DisaggregatedEndpoint>,
     /// `dynamo_version`, `runtime_version`, `version` or `release`, for a debug log.
     pub release: Option<String>,
+    /// The `tokenizer`, `prompt_formatter` and `chat_template_file` slots; an unusable slot is
+    /// absent, never a failed record. Shared with the workers built from this card.
+    pub artifacts: Arc<CardArtifacts>,
 }
 
 impl CardFields {
@@ -182,6 +188,7 @@ impl CardFields {
             dp_size: None,
             disaggregated_endpoint: None,
             release: None,
+            artifacts: Arc::default(),
         }
     }
 }
@@ -801,6 +808,102 @@ struct RawCard {
     runtime_version: Option<Scalar>,
     version: Option<Scalar>,
     release: Option<Scalar>,
+    tokenizer: Option<Obj<RawTokenizerSlot>>,
+    prompt_formatter: Option<Obj<RawFormatterSlot>>,
+    chat_template_file: Option<Obj<RawFormatterSlot>>,
+}
+
+/// `{"hf_tokenizer_json": CheckedFile}` | `{"tik_token_model": CheckedFile}` (externally tagged).
+#[derive(serde::Deserialize)]
+struct RawTokenizerSlot {
+    hf_tokenizer_json: Option<Obj<RawCheckedFile>>,
+    tik_token_model: Option<Obj<RawCheckedFile>>,
+}
+
+/// PromptFormatterArtifact (externally tagged, snake_case).
+#[derive(serde::Deserialize)]
+struct RawFormatterSlot {
+    hf_tokenizer_config_json: Option<Obj<RawCheckedFile>>,
+    #[serde(alias = "hf_chat_template_jinja")]
+    hf_chat_template: Option<Obj<RawTemplateFile>>,
+    hf_chat_template_json: Option<Obj<RawTemplateFile>>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawTemplateFile {
+    is_custom: Option<Scalar>,
+    file: Option<Obj<RawCheckedFile>>,
+}
+
+#[derive(serde::Deserialize)]
+struct RawCheckedFile {
+    path: Option<Scalar>,
+    checksum: Option<Scalar>,
+    size: Option<Scalar>,
+}
+
+impl RawCheckedFile {
+    fn checked(self) -> Option<CheckedFile> {
+        let size = match self.size {
+            None | Some(Scalar::Null) => None,
+            // A size of the wrong type makes the slot unusable rather than unbounded.
+            Some(s) => Some(s.as_u64()?),
+        };
+        CheckedFile::from_parts(self.path?.as_str()?, self.checksum?.as_str()?, size)
+    }
+}
+
+fn valid<T>(obj: Option<Obj<T>>) -> Option<T> {
+    match obj {
+        Some(Obj::Valid(v)) => Some(v),
+        _ => None,
+    }
+}
+
+impl RawTokenizerSlot {
+    /// Exactly one recognised variant, else absent.
+    fn slot(self) -> Option<TokenizerSlot> {
+        match (self.hf_tokenizer_json, self.tik_token_model) {
+            (Some(f), None) => valid(Some(f))?
+                .checked()
+                .map(TokenizerSlot::HfTokenizerJson),
+            (None, Some(f)) => valid(Some(f))?.checked().map(TokenizerSlot::TikTokenModel),
+            _ => None,
+        }
+    }
+}
+
+impl RawFormatterSlot {
+    /// Exactly one recognised variant, else absent.
+    fn slot(self) -> Option<FormatterSlot> {
+        let template = |t: Obj<RawTemplateFile>, kind| {
+            let t = valid(Some(t))?;
+            let is_custom = match t.is_custom {
+                None | Some(Scalar::Null) => false,
+                Some(Scalar::Bool(b)) => b,
+                Some(_) => return None,
+            };
+            Some(FormatterSlot {
+                kind,
+                file: valid(t.file)?.checked()?,
+                is_custom,
+            })
+        };
+        match (
+            self.hf_tokenizer_config_json,
+            self.hf_chat_template,
+            self.hf_chat_template_json,
+        ) {
+            (Some(f), None, None) => Some(FormatterSlot {
+                kind: FormatterKind::TokenizerConfigJson,
+                file: valid(Some(f))?.checked()?,
+                is_custom: false,
+            }),
+            (None, Some(t), None) => template(t, FormatterKind::ChatTemplateJinja),
+            (None, None, Some(t)) => template(t, FormatterKind::ChatTemplateJson),
+            _ => None,
+        }
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -939,6 +1042,11 @@ impl RawCard {
         .into_iter()
         .flatten()
         .find_map(Scalar::into_string);
+        let artifacts = Arc::new(CardArtifacts {
+            tokenizer: valid(self.tokenizer).and_then(RawTokenizerSlot::slot),
+            prompt_formatter: valid(self.prompt_formatter).and_then(RawFormatterSlot::slot),
+            chat_template_file: valid(self.chat_template_file).and_then(RawFormatterSlot::slot),
+        });
         CardFields {
             model,
             claim,
@@ -948,6 +1056,7 @@ impl RawCard {
             dp_size,
             disaggregated_endpoint,
             release,
+            artifacts,
         }
     }
 }
@@ -1070,6 +1179,99 @@ mod tests {
         };
         assert_eq!(ch.component.as_deref(), Some("decode"));
         assert_eq!(ch.endpoint, None);
+    }
+
+    /// The Model record a live 1.6.1 mocker wrote (fixtures/dynamo-1.6.1/etcd/agg-2workers).
+    const CAPTURED_CARD: &str = r#"{"type":"Model","namespace":"dyntest","component":"backend","endpoint":"generate","instance_id":7668682573709850375,"card_json":{"display_name":"tiny","slug":"tiny","source_path":"/tmp/dyn-run/tiny-model","model_info":{"hf_config_json":{"path":"/tmp/dyn-run/tiny-model/config.json","checksum":"blake3:be5d00bb40cff7daca254c6c672b60cea0c40a225a0ee586b4f8ff1819948e0f","size":410}},"tokenizer":{"hf_tokenizer_json":{"path":"/tmp/dyn-run/tiny-model/tokenizer.json","checksum":"blake3:c80fd372ff970f94088dd4c6303bd7ab7d768e6190aa1ca90b1f1a4d69076d36","size":246992}},"prompt_formatter":{"hf_tokenizer_config_json":{"path":"/tmp/dyn-run/tiny-model/tokenizer_config.json","checksum":"blake3:e51a93f143506009a56fe8d7f22c5c4edebcdebc62327bfc728beee87e567c26","size":1313}},"gen_config":{"hf_generation_config_json":{"path":"/tmp/dyn-run/tiny-model/generation_config.json","checksum":"blake3:c0fac042c16028c74dc19fb0fe69f12b3ee1c0f89a0d62b307e033ea13bc1776","size":44}},"architectural_max_context_length":4096,"context_length":0,"kv_cache_block_size":16,"migration_limit":0,"model_type":"Chat | Completions","model_input":"Tokens","worker_type":"aggregated","needs":[],"runtime_config":{"context_length":0,"total_kv_blocks":24,"max_num_seqs":256,"max_num_batched_tokens":8192,"data_parallel_start_rank":0,"data_parallel_size":1,"enable_local_indexer":true,"kv_event_publishing_enabled":true,"enable_eagle":false},"media_decoder":null,"media_fetcher":null}}"#;
+
+    fn artifacts_of(card_json: &str) -> CardArtifacts {
+        let value = format!(r#"{{"instance_id":26,"card_json":{card_json}}}"#);
+        match parse(CARD_KEY, &value) {
+            Ok(Record::Card(card)) => (*card.fields.artifacts).clone(),
+            other => panic!("expected a card, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn captured_card_keeps_its_artifact_slots() {
+        let got = parse(
+            "v1/mdc/dynamo/backend/generate/6a6ca22b9d343707",
+            CAPTURED_CARD,
+        );
+        let Ok(Record::Card(card)) = got else {
+            panic!("expected a card, got {got:?}")
+        };
+        let a = &card.fields.artifacts;
+        let Some(TokenizerSlot::HfTokenizerJson(tok)) = &a.tokenizer else {
+            panic!("tokenizer slot: {a:?}")
+        };
+        assert_eq!(tok.path, "/tmp/dyn-run/tiny-model/tokenizer.json");
+        assert_eq!(
+            tok.checksum.to_string(),
+            "blake3:c80fd372ff970f94088dd4c6303bd7ab7d768e6190aa1ca90b1f1a4d69076d36"
+        );
+        assert_eq!(tok.size, Some(246_992));
+        let fmt = a.prompt_formatter.as_ref().expect("prompt_formatter");
+        assert_eq!(fmt.kind, FormatterKind::TokenizerConfigJson);
+        assert_eq!(fmt.file.size, Some(1313));
+        assert_eq!(a.chat_template_file, None);
+    }
+
+    #[test]
+    fn artifact_slot_variants_parse_and_bad_slots_read_as_absent() {
+        let ck = format!("blake3:{}", "ab".repeat(32));
+        let a = artifacts_of(&format!(
+            r#"{{"tokenizer":{{"tik_token_model":{{"path":"hf://o/m/t.model","checksum":"{ck}"}}}},
+                "prompt_formatter":{{"hf_chat_template_jinja":{{"is_custom":true,
+                    "file":{{"path":"/m/chat_template.jinja","checksum":"{ck}","size":null}}}}}},
+                "chat_template_file":{{"hf_chat_template_json":{{"is_custom":false,
+                    "file":{{"path":"/m/chat_template.json","checksum":"{ck}","size":7}}}}}}}}"#
+        ));
+        assert!(
+            matches!(a.tokenizer, Some(TokenizerSlot::TikTokenModel(ref f)) if f.size.is_none())
+        );
+        let pf = a.prompt_formatter.expect("jinja alias");
+        assert_eq!(pf.kind, FormatterKind::ChatTemplateJinja);
+        assert!(pf.is_custom);
+        let ct = a.chat_template_file.expect("template json");
+        assert_eq!(ct.kind, FormatterKind::ChatTemplateJson);
+        assert_eq!(ct.file.size, Some(7));
+
+        let long = "x".repeat(5000);
+        for bad in [
+            r#"{"tokenizer":null}"#.to_owned(),
+            r#"{"tokenizer":"tokenizer.json"}"#.to_owned(),
+            r#"{"tokenizer":{"hf_tokenizer_json":{"path":"/m/t","checksum":"blake3:00"}}}"#
+                .to_owned(),
+            format!(
+                r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/m/t","checksum":"{ck}","size":-1}}}}}}"#
+            ),
+            format!(
+                r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/m/t","checksum":"{ck}","size":"5"}}}}}}"#
+            ),
+            format!(r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":7,"checksum":"{ck}"}}}}}}"#),
+            format!(
+                r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/{long}","checksum":"{ck}"}}}}}}"#
+            ),
+            format!(
+                r#"{{"tokenizer":{{"hf_tokenizer_json":{{"path":"/a","checksum":"{ck}"}},"tik_token_model":{{"path":"/b","checksum":"{ck}"}}}}}}"#
+            ),
+            format!(r#"{{"tokenizer":{{"future_kind":{{"path":"/a","checksum":"{ck}"}}}}}}"#),
+            format!(
+                r#"{{"prompt_formatter":{{"hf_chat_template":{{"is_custom":"yes","file":{{"path":"/a","checksum":"{ck}"}}}}}}}}"#
+            ),
+            r#"{"prompt_formatter":[1],"chat_template_file":{"hf_chat_template":{}}}"#.to_owned(),
+        ] {
+            let card = format!(r#"{{"display_name":"m",{}"#, &bad[1..]);
+            let got = artifacts_of(&card);
+            assert_eq!(got, CardArtifacts::default(), "{bad}");
+            // The rest of the card still reads.
+            let value = format!(r#"{{"instance_id":26,"card_json":{card}}}"#);
+            let Ok(Record::Card(rec)) = parse(CARD_KEY, &value) else {
+                panic!("record failed for {bad}")
+            };
+            assert_eq!(rec.fields.model.as_deref(), Some("m"), "{bad}");
+        }
     }
 
     #[test]

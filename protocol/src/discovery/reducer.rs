@@ -374,6 +374,7 @@ fn materialise_worker(
         dp_start_rank: fields.and_then(|f| f.dp_start_rank),
         dp_size: fields.and_then(|f| f.dp_size),
         disaggregated_endpoint: fields.and_then(|f| f.disaggregated_endpoint.clone()),
+        artifacts: fields.map(|f| f.artifacts.clone()).unwrap_or_default(),
         card: card.and_then(|c| c.card.clone()),
         transport: endpoint.transport.clone(),
         first_seen: UnixMillis::default(),

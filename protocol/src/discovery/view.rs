@@ -14,6 +14,7 @@ use serde::{Serialize, Serializer};
 use super::keys::encode_segment;
 use super::records::{Capacity, DisaggregatedEndpoint, EventTopic, Role, TcpAddress};
 use crate::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
+use crate::kv::artifacts::CardArtifacts;
 use crate::time::UnixMillis;
 
 /// One routable (or operator-visible) worker: a `generate` endpoint joined with its card.
@@ -33,6 +34,9 @@ pub struct Worker {
     /// `runtime_config.data_parallel_size` as declared (`None` when absent, unlike a declared 1).
     pub dp_size: Option<u32>,
     pub disaggregated_endpoint: Option<DisaggregatedEndpoint>,
+    /// The card's tokenizer / prompt-formatter / chat-template slots (paths may be internal
+    /// addresses: never serialised).
+    pub artifacts: Arc<CardArtifacts>,
     /// The full card, stored once at parse time (`None` without a card or when it exceeded
     /// `MAX_RETAINED_CARD_BYTES`). Never serialised.
     pub card: Option<Arc<serde_json::Value>>,
@@ -56,6 +60,7 @@ impl Worker {
             dp_start_rank: None,
             dp_size: None,
             disaggregated_endpoint: None,
+            artifacts: Arc::default(),
             card: None,
             transport: None,
             first_seen: now,
@@ -108,6 +113,7 @@ impl Worker {
             && self.dp_start_rank == other.dp_start_rank
             && self.dp_size == other.dp_size
             && self.disaggregated_endpoint == other.disaggregated_endpoint
+            && (Arc::ptr_eq(&self.artifacts, &other.artifacts) || self.artifacts == other.artifacts)
             && self.transport == other.transport
     }
 
