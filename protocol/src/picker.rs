@@ -11,6 +11,7 @@
 //! | [`estimate`] | the tokenizer-free prompt-size heuristic |
 //! | [`ledger`] | unanswered dispatches: backlog until a sample answers, stalled ranks |
 //! | [`load_based`] | the default [`LoadBasedPicker`] (Dynamo's load-only cost formulas) |
+//! | [`reachability`] | unreachable ranks (lost load publisher) sit out before any picker runs |
 //!
 //! The picker works on its own small input types ([`Candidate`], [`SampleState`]); adapters from
 //! the discovery snapshot and the load store live with the caller.
@@ -25,6 +26,7 @@ pub mod candidates;
 pub mod estimate;
 pub mod ledger;
 pub mod load_based;
+pub mod reachability;
 
 #[cfg(test)]
 mod tests;
