@@ -166,10 +166,11 @@ async fn a_sigkilled_worker_is_left_out_until_its_lease_expires() {
     })
     .await;
     let to_mark = kill_at.elapsed();
+    let killed_id = killed.to_string();
     let row = admin_workers(&daemon)
         .await
         .into_iter()
-        .find(|w| w["worker_id"] == killed.to_string())
+        .find(|w| w["worker_id"] == killed_id.as_str())
         .expect("the killed worker is still registered within its lease");
     assert_eq!(row["reachable"], false, "{row}");
 
