@@ -256,12 +256,14 @@ async fn aggregated_workers_take_over_only_after_the_disaggregated_pool_drains()
     let client = reqwest::Client::new();
 
     // Mixed namespace: our router keeps pairing prefill and decode workers (aggregated workers sit
-    // out) and the registry warns once. Real 1.6.1 cannot serve this fleet consistently: its
-    // frontend keeps one worker set per (component, worker type) for the model, picks one set per
-    // request and refuses a pin from the other, so a share of these pinned pairs comes back as
-    // `400 Invalid request` (measured: 16 of 40 served). Aggregated-only pins sent straight to
-    // the frontend fail the same way (8 of 40 answered `500`). That is outside the router's
-    // reach: the assertions here are about what the router pinned.
+    // out) and the registry warns once. Real 1.6.1 cannot serve this fleet consistently, just as
+    // the seed says of 1.5.0: its frontend logs "Adding worker set to model" once per
+    // (component, worker type), picks one set per request and refuses a pin from the other, so a
+    // share of these pinned pairs comes back as `400 Invalid request` (13, 16 and 17 of 40 served
+    // in three runs). Aggregated-only pins sent straight to the frontend fail the same way (8 of
+    // 40 answered `500`, "Prefill worker ID required"). That is outside the router's reach: the
+    // assertions here are about what the router pinned, and operators must let the pool drain
+    // before aggregated workers of the same model join the namespace.
     let log_from = frontend_log_len(&stack);
     let mut served = 0;
     for i in 0..PER_PHASE {
