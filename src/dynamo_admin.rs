@@ -12,7 +12,25 @@ pub fn workers_view(registry: &DynamoRegistry, load: &DynamoLoadStore) -> Value 
     }
     let snapshot = registry.snapshot();
     let namespaces: Vec<&str> = snapshot.namespaces().iter().map(|n| n.as_str()).collect();
-    let workers: Vec<Value> = snapshot.workers().iter().map(|w| w.admin_json()).collect();
+    let now = continuum_actors::clock::now_tick();
+    let workers: Vec<Value> = snapshot
+        .workers()
+        .iter()
+        .map(|w| {
+            let mut view = w.admin_json();
+            // Reachability from the load plane: a SIGKILLed worker stays registered until its
+            // lease expires, but its load publisher is gone at once.
+            if let Some(fields) = view.as_object_mut() {
+                let mark = load.unreachable(w.key.instance_id);
+                fields.insert("reachable".into(), Value::Bool(mark.is_none()));
+                if let Some(mark) = mark {
+                    let ms = u64::try_from(now.since(mark.since).as_millis()).unwrap_or(u64::MAX);
+                    fields.insert("unreachable_for_ms".into(), Value::from(ms));
+                }
+            }
+            view
+        })
+        .collect();
     json!({
         "enabled": true,
         "connected": registry.connected(),

@@ -31,6 +31,7 @@ use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
 use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::load_based::LoadBasedPicker;
+use continuum_protocol::picker::reachability::reachable_candidates;
 use continuum_protocol::picker::{
     BlockOverlaps, Candidate, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker,
     KvPickInput, KvPickParams, KvSelectionResult, KvUnavailable, LoadView, PickOutcome,
@@ -357,6 +358,23 @@ impl ShimRouter {
                 }
             }
             state.ledger.expire(now);
+            // Workers whose load publisher died (SIGKILL within the lease) sit out while a
+            // reachable rank serves the phase; no marks, no filtering work.
+            let kept = (store.unreachable_count() > 0)
+                .then(|| {
+                    reachable_candidates(candidates, &request, |c| {
+                        store.is_unreachable(c.worker.instance_id)
+                    })
+                })
+                .flatten();
+            if let Some(kept) = &kept {
+                debug!(
+                    model,
+                    left_out = candidates.len() - kept.len(),
+                    "Unreachable workers sit out this selection."
+                );
+            }
+            let candidates = kept.as_deref().unwrap_or(candidates);
             let view = StoreView {
                 store,
                 now,

@@ -1,7 +1,8 @@
 //! Load signals end to end inside the daemon: a worker and its kv_metrics channel registered in a
 //! real etcd, a real libzmq publisher (pyzmq) sending ActiveLoad; the daemon's follower starts one
 //! subscription, samples land in the load store and the per-worker gauges, foreign publisher ids
-//! are counted, and a departed worker's sample and gauges are evicted.
+//! are counted, and a departed worker's sample and gauges are evicted. A publisher SIGKILLed while
+//! its records stay in etcd (a killed worker within its lease) marks the worker unreachable.
 #![cfg(feature = "real-peers")]
 
 mod support {
@@ -215,4 +216,80 @@ async fn samples_flow_from_a_real_publisher_into_the_store_and_gauges() {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A killed worker's records stay in etcd until its lease expires, but its publisher dies at
+/// once: the subscription loses its session, the reconnect is refused, and the worker is marked
+/// unreachable (admin view, gauge, counter) until a publisher answers on its endpoint again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_publisher_marks_its_worker_unreachable_until_it_answers_again() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    let mut publisher = Publisher::spawn().await;
+    let port = publisher.bind("xpub", 0).await;
+    let mut client = etcd.client().await;
+    for (key, value) in records(port) {
+        client.put(key, value.to_string(), None).await.expect("put");
+    }
+    let yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\nadmin:\n  enabled: true\n  token: t\n\
+         dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{}\"]\n      \
+         namespace: \"{NS}\"\n  load:\n    max_staleness: \"5m\"\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n",
+        etcd.endpoint()
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    publisher.await_subscriptions(1).await;
+    publisher.send(&[make(PUBLISHER, 1, WORKER, 0)]).await;
+    until(&daemon, |d| {
+        d.load_store().latest(WORKER, DpRank(0)).is_some()
+    })
+    .await;
+    let admin = |daemon: &Daemon| {
+        let url = format!("http://{}/admin/dynamo/workers", daemon.local_addr());
+        async move {
+            let view: Value = reqwest::Client::new()
+                .get(&url)
+                .bearer_auth("t")
+                .send()
+                .await
+                .expect("admin")
+                .json()
+                .await
+                .expect("json");
+            view["workers"][0].clone()
+        }
+    };
+    assert_eq!(admin(&daemon).await["reachable"], true);
+
+    publisher.kill().await;
+    let killed = tokio::time::Instant::now();
+    until(&daemon, |d| d.load_store().unreachable(WORKER).is_some()).await;
+    println!("SIGKILL to unreachable mark: {:?}", killed.elapsed());
+    let worker = admin(&daemon).await;
+    assert_eq!(worker["reachable"], false, "{worker}");
+    assert!(worker["unreachable_for_ms"].is_u64(), "{worker}");
+    let metrics = daemon.metrics();
+    assert_eq!(
+        metrics.value("continuum_dynamo_unreachable_workers", &[]),
+        Some(1.0)
+    );
+    assert_eq!(
+        metrics.value("continuum_dynamo_workers_marked_unreachable_total", &[]),
+        Some(1.0)
+    );
+    // Still registered: only the lease (or a SIGTERM) removes a worker from the view.
+    assert_eq!(daemon.registry().snapshot().workers().len(), 1);
+
+    // A publisher answers on the endpoint again (a restarted worker process): the next session
+    // clears the mark.
+    let mut again = Publisher::spawn().await;
+    assert_eq!(again.bind("xpub", port).await, port);
+    again.await_subscriptions(1).await;
+    until(&daemon, |d| d.load_store().unreachable(WORKER).is_none()).await;
+    assert_eq!(admin(&daemon).await["reachable"], true);
+    assert_eq!(
+        metrics.value("continuum_dynamo_unreachable_workers", &[]),
+        Some(0.0)
+    );
+    daemon.shutdown().await;
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
-use continuum_protocol::load_store::{LoadSample, LoadStore, LoadStoreError};
+use continuum_protocol::load_store::{LoadSample, LoadStore, LoadStoreError, Unreachable};
 use continuum_protocol::time::Tick;
 use serde::Serialize;
 
@@ -97,6 +97,11 @@ impl DynamoLoadStore {
     /// The last sample of (worker, rank), whatever its age.
     pub fn latest(&self, worker: InstanceId, rank: DpRank) -> Option<LoadSample> {
         self.store().latest(worker, rank).cloned()
+    }
+
+    /// The worker's unreachable mark (its load publisher was lost and refuses reconnects).
+    pub fn unreachable(&self, worker: InstanceId) -> Option<Unreachable> {
+        self.store().unreachable(worker)
     }
 
     /// Hot-reloads `dynamo.load.max_staleness`.

@@ -264,6 +264,8 @@ struct Inner {
     disaggregated_errors: IntCounterVec,
     actor_restarts: IntCounterVec,
     http_requests: IntCounterVec,
+    unreachable_workers: IntGauge,
+    workers_marked_unreachable: prometheus::IntCounter,
     /// Which dp_ranks of a worker have gauge series, so a departed worker's series can all be
     /// removed (the Prometheus client has no "remove by partial labels").
     worker_ranks: Mutex<HashMap<WorkerKey, BTreeSet<DpRank>>>,
@@ -420,6 +422,22 @@ impl Metrics {
                 "HTTP requests answered, by matched route and status class.",
                 &["route", "status_class"],
             )?,
+            unreachable_workers: {
+                let gauge = IntGauge::new(
+                    "continuum_dynamo_unreachable_workers",
+                    "Registered workers whose kv_metrics publisher was lost and refuses reconnects.",
+                )?;
+                r.register(Box::new(gauge.clone()))?;
+                gauge
+            },
+            workers_marked_unreachable: {
+                let counter = prometheus::IntCounter::new(
+                    "continuum_dynamo_workers_marked_unreachable_total",
+                    "Times a registered worker was marked unreachable after its load publisher was lost.",
+                )?;
+                r.register(Box::new(counter.clone()))?;
+                counter
+            },
             registry,
             meter_provider,
             worker_ranks: Mutex::new(HashMap::new()),
@@ -556,6 +574,16 @@ impl Metrics {
             .load_subscriptions
             .with_label_values(&[state.as_label(), transport.as_label()])
             .set(gauge_value(count));
+    }
+
+    /// Workers currently marked unreachable in the load store.
+    pub fn set_unreachable_workers(&self, count: u64) {
+        self.inner.unreachable_workers.set(gauge_value(count));
+    }
+
+    /// `count` workers were just marked unreachable.
+    pub fn workers_marked_unreachable(&self, count: u64) {
+        self.inner.workers_marked_unreachable.inc_by(count);
     }
 
     /// Exports one (worker, dp_rank) sample. A `None` field removes that gauge's series.

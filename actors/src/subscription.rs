@@ -7,6 +7,9 @@
 //! 30 s session. Parent: the `subscriptions` supervisor. Messages in: none but Stop (the task owns
 //! the socket and reports through the store's status table). Restart: on failure, by its
 //! supervisor; the next connection drops the publisher's samples first (missed-messages rule).
+//! Unreachable rule: when an established session ends and the next attempt is refused, reset or
+//! times out, the workers this publisher delivered samples for are marked unreachable in the
+//! store (`LoadStream::on_connect_failed`) until a session is established again.
 //!
 //! SubscriptionFollower — role: on every registry generation, applies the live-worker gate to
 //! the store (evicting samples and gauges of departed workers), plans the wanted subscriptions
@@ -36,7 +39,7 @@ use crate::load::{DynamoLoadStore, SubscriptionStatus};
 use crate::metrics::{Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges};
 use crate::registry::DynamoRegistry;
 use crate::supervisor::{ChildContext, ChildSpec, SupervisorMsg};
-use crate::zmtp_conn::{CONNECT_TIMEOUT, ConnEvent, ZmtpConnConfig, run_session};
+use crate::zmtp_conn::{CONNECT_TIMEOUT, ConnEvent, ZmtpConnConfig, ZmtpConnError, run_session};
 use continuum_protocol::event_plane::{StreamExpectation, decode_delivery};
 use continuum_protocol::zmtp::ZmtpLimits;
 
@@ -180,7 +183,9 @@ async fn run_subscription(args: SubscriptionArgs) {
         let (tx, mut rx) = mpsc::channel::<ConnEvent>(64);
         let cfg = config.clone();
         let session = tokio::spawn(async move { run_session(&cfg, &tx).await });
+        let mut established = false;
         while let Some(event) = rx.recv().await {
+            established |= matches!(event, ConnEvent::Connected { .. });
             match event {
                 ConnEvent::Connected { .. } if kv_events => {
                     // kv-events gaps are caught by the index's per-rank event_id cursors.
@@ -197,8 +202,12 @@ async fn run_subscription(args: SubscriptionArgs) {
                 }
                 ConnEvent::Connected { .. } => {
                     reporter.report(SubscriptionState::Connected);
-                    let dropped = store.with(|s| stream.on_connected(s));
+                    let (dropped, unreachable) =
+                        store.with(|s| (stream.on_connected(s), s.unreachable_count()));
                     clear_gauges(&metrics, &target.namespace, &dropped);
+                    if let Some(metrics) = &metrics {
+                        metrics.set_unreachable_workers(unreachable as u64);
+                    }
                     store.notify();
                     debug!(subscription = %name, dropped = dropped.len(), "Subscribed; dropped samples that may have missed changes.");
                 }
@@ -237,7 +246,11 @@ async fn run_subscription(args: SubscriptionArgs) {
                 }
             }
         }
-        let ended = match session.await {
+        let outcome = session.await;
+        if !kv_events {
+            note_reachability(&name, &mut stream, &store, &metrics, established, &outcome);
+        }
+        let ended = match outcome {
             Ok(Ok(())) => "closed".to_string(),
             Ok(Err(error)) => {
                 if let (Some(metrics), Some(result)) = (&metrics, error.counted_result()) {
@@ -255,6 +268,45 @@ async fn run_subscription(args: SubscriptionArgs) {
         reporter.report(SubscriptionState::Backoff);
         debug!(subscription = %name, reason = %ended, delay_ms = delay.as_millis() as u64, "Subscription session ended; reconnecting after backoff.");
         tokio::time::sleep(delay).await;
+    }
+}
+
+/// Feeds one finished attempt to the unreachable rule: an established session that ended is
+/// lost; an attempt that never got a session failed (and, after a lost session, marks the
+/// publisher's workers unreachable).
+fn note_reachability(
+    name: &str,
+    stream: &mut LoadStream,
+    store: &DynamoLoadStore,
+    metrics: &Option<Metrics>,
+    established: bool,
+    outcome: &Result<Result<(), ZmtpConnError>, tokio::task::JoinError>,
+) {
+    if established {
+        stream.on_session_lost();
+        return;
+    }
+    let Ok(Err(error)) = outcome else {
+        return;
+    };
+    if !error.is_unreachable() {
+        return;
+    }
+    let now = now_tick();
+    let (marked, unreachable) = store.with(|s| {
+        let marked = stream.on_connect_failed(s, now);
+        (marked, s.unreachable_count())
+    });
+    if marked.is_empty() {
+        return;
+    }
+    if let Some(metrics) = metrics {
+        metrics.workers_marked_unreachable(marked.len() as u64);
+        metrics.set_unreachable_workers(unreachable as u64);
+    }
+    store.notify();
+    for worker in &marked {
+        warn!(subscription = %name, worker_id = %worker, %error, "Load publisher lost and refusing reconnects; the worker is unreachable until it answers again or leaves the registry.");
     }
 }
 
@@ -391,11 +443,13 @@ impl FollowerState {
             .iter()
             .map(|w| w.key.instance_id)
             .collect();
-        self.args
-            .store
-            .with(|s| s.set_live_and_retain(live.iter().copied()));
+        let unreachable = self.args.store.with(|s| {
+            s.set_live_and_retain(live.iter().copied());
+            s.unreachable_count()
+        });
         if let Some(metrics) = &self.args.metrics {
             metrics.retain_workers(|key| snapshot.worker(key).is_some());
+            metrics.set_unreachable_workers(unreachable as u64);
         }
         self.args.store.notify();
         if self.policy.kv_events {

@@ -118,6 +118,23 @@ impl ZmtpConnError {
     }
 }
 
+impl ZmtpConnError {
+    /// Whether this failure says nothing answers at the endpoint: refused, reset, unreachable, a
+    /// timeout, or a peer that closed before the handshake finished. After an established session
+    /// was lost, such a failure means the publisher (and its worker process) is gone. Policy and
+    /// protocol failures (a bad endpoint, DNS, `direct_allow_cidrs`, a violation) do not.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            Self::Connect { .. }
+                | Self::ConnectTimeout(_)
+                | Self::HandshakeTimeout(_)
+                | Self::Io(_)
+                | Self::Closed
+        )
+    }
+}
+
 /// What a session sends to its sink, in stream order.
 #[derive(Debug)]
 pub enum ConnEvent {

@@ -14,8 +14,16 @@
 //!
 //! The picker reads [`LoadStore::is_quiet`]: a worker whose last sample reported no backlog (or
 //! that never published) counts as idle even without a fresh sample.
+//!
+//! Unreachable workers: a SIGKILLed worker stays in the registry until its lease expires (30 s in
+//! Dynamo 1.6.1), but its `kv_metrics` publisher dies with it. When a subscription whose session
+//! was established loses its connection and the next connection attempt fails, [`LoadStream`]
+//! marks every worker that publisher has delivered samples for as unreachable
+//! ([`LoadStore::unreachable`]); the shim's candidate filter then keeps them out while a reachable
+//! rank can serve the phase. The mark clears on the publisher's next established session, on any
+//! applied sample of the worker, and when the worker leaves the live set.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use thiserror::Error;
@@ -29,6 +37,9 @@ use crate::zmtp::Delivery;
 
 /// Most (worker, dp_rank) entries the store holds.
 pub const LOAD_STORE_CAPACITY: usize = 65_536;
+/// Most distinct workers one [`LoadStream`] remembers as served by its publisher (a real
+/// publisher serves one worker; the bound only stops a hostile one from growing the set).
+pub const MAX_WORKERS_PER_PUBLISHER: usize = 64;
 /// Default `dynamo.load.max_staleness`.
 pub const DEFAULT_MAX_STALENESS: Duration = Duration::from_secs(3);
 /// Allowed range of `dynamo.load.max_staleness`.
@@ -108,10 +119,21 @@ impl LoadSample {
     }
 }
 
+/// Why and since when a worker is marked unreachable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Unreachable {
+    /// The `kv_metrics` publisher whose connection was lost and refused.
+    pub publisher_id: PublisherId,
+    /// When the failed reconnect was seen.
+    pub since: Tick,
+}
+
 /// Latest load sample per (worker, dp_rank).
 #[derive(Debug)]
 pub struct LoadStore {
     samples: HashMap<WorkerRank, LoadSample>,
+    /// Live workers whose load publisher went away (bounded by the live set).
+    unreachable: HashMap<InstanceId, Unreachable>,
     /// Which keys each publisher's samples occupy, so `drop_publisher` needs no scan.
     by_publisher: HashMap<PublisherId, HashSet<WorkerRank>>,
     live: HashSet<InstanceId>,
@@ -136,6 +158,7 @@ impl LoadStore {
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
             samples: HashMap::new(),
+            unreachable: HashMap::new(),
             by_publisher: HashMap::new(),
             live: HashSet::new(),
             capacity: capacity.min(LOAD_STORE_CAPACITY),
@@ -173,8 +196,17 @@ impl LoadStore {
     }
 
     /// Admits or refuses one sample; returns `applied`, `identity_mismatch`, `duplicate` or
-    /// `over_capacity`.
+    /// `over_capacity`. An applied sample is proof of life: it clears the worker's unreachable
+    /// mark.
     pub fn apply(&mut self, sample: LoadSample) -> LoadEventResult {
+        let result = self.admit(sample);
+        if result == LoadEventResult::Applied && !self.unreachable.is_empty() {
+            self.unreachable.remove(&sample.load.worker_id);
+        }
+        result
+    }
+
+    fn admit(&mut self, sample: LoadSample) -> LoadEventResult {
         let key = sample.key();
         if !self.live.contains(&key.worker_id) {
             return LoadEventResult::IdentityMismatch;
@@ -274,13 +306,72 @@ impl LoadStore {
         dropped
     }
 
-    /// Replaces the admission gate with the live registry snapshot and evicts every sample of a
-    /// worker that left it. Returns the evicted keys, sorted.
+    /// Marks the live workers among `workers` unreachable because `publisher_id`'s connection was
+    /// lost and could not be re-established. Returns the newly marked workers, sorted; a worker
+    /// already marked keeps its first mark.
+    pub fn mark_unreachable(
+        &mut self,
+        publisher_id: PublisherId,
+        workers: impl IntoIterator<Item = InstanceId>,
+        now: Tick,
+    ) -> Vec<InstanceId> {
+        let mut marked = Vec::new();
+        for worker in workers {
+            if !self.live.contains(&worker) || self.unreachable.contains_key(&worker) {
+                continue;
+            }
+            self.unreachable.insert(
+                worker,
+                Unreachable {
+                    publisher_id,
+                    since: now,
+                },
+            );
+            marked.push(worker);
+        }
+        marked.sort_unstable();
+        marked
+    }
+
+    /// Clears the marks `publisher_id` set (its session is established again). Returns the
+    /// cleared workers, sorted.
+    pub fn clear_unreachable(&mut self, publisher_id: PublisherId) -> Vec<InstanceId> {
+        let mut cleared: Vec<InstanceId> = self
+            .unreachable
+            .iter()
+            .filter(|(_, mark)| mark.publisher_id == publisher_id)
+            .map(|(worker, _)| *worker)
+            .collect();
+        for worker in &cleared {
+            self.unreachable.remove(worker);
+        }
+        cleared.sort_unstable();
+        cleared
+    }
+
+    /// The worker's unreachable mark, if any.
+    pub fn unreachable(&self, worker_id: InstanceId) -> Option<Unreachable> {
+        self.unreachable.get(&worker_id).copied()
+    }
+
+    pub fn is_unreachable(&self, worker_id: InstanceId) -> bool {
+        self.unreachable.contains_key(&worker_id)
+    }
+
+    /// How many live workers are marked unreachable (the picker's fast path skips the filter at 0).
+    pub fn unreachable_count(&self) -> usize {
+        self.unreachable.len()
+    }
+
+    /// Replaces the admission gate with the live registry snapshot and evicts every sample (and
+    /// unreachable mark) of a worker that left it. Returns the evicted keys, sorted.
     pub fn set_live_and_retain(
         &mut self,
         live: impl IntoIterator<Item = InstanceId>,
     ) -> Vec<WorkerRank> {
         self.live = live.into_iter().collect();
+        let live = &self.live;
+        self.unreachable.retain(|worker, _| live.contains(worker));
         let mut evicted: Vec<WorkerRank> = self
             .samples
             .keys()
@@ -310,13 +401,32 @@ pub struct StreamOutcome {
     pub dropped: Vec<WorkerRank>,
 }
 
+/// The state of a subscription's link to its publisher, for the unreachable rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// No session was ever established: a failing dial says nothing about the worker (the
+    /// router may simply be unable to reach the event plane).
+    NeverUp,
+    /// A session is established.
+    Up,
+    /// An established session ended; a failed reconnect now means the publisher is gone.
+    Lost,
+}
+
 /// The `kv_metrics` pipeline of one subscription: decode, per-stream dedup, the missed-messages
 /// rule, then the store. One per subscription; the transport task calls
-/// [`LoadStream::on_connected`] after every handshake.
+/// [`LoadStream::on_connected`] after every handshake, [`LoadStream::on_session_lost`] when an
+/// established session ends and [`LoadStream::on_connect_failed`] when an attempt fails to
+/// establish one.
 #[derive(Clone, Debug)]
 pub struct LoadStream {
     publisher_id: PublisherId,
     sequence: StreamSequence,
+    link: Link,
+    /// Workers this publisher delivered applied samples for (at most
+    /// [`MAX_WORKERS_PER_PUBLISHER`]); kept across sessions, since samples are dropped on every
+    /// reconnect but the publisher still belongs to the same worker.
+    workers: BTreeSet<InstanceId>,
 }
 
 impl LoadStream {
@@ -325,7 +435,35 @@ impl LoadStream {
         Self {
             publisher_id,
             sequence: StreamSequence::new(),
+            link: Link::NeverUp,
+            workers: BTreeSet::new(),
         }
+    }
+
+    pub fn link(&self) -> Link {
+        self.link
+    }
+
+    /// The workers this publisher is known to serve (from applied samples).
+    pub fn workers(&self) -> impl Iterator<Item = InstanceId> + '_ {
+        self.workers.iter().copied()
+    }
+
+    /// An established session ended (the publisher closed or reset the connection).
+    pub fn on_session_lost(&mut self) {
+        if self.link == Link::Up {
+            self.link = Link::Lost;
+        }
+    }
+
+    /// A connection attempt failed before a session was established. After a lost session the
+    /// publisher is gone (a killed worker's port refuses, a hung host times out): mark the workers
+    /// it served unreachable. Returns the newly marked workers, sorted.
+    pub fn on_connect_failed(&mut self, store: &mut LoadStore, now: Tick) -> Vec<InstanceId> {
+        if self.link != Link::Lost {
+            return Vec::new();
+        }
+        store.mark_unreachable(self.publisher_id, self.workers.iter().copied(), now)
     }
 
     pub fn publisher_id(&self) -> PublisherId {
@@ -338,8 +476,13 @@ impl LoadStream {
 
     /// A new TCP stream: forget its sequence and drop the publisher's samples, since changes may
     /// have been missed while disconnected. Returns the dropped keys.
+    /// The publisher answers again, so the marks it caused are cleared.
     pub fn on_connected(&mut self, store: &mut LoadStore) -> Vec<WorkerRank> {
         self.sequence.reset();
+        self.link = Link::Up;
+        if store.unreachable_count() > 0 {
+            store.clear_unreachable(self.publisher_id);
+        }
         store.drop_publisher(self.publisher_id)
     }
 
@@ -379,6 +522,9 @@ impl LoadStream {
         if outcome.result == LoadEventResult::Applied {
             self.sequence.record_applied(event.sequence);
             outcome.applied = Some(sample.key());
+            if self.workers.len() < MAX_WORKERS_PER_PUBLISHER {
+                self.workers.insert(sample.load.worker_id);
+            }
         }
         outcome
     }

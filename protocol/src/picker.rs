@@ -12,6 +12,7 @@
 //! | [`ledger`] | unanswered dispatches: backlog until a sample answers, stalled ranks |
 //! | [`load_based`] | the default [`LoadBasedPicker`] (Dynamo's load-only cost formulas) |
 //! | [`kv_aware`] | the [`KvAwarePicker`] (upstream's KV cost formula over index overlaps) |
+//! | [`reachability`] | unreachable ranks (lost load publisher) sit out before any picker runs |
 //!
 //! The picker works on its own small input types ([`Candidate`], [`SampleState`]); adapters from
 //! the discovery snapshot and the load store live with the caller.
@@ -27,6 +28,7 @@ pub mod estimate;
 pub mod kv_aware;
 pub mod ledger;
 pub mod load_based;
+pub mod reachability;
 
 #[cfg(test)]
 mod tests;

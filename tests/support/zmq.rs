@@ -20,7 +20,7 @@ const WAIT: Duration = Duration::from_secs(20);
 
 /// A pyzmq publisher process driven over stdin/stdout.
 pub struct Publisher {
-    _child: Child,
+    child: Child,
     stdin: ChildStdin,
     stdout: Lines<BufReader<ChildStdout>>,
 }
@@ -38,7 +38,7 @@ impl Publisher {
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap()).lines();
         Self {
-            _child: child,
+            child,
             stdin,
             stdout,
         }
@@ -76,6 +76,12 @@ impl Publisher {
             .map(|m| m.iter().map(|f| to_hex(f)).collect())
             .collect();
         self.cmd(json!({"op": "send", "messages": hex})).await;
+    }
+
+    /// SIGKILLs the publisher process: its sockets vanish without a goodbye, as a killed
+    /// worker's do.
+    pub async fn kill(&mut self) {
+        self.child.kill().await.expect("SIGKILL the publisher");
     }
 
     pub async fn close(&mut self) {

@@ -300,3 +300,46 @@ async fn bad_endpoints_and_refused_connections_are_typed_errors() {
     assert!(matches!(error, ZmtpConnError::Connect { .. }), "{error}");
     assert_eq!(error.counted_result(), None);
 }
+
+/// Only "nothing answers there" failures may mark a lost publisher's workers unreachable; policy
+/// and protocol failures never do.
+#[tokio::test]
+async fn refusals_and_timeouts_read_as_unreachable_but_policy_failures_do_not() {
+    // A port nobody listens on any more: connection refused.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let config =
+        ZmtpConnConfig::kv_metrics(PublisherId(1), format!("tcp://127.0.0.1:{port}"), None);
+    let refused = ZmtpConn::connect(&config).await.unwrap_err();
+    assert!(
+        matches!(refused, ZmtpConnError::Connect { .. }),
+        "{refused}"
+    );
+    assert!(refused.is_unreachable());
+    // A peer that accepts and closes before the handshake.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let closer = tokio::spawn(async move {
+        let (socket, _) = listener.accept().await.unwrap();
+        drop(socket);
+    });
+    let config =
+        ZmtpConnConfig::kv_metrics(PublisherId(1), format!("tcp://127.0.0.1:{port}"), None);
+    let closed = ZmtpConn::connect(&config).await.unwrap_err();
+    closer.await.unwrap();
+    assert!(closed.is_unreachable(), "{closed}");
+    assert!(ZmtpConnError::ConnectTimeout(CONNECT_TIMEOUT).is_unreachable());
+    assert!(ZmtpConnError::HandshakeTimeout(CONNECT_TIMEOUT).is_unreachable());
+    // Policy and protocol failures say nothing about the worker.
+    let denied = ZmtpConnConfig::kv_metrics(
+        PublisherId(1),
+        "tcp://127.0.0.1:9",
+        Some(vec!["10.0.0.0/8".parse().unwrap()]),
+    );
+    let error = ZmtpConn::connect(&denied).await.unwrap_err();
+    assert!(matches!(error, ZmtpConnError::NotAllowed { .. }), "{error}");
+    assert!(!error.is_unreachable());
+    assert!(!ZmtpConnError::BadEndpoint("x".into()).is_unreachable());
+    assert!(!ZmtpConnError::NoAddress { host: "h".into() }.is_unreachable());
+}

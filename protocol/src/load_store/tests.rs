@@ -297,6 +297,54 @@ fn quiet_means_never_published_or_no_backlog() {
     );
 }
 
+#[test]
+fn unreachable_marks_are_set_for_live_workers_and_cleared_by_life_or_departure() {
+    let mut store = store_with_live(&[W1, W2]);
+    let t = Tick::from_millis(100);
+    assert_eq!(
+        store.mark_unreachable(P1, [W1, InstanceId(0x99)], t),
+        vec![W1]
+    );
+    assert_eq!(
+        store.unreachable(W1),
+        Some(Unreachable {
+            publisher_id: P1,
+            since: t
+        })
+    );
+    // A second mark keeps the first one's time and publisher.
+    assert!(
+        store
+            .mark_unreachable(P2, [W1], Tick::from_millis(200))
+            .is_empty()
+    );
+    assert_eq!(store.unreachable(W1).unwrap().since, t);
+    assert!(!store.is_unreachable(W2));
+    // Another publisher reconnecting clears nothing; the marking one clears its marks.
+    assert!(store.clear_unreachable(P2).is_empty());
+    assert_eq!(store.clear_unreachable(P1), vec![W1]);
+    assert_eq!(store.unreachable_count(), 0);
+    // Any applied sample of the worker is proof of life.
+    store.mark_unreachable(P1, [W1, W2], t);
+    assert_eq!(
+        store.apply(sample(W1, R1, P2, 1, 0)),
+        LoadEventResult::Applied
+    );
+    assert!(!store.is_unreachable(W1) && store.is_unreachable(W2));
+    // A refused sample is not.
+    assert_eq!(
+        store.apply(sample(W1, R1, P2, 1, 0)),
+        LoadEventResult::Duplicate
+    );
+    store.mark_unreachable(P1, [W1], t);
+    assert!(store.is_unreachable(W1));
+    // Departure drops the mark with the samples.
+    store.set_live_and_retain([W1]);
+    assert!(!store.is_unreachable(W2) && store.is_unreachable(W1));
+    store.set_live_and_retain([]);
+    assert_eq!(store.unreachable_count(), 0);
+}
+
 // --- The subscription pipeline over captured bytes -------------------------------------------
 
 const FIXTURES: &str = concat!(
@@ -521,4 +569,118 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_lost_session_whose_reconnect_fails_marks_the_publishers_workers() {
+    let (publisher, messages) = agg_messages();
+    let worker = worker_of(&messages[0]);
+    let mut store = store_with_live(&[worker, W2]);
+    let mut stream = LoadStream::new(publisher);
+    let t = Tick::from_millis(10);
+    // Never connected: a failing dial says nothing about the worker.
+    assert_eq!(stream.link(), Link::NeverUp);
+    stream.on_session_lost();
+    assert!(stream.on_connect_failed(&mut store, t).is_empty());
+    // Connected, but nothing delivered yet: the publisher's worker is unknown.
+    stream.on_connected(&mut store);
+    assert_eq!(stream.link(), Link::Up);
+    stream.on_session_lost();
+    assert_eq!(stream.link(), Link::Lost);
+    assert!(stream.on_connect_failed(&mut store, t).is_empty());
+    // A session that delivered a sample, then lost and refused: the worker is marked, once.
+    stream.on_connected(&mut store);
+    let outcome = stream.on_delivery(&delivery(&messages[0]), &mut store, t);
+    assert_eq!(outcome.result, LoadEventResult::Applied);
+    assert_eq!(stream.workers().collect::<Vec<_>>(), vec![worker]);
+    // A failed attempt while the session is up cannot happen; it marks nothing.
+    assert!(stream.on_connect_failed(&mut store, t).is_empty());
+    stream.on_session_lost();
+    assert_eq!(stream.on_connect_failed(&mut store, t), vec![worker]);
+    assert!(store.is_unreachable(worker) && !store.is_unreachable(W2));
+    assert!(
+        stream
+            .on_connect_failed(&mut store, Tick::from_millis(20))
+            .is_empty()
+    );
+    assert_eq!(store.unreachable(worker).unwrap().since, t);
+    // The sample is kept (it aged on its own), and the next established session clears the mark
+    // and drops the sample as after any reconnect; the publisher still maps to its worker.
+    assert!(store.latest(worker, R0).is_some());
+    stream.on_connected(&mut store);
+    assert!(!store.is_unreachable(worker));
+    assert!(store.latest(worker, R0).is_none());
+    stream.on_session_lost();
+    assert_eq!(stream.on_connect_failed(&mut store, t), vec![worker]);
+}
+
+#[test]
+fn a_publisher_remembers_a_bounded_number_of_workers() {
+    let publisher = PublisherId(7);
+    let live: Vec<InstanceId> = (1..=(MAX_WORKERS_PER_PUBLISHER as u64 + 10))
+        .map(InstanceId)
+        .collect();
+    let mut store = store_with_live(&live);
+    let mut stream = LoadStream::new(publisher);
+    stream.on_connected(&mut store);
+    for (seq, worker) in live.iter().enumerate() {
+        let payload = kv_metrics_frames(publisher, seq as u64, *worker);
+        let outcome = stream.on_delivery(&delivery(&payload), &mut store, Tick::from_millis(1));
+        assert_eq!(outcome.result, LoadEventResult::Applied);
+    }
+    assert_eq!(stream.workers().count(), MAX_WORKERS_PER_PUBLISHER);
+    stream.on_session_lost();
+    let marked = stream.on_connect_failed(&mut store, Tick::from_millis(2));
+    assert_eq!(marked.len(), MAX_WORKERS_PER_PUBLISHER);
+}
+
+/// One `kv_metrics` message as 1.6.1 frames it (named msgpack maps, upstream field order).
+fn kv_metrics_frames(publisher: PublisherId, sequence: u64, worker: InstanceId) -> [Vec<u8>; 4] {
+    #[derive(serde::Serialize)]
+    struct Load {
+        worker_id: u64,
+        dp_rank: u32,
+        active_decode_blocks: Option<u64>,
+        active_prefill_tokens: Option<u64>,
+        kv_used_blocks: Option<u64>,
+    }
+    #[derive(serde::Serialize)]
+    struct Envelope<'a> {
+        publisher_id: u64,
+        sequence: u64,
+        published_at: u64,
+        topic: &'a str,
+        #[serde(with = "serde_bytes_as_bin")]
+        payload: &'a [u8],
+    }
+    mod serde_bytes_as_bin {
+        pub fn serialize<S: serde::Serializer>(b: &&[u8], s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_bytes(b)
+        }
+    }
+    let payload = rmp_serde::to_vec_named(&Load {
+        worker_id: worker.0,
+        dp_rank: 0,
+        active_decode_blocks: None,
+        active_prefill_tokens: None,
+        kv_used_blocks: Some(0),
+    })
+    .unwrap();
+    let body = rmp_serde::to_vec_named(&Envelope {
+        publisher_id: publisher.0,
+        sequence,
+        published_at: 1,
+        topic: "kv_metrics",
+        payload: &payload,
+    })
+    .unwrap();
+    let mut frame = vec![1u8];
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend(body);
+    [
+        b"kv_metrics".to_vec(),
+        publisher.0.to_be_bytes().to_vec(),
+        sequence.to_be_bytes().to_vec(),
+        frame,
+    ]
 }
