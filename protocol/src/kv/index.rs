@@ -13,7 +13,9 @@
 //!   descendants (the engine still holds them until it says otherwise), but a prefix walk stops
 //!   at the removed node, which is upstream's "truncated at the removed position"; re-storing the
 //!   block restores the path. Nodes with neither owners nor children are freed at once.
-//! * Each (worker, dp_rank) has an `event_id` cursor: at or below it is a replay (skipped); a
+//! * Each (worker, dp_rank) has an `event_id` cursor, kept per subscription in a
+//!   [`CursorTable`] (the index keeps one of its own for [`KvIndex::apply`]): at or below it is a
+//!   replay (skipped); a
 //!   forward jump clears the rank's blocks, counts `gap`, and then applies the event. The first
 //!   event of a rank sets the cursor wherever it is (the router may join mid-stream).
 //! * Ceilings refuse the offending block and the rest of its store (`over_capacity`); blocks
@@ -22,6 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{BuildHasher, Hasher};
 
+use super::cursors::{Admission, CursorTable};
 use super::events::{KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier, StoredBlock};
 use super::{ExternalBlockHash, KvEventCounts, KvEventResult, LocalBlockHash};
 use crate::ids::{DpRank, InstanceId};
@@ -338,7 +341,6 @@ impl Tree {
 struct RankState {
     worker: InstanceId,
     dp_rank: DpRank,
-    cursor: Option<u64>,
     blocks: FastMap<ExternalBlockHash, NodeIdx>,
 }
 
@@ -353,6 +355,8 @@ pub struct KvIndex {
     slot_of: FastMap<(InstanceId, DpRank), Slot>,
     live: BTreeMap<InstanceId, BTreeSet<DpRank>>,
     ownerships: usize,
+    /// Cursors for [`Self::apply`] (one implicit stream).
+    own_cursors: CursorTable,
 }
 
 /// Why a store stopped early.
@@ -378,6 +382,7 @@ impl KvIndex {
             slot_of: HashMap::with_hasher(build),
             live: BTreeMap::new(),
             ownerships: 0,
+            own_cursors: CursorTable::new(),
         }
     }
 
@@ -430,24 +435,31 @@ impl KvIndex {
 
     /// Applies one RouterEvent: identity gate, then the rank's cursor, then tier and domain,
     /// then the operation.
+    ///
+    /// The cursors used are the index's own table, for a single event stream (tests, benches,
+    /// replays of a dump); subscriptions pass their own table to [`Self::apply_from`].
     pub fn apply(&mut self, event: &RouterEvent) -> KvEventResult {
+        let mut cursors = std::mem::take(&mut self.own_cursors);
+        let result = self.apply_from(&mut cursors, event);
+        self.own_cursors = cursors;
+        result
+    }
+
+    /// [`Self::apply`] with one subscription's cursor table: at or below the rank's cursor is a
+    /// replay, a forward jump clears the rank (`gap`) before applying, a new rank past the
+    /// table's bound is refused (`over_capacity`).
+    pub fn apply_from(&mut self, cursors: &mut CursorTable, event: &RouterEvent) -> KvEventResult {
         let key = (event.worker_id, event.event.dp_rank);
-        if !self
-            .live
-            .get(&key.0)
-            .is_some_and(|ranks| ranks.contains(&key.1))
-        {
+        if !self.is_live(key.0, key.1) {
             return KvEventResult::IdentityMismatch;
         }
-        let slot = self.slot_for(key);
-        let id = event.event.event_id;
-        let rank = self.rank_mut(slot);
-        let gap = match rank.cursor {
-            Some(cursor) if id <= cursor => return KvEventResult::Replay,
-            Some(cursor) => id > cursor + 1,
-            None => false,
+        let gap = match cursors.admit(key.0, key.1, event.event.event_id) {
+            Admission::Replay => return KvEventResult::Replay,
+            Admission::OverCapacity => return KvEventResult::OverCapacity,
+            Admission::First | Admission::InOrder => false,
+            Admission::Gap { .. } => true,
         };
-        rank.cursor = Some(id);
+        let slot = self.slot_for(key);
         if gap {
             self.clear_slot(slot);
         }
@@ -474,6 +486,13 @@ impl KvIndex {
             },
         };
         if gap { KvEventResult::Gap } else { result }
+    }
+
+    /// Whether the identity gate admits this rank.
+    pub fn is_live(&self, worker: InstanceId, dp_rank: DpRank) -> bool {
+        self.live
+            .get(&worker)
+            .is_some_and(|ranks| ranks.contains(&dp_rank))
     }
 
     /// Per rank, the number of leading `hashes` it holds contiguously from the root. Ranks with
@@ -780,7 +799,6 @@ impl KvIndex {
         let state = RankState {
             worker: key.0,
             dp_rank: key.1,
-            cursor: None,
             blocks: HashMap::with_hasher(self.build),
         };
         let slot = match self.free_slots.pop() {
@@ -799,6 +817,7 @@ impl KvIndex {
     }
 
     fn drop_rank(&mut self, key: (InstanceId, DpRank)) -> usize {
+        self.own_cursors.forget(key.0, key.1);
         let Some(slot) = self.slot_of.remove(&key) else {
             return 0;
         };
