@@ -228,6 +228,10 @@ struct Node {
     tokens_hash: LocalBlockHash,
     parent: NodeIdx,
     children: u32,
+    /// The most recently created child still alive, or `ROOT` (none): most nodes form chains,
+    /// so a walk usually finds its next node here without hashing (and the arena keeps a
+    /// stored chain contiguous).
+    hint: NodeIdx,
     /// Sorted by slot, so `find_matches` intersects by merging.
     owners: Owners,
 }
@@ -247,6 +251,7 @@ impl Tree {
                 tokens_hash: LocalBlockHash(0),
                 parent: ROOT,
                 children: 0,
+                hint: ROOT,
                 owners: Owners::None,
             }],
             free: Vec::new(),
@@ -256,6 +261,11 @@ impl Tree {
     }
 
     fn child(&self, parent: NodeIdx, hash: LocalBlockHash) -> Option<NodeIdx> {
+        // The hint is always a live child of `parent`, and (parent, hash) names one child.
+        let hint = self.nodes[parent as usize].hint;
+        if hint != ROOT && self.nodes[hint as usize].tokens_hash == hash {
+            return Some(hint);
+        }
         self.edges.get(&(parent, hash)).copied()
     }
 
@@ -264,6 +274,7 @@ impl Tree {
             tokens_hash: hash,
             parent,
             children: 0,
+            hint: ROOT,
             owners: Owners::None,
         };
         let idx = match self.free.pop() {
@@ -280,6 +291,7 @@ impl Tree {
         };
         self.edges.insert((parent, hash), idx);
         self.nodes[parent as usize].children += 1;
+        self.nodes[parent as usize].hint = idx;
         self.live += 1;
         idx
     }
@@ -309,6 +321,9 @@ impl Tree {
             }
             let (parent, hash) = (n.parent, n.tokens_hash);
             self.edges.remove(&(parent, hash));
+            if self.nodes[parent as usize].hint == node {
+                self.nodes[parent as usize].hint = ROOT;
+            }
             self.free.push(node);
             self.live -= 1;
             self.nodes[parent as usize].children -= 1;
@@ -510,6 +525,11 @@ impl KvIndex {
             let owners = &self.tree.nodes[child as usize].owners;
             if i == 0 {
                 active.extend(owners.iter().map(|o| o.slot));
+            } else if owners.len() == active.len()
+                && owners.iter().zip(&active).all(|(o, s)| o.slot == *s)
+            {
+                // The same ranks hold this block too: nobody leaves (the common case on a
+                // shared prefix, so it skips the merge).
             } else {
                 // Merge the sorted active set with the sorted owners; leavers score `depth`.
                 next.clear();
@@ -727,6 +747,12 @@ impl KvIndex {
             children[node.parent as usize] += 1;
             if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx)) {
                 return Err(format!("node {i} is missing its edge"));
+            }
+            if node.hint != ROOT
+                && (free.contains(&node.hint)
+                    || self.tree.nodes[node.hint as usize].parent != i as NodeIdx)
+            {
+                return Err(format!("node {i} hints at {} which is not its child", node.hint));
             }
             if node.children == 0 && node.owners.is_empty() {
                 return Err(format!("node {i} is neither owned nor a parent"));
