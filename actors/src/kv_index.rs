@@ -279,7 +279,11 @@ impl DynamoKvIndex {
     }
 
     /// Applies one batch under a subscription's cursors (the actor's write path).
-    fn apply_batch(&self, subscription: &SubscriptionName, events: &[RouterEvent]) -> KvEventCounts {
+    fn apply_batch(
+        &self,
+        subscription: &SubscriptionName,
+        events: &[RouterEvent],
+    ) -> KvEventCounts {
         let mut counts = KvEventCounts::default();
         let mut outcomes = Vec::new();
         {
@@ -569,16 +573,21 @@ impl KvIndexState {
 
 /// The actor's child spec under root.
 pub fn kv_index_spec(kv: DynamoKvIndex, registry: DynamoRegistry) -> ChildSpec {
-    ChildSpec::new(KV_INDEX_NAME, ActorKind::KvIndex, move |ctx: ChildContext| {
-        let args = KvIndexArgs {
-            kv: kv.clone(),
-            registry: registry.clone(),
-        };
-        async move {
-            let (actor, _) = Actor::spawn_linked(None, KvIndexActor, args, ctx.supervisor).await?;
-            Ok(actor.get_cell())
-        }
-    })
+    ChildSpec::new(
+        KV_INDEX_NAME,
+        ActorKind::KvIndex,
+        move |ctx: ChildContext| {
+            let args = KvIndexArgs {
+                kv: kv.clone(),
+                registry: registry.clone(),
+            };
+            async move {
+                let (actor, _) =
+                    Actor::spawn_linked(None, KvIndexActor, args, ctx.supervisor).await?;
+                Ok(actor.get_cell())
+            }
+        },
+    )
 }
 
 #[cfg(test)]

@@ -18,10 +18,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 pub use continuum_protocol::discovery::DiscoveryEventKind;
 pub use continuum_protocol::event_plane::LoadEventResult;
+use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
 /// `continuum_dynamo_kv_events_total{result}`: the one closed set the index, the envelope
 /// decoder and this metric share.
 pub use continuum_protocol::kv::KvEventResult;
-use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
 pub use continuum_protocol::picker::{Phase as SelectionRole, SelectionReason};
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::Resource;

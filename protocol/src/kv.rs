@@ -29,8 +29,8 @@ pub mod index;
 pub mod parity;
 pub mod reference;
 
-pub use events::{KvEventsError, RouterEvent, decode_router_events, encode_router_events};
 pub use cursors::{Admission, CursorTable, MAX_CURSORS_PER_SUBSCRIPTION};
+pub use events::{KvEventsError, RouterEvent, decode_router_events, encode_router_events};
 pub use index::{KvIndex, KvIndexLimits, KvIndexStats, RankOverlap};
 pub use parity::{ParityDrops, ParityOutcome, ParityStats, ParityTracker};
 

@@ -50,7 +50,10 @@ async fn registry() -> (DynamoRegistry, ActorRef<RegistryMsg>) {
     });
     let mut reducer = DiscoveryReducer::new(ns);
     reducer.apply(SourceEvent::Init, UnixMillis(0));
-    for (key, value) in worker(W1.0, "m", 4096).into_iter().chain(worker(W2.0, "m", 4096)) {
+    for (key, value) in worker(W1.0, "m", 4096)
+        .into_iter()
+        .chain(worker(W2.0, "m", 4096))
+    {
         reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
     }
     reducer.apply(SourceEvent::InitDone, UnixMillis(0));
@@ -165,8 +168,16 @@ async fn batches_apply_through_the_actor_and_reads_see_them() {
     assert_eq!(
         kv.overlaps(&q(&[1, 2, 3])),
         vec![
-            RankOverlap { worker: W1, dp_rank: DpRank(0), blocks: 3 },
-            RankOverlap { worker: W2, dp_rank: DpRank(3), blocks: 2 },
+            RankOverlap {
+                worker: W1,
+                dp_rank: DpRank(0),
+                blocks: 3
+            },
+            RankOverlap {
+                worker: W2,
+                dp_rank: DpRank(3),
+                blocks: 2
+            },
         ]
     );
     assert_eq!(kv.overlaps_many(&[&q(&[2]), &q(&[1])])[1].len(), 2);
@@ -174,7 +185,11 @@ async fn batches_apply_through_the_actor_and_reads_see_them() {
     assert_eq!(metric(&metrics, "replay"), 1.0);
     assert_eq!(metric(&metrics, "identity_mismatch"), 1.0);
     // A forward jump clears the rank, then applies.
-    kv.deliver(&a, &encode_router_events(&[ev(W1, 0, 9, stored(None, &[7]))])).await;
+    kv.deliver(
+        &a,
+        &encode_router_events(&[ev(W1, 0, 9, stored(None, &[7]))]),
+    )
+    .await;
     assert_eq!(metric(&metrics, "gap"), 1.0);
     assert_eq!(kv.overlaps(&q(&[1, 2, 3])).len(), 1);
     // Undecodable payloads are counted without reaching the actor.
@@ -202,8 +217,11 @@ async fn a_subscriptions_cursor_table_is_bounded_at_4096_ranks() {
     assert_eq!(metric(&metrics, "over_capacity"), 1.0);
     assert!(kv.overlaps(&q(&[1])).is_empty());
     // Another subscription has its own table.
-    kv.deliver(&name("b"), &encode_router_events(&[ev(W2, 0, 0, stored(None, &[1]))]))
-        .await;
+    kv.deliver(
+        &name("b"),
+        &encode_router_events(&[ev(W2, 0, 0, stored(None, &[1]))]),
+    )
+    .await;
     assert_eq!(kv.overlaps(&q(&[1])).len(), 1);
 }
 
@@ -216,8 +234,16 @@ async fn a_subscription_down_for_60_s_loses_its_ranks_and_one_back_in_time_keeps
     let (a, b) = (name("a"), name("b"));
     kv.subscription_state(&a, true);
     kv.subscription_state(&b, true);
-    kv.deliver(&a, &encode_router_events(&[ev(W1, 0, 0, stored(None, &[1]))])).await;
-    kv.deliver(&b, &encode_router_events(&[ev(W2, 0, 0, stored(None, &[1]))])).await;
+    kv.deliver(
+        &a,
+        &encode_router_events(&[ev(W1, 0, 0, stored(None, &[1]))]),
+    )
+    .await;
+    kv.deliver(
+        &b,
+        &encode_router_events(&[ev(W2, 0, 0, stored(None, &[1]))]),
+    )
+    .await;
     assert_eq!(kv.overlaps(&q(&[1])).len(), 2);
 
     kv.subscription_state(&a, false);
@@ -235,7 +261,11 @@ async fn a_subscription_down_for_60_s_loses_its_ranks_and_one_back_in_time_keeps
     barrier(&actor).await;
     assert_eq!(
         kv.overlaps(&q(&[1])),
-        vec![RankOverlap { worker: W2, dp_rank: DpRank(0), blocks: 1 }]
+        vec![RankOverlap {
+            worker: W2,
+            dp_rank: DpRank(0),
+            blocks: 1
+        }]
     );
     assert_eq!(kv.cursors("a"), 0);
     assert_eq!(kv.cursors("b"), 1);
@@ -249,18 +279,30 @@ async fn a_restarted_actor_reattaches_to_the_index_and_refusals_while_down_are_c
     let actor = spawn(&kv, &registry).await;
     barrier(&actor).await;
     let a = name("a");
-    kv.deliver(&a, &encode_router_events(&[ev(W1, 0, 0, stored(None, &[1, 2]))])).await;
+    kv.deliver(
+        &a,
+        &encode_router_events(&[ev(W1, 0, 0, stored(None, &[1, 2]))]),
+    )
+    .await;
     actor.stop_and_wait(None, None).await.expect("stops");
 
     // No actor: the batch is refused and counted, the index still answers reads.
-    kv.deliver(&a, &encode_router_events(&[ev(W1, 0, 1, stored(Some(1002), &[3]))])).await;
+    kv.deliver(
+        &a,
+        &encode_router_events(&[ev(W1, 0, 1, stored(Some(1002), &[3]))]),
+    )
+    .await;
     assert_eq!(metric(&metrics, "over_capacity"), 1.0);
     assert_eq!(kv.overlaps(&q(&[1, 2, 3]))[0].blocks, 2);
 
     let actor = spawn(&kv, &registry).await;
     barrier(&actor).await;
     // The cursor survived the restart, so the lost event reads as a gap and the rank rebuilds.
-    kv.deliver(&a, &encode_router_events(&[ev(W1, 0, 2, stored(None, &[1]))])).await;
+    kv.deliver(
+        &a,
+        &encode_router_events(&[ev(W1, 0, 2, stored(None, &[1]))]),
+    )
+    .await;
     assert_eq!(metric(&metrics, "gap"), 1.0);
     assert_eq!(kv.overlaps(&q(&[1, 2, 3]))[0].blocks, 1);
 }
@@ -273,8 +315,11 @@ async fn hash_parity_is_decided_by_the_ranks_stores_and_counted_per_model() {
     let actor = spawn(&kv, &registry).await;
     barrier(&actor).await;
     kv.record_prediction("m", W1, DpRank(0), &q(&[5, 6]));
-    kv.deliver(&name("a"), &encode_router_events(&[ev(W1, 0, 0, stored(None, &[4, 5, 6]))]))
-        .await;
+    kv.deliver(
+        &name("a"),
+        &encode_router_events(&[ev(W1, 0, 0, stored(None, &[4, 5, 6]))]),
+    )
+    .await;
     let parity = kv.parity("m").expect("tracked");
     assert_eq!((parity.checked, parity.matched), (1, 1));
     assert_eq!(

@@ -514,10 +514,7 @@ fn main() {
         .zip(&b.sampled)
         .filter(|(x, y)| x == y)
         .count();
-    println!(
-        "agreement on sampled lookups: {agree}/{}",
-        a.sampled.len()
-    );
+    println!("agreement on sampled lookups: {agree}/{}", a.sampled.len());
     if agree != a.sampled.len() {
         std::process::exit(1);
     }

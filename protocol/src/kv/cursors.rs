@@ -137,7 +137,10 @@ mod tests {
         assert_eq!(t.admit(InstanceId(1), R, 1), Admission::InOrder);
         t.retain(|w, _| w != InstanceId(2));
         assert_eq!(t.admit(InstanceId(3), R, 5), Admission::First);
-        assert_eq!(CursorTable::with_limit(1 << 20).limit, MAX_CURSORS_PER_SUBSCRIPTION);
+        assert_eq!(
+            CursorTable::with_limit(1 << 20).limit,
+            MAX_CURSORS_PER_SUBSCRIPTION
+        );
     }
 
     #[test]
@@ -146,10 +149,7 @@ mod tests {
         for w in 0..MAX_CURSORS_PER_SUBSCRIPTION as u64 {
             assert_eq!(t.admit(InstanceId(w), R, 0), Admission::First);
         }
-        assert_eq!(
-            t.admit(InstanceId(u64::MAX), R, 0),
-            Admission::OverCapacity
-        );
+        assert_eq!(t.admit(InstanceId(u64::MAX), R, 0), Admission::OverCapacity);
         t.forget(InstanceId(0), R);
         assert_eq!(t.admit(InstanceId(u64::MAX), R, 0), Admission::First);
     }

@@ -752,7 +752,10 @@ impl KvIndex {
                 && (free.contains(&node.hint)
                     || self.tree.nodes[node.hint as usize].parent != i as NodeIdx)
             {
-                return Err(format!("node {i} hints at {} which is not its child", node.hint));
+                return Err(format!(
+                    "node {i} hints at {} which is not its child",
+                    node.hint
+                ));
             }
             if node.children == 0 && node.owners.is_empty() {
                 return Err(format!("node {i} is neither owned nor a parent"));

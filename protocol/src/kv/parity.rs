@@ -309,12 +309,7 @@ impl ParityTracker {
     /// Keeps only models `keep` admits (the fleet's); returns the names removed, whose metric
     /// series the caller removes.
     pub fn retain_models(&mut self, mut keep: impl FnMut(&str) -> bool) -> Vec<Arc<str>> {
-        let gone: Vec<Arc<str>> = self
-            .models
-            .keys()
-            .filter(|m| !keep(m))
-            .cloned()
-            .collect();
+        let gone: Vec<Arc<str>> = self.models.keys().filter(|m| !keep(m)).cloned().collect();
         if gone.is_empty() {
             return gone;
         }

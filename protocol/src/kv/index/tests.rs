@@ -6,11 +6,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use proptest::prelude::*;
 
 use super::*;
+use crate::kv::cursors::CursorTable;
 use crate::kv::events::{
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, ResidencyDomain,
     RouterEvent, StorageTier, StoredBlock,
 };
-use crate::kv::cursors::CursorTable;
 use crate::kv::reference::ReferenceIndex;
 
 const W1: InstanceId = InstanceId(1);

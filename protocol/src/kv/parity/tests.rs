@@ -37,7 +37,10 @@ fn predicted_tokens_hashes_stored_by_the_worker_match() {
     // Two blocks were cached already: the prediction is the new part.
     assert!(p.record_prediction("m", W, R, &local[2..], t(0)));
     // An unrelated store on another rank does not decide it.
-    assert!(p.on_stored(InstanceId(1), R, &mocker_blocks(&local)).is_empty());
+    assert!(
+        p.on_stored(InstanceId(1), R, &mocker_blocks(&local))
+            .is_empty()
+    );
     // The worker stores the new blocks, split in two events (a batch boundary).
     let stored = mocker_blocks(&local);
     let out = p.on_stored(W, R, &stored[2..5]);
@@ -57,7 +60,10 @@ fn a_salted_prediction_never_matches_a_mocker_that_ignores_the_salt() {
     let unsalted = hashes(0..64, salt_seed(None, None));
     p.record_prediction("m", W, R, &salted, t(0));
     for i in 0..MISMATCH_AFTER_STORES - 1 {
-        assert!(p.on_stored(W, R, &mocker_blocks(&unsalted)).is_empty(), "{i}");
+        assert!(
+            p.on_stored(W, R, &mocker_blocks(&unsalted)).is_empty(),
+            "{i}"
+        );
     }
     let out = p.on_stored(W, R, &mocker_blocks(&unsalted));
     assert_eq!(out.len(), 1);
@@ -106,11 +112,7 @@ fn a_window_of_zero_parity_warns_once_and_rearms_after_a_match() {
         assert!(out.is_empty());
         p.record_prediction("m", W, R, &a, t(i));
         p.on_stored(W, R, &other);
-        warnings += p
-            .expire(t(i + 60))
-            .iter()
-            .filter(|o| o.zero_parity)
-            .count();
+        warnings += p.expire(t(i + 60)).iter().filter(|o| o.zero_parity).count();
     }
     assert_eq!(warnings, 1);
     let stats = p.stats("m").expect("tracked");
@@ -140,7 +142,11 @@ fn pending_predictions_are_bounded_oldest_first() {
     assert!(p.on_stored(W, R, &mocker_blocks(&a)).is_empty());
     let long: Vec<LocalBlockHash> = (0..1000).map(LocalBlockHash).collect();
     p.record_prediction("m", W, DpRank(3), &long, t(1));
-    assert!(p.pending.values().all(|x| x.hashes.len() <= MAX_PREDICTED_BLOCKS));
+    assert!(
+        p.pending
+            .values()
+            .all(|x| x.hashes.len() <= MAX_PREDICTED_BLOCKS)
+    );
     assert!(!p.record_prediction("m", W, R, &[], t(1)));
 }
 
