@@ -10,6 +10,11 @@
 //! heap above the heap before it (the op list is already allocated then). Lookups are compared
 //! between the two indexes on every 97th request.
 //!
+//! Last, the read path: the same lookups through a `RwLock` read guard (what
+//! `DynamoKvIndex::overlaps` does) and through an actor-style call (a task owning the index,
+//! reached by an unbounded mpsc with a oneshot reply, which is what a ractor `call` is), each
+//! timed from another task on a 2-thread tokio runtime.
+//!
 //! Run: `cargo run --release --manifest-path benches/kv_upstream/Cargo.toml [-- TRACE [LIMIT]]`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -515,7 +520,86 @@ fn main() {
         .filter(|(x, y)| x == y)
         .count();
     println!("agreement on sampled lookups: {agree}/{}", a.sampled.len());
+    read_path(&workload);
     if agree != a.sampled.len() {
         std::process::exit(1);
     }
+}
+
+type Query = (Vec<LocalBlockHash>, tokio::sync::oneshot::Sender<usize>);
+
+/// Lookups through a read guard versus through an actor-style call, on the replayed index.
+fn read_path(w: &Workload) {
+    let mut index = KvIndex::new(0x5EED);
+    index.set_live_and_retain(
+        (0..WORKERS)
+            .map(|w| (InstanceId(w), BTreeSet::from([DpRank(0)])))
+            .collect(),
+    );
+    for op in &w.ops {
+        if let Some(event) = Ours::event(op) {
+            index.apply(&event);
+        }
+    }
+    let queries: Vec<Vec<LocalBlockHash>> = w
+        .requests
+        .iter()
+        .step_by(3)
+        .map(|r| Ours::query(r))
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .expect("runtime");
+    let shared = std::sync::Arc::new(std::sync::RwLock::new(index));
+    let (guard, call) = runtime.block_on(async move {
+        let reader = shared.clone();
+        let qs = queries.clone();
+        let guard = tokio::spawn(async move {
+            let mut times = Vec::with_capacity(qs.len());
+            for q in &qs {
+                let t = Instant::now();
+                let n = reader.read().expect("lock").find_matches(q).len();
+                times.push(t.elapsed());
+                std::hint::black_box(n);
+            }
+            times
+        })
+        .await
+        .expect("reader");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Query>();
+        let owner = shared.clone();
+        tokio::spawn(async move {
+            while let Some((q, reply)) = rx.recv().await {
+                let n = owner.read().expect("lock").find_matches(&q).len();
+                let _ = reply.send(n);
+            }
+        });
+        let call = tokio::spawn(async move {
+            let mut times = Vec::with_capacity(queries.len());
+            for q in queries {
+                let t = Instant::now();
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                let _ = tx.send((q, reply));
+                std::hint::black_box(answer.await.expect("answer"));
+                times.push(t.elapsed());
+            }
+            times
+        })
+        .await
+        .expect("caller");
+        (guard, call)
+    });
+    let mut guard = guard;
+    let mut call = call;
+    guard.sort_unstable();
+    call.sort_unstable();
+    println!(
+        "read path on the replayed index ({} lookups): read guard p50 {:?} p99 {:?}; actor-style call p50 {:?} p99 {:?}",
+        guard.len(),
+        percentile(&guard, 0.5),
+        percentile(&guard, 0.99),
+        percentile(&call, 0.5),
+        percentile(&call, 0.99)
+    );
 }
