@@ -11,7 +11,7 @@
 //! ├── discovery           Supervisor
 //! │   └── etcd:<ns>       DiscoveryActor per Dynamo namespace
 //! ├── subscriptions       SubscriptionSupervisor
-//! │   └── kv_metrics:<id> SubscriptionActor per publisher (kv_events:<id> too, feeding kv_index)
+//! │   └── kv_metrics:<id> SubscriptionActor per publisher (kv-events:<id> too, feeding kv_index)
 //! └── picker              PickerActor
 //! ```
 //!
