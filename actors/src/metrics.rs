@@ -919,6 +919,45 @@ mod tests {
         assert!(!text.contains("continuum_dynamo_workers{"));
     }
 
+    /// The kv-events result labels are exactly those the metric had before the enums merged.
+    #[test]
+    fn kv_event_labels_are_unchanged_and_parity_series_leave_with_their_model() {
+        let labels: BTreeSet<&str> = KvEventResult::ALL.iter().map(|r| r.as_label()).collect();
+        let expected: BTreeSet<&str> = [
+            "applied",
+            "replay",
+            "gap",
+            "other_tier",
+            "malformed",
+            "unknown_version",
+            "topic_mismatch",
+            "oversized",
+            "identity_mismatch",
+            "over_capacity",
+            "transport_refused",
+            "cache_owner",
+            "orphan",
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(labels, expected);
+        let metrics = metrics();
+        metrics.kv_hash_parity("m", KvParityResult::Match);
+        metrics.kv_hash_parity("m", KvParityResult::Mismatch);
+        metrics.kv_hash_parity("n", KvParityResult::Match);
+        let v = |model: &str, result: &str| {
+            metrics.value(
+                "continuum_dynamo_kv_hash_parity_total",
+                &[("model", model), ("result", result)],
+            )
+        };
+        assert_eq!(v("m", "mismatch"), Some(1.0));
+        metrics.remove_kv_hash_parity_model("m");
+        assert_eq!(v("m", "match"), None);
+        assert_eq!(v("m", "mismatch"), None);
+        assert_eq!(v("n", "match"), Some(1.0));
+    }
+
     #[test]
     fn counters_and_gauges_move_by_typed_labels() {
         let metrics = metrics();

@@ -206,6 +206,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn envelope_results_map_into_the_kv_set() {
+        for result in LoadEventResult::ALL {
+            let mapped = KvEventResult::from_envelope(result);
+            match result {
+                LoadEventResult::Applied => assert_eq!(mapped, None),
+                LoadEventResult::Duplicate => assert_eq!(mapped, Some(KvEventResult::Replay)),
+                other => assert_eq!(mapped.map(|m| m.as_str()), Some(other.as_str())),
+            }
+        }
+    }
+
+    #[test]
     fn result_labels_are_distinct_and_positions_match() {
         let labels: std::collections::BTreeSet<_> =
             KvEventResult::ALL.iter().map(|r| r.as_str()).collect();
