@@ -499,6 +499,12 @@ fn main() {
     );
     // Upstream first, then ours, then upstream again: the second upstream run is the one
     // compared, so neither side benefits from a cold or warm allocator alone.
+    if std::env::var_os("KV_ONLY_OURS").is_some() {
+        // For profiling our index alone.
+        let a = replay(Ours(ours), &workload);
+        print(&a, &workload);
+        return;
+    }
     let _warm = replay(Upstream(RadixTree::new()), &workload);
     let a = replay(Ours(ours), &workload);
     let b = replay(Upstream(RadixTree::new()), &workload);

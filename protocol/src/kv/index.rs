@@ -232,6 +232,11 @@ struct Node {
     /// so a walk usually finds its next node here without hashing (and the arena keeps a
     /// stored chain contiguous).
     hint: NodeIdx,
+    /// Whether this node's children are registered in the edge table. A node with at most one
+    /// child keeps it in `hint` only (chains, the common case, then cost no edge-table insert
+    /// or remove); the second child moves both into the table until the node is childless.
+    /// The root is always in edge mode.
+    edge_mode: bool,
     /// Sorted by slot, so `find_matches` intersects by merging.
     owners: Owners,
 }
@@ -252,6 +257,7 @@ impl Tree {
                 parent: ROOT,
                 children: 0,
                 hint: ROOT,
+                edge_mode: true,
                 owners: Owners::None,
             }],
             free: Vec::new(),
@@ -262,9 +268,13 @@ impl Tree {
 
     fn child(&self, parent: NodeIdx, hash: LocalBlockHash) -> Option<NodeIdx> {
         // The hint is always a live child of `parent`, and (parent, hash) names one child.
-        let hint = self.nodes[parent as usize].hint;
-        if hint != ROOT && self.nodes[hint as usize].tokens_hash == hash {
-            return Some(hint);
+        let p = &self.nodes[parent as usize];
+        if p.hint != ROOT && self.nodes[p.hint as usize].tokens_hash == hash {
+            return Some(p.hint);
+        }
+        if !p.edge_mode {
+            // Its only child (if any) is the hint.
+            return None;
         }
         self.edges.get(&(parent, hash)).copied()
     }
@@ -275,6 +285,7 @@ impl Tree {
             parent,
             children: 0,
             hint: ROOT,
+            edge_mode: false,
             owners: Owners::None,
         };
         let idx = match self.free.pop() {
@@ -289,9 +300,20 @@ impl Tree {
                 idx
             }
         };
-        self.edges.insert((parent, hash), idx);
-        self.nodes[parent as usize].children += 1;
-        self.nodes[parent as usize].hint = idx;
+        let p = &self.nodes[parent as usize];
+        if p.edge_mode {
+            self.edges.insert((parent, hash), idx);
+        } else if p.children == 1 {
+            // A second child: register both.
+            let only = p.hint;
+            let only_hash = self.nodes[only as usize].tokens_hash;
+            self.edges.insert((parent, only_hash), only);
+            self.edges.insert((parent, hash), idx);
+            self.nodes[parent as usize].edge_mode = true;
+        }
+        let p = &mut self.nodes[parent as usize];
+        p.children += 1;
+        p.hint = idx;
         self.live += 1;
         idx
     }
@@ -320,13 +342,20 @@ impl Tree {
                 return;
             }
             let (parent, hash) = (n.parent, n.tokens_hash);
-            self.edges.remove(&(parent, hash));
-            if self.nodes[parent as usize].hint == node {
-                self.nodes[parent as usize].hint = ROOT;
+            let p = &mut self.nodes[parent as usize];
+            if p.edge_mode {
+                self.edges.remove(&(parent, hash));
+            }
+            let p = &mut self.nodes[parent as usize];
+            if p.hint == node {
+                p.hint = ROOT;
+            }
+            p.children -= 1;
+            if p.children == 0 && parent != ROOT {
+                p.edge_mode = false;
             }
             self.free.push(node);
             self.live -= 1;
-            self.nodes[parent as usize].children -= 1;
             node = parent;
         }
     }
@@ -739,14 +768,22 @@ impl KvIndex {
         let free: BTreeSet<NodeIdx> = self.tree.free.iter().copied().collect();
         let mut children = vec![0u32; self.tree.nodes.len()];
         let mut live = 0;
+        let mut edged = 0;
         for (i, node) in self.tree.nodes.iter().enumerate().skip(1) {
             if free.contains(&(i as NodeIdx)) {
                 continue;
             }
             live += 1;
             children[node.parent as usize] += 1;
-            if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx)) {
-                return Err(format!("node {i} is missing its edge"));
+            let parent = &self.tree.nodes[node.parent as usize];
+            if parent.edge_mode {
+                edged += 1;
+                if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx))
+                {
+                    return Err(format!("node {i} is missing its edge"));
+                }
+            } else if parent.hint != i as NodeIdx || parent.children != 1 {
+                return Err(format!("node {i} is neither an edge nor its parent's only child"));
             }
             if node.hint != ROOT
                 && (free.contains(&node.hint)
@@ -767,9 +804,9 @@ impl KvIndex {
                 return Err(format!("node {i} owners are not sorted"));
             }
         }
-        if live != self.tree.live || self.tree.edges.len() != live {
+        if live != self.tree.live || self.tree.edges.len() != edged {
             return Err(format!(
-                "live {} / counted {live} / edges {}",
+                "live {} / counted {live} / edges {} / edged {edged}",
                 self.tree.live,
                 self.tree.edges.len()
             ));
