@@ -778,12 +778,13 @@ impl KvIndex {
             let parent = &self.tree.nodes[node.parent as usize];
             if parent.edge_mode {
                 edged += 1;
-                if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx))
-                {
+                if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx)) {
                     return Err(format!("node {i} is missing its edge"));
                 }
             } else if parent.hint != i as NodeIdx || parent.children != 1 {
-                return Err(format!("node {i} is neither an edge nor its parent's only child"));
+                return Err(format!(
+                    "node {i} is neither an edge nor its parent's only child"
+                ));
             }
             if node.hint != ROOT
                 && (free.contains(&node.hint)
