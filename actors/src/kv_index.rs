@@ -35,6 +35,7 @@ use continuum_protocol::ids::{DpRank, InstanceId};
 use continuum_protocol::kv::events::{
     KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier, decode_router_events,
 };
+use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::kv::index::{KvIndex, KvIndexStats, RankOverlap};
 use continuum_protocol::kv::parity::{ParityOutcome, ParityStats, ParityTracker};
 use continuum_protocol::kv::{CursorTable, KvEventCounts, KvEventResult, LocalBlockHash};
@@ -154,6 +155,21 @@ impl DynamoKvIndex {
     pub fn overlaps_many(&self, queries: &[&[LocalBlockHash]]) -> Vec<Vec<RankOverlap>> {
         let index = self.read();
         queries.iter().map(|q| index.find_matches(q)).collect()
+    }
+
+    /// [`Self::overlaps_many`] keyed by block size: a model whose workers use two
+    /// `kv_cache_block_size` values hashes the prompt once per size; each answer comes back with
+    /// its size so the picker applies it to the ranks of that size only (another size's ranks
+    /// cannot hold these hashes except by coincidence).
+    pub fn overlaps_by_block_size(
+        &self,
+        queries: &[(BlockSize, &[LocalBlockHash])],
+    ) -> Vec<(BlockSize, Vec<RankOverlap>)> {
+        let index = self.read();
+        queries
+            .iter()
+            .map(|(size, q)| (*size, index.find_matches(q)))
+            .collect()
     }
 
     /// Node, rank and ownership counts (walks the index: not for the request path).
