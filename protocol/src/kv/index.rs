@@ -943,45 +943,62 @@ impl KvIndex {
         parent: NodeIdx,
         block: &StoredBlock,
     ) -> Result<NodeIdx, Refusal> {
-        let existing = self.rank_mut(slot).blocks.get(&block.block_hash).copied();
-        let child = self.tree.child(parent, block.tokens_hash);
-        if let (Some(old), Some(new)) = (existing, child)
-            && old == new
-        {
+        use std::collections::hash_map::Entry;
+        // Split borrows: one hash lookup of the engine hash serves both the check and the insert.
+        let Self {
+            tree,
+            ranks,
+            limits,
+            ownerships,
+            ..
+        } = self;
+        let rank = ranks[slot as usize]
+            .as_mut()
+            .expect("slot_of only names occupied slots");
+        let child = tree.child(parent, block.tokens_hash);
+        let rank_blocks = rank.blocks.len();
+        let entry = rank.blocks.entry(block.block_hash);
+        let existing = match &entry {
+            Entry::Occupied(e) => Some(*e.get()),
+            Entry::Vacant(_) => None,
+        };
+        if existing.is_some() && existing == child {
             // Idempotent re-store of a block the rank already holds here.
-            return Ok(old);
+            return Ok(child.unwrap_or(ROOT));
         }
-        if existing.is_none() {
-            let rank_blocks = self.rank_mut(slot).blocks.len();
-            if rank_blocks >= self.limits.max_blocks_per_rank
-                || self.ownerships >= self.limits.max_index_ownerships
-            {
-                return Err(Refusal::OverCapacity);
-            }
+        if existing.is_none()
+            && (rank_blocks >= limits.max_blocks_per_rank
+                || *ownerships >= limits.max_index_ownerships)
+        {
+            return Err(Refusal::OverCapacity);
         }
         let node = match child {
             Some(node) => {
-                if !self.tree.has_owner(node, slot)
-                    && self.tree.nodes[node as usize].owners.len()
-                        >= self.limits.max_owners_per_node
+                if !tree.has_owner(node, slot)
+                    && tree.nodes[node as usize].owners.len() >= limits.max_owners_per_node
                 {
                     return Err(Refusal::OverCapacity);
                 }
                 node
             }
             None => {
-                if self.tree.live >= self.limits.max_index_blocks {
+                if tree.live >= limits.max_index_blocks {
                     return Err(Refusal::OverCapacity);
                 }
-                self.tree.create(parent, block.tokens_hash)
+                tree.create(parent, block.tokens_hash)
             }
         };
-        self.tree.add_owner(node, slot);
-        self.rank_mut(slot).blocks.insert(block.block_hash, node);
-        match existing {
-            // The engine reused a hash for another block: move this rank's claim.
-            Some(old) => self.tree.remove_owner(old, slot),
-            None => self.ownerships += 1,
+        tree.add_owner(node, slot);
+        match entry {
+            Entry::Occupied(mut e) => {
+                // The engine reused a hash for another block: move this rank's claim.
+                let old = e.insert(node);
+                tree.remove_owner(old, slot);
+            }
+            Entry::Vacant(e) => {
+                e.insert(node);
+                *ownerships += 1;
+            }
         }
         Ok(node)
     }
