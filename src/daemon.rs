@@ -15,7 +15,7 @@ use arc_swap::ArcSwap;
 use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
-use continuum_actors::kv_index::DynamoKvIndex;
+use continuum_actors::kv_index::{DynamoKvIndex, kv_index_spec};
 use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::metrics::SubscriptionTransport;
@@ -188,6 +188,7 @@ impl Daemon {
         let (root, root_task) = spawn_root(
             vec![
                 registry_spec(&shared),
+                kv_index_spec(shared.kv.clone(), shared.registry.clone()),
                 discovery_spec(&shared),
                 subscriptions_spec(&shared),
             ],
@@ -316,6 +317,7 @@ fn app_state(
     let metrics = shared.metrics.clone();
     let registry = shared.registry.clone();
     let load = shared.load.clone();
+    let kv = shared.kv.clone();
     let models_registry = shared.registry.clone();
     AppState {
         live,
@@ -323,7 +325,7 @@ fn app_state(
         metrics: Arc::new(move || metrics.render()),
         tree: tree.clone(),
         control,
-        dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry, &load)),
+        dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry, &load, &kv)),
         proxy: shared.proxy.clone(),
         fleet_models: Arc::new(move || {
             let snapshot = models_registry.snapshot();

@@ -1,12 +1,17 @@
 //! `GET /admin/dynamo/workers`: the discovered fleet as operators read it. Built from the
 //! registry snapshot; never exposes transport addresses, Pod IPs or raw model cards.
 
+use continuum_actors::kv_index::DynamoKvIndex;
 use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::registry::DynamoRegistry;
 use serde_json::{Value, json};
 
 /// The response body; `enabled: false` (still 200) when discovery is off in the live config.
-pub fn workers_view(registry: &DynamoRegistry, load: &DynamoLoadStore) -> Value {
+pub fn workers_view(
+    registry: &DynamoRegistry,
+    load: &DynamoLoadStore,
+    kv: &DynamoKvIndex,
+) -> Value {
     if !registry.is_enabled() {
         return json!({"enabled": false});
     }
@@ -43,5 +48,24 @@ pub fn workers_view(registry: &DynamoRegistry, load: &DynamoLoadStore) -> Value 
         "load_publishers": snapshot.load_publisher_count(),
         "kv_event_publishers": snapshot.kv_event_publisher_count(),
         "subscriptions": load.subscriptions(),
+        "kv_hash_parity": kv_hash_parity(kv),
     })
+}
+
+/// Per model: predictions decided, matched, and the match ratio over the last 100 (`null`
+/// before the first). Models appear after their first KV-aware pick and leave with the fleet.
+fn kv_hash_parity(kv: &DynamoKvIndex) -> Value {
+    let models: serde_json::Map<String, Value> = kv
+        .parity_all()
+        .into_iter()
+        .map(|(model, stats)| {
+            let value = json!({
+                "checked": stats.checked,
+                "matched": stats.matched,
+                "last_100_match_ratio": stats.last_100_match_ratio(),
+            });
+            (model, value)
+        })
+        .collect();
+    Value::Object(models)
 }

@@ -322,7 +322,7 @@ impl ShimRouter {
                 .iter()
                 .map(|(block_size, hashes)| BlockOverlaps {
                     block_size: *block_size,
-                    ranks: kv_index.find_matches(hashes),
+                    ranks: kv_index.overlaps(hashes),
                 })
                 .collect(),
             _ => Vec::new(),

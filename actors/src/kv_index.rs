@@ -1,33 +1,114 @@
-//! The shared bounded KV index fed by kv-events subscriptions.
+//! KvIndexActor and the shared KV index it writes ([`DynamoKvIndex`]).
 //!
-//! Every decision (decode bounds, identity gate, per-rank cursors, ceilings) is
-//! `protocol::kv`'s; this handle owns the lock, the live-worker gate from registry generations
-//! and the `continuum_dynamo_kv_events_total{result}` counts.
+//! Role: the single writer of the bounded device-tier KV index. kv-events SubscriptionActors
+//! decode their deliveries and hand each batch to the actor ([`DynamoKvIndex::deliver`]); the
+//! actor applies it through the subscription's own bounded `CursorTable` (4,096 (worker, dp_rank)
+//! cursors: replays skipped, forward jumps clear the rank and count `gap`, new ranks past the
+//! bound refused as `over_capacity`), feeds admitted `Stored` events to the hash-parity tracker,
+//! follows registry generations for the live identity gate (`set_live_and_retain`: departed
+//! workers and ranks lose blocks, cursors and pending parity predictions) and removes departed
+//! models' parity series. A subscription reported disconnected or pending for
+//! [`CLEAR_DOWN_AFTER`] loses the ranks it last fed, with a warning.
+//!
+//! Parent: root. Children: none. Messages in: [`KvIndexMsg`] (batches from subscriptions, their
+//! connection state, registry generations, timers). Out: `continuum_dynamo_kv_events_total`,
+//! `continuum_dynamo_kv_hash_parity_total`. Restart: transient. The index, the cursor tables and
+//! the parity tracker live in [`DynamoKvIndex`], outside the actor, so a restart (failure or
+//! `POST /admin/subsystems/kv_index/restart`) loses nothing: the new incarnation re-attaches,
+//! re-reads the registry and re-arms the clear timers of subscriptions that are down. Batches a
+//! subscription delivers while no actor runs are refused and counted `over_capacity`; the next
+//! batch of that rank then jumps its cursor, which clears and rebuilds the rank.
+//!
+//! Reads: the request path reads through [`DynamoKvIndex::overlaps`] under a `RwLock` read guard
+//! (no mailbox round trip): `find_matches` takes microseconds, a mailbox call would add a task
+//! hop and serialise every reader behind the writer's queue (see docs/runtime-semantics.md for
+//! the numbers).
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
 
+use arc_swap::ArcSwapOption;
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
 use continuum_protocol::event_plane::LoadEventResult;
 use continuum_protocol::ids::{DpRank, InstanceId};
-use continuum_protocol::kv::KvEventResult as IndexResult;
-use continuum_protocol::kv::LocalBlockHash;
-use continuum_protocol::kv::events::decode_router_events;
+use continuum_protocol::kv::events::{
+    KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier, decode_router_events,
+};
+use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::kv::index::{KvIndex, KvIndexStats, RankOverlap};
+use continuum_protocol::kv::parity::{ParityOutcome, ParityStats, ParityTracker};
+use continuum_protocol::kv::{CursorTable, KvEventCounts, KvEventResult, LocalBlockHash};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
 
-use crate::metrics::{KvEventResult, Metrics};
+use crate::clock::now_tick;
+use crate::lifecycle::ActorKind;
+use crate::metrics::{KvParityResult, Metrics};
+use crate::registry::DynamoRegistry;
+use crate::supervisor::{ChildContext, ChildSpec};
 
-/// The process-wide KV index handle.
+/// A subscription disconnected or pending this long loses the ranks it fed.
+pub const CLEAR_DOWN_AFTER: Duration = Duration::from_secs(60);
+/// How often undecided parity predictions are aged.
+pub const PARITY_EXPIRY_EVERY: Duration = Duration::from_secs(5);
+/// How long a subscription waits for the actor to apply a batch before counting it refused.
+pub const DELIVER_TIMEOUT: Duration = Duration::from_secs(5);
+/// The actor's name under root.
+pub const KV_INDEX_NAME: &str = "kv_index";
+
+/// One kv-events subscription as the index knows it: its supervisor child name.
+pub type SubscriptionName = Arc<str>;
+
+#[derive(Debug)]
+struct Stream {
+    cursors: CursorTable,
+    /// Bumped on every state change, so a stale clear timer does nothing.
+    epoch: u64,
+    up: bool,
+}
+
+impl Stream {
+    fn new() -> Self {
+        Self {
+            cursors: CursorTable::new(),
+            epoch: 0,
+            up: false,
+        }
+    }
+}
+
+/// Per-subscription cursors and which subscription last fed each rank.
+#[derive(Debug, Default)]
+struct Streams {
+    by_name: HashMap<SubscriptionName, Stream>,
+    owner: HashMap<(InstanceId, DpRank), SubscriptionName>,
+}
+
+struct Shared {
+    index: RwLock<KvIndex>,
+    streams: Mutex<Streams>,
+    parity: Mutex<ParityTracker>,
+    mailbox: ArcSwapOption<ActorRef<KvIndexMsg>>,
+    metrics: Option<Metrics>,
+}
+
+/// The process-wide KV index: cheap to clone; lock-guarded reads for the request path, writes
+/// through the [`KvIndexActor`].
 #[derive(Clone)]
 pub struct DynamoKvIndex {
-    index: Arc<Mutex<KvIndex>>,
-    metrics: Option<Metrics>,
+    shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for DynamoKvIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DynamoKvIndex").finish_non_exhaustive()
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl DynamoKvIndex {
@@ -37,92 +118,493 @@ impl DynamoKvIndex {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0x9e37_79b9_7f4a_7c15);
+        Self::with_index(KvIndex::new(seed), metrics)
+    }
+
+    /// A handle over a given index (tests with small ceilings).
+    pub fn with_index(index: KvIndex, metrics: Option<Metrics>) -> Self {
         Self {
-            index: Arc::new(Mutex::new(KvIndex::new(seed))),
-            metrics,
+            shared: Arc::new(Shared {
+                index: RwLock::new(index),
+                streams: Mutex::new(Streams::default()),
+                parity: Mutex::new(ParityTracker::new()),
+                mailbox: ArcSwapOption::empty(),
+                metrics,
+            }),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, KvIndex> {
-        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    fn read(&self) -> RwLockReadGuard<'_, KvIndex> {
+        self.shared.index.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Decodes one envelope payload (a RouterEvent batch) and applies it.
-    pub fn apply_payload(&self, payload: &[u8]) {
-        match decode_router_events(payload) {
-            Ok(events) => {
-                let counts = self.lock().apply_batch(&events);
-                if let Some(metrics) = &self.metrics {
-                    for (result, n) in counts.iter() {
-                        if n > 0 {
-                            metrics.kv_events(metric_of(result), n);
-                        }
-                    }
-                }
-            }
-            Err(error) => self.count(metric_of(error.result())),
-        }
+    fn write(&self) -> RwLockWriteGuard<'_, KvIndex> {
+        self.shared.index.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Counts an envelope-level drop.
-    pub fn count_envelope(&self, result: LoadEventResult) {
-        let mapped = match result {
-            LoadEventResult::Applied => return,
-            LoadEventResult::Malformed => KvEventResult::Malformed,
-            LoadEventResult::UnknownVersion => KvEventResult::UnknownVersion,
-            LoadEventResult::TopicMismatch => KvEventResult::TopicMismatch,
-            LoadEventResult::Oversized => KvEventResult::Oversized,
-            LoadEventResult::IdentityMismatch => KvEventResult::IdentityMismatch,
-            LoadEventResult::OverCapacity => KvEventResult::OverCapacity,
-            LoadEventResult::Duplicate => KvEventResult::Replay,
-            LoadEventResult::TransportRefused => KvEventResult::TransportRefused,
-        };
-        self.count(mapped);
+    // ----- reads (request path) --------------------------------------------------------------
+
+    /// Per rank, how many leading blocks of `hashes` (the request's LocalBlockHashes for one
+    /// block size) it holds; ranks without overlap omitted, sorted by (worker, dp_rank).
+    pub fn overlaps(&self, hashes: &[LocalBlockHash]) -> Vec<RankOverlap> {
+        self.read().find_matches(hashes)
     }
 
-    fn count(&self, result: KvEventResult) {
-        if let Some(metrics) = &self.metrics {
-            metrics.kv_event(result);
-        }
+    /// [`Self::overlaps`] for several hash sequences (one per block size a model's workers use)
+    /// under one read guard, in the order given.
+    pub fn overlaps_many(&self, queries: &[&[LocalBlockHash]]) -> Vec<Vec<RankOverlap>> {
+        let index = self.read();
+        queries.iter().map(|q| index.find_matches(q)).collect()
     }
 
-    /// The live-worker gate: only live workers and the dp ranks their cards declare.
-    pub fn set_live(&self, snapshot: &DynamoSnapshot) {
-        let mut live: BTreeMap<InstanceId, BTreeSet<DpRank>> = BTreeMap::new();
-        for worker in snapshot.workers() {
-            let start = worker.dp_start_rank.map(|r| r.0).unwrap_or(0);
-            let size = worker.dp_size.unwrap_or(1).clamp(1, 4096);
-            let ranks = (start..start.saturating_add(size)).map(DpRank).collect();
-            live.insert(worker.key.instance_id, ranks);
-        }
-        self.lock().set_live_and_retain(live);
-    }
-
-    /// Per rank, how many leading `hashes` it holds (the picker's one read of the index): ranks
-    /// without overlap are omitted, the list is sorted by (worker, dp_rank).
-    pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> Vec<RankOverlap> {
-        if hashes.is_empty() {
-            return Vec::new();
-        }
-        self.lock().find_matches(hashes)
+    /// [`Self::overlaps_many`] keyed by block size: a model whose workers use two
+    /// `kv_cache_block_size` values hashes the prompt once per size; each answer comes back with
+    /// its size so the picker applies it to the ranks of that size only (another size's ranks
+    /// cannot hold these hashes except by coincidence).
+    pub fn overlaps_by_block_size(
+        &self,
+        queries: &[(BlockSize, &[LocalBlockHash])],
+    ) -> Vec<(BlockSize, Vec<RankOverlap>)> {
+        let index = self.read();
+        queries
+            .iter()
+            .map(|(size, q)| (*size, index.find_matches(q)))
+            .collect()
     }
 
     /// Node, rank and ownership counts (walks the index: not for the request path).
     pub fn stats(&self) -> KvIndexStats {
-        self.lock().stats()
+        self.read().stats()
+    }
+
+    // ----- hash parity -----------------------------------------------------------------------
+
+    /// After a KV-aware pick of (worker, dp_rank) for `model`: the blocks the rank should now
+    /// store, i.e. the request's LocalBlockHashes past the overlap the index reported for it.
+    /// Cheap (one short mutex section); decided later by that rank's `Stored` events.
+    pub fn record_prediction(
+        &self,
+        model: &str,
+        worker: InstanceId,
+        dp_rank: DpRank,
+        new_blocks: &[LocalBlockHash],
+    ) {
+        lock(&self.shared.parity).record_prediction(model, worker, dp_rank, new_blocks, now_tick());
+    }
+
+    /// One model's hash parity (`None` before its first prediction).
+    pub fn parity(&self, model: &str) -> Option<ParityStats> {
+        lock(&self.shared.parity).stats(model)
+    }
+
+    /// Every tracked model's hash parity.
+    pub fn parity_all(&self) -> BTreeMap<String, ParityStats> {
+        lock(&self.shared.parity)
+            .all_stats()
+            .map(|(m, s)| (m.to_string(), s))
+            .collect()
+    }
+
+    // ----- writes (from subscriptions, through the actor) ------------------------------------
+
+    /// Decodes one kv-events envelope payload and has the actor apply it under `subscription`'s
+    /// cursors. Refused batches (undecodable, over the batch bounds, no actor running) are
+    /// counted here.
+    pub async fn deliver(&self, subscription: &SubscriptionName, payload: &[u8]) {
+        let events = match decode_router_events(payload) {
+            Ok(events) => events,
+            Err(error) => {
+                debug!(subscription = %subscription, %error, "Dropped a kv-events batch.");
+                return self.count(error.result(), 1);
+            }
+        };
+        let n = events.len() as u64;
+        let Some(actor) = self.shared.mailbox.load_full() else {
+            return self.count(KvEventResult::OverCapacity, n);
+        };
+        let msg = |reply| KvIndexMsg::ApplyBatch {
+            subscription: subscription.clone(),
+            events,
+            reply,
+        };
+        if let Err(error) = actor.call(msg, Some(DELIVER_TIMEOUT)).await {
+            warn!(subscription = %subscription, %error, events = n, "The KV index did not take a kv-events batch.");
+            self.count(KvEventResult::OverCapacity, n);
+        }
+    }
+
+    /// Counts an envelope-level drop of a kv-events delivery.
+    pub fn count_envelope(&self, result: LoadEventResult) {
+        if let Some(result) = KvEventResult::from_envelope(result) {
+            self.count(result, 1);
+        }
+    }
+
+    fn count(&self, result: KvEventResult, n: u64) {
+        if let Some(metrics) = &self.shared.metrics {
+            metrics.kv_events(result, n);
+        }
+    }
+
+    /// A subscription connected (`up`) or went down (pending, backoff, stopped). Down for
+    /// [`CLEAR_DOWN_AFTER`] clears the ranks it fed.
+    pub fn subscription_state(&self, subscription: &SubscriptionName, up: bool) {
+        if let Some(actor) = self.shared.mailbox.load_full() {
+            let _ = actor.cast(KvIndexMsg::SubscriptionState {
+                subscription: subscription.clone(),
+                up,
+            });
+        } else {
+            // No actor to arm a timer: record the state; the next incarnation arms it.
+            let mut streams = lock(&self.shared.streams);
+            let stream = streams
+                .by_name
+                .entry(subscription.clone())
+                .or_insert_with(Stream::new);
+            stream.up = up;
+            stream.epoch += 1;
+        }
+    }
+
+    /// The live-worker gate: only live workers and the dp ranks their cards declare. Departed
+    /// ranks lose their blocks, every subscription's cursors for them and their pending parity
+    /// predictions.
+    pub fn set_live(&self, snapshot: &DynamoSnapshot) {
+        let live = live_ranks(snapshot);
+        let keep = |w: InstanceId, r: DpRank| live.get(&w).is_some_and(|s| s.contains(&r));
+        {
+            let mut streams = lock(&self.shared.streams);
+            for stream in streams.by_name.values_mut() {
+                stream.cursors.retain(keep);
+            }
+            streams.owner.retain(|(w, r), _| keep(*w, *r));
+        }
+        lock(&self.shared.parity).retain_ranks(keep);
+        self.write().set_live_and_retain(live);
+    }
+
+    /// Keeps parity only for the fleet's models; removes departed models' series.
+    fn retain_models(&self, snapshot: &DynamoSnapshot) {
+        let models: BTreeSet<&str> = snapshot.models().map(|(_, m)| m).collect();
+        let gone = lock(&self.shared.parity).retain_models(|m| models.contains(m));
+        if let Some(metrics) = &self.shared.metrics {
+            for model in gone {
+                metrics.remove_kv_hash_parity_model(&model);
+            }
+        }
+    }
+
+    /// Applies one batch under a subscription's cursors (the actor's write path).
+    fn apply_batch(
+        &self,
+        subscription: &SubscriptionName,
+        events: &[RouterEvent],
+    ) -> KvEventCounts {
+        let mut counts = KvEventCounts::default();
+        let mut outcomes = Vec::new();
+        {
+            let mut streams = lock(&self.shared.streams);
+            let Streams { by_name, owner } = &mut *streams;
+            let stream = by_name
+                .entry(subscription.clone())
+                .or_insert_with(Stream::new);
+            let mut index = self.write();
+            let mut parity = lock(&self.shared.parity);
+            for event in events {
+                let result = index.apply_from(&mut stream.cursors, event);
+                counts.add(result);
+                let rank = (event.worker_id, event.event.dp_rank);
+                match result {
+                    KvEventResult::IdentityMismatch
+                    | KvEventResult::Replay
+                    | KvEventResult::OverCapacity => continue,
+                    _ => {
+                        if owner.get(&rank) != Some(subscription) {
+                            owner.insert(rank, subscription.clone());
+                        }
+                    }
+                }
+                let device = event.storage_tier == StorageTier::Device
+                    && matches!(event.residency_domain, None | Some(ResidencyDomain::Worker));
+                if let (true, KvEventResult::Applied | KvEventResult::Gap) = (device, result)
+                    && let KvCacheEventData::Stored(store) = &event.event.data
+                {
+                    outcomes.extend(parity.on_stored(rank.0, rank.1, &store.blocks));
+                }
+            }
+        }
+        if let Some(metrics) = &self.shared.metrics {
+            for (result, n) in counts.iter() {
+                metrics.kv_events(result, n);
+            }
+        }
+        self.report_parity(outcomes);
+        counts
+    }
+
+    fn report_parity(&self, outcomes: Vec<ParityOutcome>) {
+        for outcome in outcomes {
+            if let Some(metrics) = &self.shared.metrics {
+                let result = if outcome.matched {
+                    KvParityResult::Match
+                } else {
+                    KvParityResult::Mismatch
+                };
+                metrics.kv_hash_parity(&outcome.model, result);
+            }
+            if outcome.zero_parity {
+                warn!(
+                    model = %outcome.model,
+                    window = continuum_protocol::kv::parity::RESULT_WINDOW,
+                    "None of the last 100 KV-aware picks for this model found its predicted block hashes in the worker's stored blocks: the router's tokenizer, chat template, block size or cache salt differs from the workers', so KV overlap credit is never earned."
+                );
+            }
+        }
+    }
+
+    fn expire_parity(&self) {
+        let outcomes = lock(&self.shared.parity).expire(now_tick());
+        self.report_parity(outcomes);
+    }
+
+    /// Clears the ranks `subscription` fed if it is still down at `epoch`; returns (ranks,
+    /// blocks) dropped.
+    fn clear_if_down(&self, subscription: &SubscriptionName, epoch: u64) -> Option<(usize, usize)> {
+        let ranks: Vec<(InstanceId, DpRank)> = {
+            let mut streams = lock(&self.shared.streams);
+            let stream = streams.by_name.get(subscription)?;
+            if stream.up || stream.epoch != epoch {
+                return None;
+            }
+            streams.by_name.remove(subscription);
+            let ranks: Vec<_> = streams
+                .owner
+                .iter()
+                .filter(|(_, s)| *s == subscription)
+                .map(|(r, _)| *r)
+                .collect();
+            for rank in &ranks {
+                streams.owner.remove(rank);
+            }
+            ranks
+        };
+        let blocks = self.write().clear_ranks(&ranks);
+        lock(&self.shared.parity).retain_ranks(|w, r| !ranks.contains(&(w, r)));
+        Some((ranks.len(), blocks))
+    }
+
+    /// Subscriptions currently down and their epochs (a new actor re-arms their timers).
+    fn down_streams(&self) -> Vec<(SubscriptionName, u64)> {
+        lock(&self.shared.streams)
+            .by_name
+            .iter()
+            .filter(|(_, s)| !s.up)
+            .map(|(n, s)| (n.clone(), s.epoch))
+            .collect()
+    }
+
+    /// Records a state change; returns the epoch a clear timer must match when `up` is false.
+    fn set_state(&self, subscription: &SubscriptionName, up: bool) -> u64 {
+        let mut streams = lock(&self.shared.streams);
+        let stream = streams
+            .by_name
+            .entry(subscription.clone())
+            .or_insert_with(Stream::new);
+        stream.up = up;
+        stream.epoch += 1;
+        stream.epoch
+    }
+
+    /// How many cursors `subscription` holds (tests, admin).
+    pub fn cursors(&self, subscription: &str) -> usize {
+        lock(&self.shared.streams)
+            .by_name
+            .get(subscription)
+            .map_or(0, |s| s.cursors.len())
     }
 }
 
-fn metric_of(result: IndexResult) -> KvEventResult {
-    match result {
-        IndexResult::Applied => KvEventResult::Applied,
-        IndexResult::OtherTier => KvEventResult::OtherTier,
-        IndexResult::CacheOwner => KvEventResult::CacheOwner,
-        IndexResult::Malformed => KvEventResult::Malformed,
-        IndexResult::Gap => KvEventResult::Gap,
-        IndexResult::Replay => KvEventResult::Replay,
-        IndexResult::IdentityMismatch => KvEventResult::IdentityMismatch,
-        IndexResult::OverCapacity => KvEventResult::OverCapacity,
-        IndexResult::Orphan => KvEventResult::Orphan,
+fn live_ranks(snapshot: &DynamoSnapshot) -> BTreeMap<InstanceId, BTreeSet<DpRank>> {
+    let mut live: BTreeMap<InstanceId, BTreeSet<DpRank>> = BTreeMap::new();
+    for worker in snapshot.workers() {
+        let start = worker.dp_start_rank.map(|r| r.0).unwrap_or(0);
+        let size = worker.dp_size.unwrap_or(1).clamp(1, 4096);
+        let ranks = (start..start.saturating_add(size)).map(DpRank).collect();
+        live.insert(worker.key.instance_id, ranks);
+    }
+    live
+}
+
+pub struct KvIndexActor;
+
+pub struct KvIndexArgs {
+    pub kv: DynamoKvIndex,
+    pub registry: DynamoRegistry,
+}
+
+pub enum KvIndexMsg {
+    /// Apply a decoded batch under the subscription's cursors; replies with its counts.
+    ApplyBatch {
+        subscription: SubscriptionName,
+        events: Vec<RouterEvent>,
+        reply: RpcReplyPort<KvEventCounts>,
+    },
+    /// A subscription connected or went down.
+    SubscriptionState {
+        subscription: SubscriptionName,
+        up: bool,
+    },
+    /// The clear timer of a subscription that went down at `epoch`.
+    ClearIfDown {
+        subscription: SubscriptionName,
+        epoch: u64,
+    },
+    /// The registry published a new generation.
+    Reconcile,
+    /// Age undecided parity predictions.
+    ExpireParity,
+}
+
+pub struct KvIndexState {
+    kv: DynamoKvIndex,
+    registry: DynamoRegistry,
+    watcher: JoinHandle<()>,
+    expiry: JoinHandle<()>,
+}
+
+impl Actor for KvIndexActor {
+    type Msg = KvIndexMsg;
+    type State = KvIndexState;
+    type Arguments = KvIndexArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<KvIndexMsg>,
+        args: KvIndexArgs,
+    ) -> Result<Self::State, ActorProcessingErr> {
+        let mut generations = args.registry.subscribe();
+        let me = myself.clone();
+        let watcher = tokio::spawn(async move {
+            loop {
+                generations.borrow_and_update();
+                if me.cast(KvIndexMsg::Reconcile).is_err() {
+                    return;
+                }
+                if generations.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        let expiry = myself.send_interval(PARITY_EXPIRY_EVERY, || KvIndexMsg::ExpireParity);
+        // Re-attach: subscriptions that are down keep their deadline from now.
+        for (subscription, epoch) in args.kv.down_streams() {
+            arm_clear(&myself, subscription, epoch);
+        }
+        args.kv.shared.mailbox.store(Some(Arc::new(myself)));
+        Ok(KvIndexState {
+            kv: args.kv,
+            registry: args.registry,
+            watcher,
+            expiry,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<KvIndexMsg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        state.kv.shared.mailbox.store(None);
+        state.watcher.abort();
+        state.expiry.abort();
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<KvIndexMsg>,
+        msg: KvIndexMsg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            KvIndexMsg::ApplyBatch {
+                subscription,
+                events,
+                reply,
+            } => {
+                let _ = reply.send(state.kv.apply_batch(&subscription, &events));
+            }
+            KvIndexMsg::SubscriptionState { subscription, up } => {
+                state.subscription_state(&myself, subscription, up)
+            }
+            KvIndexMsg::ClearIfDown {
+                subscription,
+                epoch,
+            } => state.clear_if_down(&subscription, epoch),
+            KvIndexMsg::Reconcile => state.reconcile(),
+            KvIndexMsg::ExpireParity => state.kv.expire_parity(),
+        }
+        Ok(())
     }
 }
+
+fn arm_clear(myself: &ActorRef<KvIndexMsg>, subscription: SubscriptionName, epoch: u64) {
+    myself.send_after(CLEAR_DOWN_AFTER, move || KvIndexMsg::ClearIfDown {
+        subscription,
+        epoch,
+    });
+}
+
+impl KvIndexState {
+    fn subscription_state(
+        &mut self,
+        myself: &ActorRef<KvIndexMsg>,
+        subscription: SubscriptionName,
+        up: bool,
+    ) {
+        let epoch = self.kv.set_state(&subscription, up);
+        if !up {
+            arm_clear(myself, subscription, epoch);
+        }
+    }
+
+    fn clear_if_down(&mut self, subscription: &SubscriptionName, epoch: u64) {
+        if let Some((ranks, blocks)) = self.kv.clear_if_down(subscription, epoch) {
+            warn!(
+                subscription = %subscription,
+                ranks,
+                blocks,
+                down_secs = CLEAR_DOWN_AFTER.as_secs(),
+                "A kv-events subscription was down too long; cleared the KV ranks it fed."
+            );
+        }
+    }
+
+    fn reconcile(&mut self) {
+        let snapshot = self.registry.snapshot();
+        self.kv.set_live(&snapshot);
+        self.kv.retain_models(&snapshot);
+    }
+}
+
+/// The actor's child spec under root.
+pub fn kv_index_spec(kv: DynamoKvIndex, registry: DynamoRegistry) -> ChildSpec {
+    ChildSpec::new(
+        KV_INDEX_NAME,
+        ActorKind::KvIndex,
+        move |ctx: ChildContext| {
+            let args = KvIndexArgs {
+                kv: kv.clone(),
+                registry: registry.clone(),
+            };
+            async move {
+                let (actor, _) =
+                    Actor::spawn_linked(None, KvIndexActor, args, ctx.supervisor).await?;
+                Ok(actor.get_cell())
+            }
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests;

@@ -7,10 +7,11 @@
 //! ```text
 //! root (Supervisor)
 //! ├── registry            RegistryActor: single writer of the immutable fleet snapshot
+//! ├── kv_index            KvIndexActor: single writer of the bounded KV index (state in DynamoKvIndex)
 //! ├── discovery           Supervisor
 //! │   └── etcd:<ns>       DiscoveryActor per Dynamo namespace
 //! ├── subscriptions       SubscriptionSupervisor
-//! │   └── kv_metrics:<id> SubscriptionActor per publisher
+//! │   └── kv_metrics:<id> SubscriptionActor per publisher (kv-events:<id> too, feeding kv_index)
 //! └── picker              PickerActor
 //! ```
 //!
@@ -23,6 +24,7 @@
 //! | [`metrics`] | every Prometheus family, closed label sets |
 //! | [`lifecycle`] | actor lifecycle spans (start, stop, failure, restart) |
 //! | [`registry`] | RegistryActor and the `DynamoRegistry` reader handle |
+//! | [`kv_index`] | KvIndexActor and the shared `DynamoKvIndex` (reads, parity, subscription cursors) |
 //! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
 //! | [`etcd_source`] | the read-only etcd get-then-watch source |
 //! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |

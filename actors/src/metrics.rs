@@ -19,6 +19,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 pub use continuum_protocol::discovery::DiscoveryEventKind;
 pub use continuum_protocol::event_plane::LoadEventResult;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
+/// `continuum_dynamo_kv_events_total{result}`: the one closed set the index, the envelope
+/// decoder and this metric share.
+pub use continuum_protocol::kv::KvEventResult;
 pub use continuum_protocol::picker::{Phase as SelectionRole, SelectionReason};
 use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::Resource;
@@ -99,26 +102,11 @@ label_enum! {
 }
 
 label_enum! {
-    /// `continuum_dynamo_kv_events_total{result}`.
-    KvEventResult {
-        Applied => "applied",
-        /// An event at or below the rank's cursor.
-        Replay => "replay",
-        /// A forward jump of event_id: the rank's blocks were cleared.
-        Gap => "gap",
-        /// A non-device storage tier: not indexed.
-        OtherTier => "other_tier",
-        Malformed => "malformed",
-        UnknownVersion => "unknown_version",
-        TopicMismatch => "topic_mismatch",
-        Oversized => "oversized",
-        IdentityMismatch => "identity_mismatch",
-        OverCapacity => "over_capacity",
-        TransportRefused => "transport_refused",
-        /// An event about a cache the worker does not own (not indexed).
-        CacheOwner => "cache_owner",
-        /// A stored chain whose parent block is unknown (dropped, as upstream does).
-        Orphan => "orphan",
+    /// `continuum_dynamo_kv_hash_parity_total{model, result}`: was a KV-aware pick's predicted
+    /// block hash stored by the worker under the same `tokens_hash`?
+    KvParityResult {
+        Match => "match",
+        Mismatch => "mismatch",
     }
 }
 
@@ -258,6 +246,7 @@ struct Inner {
     selection: IntCounterVec,
     kv_subscriptions: IntGaugeVec,
     kv_events: IntCounterVec,
+    kv_hash_parity: IntCounterVec,
     kv_selection: IntCounterVec,
     kv_artifacts: IntCounterVec,
     disaggregated_requests: IntCounterVec,
@@ -385,6 +374,12 @@ impl Metrics {
                 "continuum_dynamo_kv_events_total",
                 "kv-events applied or dropped, by result.",
                 &["result"],
+            )?,
+            kv_hash_parity: counter_vec(
+                r,
+                "continuum_dynamo_kv_hash_parity_total",
+                "KV-aware picks whose predicted block hashes the worker stored (match) or not, by model.",
+                &["model", "result"],
             )?,
             kv_selection: counter_vec(
                 r,
@@ -683,6 +678,26 @@ impl Metrics {
             .inc_by(count);
     }
 
+    /// `model` is a fleet model name (bounded by the fleet view); remove its series with
+    /// [`Metrics::remove_kv_hash_parity_model`] when it leaves.
+    pub fn kv_hash_parity(&self, model: &str, result: KvParityResult) {
+        self.inner
+            .kv_hash_parity
+            .with_label_values(&[model, result.as_label()])
+            .inc();
+    }
+
+    /// Removes a departed model's parity series.
+    pub fn remove_kv_hash_parity_model(&self, model: &str) {
+        for result in KvParityResult::ALL {
+            // A result that never happened has no series; nothing to remove then.
+            let _ = self
+                .inner
+                .kv_hash_parity
+                .remove_label_values(&[model, result.as_label()]);
+        }
+    }
+
     pub fn kv_selection(&self, result: KvSelectionResult) {
         self.inner
             .kv_selection
@@ -839,7 +854,8 @@ mod tests {
         check_closed(SubscriptionTransport::ALL, SubscriptionTransport::as_label);
         check_closed(&SelectionRole::ALL, SelectionRole::as_label);
         check_closed(&SelectionReason::ALL, SelectionReason::as_label);
-        check_closed(KvEventResult::ALL, KvEventResult::as_label);
+        check_closed(&KvEventResult::ALL, KvEventResult::as_label);
+        check_closed(KvParityResult::ALL, KvParityResult::as_label);
         check_closed(KvSelectionResult::ALL, KvSelectionResult::as_label);
         check_closed(KvArtifactResult::ALL, KvArtifactResult::as_label);
         check_closed(RoutingPath::ALL, RoutingPath::as_label);
@@ -933,6 +949,45 @@ mod tests {
         // Families whose labels are fleet-bound have no series until the fleet is seen.
         assert!(!text.contains("continuum_dynamo_worker_kv_used_blocks{"));
         assert!(!text.contains("continuum_dynamo_workers{"));
+    }
+
+    /// The kv-events result labels are exactly those the metric had before the enums merged.
+    #[test]
+    fn kv_event_labels_are_unchanged_and_parity_series_leave_with_their_model() {
+        let labels: BTreeSet<&str> = KvEventResult::ALL.iter().map(|r| r.as_label()).collect();
+        let expected: BTreeSet<&str> = [
+            "applied",
+            "replay",
+            "gap",
+            "other_tier",
+            "malformed",
+            "unknown_version",
+            "topic_mismatch",
+            "oversized",
+            "identity_mismatch",
+            "over_capacity",
+            "transport_refused",
+            "cache_owner",
+            "orphan",
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(labels, expected);
+        let metrics = metrics();
+        metrics.kv_hash_parity("m", KvParityResult::Match);
+        metrics.kv_hash_parity("m", KvParityResult::Mismatch);
+        metrics.kv_hash_parity("n", KvParityResult::Match);
+        let v = |model: &str, result: &str| {
+            metrics.value(
+                "continuum_dynamo_kv_hash_parity_total",
+                &[("model", model), ("result", result)],
+            )
+        };
+        assert_eq!(v("m", "mismatch"), Some(1.0));
+        metrics.remove_kv_hash_parity_model("m");
+        assert_eq!(v("m", "match"), None);
+        assert_eq!(v("m", "mismatch"), None);
+        assert_eq!(v("n", "match"), Some(1.0));
     }
 
     #[test]

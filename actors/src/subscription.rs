@@ -33,7 +33,7 @@ use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::clock::now_tick;
-use crate::kv_index::DynamoKvIndex;
+use crate::kv_index::{DynamoKvIndex, SubscriptionName};
 use crate::lifecycle::ActorKind;
 use crate::load::{DynamoLoadStore, SubscriptionStatus};
 use crate::metrics::{Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges};
@@ -77,6 +77,8 @@ pub struct SubscriptionArgs {
 pub struct SubscriptionActorState {
     name: String,
     store: DynamoLoadStore,
+    /// Set for a kv-events subscription: told when this subscription stops.
+    kv: Option<DynamoKvIndex>,
     task: JoinHandle<()>,
 }
 
@@ -93,8 +95,14 @@ impl Actor for SubscriptionActor {
         let name = args.name.clone();
         let store = args.store.clone();
         let span = args.span.clone();
+        let kv = (args.target.topic == EventTopic::KvEvents).then(|| args.kv.clone());
         let task = tokio::spawn(run_subscription(args).instrument(span));
-        Ok(SubscriptionActorState { name, store, task })
+        Ok(SubscriptionActorState {
+            name,
+            store,
+            kv,
+            task,
+        })
     }
 
     async fn post_stop(
@@ -104,6 +112,10 @@ impl Actor for SubscriptionActor {
     ) -> Result<(), ActorProcessingErr> {
         state.task.abort();
         state.store.remove_status(&state.name);
+        if let Some(kv) = &state.kv {
+            // Its ranks are cleared if no subscription of the same name is back within 60 s.
+            kv.subscription_state(&SubscriptionName::from(state.name.as_str()), false);
+        }
         Ok(())
     }
 }
@@ -136,6 +148,7 @@ async fn run_subscription(args: SubscriptionArgs) {
         ..
     } = args;
     let kv_events = target.topic == EventTopic::KvEvents;
+    let kv_name = SubscriptionName::from(name.as_str());
     let reporter = Reporter {
         name: name.clone(),
         store: store.clone(),
@@ -154,6 +167,9 @@ async fn run_subscription(args: SubscriptionArgs) {
         // Broker mode needs the event-bus listener, which this build does not have: stay pending
         // (workers read as having no fresh sample) and never fall back to dialing directly.
         reporter.report(SubscriptionState::Pending);
+        if kv_events {
+            kv.subscription_state(&kv_name, false);
+        }
         warn!(subscription = %name, "load.transport is broker but no event bus is available; the subscription stays pending.");
         std::future::pending::<()>().await;
         return;
@@ -188,15 +204,16 @@ async fn run_subscription(args: SubscriptionArgs) {
             established |= matches!(event, ConnEvent::Connected { .. });
             match event {
                 ConnEvent::Connected { .. } if kv_events => {
-                    // kv-events gaps are caught by the index's per-rank event_id cursors.
+                    // kv-events gaps are caught by this subscription's per-rank event_id cursors.
                     reporter.report(SubscriptionState::Connected);
+                    kv.subscription_state(&kv_name, true);
                 }
                 ConnEvent::Delivery(delivery) if kv_events => {
                     match decode_delivery(
                         &delivery,
                         StreamExpectation::kv_events(target.publisher_id),
                     ) {
-                        Ok(envelope) => kv.apply_payload(envelope.payload),
+                        Ok(envelope) => kv.deliver(&kv_name, envelope.payload).await,
                         Err(error) => kv.count_envelope(error.result()),
                     }
                 }
@@ -264,6 +281,9 @@ async fn run_subscription(args: SubscriptionArgs) {
             }
             Err(join) => join.to_string(),
         };
+        if kv_events {
+            kv.subscription_state(&kv_name, false);
+        }
         let delay = backoff.session_ended(started.elapsed(), SESSION_RESET_AFTER, jitter.unit());
         reporter.report(SubscriptionState::Backoff);
         debug!(subscription = %name, reason = %ended, delay_ms = delay.as_millis() as u64, "Subscription session ended; reconnecting after backoff.");

@@ -6,6 +6,8 @@
 //! |---|---|
 //! | [`events`] | the kv-events payload (msgpack array of RouterEvent), decoded with bounds |
 //! | [`index`] | [`KvIndex`]: arena radix tree keyed by `tokens_hash`, per-rank ownership |
+//! | [`cursors`] | [`CursorTable`]: one subscription's bounded per-(worker, dp_rank) `event_id` cursors |
+//! | [`parity`] | [`ParityTracker`]: do the router's predicted block hashes match what workers store? |
 //! | [`hashing`] | XXH3-64 LocalBlockHash / SequenceHash (wire §11) |
 //! | [`cost`] | the per-candidate cost, softmax sampling and the zero-temperature argmin |
 //! | [`reference`] | a naive HashMap index with the same semantics, for differential tests |
@@ -19,14 +21,20 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub mod artifacts;
+use crate::event_plane::LoadEventResult;
+
 pub mod cost;
+pub mod cursors;
 pub mod events;
 pub mod hashing;
 pub mod index;
+pub mod parity;
 pub mod reference;
 
+pub use cursors::{Admission, CursorTable, MAX_CURSORS_PER_SUBSCRIPTION};
 pub use events::{KvEventsError, RouterEvent, decode_router_events, encode_router_events};
 pub use index::{KvIndex, KvIndexLimits, KvIndexStats, RankOverlap};
+pub use parity::{ParityDrops, ParityOutcome, ParityStats, ParityTracker};
 
 /// Dynamo's LocalBlockHash: XXH3-64 of one block's tokens (`tokens_hash` on the wire). The radix
 /// index is keyed by it, and requests are matched by it.
@@ -51,60 +59,100 @@ pub struct ExternalBlockHash(pub u64);
 #[serde(transparent)]
 pub struct SequenceHash(pub u64);
 
-/// The closed label set of `continuum_dynamo_kv_events_total{result}`. Every RouterEvent the
-/// index sees gets exactly one; a batch refused before decoding counts once.
+/// The closed label set of `continuum_dynamo_kv_events_total{result}`: the one enum the index,
+/// the envelope decoder and the metric share. Every RouterEvent the index sees gets exactly one;
+/// a batch or delivery refused before decoding counts once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum KvEventResult {
     /// Applied to the device-tier index (including removes of unknown hashes, which upstream
     /// also skips silently).
     Applied,
-    /// A non-device storage tier: the cursor advanced, nothing was indexed.
-    OtherTier,
-    /// `residency_domain: "cache_owner"`: state-agent events a passive router ignores.
-    CacheOwner,
-    /// An undecodable batch, or an event that is invalid on its own (a store whose
-    /// `parent_hash` is one of its own blocks, an unknown `residency_domain`).
-    Malformed,
+    /// `event_id` at or below the rank's cursor (or a duplicate envelope): skipped.
+    Replay,
     /// The event jumped past the rank's cursor: the rank's blocks were cleared, then the event
     /// was applied.
     Gap,
-    /// `event_id` at or below the rank's cursor: skipped.
-    Replay,
+    /// A non-device storage tier: the cursor advanced, nothing was indexed.
+    OtherTier,
+    /// An undecodable batch, or an event that is invalid on its own (a store whose
+    /// `parent_hash` is one of its own blocks, an unknown `residency_domain`).
+    Malformed,
+    /// An envelope of an unknown version (counted once per delivery).
+    UnknownVersion,
+    /// A delivery on another topic than `kv-events`.
+    TopicMismatch,
+    /// A frame over the ZMTP bound.
+    Oversized,
     /// A worker that is not live, or a dp_rank its card does not declare.
     IdentityMismatch,
-    /// A batch over 128 events / 8192 blocks, or blocks refused at an index ceiling.
+    /// A batch over 128 events / 8192 blocks, blocks refused at an index ceiling, an event for a
+    /// new rank when the subscription's cursor table is full, or a batch the index actor could
+    /// not take.
     OverCapacity,
+    /// A connection the dial policy refused.
+    TransportRefused,
+    /// `residency_domain: "cache_owner"`: state-agent events a passive router ignores.
+    CacheOwner,
     /// A store whose `parent_hash` the rank does not hold: dropped whole, as upstream does
     /// ("parent block not found").
     Orphan,
 }
 
 impl KvEventResult {
-    pub const ALL: [KvEventResult; 9] = [
+    pub const ALL: [KvEventResult; 13] = [
         KvEventResult::Applied,
-        KvEventResult::OtherTier,
-        KvEventResult::CacheOwner,
-        KvEventResult::Malformed,
-        KvEventResult::Gap,
         KvEventResult::Replay,
+        KvEventResult::Gap,
+        KvEventResult::OtherTier,
+        KvEventResult::Malformed,
+        KvEventResult::UnknownVersion,
+        KvEventResult::TopicMismatch,
+        KvEventResult::Oversized,
         KvEventResult::IdentityMismatch,
         KvEventResult::OverCapacity,
+        KvEventResult::TransportRefused,
+        KvEventResult::CacheOwner,
         KvEventResult::Orphan,
     ];
 
     /// The metric label value.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             KvEventResult::Applied => "applied",
-            KvEventResult::OtherTier => "other_tier",
-            KvEventResult::CacheOwner => "cache_owner",
-            KvEventResult::Malformed => "malformed",
-            KvEventResult::Gap => "gap",
             KvEventResult::Replay => "replay",
+            KvEventResult::Gap => "gap",
+            KvEventResult::OtherTier => "other_tier",
+            KvEventResult::Malformed => "malformed",
+            KvEventResult::UnknownVersion => "unknown_version",
+            KvEventResult::TopicMismatch => "topic_mismatch",
+            KvEventResult::Oversized => "oversized",
             KvEventResult::IdentityMismatch => "identity_mismatch",
             KvEventResult::OverCapacity => "over_capacity",
+            KvEventResult::TransportRefused => "transport_refused",
+            KvEventResult::CacheOwner => "cache_owner",
             KvEventResult::Orphan => "orphan",
         }
+    }
+
+    /// The Prometheus label value (same as [`KvEventResult::as_str`]).
+    pub const fn as_label(self) -> &'static str {
+        self.as_str()
+    }
+
+    /// How an envelope-level outcome of a kv-events delivery is counted; `None` for `Applied`
+    /// (its events are counted one by one once the index has applied them).
+    pub fn from_envelope(result: LoadEventResult) -> Option<Self> {
+        Some(match result {
+            LoadEventResult::Applied => return None,
+            LoadEventResult::Malformed => KvEventResult::Malformed,
+            LoadEventResult::UnknownVersion => KvEventResult::UnknownVersion,
+            LoadEventResult::TopicMismatch => KvEventResult::TopicMismatch,
+            LoadEventResult::Oversized => KvEventResult::Oversized,
+            LoadEventResult::IdentityMismatch => KvEventResult::IdentityMismatch,
+            LoadEventResult::OverCapacity => KvEventResult::OverCapacity,
+            LoadEventResult::Duplicate => KvEventResult::Replay,
+            LoadEventResult::TransportRefused => KvEventResult::TransportRefused,
+        })
     }
 
     fn position(self) -> usize {
@@ -127,6 +175,17 @@ impl KvEventCounts {
         self.0[result.position()] += 1;
     }
 
+    pub fn add_n(&mut self, result: KvEventResult, n: u64) {
+        self.0[result.position()] += n;
+    }
+
+    /// Adds another batch's counts.
+    pub fn merge(&mut self, other: &KvEventCounts) {
+        for (a, b) in self.0.iter_mut().zip(other.0.iter()) {
+            *a += b;
+        }
+    }
+
     pub fn get(&self, result: KvEventResult) -> u64 {
         self.0[result.position()]
     }
@@ -147,6 +206,18 @@ impl KvEventCounts {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn envelope_results_map_into_the_kv_set() {
+        for result in LoadEventResult::ALL {
+            let mapped = KvEventResult::from_envelope(result);
+            match result {
+                LoadEventResult::Applied => assert_eq!(mapped, None),
+                LoadEventResult::Duplicate => assert_eq!(mapped, Some(KvEventResult::Replay)),
+                other => assert_eq!(mapped.map(|m| m.as_str()), Some(other.as_str())),
+            }
+        }
+    }
 
     #[test]
     fn result_labels_are_distinct_and_positions_match() {

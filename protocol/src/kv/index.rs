@@ -13,7 +13,9 @@
 //!   descendants (the engine still holds them until it says otherwise), but a prefix walk stops
 //!   at the removed node, which is upstream's "truncated at the removed position"; re-storing the
 //!   block restores the path. Nodes with neither owners nor children are freed at once.
-//! * Each (worker, dp_rank) has an `event_id` cursor: at or below it is a replay (skipped); a
+//! * Each (worker, dp_rank) has an `event_id` cursor, kept per subscription in a
+//!   [`CursorTable`] (the index keeps one of its own for [`KvIndex::apply`]): at or below it is a
+//!   replay (skipped); a
 //!   forward jump clears the rank's blocks, counts `gap`, and then applies the event. The first
 //!   event of a rank sets the cursor wherever it is (the router may join mid-stream).
 //! * Ceilings refuse the offending block and the rest of its store (`over_capacity`); blocks
@@ -22,6 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{BuildHasher, Hasher};
 
+use super::cursors::{Admission, CursorTable};
 use super::events::{KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier, StoredBlock};
 use super::{ExternalBlockHash, KvEventCounts, KvEventResult, LocalBlockHash};
 use crate::ids::{DpRank, InstanceId};
@@ -225,6 +228,15 @@ struct Node {
     tokens_hash: LocalBlockHash,
     parent: NodeIdx,
     children: u32,
+    /// The most recently created child still alive, or `ROOT` (none): most nodes form chains,
+    /// so a walk usually finds its next node here without hashing (and the arena keeps a
+    /// stored chain contiguous).
+    hint: NodeIdx,
+    /// Whether this node's children are registered in the edge table. A node with at most one
+    /// child keeps it in `hint` only (chains, the common case, then cost no edge-table insert
+    /// or remove); the second child moves both into the table until the node is childless.
+    /// The root is always in edge mode.
+    edge_mode: bool,
     /// Sorted by slot, so `find_matches` intersects by merging.
     owners: Owners,
 }
@@ -244,6 +256,8 @@ impl Tree {
                 tokens_hash: LocalBlockHash(0),
                 parent: ROOT,
                 children: 0,
+                hint: ROOT,
+                edge_mode: true,
                 owners: Owners::None,
             }],
             free: Vec::new(),
@@ -253,6 +267,15 @@ impl Tree {
     }
 
     fn child(&self, parent: NodeIdx, hash: LocalBlockHash) -> Option<NodeIdx> {
+        // The hint is always a live child of `parent`, and (parent, hash) names one child.
+        let p = &self.nodes[parent as usize];
+        if p.hint != ROOT && self.nodes[p.hint as usize].tokens_hash == hash {
+            return Some(p.hint);
+        }
+        if !p.edge_mode {
+            // Its only child (if any) is the hint.
+            return None;
+        }
         self.edges.get(&(parent, hash)).copied()
     }
 
@@ -261,6 +284,8 @@ impl Tree {
             tokens_hash: hash,
             parent,
             children: 0,
+            hint: ROOT,
+            edge_mode: false,
             owners: Owners::None,
         };
         let idx = match self.free.pop() {
@@ -275,8 +300,20 @@ impl Tree {
                 idx
             }
         };
-        self.edges.insert((parent, hash), idx);
-        self.nodes[parent as usize].children += 1;
+        let p = &self.nodes[parent as usize];
+        if p.edge_mode {
+            self.edges.insert((parent, hash), idx);
+        } else if p.children == 1 {
+            // A second child: register both.
+            let only = p.hint;
+            let only_hash = self.nodes[only as usize].tokens_hash;
+            self.edges.insert((parent, only_hash), only);
+            self.edges.insert((parent, hash), idx);
+            self.nodes[parent as usize].edge_mode = true;
+        }
+        let p = &mut self.nodes[parent as usize];
+        p.children += 1;
+        p.hint = idx;
         self.live += 1;
         idx
     }
@@ -305,10 +342,20 @@ impl Tree {
                 return;
             }
             let (parent, hash) = (n.parent, n.tokens_hash);
-            self.edges.remove(&(parent, hash));
+            let p = &mut self.nodes[parent as usize];
+            if p.edge_mode {
+                self.edges.remove(&(parent, hash));
+            }
+            let p = &mut self.nodes[parent as usize];
+            if p.hint == node {
+                p.hint = ROOT;
+            }
+            p.children -= 1;
+            if p.children == 0 && parent != ROOT {
+                p.edge_mode = false;
+            }
             self.free.push(node);
             self.live -= 1;
-            self.nodes[parent as usize].children -= 1;
             node = parent;
         }
     }
@@ -338,7 +385,6 @@ impl Tree {
 struct RankState {
     worker: InstanceId,
     dp_rank: DpRank,
-    cursor: Option<u64>,
     blocks: FastMap<ExternalBlockHash, NodeIdx>,
 }
 
@@ -353,6 +399,8 @@ pub struct KvIndex {
     slot_of: FastMap<(InstanceId, DpRank), Slot>,
     live: BTreeMap<InstanceId, BTreeSet<DpRank>>,
     ownerships: usize,
+    /// Cursors for [`Self::apply`] (one implicit stream).
+    own_cursors: CursorTable,
 }
 
 /// Why a store stopped early.
@@ -378,6 +426,7 @@ impl KvIndex {
             slot_of: HashMap::with_hasher(build),
             live: BTreeMap::new(),
             ownerships: 0,
+            own_cursors: CursorTable::new(),
         }
     }
 
@@ -430,24 +479,31 @@ impl KvIndex {
 
     /// Applies one RouterEvent: identity gate, then the rank's cursor, then tier and domain,
     /// then the operation.
+    ///
+    /// The cursors used are the index's own table, for a single event stream (tests, benches,
+    /// replays of a dump); subscriptions pass their own table to [`Self::apply_from`].
     pub fn apply(&mut self, event: &RouterEvent) -> KvEventResult {
+        let mut cursors = std::mem::take(&mut self.own_cursors);
+        let result = self.apply_from(&mut cursors, event);
+        self.own_cursors = cursors;
+        result
+    }
+
+    /// [`Self::apply`] with one subscription's cursor table: at or below the rank's cursor is a
+    /// replay, a forward jump clears the rank (`gap`) before applying, a new rank past the
+    /// table's bound is refused (`over_capacity`).
+    pub fn apply_from(&mut self, cursors: &mut CursorTable, event: &RouterEvent) -> KvEventResult {
         let key = (event.worker_id, event.event.dp_rank);
-        if !self
-            .live
-            .get(&key.0)
-            .is_some_and(|ranks| ranks.contains(&key.1))
-        {
+        if !self.is_live(key.0, key.1) {
             return KvEventResult::IdentityMismatch;
         }
-        let slot = self.slot_for(key);
-        let id = event.event.event_id;
-        let rank = self.rank_mut(slot);
-        let gap = match rank.cursor {
-            Some(cursor) if id <= cursor => return KvEventResult::Replay,
-            Some(cursor) => id > cursor + 1,
-            None => false,
+        let gap = match cursors.admit(key.0, key.1, event.event.event_id) {
+            Admission::Replay => return KvEventResult::Replay,
+            Admission::OverCapacity => return KvEventResult::OverCapacity,
+            Admission::First | Admission::InOrder => false,
+            Admission::Gap { .. } => true,
         };
-        rank.cursor = Some(id);
+        let slot = self.slot_for(key);
         if gap {
             self.clear_slot(slot);
         }
@@ -476,6 +532,13 @@ impl KvIndex {
         if gap { KvEventResult::Gap } else { result }
     }
 
+    /// Whether the identity gate admits this rank.
+    pub fn is_live(&self, worker: InstanceId, dp_rank: DpRank) -> bool {
+        self.live
+            .get(&worker)
+            .is_some_and(|ranks| ranks.contains(&dp_rank))
+    }
+
     /// Per rank, the number of leading `hashes` it holds contiguously from the root. Ranks with
     /// no overlap are omitted; the result is sorted by (worker, dp_rank).
     pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> Vec<RankOverlap> {
@@ -491,6 +554,11 @@ impl KvIndex {
             let owners = &self.tree.nodes[child as usize].owners;
             if i == 0 {
                 active.extend(owners.iter().map(|o| o.slot));
+            } else if owners.len() == active.len()
+                && owners.iter().zip(&active).all(|(o, s)| o.slot == *s)
+            {
+                // The same ranks hold this block too: nobody leaves (the common case on a
+                // shared prefix, so it skips the merge).
             } else {
                 // Merge the sorted active set with the sorted owners; leavers score `depth`.
                 next.clear();
@@ -700,14 +768,32 @@ impl KvIndex {
         let free: BTreeSet<NodeIdx> = self.tree.free.iter().copied().collect();
         let mut children = vec![0u32; self.tree.nodes.len()];
         let mut live = 0;
+        let mut edged = 0;
         for (i, node) in self.tree.nodes.iter().enumerate().skip(1) {
             if free.contains(&(i as NodeIdx)) {
                 continue;
             }
             live += 1;
             children[node.parent as usize] += 1;
-            if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx)) {
-                return Err(format!("node {i} is missing its edge"));
+            let parent = &self.tree.nodes[node.parent as usize];
+            if parent.edge_mode {
+                edged += 1;
+                if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx)) {
+                    return Err(format!("node {i} is missing its edge"));
+                }
+            } else if parent.hint != i as NodeIdx || parent.children != 1 {
+                return Err(format!(
+                    "node {i} is neither an edge nor its parent's only child"
+                ));
+            }
+            if node.hint != ROOT
+                && (free.contains(&node.hint)
+                    || self.tree.nodes[node.hint as usize].parent != i as NodeIdx)
+            {
+                return Err(format!(
+                    "node {i} hints at {} which is not its child",
+                    node.hint
+                ));
             }
             if node.children == 0 && node.owners.is_empty() {
                 return Err(format!("node {i} is neither owned nor a parent"));
@@ -719,9 +805,9 @@ impl KvIndex {
                 return Err(format!("node {i} owners are not sorted"));
             }
         }
-        if live != self.tree.live || self.tree.edges.len() != live {
+        if live != self.tree.live || self.tree.edges.len() != edged {
             return Err(format!(
-                "live {} / counted {live} / edges {}",
+                "live {} / counted {live} / edges {} / edged {edged}",
                 self.tree.live,
                 self.tree.edges.len()
             ));
@@ -780,7 +866,6 @@ impl KvIndex {
         let state = RankState {
             worker: key.0,
             dp_rank: key.1,
-            cursor: None,
             blocks: HashMap::with_hasher(self.build),
         };
         let slot = match self.free_slots.pop() {
@@ -799,6 +884,7 @@ impl KvIndex {
     }
 
     fn drop_rank(&mut self, key: (InstanceId, DpRank)) -> usize {
+        self.own_cursors.forget(key.0, key.1);
         let Some(slot) = self.slot_of.remove(&key) else {
             return 0;
         };
@@ -857,45 +943,62 @@ impl KvIndex {
         parent: NodeIdx,
         block: &StoredBlock,
     ) -> Result<NodeIdx, Refusal> {
-        let existing = self.rank_mut(slot).blocks.get(&block.block_hash).copied();
-        let child = self.tree.child(parent, block.tokens_hash);
-        if let (Some(old), Some(new)) = (existing, child)
-            && old == new
-        {
+        use std::collections::hash_map::Entry;
+        // Split borrows: one hash lookup of the engine hash serves both the check and the insert.
+        let Self {
+            tree,
+            ranks,
+            limits,
+            ownerships,
+            ..
+        } = self;
+        let rank = ranks[slot as usize]
+            .as_mut()
+            .expect("slot_of only names occupied slots");
+        let child = tree.child(parent, block.tokens_hash);
+        let rank_blocks = rank.blocks.len();
+        let entry = rank.blocks.entry(block.block_hash);
+        let existing = match &entry {
+            Entry::Occupied(e) => Some(*e.get()),
+            Entry::Vacant(_) => None,
+        };
+        if existing.is_some() && existing == child {
             // Idempotent re-store of a block the rank already holds here.
-            return Ok(old);
+            return Ok(child.unwrap_or(ROOT));
         }
-        if existing.is_none() {
-            let rank_blocks = self.rank_mut(slot).blocks.len();
-            if rank_blocks >= self.limits.max_blocks_per_rank
-                || self.ownerships >= self.limits.max_index_ownerships
-            {
-                return Err(Refusal::OverCapacity);
-            }
+        if existing.is_none()
+            && (rank_blocks >= limits.max_blocks_per_rank
+                || *ownerships >= limits.max_index_ownerships)
+        {
+            return Err(Refusal::OverCapacity);
         }
         let node = match child {
             Some(node) => {
-                if !self.tree.has_owner(node, slot)
-                    && self.tree.nodes[node as usize].owners.len()
-                        >= self.limits.max_owners_per_node
+                if !tree.has_owner(node, slot)
+                    && tree.nodes[node as usize].owners.len() >= limits.max_owners_per_node
                 {
                     return Err(Refusal::OverCapacity);
                 }
                 node
             }
             None => {
-                if self.tree.live >= self.limits.max_index_blocks {
+                if tree.live >= limits.max_index_blocks {
                     return Err(Refusal::OverCapacity);
                 }
-                self.tree.create(parent, block.tokens_hash)
+                tree.create(parent, block.tokens_hash)
             }
         };
-        self.tree.add_owner(node, slot);
-        self.rank_mut(slot).blocks.insert(block.block_hash, node);
-        match existing {
-            // The engine reused a hash for another block: move this rank's claim.
-            Some(old) => self.tree.remove_owner(old, slot),
-            None => self.ownerships += 1,
+        tree.add_owner(node, slot);
+        match entry {
+            Entry::Occupied(mut e) => {
+                // The engine reused a hash for another block: move this rank's claim.
+                let old = e.insert(node);
+                tree.remove_owner(old, slot);
+            }
+            Entry::Vacant(e) => {
+                e.insert(node);
+                *ownerships += 1;
+            }
         }
         Ok(node)
     }

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use proptest::prelude::*;
 
 use super::*;
+use crate::kv::cursors::CursorTable;
 use crate::kv::events::{
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, ResidencyDomain,
     RouterEvent, StorageTier, StoredBlock,
@@ -303,6 +304,40 @@ fn cursor_skips_replays_and_clears_on_gaps() {
     assert_eq!(
         index.apply(&ev(W1, R0, u64::MAX, KvCacheEventData::Cleared)),
         KvEventResult::Replay
+    );
+    index.check_invariants().unwrap();
+}
+
+#[test]
+fn subscriptions_keep_their_own_cursors_and_a_full_table_refuses_new_ranks() {
+    let mut index = KvIndex::new(7);
+    index.set_live_and_retain(live(&[(W1, &[0, 1]), (W2, &[0])]));
+    let mut old = CursorTable::new();
+    let mut new = CursorTable::with_limit(1);
+    assert_eq!(
+        index.apply_from(&mut old, &ev(W1, R0, 900, stored(None, &[(1, 1)]))),
+        KvEventResult::Applied
+    );
+    // A new publisher incarnation of the same rank restarts at 0: not a replay on its table.
+    assert_eq!(
+        index.apply_from(&mut new, &ev(W1, R0, 0, stored(Some(1), &[(2, 2)]))),
+        KvEventResult::Applied
+    );
+    assert_eq!(index.find_matches(&q(&[1, 2])), vec![overlap(W1, R0, 2)]);
+    // Its table holds one cursor: another rank is refused and changes nothing.
+    assert_eq!(
+        index.apply_from(&mut new, &ev(W1, R1, 0, stored(None, &[(3, 3)]))),
+        KvEventResult::OverCapacity
+    );
+    assert_eq!(index.find_matches(&q(&[3])), vec![]);
+    // Gaps are per table too.
+    assert_eq!(
+        index.apply_from(&mut new, &ev(W1, R0, 2, KvCacheEventData::Cleared)),
+        KvEventResult::Gap
+    );
+    assert_eq!(
+        index.apply_from(&mut old, &ev(W1, R0, 901, stored(None, &[(5, 5)]))),
+        KvEventResult::Applied
     );
     index.check_invariants().unwrap();
 }
