@@ -122,7 +122,7 @@ async fn wait_for_workers(daemon: &Daemon, n: usize) {
 
 /// Stores `hashes` as one root-anchored chain on `worker`, after opening the live-worker gate for
 /// the current fleet (the subscription follower does the same on its next generation).
-fn index_blocks(daemon: &Daemon, worker: u64, hashes: &[LocalBlockHash]) {
+async fn index_blocks(daemon: &Daemon, worker: u64, hashes: &[LocalBlockHash]) {
     daemon.kv_index().set_live(&daemon.registry().snapshot());
     let blocks = hashes
         .iter()
@@ -148,10 +148,12 @@ fn index_blocks(daemon: &Daemon, worker: u64, hashes: &[LocalBlockHash]) {
         },
         session_id: None,
     };
+    let subscription: std::sync::Arc<str> = std::sync::Arc::from(format!("test-{worker}"));
     daemon
         .kv_index()
-        .apply_payload(&encode_router_events(&[event]));
-    let matches = daemon.kv_index().find_matches(hashes);
+        .deliver(&subscription, &encode_router_events(&[event]))
+        .await;
+    let matches = daemon.kv_index().overlaps(hashes);
     assert_eq!(matches.len(), 1, "the index holds the chain: {matches:?}");
     assert_eq!(matches[0].blocks as usize, hashes.len());
 }
@@ -207,7 +209,7 @@ async fn overlap_selects_the_worker_and_kv_settings_hot_reload() {
     let kv_on = "    enabled: true\n    send_token_data: true\n";
     let daemon = start(&yaml(&etcd, &shim, &unified, kv_on), &dir).await;
     wait_for_workers(&daemon, 2).await;
-    index_blocks(&daemon, b, &text_hashes(PROMPT, 16));
+    index_blocks(&daemon, b, &text_hashes(PROMPT, 16)).await;
     let expected_tokens: Vec<Value> = tokens_of(&json!({"messages": [{"content": PROMPT}]}))
         .into_iter()
         .map(Value::from)
@@ -344,7 +346,7 @@ async fn a_conditional_bypass_pins_only_the_decode_worker_on_the_unified_path() 
     assert_eq!(pin(&seen, "x-dynamo-prefill-instance-id"), Some(prefill));
 
     // The decode worker holds the prompt: it prefills locally.
-    index_blocks(&daemon, decode, &text_hashes(PROMPT, 16));
+    index_blocks(&daemon, decode, &text_hashes(PROMPT, 16)).await;
     shim.push(Reply::Json(http::StatusCode::OK, completion("ok"), vec![]));
     let sent = chat(&daemon).await;
     assert_eq!(sent.status, 200);
