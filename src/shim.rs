@@ -421,6 +421,37 @@ impl ShimRouter {
                 metrics.kv_selection(kv_label(result));
             }
         }
+        if let (Some(Ok(prompt)), Some(kv_index)) = (&prepared, &self.kv_index) {
+            // Hash parity: the rank that prefills this request should soon store the prompt's
+            // blocks past the overlap it already held.
+            let prefiller = match (&pick.prefill, bypass) {
+                (Some(prefill), false) => prefill,
+                _ => &pick.decode,
+            };
+            let block_size = candidates
+                .iter()
+                .find(|c| c.worker == prefiller.worker && c.dp_rank == prefiller.dp_rank)
+                .and_then(|c| c.block_size);
+            if let Some((_, hashes)) =
+                block_size.and_then(|bs| prompt.hashes.iter().find(|(size, _)| size.get() == bs))
+            {
+                let rank = prefiller.dp_rank.unwrap_or_default();
+                let held = overlaps
+                    .iter()
+                    .find(|o| Some(o.block_size.get()) == block_size)
+                    .map(|o| o.of(prefiller.worker.instance_id, rank))
+                    .unwrap_or(0);
+                let held = usize::try_from(held)
+                    .unwrap_or(usize::MAX)
+                    .min(hashes.len());
+                kv_index.record_prediction(
+                    model,
+                    prefiller.worker.instance_id,
+                    rank,
+                    &hashes[held..],
+                );
+            }
+        }
         let pool = pool_of(&pick.namespace);
         let dispatch = Dispatch::pins(
             pick.decode.worker.instance_id,
