@@ -25,6 +25,7 @@
 //! | [`registry`] | RegistryActor and the `DynamoRegistry` reader handle |
 //! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
 //! | [`etcd_source`] | the read-only etcd get-then-watch source |
+//! | [`memory_source`] | in-process etcd-shaped records (the demo's simulated fleet) |
 //! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |
 //! | [`subscription`] | SubscriptionActor per publisher and the follower of registry generations |
 //! | [`load`] | the shared load store and the subscription status table |
@@ -36,6 +37,7 @@ pub mod kube_source;
 pub mod kv_index;
 pub mod lifecycle;
 pub mod load;
+pub mod memory_source;
 pub mod metrics;
 pub mod registry;
 pub mod store;
