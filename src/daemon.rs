@@ -70,22 +70,9 @@ pub async fn run_until_signal(options: RunOptions) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
-    let demo = options.demo;
-    let admin_token = options.config.admin.token.clone();
     let daemon = Daemon::start(options, listener).await?;
     let local = daemon.local_addr();
     info!(%local, "continuum-router is serving.");
-    if demo {
-        println!("continuum-router demo is serving on http://{local}");
-        println!("  curl http://{local}/health");
-        println!("  curl http://{local}/metrics");
-        if let Some(token) = admin_token {
-            println!("  curl -H 'authorization: Bearer {token}' http://{local}/admin/subsystems");
-            println!(
-                "  curl -H 'authorization: Bearer {token}' http://{local}/admin/dynamo/workers"
-            );
-        }
-    }
     shutdown_signal().await;
     info!("Shutting down.");
     daemon.shutdown().await;
@@ -95,7 +82,8 @@ pub async fn run_until_signal(options: RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGINT or SIGTERM.
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use continuum_router::config::{self, Config};
 use continuum_router::daemon::{self, RunOptions};
+use continuum_router::demo;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -101,32 +102,26 @@ fn run_file(path: PathBuf) -> ExitCode {
     for warning in &loaded.diagnostics {
         eprintln!("{warning}");
     }
-    block_on(RunOptions {
+    block_on(daemon::run_until_signal(RunOptions {
         config: loaded.config,
         config_path: Some(path),
         demo: false,
-    })
+    }))
 }
 
 fn run_demo(bind: Option<String>) -> ExitCode {
-    let mut config = Config::demo();
-    if let Some(bind) = bind {
-        match bind.parse() {
-            Ok(addr) => config.server.bind_address = addr,
-            Err(error) => {
-                eprintln!("--bind {bind}: {error}");
-                return ExitCode::from(2);
-            }
+    let bind = match bind.map(|b| b.parse::<std::net::SocketAddr>().map_err(|e| (b, e))) {
+        None => None,
+        Some(Ok(addr)) => Some(addr),
+        Some(Err((bind, error))) => {
+            eprintln!("--bind {bind}: {error}");
+            return ExitCode::from(2);
         }
-    }
-    block_on(RunOptions {
-        config,
-        config_path: None,
-        demo: true,
-    })
+    };
+    block_on(demo::run_until_signal(bind))
 }
 
-fn block_on(options: RunOptions) -> ExitCode {
+fn block_on(work: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -137,7 +132,7 @@ fn block_on(options: RunOptions) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(daemon::run_until_signal(options)) {
+    match runtime.block_on(work) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("continuum-router: {error:#}");
