@@ -160,7 +160,12 @@ impl Demo {
     /// What to print on startup: where to send requests and where to watch.
     pub fn banner(&self) -> String {
         let url = self.url();
-        let token = self.config.admin.token.as_deref().unwrap_or("(admin disabled)");
+        let token = self
+            .config
+            .admin
+            .token
+            .as_deref()
+            .unwrap_or("(admin disabled)");
         let mut out = String::new();
         out.push_str("continuum-router demo: a simulated Dynamo 1.6.1 fleet and the router, in this process.\n\n");
         out.push_str(&format!("  Front door   {url}\n"));

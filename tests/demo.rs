@@ -142,7 +142,11 @@ async fn the_demo_routes_by_load_through_the_simulated_fleet() {
         requests.push((path, body));
     }
     for i in 0..STREAMING {
-        let model = if i % 2 == 0 { "demo-disagg" } else { "demo-agg" };
+        let model = if i % 2 == 0 {
+            "demo-disagg"
+        } else {
+            "demo-agg"
+        };
         requests.push(("/v1/chat/completions", chat(model, true, i)));
     }
     let answers = join_all(
@@ -183,7 +187,10 @@ async fn the_demo_routes_by_load_through_the_simulated_fleet() {
         } else {
             assert_eq!(record.namespace, "demo-agg");
             assert_eq!(record.prefill, None);
-            assert_eq!(kind(decode), Some(("demo-agg".into(), WorkerType::Aggregated)));
+            assert_eq!(
+                kind(decode),
+                Some(("demo-agg".into(), WorkerType::Aggregated))
+            );
             agg_workers.insert(decode);
         }
     }
@@ -206,10 +213,20 @@ async fn the_demo_routes_by_load_through_the_simulated_fleet() {
     assert!(metric(&metrics, name, &[r#"role="decode""#, r#"reason="load""#]) >= 1.0);
     assert!(metric(&metrics, name, &[r#"role="prefill""#, r#"reason="load""#]) >= 1.0);
     assert!(
-        metric(&metrics, name, &[r#"role="prefill""#, r#"reason="no_prefill_pool""#]) >= 1.0,
+        metric(
+            &metrics,
+            name,
+            &[r#"role="prefill""#, r#"reason="no_prefill_pool""#]
+        ) >= 1.0,
         "aggregated picks count under no_prefill_pool"
     );
-    assert!(metric(&metrics, "continuum_dynamo_load_events_total", &[r#"result="applied""#]) >= 1.0);
+    assert!(
+        metric(
+            &metrics,
+            "continuum_dynamo_load_events_total",
+            &[r#"result="applied""#]
+        ) >= 1.0
+    );
 
     // The admin view shows the fleet, connected subscriptions and the load samples.
     let view: Value = client
@@ -276,7 +293,12 @@ async fn the_simulated_frontend_refuses_like_1_6_1() {
         500
     );
     assert_eq!(
-        status(disagg.clone(), "demo-disagg", vec![(p, prefill.to_string())]).await,
+        status(
+            disagg.clone(),
+            "demo-disagg",
+            vec![(p, prefill.to_string())]
+        )
+        .await,
         400
     );
     assert_eq!(

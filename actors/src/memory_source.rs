@@ -224,7 +224,9 @@ mod tests {
         )
         .unwrap();
         feed.withdraw("v1/instances/demo/backend/generate/1");
-        assert!(matches!(next(&mut rx).await, SourceEvent::Apply { key, .. } if key.contains("kv_metrics")));
+        assert!(
+            matches!(next(&mut rx).await, SourceEvent::Apply { key, .. } if key.contains("kv_metrics"))
+        );
         assert_eq!(
             next(&mut rx).await,
             SourceEvent::Delete {

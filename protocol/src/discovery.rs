@@ -17,8 +17,8 @@
 
 pub mod keys;
 pub mod records;
-pub mod registration;
 pub mod reducer;
+pub mod registration;
 pub mod snapshot;
 pub mod view;
 

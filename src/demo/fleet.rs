@@ -239,10 +239,7 @@ impl Fleet {
                 "Simulated worker registered."
             );
             workers.push(Arc::new(SimWorker {
-                ranks: Mutex::new(vec![
-                    RankLoad::default();
-                    spec.data_parallel_size as usize
-                ]),
+                ranks: Mutex::new(vec![RankLoad::default(); spec.data_parallel_size as usize]),
                 spec,
                 instance_id,
                 publisher_id,
@@ -285,7 +282,10 @@ impl Fleet {
     }
 
     /// Workers of a namespace.
-    pub fn in_namespace<'a>(&'a self, namespace: &'a str) -> impl Iterator<Item = &'a Arc<SimWorker>> {
+    pub fn in_namespace<'a>(
+        &'a self,
+        namespace: &'a str,
+    ) -> impl Iterator<Item = &'a Arc<SimWorker>> {
         self.workers
             .iter()
             .filter(move |w| w.spec.namespace == namespace)

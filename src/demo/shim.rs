@@ -284,7 +284,10 @@ fn parse(body: &[u8], route: Route) -> Option<(String, Ask)> {
     Some((
         model,
         Ask {
-            stream: value.get("stream").and_then(Value::as_bool).unwrap_or(false),
+            stream: value
+                .get("stream")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
             // About four characters a token, at least one.
             prompt_tokens: (prompt.len() as u64).div_ceil(4).max(1),
             max_tokens,
@@ -350,7 +353,9 @@ async fn generate(
             prefill_rank,
             RankLoad {
                 prefill_tokens: ask.prompt_tokens,
-                decode_blocks: ask.prompt_tokens.div_ceil(u64::from(prefill.spec.block_size)),
+                decode_blocks: ask
+                    .prompt_tokens
+                    .div_ceil(u64::from(prefill.spec.block_size)),
             },
         );
         tokio::time::sleep(state.pace.prefill).await;
@@ -444,7 +449,9 @@ struct Reply {
 
 /// Deterministic filler text, one short word per token.
 fn token(i: u64) -> String {
-    const WORDS: [&str; 8] = ["route", "load", "pick", "decode", "prefill", "rank", "fleet", "kv"];
+    const WORDS: [&str; 8] = [
+        "route", "load", "pick", "decode", "prefill", "rank", "fleet", "kv",
+    ];
     let word = WORDS[(i % WORDS.len() as u64) as usize];
     if i == 0 {
         word.to_owned()

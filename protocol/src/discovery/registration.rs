@@ -201,9 +201,12 @@ mod tests {
         for event in events {
             reducer.apply(event, UnixMillis(1));
         }
-        assert!(reducer.take_counts().iter().all(|(kind, _)| {
-            matches!(kind, crate::discovery::DiscoveryEventKind::Resync)
-        }));
+        assert!(
+            reducer
+                .take_counts()
+                .iter()
+                .all(|(kind, _)| { matches!(kind, crate::discovery::DiscoveryEventKind::Resync) })
+        );
         let view = reducer.view();
         assert_eq!(view.workers().len(), 2);
         let decode = view

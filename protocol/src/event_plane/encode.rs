@@ -133,7 +133,7 @@ pub fn encode_kv_metrics(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event_plane::{decode_frames, decode_active_load, StreamExpectation};
+    use crate::event_plane::{StreamExpectation, decode_active_load, decode_frames};
     use crate::ids::{DpRank, InstanceId};
 
     /// frame3 of a captured Dynamo 1.6.1 prefill `kv_metrics` message (dynamo-live.md §5).
@@ -166,7 +166,17 @@ mod tests {
 
     #[test]
     fn every_integer_width_round_trips() {
-        for n in [0u64, 0x7f, 0x80, 0xff, 0x100, 0xffff, 0x1_0000, u32::MAX as u64, u64::MAX] {
+        for n in [
+            0u64,
+            0x7f,
+            0x80,
+            0xff,
+            0x100,
+            0xffff,
+            0x1_0000,
+            u32::MAX as u64,
+            u64::MAX,
+        ] {
             let load = ActiveLoad {
                 worker_id: InstanceId(n),
                 dp_rank: DpRank(3),
@@ -174,7 +184,10 @@ mod tests {
                 active_prefill_tokens: None,
                 kv_used_blocks: Some(n / 2),
             };
-            assert_eq!(decode_active_load(&encode_active_load(&load)).unwrap(), load);
+            assert_eq!(
+                decode_active_load(&encode_active_load(&load)).unwrap(),
+                load
+            );
         }
     }
 }
