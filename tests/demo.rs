@@ -252,6 +252,70 @@ async fn the_demo_routes_by_load_through_the_simulated_fleet() {
     demo.shutdown().await;
 }
 
+/// A request in flight raises its pinned worker's published load, as the router sees it, and
+/// the load falls back when the request ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_rises_and_falls_with_a_request_in_flight() {
+    use futures::StreamExt;
+
+    let demo = start_demo().await;
+    wait_until_routable(&demo).await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", demo.url()))
+        .json(&json!({
+            "model": "demo-agg",
+            "messages": [{"role": "user", "content": "a long answer please"}],
+            "max_tokens": 64,
+            "stream": true,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let first = body.next().await.expect("a first chunk").unwrap();
+    let first = String::from_utf8_lossy(&first).into_owned();
+    let chunk: Value = serde_json::from_str(
+        first
+            .strip_prefix("data: ")
+            .and_then(|d| d.split("\n\n").next())
+            .expect("an SSE event"),
+    )
+    .unwrap();
+    let id = chunk["id"].as_str().unwrap().to_owned();
+    let record = demo
+        .served()
+        .into_iter()
+        .find(|s| s.response_id == id)
+        .expect("the frontend recorded the request");
+    let (worker, rank) = record.decode.expect("a pinned worker");
+    let load = demo.daemon().load_store();
+    let blocks = |load: &continuum_actors::load::DynamoLoadStore| {
+        load.latest(worker, rank)
+            .and_then(|s| s.load.active_decode_blocks)
+            .unwrap_or(0)
+    };
+    let mut changes = load.subscribe();
+    tokio::time::timeout(DEADLINE, async {
+        while blocks(load) == 0 {
+            changes.changed().await.unwrap();
+        }
+    })
+    .await
+    .expect("the router sees the booked blocks");
+    while let Some(chunk) = body.next().await {
+        chunk.unwrap();
+    }
+    tokio::time::timeout(DEADLINE, async {
+        while blocks(load) != 0 {
+            changes.changed().await.unwrap();
+        }
+    })
+    .await
+    .expect("the load falls back to zero once the request ended");
+    demo.shutdown().await;
+}
+
 /// The simulated frontend answers pins (and their absence) as Dynamo 1.6.1's direct mode does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_simulated_frontend_refuses_like_1_6_1() {
