@@ -144,6 +144,24 @@ impl Demo {
         format!("http://{}", self.daemon.local_addr())
     }
 
+    /// Waits (on registry generations) until the router has discovered every simulated worker;
+    /// false when `limit` passed first.
+    pub async fn wait_discovered(&self, limit: Duration) -> bool {
+        let registry = self.daemon.registry();
+        let mut generations = registry.subscribe();
+        let all = self.fleet.workers().len();
+        tokio::time::timeout(limit, async {
+            while registry.snapshot().workers().len() < all {
+                if generations.changed().await.is_err() {
+                    return false;
+                }
+            }
+            true
+        })
+        .await
+        .unwrap_or(false)
+    }
+
     /// The simulated frontend of a namespace.
     pub fn frontend(&self, namespace: &str) -> Option<&ShimServer> {
         self.frontends.get(namespace)
@@ -250,6 +268,9 @@ pub async fn run_until_signal(bind: Option<SocketAddr>) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {addr} (try --bind 127.0.0.1:0)"))?;
     let demo = Demo::start(DemoOptions::default(), listener).await?;
+    if !demo.wait_discovered(Duration::from_secs(10)).await {
+        warn!("The router has not discovered every simulated worker yet.");
+    }
     info!(router = %demo.url(), "continuum-router demo is serving.");
     println!("{}", demo.banner());
     crate::daemon::shutdown_signal().await;
