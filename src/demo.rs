@@ -256,7 +256,10 @@ pub fn demo_config(frontends: &BTreeMap<String, SocketAddr>) -> anyhow::Result<C
 }
 
 /// `continuum-router demo`: runs until SIGTERM or SIGINT.
-pub async fn run_until_signal(bind: Option<SocketAddr>) -> anyhow::Result<()> {
+pub async fn run_until_signal(
+    bind: Option<SocketAddr>,
+    options: DemoOptions,
+) -> anyhow::Result<()> {
     let mut config = Config::demo();
     if let Some(bind) = bind {
         config.server.bind_address = bind;
@@ -267,7 +270,7 @@ pub async fn run_until_signal(bind: Option<SocketAddr>) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr} (try --bind 127.0.0.1:0)"))?;
-    let demo = Demo::start(DemoOptions::default(), listener).await?;
+    let demo = Demo::start(options, listener).await?;
     if !demo.wait_discovered(Duration::from_secs(10)).await {
         warn!("The router has not discovered every simulated worker yet.");
     }

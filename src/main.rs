@@ -39,6 +39,9 @@ enum Command {
         /// Address to serve on (default from the embedded config).
         #[arg(long)]
         bind: Option<String>,
+        /// How often each simulated worker publishes its load ("200ms", "1s").
+        #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
+        publish_interval: std::time::Duration,
     },
 }
 
@@ -63,7 +66,13 @@ fn main() -> ExitCode {
     match (cli.command, cli.config) {
         (Some(Command::Config { action }), _) => config_command(action),
         (Some(Command::Run { config }), _) | (None, Some(config)) => run_file(config),
-        (Some(Command::Demo { bind }), _) => run_demo(bind),
+        (
+            Some(Command::Demo {
+                bind,
+                publish_interval,
+            }),
+            _,
+        ) => run_demo(bind, publish_interval),
         (None, None) => {
             eprintln!("continuum-router: give --config FILE, or try `continuum-router demo`");
             ExitCode::from(2)
@@ -109,7 +118,7 @@ fn run_file(path: PathBuf) -> ExitCode {
     }))
 }
 
-fn run_demo(bind: Option<String>) -> ExitCode {
+fn run_demo(bind: Option<String>, publish_interval: std::time::Duration) -> ExitCode {
     let bind = match bind.map(|b| b.parse::<std::net::SocketAddr>().map_err(|e| (b, e))) {
         None => None,
         Some(Ok(addr)) => Some(addr),
@@ -118,7 +127,11 @@ fn run_demo(bind: Option<String>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    block_on(demo::run_until_signal(bind))
+    let options = demo::DemoOptions {
+        publish_interval: publish_interval.max(std::time::Duration::from_millis(10)),
+        ..demo::DemoOptions::default()
+    };
+    block_on(demo::run_until_signal(bind, options))
 }
 
 fn block_on(work: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {

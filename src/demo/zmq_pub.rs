@@ -266,4 +266,36 @@ mod tests {
         assert_eq!(delivered.load, load);
         assert_eq!(socket.peer_count(), 1);
     }
+
+    #[tokio::test]
+    async fn a_subscriber_that_stops_reading_is_dropped_not_buffered() {
+        let socket = PubSocket::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let mut stream = TcpStream::connect(socket.local_addr()).await.unwrap();
+        let mut sub = ZmtpSub::new(b"big", ZmtpLimits::KV_METRICS).unwrap();
+        let mut buf = [0u8; 256];
+        loop {
+            let mut out = Vec::new();
+            sub.take_outgoing(&mut out);
+            stream.write_all(&out).await.unwrap();
+            if sub.is_open() && sub.poll_transmit().is_none() {
+                break;
+            }
+            let n = stream.read(&mut buf).await.unwrap();
+            sub.feed(&buf[..n], |_| {}).unwrap();
+        }
+        socket.subscribed().wait_for(|n| *n == 1).await.unwrap();
+        // The subscriber never reads again: the kernel buffers fill, then its queue, then it is
+        // dropped. Bounded: at most this many 64 KiB messages are ever offered.
+        let frame = vec![0u8; 64 * 1024];
+        let mut sent = 0;
+        while socket.peer_count() == 1 {
+            assert!(sent < 20_000, "the slow subscriber was never dropped");
+            socket.send(&[b"big".as_slice(), &frame]);
+            sent += 1;
+            tokio::task::yield_now().await;
+        }
+        assert!(sent > PEER_QUEUE);
+    }
 }
