@@ -18,6 +18,7 @@ use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::kv_index::{DynamoKvIndex, kv_index_spec};
 use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::memory_source::MemoryDiscovery;
 use continuum_actors::metrics::SubscriptionTransport;
 use continuum_actors::metrics::{DiscoveryEventKind, Metrics};
 use continuum_actors::registry::{
@@ -69,22 +70,9 @@ pub async fn run_until_signal(options: RunOptions) -> anyhow::Result<()> {
     let listener = TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
-    let demo = options.demo;
-    let admin_token = options.config.admin.token.clone();
     let daemon = Daemon::start(options, listener).await?;
     let local = daemon.local_addr();
     info!(%local, "continuum-router is serving.");
-    if demo {
-        println!("continuum-router demo is serving on http://{local}");
-        println!("  curl http://{local}/health");
-        println!("  curl http://{local}/metrics");
-        if let Some(token) = admin_token {
-            println!("  curl -H 'authorization: Bearer {token}' http://{local}/admin/subsystems");
-            println!(
-                "  curl -H 'authorization: Bearer {token}' http://{local}/admin/dynamo/workers"
-            );
-        }
-    }
     shutdown_signal().await;
     info!("Shutting down.");
     daemon.shutdown().await;
@@ -94,7 +82,8 @@ pub async fn run_until_signal(options: RunOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+/// Resolves on SIGINT or SIGTERM.
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -128,6 +117,8 @@ struct Shared {
     kv: DynamoKvIndex,
     /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
     proxy: Arc<Proxy>,
+    /// Records `source: simulated` discovery reads (the demo's fleet; empty otherwise).
+    simulated: MemoryDiscovery,
 }
 
 /// A running daemon.
@@ -154,6 +145,15 @@ impl std::fmt::Debug for Daemon {
 impl Daemon {
     /// Builds the supervision tree and serves the front door on `listener`.
     pub async fn start(options: RunOptions, listener: TcpListener) -> anyhow::Result<Daemon> {
+        Self::start_with_feed(options, listener, MemoryDiscovery::new()).await
+    }
+
+    /// [`Daemon::start`] whose `source: simulated` discovery reads `feed` (the demo's fleet).
+    pub async fn start_with_feed(
+        options: RunOptions,
+        listener: TcpListener,
+        feed: MemoryDiscovery,
+    ) -> anyhow::Result<Daemon> {
         let config = options.config;
         let metrics = Metrics::new(&config.telemetry.service_name)
             .map_err(|e| anyhow::anyhow!("cannot build metrics: {e}"))?;
@@ -173,6 +173,7 @@ impl Daemon {
             kv: DynamoKvIndex::new(Some(metrics.clone())),
             metrics,
             load,
+            simulated: feed,
         };
         shared.proxy.reconfigure(&config);
         shared.proxy.set_shim(Arc::new(
@@ -364,7 +365,8 @@ pub fn live_settings(config: &Config) -> LiveSettings {
 
 fn source_kind(source: DiscoverySource) -> SourceKind {
     match source {
-        DiscoverySource::Etcd => SourceKind::Etcd,
+        // The simulated fleet writes etcd's records: everything after the source is etcd's path.
+        DiscoverySource::Etcd | DiscoverySource::Simulated => SourceKind::Etcd,
         DiscoverySource::Kubernetes => SourceKind::Kubernetes,
         DiscoverySource::KubernetesPods => SourceKind::KubernetesPods,
     }
@@ -402,6 +404,7 @@ fn source_prefix(source: DiscoverySource) -> &'static str {
         DiscoverySource::Etcd => "etcd",
         DiscoverySource::Kubernetes => "kubernetes",
         DiscoverySource::KubernetesPods => "kubernetes_pods",
+        DiscoverySource::Simulated => "simulated",
     }
 }
 
@@ -481,6 +484,10 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
                 DiscoverySource::KubernetesPods => SourceSpec::KubePods {
                     kube: kube_source_config(&config),
                     pods: pod_source_config(&config, &namespace),
+                    namespace: namespace.clone(),
+                },
+                DiscoverySource::Simulated => SourceSpec::Memory {
+                    feed: shared.simulated.clone(),
                     namespace: namespace.clone(),
                 },
                 _ => SourceSpec::Etcd(etcd_source_config(&config, namespace.clone())),

@@ -49,7 +49,34 @@ pub fn workers_view(
         "kv_event_publishers": snapshot.kv_event_publisher_count(),
         "subscriptions": load.subscriptions(),
         "kv_hash_parity": kv_hash_parity(kv),
+        "load": load_samples(load),
     })
+}
+
+/// The latest ActiveLoad sample per (worker, dp_rank), with its age: what the picker reads.
+fn load_samples(load: &DynamoLoadStore) -> Vec<Value> {
+    let now = continuum_actors::clock::now_tick();
+    let mut samples: Vec<Value> = load.with(|store| {
+        store
+            .iter()
+            .map(|(key, sample)| {
+                json!({
+                    "worker_id": key.worker_id.decimal(),
+                    "instance_id": key.worker_id.hex(),
+                    "dp_rank": key.dp_rank.0,
+                    "active_decode_blocks": sample.load.active_decode_blocks,
+                    "active_prefill_tokens": sample.load.active_prefill_tokens,
+                    "kv_used_blocks": sample.load.kv_used_blocks,
+                    "age_ms": u64::try_from(sample.age(now).as_millis()).unwrap_or(u64::MAX),
+                })
+            })
+            .collect()
+    });
+    samples.sort_by(|a, b| {
+        (a["instance_id"].as_str(), a["dp_rank"].as_u64())
+            .cmp(&(b["instance_id"].as_str(), b["dp_rank"].as_u64()))
+    });
+    samples
 }
 
 /// Per model: predictions decided, matched, and the match ratio over the last 100 (`null`

@@ -4,6 +4,7 @@
 //! |---|---|
 //! | [`config`] | the typed YAML schema, validation, masking and the reload diff |
 //! | [`daemon`] | startup, the reload control loop and bounded shutdown |
+//! | [`demo`] | `continuum-router demo`: a simulated Dynamo fleet and the router in one process |
 //! | [`front_door`] | the axum router: OpenAI surface, health, metrics, admin |
 //! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
 //! | [`proxy`] | the OpenAI-wire serving path: backend pool, health, breakers, relay |
@@ -13,6 +14,7 @@
 
 pub mod config;
 pub mod daemon;
+pub mod demo;
 pub mod dynamo_admin;
 pub mod front_door;
 pub mod proxy;

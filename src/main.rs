@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use continuum_router::config::{self, Config};
 use continuum_router::daemon::{self, RunOptions};
+use continuum_router::demo;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -38,6 +39,9 @@ enum Command {
         /// Address to serve on (default from the embedded config).
         #[arg(long)]
         bind: Option<String>,
+        /// How often each simulated worker publishes its load ("200ms", "1s").
+        #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
+        publish_interval: std::time::Duration,
     },
 }
 
@@ -62,7 +66,13 @@ fn main() -> ExitCode {
     match (cli.command, cli.config) {
         (Some(Command::Config { action }), _) => config_command(action),
         (Some(Command::Run { config }), _) | (None, Some(config)) => run_file(config),
-        (Some(Command::Demo { bind }), _) => run_demo(bind),
+        (
+            Some(Command::Demo {
+                bind,
+                publish_interval,
+            }),
+            _,
+        ) => run_demo(bind, publish_interval),
         (None, None) => {
             eprintln!("continuum-router: give --config FILE, or try `continuum-router demo`");
             ExitCode::from(2)
@@ -101,32 +111,30 @@ fn run_file(path: PathBuf) -> ExitCode {
     for warning in &loaded.diagnostics {
         eprintln!("{warning}");
     }
-    block_on(RunOptions {
+    block_on(daemon::run_until_signal(RunOptions {
         config: loaded.config,
         config_path: Some(path),
         demo: false,
-    })
+    }))
 }
 
-fn run_demo(bind: Option<String>) -> ExitCode {
-    let mut config = Config::demo();
-    if let Some(bind) = bind {
-        match bind.parse() {
-            Ok(addr) => config.server.bind_address = addr,
-            Err(error) => {
-                eprintln!("--bind {bind}: {error}");
-                return ExitCode::from(2);
-            }
+fn run_demo(bind: Option<String>, publish_interval: std::time::Duration) -> ExitCode {
+    let bind = match bind.map(|b| b.parse::<std::net::SocketAddr>().map_err(|e| (b, e))) {
+        None => None,
+        Some(Ok(addr)) => Some(addr),
+        Some(Err((bind, error))) => {
+            eprintln!("--bind {bind}: {error}");
+            return ExitCode::from(2);
         }
-    }
-    block_on(RunOptions {
-        config,
-        config_path: None,
-        demo: true,
-    })
+    };
+    let options = demo::DemoOptions {
+        publish_interval: publish_interval.max(std::time::Duration::from_millis(10)),
+        ..demo::DemoOptions::default()
+    };
+    block_on(demo::run_until_signal(bind, options))
 }
 
-fn block_on(options: RunOptions) -> ExitCode {
+fn block_on(work: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -137,7 +145,7 @@ fn block_on(options: RunOptions) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(daemon::run_until_signal(options)) {
+    match runtime.block_on(work) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("continuum-router: {error:#}");

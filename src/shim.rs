@@ -452,6 +452,17 @@ impl ShimRouter {
                 );
             }
         }
+        debug!(
+            model,
+            namespace = %pick.namespace,
+            decode_worker_id = pick.decode.worker.instance_id.0,
+            decode_dp_rank = pick.decode.dp_rank.map(|r| r.0),
+            decode_reason = pick.reasons.decode.as_label(),
+            prefill_worker_id = pick.prefill.as_ref().map(|p| p.worker.instance_id.0),
+            prefill_dp_rank = pick.prefill.as_ref().and_then(|p| p.dp_rank).map(|r| r.0),
+            prefill_reason = pick.reasons.prefill.as_label(),
+            "Picked Dynamo workers for a request."
+        );
         let pool = pool_of(&pick.namespace);
         let dispatch = Dispatch::pins(
             pick.decode.worker.instance_id,

@@ -26,6 +26,7 @@ use crate::clock::now_unix;
 use crate::etcd_source::{EtcdSource, EtcdSourceConfig};
 use crate::kube_source::{KubeSourceConfig, KubeUpdate, run_metadata_source, run_pod_source};
 use crate::lifecycle::ActorSpan;
+use crate::memory_source::{MemoryDiscovery, run_memory_source};
 use crate::metrics::DiscoveryEventKind;
 use crate::metrics::Metrics;
 use crate::registry::{DynamoRegistry, RegistryMailbox, RegistryMsg};
@@ -62,20 +63,25 @@ pub enum SourceSpec {
         pods: PodSourceConfig,
         namespace: Namespace,
     },
+    /// Records held in process (`continuum-router demo`'s simulated fleet), etcd-shaped.
+    Memory {
+        feed: MemoryDiscovery,
+        namespace: Namespace,
+    },
 }
 
 impl SourceSpec {
     pub fn namespace(&self) -> &Namespace {
         match self {
             SourceSpec::Etcd(cfg) => &cfg.namespace,
-            SourceSpec::KubeMetadata { namespace, .. } | SourceSpec::KubePods { namespace, .. } => {
-                namespace
-            }
+            SourceSpec::KubeMetadata { namespace, .. }
+            | SourceSpec::KubePods { namespace, .. }
+            | SourceSpec::Memory { namespace, .. } => namespace,
         }
     }
 }
 
-/// A running source: the etcd loop, or the Kubernetes watch task.
+/// A running source: the etcd loop, or a task (Kubernetes watches, the in-memory feed).
 enum RunningSource {
     Etcd(EtcdSource),
     Kube(JoinHandle<()>),
@@ -157,6 +163,18 @@ impl Actor for DiscoveryActor {
                     forward_kube(rx, myself.clone(), DiscoveryMsg::Members).instrument(span),
                 );
                 (RunningSource::Kube(task), vec![forwarder])
+            }
+            SourceSpec::Memory { feed, namespace } => {
+                let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
+                let (connected_tx, connected_rx) = tokio::sync::watch::channel(false);
+                let task = tokio::spawn(
+                    run_memory_source(feed, namespace, tx, connected_tx).instrument(span.clone()),
+                );
+                let forwarder =
+                    tokio::spawn(forward_events(rx, myself.clone()).instrument(span.clone()));
+                let watcher =
+                    tokio::spawn(forward_connected(connected_rx, myself.clone()).instrument(span));
+                (RunningSource::Kube(task), vec![forwarder, watcher])
             }
         };
         Ok(DiscoveryState {

@@ -27,6 +27,7 @@
 //! | [`kv_index`] | KvIndexActor and the shared `DynamoKvIndex` (reads, parity, subscription cursors) |
 //! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
 //! | [`etcd_source`] | the read-only etcd get-then-watch source |
+//! | [`memory_source`] | in-process etcd-shaped records (the demo's simulated fleet) |
 //! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |
 //! | [`subscription`] | SubscriptionActor per publisher and the follower of registry generations |
 //! | [`load`] | the shared load store and the subscription status table |
@@ -40,6 +41,7 @@ pub mod kv_artifacts;
 pub mod kv_index;
 pub mod lifecycle;
 pub mod load;
+pub mod memory_source;
 pub mod metrics;
 pub mod registry;
 pub mod store;

@@ -9,6 +9,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`keys`] | etcd key shapes, keyspaces, Dynamo's event-segment percent-encoding |
+//! | [`registration`] | the records a 1.6.1 worker registers, for simulated workers |
 //! | [`records`] | tolerant parsing of Endpoint / Model / EventChannel / EventSource values, bounds |
 //! | [`reducer`] | [`DiscoveryReducer`]: held records, joins, duplicate refusal, counts |
 //! | [`view`] | [`Worker`], [`Publisher`], [`NamespaceView`] and the admin JSON of a worker |
@@ -17,6 +18,7 @@
 pub mod keys;
 pub mod records;
 pub mod reducer;
+pub mod registration;
 pub mod snapshot;
 pub mod view;
 

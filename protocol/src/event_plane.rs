@@ -10,6 +10,7 @@
 //! `continuum_dynamo_load_events_total`. Dropping a message never closes the subscription;
 //! only transport violations ([`crate::zmtp::ZmtpError`]) do.
 
+pub mod encode;
 pub mod msgpack;
 
 use thiserror::Error;

@@ -25,6 +25,8 @@
 
 use std::mem;
 
+pub mod publisher;
+
 use thiserror::Error;
 
 /// Bytes of a ZMTP 3 greeting.

@@ -177,7 +177,7 @@ fn classify(path: &str, old: &Config, new: &Config, discovery_acts: bool) -> Rel
         let active = [old, new].iter().any(|config| {
             let discovery = &config.dynamo.discovery;
             let section = match discovery.source {
-                DiscoverySource::Etcd => "dynamo.discovery.etcd",
+                DiscoverySource::Etcd | DiscoverySource::Simulated => "dynamo.discovery.etcd",
                 DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {
                     "dynamo.discovery.kubernetes"
                 }

@@ -282,6 +282,9 @@ pub enum DiscoverySource {
     Etcd,
     Kubernetes,
     KubernetesPods,
+    /// etcd-shaped records held in process: only `continuum-router demo` feeds it (its simulated
+    /// fleet); namespaces come from the `etcd` section, no etcd is dialled.
+    Simulated,
 }
 
 impl DiscoverySource {
@@ -290,6 +293,7 @@ impl DiscoverySource {
             Self::Etcd => "etcd",
             Self::Kubernetes => "kubernetes",
             Self::KubernetesPods => "kubernetes_pods",
+            Self::Simulated => "simulated",
         }
     }
 
@@ -311,7 +315,9 @@ impl DiscoveryConfig {
     /// The Dynamo namespaces the active source watches, in configured order (first = primary).
     pub fn namespace_names(&self) -> Vec<String> {
         let (scalar, list) = match self.source {
-            DiscoverySource::Etcd => (&self.etcd.namespace, &self.etcd.namespaces),
+            DiscoverySource::Etcd | DiscoverySource::Simulated => {
+                (&self.etcd.namespace, &self.etcd.namespaces)
+            }
             DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => (
                 &self.kubernetes.dynamo_namespace,
                 &self.kubernetes.dynamo_namespaces,
@@ -335,7 +341,7 @@ impl DiscoveryConfig {
     /// The active source's reconnect backoff.
     pub fn watch_reconnect_backoff(&self) -> BackoffConfig {
         match self.source {
-            DiscoverySource::Etcd => self.etcd.watch_reconnect_backoff,
+            DiscoverySource::Etcd | DiscoverySource::Simulated => self.etcd.watch_reconnect_backoff,
             DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {
                 self.kubernetes.watch_reconnect_backoff
             }

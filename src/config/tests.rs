@@ -401,6 +401,31 @@ fn demo_config_is_valid_and_loopback_only() {
     assert!(validate(&demo).iter().all(|d| !d.is_error()));
 }
 
+#[test]
+fn the_demo_routes_through_simulated_discovery_without_etcd_endpoints() {
+    let demo = Config::demo();
+    assert!(demo.dynamo.enabled && demo.disaggregated_serving.enabled);
+    assert_eq!(demo.dynamo.discovery.source, DiscoverySource::Simulated);
+    assert!(demo.dynamo.discovery.etcd.endpoints.is_empty());
+    assert_eq!(
+        demo.dynamo.discovery.namespace_names(),
+        vec!["demo".to_string(), "demo-agg".to_string()]
+    );
+    let diagnostics = validate(&demo);
+    assert!(
+        diagnostics
+            .iter()
+            .any(|d| d.path == "dynamo.discovery.source" && d.message.contains("demo")),
+        "{diagnostics:#?}"
+    );
+    // Every shim pool names a configured backend that serves the namespace's model.
+    for pool in &demo.dynamo.shim.pools {
+        for name in &pool.backends {
+            assert!(demo.backend(name).is_some(), "{name}");
+        }
+    }
+}
+
 fn template_env() -> BTreeMap<String, String> {
     env(&[
         ("ROUTER_ADMIN_TOKEN", "admin-token-0123456789abcdef"),

@@ -359,6 +359,11 @@ impl Validator {
         }
         match source {
             DiscoverySource::Etcd => {}
+            DiscoverySource::Simulated => self.warn(
+                "dynamo.discovery.source",
+                "source simulated discovers only the fleet `continuum-router demo` simulates; \
+                 a daemon run from a file discovers no workers with it",
+            ),
             DiscoverySource::Kubernetes => {
                 if kube.model.is_some() || !kube.models.is_empty() {
                     self.warn(
