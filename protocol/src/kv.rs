@@ -7,6 +7,7 @@
 //! | [`events`] | the kv-events payload (msgpack array of RouterEvent), decoded with bounds |
 //! | [`index`] | [`KvIndex`]: arena radix tree keyed by `tokens_hash`, per-rank ownership |
 //! | [`hashing`] | XXH3-64 LocalBlockHash / SequenceHash (wire §11) |
+//! | [`prompt`] | render bounds (fuel, caps, permits, deadline) and the per-block-size hash plan |
 //! | [`cost`] | the per-candidate cost, softmax sampling and the zero-temperature argmin |
 //! | [`reference`] | a naive HashMap index with the same semantics, for differential tests |
 //!
@@ -21,6 +22,7 @@ pub mod cost;
 pub mod events;
 pub mod hashing;
 pub mod index;
+pub mod prompt;
 pub mod reference;
 
 pub use events::{KvEventsError, RouterEvent, decode_router_events, encode_router_events};
