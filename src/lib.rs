@@ -15,6 +15,7 @@ pub mod config;
 pub mod daemon;
 pub mod dynamo_admin;
 pub mod front_door;
+pub mod kv;
 pub mod proxy;
 pub mod readiness;
 pub mod shim;
