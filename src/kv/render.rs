@@ -162,29 +162,57 @@ impl PromptRenderer {
         lora_name: Option<&str>,
         cache_salt: Option<&str>,
     ) -> Result<PreparedPrompt, PrepareError> {
-        let start = Instant::now();
         let plan = block_plan(block_sizes)?;
         let job = Job::from_request(request, self.template.is_some())?;
-
-        let permit = acquire(&self.permits, self.limits.permit_wait).await?;
         let tokenizer = Arc::clone(&self.tokenizer);
-        let template = self.template.clone();
-        let limits = self.limits;
         let lora = lora_name.map(str::to_owned);
         let salt = cache_salt.map(str::to_owned);
-        let work = tokio::task::spawn_blocking(move || {
-            // The permit lives as long as the work, not as long as the waiter: a render that
-            // outlives its deadline still occupies its permit until fuel stops it.
-            let _permit: OwnedSemaphorePermit = permit;
-            let tokens = job.run(&tokenizer, template.as_deref(), &limits)?;
+        self.bounded(move |template, limits| {
+            let tokens = job.tokens(&tokenizer, template, limits)?;
             let hashes = prompt_block_hashes(&tokens, &plan, lora.as_deref(), salt.as_deref());
             Ok(PreparedPrompt {
                 isl: tokens.len(),
                 tokens: tokens.into(),
                 hashes,
             })
+        })
+        .await
+    }
+
+    /// The text [`Self::prepare`] would tokenize (the rendered chat, or a completions prompt
+    /// string), under the same bounds; `None` for a token-id prompt. For parity tests and
+    /// operators' debugging.
+    pub async fn render_text(
+        &self,
+        request: &serde_json::Value,
+    ) -> Result<Option<String>, PrepareError> {
+        let job = Job::from_request(request, self.template.is_some())?;
+        self.bounded(
+            move |template, limits| match job.render(template, limits)? {
+                Rendered::Text(text) => Ok(Some(text)),
+                Rendered::Tokens(_) => Ok(None),
+            },
+        )
+        .await
+    }
+
+    /// Runs `work` on the blocking pool holding a permit, within the permit wait and deadline.
+    async fn bounded<T, F>(&self, work: F) -> Result<T, PrepareError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Option<&ChatTemplate>, &RenderLimits) -> Result<T, PrepareError> + Send + 'static,
+    {
+        let start = Instant::now();
+        let permit = acquire(&self.permits, self.limits.permit_wait).await?;
+        let template = self.template.clone();
+        let limits = self.limits;
+        let task = tokio::task::spawn_blocking(move || {
+            // The permit lives as long as the work, not as long as the waiter: a render that
+            // outlives its deadline still occupies its permit until fuel stops it.
+            let _permit: OwnedSemaphorePermit = permit;
+            work(template.as_deref(), &limits)
         });
-        match tokio::time::timeout_at(start + self.limits.deadline, work).await {
+        match tokio::time::timeout_at(start + self.limits.deadline, task).await {
             Ok(Ok(result)) => result,
             Ok(Err(join)) => Err(PrepareError::TaskFailed(join.to_string())),
             Err(_) => Err(PrepareError::Deadline(self.limits.deadline)),
@@ -226,14 +254,13 @@ impl Job {
         }
     }
 
-    fn run(
+    fn render(
         self,
-        tokenizer: &tokenizers::Tokenizer,
         template: Option<&ChatTemplate>,
         limits: &RenderLimits,
-    ) -> Result<Vec<u32>, PrepareError> {
+    ) -> Result<Rendered, PrepareError> {
         let text = match self {
-            Job::Tokens(tokens) => return cap_tokens(tokens, limits.max_tokens),
+            Job::Tokens(tokens) => return Ok(Rendered::Tokens(tokens)),
             Job::Text(text) => text,
             Job::Chat(input) => {
                 let template = template.ok_or(PrepareError::NoTemplate)?;
@@ -253,11 +280,30 @@ impl Job {
                 limit: limits.max_rendered_bytes,
             });
         }
-        let encoding = tokenizer
-            .encode(text.as_str(), false)
-            .map_err(|e| PrepareError::Tokenizer(e.to_string()))?;
-        cap_tokens(encoding.get_ids().to_vec(), limits.max_tokens)
+        Ok(Rendered::Text(text))
     }
+
+    fn tokens(
+        self,
+        tokenizer: &tokenizers::Tokenizer,
+        template: Option<&ChatTemplate>,
+        limits: &RenderLimits,
+    ) -> Result<Vec<u32>, PrepareError> {
+        let tokens = match self.render(template, limits)? {
+            Rendered::Tokens(tokens) => tokens,
+            Rendered::Text(text) => tokenizer
+                .encode(text.as_str(), false)
+                .map_err(|e| PrepareError::Tokenizer(e.to_string()))?
+                .get_ids()
+                .to_vec(),
+        };
+        cap_tokens(tokens, limits.max_tokens)
+    }
+}
+
+enum Rendered {
+    Text(String),
+    Tokens(Vec<u32>),
 }
 
 fn cap_tokens(tokens: Vec<u32>, limit: usize) -> Result<Vec<u32>, PrepareError> {

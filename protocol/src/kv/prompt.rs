@@ -135,7 +135,15 @@ mod tests {
 
     #[test]
     fn permits_are_clamped_to_four_through_thirty_two() {
-        for (cpus, want) in [(0, 4), (1, 4), (4, 4), (7, 7), (32, 32), (33, 32), (512, 32)] {
+        for (cpus, want) in [
+            (0, 4),
+            (1, 4),
+            (4, 4),
+            (7, 7),
+            (32, 32),
+            (33, 32),
+            (512, 32),
+        ] {
             assert_eq!(render_permits(cpus), want, "{cpus} cpus");
         }
         assert_eq!(RenderLimits::for_cpus(2).permits, 4);
