@@ -576,6 +576,8 @@ mod tests {
         }
     }
 
+    /// Key order is the request's own (serde_json and minijinja `preserve_order`), as Python
+    /// dicts keep it: `k` before `e`.
     #[test]
     fn tojson_is_python_json_dumps() {
         let t = ChatTemplate::from_jinja(
@@ -590,7 +592,7 @@ mod tests {
         ]);
         assert_eq!(
             t.render(&input(msgs), RENDER_FUEL, 1000).unwrap(),
-            "{\"a\": [1, 2.5, true, null], \"b\": \"<é>\\n\"}|{\n  \"e\": [],\n  \"k\": [\n    1,\n    {}\n  ]\n}|\"x\""
+            "{\"a\": [1, 2.5, true, null], \"b\": \"<é>\\n\"}|{\n  \"k\": [\n    1,\n    {}\n  ],\n  \"e\": []\n}|\"x\""
         );
     }
 
