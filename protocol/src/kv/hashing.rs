@@ -4,7 +4,9 @@
 //! Implemented here on `xxhash-rust` rather than by depending on `dynamo-kv-hashing` 1.6.1: that
 //! crate's surface is the 128-bit PositionalLineageHash, it drags in `dynamo-tokens` (dashmap,
 //! uuid, bs58, bytemuck, derive_builder), and the three formulas below are a few lines each.
-//! Equality with upstream is proven on every vector of `block_hash.json` (tests below).
+//! Equality with upstream is proven on every vector of `block_hash.json` and by a property test
+//! against the crate's own `Request::block_hashes` (a dev-dependency only, so protocol's build
+//! graph stays small).
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
