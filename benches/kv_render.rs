@@ -115,7 +115,11 @@ fn main() {
         })
     });
     criterion.bench_function("kv_render/tokenize_only", |b| {
-        b.iter(|| tokenizer.encode(black_box(text.as_str()), false).unwrap())
+        b.iter(|| {
+            tokenizer
+                .encode_fast(black_box(text.as_str()), false)
+                .unwrap()
+        })
     });
     criterion.bench_function("kv_render/hash_only", |b| {
         b.iter(|| prompt_block_hashes(black_box(&prepared.tokens), &plan, None, None))
@@ -154,6 +158,46 @@ fn main() {
     );
     println!(
         "prepare_8k_chat: n={runs} p50={:?} p99={:?} max={:?}",
+        percentile(&times, 0.5),
+        percentile(&times, 0.99),
+        times[runs - 1]
+    );
+
+    // The mocker's tiny model: a byte-level BPE with a regex pre-tokenizer (as Llama 3 / Qwen
+    // tokenizers are), where TinyLlama's SentencePiece-style BPE merges the whole prompt as one
+    // word. Its own template and its own ~8k-token chat.
+    let tiny = fixtures().join("render/tiny-model");
+    let tiny_tokenizer =
+        Arc::new(tokenizers::Tokenizer::from_file(tiny.join("tokenizer.json")).unwrap());
+    let tiny_template = Arc::new(
+        ChatTemplate::from_tokenizer_config_json(
+            &std::fs::read(tiny.join("tokenizer_config.json")).unwrap(),
+        )
+        .unwrap(),
+    );
+    let tiny_renderer = PromptRenderer::new(
+        Arc::clone(&tiny_tokenizer),
+        Some(tiny_template),
+        RenderLimits::default(),
+    );
+    let tiny_request = chat_of_about(&tiny_tokenizer, |request| {
+        runtime
+            .block_on(tiny_renderer.prepare(request, &sizes, None, None))
+            .map_or(0, |p| p.isl)
+    });
+    let mut times = Vec::with_capacity(runs);
+    let mut isl = 0;
+    for _ in 0..runs {
+        let start = Instant::now();
+        let prepared = runtime
+            .block_on(tiny_renderer.prepare(black_box(&tiny_request), &sizes, None, None))
+            .unwrap();
+        times.push(start.elapsed());
+        isl = prepared.isl;
+    }
+    times.sort_unstable();
+    println!(
+        "prepare_8k_chat_byte_level ({isl} tokens): n={runs} p50={:?} p99={:?} max={:?}",
         percentile(&times, 0.5),
         percentile(&times, 0.99),
         times[runs - 1]

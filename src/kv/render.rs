@@ -292,7 +292,7 @@ impl Job {
         let tokens = match self.render(template, limits)? {
             Rendered::Tokens(tokens) => tokens,
             Rendered::Text(text) => tokenizer
-                .encode(text.as_str(), false)
+                .encode_fast(text.as_str(), false)
                 .map_err(|e| PrepareError::Tokenizer(e.to_string()))?
                 .get_ids()
                 .to_vec(),
