@@ -1,9 +1,10 @@
 //! Prompt preparation cost for KV-aware selection (goal: ≤ 2 ms for an 8k-token chat prompt):
-//! render (minijinja, the Qwen-style template of tests/fixtures/render/rich.jinja with one tool)
-//! + tokenize (TinyLlama's tokenizer.json, from dynamo-llm 1.6.1's fixtures) + hash (XXH3
-//! LocalBlockHashes for block sizes 16 and 64), end to end through `PromptRenderer::prepare` on
-//! the blocking pool, and each stage alone. Criterion reports means; the percentile pass after
-//! it times 300 single prepares and prints p50 / p99 / max. Under `cargo test --benches` (no
+//! rendering (minijinja, the Qwen-style template of tests/fixtures/render/rich.jinja with one
+//! tool), then tokenizing (TinyLlama's tokenizer.json, from dynamo-llm 1.6.1's fixtures), then
+//! hashing (XXH3 LocalBlockHashes for block sizes 16 and 64), end to end through
+//! `PromptRenderer::prepare` on the blocking pool, and each stage alone. Criterion reports
+//! means; the percentile pass after it times 300 single prepares and prints p50 / p99 / max,
+//! then the same for the mocker's byte-level tiny model. Under `cargo test --benches` (no
 //! `--bench`) a short pass only checks the harness runs.
 
 use std::hint::black_box;
@@ -35,7 +36,11 @@ fn chat_of_about(
     ];
     let mut turn = 0usize;
     loop {
-        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        let role = if turn.is_multiple_of(2) {
+            "user"
+        } else {
+            "assistant"
+        };
         messages.push(serde_json::json!({"role": role, "content": format!("Turn {turn}: {}", paragraph.repeat(3))}));
         let request = serde_json::json!({
             "model": "m",
