@@ -17,6 +17,7 @@ pub mod daemon;
 pub mod demo;
 pub mod dynamo_admin;
 pub mod front_door;
+pub mod kv;
 pub mod proxy;
 pub mod readiness;
 pub mod shim;

@@ -9,6 +9,7 @@
 //! | [`cursors`] | [`CursorTable`]: one subscription's bounded per-(worker, dp_rank) `event_id` cursors |
 //! | [`parity`] | [`ParityTracker`]: do the router's predicted block hashes match what workers store? |
 //! | [`hashing`] | XXH3-64 LocalBlockHash / SequenceHash (wire §11) |
+//! | [`prompt`] | render bounds (fuel, caps, permits, deadline) and the per-block-size hash plan |
 //! | [`cost`] | the per-candidate cost, softmax sampling and the zero-temperature argmin |
 //! | [`reference`] | a naive HashMap index with the same semantics, for differential tests |
 //! | [`artifacts`] | tokenizer artifacts: card slots, ArtifactKey, URI rules, pinning, fleet agreement, loader bookkeeping |
@@ -29,6 +30,7 @@ pub mod events;
 pub mod hashing;
 pub mod index;
 pub mod parity;
+pub mod prompt;
 pub mod reference;
 
 pub use cursors::{Admission, CursorTable, MAX_CURSORS_PER_SUBSCRIPTION};

@@ -4,7 +4,9 @@
 //! Implemented here on `xxhash-rust` rather than by depending on `dynamo-kv-hashing` 1.6.1: that
 //! crate's surface is the 128-bit PositionalLineageHash, it drags in `dynamo-tokens` (dashmap,
 //! uuid, bs58, bytemuck, derive_builder), and the three formulas below are a few lines each.
-//! Equality with upstream is proven on every vector of `block_hash.json` (tests below).
+//! Equality with upstream is proven on every vector of `block_hash.json` and by a property test
+//! against the crate's own `Request::block_hashes` (a dev-dependency only, so protocol's build
+//! graph stays small).
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -179,5 +181,35 @@ mod tests {
         assert_eq!(local_block_hashes(&[1; 47], size, KV_HASH_SEED).len(), 2);
         assert!(sequence_hashes(&[]).is_empty());
         assert!(local_block_hashes_any(&[1, 2], 0, KV_HASH_SEED).is_empty());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Differential against upstream `dynamo-kv-hashing` 1.6.1 `Request::block_hashes` (the
+        /// crate the seed names): same LocalBlockHashes for any tokens, block size, LoRA name and
+        /// cache salt, including empty strings and trailing partial blocks.
+        #[test]
+        fn local_block_hashes_equal_upstream_request_block_hashes(
+            tokens in proptest::collection::vec(proptest::prelude::any::<u32>(), 0..300),
+            block_size in proptest::sample::select(vec![1usize, 4, 16, 32, 64]),
+            lora in proptest::option::of("[a-z\\-]{0,12}"),
+            salt in proptest::option::of("[a-zA-Z0-9]{0,12}"),
+        ) {
+            let request = dynamo_kv_hashing::Request::builder()
+                .tokens(tokens.clone())
+                .lora_name(lora.clone())
+                .salt(salt.clone())
+                .build()
+                .unwrap();
+            let upstream = request.block_hashes(block_size as u32).unwrap();
+            let ours = local_block_hashes_any(
+                &tokens,
+                block_size,
+                salt_seed(lora.as_deref(), salt.as_deref()),
+            );
+            proptest::prop_assert_eq!(ours.iter().map(|h| h.0).collect::<Vec<_>>(), upstream);
+            proptest::prop_assert_eq!(request.salt_hash().unwrap(), salt_seed(lora.as_deref(), salt.as_deref()));
+        }
     }
 }

@@ -1,0 +1,420 @@
+//! Prompt preparation for KV-aware selection: chat template + tokenizer + block hashes on the
+//! blocking pool, under a shared permit semaphore, a permit wait and a total deadline (seed
+//! "Prompt rendering and block hashing bounds").
+//!
+//! `/v1/chat/completions` bodies are rendered through the model's chat template;
+//! `/v1/completions` prompts (a string or token ids) are tokenized or taken as they are. Both
+//! encode without adding special tokens, as transformers' `apply_chat_template` and Dynamo's
+//! frontend do, so the ids are the ones the worker hashes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use minijinja::value::{Serde, Value};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use continuum_protocol::kv::LocalBlockHash;
+use continuum_protocol::kv::hashing::BlockSize;
+use continuum_protocol::kv::prompt::{
+    BlockPlanError, PrepareFailureKind, RenderLimits, block_plan, prompt_block_hashes,
+};
+
+use super::template::{ChatTemplate, RenderFailure, TemplateInput};
+
+/// Messages in one chat request beyond this are not rendered (a 1 MiB prompt cap makes more
+/// than this many turns meaningless, and it bounds the context built before fuel counts).
+const MAX_MESSAGES: usize = 65_536;
+
+/// A prompt ready for the index: its token ids and, per block size, its LocalBlockHashes (what
+/// `KvIndex::find_matches` takes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedPrompt {
+    pub tokens: Arc<[u32]>,
+    /// Input sequence length in tokens (`tokens.len()`), the `isl` of the cost formula.
+    pub isl: usize,
+    pub hashes: Vec<(BlockSize, Vec<LocalBlockHash>)>,
+}
+
+impl PreparedPrompt {
+    /// The hashes for `size`, if it was one of the sizes asked for.
+    pub fn hashes_for(&self, size: BlockSize) -> Option<&[LocalBlockHash]> {
+        self.hashes
+            .iter()
+            .find(|(s, _)| *s == size)
+            .map(|(_, h)| h.as_slice())
+    }
+}
+
+/// Why a prompt was not prepared; [`PrepareError::kind`] is the metric label.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PrepareError {
+    #[error("rendered prompt is over {limit} bytes")]
+    RenderedTooLarge { limit: usize },
+    #[error("prompt has {tokens} tokens, over the {limit}-token cap")]
+    TooManyTokens { tokens: usize, limit: usize },
+    #[error("chat request but the model has no chat template")]
+    NoTemplate,
+    #[error("request has neither messages nor a prompt the router can tokenize: {0}")]
+    BadRequest(&'static str),
+    #[error("chat template failed: {0}")]
+    Template(String),
+    #[error("chat template ran out of fuel")]
+    OutOfFuel,
+    #[error("tokenizer failed: {0}")]
+    Tokenizer(String),
+    #[error("no render permit within {0:?}")]
+    PermitTimeout(Duration),
+    #[error("render missed its {0:?} deadline")]
+    Deadline(Duration),
+    #[error("render task failed: {0}")]
+    TaskFailed(String),
+    #[error("block sizes cannot be hashed: {0}")]
+    Unsupported(#[from] BlockPlanError),
+}
+
+impl PrepareError {
+    pub fn kind(&self) -> PrepareFailureKind {
+        match self {
+            Self::RenderedTooLarge { .. } | Self::TooManyTokens { .. } => {
+                PrepareFailureKind::PromptTooLarge
+            }
+            Self::Unsupported(_) => PrepareFailureKind::Unsupported,
+            Self::NoTemplate
+            | Self::BadRequest(_)
+            | Self::Template(_)
+            | Self::OutOfFuel
+            | Self::Tokenizer(_)
+            | Self::PermitTimeout(_)
+            | Self::Deadline(_)
+            | Self::TaskFailed(_) => PrepareFailureKind::RenderUnavailable,
+        }
+    }
+}
+
+/// The process-wide render permits: one semaphore shared by every model's renderer, so the
+/// blocking pool never holds more than `permits` renders at once whatever the model count.
+#[derive(Clone, Debug)]
+pub struct RenderPermits(Arc<Semaphore>);
+
+impl RenderPermits {
+    pub fn new(permits: usize) -> Self {
+        Self(Arc::new(Semaphore::new(permits)))
+    }
+
+    /// `clamp(available_parallelism, 4, 32)` permits.
+    pub fn for_this_machine() -> Self {
+        Self::new(RenderLimits::for_cpus(available_cpus()).permits)
+    }
+
+    pub fn available(&self) -> usize {
+        self.0.available_permits()
+    }
+}
+
+/// Cores this process may use (1 when the platform cannot say).
+pub fn available_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// One model's tokenizer and chat template, and the bounds to run them under.
+#[derive(Clone, Debug)]
+pub struct PromptRenderer {
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    template: Option<Arc<ChatTemplate>>,
+    limits: RenderLimits,
+    permits: RenderPermits,
+}
+
+impl PromptRenderer {
+    /// A renderer with its own `limits.permits` permits; use [`Self::with_permits`] to share one
+    /// pool across models.
+    pub fn new(
+        tokenizer: Arc<tokenizers::Tokenizer>,
+        template: Option<Arc<ChatTemplate>>,
+        limits: RenderLimits,
+    ) -> Self {
+        let permits = RenderPermits::new(limits.permits);
+        Self {
+            tokenizer,
+            template,
+            limits,
+            permits,
+        }
+    }
+
+    pub fn with_permits(mut self, permits: RenderPermits) -> Self {
+        self.permits = permits;
+        self
+    }
+
+    pub fn limits(&self) -> RenderLimits {
+        self.limits
+    }
+
+    /// Renders (chat) or reads (completions) the request's prompt, tokenizes it and hashes it
+    /// for each of `block_sizes` (at most two distinct, each 16..=65536) with the request's LoRA
+    /// name and cache salt. Never panics on any request body.
+    pub async fn prepare(
+        &self,
+        request: &serde_json::Value,
+        block_sizes: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<PreparedPrompt, PrepareError> {
+        let plan = block_plan(block_sizes)?;
+        let job = Job::from_request(request, self.template.is_some())?;
+        let tokenizer = Arc::clone(&self.tokenizer);
+        let lora = lora_name.map(str::to_owned);
+        let salt = cache_salt.map(str::to_owned);
+        self.bounded(move |template, limits| {
+            let tokens = job.tokens(&tokenizer, template, limits)?;
+            let hashes = prompt_block_hashes(&tokens, &plan, lora.as_deref(), salt.as_deref());
+            Ok(PreparedPrompt {
+                isl: tokens.len(),
+                tokens: tokens.into(),
+                hashes,
+            })
+        })
+        .await
+    }
+
+    /// The text [`Self::prepare`] would tokenize (the rendered chat, or a completions prompt
+    /// string), under the same bounds; `None` for a token-id prompt. For parity tests and
+    /// operators' debugging.
+    pub async fn render_text(
+        &self,
+        request: &serde_json::Value,
+    ) -> Result<Option<String>, PrepareError> {
+        let job = Job::from_request(request, self.template.is_some())?;
+        self.bounded(
+            move |template, limits| match job.render(template, limits)? {
+                Rendered::Text(text) => Ok(Some(text)),
+                Rendered::Tokens(_) => Ok(None),
+            },
+        )
+        .await
+    }
+
+    /// Runs `work` on the blocking pool holding a permit, within the permit wait and deadline.
+    async fn bounded<T, F>(&self, work: F) -> Result<T, PrepareError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Option<&ChatTemplate>, &RenderLimits) -> Result<T, PrepareError> + Send + 'static,
+    {
+        let start = Instant::now();
+        let permit = acquire(&self.permits, self.limits.permit_wait).await?;
+        let template = self.template.clone();
+        let limits = self.limits;
+        let task = tokio::task::spawn_blocking(move || {
+            // The permit lives as long as the work, not as long as the waiter: a render that
+            // outlives its deadline still occupies its permit until fuel stops it.
+            let _permit: OwnedSemaphorePermit = permit;
+            work(template.as_deref(), &limits)
+        });
+        match tokio::time::timeout_at(start + self.limits.deadline, task).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(join)) => Err(PrepareError::TaskFailed(join.to_string())),
+            Err(_) => Err(PrepareError::Deadline(self.limits.deadline)),
+        }
+    }
+}
+
+async fn acquire(
+    permits: &RenderPermits,
+    wait: Duration,
+) -> Result<OwnedSemaphorePermit, PrepareError> {
+    match tokio::time::timeout(wait, Arc::clone(&permits.0).acquire_owned()).await {
+        Ok(Ok(permit)) => Ok(permit),
+        // The semaphore is never closed; treat it like a timeout rather than panic.
+        Ok(Err(_)) | Err(_) => Err(PrepareError::PermitTimeout(wait)),
+    }
+}
+
+/// What the blocking task does, decided (and the body parsed) before a permit is taken.
+#[derive(Debug)]
+enum Job {
+    Chat(TemplateInput),
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl Job {
+    fn from_request(request: &serde_json::Value, has_template: bool) -> Result<Self, PrepareError> {
+        if let Some(messages) = request.get("messages") {
+            if !has_template {
+                return Err(PrepareError::NoTemplate);
+            }
+            return chat_input(request, messages).map(Job::Chat);
+        }
+        match request.get("prompt") {
+            Some(serde_json::Value::String(text)) => Ok(Job::Text(text.clone())),
+            Some(serde_json::Value::Array(items)) => completion_array(items),
+            _ => Err(PrepareError::BadRequest("no messages or prompt")),
+        }
+    }
+
+    fn render(
+        self,
+        template: Option<&ChatTemplate>,
+        limits: &RenderLimits,
+    ) -> Result<Rendered, PrepareError> {
+        let text = match self {
+            Job::Tokens(tokens) => return Ok(Rendered::Tokens(tokens)),
+            Job::Text(text) => text,
+            Job::Chat(input) => {
+                let template = template.ok_or(PrepareError::NoTemplate)?;
+                template
+                    .render(&input, limits.fuel, limits.max_rendered_bytes)
+                    .map_err(|failure| match failure {
+                        RenderFailure::TooLarge => PrepareError::RenderedTooLarge {
+                            limit: limits.max_rendered_bytes,
+                        },
+                        RenderFailure::OutOfFuel => PrepareError::OutOfFuel,
+                        RenderFailure::Template(message) => PrepareError::Template(message),
+                    })?
+            }
+        };
+        if text.len() > limits.max_rendered_bytes {
+            return Err(PrepareError::RenderedTooLarge {
+                limit: limits.max_rendered_bytes,
+            });
+        }
+        Ok(Rendered::Text(text))
+    }
+
+    fn tokens(
+        self,
+        tokenizer: &tokenizers::Tokenizer,
+        template: Option<&ChatTemplate>,
+        limits: &RenderLimits,
+    ) -> Result<Vec<u32>, PrepareError> {
+        let tokens = match self.render(template, limits)? {
+            Rendered::Tokens(tokens) => tokens,
+            Rendered::Text(text) => tokenizer
+                .encode_fast(text.as_str(), false)
+                .map_err(|e| PrepareError::Tokenizer(e.to_string()))?
+                .get_ids()
+                .to_vec(),
+        };
+        cap_tokens(tokens, limits.max_tokens)
+    }
+}
+
+enum Rendered {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+fn cap_tokens(tokens: Vec<u32>, limit: usize) -> Result<Vec<u32>, PrepareError> {
+    if tokens.len() > limit {
+        Err(PrepareError::TooManyTokens {
+            tokens: tokens.len(),
+            limit,
+        })
+    } else {
+        Ok(tokens)
+    }
+}
+
+/// `/v1/completions` `prompt` as an array: token ids, or a batch of one string / one id list.
+/// Larger batches have no single prefix to score.
+fn completion_array(items: &[serde_json::Value]) -> Result<Job, PrepareError> {
+    match items {
+        [serde_json::Value::String(text)] => return Ok(Job::Text(text.clone())),
+        [serde_json::Value::Array(ids)] => return token_ids(ids).map(Job::Tokens),
+        _ => {}
+    }
+    if items.iter().all(serde_json::Value::is_number) {
+        return token_ids(items).map(Job::Tokens);
+    }
+    Err(PrepareError::BadRequest(
+        "prompt is a batch; only one prompt is scored",
+    ))
+}
+
+fn token_ids(items: &[serde_json::Value]) -> Result<Vec<u32>, PrepareError> {
+    items
+        .iter()
+        .map(|item| {
+            item.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or(PrepareError::BadRequest("prompt token ids must be u32"))
+        })
+        .collect()
+}
+
+/// The template input of a chat body: messages with text-only content-part lists flattened to
+/// one string (Dynamo's frontend does the same before rendering, so templates written for string
+/// content see strings), tools, `add_generation_prompt` and `chat_template_kwargs`.
+fn chat_input(
+    request: &serde_json::Value,
+    messages: &serde_json::Value,
+) -> Result<TemplateInput, PrepareError> {
+    let serde_json::Value::Array(messages) = messages else {
+        return Err(PrepareError::BadRequest("messages is not an array"));
+    };
+    if messages.len() > MAX_MESSAGES {
+        return Err(PrepareError::BadRequest("too many messages"));
+    }
+    let messages: Vec<serde_json::Value> = messages.iter().map(flatten_text_parts).collect();
+    let tools = match request.get("tools") {
+        Some(tools @ serde_json::Value::Array(list)) if !list.is_empty() => Some(tools),
+        _ => None,
+    };
+    let continue_final = request
+        .get("continue_final_message")
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false);
+    let add_generation_prompt = !continue_final
+        && request
+            .get("add_generation_prompt")
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(true);
+    let mut extra = Vec::new();
+    for key in ["chat_template_args", "chat_template_kwargs"] {
+        if let Some(serde_json::Value::Object(args)) = request.get(key) {
+            extra.extend(
+                args.iter()
+                    .map(|(k, v)| (Value::from(k.as_str()), Value::from(Serde(v)))),
+            );
+        }
+    }
+    Ok(TemplateInput {
+        messages: Value::from(Serde(&messages)),
+        tools: tools.map_or(Value::from(()), |t| Value::from(Serde(t))),
+        has_tools: tools.is_some(),
+        add_generation_prompt,
+        extra,
+    })
+}
+
+/// `content: [{type: "text", text}, ...]` → the texts joined by `\n`; lists with other part
+/// types stay lists (a multimodal template renders them itself).
+pub(crate) fn flatten_text_parts(message: &serde_json::Value) -> serde_json::Value {
+    let Some(serde_json::Value::Array(parts)) = message.get("content") else {
+        return message.clone();
+    };
+    let texts: Option<Vec<&str>> = parts
+        .iter()
+        .map(|part| {
+            (part.get("type")?.as_str()? == "text")
+                .then(|| part.get("text")?.as_str())
+                .flatten()
+        })
+        .collect();
+    let Some(texts) = texts else {
+        return message.clone();
+    };
+    let mut out = message.clone();
+    if let Some(object) = out.as_object_mut() {
+        object.insert(
+            "content".into(),
+            serde_json::Value::String(texts.join("\n")),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;
