@@ -15,6 +15,7 @@ use arc_swap::ArcSwap;
 use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
+use continuum_actors::kv_artifacts::{ArtifactConfig, ArtifactRegistry};
 use continuum_actors::kv_index::{DynamoKvIndex, kv_index_spec};
 use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::DynamoLoadStore;
@@ -43,6 +44,7 @@ use crate::config::{
     self, Config, DiscoveryAction, DiscoverySource, LoadTransport, LoadedConfig, RestartReason,
 };
 use crate::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
+use crate::kv::ArtifactPromptPrep;
 use crate::proxy::{Proxy, ProxyOptions};
 use crate::readiness::Readiness;
 use crate::telemetry;
@@ -119,6 +121,45 @@ struct Shared {
     proxy: Arc<Proxy>,
     /// Records `source: simulated` discovery reads (the demo's fleet; empty otherwise).
     simulated: MemoryDiscovery,
+    /// Pinned tokenizer artifacts, started the first time `dynamo.kv.enabled` is on.
+    artifacts: Arc<std::sync::Mutex<Option<KvArtifacts>>>,
+}
+
+/// The artifact loader and the task that feeds it registry generations.
+struct KvArtifacts {
+    registry: ArtifactRegistry,
+    follow: JoinHandle<()>,
+}
+
+/// Starts the artifact loader and installs the production prompt preparation when KV-aware
+/// selection is on; applies `dynamo.kv`'s artifact keys to a running loader otherwise (turning
+/// KV off unpins everything, which drops loaded tokenizers).
+fn sync_kv_artifacts(shared: &Shared, config: &Config) {
+    let enabled = config.dynamo.enabled && config.dynamo.kv.enabled;
+    let kv = &config.dynamo.kv;
+    let pins: &[String] = if enabled { &kv.pinned_artifacts } else { &[] };
+    let artifact_config = ArtifactConfig::from_kv(
+        kv.allow_http_artifacts,
+        kv.allow_hf_artifacts,
+        pins,
+        kv.artifact_cache_dir.clone(),
+    );
+    let mut slot = shared.artifacts.lock().unwrap_or_else(|p| p.into_inner());
+    match slot.as_ref() {
+        Some(running) => running.registry.reconfigure(artifact_config),
+        None if enabled => {
+            let registry = ArtifactRegistry::new(artifact_config, Some(shared.metrics.clone()));
+            let follow = registry.follow(shared.registry.clone());
+            if let Some(shim) = shared.proxy.shim() {
+                shim.set_kv_prep(Arc::new(ArtifactPromptPrep::new(
+                    registry.clone(),
+                    Some(shared.metrics.clone()),
+                )));
+            }
+            *slot = Some(KvArtifacts { registry, follow });
+        }
+        None => {}
+    }
 }
 
 /// A running daemon.
@@ -171,6 +212,7 @@ impl Daemon {
             proxy: Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone()))),
             readiness,
             kv: DynamoKvIndex::new(Some(metrics.clone())),
+            artifacts: Arc::default(),
             metrics,
             load,
             simulated: feed,
@@ -185,6 +227,7 @@ impl Daemon {
             )
             .with_kv_index(shared.kv.clone()),
         ));
+        sync_kv_artifacts(&shared, &config);
         let tree = ActorTree::default();
         let (root, root_task) = spawn_root(
             vec![
@@ -288,6 +331,15 @@ impl Daemon {
     /// Stops accepting, drains in-flight requests, stops the tree; bounded by 10 s.
     pub async fn shutdown(self) {
         self.shared.proxy.shutdown();
+        if let Some(running) = self
+            .shared
+            .artifacts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            running.follow.abort();
+        }
         let Daemon {
             root,
             root_task,
@@ -641,6 +693,7 @@ impl ControlLoop {
         self.shared.config.store(Arc::new(new.clone()));
         self.live.store(Arc::new(live_settings(&new)));
         self.shared.proxy.reconfigure(&new);
+        sync_kv_artifacts(&self.shared, &new);
         if let Err(error) = self
             .shared
             .load

@@ -5,9 +5,12 @@
 //! |---|---|
 //! | [`template`] | [`ChatTemplate`]: HF chat templates on minijinja, no loader, bounded fuel |
 //! | [`render`] | [`PromptRenderer`]: permits, deadline, tokenization, block hashes |
+//! | [`prep`] | [`ArtifactPromptPrep`]: the shim's `KvPromptPrep` over pinned fleet artifacts |
 
+pub mod prep;
 pub mod render;
 pub mod template;
 
+pub use prep::ArtifactPromptPrep;
 pub use render::{PrepareError, PreparedPrompt, PromptRenderer, RenderPermits};
 pub use template::{ChatTemplate, SpecialTokens, TemplateError};
