@@ -20,6 +20,7 @@ use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::metrics::SubscriptionTransport;
 use continuum_actors::metrics::{DiscoveryEventKind, Metrics};
+use continuum_actors::picker::{DynamoPicker, picker_spec};
 use continuum_actors::registry::{
     DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox, RegistryMsg,
 };
@@ -126,6 +127,8 @@ struct Shared {
     load: DynamoLoadStore,
     /// The bounded KV index fed by kv-events subscriptions (`dynamo.kv.enabled`).
     kv: DynamoKvIndex,
+    /// Installed picker, candidate index and dispatch ledger, maintained by the PickerActor.
+    picker: DynamoPicker,
     /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
     proxy: Arc<Proxy>,
 }
@@ -171,20 +174,29 @@ impl Daemon {
             proxy: Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone()))),
             readiness,
             kv: DynamoKvIndex::new(Some(metrics.clone())),
+            picker: DynamoPicker::new(),
             metrics,
             load,
         };
         shared.proxy.reconfigure(&config);
-        shared.proxy.set_shim(Arc::new(crate::shim::ShimRouter::new(
-            shared.config.clone(),
-            shared.registry.clone(),
-            shared.load.clone(),
-            Some(shared.metrics.clone()),
-        )));
+        shared
+            .proxy
+            .set_shim(Arc::new(crate::shim::ShimRouter::with_picker(
+                shared.config.clone(),
+                shared.registry.clone(),
+                shared.load.clone(),
+                shared.picker.clone(),
+                Some(shared.metrics.clone()),
+            )));
         let tree = ActorTree::default();
         let (root, root_task) = spawn_root(
             vec![
                 registry_spec(&shared),
+                picker_spec(
+                    shared.picker.clone(),
+                    shared.registry.clone(),
+                    shared.load.clone(),
+                ),
                 discovery_spec(&shared),
                 subscriptions_spec(&shared),
             ],
@@ -264,6 +276,11 @@ impl Daemon {
         &self.shared.load
     }
 
+    /// The picker state the PickerActor maintains (`registry.picker()` / `set_picker()`).
+    pub fn picker(&self) -> &DynamoPicker {
+        &self.shared.picker
+    }
+
     /// Re-reads the config file now, as `POST /admin/config/reload` does.
     pub async fn reload(&self) -> Result<String, String> {
         let (tx, rx) = oneshot::channel();
@@ -308,6 +325,7 @@ fn app_state(
     let metrics = shared.metrics.clone();
     let registry = shared.registry.clone();
     let load = shared.load.clone();
+    let picker = shared.picker.clone();
     let models_registry = shared.registry.clone();
     AppState {
         live,
@@ -315,7 +333,9 @@ fn app_state(
         metrics: Arc::new(move || metrics.render()),
         tree: tree.clone(),
         control,
-        dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry, &load)),
+        dynamo_workers: Arc::new(move || {
+            crate::dynamo_admin::workers_view(&registry, &load, Some(&picker))
+        }),
         proxy: shared.proxy.clone(),
         fleet_models: Arc::new(move || {
             let snapshot = models_registry.snapshot();

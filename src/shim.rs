@@ -3,24 +3,30 @@
 //! headers (`dynamo.frontend --router-mode direct` executes the two-phase handoff).
 //!
 //! Every decision is `protocol`'s: candidates come from `picker::candidates` (rebuilt once per
-//! registry generation), load from the shared store through a `LoadView` adapter, and the pick
-//! from the pluggable `DynamoWorkerPicker` (`picker()` / `set_picker()`).
+//! registry generation by the `PickerActor`, or by the first request that races ahead of it), load
+//! from the shared store through a `LoadView` adapter, and the pick from the pluggable
+//! `DynamoWorkerPicker` (`picker()` / `set_picker()`).
+//!
+//! The decision itself is one synchronous critical section: the load-store lock, then the
+//! picker-state lock of the shared [`DynamoPicker`] handle (the order every holder of both
+//! takes). It does not go through the `PickerActor`'s mailbox: a ractor round trip costs more
+//! than the decision (see docs/runtime-semantics.md, "Picker state").
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use continuum_actors::clock::now_tick;
 use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::metrics::{Metrics, RoutingPath};
+use continuum_actors::picker::{DynamoPicker, answer_arrivals};
 use continuum_actors::registry::DynamoRegistry;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
 use continuum_protocol::load_store::LoadStore;
-use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
+use continuum_protocol::picker::candidates::sample_state;
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
 use continuum_protocol::picker::ledger::DispatchId;
-use continuum_protocol::picker::load_based::LoadBasedPicker;
 use continuum_protocol::picker::{
-    DynamoWorkerPicker, LoadView, PickOutcome, PickRequest, PickerState, SampleState,
+    DynamoWorkerPicker, LoadView, PickOutcome, PickRequest, SampleState,
 };
 use continuum_protocol::time::Tick;
 use tracing::debug;
@@ -64,9 +70,8 @@ pub struct ShimRouter {
     config: Arc<ArcSwap<Config>>,
     registry: DynamoRegistry,
     load: DynamoLoadStore,
-    picker: Mutex<Arc<dyn DynamoWorkerPicker>>,
-    state: Mutex<PickerState>,
-    index: Mutex<(u64, Arc<CandidateIndex>)>,
+    /// Installed picker, candidate index, ledger and cursors, shared with the `PickerActor`.
+    picker: DynamoPicker,
     metrics: Option<Metrics>,
 }
 
@@ -74,10 +79,6 @@ impl std::fmt::Debug for ShimRouter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShimRouter").finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The load store as the picker reads it: fresh while younger than `max_staleness`.
@@ -96,55 +97,52 @@ impl LoadView for StoreView<'_> {
 }
 
 impl ShimRouter {
+    /// A router with its own picker state (no `PickerActor` maintains it: requests rebuild the
+    /// index, answer arrivals and expire the ledger themselves).
     pub fn new(
         config: Arc<ArcSwap<Config>>,
         registry: DynamoRegistry,
         load: DynamoLoadStore,
         metrics: Option<Metrics>,
     ) -> Self {
+        Self::with_picker(config, registry, load, DynamoPicker::new(), metrics)
+    }
+
+    /// A router over the picker state a `PickerActor` maintains (the daemon's wiring).
+    pub fn with_picker(
+        config: Arc<ArcSwap<Config>>,
+        registry: DynamoRegistry,
+        load: DynamoLoadStore,
+        picker: DynamoPicker,
+        metrics: Option<Metrics>,
+    ) -> Self {
         Self {
             config,
             registry,
             load,
-            picker: Mutex::new(Arc::new(LoadBasedPicker::new())),
-            state: Mutex::new(PickerState::new()),
-            index: Mutex::new((u64::MAX, Arc::new(CandidateIndex::default()))),
+            picker,
             metrics,
         }
     }
 
     /// A dispatch ended (its response finished or failed).
     pub fn request_ended(&self, id: DispatchId) {
-        lock(&self.state).ledger.request_ended(id);
+        self.picker.request_ended(id);
     }
 
     /// The active picker.
     pub fn picker(&self) -> Arc<dyn DynamoWorkerPicker> {
-        lock(&self.picker).clone()
+        self.picker.picker()
     }
 
     /// Replaces the picker (the KV-aware picker plugs in here).
     pub fn set_picker(&self, picker: Arc<dyn DynamoWorkerPicker>) {
-        *lock(&self.picker) = picker;
+        self.picker.set_picker(picker);
     }
 
-    /// The candidate index of the current registry generation, rebuilt once per generation.
-    fn index(&self) -> Arc<CandidateIndex> {
-        let generation = self.registry.generation();
-        let mut cached = lock(&self.index);
-        if cached.0 != generation {
-            let snapshot = self.registry.snapshot();
-            let index = CandidateIndex::build(&snapshot);
-            if index.refused_workers > 0 {
-                tracing::warn!(
-                    workers = index.refused_workers,
-                    generation,
-                    "Workers whose cards declare an impossible dp rank range are never picked."
-                );
-            }
-            *cached = (generation, Arc::new(index));
-        }
-        cached.1.clone()
+    /// The shared picker state (admin view, the `PickerActor`).
+    pub fn picker_state(&self) -> &DynamoPicker {
+        &self.picker
     }
 
     /// Picks workers for a request of `client_model` whose outbound body is `body`. `usable`
@@ -163,22 +161,23 @@ impl ShimRouter {
             return None;
         }
         let shim = &config.dynamo.shim;
+        let permitted = |name: &&String| allowed.is_empty() || allowed.contains(name);
         let pool_of = |ns: &Namespace| -> Vec<String> {
             shim.backends_for(ns.as_str())
                 .iter()
-                .filter(|name| allowed.is_empty() || allowed.contains(name))
+                .filter(permitted)
                 .filter(|name| usable(name))
                 .cloned()
                 .collect()
         };
         // Only namespaces with a usable, permitted replica are offered to the picker.
-        let eligible: Vec<Namespace> = config
-            .dynamo
-            .discovery
-            .namespaces()
-            .into_iter()
-            .filter(|ns| !pool_of(ns).is_empty())
-            .collect();
+        let mut eligible = config.dynamo.discovery.namespaces();
+        eligible.retain(|ns| {
+            shim.backends_for(ns.as_str())
+                .iter()
+                .filter(permitted)
+                .any(|name| usable(name))
+        });
         if eligible.is_empty() {
             return None;
         }
@@ -187,8 +186,8 @@ impl ShimRouter {
             .get(client_model)
             .map(String::as_str)
             .unwrap_or(client_model);
-        let index = self.index();
-        let candidates = index.for_model(model);
+        let held = self.picker.index_for(&self.registry);
+        let candidates = held.index.for_model(model);
         if candidates.is_empty() {
             return None;
         }
@@ -199,24 +198,22 @@ impl ShimRouter {
             estimated_prompt_tokens: estimate_tokens(body),
             load_signals: self.registry.snapshot().signals().load,
         };
-        let picker = self.picker();
+        let picker = self.picker.picker();
         let max_age = config.dynamo.load.max_staleness.get();
         // One load-store lock for the whole decision (order: load store, then picker state).
         let outcome = self.load.with(|store| {
-            let mut state = lock(&self.state);
-            // Samples that arrived since earlier dispatches answer them.
-            for c in candidates {
-                if let Some(sample) = store.latest(c.worker.instance_id, c.rank()) {
-                    state.ledger.sample_arrived(&c.worker, sample.received_at);
-                }
-            }
-            state.ledger.expire(now);
-            let view = StoreView {
-                store,
-                now,
-                max_age,
-            };
-            picker.pick(&request, candidates, &view, &mut state, now)
+            self.picker.with_state(|state| {
+                // Samples that arrived since earlier dispatches answer them (the PickerActor does
+                // this on every store change; a request racing ahead of it catches up here).
+                answer_arrivals(&mut state.ledger, store);
+                state.ledger.expire(now);
+                let view = StoreView {
+                    store,
+                    now,
+                    max_age,
+                };
+                picker.pick(&request, candidates, &view, state, now)
+            })
         });
         let pick = match outcome {
             PickOutcome::Picked(pick) => pick,

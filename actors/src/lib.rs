@@ -11,7 +11,7 @@
 //! │   └── etcd:<ns>       DiscoveryActor per Dynamo namespace
 //! ├── subscriptions       SubscriptionSupervisor
 //! │   └── kv_metrics:<id> SubscriptionActor per publisher
-//! └── picker              PickerActor
+//! └── picker              PickerActor: candidate index per generation, ledger arrivals and expiry
 //! ```
 //!
 //! | module | what it holds |
@@ -28,6 +28,7 @@
 //! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |
 //! | [`subscription`] | SubscriptionActor per publisher and the follower of registry generations |
 //! | [`load`] | the shared load store and the subscription status table |
+//! | [`picker`] | PickerActor and the `DynamoPicker` handle (installed picker, index, ledger) |
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
 pub mod discovery;
@@ -37,6 +38,7 @@ pub mod kv_index;
 pub mod lifecycle;
 pub mod load;
 pub mod metrics;
+pub mod picker;
 pub mod registry;
 pub mod store;
 pub mod subscription;

@@ -1147,9 +1147,13 @@ impl Reference {
         now: Tick,
     ) -> (Option<(u64, u64)>, bool, bool) {
         let field = match (sample, phase) {
-            (SampleState::Fresh { active_prefill_tokens, .. }, Phase::Prefill) => {
-                active_prefill_tokens
-            }
+            (
+                SampleState::Fresh {
+                    active_prefill_tokens,
+                    ..
+                },
+                Phase::Prefill,
+            ) => active_prefill_tokens,
             (
                 SampleState::Fresh {
                     active_decode_blocks,
@@ -1203,7 +1207,10 @@ impl Reference {
             .iter()
             .map(|c| {
                 let sample = load.sample(&c.worker, c.rank());
-                (*c, self.cost(phase, c, sample, req.estimated_prompt_tokens, now))
+                (
+                    *c,
+                    self.cost(phase, c, sample, req.estimated_prompt_tokens, now),
+                )
             })
             .collect();
         if !scored.iter().any(|(_, (_, fresh, _))| *fresh) {
@@ -1233,7 +1240,10 @@ impl Reference {
             .filter(|(_, c)| !below(*c, best) && !below(best, *c))
             .map(|(c, _)| *c)
             .collect();
-        (ties[(cursor % ties.len() as u64) as usize], SelectionReason::Load)
+        (
+            ties[(cursor % ties.len() as u64) as usize],
+            SelectionReason::Load,
+        )
     }
 
     fn pick(
@@ -1246,15 +1256,20 @@ impl Reference {
         self.ledger.expire(now);
         let serving: Vec<&Candidate> = candidates
             .iter()
-            .filter(|c| &*c.model == req.model && req.eligible_namespaces.contains(&c.worker.namespace))
+            .filter(|c| {
+                &*c.model == req.model && req.eligible_namespaces.contains(&c.worker.namespace)
+            })
             .collect();
         if serving.is_empty() {
             return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
         }
         let has = |ns: &Namespace, role| {
-            serving.iter().any(|c| &c.worker.namespace == ns && c.role == role)
+            serving
+                .iter()
+                .any(|c| &c.worker.namespace == ns && c.role == role)
         };
-        let pools = |ns: &Namespace| has(ns, CandidateRole::Prefill) && has(ns, CandidateRole::Decode);
+        let pools =
+            |ns: &Namespace| has(ns, CandidateRole::Prefill) && has(ns, CandidateRole::Decode);
         let decoders: Vec<&Candidate> = serving
             .iter()
             .copied()
@@ -1282,7 +1297,11 @@ impl Reference {
                 (None, SelectionReason::NoPrefillPool)
             };
         let tokens = req.estimated_prompt_tokens;
-        let blocks = |c: &Candidate| c.block_size.filter(|&b| b > 0).map_or(0, |b| tokens.div_ceil(u64::from(b)));
+        let blocks = |c: &Candidate| {
+            c.block_size
+                .filter(|&b| b > 0)
+                .map_or(0, |b| tokens.div_ceil(u64::from(b)))
+        };
         let dispatch = req.load_signals.then(|| {
             let mut legs = Vec::new();
             if let Some(p) = prefill {
