@@ -402,3 +402,114 @@ pub fn picker_spec(
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use continuum_protocol::event_plane::ActiveLoad;
+    use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
+    use continuum_protocol::load_store::LoadSample;
+    use continuum_protocol::picker::DispatchLeg;
+    use continuum_protocol::time::UnixMillis;
+
+    use super::*;
+
+    /// xorshift64*: deterministic draws for the differential test.
+    struct Draw(u64);
+
+    impl Draw {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+        }
+    }
+
+    /// The request path before the PickerActor: every candidate rank's held sample answered its
+    /// worker's dispatches, one `sample_arrived` per rank.
+    fn answer_per_candidate(
+        ledger: &mut DispatchLedger,
+        store: &LoadStore,
+        ranks: &[(WorkerKey, DpRank)],
+    ) {
+        for (worker, rank) in ranks {
+            if let Some(sample) = store.latest(worker.instance_id, *rank) {
+                ledger.sample_arrived(worker, sample.received_at);
+            }
+        }
+    }
+
+    #[test]
+    fn answering_pending_workers_matches_the_per_candidate_pass() {
+        // Equal instance ids in two namespaces; two ranks each; every rank is a candidate and no
+        // sample is dropped (the two passes differ only for dropped samples, by design).
+        let mut ranks = Vec::new();
+        for ns in ["a", "b"] {
+            for id in 1..=4 {
+                for rank in 0..2 {
+                    let worker = WorkerKey {
+                        namespace: Namespace::new(ns),
+                        instance_id: InstanceId(id),
+                    };
+                    ranks.push((worker, DpRank(rank)));
+                }
+            }
+        }
+        for seed in 1..300u64 {
+            let mut draw = Draw(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut store = LoadStore::new();
+            store.set_live_and_retain((1..=4).map(InstanceId));
+            let (mut old, mut new) = (DispatchLedger::new(), DispatchLedger::new());
+            let mut now = Tick::ZERO;
+            let mut sequence = 0;
+            for _ in 0..60 {
+                now = now.plus(Duration::from_millis(draw.below(3000)));
+                let (worker, rank) = ranks[draw.below(ranks.len() as u64) as usize].clone();
+                match draw.below(3) {
+                    0 => {
+                        sequence += 1;
+                        let sample = LoadSample {
+                            load: ActiveLoad {
+                                worker_id: worker.instance_id,
+                                dp_rank: rank,
+                                active_decode_blocks: Some(draw.below(50)),
+                                active_prefill_tokens: None,
+                                kv_used_blocks: None,
+                            },
+                            publisher_id: PublisherId(worker.instance_id.0),
+                            sequence,
+                            published_at: UnixMillis(0),
+                            received_at: now,
+                        };
+                        store.apply(sample);
+                    }
+                    _ => {
+                        let leg = DispatchLeg {
+                            worker,
+                            rank,
+                            prefill_tokens: draw.below(100),
+                            decode_blocks: draw.below(8),
+                            request_blocks: draw.below(8),
+                            stall_exempt: draw.below(2) == 0,
+                        };
+                        old.record_dispatch(std::slice::from_ref(&leg), now);
+                        new.record_dispatch(std::slice::from_ref(&leg), now);
+                    }
+                }
+                // A pick: both passes run, then every rank's backlog must agree.
+                answer_per_candidate(&mut old, &store, &ranks);
+                answer_arrivals(&mut new, &store);
+                for (worker, rank) in &ranks {
+                    assert_eq!(
+                        old.backlog(worker, *rank, now),
+                        new.backlog(worker, *rank, now),
+                        "seed {seed}: {worker:?} rank {rank:?} at {now:?}"
+                    );
+                }
+                assert_eq!(old.unanswered(), new.unanswered(), "seed {seed}");
+            }
+        }
+    }
+}
