@@ -1189,7 +1189,6 @@ impl Reference {
         (cost, field.is_some(), backlog.stalled)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn select<'c>(
         &mut self,
         phase: Phase,
