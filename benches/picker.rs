@@ -289,13 +289,14 @@ fn main() {
 /// and a router over a `DynamoPicker` (no `PickerActor`: the request path maintains the index and
 /// the ledger itself, as it does when it races ahead of the actor).
 mod e2e {
+    use std::collections::{HashMap, VecDeque};
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use arc_swap::ArcSwap;
     use continuum_actors::clock::now_tick;
     use continuum_actors::load::DynamoLoadStore;
-    use continuum_actors::picker::DynamoPicker;
+    use continuum_actors::picker::{DynamoPicker, answer_arrivals};
     use continuum_actors::registry::{
         DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg,
     };
@@ -303,8 +304,13 @@ mod e2e {
     use continuum_protocol::discovery::reducer::DiscoveryReducer;
     use continuum_protocol::discovery::snapshot::SourceKind;
     use continuum_protocol::event_plane::ActiveLoad;
-    use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
-    use continuum_protocol::load_store::LoadSample;
+    use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
+    use continuum_protocol::load_store::{LoadSample, LoadStore, WorkerRank};
+    use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
+    use continuum_protocol::picker::{
+        DynamoWorkerPicker, LoadBasedPicker, LoadView, PickOutcome, PickRequest, PickerState,
+        SampleState,
+    };
     use continuum_protocol::time::UnixMillis;
     use continuum_router::config::{Config, ProcessEnv};
     use continuum_router::shim::ShimRouter;
@@ -364,7 +370,12 @@ mod e2e {
         });
     }
 
-    async fn fixture() -> (ShimRouter, DynamoLoadStore, ActorRef<RegistryMsg>) {
+    async fn fixture() -> (
+        ShimRouter,
+        DynamoLoadStore,
+        DynamoRegistry,
+        ActorRef<RegistryMsg>,
+    ) {
         let yaml = format!(
             "server:\n  bind_address: \"127.0.0.1:0\"\n\
              disaggregated_serving:\n  enabled: true\n\
@@ -415,12 +426,114 @@ mod e2e {
         refresh(&load, 1);
         let router = ShimRouter::with_picker(
             Arc::new(ArcSwap::from_pointee(config)),
-            registry,
+            registry.clone(),
             load.clone(),
             DynamoPicker::new(),
             None,
         );
-        (router, load, registry_actor)
+        (router, load, registry, registry_actor)
+    }
+
+    /// `ShimRouter::decide`'s load view, over any map of samples.
+    struct View<'a, F: Fn(InstanceId, DpRank) -> Option<&'a LoadSample>> {
+        latest: F,
+        now: continuum_protocol::time::Tick,
+    }
+
+    impl<'a, F: Fn(InstanceId, DpRank) -> Option<&'a LoadSample>> LoadView for View<'a, F> {
+        fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+            sample_state(
+                (self.latest)(worker.instance_id, rank),
+                self.now,
+                Duration::from_secs(3),
+            )
+        }
+    }
+
+    /// The decision's critical section before and after this change, over the same fleet and
+    /// the same sample feed: before, a std (SipHash) map of samples keyed by (worker, rank) and
+    /// one `sample_arrived` per candidate rank; after, the id-hashed `LoadStore` and one pass over
+    /// the workers holding dispatches. Both then expire and pick.
+    fn sections(registry: &DynamoRegistry, picks: usize) {
+        let index = CandidateIndex::build(&registry.snapshot());
+        let candidates = index.for_model(MODEL);
+        let namespaces = [Namespace::new(NAMESPACE)];
+        let request = PickRequest {
+            model: MODEL,
+            eligible_namespaces: &namespaces,
+            estimated_prompt_tokens: 1500,
+            load_signals: true,
+        };
+        let mut store = LoadStore::new();
+        store.set_live_and_retain((0..WORKERS).map(|w| InstanceId(FIRST_ID + w)));
+        let mut legacy: HashMap<WorkerRank, LoadSample> = HashMap::new();
+        let put = |store: &mut LoadStore, legacy: &mut HashMap<_, _>, s: LoadSample| {
+            store.apply(s);
+            legacy.insert(s.key(), s);
+        };
+        for w in 0..WORKERS {
+            for rank in 0..2 {
+                put(&mut store, &mut legacy, sample(w, rank, 1));
+            }
+        }
+        let (mut old_state, mut new_state) = (PickerState::new(), PickerState::new());
+        let (mut old_nanos, mut new_nanos) = (Vec::new(), Vec::new());
+        let (mut old_unanswered, mut new_unanswered) = (VecDeque::new(), VecDeque::new());
+        let mut sequence = 2;
+        for i in 0..picks + 1000 {
+            let now = now_tick();
+            let start = Instant::now();
+            for c in candidates {
+                if let Some(s) = legacy.get(&WorkerRank::new(c.worker.instance_id, c.rank())) {
+                    old_state.ledger.sample_arrived(&c.worker, s.received_at);
+                }
+            }
+            old_state.ledger.expire(now);
+            let view = View {
+                latest: |w, r| legacy.get(&WorkerRank::new(w, r)),
+                now,
+            };
+            let old = LoadBasedPicker.pick(&request, candidates, &view, &mut old_state, now);
+            let old_elapsed = start.elapsed();
+
+            let start = Instant::now();
+            answer_arrivals(&mut new_state.ledger, &store);
+            new_state.ledger.expire(now);
+            let view = View {
+                latest: |w, r| store.latest(w, r),
+                now,
+            };
+            let new = LoadBasedPicker.pick(&request, candidates, &view, &mut new_state, now);
+            let new_elapsed = start.elapsed();
+
+            for (outcome, queue) in [(old, &mut old_unanswered), (new, &mut new_unanswered)] {
+                if let PickOutcome::Picked(pick) = black_box(outcome) {
+                    queue.push_back(pick.decode.worker.instance_id.0 - FIRST_ID);
+                }
+            }
+            // Answer each dispatch OUTSTANDING picks later (the two queues see the same picks
+            // as long as the two paths agree).
+            for queue in [&mut old_unanswered, &mut new_unanswered] {
+                if queue.len() > OUTSTANDING
+                    && let Some(w) = queue.pop_front()
+                {
+                    put(&mut store, &mut legacy, sample(w, 0, sequence));
+                    sequence += 1;
+                }
+            }
+            if i >= 1000 {
+                old_nanos.push(old_elapsed.as_nanos() as u64);
+                new_nanos.push(new_elapsed.as_nanos() as u64);
+            }
+        }
+        report(
+            "section/decode_1000_ranks/before_siphash_per_candidate_arrivals",
+            old_nanos,
+        );
+        report(
+            "section/decode_1000_ranks/after_idhash_pending_arrivals",
+            new_nanos,
+        );
     }
 
     fn body(chars: usize) -> Vec<u8> {
@@ -479,7 +592,8 @@ mod e2e {
             .build()
             .expect("runtime");
         runtime.block_on(async move {
-            let (router, load, registry_actor) = fixture().await;
+            let (router, load, registry, registry_actor) = fixture().await;
+            sections(&registry, picks);
             for (label, chars) in [("short_body", 64usize), ("6kB_body", 6000)] {
                 let body = body(chars);
                 let mut nanos = Vec::with_capacity(picks);
