@@ -174,7 +174,11 @@ impl DynamoPicker {
     pub fn rebuild(&self, generation: u64, snapshot: &DynamoSnapshot) -> Arc<IndexedGeneration> {
         let _building = lock(&self.inner.rebuilding);
         let held = self.inner.index.load_full();
-        if held.generation == generation {
+        // Generations only grow: a caller that read an older one (the actor, racing a request
+        // that already built a newer index) must not replace the newer index.
+        if held.generation == generation
+            || (held.generation != u64::MAX && held.generation > generation)
+        {
             return held;
         }
         let index = CandidateIndex::build(snapshot);
