@@ -9,6 +9,12 @@
 //! single picks and prints p50 / p99 / max, then the floor the `LoadView` API sets (1,000
 //! dynamic `sample` calls alone). `PICKER_BENCH=percentiles` skips criterion; `PICKER_VIEW=dense`
 //! or `=hashmap` keeps one view (for `perf record`).
+//!
+//! The end-to-end pass then times `ShimRouter::decide` over a real published snapshot of the
+//! same 1,000 decode ranks and the shared load store (config load, eligibility, prompt estimate,
+//! the load-store lock, arrivals, expiry, the pick and the ledger record), with a short and a
+//! 6 kB chat body, and the round trip of a ractor `call` to an idle actor, the floor a picker
+//! behind a mailbox would add to every decision.
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
@@ -269,5 +275,372 @@ fn main() {
     }
     if view != "hashmap" {
         view_floor(floor, "dense_view", &dense_load(floor), picks);
+    }
+    // PICKER_E2E=0 skips the end-to-end pass.
+    if std::env::var("PICKER_E2E").map_or(true, |v| v != "0") {
+        e2e::run(picks);
+    }
+}
+
+// ---- End to end: ShimRouter::decide over a published snapshot and the shared load store ---------
+
+/// Everything `ShimRouter::decide` reads, built once: a registry snapshot of 500 decode workers ×
+/// 2 dp ranks published by a real `RegistryActor`, a load store holding a fresh sample per rank,
+/// and a router over a `DynamoPicker` (no `PickerActor`: the request path maintains the index and
+/// the ledger itself, as it does when it races ahead of the actor).
+mod e2e {
+    use std::collections::{HashMap, VecDeque};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use arc_swap::ArcSwap;
+    use continuum_actors::clock::now_tick;
+    use continuum_actors::load::DynamoLoadStore;
+    use continuum_actors::picker::{DynamoPicker, answer_arrivals};
+    use continuum_actors::registry::{
+        DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg,
+    };
+    use continuum_protocol::discovery::SourceEvent;
+    use continuum_protocol::discovery::reducer::DiscoveryReducer;
+    use continuum_protocol::discovery::snapshot::SourceKind;
+    use continuum_protocol::event_plane::ActiveLoad;
+    use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
+    use continuum_protocol::load_store::{LoadSample, LoadStore, WorkerRank};
+    use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
+    use continuum_protocol::picker::{
+        DynamoWorkerPicker, LoadBasedPicker, LoadView, PickOutcome, PickRequest, PickerState,
+        SampleState,
+    };
+    use continuum_protocol::time::UnixMillis;
+    use continuum_router::config::{Config, ProcessEnv};
+    use continuum_router::shim::ShimRouter;
+    use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, call_t};
+
+    use super::{FIRST_ID, MODEL, NAMESPACE, OUTSTANDING, black_box};
+
+    const WORKERS: u64 = 500;
+
+    fn records(id: u64) -> Vec<(String, Vec<u8>)> {
+        let endpoint = serde_json::json!({"type": "Endpoint", "namespace": NAMESPACE,
+            "component": "backend", "endpoint": "generate", "instance_id": id,
+            "transport": {"tcp": "127.0.0.1:1/x"}});
+        let card = serde_json::json!({"type": "Model", "namespace": NAMESPACE,
+            "component": "backend", "endpoint": "generate", "instance_id": id,
+            "card_json": {"display_name": MODEL, "worker_type": "decode",
+            "kv_cache_block_size": 16, "runtime_config": {"total_kv_blocks": 16384,
+            "max_num_batched_tokens": 8192, "data_parallel_start_rank": 0,
+            "data_parallel_size": 2}}});
+        vec![
+            (
+                format!("v1/instances/{NAMESPACE}/backend/generate/{id:x}"),
+                serde_json::to_vec(&endpoint).expect("json"),
+            ),
+            (
+                format!("v1/mdc/{NAMESPACE}/backend/generate/{id:x}"),
+                serde_json::to_vec(&card).expect("json"),
+            ),
+        ]
+    }
+
+    fn sample(worker: u64, rank: u32, sequence: u64) -> LoadSample {
+        let mix = (worker.wrapping_mul(2_654_435_761) ^ (u64::from(rank) * 40_503)) % 4096;
+        LoadSample {
+            load: ActiveLoad {
+                worker_id: InstanceId(FIRST_ID + worker),
+                dp_rank: DpRank(rank),
+                active_decode_blocks: Some(mix),
+                active_prefill_tokens: None,
+                kv_used_blocks: Some(mix),
+            },
+            publisher_id: PublisherId(FIRST_ID + worker),
+            sequence,
+            published_at: UnixMillis(0),
+            received_at: now_tick(),
+        }
+    }
+
+    /// (Re)publishes a fresh sample for every rank (outside the timed region).
+    fn refresh(load: &DynamoLoadStore, sequence: u64) {
+        load.with(|store| {
+            for w in 0..WORKERS {
+                for rank in 0..2 {
+                    store.apply(sample(w, rank, sequence));
+                }
+            }
+        });
+    }
+
+    async fn fixture() -> (
+        ShimRouter,
+        DynamoLoadStore,
+        DynamoRegistry,
+        ActorRef<RegistryMsg>,
+    ) {
+        let yaml = format!(
+            "server:\n  bind_address: \"127.0.0.1:0\"\n\
+             disaggregated_serving:\n  enabled: true\n\
+             backends:\n  - name: shim\n    type: openai\n    url: \"http://127.0.0.1:1\"\n    \
+             models: [{MODEL}]\n    health_check:\n      enabled: false\n\
+             dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"http://127.0.0.1:1\"]\n      \
+             namespace: {NAMESPACE}\n  shim:\n    backends: [shim]\n"
+        );
+        let config = Config::from_yaml_str(&yaml, &ProcessEnv).expect("bench config");
+        let namespace = Namespace::new(NAMESPACE);
+        let registry = DynamoRegistry::new(RegistryConfig {
+            enabled: true,
+            source: SourceKind::Etcd,
+            namespaces: vec![namespace.clone()],
+        });
+        let (registry_actor, _) = Actor::spawn(
+            None,
+            RegistryActor,
+            RegistryArgs {
+                registry: registry.clone(),
+                metrics: None,
+            },
+        )
+        .await
+        .expect("registry");
+        let mut reducer = DiscoveryReducer::new(namespace);
+        reducer.apply(SourceEvent::Init, UnixMillis(0));
+        for w in 0..WORKERS {
+            for (key, value) in records(FIRST_ID + w) {
+                reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
+            }
+        }
+        reducer.apply(SourceEvent::InitDone, UnixMillis(0));
+        registry.stage_view(reducer.view().clone());
+        registry_actor
+            .cast(RegistryMsg::Rebuild)
+            .expect("registry alive");
+        registry
+            .subscribe()
+            .wait_for(|g| *g >= 1)
+            .await
+            .expect("published");
+        assert_eq!(registry.snapshot().workers().len() as u64, WORKERS);
+        let load = DynamoLoadStore::new(None);
+        load.with(|store| {
+            store.set_live_and_retain((0..WORKERS).map(|w| InstanceId(FIRST_ID + w)))
+        });
+        refresh(&load, 1);
+        let router = ShimRouter::with_picker(
+            Arc::new(ArcSwap::from_pointee(config)),
+            registry.clone(),
+            load.clone(),
+            DynamoPicker::new(),
+            None,
+        );
+        (router, load, registry, registry_actor)
+    }
+
+    /// `ShimRouter::decide`'s load view, over any map of samples.
+    struct View<'a, F: Fn(InstanceId, DpRank) -> Option<&'a LoadSample>> {
+        latest: F,
+        now: continuum_protocol::time::Tick,
+    }
+
+    impl<'a, F: Fn(InstanceId, DpRank) -> Option<&'a LoadSample>> LoadView for View<'a, F> {
+        fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+            sample_state(
+                (self.latest)(worker.instance_id, rank),
+                self.now,
+                Duration::from_secs(3),
+            )
+        }
+    }
+
+    /// The decision's critical section before and after this change, over the same fleet and
+    /// the same sample feed: before, a std (SipHash) map of samples keyed by (worker, rank) and
+    /// one `sample_arrived` per candidate rank; after, the id-hashed `LoadStore` and one pass over
+    /// the workers holding dispatches. Both then expire and pick.
+    fn sections(registry: &DynamoRegistry, picks: usize) {
+        let index = CandidateIndex::build(&registry.snapshot());
+        let candidates = index.for_model(MODEL);
+        let namespaces = [Namespace::new(NAMESPACE)];
+        let request = PickRequest {
+            model: MODEL,
+            eligible_namespaces: &namespaces,
+            estimated_prompt_tokens: 1500,
+            load_signals: true,
+        };
+        let mut store = LoadStore::new();
+        store.set_live_and_retain((0..WORKERS).map(|w| InstanceId(FIRST_ID + w)));
+        let mut legacy: HashMap<WorkerRank, LoadSample> = HashMap::new();
+        let put = |store: &mut LoadStore, legacy: &mut HashMap<_, _>, s: LoadSample| {
+            store.apply(s);
+            legacy.insert(s.key(), s);
+        };
+        for w in 0..WORKERS {
+            for rank in 0..2 {
+                put(&mut store, &mut legacy, sample(w, rank, 1));
+            }
+        }
+        let (mut old_state, mut new_state) = (PickerState::new(), PickerState::new());
+        let (mut old_nanos, mut new_nanos) = (Vec::new(), Vec::new());
+        let (mut old_unanswered, mut new_unanswered) = (VecDeque::new(), VecDeque::new());
+        let mut sequence = 2;
+        for i in 0..picks + 1000 {
+            let now = now_tick();
+            let start = Instant::now();
+            for c in candidates {
+                if let Some(s) = legacy.get(&WorkerRank::new(c.worker.instance_id, c.rank())) {
+                    old_state.ledger.sample_arrived(&c.worker, s.received_at);
+                }
+            }
+            old_state.ledger.expire(now);
+            let view = View {
+                latest: |w, r| legacy.get(&WorkerRank::new(w, r)),
+                now,
+            };
+            let old = LoadBasedPicker.pick(&request, candidates, &view, &mut old_state, now);
+            let old_elapsed = start.elapsed();
+
+            let start = Instant::now();
+            answer_arrivals(&mut new_state.ledger, &store);
+            new_state.ledger.expire(now);
+            let view = View {
+                latest: |w, r| store.latest(w, r),
+                now,
+            };
+            let new = LoadBasedPicker.pick(&request, candidates, &view, &mut new_state, now);
+            let new_elapsed = start.elapsed();
+
+            for (outcome, queue) in [(old, &mut old_unanswered), (new, &mut new_unanswered)] {
+                if let PickOutcome::Picked(pick) = black_box(outcome) {
+                    queue.push_back(pick.decode.worker.instance_id.0 - FIRST_ID);
+                }
+            }
+            // Answer each dispatch OUTSTANDING picks later (the two queues see the same picks
+            // as long as the two paths agree).
+            for queue in [&mut old_unanswered, &mut new_unanswered] {
+                if queue.len() > OUTSTANDING
+                    && let Some(w) = queue.pop_front()
+                {
+                    put(&mut store, &mut legacy, sample(w, 0, sequence));
+                    sequence += 1;
+                }
+            }
+            if i >= 1000 {
+                old_nanos.push(old_elapsed.as_nanos() as u64);
+                new_nanos.push(new_elapsed.as_nanos() as u64);
+            }
+        }
+        report(
+            "section/decode_1000_ranks/before_siphash_per_candidate_arrivals",
+            old_nanos,
+        );
+        report(
+            "section/decode_1000_ranks/after_idhash_pending_arrivals",
+            new_nanos,
+        );
+    }
+
+    fn body(chars: usize) -> Vec<u8> {
+        let words = "lorem ipsum dolor sit amet ".repeat(chars / 27 + 1);
+        serde_json::to_vec(&serde_json::json!({"model": MODEL, "messages": [
+            {"role": "user", "content": &words[..chars]}]}))
+        .expect("json")
+    }
+
+    fn report(name: &str, mut nanos: Vec<u64>) {
+        nanos.sort_unstable();
+        let at = |q: f64| nanos[((nanos.len() - 1) as f64 * q) as usize];
+        println!(
+            "{name}: n={} p50={:.2}µs p99={:.2}µs max={:.2}µs",
+            nanos.len(),
+            at(0.50) as f64 / 1e3,
+            at(0.99) as f64 / 1e3,
+            at(1.0) as f64 / 1e3,
+        );
+    }
+
+    /// A trivial actor: the floor a mailbox round trip sets, whatever the handler does.
+    struct Echo;
+
+    impl Actor for Echo {
+        type Msg = RpcReplyPort<u64>;
+        type State = ();
+        type Arguments = ();
+
+        async fn pre_start(
+            &self,
+            _myself: ActorRef<Self::Msg>,
+            _args: (),
+        ) -> Result<(), ActorProcessingErr> {
+            Ok(())
+        }
+
+        async fn handle(
+            &self,
+            _myself: ActorRef<Self::Msg>,
+            reply: Self::Msg,
+            _state: &mut (),
+        ) -> Result<(), ActorProcessingErr> {
+            let _ = reply.send(1);
+            Ok(())
+        }
+    }
+
+    /// `ShimRouter::decide` percentiles (config load, eligibility, index check, prompt estimate,
+    /// the load-store lock, arrivals, expiry, the pick and the ledger record), then the round trip
+    /// of a ractor `call` for comparison.
+    pub fn run(picks: usize) {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async move {
+            let (router, load, registry, registry_actor) = fixture().await;
+            sections(&registry, picks);
+            for (label, chars) in [("short_body", 64usize), ("6kB_body", 6000)] {
+                let body = body(chars);
+                let mut nanos = Vec::with_capacity(picks);
+                let mut unanswered = std::collections::VecDeque::new();
+                let mut sequence = 2;
+                for i in 0..picks + 1000 {
+                    if i % 2000 == 0 {
+                        refresh(&load, sequence);
+                        sequence += 1;
+                    }
+                    let start = Instant::now();
+                    let decision = router.decide(MODEL, &body, &[], |_| true);
+                    let elapsed = start.elapsed();
+                    let decision = black_box(decision).expect("a pick");
+                    // Answer the dispatch OUTSTANDING picks later with a fresh sample of the
+                    // chosen worker, as a busy fleet's publishers would.
+                    let decode: u64 = decision.dispatch.headers["x-dynamo-worker-instance-id"]
+                        .to_str()
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .expect("a decimal pin");
+                    unanswered.push_back(decode);
+                    if unanswered.len() > OUTSTANDING
+                        && let Some(worker) = unanswered.pop_front()
+                    {
+                        let w = worker - FIRST_ID;
+                        load.with(|store| store.apply(sample(w, 0, sequence)));
+                        sequence += 1;
+                    }
+                    if i >= 1000 {
+                        nanos.push(elapsed.as_nanos() as u64);
+                    }
+                }
+                report(&format!("decide/decode_1000_ranks/{label}"), nanos);
+            }
+            let (echo, _) = Actor::spawn(None, Echo, ()).await.expect("echo");
+            let mut nanos = Vec::with_capacity(picks);
+            for _ in 0..picks {
+                let start = Instant::now();
+                let one: u64 = call_t!(echo, |port| port, 1_000).expect("echo answers");
+                nanos.push(start.elapsed().as_nanos() as u64);
+                black_box(one);
+            }
+            report("mailbox_round_trip/ractor_call", nanos);
+            echo.stop(None);
+            registry_actor.stop(None);
+            black_box(Duration::ZERO);
+        });
     }
 }

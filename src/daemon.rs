@@ -22,6 +22,7 @@ use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::memory_source::MemoryDiscovery;
 use continuum_actors::metrics::SubscriptionTransport;
 use continuum_actors::metrics::{DiscoveryEventKind, Metrics};
+use continuum_actors::picker::{DynamoPicker, picker_spec};
 use continuum_actors::registry::{
     DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox, RegistryMsg,
 };
@@ -117,6 +118,8 @@ struct Shared {
     load: DynamoLoadStore,
     /// The bounded KV index fed by kv-events subscriptions (`dynamo.kv.enabled`).
     kv: DynamoKvIndex,
+    /// Installed picker, candidate index and dispatch ledger, maintained by the PickerActor.
+    picker: DynamoPicker,
     /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
     proxy: Arc<Proxy>,
     /// Records `source: simulated` discovery reads (the demo's fleet; empty otherwise).
@@ -213,16 +216,18 @@ impl Daemon {
             readiness,
             kv: DynamoKvIndex::new(Some(metrics.clone())),
             artifacts: Arc::default(),
+            picker: DynamoPicker::new(),
             metrics,
             load,
             simulated: feed,
         };
         shared.proxy.reconfigure(&config);
         shared.proxy.set_shim(Arc::new(
-            crate::shim::ShimRouter::new(
+            crate::shim::ShimRouter::with_picker(
                 shared.config.clone(),
                 shared.registry.clone(),
                 shared.load.clone(),
+                shared.picker.clone(),
                 Some(shared.metrics.clone()),
             )
             .with_kv_index(shared.kv.clone()),
@@ -233,6 +238,11 @@ impl Daemon {
             vec![
                 registry_spec(&shared),
                 kv_index_spec(shared.kv.clone(), shared.registry.clone()),
+                picker_spec(
+                    shared.picker.clone(),
+                    shared.registry.clone(),
+                    shared.load.clone(),
+                ),
                 discovery_spec(&shared),
                 subscriptions_spec(&shared),
             ],
@@ -317,6 +327,11 @@ impl Daemon {
         &self.shared.load
     }
 
+    /// The picker state the PickerActor maintains (`registry.picker()` / `set_picker()`).
+    pub fn picker(&self) -> &DynamoPicker {
+        &self.shared.picker
+    }
+
     /// Re-reads the config file now, as `POST /admin/config/reload` does.
     pub async fn reload(&self) -> Result<String, String> {
         let (tx, rx) = oneshot::channel();
@@ -371,6 +386,7 @@ fn app_state(
     let registry = shared.registry.clone();
     let load = shared.load.clone();
     let kv = shared.kv.clone();
+    let picker = shared.picker.clone();
     let models_registry = shared.registry.clone();
     AppState {
         live,
@@ -378,7 +394,9 @@ fn app_state(
         metrics: Arc::new(move || metrics.render()),
         tree: tree.clone(),
         control,
-        dynamo_workers: Arc::new(move || crate::dynamo_admin::workers_view(&registry, &load, &kv)),
+        dynamo_workers: Arc::new(move || {
+            crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker))
+        }),
         proxy: shared.proxy.clone(),
         fleet_models: Arc::new(move || {
             let snapshot = models_registry.snapshot();

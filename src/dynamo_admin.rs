@@ -3,14 +3,17 @@
 
 use continuum_actors::kv_index::DynamoKvIndex;
 use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::picker::DynamoPicker;
 use continuum_actors::registry::DynamoRegistry;
 use serde_json::{Value, json};
 
 /// The response body; `enabled: false` (still 200) when discovery is off in the live config.
+/// `picker` adds the PickerActor's state (installed picker, index generation, ledger size).
 pub fn workers_view(
     registry: &DynamoRegistry,
     load: &DynamoLoadStore,
     kv: &DynamoKvIndex,
+    picker: Option<&DynamoPicker>,
 ) -> Value {
     if !registry.is_enabled() {
         return json!({"enabled": false});
@@ -36,7 +39,7 @@ pub fn workers_view(
             view
         })
         .collect();
-    json!({
+    let mut view = json!({
         "enabled": true,
         "connected": registry.connected(),
         "source": snapshot.source().as_str(),
@@ -50,7 +53,11 @@ pub fn workers_view(
         "subscriptions": load.subscriptions(),
         "kv_hash_parity": kv_hash_parity(kv),
         "load": load_samples(load),
-    })
+    });
+    if let (Some(picker), Some(fields)) = (picker, view.as_object_mut()) {
+        fields.insert("picker".into(), json!(picker.status()));
+    }
+    view
 }
 
 /// The latest ActiveLoad sample per (worker, dp_rank), with its age: what the picker reads.

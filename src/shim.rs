@@ -3,8 +3,14 @@
 //! headers (`dynamo.frontend --router-mode direct` executes the two-phase handoff).
 //!
 //! Every decision is `protocol`'s: candidates come from `picker::candidates` (rebuilt once per
-//! registry generation), load from the shared store through a `LoadView` adapter, and the pick
-//! from the pluggable `DynamoWorkerPicker` (`picker()` / `set_picker()`).
+//! registry generation by the `PickerActor`, or by the first request that races ahead of it), load
+//! from the shared store through a `LoadView` adapter, and the pick from the pluggable
+//! `DynamoWorkerPicker` (`picker()` / `set_picker()`).
+//!
+//! The decision itself is one synchronous critical section: the load-store lock, then the
+//! picker-state lock of the shared [`DynamoPicker`] handle (the order every holder of both
+//! takes). It does not go through the `PickerActor`'s mailbox: a ractor round trip costs more
+//! than the decision (see docs/runtime-semantics.md, "Picker state").
 //!
 //! Under `dynamo.kv.enabled` the shim installs the `KvAwarePicker` (and the load-based one back
 //! when KV is turned off; every `dynamo.kv` field applies on the next request), prepares the
@@ -23,11 +29,12 @@ use continuum_actors::clock::now_tick;
 use continuum_actors::kv_index::DynamoKvIndex;
 use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, RoutingPath};
+use continuum_actors::picker::{DynamoPicker, answer_arrivals};
 use continuum_actors::registry::DynamoRegistry;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
 use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::load_store::LoadStore;
-use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
+use continuum_protocol::picker::candidates::sample_state;
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
 use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::load_based::LoadBasedPicker;
@@ -35,7 +42,7 @@ use continuum_protocol::picker::reachability::reachable_candidates;
 use continuum_protocol::picker::{
     BlockOverlaps, Candidate, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker,
     KvPickInput, KvPickParams, KvSelectionResult, KvUnavailable, LoadView, PickOutcome,
-    PickRequest, PickerState, SampleState,
+    PickRequest, SampleState,
 };
 use continuum_protocol::time::Tick;
 use tracing::debug;
@@ -88,9 +95,8 @@ pub struct ShimRouter {
     config: Arc<ArcSwap<Config>>,
     registry: DynamoRegistry,
     load: DynamoLoadStore,
-    picker: Mutex<Arc<dyn DynamoWorkerPicker>>,
-    state: Mutex<PickerState>,
-    index: Mutex<(u64, Arc<CandidateIndex>)>,
+    /// Installed picker, candidate index, ledger and cursors, shared with the `PickerActor`.
+    picker: DynamoPicker,
     metrics: Option<Metrics>,
     /// The shared KV index overlaps are read from (`None`: no overlaps).
     kv_index: Option<DynamoKvIndex>,
@@ -135,13 +141,22 @@ impl ShimRouter {
         load: DynamoLoadStore,
         metrics: Option<Metrics>,
     ) -> Self {
+        Self::with_picker(config, registry, load, DynamoPicker::new(), metrics)
+    }
+
+    /// A router over the picker state a `PickerActor` maintains (the daemon's wiring).
+    pub fn with_picker(
+        config: Arc<ArcSwap<Config>>,
+        registry: DynamoRegistry,
+        load: DynamoLoadStore,
+        picker: DynamoPicker,
+        metrics: Option<Metrics>,
+    ) -> Self {
         Self {
             config,
             registry,
             load,
-            picker: Mutex::new(Arc::new(LoadBasedPicker::new())),
-            state: Mutex::new(PickerState::new()),
-            index: Mutex::new((u64::MAX, Arc::new(CandidateIndex::default()))),
+            picker,
             metrics,
             kv_index: None,
             kv_prep: Mutex::new(None),
@@ -201,7 +216,8 @@ impl ShimRouter {
             return self.decide(client_model, body, allowed, usable);
         }
         let model = mapped_model(&config, client_model);
-        let block_sizes = block_sizes(self.index().for_model(model));
+        let held = self.picker.index_for(&self.registry);
+        let block_sizes = block_sizes(held.index.for_model(model));
         if block_sizes.is_empty() {
             return self.decide_with(client_model, body, allowed, usable, None);
         }
@@ -223,36 +239,22 @@ impl ShimRouter {
 
     /// A dispatch ended (its response finished or failed).
     pub fn request_ended(&self, id: DispatchId) {
-        lock(&self.state).ledger.request_ended(id);
+        self.picker.request_ended(id);
     }
 
     /// The active picker.
     pub fn picker(&self) -> Arc<dyn DynamoWorkerPicker> {
-        lock(&self.picker).clone()
+        self.picker.picker()
     }
 
     /// Replaces the picker (the KV-aware picker plugs in here).
     pub fn set_picker(&self, picker: Arc<dyn DynamoWorkerPicker>) {
-        *lock(&self.picker) = picker;
+        self.picker.set_picker(picker);
     }
 
-    /// The candidate index of the current registry generation, rebuilt once per generation.
-    fn index(&self) -> Arc<CandidateIndex> {
-        let generation = self.registry.generation();
-        let mut cached = lock(&self.index);
-        if cached.0 != generation {
-            let snapshot = self.registry.snapshot();
-            let index = CandidateIndex::build(&snapshot);
-            if index.refused_workers > 0 {
-                tracing::warn!(
-                    workers = index.refused_workers,
-                    generation,
-                    "Workers whose cards declare an impossible dp rank range are never picked."
-                );
-            }
-            *cached = (generation, Arc::new(index));
-        }
-        cached.1.clone()
+    /// The shared picker state (admin view, the `PickerActor`).
+    pub fn picker_state(&self) -> &DynamoPicker {
+        &self.picker
     }
 
     /// Picks workers for a request of `client_model` whose outbound body is `body`. `usable`
@@ -309,8 +311,8 @@ impl ShimRouter {
             return None;
         }
         let model = mapped_model(&config, client_model);
-        let index = self.index();
-        let candidates = index.for_model(model);
+        let held = self.picker.index_for(&self.registry);
+        let candidates = held.index.for_model(model);
         if candidates.is_empty() {
             return None;
         }
@@ -346,54 +348,52 @@ impl ShimRouter {
             estimated_prompt_tokens,
             load_signals: self.registry.snapshot().signals().load,
         };
-        let picker = self.picker();
+        let picker = self.picker.picker();
         let max_age = config.dynamo.load.max_staleness.get();
         // One load-store lock for the whole decision (order: load store, then picker state).
         let outcome = self.load.with(|store| {
-            let mut state = lock(&self.state);
-            // Samples that arrived since earlier dispatches answer them.
-            for c in candidates {
-                if let Some(sample) = store.latest(c.worker.instance_id, c.rank()) {
-                    state.ledger.sample_arrived(&c.worker, sample.received_at);
-                }
-            }
-            state.ledger.expire(now);
-            // Workers whose load publisher died (SIGKILL within the lease) sit out while a
-            // reachable rank serves the phase; no marks, no filtering work.
-            let kept = (store.unreachable_count() > 0)
-                .then(|| {
-                    reachable_candidates(candidates, &request, |c| {
-                        store.is_unreachable(c.worker.instance_id)
+            self.picker.with_state(|state| {
+                // Samples that arrived since earlier dispatches answer them (the PickerActor does
+                // this on every store change; a request racing ahead of it catches up here).
+                answer_arrivals(&mut state.ledger, store);
+                state.ledger.expire(now);
+                // Workers whose load publisher died (SIGKILL within the lease) sit out while a
+                // reachable rank serves the phase; no marks, no filtering work.
+                let kept = (store.unreachable_count() > 0)
+                    .then(|| {
+                        reachable_candidates(candidates, &request, |c| {
+                            store.is_unreachable(c.worker.instance_id)
+                        })
                     })
-                })
-                .flatten();
-            if let Some(kept) = &kept {
-                debug!(
-                    model,
-                    left_out = candidates.len() - kept.len(),
-                    "Unreachable workers sit out this selection."
-                );
-            }
-            let candidates = kept.as_deref().unwrap_or(candidates);
-            let view = StoreView {
-                store,
-                now,
-                max_age,
-            };
-            match &kv_input {
-                Some(kv) => picker.pick_kv(
-                    &request,
-                    kv.as_ref().map_err(|why| *why),
-                    candidates,
-                    &view,
-                    &mut state,
+                    .flatten();
+                if let Some(kept) = &kept {
+                    debug!(
+                        model,
+                        left_out = candidates.len() - kept.len(),
+                        "Unreachable workers sit out this selection."
+                    );
+                }
+                let candidates = kept.as_deref().unwrap_or(candidates);
+                let view = StoreView {
+                    store,
                     now,
-                ),
-                None => continuum_protocol::picker::KvPickOutcome {
-                    outcome: picker.pick(&request, candidates, &view, &mut state, now),
-                    kv: None,
-                },
-            }
+                    max_age,
+                };
+                match &kv_input {
+                    Some(kv) => picker.pick_kv(
+                        &request,
+                        kv.as_ref().map_err(|why| *why),
+                        candidates,
+                        &view,
+                        state,
+                        now,
+                    ),
+                    None => continuum_protocol::picker::KvPickOutcome {
+                        outcome: picker.pick(&request, candidates, &view, state, now),
+                        kv: None,
+                    },
+                }
+            })
         });
         let bypass = outcome.is_bypass();
         let kv_result = outcome.kv;

@@ -12,7 +12,7 @@
 //! │   └── etcd:<ns>       DiscoveryActor per Dynamo namespace
 //! ├── subscriptions       SubscriptionSupervisor
 //! │   └── kv_metrics:<id> SubscriptionActor per publisher (kv-events:<id> too, feeding kv_index)
-//! └── picker              PickerActor
+//! └── picker              PickerActor: candidate index per generation, ledger arrivals and expiry
 //! ```
 //!
 //! | module | what it holds |
@@ -32,6 +32,7 @@
 //! | [`subscription`] | SubscriptionActor per publisher and the follower of registry generations |
 //! | [`load`] | the shared load store and the subscription status table |
 //! | [`kv_artifacts`] | tokenizer artifacts: card slots → pinned, verified, cached, loaded tokenizers |
+//! | [`picker`] | PickerActor and the `DynamoPicker` handle (installed picker, index, ledger) |
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
 pub mod discovery;
@@ -43,6 +44,7 @@ pub mod lifecycle;
 pub mod load;
 pub mod memory_source;
 pub mod metrics;
+pub mod picker;
 pub mod registry;
 pub mod store;
 pub mod subscription;

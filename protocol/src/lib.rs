@@ -23,6 +23,7 @@ pub mod backoff;
 pub mod breaker;
 pub mod discovery;
 pub mod event_plane;
+pub mod id_hash;
 pub mod ids;
 pub mod kube;
 pub mod kv;

@@ -31,6 +31,7 @@ use thiserror::Error;
 use crate::event_plane::{
     ActiveLoad, LoadEvent, LoadEventResult, SequenceCheck, StreamSequence, decode_kv_metrics,
 };
+use crate::id_hash::IdMap;
 use crate::ids::{DpRank, InstanceId, PublisherId};
 use crate::time::{Tick, UnixMillis};
 use crate::zmtp::Delivery;
@@ -131,7 +132,13 @@ pub struct Unreachable {
 /// Latest load sample per (worker, dp_rank).
 #[derive(Debug)]
 pub struct LoadStore {
-    samples: HashMap<WorkerRank, LoadSample>,
+    /// Hashed cheaply (see [`crate::id_hash`]): a pick looks up one key per candidate rank, and
+    /// only live workers are admitted.
+    samples: IdMap<WorkerRank, LoadSample>,
+    /// When each live worker's last applied sample (any rank) arrived, kept even after the
+    /// sample itself is dropped: a sample answers the picker's earlier dispatches when it
+    /// arrives ([`LoadStore::last_arrival`]).
+    arrivals: IdMap<InstanceId, Tick>,
     /// Live workers whose load publisher went away (bounded by the live set).
     unreachable: HashMap<InstanceId, Unreachable>,
     /// Which keys each publisher's samples occupy, so `drop_publisher` needs no scan.
@@ -157,7 +164,8 @@ impl LoadStore {
     /// A store with a smaller capacity (tests).
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
-            samples: HashMap::new(),
+            samples: IdMap::default(),
+            arrivals: IdMap::default(),
             unreachable: HashMap::new(),
             by_publisher: HashMap::new(),
             live: HashSet::new(),
@@ -225,15 +233,29 @@ impl LoadStore {
                     self.unindex(previous, key);
                     self.index(sample.publisher_id, key);
                 }
+                self.arrived(key.worker_id, sample.received_at);
                 LoadEventResult::Applied
             }
             None if full => LoadEventResult::OverCapacity,
             None => {
                 self.samples.insert(key, sample);
                 self.index(sample.publisher_id, key);
+                self.arrived(key.worker_id, sample.received_at);
                 LoadEventResult::Applied
             }
         }
+    }
+
+    fn arrived(&mut self, worker_id: InstanceId, at: Tick) {
+        let last = self.arrivals.entry(worker_id).or_insert(at);
+        *last = (*last).max(at);
+    }
+
+    /// When the last sample from `worker_id` (any rank) was applied, even if the store has
+    /// dropped it since (a missed change, a publisher restart): the picker's dispatch ledger
+    /// reads it to answer dispatches pinned before it.
+    pub fn last_arrival(&self, worker_id: InstanceId) -> Option<Tick> {
+        self.arrivals.get(&worker_id).copied()
     }
 
     fn index(&mut self, publisher_id: PublisherId, key: WorkerRank) {
@@ -372,6 +394,7 @@ impl LoadStore {
         self.live = live.into_iter().collect();
         let live = &self.live;
         self.unreachable.retain(|worker, _| live.contains(worker));
+        self.arrivals.retain(|worker, _| live.contains(worker));
         let mut evicted: Vec<WorkerRank> = self
             .samples
             .keys()

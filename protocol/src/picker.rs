@@ -412,6 +412,11 @@ impl PickerState {
     pub fn cursor(&self, model: &str, phase: Phase) -> u64 {
         self.cursors.get(model, phase)
     }
+
+    /// Models whose round-robin cursors are held.
+    pub fn cursor_models(&self) -> usize {
+        self.cursors.by_model.len()
+    }
 }
 
 /// Round-robin cursors keyed by model, so two models interleaving on one cursor cannot pin each

@@ -68,6 +68,15 @@ impl CandidateIndex {
         self.by_model.get(model).map(Vec::as_slice).unwrap_or(&[])
     }
 
+    /// Candidate ranks across every model.
+    pub fn len(&self) -> usize {
+        self.by_model.values().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_model.is_empty()
+    }
+
     /// Every model with at least one candidate.
     pub fn models(&self) -> impl Iterator<Item = &str> {
         self.by_model.keys().map(|m| m.as_ref())

@@ -11,8 +11,7 @@
 //!
 //! Pure state: every method takes the caller's `now`, nothing reads a clock.
 
-use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use crate::ids::{DpRank, InstanceId, Namespace, WorkerKey};
@@ -80,29 +79,9 @@ struct Pending {
     may_stall: bool,
 }
 
-/// Instance ids are lease ids or pod-name hashes: one multiply-xorshift spreads them well enough
-/// and costs a few cycles, where SipHash would dominate a 1,000-rank pick.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(byte)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-
-    fn write_u64(&mut self, value: u64) {
-        let mixed = (self.0 ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        self.0 = mixed ^ (mixed >> 29);
-    }
-}
-
-type IdMap<V> = HashMap<InstanceId, V, BuildHasherDefault<IdHasher>>;
+/// Per-instance pendings, hashed cheaply (see [`crate::id_hash`]): SipHash would dominate a
+/// 1,000-rank pick.
+type IdMap<V> = crate::id_hash::IdMap<InstanceId, V>;
 
 #[derive(Debug)]
 struct NamespaceLedger {
@@ -243,6 +222,38 @@ impl DispatchLedger {
         if ns.workers.is_empty() {
             self.namespaces.swap_remove(ns_pos);
         }
+    }
+
+    /// Answers every worker's unanswered dispatches with the last sample received from it:
+    /// `last_arrival(instance)` is that sample's receipt time, if any. Equivalent to
+    /// [`Self::sample_arrived`] for each worker holding a dispatch, in one pass over the (few)
+    /// workers with pending dispatches instead of one call per candidate rank. Instance ids are
+    /// matched across namespaces, as the load store (keyed by instance id) reports them.
+    pub fn answer_arrivals(&mut self, mut last_arrival: impl FnMut(InstanceId) -> Option<Tick>) {
+        let Self {
+            namespaces, filter, ..
+        } = self;
+        for ns in namespaces.iter_mut() {
+            ns.workers.retain(|&instance, pendings| {
+                if let Some(at) = last_arrival(instance) {
+                    while pendings.front().is_some_and(|p| p.at < at) {
+                        pendings.pop_front();
+                        unfilter(filter, instance);
+                    }
+                }
+                !pendings.is_empty()
+            });
+        }
+        namespaces.retain(|ns| !ns.workers.is_empty());
+    }
+
+    /// Legs still counting as some rank's backlog (not yet answered, withdrawn or aged out).
+    pub fn unanswered(&self) -> usize {
+        self.namespaces
+            .iter()
+            .flat_map(|ns| ns.workers.values())
+            .map(VecDeque::len)
+            .sum()
     }
 
     /// Drops dispatches older than [`DISPATCH_MAX_AGE`].
@@ -537,6 +548,11 @@ mod tests {
             worker: usize,
             advance_ms: u64,
         },
+        /// The load store reports instance `id`'s last arrival (any namespace).
+        Arrived {
+            id: u64,
+            advance_ms: u64,
+        },
         End {
             nth: usize,
         },
@@ -554,6 +570,7 @@ mod tests {
                 }
             ),
             2 => (0usize..4, 0u64..9000).prop_map(|(worker, advance_ms)| Op::Sample { worker, advance_ms }),
+            1 => (1u64..4, 0u64..9000).prop_map(|(id, advance_ms)| Op::Arrived { id, advance_ms }),
             1 => (0usize..16).prop_map(|nth| Op::End { nth }),
             1 => (0usize..16).prop_map(|nth| Op::Withdraw { nth }),
         ]
@@ -604,6 +621,12 @@ mod tests {
                         ledger.sample_arrived(&workers[worker], now);
                         naive.legs.retain(|(_, w, _, at, _, _)| w != &workers[worker] || *at >= now);
                     }
+                    Op::Arrived { id, advance_ms } => {
+                        now = now.plus(Duration::from_millis(advance_ms));
+                        let at = now;
+                        ledger.answer_arrivals(|instance| (instance.0 == id).then_some(at));
+                        naive.legs.retain(|(_, w, _, t, _, _)| w.instance_id.0 != id || *t >= at);
+                    }
                     Op::End { nth } => {
                         if let Some(&id) = ids.get(nth % ids.len().max(1)) {
                             ledger.request_ended(id);
@@ -619,6 +642,14 @@ mod tests {
                         }
                     }
                 }
+                // Aged legs may linger until the next expiry; live ones are all held.
+                let live_legs = naive
+                    .legs
+                    .iter()
+                    .filter(|l| now.since(l.3) < DISPATCH_MAX_AGE)
+                    .count();
+                proptest::prop_assert!(ledger.unanswered() <= naive.legs.len());
+                proptest::prop_assert!(ledger.unanswered() >= live_legs);
                 for w in &workers {
                     for rank in [DpRank(0), DpRank(1)] {
                         proptest::prop_assert_eq!(

@@ -172,6 +172,70 @@ pub fn select(
     load_signals: bool,
     cursor: u64,
 ) -> Option<(usize, SelectionReason)> {
+    let mut tally = Tally::default();
+    for (pos, s) in scored.iter().enumerate() {
+        tally.add(pos, s);
+    }
+    select_tallied(scored, &tally, load_signals, cursor)
+}
+
+/// The lowest cost of one tier, how many ranks tie on it, and the first of them.
+#[derive(Clone, Copy, Debug)]
+struct Best {
+    cost: Cost,
+    ties: usize,
+    first: usize,
+}
+
+/// What [`select`] needs to know about a phase's scores, gathered while scoring, so the choice
+/// costs no further pass over the ranks unless ties must be counted off.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tally {
+    any_fresh: bool,
+    free: Option<Best>,
+    stalled: Option<Best>,
+}
+
+impl Tally {
+    #[inline]
+    fn add(&mut self, pos: usize, s: &Scored) {
+        self.any_fresh |= s.fresh_field;
+        let Some(cost) = s.cost else { return };
+        let best = if s.stalled {
+            &mut self.stalled
+        } else {
+            &mut self.free
+        };
+        match best {
+            Some(b) => match cost.cmp(&b.cost) {
+                Ordering::Less => {
+                    *b = Best {
+                        cost,
+                        ties: 1,
+                        first: pos,
+                    }
+                }
+                Ordering::Equal => b.ties += 1,
+                Ordering::Greater => {}
+            },
+            None => {
+                *best = Some(Best {
+                    cost,
+                    ties: 1,
+                    first: pos,
+                })
+            }
+        }
+    }
+}
+
+/// [`select`] over scores already tallied (in the same order).
+fn select_tallied(
+    scored: &[Scored],
+    tally: &Tally,
+    load_signals: bool,
+    cursor: u64,
+) -> Option<(usize, SelectionReason)> {
     if scored.is_empty() {
         return None;
     }
@@ -179,35 +243,25 @@ pub fn select(
     if !load_signals {
         return rotate(SelectionReason::RoundRobin);
     }
-    if !scored.iter().any(|s| s.fresh_field) {
+    if !tally.any_fresh {
         return rotate(SelectionReason::RoundRobinStale);
     }
-    // Lowest cost and its tie count, separately for ranks that are not stalled and stalled ones.
-    let mut free: Option<(Cost, usize)> = None;
-    let mut stalled: Option<(Cost, usize)> = None;
-    for s in scored {
-        let Some(cost) = s.cost else { continue };
-        let best = if s.stalled { &mut stalled } else { &mut free };
-        match best {
-            Some((b, ties)) => match cost.cmp(b) {
-                Ordering::Less => *best = Some((cost, 1)),
-                Ordering::Equal => *ties += 1,
-                Ordering::Greater => {}
-            },
-            None => *best = Some((cost, 1)),
-        }
-    }
-    let (tier_stalled, (best, ties)) = match (free, stalled) {
+    // Ranks that are not stalled win over stalled ones.
+    let (tier_stalled, best) = match (tally.free, tally.stalled) {
         (Some(best), _) => (false, best),
         (None, Some(best)) => (true, best),
         (None, None) => return rotate(SelectionReason::RoundRobin),
     };
-    let wanted = nth(ties, cursor);
+    let wanted = nth(best.ties, cursor);
+    if wanted == 0 {
+        return Some((best.first, SelectionReason::Load));
+    }
     scored
         .iter()
         .enumerate()
-        .filter(|(_, s)| s.stalled == tier_stalled && s.cost.is_some_and(|c| c == best))
-        .nth(wanted)
+        .skip(best.first + 1)
+        .filter(|(_, s)| s.stalled == tier_stalled && s.cost.is_some_and(|c| c == best.cost))
+        .nth(wanted - 1)
         .map(|(pos, _)| (pos, SelectionReason::Load))
 }
 
@@ -215,6 +269,9 @@ fn nth(len: usize, cursor: u64) -> usize {
     // len > 0 at every call site; the remainder is < len, so it fits usize.
     (cursor % len.max(1) as u64) as usize
 }
+
+/// Eligible namespaces whose ledgers a pick resolves without allocating.
+const INLINE_NAMESPACES: usize = 16;
 
 /// A candidate that serves the model in an eligible namespace.
 #[derive(Clone, Copy, Debug)]
@@ -281,11 +338,21 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         let namespaces = &req.eligible_namespaces[..req.eligible_namespaces.len().min(1 << 15)];
         roles.resize(namespaces.len(), Roles::default());
 
-        // The ledger per eligible namespace, resolved once so each rank hashes only its id.
-        let ledgers: Vec<_> = if req.load_signals && !ledger.is_empty() {
-            namespaces.iter().map(|n| ledger.namespace(n)).collect()
+        // The ledger per eligible namespace, resolved once so each rank hashes only its id. At
+        // most 16 namespaces can be configured: those fit on the stack.
+        let mut inline: [Option<NamespaceBacklog<'_>>; INLINE_NAMESPACES] =
+            [None; INLINE_NAMESPACES];
+        let spilled: Vec<Option<NamespaceBacklog<'_>>>;
+        let ledgers: &[Option<NamespaceBacklog<'_>>] = if !req.load_signals || ledger.is_empty() {
+            &[]
+        } else if namespaces.len() <= INLINE_NAMESPACES {
+            for (slot, n) in inline.iter_mut().zip(namespaces) {
+                *slot = ledger.namespace(n);
+            }
+            &inline[..namespaces.len()]
         } else {
-            Vec::new()
+            spilled = namespaces.iter().map(|n| ledger.namespace(n)).collect();
+            &spilled
         };
         let tokens = req.estimated_prompt_tokens;
         let mut size = RequestSize::new(tokens);
@@ -298,6 +365,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         positions.clear();
         scored.clear();
         let mut any_served = false;
+        let mut decode_tally = Tally::default();
         let mut last_ns: Option<usize> = None;
         // (address, length) of a candidate model already found equal to the request's.
         let mut known_model: (*const u8, usize) = (std::ptr::null(), 0);
@@ -334,17 +402,10 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 CandidateRole::Decode => roles[ns].decode = true,
                 CandidateRole::Aggregated => roles[ns].aggregated = true,
             }
+            let s = score_one(Phase::Decode, c, req, load, ledgers, ns, &mut size, now);
+            decode_tally.add(scored.len(), &s);
             positions.push(m);
-            scored.push(score_one(
-                Phase::Decode,
-                c,
-                req,
-                load,
-                &ledgers,
-                ns,
-                &mut size,
-                now,
-            ));
+            scored.push(s);
         }
         if !any_served {
             return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
@@ -365,14 +426,22 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                     kept += 1;
                 }
             }
-            positions.truncate(kept);
-            scored.truncate(kept);
+            if kept < positions.len() {
+                positions.truncate(kept);
+                scored.truncate(kept);
+                decode_tally = Tally::default();
+                for (pos, s) in scored.iter().enumerate() {
+                    decode_tally.add(pos, s);
+                }
+            }
         }
         if positions.is_empty() {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
         }
         let cursor = cursors.advance(req.model, Phase::Decode);
-        let Some((pos, decode_reason)) = select(scored, req.load_signals, cursor) else {
+        let Some((pos, decode_reason)) =
+            select_tallied(scored, &decode_tally, req.load_signals, cursor)
+        else {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
         };
         let Some(&won) = positions.get(pos) else {
@@ -387,26 +456,21 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         if decode.role == CandidateRole::Decode && roles[decode_ns].prefill {
             positions.clear();
             scored.clear();
+            let mut prefill_tally = Tally::default();
             for m in matched.iter() {
                 let c = &candidates[m.index as usize];
                 if usize::from(m.namespace) != decode_ns || c.role != CandidateRole::Prefill {
                     continue;
                 }
-                positions.push(*m);
                 let ns = usize::from(m.namespace);
-                scored.push(score_one(
-                    Phase::Prefill,
-                    c,
-                    req,
-                    load,
-                    &ledgers,
-                    ns,
-                    &mut size,
-                    now,
-                ));
+                let s = score_one(Phase::Prefill, c, req, load, ledgers, ns, &mut size, now);
+                prefill_tally.add(scored.len(), &s);
+                positions.push(*m);
+                scored.push(s);
             }
             let cursor = cursors.advance(req.model, Phase::Prefill);
-            if let Some((pos, reason)) = select(scored, req.load_signals, cursor)
+            if let Some((pos, reason)) =
+                select_tallied(scored, &prefill_tally, req.load_signals, cursor)
                 && let Some(won) = positions.get(pos)
             {
                 prefill = Some(&candidates[won.index as usize]);

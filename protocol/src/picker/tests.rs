@@ -1110,3 +1110,307 @@ proptest! {
         }
     }
 }
+
+// ---- Differential: the optimised picker against a naive reading of the rules ---------------------
+
+/// The picker rules read as plainly as possible: filter, score every rank with an exact rational,
+/// pick the cheapest tier's ties by cursor. No scratch buffers, no filters, no memoised sizes; the
+/// ledger is read through its per-worker [`DispatchLedger::backlog`].
+struct Reference {
+    ledger: DispatchLedger,
+    cursors: HashMap<String, [u64; 2]>,
+}
+
+impl Reference {
+    fn new() -> Self {
+        Self {
+            ledger: DispatchLedger::new(),
+            cursors: HashMap::new(),
+        }
+    }
+
+    fn advance(&mut self, model: &str, phase: Phase) -> u64 {
+        let slot = &mut self.cursors.entry(model.to_string()).or_default()[phase.index()];
+        let value = *slot;
+        *slot += 1;
+        value
+    }
+
+    /// `(num, den)` of a rank's cost, or `None`; whether a fresh sample carries the phase's
+    /// field; whether the ledger marks the rank stalled.
+    fn cost(
+        &self,
+        phase: Phase,
+        c: &Candidate,
+        sample: SampleState,
+        tokens: u64,
+        now: Tick,
+    ) -> (Option<(u64, u64)>, bool, bool) {
+        let field = match (sample, phase) {
+            (
+                SampleState::Fresh {
+                    active_prefill_tokens,
+                    ..
+                },
+                Phase::Prefill,
+            ) => active_prefill_tokens,
+            (
+                SampleState::Fresh {
+                    active_decode_blocks,
+                    kv_used_blocks,
+                    ..
+                },
+                Phase::Decode,
+            ) => active_decode_blocks.or(kv_used_blocks),
+            _ => None,
+        };
+        let base = match sample {
+            SampleState::Fresh { .. } => field,
+            SampleState::Never => Some(0),
+            SampleState::Stale { last_had_backlog } => (!last_had_backlog).then_some(0),
+        };
+        let backlog = self.ledger.backlog(&c.worker, c.rank(), now);
+        let cost = base.and_then(|base| match phase {
+            Phase::Prefill => {
+                let den = c.max_num_batched_tokens.filter(|&d| d > 0)?;
+                Some((base.saturating_add(backlog.prefill_tokens), den))
+            }
+            Phase::Decode => {
+                let bs = u64::from(c.block_size.filter(|&b| b > 0)?);
+                let den = c.total_kv_blocks.filter(|&d| d > 0)?;
+                let blocks = tokens.div_ceil(bs);
+                Some((
+                    base.saturating_add(backlog.decode_blocks)
+                        .saturating_add(blocks),
+                    den,
+                ))
+            }
+        });
+        (cost, field.is_some(), backlog.stalled)
+    }
+
+    fn select<'c>(
+        &mut self,
+        phase: Phase,
+        ranks: &[&'c Candidate],
+        req: &PickRequest<'_>,
+        load: &dyn LoadView,
+        now: Tick,
+    ) -> (&'c Candidate, SelectionReason) {
+        let cursor = self.advance(req.model, phase);
+        let rotate = |reason| (ranks[(cursor % ranks.len() as u64) as usize], reason);
+        if !req.load_signals {
+            return rotate(SelectionReason::RoundRobin);
+        }
+        let scored: Vec<_> = ranks
+            .iter()
+            .map(|c| {
+                let sample = load.sample(&c.worker, c.rank());
+                (
+                    *c,
+                    self.cost(phase, c, sample, req.estimated_prompt_tokens, now),
+                )
+            })
+            .collect();
+        if !scored.iter().any(|(_, (_, fresh, _))| *fresh) {
+            return rotate(SelectionReason::RoundRobinStale);
+        }
+        let tier = |stalled: bool| -> Vec<(&'c Candidate, (u64, u64))> {
+            scored
+                .iter()
+                .filter(|(_, (_, _, s))| *s == stalled)
+                .filter_map(|(c, (cost, _, _))| cost.map(|cost| (*c, cost)))
+                .collect()
+        };
+        let free = tier(false);
+        let ranked = if free.is_empty() { tier(true) } else { free };
+        if ranked.is_empty() {
+            return rotate(SelectionReason::RoundRobin);
+        }
+        let below = |a: (u64, u64), b: (u64, u64)| {
+            u128::from(a.0) * u128::from(b.1) < u128::from(b.0) * u128::from(a.1)
+        };
+        let best = ranked
+            .iter()
+            .map(|(_, cost)| *cost)
+            .fold(ranked[0].1, |m, c| if below(c, m) { c } else { m });
+        let ties: Vec<&Candidate> = ranked
+            .iter()
+            .filter(|(_, c)| !below(*c, best) && !below(best, *c))
+            .map(|(c, _)| *c)
+            .collect();
+        (
+            ties[(cursor % ties.len() as u64) as usize],
+            SelectionReason::Load,
+        )
+    }
+
+    fn pick(
+        &mut self,
+        req: &PickRequest<'_>,
+        candidates: &[Candidate],
+        load: &dyn LoadView,
+        now: Tick,
+    ) -> PickOutcome {
+        self.ledger.expire(now);
+        let serving: Vec<&Candidate> = candidates
+            .iter()
+            .filter(|c| {
+                &*c.model == req.model && req.eligible_namespaces.contains(&c.worker.namespace)
+            })
+            .collect();
+        if serving.is_empty() {
+            return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
+        }
+        let has = |ns: &Namespace, role| {
+            serving
+                .iter()
+                .any(|c| &c.worker.namespace == ns && c.role == role)
+        };
+        let pools =
+            |ns: &Namespace| has(ns, CandidateRole::Prefill) && has(ns, CandidateRole::Decode);
+        let decoders: Vec<&Candidate> = serving
+            .iter()
+            .copied()
+            .filter(|c| match c.role {
+                CandidateRole::Decode => true,
+                CandidateRole::Aggregated => !pools(&c.worker.namespace),
+                CandidateRole::Prefill => false,
+            })
+            .collect();
+        if decoders.is_empty() {
+            return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
+        }
+        let (decode, decode_reason) = self.select(Phase::Decode, &decoders, req, load, now);
+        let ns = &decode.worker.namespace;
+        let (prefill, prefill_reason) =
+            if decode.role == CandidateRole::Decode && has(ns, CandidateRole::Prefill) {
+                let prefills: Vec<&Candidate> = serving
+                    .iter()
+                    .copied()
+                    .filter(|c| &c.worker.namespace == ns && c.role == CandidateRole::Prefill)
+                    .collect();
+                let (p, reason) = self.select(Phase::Prefill, &prefills, req, load, now);
+                (Some(p), reason)
+            } else {
+                (None, SelectionReason::NoPrefillPool)
+            };
+        let tokens = req.estimated_prompt_tokens;
+        let blocks = |c: &Candidate| {
+            c.block_size
+                .filter(|&b| b > 0)
+                .map_or(0, |b| tokens.div_ceil(u64::from(b)))
+        };
+        let dispatch = req.load_signals.then(|| {
+            let mut legs = Vec::new();
+            if let Some(p) = prefill {
+                legs.push(DispatchLeg {
+                    worker: p.worker.clone(),
+                    rank: p.rank(),
+                    prefill_tokens: tokens,
+                    decode_blocks: 0,
+                    request_blocks: blocks(p),
+                    stall_exempt: false,
+                });
+            }
+            legs.push(DispatchLeg {
+                worker: decode.worker.clone(),
+                rank: decode.rank(),
+                prefill_tokens: 0,
+                decode_blocks: blocks(decode),
+                request_blocks: blocks(decode),
+                stall_exempt: prefill.is_some(),
+            });
+            self.ledger.record_dispatch(&legs, now)
+        });
+        PickOutcome::Picked(Pick {
+            namespace: ns.clone(),
+            decode: Pinned::of(decode),
+            prefill: prefill.map(Pinned::of),
+            reasons: PickReasons {
+                decode: decode_reason,
+                prefill: prefill_reason,
+            },
+            dispatch,
+        })
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    #[test]
+    fn the_picker_matches_a_naive_reference_on_random_fleets(
+        arb in proptest::collection::vec(arb_candidate(), 0..40),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        eligible_mask in 1usize..8,
+        load_signals in proptest::bool::weighted(0.85),
+        steps in proptest::collection::vec(arb_step(), 1..40),
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        let mut candidates = Vec::new();
+        let mut load = FakeLoad::default();
+        // One shared name per model, as the candidate index builds them.
+        let models: [std::sync::Arc<str>; 2] = [MODELS[0].into(), MODELS[1].into()];
+        for (i, a) in arb.iter().enumerate() {
+            if !seen.insert((a.ns, a.id)) {
+                continue;
+            }
+            for (offset, (dp_rank, rank_declared)) in
+                dp_ranks(0, Some(a.ranks)).expect("small").enumerate()
+            {
+                candidates.push(Candidate {
+                    worker: key(NAMESPACES[a.ns], a.id),
+                    role: a.role,
+                    model: models[a.model].clone(),
+                    dp_rank,
+                    rank_declared,
+                    block_size: a.capacity.then_some(if a.id % 2 == 0 { 16 } else { 32 }),
+                    total_kv_blocks: a.capacity.then_some(if a.id % 3 == 0 { 50 } else { 100 }),
+                    max_num_batched_tokens: a.capacity.then_some(if a.id % 4 == 0 { 500 } else { 1000 }),
+                });
+                load.set(NAMESPACES[a.ns], a.id, offset as u32, samples[(i * 3 + offset) % samples.len()]);
+            }
+        }
+        let namespaces: Vec<Namespace> = (0..3)
+            .filter(|i| eligible_mask & (1 << i) != 0)
+            .map(|i| Namespace::new(NAMESPACES[i]))
+            .collect();
+        let mut state = PickerState::new();
+        let mut reference = Reference::new();
+        let mut now = Tick::ZERO;
+        let mut dispatches = Vec::new();
+        for step in steps {
+            let (model, tokens) = match step {
+                Step::Pick { model, tokens, advance_ms } => {
+                    now = now.plus(Duration::from_millis(advance_ms));
+                    (MODELS[model], tokens)
+                }
+                Step::Sample { ns, id } => {
+                    state.ledger.sample_arrived(&key(NAMESPACES[ns], id), now);
+                    reference.ledger.sample_arrived(&key(NAMESPACES[ns], id), now);
+                    continue;
+                }
+                Step::End { nth } => {
+                    if !dispatches.is_empty() {
+                        let id = dispatches[nth % dispatches.len()];
+                        state.ledger.request_ended(id);
+                        reference.ledger.request_ended(id);
+                    }
+                    continue;
+                }
+            };
+            let req = PickRequest {
+                model,
+                eligible_namespaces: &namespaces,
+                estimated_prompt_tokens: tokens,
+                load_signals,
+            };
+            let fast = LoadBasedPicker.pick(&req, &candidates, &load, &mut state, now);
+            let naive = reference.pick(&req, &candidates, &load, now);
+            prop_assert_eq!(&fast, &naive);
+            if let PickOutcome::Picked(Pick { dispatch: Some(id), .. }) = fast {
+                dispatches.push(id);
+            }
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! The PickerActor under supervision: it rebuilds the candidate index per registry generation,
+//! feeds load-store arrivals into the ledger, expires the ledger on its own timer (paused tokio
+//! time, no sleeps), and an operator restart loses nothing the routing needs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use continuum_actors::clock::now_tick;
+use continuum_actors::lifecycle::ActorKind;
+use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::picker::{DynamoPicker, PickerActor, PickerArgs, PickerMsg, picker_spec};
+use continuum_actors::registry::{
+    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg,
+};
+use continuum_actors::supervisor::{ChildContext, ChildSpec, spawn_root};
+use continuum_actors::tree::{ActorState, ActorTree};
+use continuum_protocol::discovery::SourceEvent;
+use continuum_protocol::discovery::reducer::DiscoveryReducer;
+use continuum_protocol::discovery::snapshot::SourceKind;
+use continuum_protocol::event_plane::{ActiveLoad, LoadEventResult};
+use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
+use continuum_protocol::load_store::LoadSample;
+use continuum_protocol::picker::{
+    Candidate, DISPATCH_MAX_AGE, DispatchLeg, DynamoWorkerPicker, LoadView, PickOutcome,
+    PickRequest, PickerState,
+};
+use continuum_protocol::time::{Tick, UnixMillis};
+use ractor::{Actor, ActorRef, call_t};
+
+const NS: &str = "ns";
+
+fn worker(id: u64) -> WorkerKey {
+    WorkerKey {
+        namespace: Namespace::new(NS),
+        instance_id: InstanceId(id),
+    }
+}
+
+fn dispatch(picker: &DynamoPicker, id: u64, at: Tick) {
+    let leg = DispatchLeg {
+        worker: worker(id),
+        rank: DpRank(0),
+        prefill_tokens: 0,
+        decode_blocks: 4,
+        request_blocks: 4,
+        stall_exempt: false,
+    };
+    picker.with_state(|s| s.ledger.record_dispatch(&[leg], at));
+}
+
+fn registry() -> DynamoRegistry {
+    DynamoRegistry::new(RegistryConfig {
+        enabled: true,
+        source: SourceKind::Etcd,
+        namespaces: vec![Namespace::new(NS)],
+    })
+}
+
+/// Waits (on the picker's pass counter, never on a timer) until `done` holds.
+async fn until(picker: &DynamoPicker, done: impl Fn(&DynamoPicker) -> bool) {
+    let mut passes = picker.subscribe_passes();
+    tokio::time::timeout(Duration::from_secs(120), passes.wait_for(|_| done(picker)))
+        .await
+        .expect("the condition holds within the deadline")
+        .expect("the picker handle is alive");
+}
+
+/// A picker that only names itself: stands in for the KV-aware picker.
+struct Named;
+
+impl DynamoWorkerPicker for Named {
+    fn name(&self) -> &'static str {
+        "named"
+    }
+
+    fn pick(
+        &self,
+        _req: &PickRequest<'_>,
+        _candidates: &[Candidate],
+        _load: &dyn LoadView,
+        _state: &mut PickerState,
+        _now: Tick,
+    ) -> PickOutcome {
+        PickOutcome::NoCandidates(continuum_protocol::picker::NoCandidates::NoWorkerForModel)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_actor_expires_the_ledger_on_its_own_timer() {
+    let picker = DynamoPicker::new();
+    let args = PickerArgs {
+        picker: picker.clone(),
+        registry: registry(),
+        load: DynamoLoadStore::new(None),
+    };
+    let (actor, handle) = Actor::spawn(None, PickerActor, args).await.expect("spawn");
+    let start = now_tick();
+    dispatch(&picker, 1, start);
+
+    // No pick runs in this test: only the actor's timer can expire the dispatch.
+    tokio::time::advance(DISPATCH_MAX_AGE - Duration::from_secs(1)).await;
+    let passes_before = picker.status().expiry_passes;
+    until(&picker, |p| p.status().expiry_passes > passes_before).await;
+    assert_eq!(
+        picker.status().ledger_dispatches,
+        1,
+        "still younger than 30 s"
+    );
+
+    tokio::time::advance(Duration::from_secs(2)).await;
+    until(&picker, |p| p.status().ledger_dispatches == 0).await;
+    assert!(now_tick().since(start) >= DISPATCH_MAX_AGE);
+    let status: continuum_actors::picker::PickerStatus =
+        call_t!(actor, PickerMsg::Status, 1_000).expect("status");
+    assert_eq!((status.ledger_dispatches, status.unanswered_legs), (0, 0));
+
+    actor.stop(None);
+    handle.await.expect("stops");
+}
+
+#[tokio::test(start_paused = true)]
+async fn load_store_notifications_answer_dispatches() {
+    let picker = DynamoPicker::new();
+    let load = DynamoLoadStore::new(None);
+    load.with(|store| store.set_live_and_retain([InstanceId(1), InstanceId(2)]));
+    let args = PickerArgs {
+        picker: picker.clone(),
+        registry: registry(),
+        load: load.clone(),
+    };
+    let (actor, handle) = Actor::spawn(None, PickerActor, args).await.expect("spawn");
+    let at = now_tick();
+    dispatch(&picker, 1, at);
+    dispatch(&picker, 2, at);
+    assert_eq!(picker.status().unanswered_legs, 2);
+
+    tokio::time::advance(Duration::from_millis(10)).await;
+    let sample = LoadSample {
+        load: ActiveLoad {
+            worker_id: InstanceId(1),
+            dp_rank: DpRank(0),
+            active_decode_blocks: Some(3),
+            active_prefill_tokens: None,
+            kv_used_blocks: None,
+        },
+        publisher_id: PublisherId(9),
+        sequence: 1,
+        published_at: UnixMillis(0),
+        received_at: now_tick(),
+    };
+    assert_eq!(
+        load.with(|store| store.apply(sample)),
+        LoadEventResult::Applied
+    );
+    load.notify();
+    // Worker 1's sample answers its dispatch; worker 2 sent nothing, so its dispatch stays.
+    until(&picker, |p| p.status().unanswered_legs == 1).await;
+    let backlog = picker.with_state(|s| s.ledger.backlog(&worker(2), DpRank(0), now_tick()));
+    assert_eq!(backlog.decode_blocks, 4);
+
+    actor.stop(None);
+    handle.await.expect("stops");
+}
+
+fn records(id: u64) -> Vec<(String, Vec<u8>)> {
+    let endpoint = serde_json::json!({"type": "Endpoint", "namespace": NS, "component": "backend",
+        "endpoint": "generate", "instance_id": id, "transport": {"tcp": "127.0.0.1:1/x"}});
+    let card = serde_json::json!({"type": "Model", "namespace": NS, "component": "backend",
+        "endpoint": "generate", "instance_id": id, "card_json": {"display_name": "m",
+        "worker_type": "decode", "kv_cache_block_size": 16,
+        "runtime_config": {"total_kv_blocks": 1024, "data_parallel_start_rank": 0,
+                           "data_parallel_size": 2}}});
+    vec![
+        (
+            format!("v1/instances/{NS}/backend/generate/{id:x}"),
+            serde_json::to_vec(&endpoint).expect("json"),
+        ),
+        (
+            format!("v1/mdc/{NS}/backend/generate/{id:x}"),
+            serde_json::to_vec(&card).expect("json"),
+        ),
+    ]
+}
+
+fn registry_spec(
+    registry: DynamoRegistry,
+    mailbox: tokio::sync::mpsc::UnboundedSender<ActorRef<RegistryMsg>>,
+) -> ChildSpec {
+    ChildSpec::new("registry", ActorKind::Registry, move |ctx: ChildContext| {
+        let args = RegistryArgs {
+            registry: registry.clone(),
+            metrics: None,
+        };
+        let mailbox = mailbox.clone();
+        async move {
+            let (actor, _) = Actor::spawn_linked(None, RegistryActor, args, ctx.supervisor).await?;
+            let _ = mailbox.send(actor.clone());
+            Ok(actor.get_cell())
+        }
+    })
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_under_root_loses_nothing_the_routing_needs() {
+    let registry = registry();
+    let load = DynamoLoadStore::new(None);
+    let picker = DynamoPicker::new();
+    let (registry_tx, mut registry_rx) = tokio::sync::mpsc::unbounded_channel();
+    let tree = ActorTree::default();
+    let (root, handle) = spawn_root(
+        vec![
+            registry_spec(registry.clone(), registry_tx),
+            picker_spec(picker.clone(), registry.clone(), load.clone()),
+        ],
+        tree.clone(),
+        None,
+    )
+    .await
+    .expect("root starts");
+    let registry_actor = registry_rx.recv().await.expect("registry started");
+
+    // A fleet of one worker with two dp ranks: the actor indexes the published generation.
+    let mut reducer = DiscoveryReducer::new(Namespace::new(NS));
+    reducer.apply(SourceEvent::Init, UnixMillis(0));
+    for (key, value) in records(7) {
+        reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
+    }
+    reducer.apply(SourceEvent::InitDone, UnixMillis(0));
+    registry.stage_view(reducer.view().clone());
+    registry_actor
+        .cast(RegistryMsg::Rebuild)
+        .expect("registry alive");
+    let mut generations = registry.subscribe();
+    generations
+        .wait_for(|g| *g >= 1)
+        .await
+        .expect("a generation is published");
+    let generation = registry.generation();
+    until(&picker, |p| p.status().index_generation == Some(generation)).await;
+    assert_eq!(picker.status().candidate_ranks, 2);
+    assert_eq!(picker.index().index.for_model("m").len(), 2);
+
+    // State the routing needs: the installed picker, the ledger, the index.
+    picker.set_picker(Arc::new(Named));
+    dispatch(&picker, 7, now_tick());
+    let before = picker.status();
+    let row = tree.get("root/picker").expect("the picker is in the tree");
+    assert_eq!((row.kind, row.state), ("picker", ActorState::Running));
+
+    tree.restart("root/picker", Duration::from_secs(30))
+        .await
+        .expect("restart answered");
+    // The new incarnation's pre_start passes (rebuild, arrivals, expiry) have run.
+    until(&picker, |p| p.status().expiry_passes > before.expiry_passes).await;
+    let after = picker.status();
+    assert_eq!(tree.get("root/picker").expect("row").restarts, 1);
+    assert_eq!(tree.get("root/registry").expect("row").restarts, 0);
+    assert_eq!(after.name, "named");
+    assert_eq!(after.ledger_dispatches, 1);
+    assert_eq!(after.unanswered_legs, 1);
+    assert_eq!(after.index_generation, Some(generation));
+    assert_eq!(after.candidate_ranks, 2);
+    // The generation did not change, so the restarted actor reused the index.
+    assert_eq!(after.index_rebuilds, before.index_rebuilds);
+
+    root.stop(None);
+    handle.await.expect("root stops");
+}
