@@ -150,7 +150,7 @@ async fn router(upstream: SocketAddr) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
-        let _ = axum::serve(listener, front_door::router(state)).await;
+        let _ = axum::serve(front_door::listener(listener), front_door::router(state)).await;
     });
     addr
 }

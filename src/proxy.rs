@@ -396,9 +396,11 @@ impl Proxy {
         dispatch: &Dispatch,
         path: RoutingPath,
     ) -> Result<Response<Body>, ApiError> {
-        let outbound_headers = headers::outbound(&request.headers, dispatch, request.authenticated);
+        let mut outbound_headers =
+            headers::outbound(&request.headers, dispatch, request.authenticated);
         let mut last_error = None;
-        for backend in candidates.iter().take(self.options.max_attempts.max(1)) {
+        let attempts = candidates.len().min(self.options.max_attempts.max(1));
+        for (attempt, backend) in candidates.iter().take(attempts).enumerate() {
             if !backend.admit(self.pool.now()).is_admitted() {
                 continue;
             }
@@ -413,7 +415,12 @@ impl Proxy {
                 .uri(uri)
                 .body(Full::new(request.body.outbound.clone()))
                 .map_err(|e| ApiError::Internal(e.to_string()))?;
-            *req.headers_mut() = outbound_headers.clone();
+            // The last possible attempt takes the headers; earlier ones copy them for a retry.
+            *req.headers_mut() = if attempt + 1 == attempts {
+                std::mem::take(&mut outbound_headers)
+            } else {
+                outbound_headers.clone()
+            };
             match self
                 .upstream
                 .send(req, self.options.response_head_timeout)
