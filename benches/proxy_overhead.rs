@@ -85,9 +85,8 @@ async fn upstream() -> SocketAddr {
             tokio::spawn(async move {
                 let service = service_fn(|req: Request<Incoming>| async move {
                     let body = req.into_body().collect().await.map(|c| c.to_bytes());
-                    let stream = body.is_ok_and(|b| {
-                        b.windows(13).any(|w| w == br#""stream":true"#)
-                    });
+                    let stream =
+                        body.is_ok_and(|b| b.windows(13).any(|w| w == br#""stream":true"#));
                     let resp = if stream {
                         let frames: Vec<_> = (0..SSE_EVENTS)
                             .map(|_| Ok(Frame::data(Bytes::from_static(SSE_EVENT.as_bytes()))))
@@ -343,7 +342,14 @@ fn main() {
     let gen_rt = runtime("gen", 1);
     let up = upstream_rt.block_on(async { upstream().await });
     let via = router_rt.block_on(async move { router(up).await });
-    scenario("buffered", &gen_rt, (up, via), REQUEST, requests, concurrency);
+    scenario(
+        "buffered",
+        &gen_rt,
+        (up, via),
+        REQUEST,
+        requests,
+        concurrency,
+    );
     scenario(
         "streamed",
         &gen_rt,
