@@ -9,7 +9,9 @@
 //! | [`upstream`] | the pooled hyper-util client and backend URLs |
 //! | [`relay`] | buffered and streamed (SSE) response relay |
 //!
-//! Flow per request: authenticate → read ≤ 8 MiB → parse (`model` required) → strip pins →
+//! Flow per request: authenticate → read ≤ 8 MiB → parse the top level only (`model` required;
+//! a repeated `model`/`stream`/`nvext` key or nesting deeper than 128 is a 400) → strip pins (the
+//! only case that re-encodes the body) →
 //! select replicas (key policy, health, breaker, round-robin) → dispatch with the `Dispatch`
 //! headers, retrying only connection failures on the next replica with the same headers → relay.
 //!
