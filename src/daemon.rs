@@ -262,7 +262,7 @@ impl Daemon {
             let shutdown = async move {
                 let _ = stop_rx.wait_for(|stop| *stop).await;
             };
-            if let Err(error) = axum::serve(listener, app)
+            if let Err(error) = axum::serve(front_door::listener(listener), app)
                 .with_graceful_shutdown(shutdown)
                 .await
             {

@@ -9,7 +9,9 @@
 //! | [`upstream`] | the pooled hyper-util client and backend URLs |
 //! | [`relay`] | buffered and streamed (SSE) response relay |
 //!
-//! Flow per request: authenticate → read ≤ 8 MiB → parse (`model` required) → strip pins →
+//! Flow per request: authenticate → read ≤ 8 MiB → parse the top level only (`model` required;
+//! a repeated `model`/`stream`/`nvext` key or nesting deeper than 128 is a 400) → strip pins (the
+//! only case that re-encodes the body) →
 //! select replicas (key policy, health, breaker, round-robin) → dispatch with the `Dispatch`
 //! headers, retrying only connection failures on the next replica with the same headers → relay.
 //!
@@ -416,9 +418,11 @@ impl Proxy {
         dispatch: &Dispatch,
         path: RoutingPath,
     ) -> Result<Response<Body>, ApiError> {
-        let outbound_headers = headers::outbound(&request.headers, dispatch, request.authenticated);
+        let mut outbound_headers =
+            headers::outbound(&request.headers, dispatch, request.authenticated);
         let mut last_error = None;
-        for backend in candidates.iter().take(self.options.max_attempts.max(1)) {
+        let attempts = candidates.len().min(self.options.max_attempts.max(1));
+        for (attempt, backend) in candidates.iter().take(attempts).enumerate() {
             if !backend.admit(self.pool.now()).is_admitted() {
                 continue;
             }
@@ -433,7 +437,12 @@ impl Proxy {
                 .uri(uri)
                 .body(Full::new(request.body.outbound.clone()))
                 .map_err(|e| ApiError::Internal(e.to_string()))?;
-            *req.headers_mut() = outbound_headers.clone();
+            // The last possible attempt takes the headers; earlier ones copy them for a retry.
+            *req.headers_mut() = if attempt + 1 == attempts {
+                std::mem::take(&mut outbound_headers)
+            } else {
+                outbound_headers.clone()
+            };
             match self
                 .upstream
                 .send(req, self.options.response_head_timeout)

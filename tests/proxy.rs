@@ -665,7 +665,7 @@ async fn streaming_through_a_real_listener_arrives_chunk_by_chunk() {
     let addr = listener.local_addr().expect("addr");
     let app = front_door::router(h.state.clone());
     let server = tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
+        let _ = axum::serve(front_door::listener(listener), app).await;
     });
 
     let client: Client<_, http_body_util::Full<Bytes>> =

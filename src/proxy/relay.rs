@@ -44,29 +44,26 @@ pub fn streamed(upstream: Response<Incoming>, backend: &str) -> Response<Body> {
     headers::response(&mut parts.headers);
     // The relayed length may differ (a closing error event), so the body goes chunked.
     parts.headers.remove(header::CONTENT_LENGTH);
-    let backend = backend.to_owned();
-    let frames = BodyStream::new(body);
-    let stream = futures::stream::unfold(Some(frames), move |frames| {
-        let backend = backend.clone();
-        async move {
-            let mut frames = frames?;
-            loop {
-                match frames.next().await {
-                    None => return None,
-                    Some(Ok(frame)) => match frame.into_data() {
-                        Ok(data) if !data.is_empty() => {
-                            return Some((
-                                Ok::<Bytes, std::convert::Infallible>(data),
-                                Some(frames),
-                            ));
-                        }
-                        // Trailers and empty frames carry nothing for the client.
-                        _ => continue,
-                    },
-                    Some(Err(error)) => {
-                        warn!(backend, %error, "An upstream stream failed after it started.");
-                        return Some((Ok(error_event(&error.to_string())), None));
+    // The backend name rides in the stream's state: no per-chunk copy.
+    let state = Some((BodyStream::new(body), backend.to_owned()));
+    let stream = futures::stream::unfold(state, |state| async move {
+        let (mut frames, backend) = state?;
+        loop {
+            match frames.next().await {
+                None => return None,
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) if !data.is_empty() => {
+                        return Some((
+                            Ok::<Bytes, std::convert::Infallible>(data),
+                            Some((frames, backend)),
+                        ));
                     }
+                    // Trailers and empty frames carry nothing for the client.
+                    _ => continue,
+                },
+                Some(Err(error)) => {
+                    warn!(backend = %backend, %error, "An upstream stream failed after it started.");
+                    return Some((Ok(error_event(&error.to_string())), None));
                 }
             }
         }

@@ -32,6 +32,9 @@ impl UpstreamError {
     }
 }
 
+const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+const COMPLETIONS: &str = "/v1/completions";
+
 /// A backend URL that cannot be dialled.
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
@@ -46,6 +49,9 @@ pub enum TargetError {
 pub struct Target {
     authority: uri::Authority,
     base_path: String,
+    /// The OpenAI routes' URIs, built once: every request needs one.
+    chat_completions: Option<Uri>,
+    completions: Option<Uri>,
 }
 
 impl Target {
@@ -67,15 +73,32 @@ impl Target {
             .cloned()
             .ok_or_else(|| invalid("no host"))?;
         let base_path = parsed.path().trim_end_matches('/').to_owned();
-        Ok(Self {
+        let mut target = Self {
             authority,
             base_path,
-        })
+            chat_completions: None,
+            completions: None,
+        };
+        target.chat_completions = target.build_uri(CHAT_COMPLETIONS).ok();
+        target.completions = target.build_uri(COMPLETIONS).ok();
+        Ok(target)
     }
 
     /// The URI of `path` (starting with `/`) on this backend. A base URL ending in `/v1` is not
     /// doubled for `/v1/...` routes.
     pub fn uri(&self, path: &str) -> Result<Uri, TargetError> {
+        let cached = match path {
+            CHAT_COMPLETIONS => self.chat_completions.as_ref(),
+            COMPLETIONS => self.completions.as_ref(),
+            _ => None,
+        };
+        match cached {
+            Some(uri) => Ok(uri.clone()),
+            None => self.build_uri(path),
+        }
+    }
+
+    fn build_uri(&self, path: &str) -> Result<Uri, TargetError> {
         let path = match (self.base_path.ends_with("/v1"), path.strip_prefix("/v1/")) {
             (true, Some(rest)) => format!("{}/{rest}", self.base_path),
             _ => format!("{}{path}", self.base_path),
@@ -155,6 +178,10 @@ mod tests {
         assert_eq!(
             t.uri("/v1/completions").expect("uri").to_string(),
             "http://h:8000/api/v1/completions"
+        );
+        assert_eq!(
+            t.uri("/v1/chat/completions").expect("uri").to_string(),
+            "http://h:8000/api/v1/chat/completions"
         );
         assert_eq!(
             t.uri("/health").expect("uri").to_string(),
