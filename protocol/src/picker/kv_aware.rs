@@ -27,7 +27,7 @@
 //! Without a KV input (no tokenizer, prompt too large, render failed, artifact unpinned) the whole
 //! pick is the load-based one and the outcome reports why.
 
-use super::ledger::{DispatchLeg, NamespaceBacklog};
+use super::ledger::NamespaceBacklog;
 use super::load_based::{self, LoadBasedPicker, RequestSize, Scored};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickOutcome,
@@ -658,30 +658,9 @@ impl KvAwarePicker {
         drop(ctx);
 
         let tokens = kv.isl;
-        let dispatch = req.load_signals.then(|| {
-            let mut legs = Vec::with_capacity(2);
-            if let Some(p) = prefill {
-                legs.push(DispatchLeg {
-                    worker: p.worker.clone(),
-                    rank: p.rank(),
-                    prefill_tokens: tokens,
-                    decode_blocks: 0,
-                    request_blocks: blocks_of(tokens, p.block_size),
-                    stall_exempt: false,
-                });
-            }
-            let blocks = blocks_of(tokens, decode.block_size);
-            legs.push(DispatchLeg {
-                worker: decode.worker.clone(),
-                rank: decode.rank(),
-                prefill_tokens: 0,
-                decode_blocks: blocks,
-                request_blocks: blocks,
-                // The decode half of a pair receives the request only after the prefill.
-                stall_exempt: prefill.is_some(),
-            });
-            ledger.record_dispatch(&legs, now)
-        });
+        let dispatch = req
+            .load_signals
+            .then(|| load_based::record_pair(ledger, prefill, decode, tokens, now));
         KvPickOutcome {
             outcome: PickOutcome::Picked(Pick {
                 namespace: decode.worker.namespace.clone(),
@@ -726,11 +705,4 @@ impl DynamoWorkerPicker for KvAwarePicker {
     ) -> KvPickOutcome {
         self.pick_with(req, kv, candidates, load, state, now)
     }
-}
-
-/// The request's size in blocks of `block_size` (0 when the card declares none).
-fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {
-    block_size
-        .filter(|&b| b > 0)
-        .map_or(0, |b| tokens.div_ceil(u64::from(b)))
 }

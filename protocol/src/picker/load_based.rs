@@ -478,30 +478,9 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             }
         }
 
-        let dispatch = req.load_signals.then(|| {
-            let mut legs = Vec::with_capacity(2);
-            if let Some(p) = prefill {
-                legs.push(DispatchLeg {
-                    worker: p.worker.clone(),
-                    rank: p.rank(),
-                    prefill_tokens: tokens,
-                    decode_blocks: 0,
-                    request_blocks: blocks_of(tokens, p.block_size),
-                    stall_exempt: false,
-                });
-            }
-            let blocks = blocks_of(tokens, decode.block_size);
-            legs.push(DispatchLeg {
-                worker: decode.worker.clone(),
-                rank: decode.rank(),
-                prefill_tokens: 0,
-                decode_blocks: blocks,
-                request_blocks: blocks,
-                // The decode half of a pair receives the request only after the prefill.
-                stall_exempt: prefill.is_some(),
-            });
-            ledger.record_dispatch(&legs, now)
-        });
+        let dispatch = req
+            .load_signals
+            .then(|| record_pair(ledger, prefill, decode, tokens, now));
 
         PickOutcome::Picked(Pick {
             namespace: decode.worker.namespace.clone(),
@@ -569,7 +548,40 @@ fn str_eq(a: &str, b: &str) -> bool {
 }
 
 /// The request's size in blocks of `block_size` (0 when the card declares none).
-fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {
+/// Records one pick in the ledger: the prefill leg (if any) with the request's tokens, the decode
+/// leg with its blocks; the decode half of a pair is stall-exempt (it receives the request only
+/// after the prefill).
+pub(crate) fn record_pair(
+    ledger: &mut super::ledger::DispatchLedger,
+    prefill: Option<&Candidate>,
+    decode: &Candidate,
+    tokens: u64,
+    now: Tick,
+) -> super::ledger::DispatchId {
+    let mut legs = Vec::with_capacity(2);
+    if let Some(p) = prefill {
+        legs.push(DispatchLeg {
+            worker: p.worker.clone(),
+            rank: p.rank(),
+            prefill_tokens: tokens,
+            decode_blocks: 0,
+            request_blocks: blocks_of(tokens, p.block_size),
+            stall_exempt: false,
+        });
+    }
+    let blocks = blocks_of(tokens, decode.block_size);
+    legs.push(DispatchLeg {
+        worker: decode.worker.clone(),
+        rank: decode.rank(),
+        prefill_tokens: 0,
+        decode_blocks: blocks,
+        request_blocks: blocks,
+        stall_exempt: prefill.is_some(),
+    });
+    ledger.record_dispatch(&legs, now)
+}
+
+pub(crate) fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {
     block_size
         .filter(|&b| b > 0)
         .map_or(0, |b| tokens.div_ceil(u64::from(b)))
