@@ -351,10 +351,11 @@ impl ShimRouter {
         // One load-store lock for the whole decision (order: load store, then picker state).
         let outcome = self.load.with(|store| {
             let mut state = lock(&self.state);
-            // Samples that arrived since earlier dispatches answer them.
+            // Samples that arrived since earlier dispatches answer them, including samples
+            // dropped since (a resubscription): an idle publisher may send nothing new.
             for c in candidates {
-                if let Some(sample) = store.latest(c.worker.instance_id, c.rank()) {
-                    state.ledger.sample_arrived(&c.worker, sample.received_at);
+                if let Some(heard) = store.last_heard(c.worker.instance_id) {
+                    state.ledger.sample_arrived(&c.worker, heard);
                 }
             }
             state.ledger.expire(now);

@@ -12,6 +12,13 @@
 //! - "missed messages": [`LoadStore::drop_publisher`] forgets every sample of a publisher, on
 //!   every (re)connect and on every sequence gap ([`LoadStream`] applies both).
 //!
+//! [`LoadStore::last_heard`] keeps, per live worker, when its latest sample was applied, even
+//! after the sample itself is dropped: the dispatch ledger counts a pinned request as backlog
+//! until the worker is heard from after it, and a sample that arrived and was then dropped (a
+//! resubscription after a reload) still answered it. Without this an idle change-driven
+//! publisher, which sends nothing new after a resubscription, kept its last dispatch as
+//! phantom backlog for the ledger's full 30 s.
+//!
 //! The picker reads [`LoadStore::is_quiet`]: a worker whose last sample reported no backlog (or
 //! that never published) counts as idle even without a fresh sample.
 //!
@@ -137,6 +144,9 @@ pub struct LoadStore {
     /// Which keys each publisher's samples occupy, so `drop_publisher` needs no scan.
     by_publisher: HashMap<PublisherId, HashSet<WorkerRank>>,
     live: HashSet<InstanceId>,
+    /// When each live worker's latest sample was applied; survives `drop_publisher` (bounded by
+    /// the live set).
+    heard: HashMap<InstanceId, Tick>,
     capacity: usize,
     max_staleness: Duration,
 }
@@ -161,6 +171,7 @@ impl LoadStore {
             unreachable: HashMap::new(),
             by_publisher: HashMap::new(),
             live: HashSet::new(),
+            heard: HashMap::new(),
             capacity: capacity.min(LOAD_STORE_CAPACITY),
             max_staleness: DEFAULT_MAX_STALENESS,
         }
@@ -200,8 +211,15 @@ impl LoadStore {
     /// mark.
     pub fn apply(&mut self, sample: LoadSample) -> LoadEventResult {
         let result = self.admit(sample);
-        if result == LoadEventResult::Applied && !self.unreachable.is_empty() {
-            self.unreachable.remove(&sample.load.worker_id);
+        if result == LoadEventResult::Applied {
+            let heard = self
+                .heard
+                .entry(sample.load.worker_id)
+                .or_insert(sample.received_at);
+            *heard = (*heard).max(sample.received_at);
+            if !self.unreachable.is_empty() {
+                self.unreachable.remove(&sample.load.worker_id);
+            }
         }
         result
     }
@@ -250,6 +268,12 @@ impl LoadStore {
                 self.by_publisher.remove(&publisher_id);
             }
         }
+    }
+
+    /// When the worker's latest sample (any rank) was applied, even if that sample has since
+    /// been dropped; `None` if it never published or left the live set.
+    pub fn last_heard(&self, worker_id: InstanceId) -> Option<Tick> {
+        self.heard.get(&worker_id).copied()
     }
 
     /// The held sample, whatever its age.
@@ -372,6 +396,7 @@ impl LoadStore {
         self.live = live.into_iter().collect();
         let live = &self.live;
         self.unreachable.retain(|worker, _| live.contains(worker));
+        self.heard.retain(|worker, _| live.contains(worker));
         let mut evicted: Vec<WorkerRank> = self
             .samples
             .keys()
