@@ -1,6 +1,32 @@
-//! kv-events from real NVIDIA Dynamo 1.6.1 into our bounded index: with `dynamo.kv.enabled`, the
-//! daemon subscribes to every aggregated mocker's kv-events publisher; requests routed through
-//! it make the workers store blocks, and the stored events land in the index as `applied`.
+//! The KV-aware pipeline end to end against real NVIDIA Dynamo 1.6.1: two aggregated
+//! `dynamo.mocker` workers with kv-events on, a real `dynamo.frontend --router-mode direct`.
+//!
+//! * `stored_blocks_of_real_workers_reach_the_index`: with `dynamo.kv.enabled`, the daemon
+//!   subscribes to every mocker's kv-events publisher; the blocks requests make the workers store
+//!   land in the index as `applied`.
+//! * `kv_aware_routing_reuses_more_prefix_than_load_based` (issue #7 item 7): the tokenizer and
+//!   chat template come from the worker cards (local paths, blake3-pinned by the test), the same
+//!   multi-turn workload runs load-based (`kv.enabled: false`) and then KV-aware after a hot
+//!   reload, and prefix reuse is measured by the mockers themselves: the frontend returns their
+//!   prefix-cache hits as `usage.prompt_tokens_details.cached_tokens`. The worker each request
+//!   ran on is read from the mockers' logs (they log the request id the answer carries).
+//!
+//! What the first real run showed:
+//! * Rendering, tokenizing and XXH3 block hashing agree with what the mocker stores: every parity
+//!   prediction matched `tokens_hash` (block size 16 from the cards), so no hashing fix was needed.
+//! * With one shared system prompt and requests one at a time, the formula sends every request to
+//!   the worker that first stored the prompt (overlap wins and nothing is in flight). Upstream's
+//!   formula does the same; the workload therefore has two tenants (two system prompts that
+//!   differ from the first block) so the assertion can see conversations spread and stick.
+//! * Bug found and fixed: turning `kv.enabled` on restarts the subscriptions, which drops every
+//!   load sample (missed-messages rule); an idle, change-driven mocker then publishes nothing new,
+//!   so the dispatch ledger never saw the sample that had answered its last pinned request and
+//!   kept it as backlog for the ledger's 30 s, pushing all KV-aware traffic to the other worker.
+//!   `LoadStore::last_heard` now keeps when each worker was last heard from across drops, and the
+//!   shim answers the ledger from it.
+//! * Measured on the 2-core dev box (5 conversations x 4 turns, 2 tenants): load-based reuse
+//!   0.55 (conversations alternate workers), KV-aware 0.74 (each conversation sticks to one
+//!   worker), 18 `overlap` selections of 20, parity 20/20 `match`.
 #![cfg(feature = "dynamo-e2e")]
 
 mod support {
@@ -87,7 +113,9 @@ async fn stored_blocks_of_real_workers_reach_the_index() {
 const CONVERSATIONS: usize = 5;
 /// Turns per conversation; each resends the whole history.
 const TURNS: usize = 4;
-/// Words of the phase's shared system prompt (about one token each: the tiny model's BPE was
+/// System prompts per phase: conversation `c` belongs to tenant `c % TENANTS`.
+const TENANTS: usize = 2;
+/// Words of each tenant's shared system prompt (about one token each: the tiny model's BPE was
 /// trained on these words), i.e. about 20 blocks of 16 tokens.
 const SYSTEM_WORDS: usize = 300;
 /// Words of each user turn (about 6 blocks).
@@ -157,24 +185,52 @@ async fn poll_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool)
     }
 }
 
-/// What the workers themselves reported for one phase of the workload.
+/// What one phase of the workload measured: the workers' own prefix-cache hits and where each
+/// request ran.
 #[derive(Debug, Default)]
 struct Reuse {
     requests: u64,
     prompt_tokens: u64,
     /// `usage.prompt_tokens_details.cached_tokens`: the mocker's own prefix-cache hits.
     cached_tokens: u64,
+    /// Per conversation, the request id of each turn (the mocker logs it as `request_id`).
+    request_ids: Vec<Vec<String>>,
 }
 
 impl Reuse {
     fn ratio(&self) -> f64 {
         self.cached_tokens as f64 / self.prompt_tokens.max(1) as f64
     }
+
+    /// Per conversation, the index (in start order) of the worker each turn ran on, read from
+    /// the workers' logs; `?` when no log names the request.
+    fn placements(&self, stack: &DynamoStack) -> Vec<String> {
+        let logs: Vec<String> = stack
+            .workers()
+            .iter()
+            .map(|w| std::fs::read_to_string(&w.log).unwrap_or_default())
+            .collect();
+        self.request_ids
+            .iter()
+            .map(|ids| {
+                ids.iter()
+                    .map(|id| {
+                        let needle = id.as_str();
+                        logs.iter()
+                            .position(|log| !id.is_empty() && log.contains(needle))
+                            .map_or('?', |i| char::from(b'0' + i as u8))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
 }
 
-/// Runs the multi-turn workload (phase `tag` gives it text of its own) through the router.
-/// With `sync_parity`, each response waits until the daemon's parity predictions are decided, so
-/// the next decision sees the blocks the last request stored.
+/// Runs the multi-turn workload (phase `tag` gives it text of its own) through the router:
+/// [`CONVERSATIONS`] conversations of [`TURNS`] turns, interleaved turn by turn, each resending
+/// its history after one of [`TENANTS`] long system prompts. With `sync_parity`, each response
+/// waits until the daemon's parity predictions are decided (the worker's stored blocks reached
+/// the index), so the next decision sees what the last request stored.
 async fn run_workload(
     daemon: &continuum_router::daemon::Daemon,
     tag: u64,
@@ -182,17 +238,25 @@ async fn run_workload(
 ) -> Reuse {
     let url = format!("http://{}/v1/chat/completions", daemon.local_addr());
     let client = reqwest::Client::new();
-    let system = format!(
-        "phase {tag} system prompt: {}",
-        words(tag * 1000, SYSTEM_WORDS)
-    );
-    let mut histories: Vec<Vec<serde_json::Value>> = (0..CONVERSATIONS)
-        .map(|_| vec![json!({"role": "system", "content": system})])
+    let systems: Vec<String> = (0..TENANTS as u64)
+        .map(|t| {
+            // Tenant-specific words first: the tenants' prompts differ from the first block.
+            format!(
+                "{} (phase {tag} tenant {t} system prompt)",
+                words(tag * 1000 + 100 * t, SYSTEM_WORDS)
+            )
+        })
         .collect();
-    let mut reuse = Reuse::default();
+    let mut histories: Vec<Vec<serde_json::Value>> = (0..CONVERSATIONS)
+        .map(|c| vec![json!({"role": "system", "content": systems[c % TENANTS]})])
+        .collect();
+    let mut reuse = Reuse {
+        request_ids: vec![Vec::new(); CONVERSATIONS],
+        ..Reuse::default()
+    };
     for turn in 0..TURNS {
         for (c, history) in histories.iter_mut().enumerate() {
-            let seed = tag * 1000 + 1 + (c * TURNS + turn) as u64;
+            let seed = tag * 1000 + 500 + (c * TURNS + turn) as u64;
             history.push(json!({"role": "user",
                 "content": format!("conversation {c} turn {turn}: {}", words(seed, TURN_WORDS))}));
             let body = json!({"model": MODEL, "max_tokens": 8, "messages": history});
@@ -205,6 +269,8 @@ async fn run_workload(
             reuse.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
                 .unwrap_or(0);
+            let id = answer["id"].as_str().unwrap_or_default();
+            reuse.request_ids[c].push(id.trim_start_matches("chatcmpl-").to_owned());
             let content = answer["choices"][0]["message"]["content"]
                 .as_str()
                 .unwrap_or_default()
@@ -306,6 +372,11 @@ async fn kv_aware_routing_reuses_more_prefix_than_load_based() {
         )
     };
     println!(
+        "kv e2e: worker per turn, one string per conversation: load-based {:?}, KV-aware {:?}",
+        load_based.placements(&stack),
+        kv_aware.placements(&stack)
+    );
+    println!(
         "kv e2e: load-based reuse {:.3} ({}/{} prompt tokens cached over {} requests); \
          KV-aware reuse {:.3} ({}/{} over {}); kv selections overlap={} no_overlap={} \
          tokenizer_unavailable={} render_unavailable={}; selection kv_aware={}; \
@@ -327,6 +398,21 @@ async fn kv_aware_routing_reuses_more_prefix_than_load_based() {
         parity_metric("mismatch"),
     );
     assert!(selections("overlap") > 0.0, "KV-aware picks saw overlap");
+    // Each conversation stays with the worker holding its history, and the tenants' prompts
+    // spread the conversations over both workers.
+    let placements = kv_aware.placements(&stack);
+    for (c, turns) in placements.iter().enumerate() {
+        let first = turns.chars().next().expect("a turn");
+        assert!(
+            first != '?' && turns.chars().all(|w| w == first),
+            "conversation {c} stayed on one worker under KV-aware routing: {placements:?}"
+        );
+    }
+    assert!(
+        placements.iter().any(|p| p.starts_with('0'))
+            && placements.iter().any(|p| p.starts_with('1')),
+        "KV-aware routing used both workers: {placements:?}"
+    );
     assert!(kv_aware_selections > 0.0);
     assert!(
         kv_aware.ratio() > load_based.ratio(),
