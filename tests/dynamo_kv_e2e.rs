@@ -9,7 +9,9 @@
 //!   multi-turn workload runs load-based (`kv.enabled: false`) and then KV-aware after a hot
 //!   reload, and prefix reuse is measured by the mockers themselves: the frontend returns their
 //!   prefix-cache hits as `usage.prompt_tokens_details.cached_tokens`. The worker each request
-//!   ran on is read from the mockers' logs (they log the request id the answer carries).
+//!   ran on is read from the mockers' logs (they log the request id the answer carries). A third
+//!   phase reloads `kv.send_token_data: true`: the frontend then serves the router's rendered
+//!   tokens without tokenizing (its log's "no token_data; tokenizing prompt" warning stops).
 //!
 //! What the first real run showed:
 //! * Rendering, tokenizing and XXH3 block hashing agree with what the mocker stores: every parity
@@ -26,7 +28,8 @@
 //!   shim answers the ledger from it.
 //! * Measured on the 2-core dev box (5 conversations x 4 turns, 2 tenants): load-based reuse
 //!   0.55 (conversations alternate workers), KV-aware 0.74 (each conversation sticks to one
-//!   worker), 18 `overlap` selections of 20, parity 20/20 `match`.
+//!   worker), 18 `overlap` selections of 20, parity 20/20 `match`; with `nvext.token_data`
+//!   the same 0.74 and 20/20, and the frontend tokenized none of those requests itself.
 #![cfg(feature = "dynamo-e2e")]
 
 mod support {
@@ -143,7 +146,15 @@ fn words(seed: u64, n: usize) -> String {
     out.join(" ")
 }
 
-fn kv_yaml(stack: &DynamoStack, kv_enabled: bool, pins: &[String], cache: &Path) -> String {
+/// The router's config: KV-aware selection on or off, and whether the rendered tokens travel to
+/// the frontend as `nvext.token_data`.
+fn kv_yaml(
+    stack: &DynamoStack,
+    kv_enabled: bool,
+    send_token_data: bool,
+    pins: &[String],
+    cache: &Path,
+) -> String {
     let pins = pins
         .iter()
         .map(|p| format!("\"{p}\""))
@@ -158,6 +169,7 @@ fn kv_yaml(stack: &DynamoStack, kv_enabled: bool, pins: &[String], cache: &Path)
          dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{etcd}\"]\n      \
          namespace: \"{ns}\"\n  load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n  \
          shim:\n    backends: [dynamo-frontend]\n  kv:\n    enabled: {kv_enabled}\n    \
+         send_token_data: {send_token_data}\n    \
          pinned_artifacts: [{pins}]\n    artifact_cache_dir: \"{cache}\"\n",
         frontend = stack.frontend_url(),
         etcd = stack.etcd_endpoint(),
@@ -224,6 +236,14 @@ impl Reuse {
             })
             .collect()
     }
+}
+
+/// Pinned requests the frontend tokenized itself (no `nvext.token_data`), from its log.
+fn frontend_retokenizations(stack: &DynamoStack) -> usize {
+    std::fs::read_to_string(stack.log_dir().join("frontend.log"))
+        .unwrap_or_default()
+        .matches("no token_data; tokenizing prompt")
+        .count()
 }
 
 /// Runs the multi-turn workload (phase `tag` gives it text of its own) through the router:
@@ -302,7 +322,7 @@ async fn kv_aware_routing_reuses_more_prefix_than_load_based() {
     let dir = tempfile::tempdir().expect("tempdir");
     let cache = dir.path().join("artifacts");
     let config = dir.path().join("router.yaml");
-    std::fs::write(&config, kv_yaml(&stack, false, &pins, &cache)).expect("write config");
+    std::fs::write(&config, kv_yaml(&stack, false, false, &pins, &cache)).expect("write config");
     let daemon = support::daemon::start_file(&config).await;
     support::daemon::wait_for_workers(&daemon, 2).await;
     let metrics = daemon.metrics().clone();
@@ -320,7 +340,7 @@ async fn kv_aware_routing_reuses_more_prefix_than_load_based() {
     );
 
     // Phase 2: KV-aware, after a hot reload; fresh text so phase 1's cache contents do not help.
-    std::fs::write(&config, kv_yaml(&stack, true, &pins, &cache)).expect("write config");
+    std::fs::write(&config, kv_yaml(&stack, true, false, &pins, &cache)).expect("write config");
     daemon.reload().await.expect("reload applies");
     poll_until(
         Duration::from_secs(30),
@@ -338,6 +358,15 @@ async fn kv_aware_routing_reuses_more_prefix_than_load_based() {
     )
     .await;
     let kv_aware = run_workload(&daemon, 2, true).await;
+
+    // Phase 3: KV-aware with the rendered tokens sent as `nvext.token_data`; the frontend then
+    // skips its own tokenization (it warns once per pinned request that lacks token_data).
+    let retokenized = || frontend_retokenizations(&stack);
+    let before = retokenized();
+    std::fs::write(&config, kv_yaml(&stack, true, true, &pins, &cache)).expect("write config");
+    daemon.reload().await.expect("reload applies");
+    let with_tokens = run_workload(&daemon, 3, true).await;
+    let retokenized_with_tokens = retokenized() - before;
 
     let selections =
         |result: &str| value("continuum_dynamo_kv_selection_total", &[("result", result)]);
@@ -371,6 +400,14 @@ async fn kv_aware_routing_reuses_more_prefix_than_load_based() {
             &[("model", MODEL), ("result", result)],
         )
     };
+    println!(
+        "kv e2e: with nvext.token_data reuse {:.3} ({}/{}), placements {:?}; frontend \
+         tokenized {before} earlier pinned requests itself and {retokenized_with_tokens} of these",
+        with_tokens.ratio(),
+        with_tokens.cached_tokens,
+        with_tokens.prompt_tokens,
+        with_tokens.placements(&stack)
+    );
     println!(
         "kv e2e: worker per turn, one string per conversation: load-based {:?}, KV-aware {:?}",
         load_based.placements(&stack),
@@ -419,6 +456,16 @@ async fn kv_aware_routing_reuses_more_prefix_than_load_based() {
         "KV-aware reuse {:.3} must beat load-based {:.3}",
         kv_aware.ratio(),
         load_based.ratio()
+    );
+    assert!(before > 0, "the frontend log names requests it tokenized");
+    assert_eq!(
+        retokenized_with_tokens, 0,
+        "the frontend used the router's token_data"
+    );
+    assert!(
+        with_tokens.ratio() > load_based.ratio(),
+        "KV-aware with token_data {:.3}",
+        with_tokens.ratio()
     );
     assert!(checked > 0, "parity checked some predictions: {view}");
     assert_eq!(
