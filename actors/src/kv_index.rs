@@ -197,6 +197,11 @@ impl DynamoKvIndex {
         lock(&self.shared.parity).stats(model)
     }
 
+    /// Predictions not yet decided by a store (or expiry), across models.
+    pub fn parity_pending(&self) -> usize {
+        lock(&self.shared.parity).pending()
+    }
+
     /// Every tracked model's hash parity.
     pub fn parity_all(&self) -> BTreeMap<String, ParityStats> {
         lock(&self.shared.parity)

@@ -12,6 +12,13 @@
 //! - "missed messages": [`LoadStore::drop_publisher`] forgets every sample of a publisher, on
 //!   every (re)connect and on every sequence gap ([`LoadStream`] applies both).
 //!
+//! [`LoadStore::last_arrival`] keeps, per live worker, when its latest sample was applied, even
+//! after the sample itself is dropped: the dispatch ledger counts a pinned request as backlog
+//! until the worker is heard from after it, and a sample that arrived and was then dropped (a
+//! resubscription after a reload) still answered it. Without this an idle change-driven
+//! publisher, which sends nothing new after a resubscription, kept its last dispatch as
+//! phantom backlog for the ledger's full 30 s.
+//!
 //! The picker reads [`LoadStore::is_quiet`]: a worker whose last sample reported no backlog (or
 //! that never published) counts as idle even without a fresh sample.
 //!
@@ -208,8 +215,10 @@ impl LoadStore {
     /// mark.
     pub fn apply(&mut self, sample: LoadSample) -> LoadEventResult {
         let result = self.admit(sample);
-        if result == LoadEventResult::Applied && !self.unreachable.is_empty() {
-            self.unreachable.remove(&sample.load.worker_id);
+        if result == LoadEventResult::Applied {
+            if !self.unreachable.is_empty() {
+                self.unreachable.remove(&sample.load.worker_id);
+            }
         }
         result
     }

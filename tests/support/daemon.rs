@@ -55,3 +55,22 @@ pub async fn wait_for_workers(daemon: &Daemon, n: usize) {
     )
     .await;
 }
+
+/// A daemon configured from the YAML file at `path`, so `Daemon::reload` re-reads it.
+pub async fn start_file(path: &std::path::Path) -> Daemon {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let config = Config::load(path).expect("valid test config").config;
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    Daemon::start(
+        RunOptions {
+            config,
+            config_path: Some(path.to_owned()),
+            demo: false,
+        },
+        listener,
+    )
+    .await
+    .expect("daemon starts")
+}

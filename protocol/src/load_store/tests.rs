@@ -64,6 +64,24 @@ fn only_live_workers_are_admitted() {
 }
 
 #[test]
+fn last_heard_survives_dropped_samples_until_the_worker_leaves() {
+    let mut store = store_with_live(&[W1, W2]);
+    assert_eq!(store.last_arrival(W1), None);
+    store.apply(sample(W1, R0, P1, 1, 5));
+    store.apply(sample(W1, R1, P1, 2, 9));
+    // A duplicate is no news.
+    store.apply(sample(W1, R1, P1, 2, 12));
+    assert_eq!(store.last_arrival(W1), Some(Tick::from_millis(9)));
+    // A resubscription drops the samples, not the fact that they arrived.
+    assert_eq!(store.drop_publisher(P1).len(), 2);
+    assert!(store.latest(W1, R0).is_none());
+    assert_eq!(store.last_arrival(W1), Some(Tick::from_millis(9)));
+    assert_eq!(store.last_arrival(W2), None);
+    store.set_live_and_retain([W2]);
+    assert_eq!(store.last_arrival(W1), None);
+}
+
+#[test]
 fn same_publisher_sequences_are_deduplicated_per_key() {
     let mut store = store_with_live(&[W1]);
     assert_eq!(
