@@ -215,10 +215,8 @@ impl LoadStore {
     /// mark.
     pub fn apply(&mut self, sample: LoadSample) -> LoadEventResult {
         let result = self.admit(sample);
-        if result == LoadEventResult::Applied {
-            if !self.unreachable.is_empty() {
-                self.unreachable.remove(&sample.load.worker_id);
-            }
+        if result == LoadEventResult::Applied && !self.unreachable.is_empty() {
+            self.unreachable.remove(&sample.load.worker_id);
         }
         result
     }
