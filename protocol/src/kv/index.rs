@@ -29,6 +29,9 @@ use super::events::{KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier,
 use super::{ExternalBlockHash, KvEventCounts, KvEventResult, LocalBlockHash};
 use crate::ids::{DpRank, InstanceId};
 
+mod block_table;
+use block_table::BlockTable;
+
 /// Radix nodes in the whole index (the root not counted).
 pub const MAX_INDEX_BLOCKS: usize = 1_048_576;
 /// Engine block hashes one (worker, dp_rank) may hold.
@@ -127,14 +130,18 @@ impl Hasher for FoldHasher {
             self.write_u64(u64::from_le_bytes(word));
         }
     }
+    #[inline]
     fn write_u64(&mut self, x: u64) {
         self.0 = fold(self.0 ^ x, FOLD_MUL);
     }
+    #[inline]
     fn write_u32(&mut self, x: u32) {
         self.write_u64(u64::from(x));
     }
+    #[inline]
     fn finish(&self) -> u64 {
-        fold(self.0, 0xD6E8_FEB8_6659_FD93)
+        // One seeded fold per word already spreads every input bit over both halves.
+        self.0
     }
 }
 
@@ -318,6 +325,15 @@ impl Tree {
         idx
     }
 
+    /// Loads these nodes (see [`BlockTable::warm`]). Changes nothing.
+    fn warm(&self, nodes: &[NodeIdx]) {
+        let mut acc = 0u32;
+        for node in nodes {
+            acc ^= self.nodes[*node as usize].parent;
+        }
+        std::hint::black_box(acc);
+    }
+
     fn has_owner(&self, node: NodeIdx, slot: Slot) -> bool {
         self.nodes[node as usize]
             .owners
@@ -385,7 +401,7 @@ impl Tree {
 struct RankState {
     worker: InstanceId,
     dp_rank: DpRank,
-    blocks: FastMap<ExternalBlockHash, NodeIdx>,
+    blocks: BlockTable,
 }
 
 /// The device-tier KV index of one router. `Send`, single-writer; owned by the KV actor.
@@ -401,7 +417,13 @@ pub struct KvIndex {
     ownerships: usize,
     /// Cursors for [`Self::apply`] (one implicit stream).
     own_cursors: CursorTable,
+    /// Reused by removals (no allocation per event once warm).
+    scratch: Vec<NodeIdx>,
 }
+
+/// Blocks whose slots are loaded ahead of use at a time: enough misses in flight to fill the
+/// memory pipeline, few enough that the first are still cached when used.
+const WARM_CHUNK: usize = 64;
 
 /// Why a store stopped early.
 enum Refusal {
@@ -427,6 +449,7 @@ impl KvIndex {
             live: BTreeMap::new(),
             ownerships: 0,
             own_cursors: CursorTable::new(),
+            scratch: Vec::new(),
         }
     }
 
@@ -518,9 +541,7 @@ impl KvIndex {
                     self.store(slot, store.parent_hash, &store.blocks)
                 }
                 KvCacheEventData::Removed(remove) => {
-                    for hash in remove.block_hashes.iter() {
-                        self.remove_block(slot, *hash);
-                    }
+                    self.remove_blocks(slot, &remove.block_hashes);
                     KvEventResult::Applied
                 }
                 KvCacheEventData::Cleared => {
@@ -612,7 +633,7 @@ impl KvIndex {
             + owner_entries * std::mem::size_of::<Owner>()
             + self.tree.edges.capacity()
                 * (std::mem::size_of::<((NodeIdx, LocalBlockHash), NodeIdx)>() + 1)
-            + rank_entries * (std::mem::size_of::<(ExternalBlockHash, NodeIdx)>() + 1)
+            + rank_entries * BlockTable::SLOT_BYTES
             + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>();
         KvIndexStats {
             nodes: self.tree.live,
@@ -633,7 +654,7 @@ impl KvIndex {
             let paths = rank
                 .blocks
                 .iter()
-                .map(|(hash, node)| (*hash, self.tree.path(*node)))
+                .map(|(hash, node)| (ExternalBlockHash(hash), self.tree.path(node)))
                 .collect();
             out.insert((rank.worker, rank.dp_rank), paths);
         }
@@ -667,8 +688,8 @@ impl KvIndex {
         }
         // Node → the engine hashes naming it, nodes ordered by depth so parents come first.
         let mut by_node: BTreeMap<NodeIdx, Vec<ExternalBlockHash>> = BTreeMap::new();
-        for (hash, node) in &rank.blocks {
-            by_node.entry(*node).or_default().push(*hash);
+        for (hash, node) in rank.blocks.iter() {
+            by_node.entry(node).or_default().push(ExternalBlockHash(hash));
         }
         let mut order: Vec<(usize, NodeIdx)> =
             by_node.keys().map(|n| (self.tree.depth(*n), *n)).collect();
@@ -721,7 +742,7 @@ impl KvIndex {
                 missing.reverse();
                 let mut blocks = Vec::with_capacity(missing.len());
                 for m in &missing {
-                    while rank.blocks.contains_key(&ExternalBlockHash(next_synthetic)) {
+                    while rank.blocks.contains_key(next_synthetic) {
                         next_synthetic -= 1;
                     }
                     let hash = ExternalBlockHash(next_synthetic);
@@ -826,10 +847,10 @@ impl KvIndex {
             }
             total += rank.blocks.len();
             for node in rank.blocks.values() {
-                if free.contains(node) || *node == ROOT {
+                if free.contains(&node) || node == ROOT {
                     return Err(format!("slot {slot} maps to dead node {node}"));
                 }
-                *refs.entry((*node, slot as Slot)).or_default() += 1;
+                *refs.entry((node, slot as Slot)).or_default() += 1;
             }
         }
         if total != self.ownerships {
@@ -866,7 +887,7 @@ impl KvIndex {
         let state = RankState {
             worker: key.0,
             dp_rank: key.1,
-            blocks: HashMap::with_hasher(self.build),
+            blocks: BlockTable::new(self.build.0),
         };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
@@ -895,20 +916,42 @@ impl KvIndex {
     }
 
     fn clear_slot(&mut self, slot: Slot) -> usize {
-        let empty = HashMap::with_hasher(self.build);
+        let empty = BlockTable::new(self.build.0);
         let blocks = std::mem::replace(&mut self.rank_mut(slot).blocks, empty);
         let dropped = blocks.len();
         self.ownerships -= dropped;
-        for node in blocks.into_values() {
+        for node in blocks.values() {
             self.tree.remove_owner(node, slot);
         }
         dropped
     }
 
-    fn remove_block(&mut self, slot: Slot, hash: ExternalBlockHash) {
-        if let Some(node) = self.rank_mut(slot).blocks.remove(&hash) {
-            self.ownerships -= 1;
-            self.tree.remove_owner(node, slot);
+    /// Removes the rank's claims in two passes: first every hash from the rank's table, then
+    /// every claimed node's ownership. The end state equals removing one block at a time (the
+    /// table and the tree are independent and each pass keeps the event's order), while each
+    /// pass touches one structure, with its loads issued ahead of use.
+    fn remove_blocks(&mut self, slot: Slot, hashes: &[ExternalBlockHash]) {
+        let Self {
+            tree,
+            ranks,
+            ownerships,
+            scratch,
+            ..
+        } = self;
+        let rank = ranks[slot as usize]
+            .as_mut()
+            .expect("slot_of only names occupied slots");
+        scratch.clear();
+        for chunk in hashes.chunks(WARM_CHUNK) {
+            rank.blocks.warm(chunk.iter().map(|h| h.0));
+            scratch.extend(chunk.iter().filter_map(|h| rank.blocks.remove(h.0)));
+        }
+        *ownerships -= scratch.len();
+        for chunk in scratch.chunks(WARM_CHUNK) {
+            tree.warm(chunk);
+            for node in chunk {
+                tree.remove_owner(*node, slot);
+            }
         }
     }
 
@@ -921,14 +964,27 @@ impl KvIndex {
         if parent_hash.is_some_and(|p| blocks.iter().any(|b| b.block_hash == p)) {
             return KvEventResult::Malformed;
         }
+        let rank = self.rank_mut(slot);
         let mut parent = match parent_hash {
             None => ROOT,
-            Some(hash) => match self.rank_mut(slot).blocks.get(&hash) {
-                Some(node) => *node,
+            Some(hash) => match rank.blocks.get(hash.0) {
+                Some(node) => node,
                 None => return KvEventResult::Orphan,
             },
         };
-        for block in blocks {
+        // Most stored blocks are new to the rank: load their table slots up front so the
+        // misses overlap (a long store warms chunk by chunk, so the early slots stay cached).
+        rank.blocks
+            .warm(blocks.iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
+        for (i, block) in blocks.iter().enumerate() {
+            if i % WARM_CHUNK == 0 && i > 0 {
+                self.rank_mut(slot).blocks.warm(
+                    blocks[i..]
+                        .iter()
+                        .take(WARM_CHUNK)
+                        .map(|b| b.block_hash.0),
+                );
+            }
             match self.attach(slot, parent, block) {
                 Ok(node) => parent = node,
                 Err(Refusal::OverCapacity) => return KvEventResult::OverCapacity,
@@ -943,8 +999,6 @@ impl KvIndex {
         parent: NodeIdx,
         block: &StoredBlock,
     ) -> Result<NodeIdx, Refusal> {
-        use std::collections::hash_map::Entry;
-        // Split borrows: one hash lookup of the engine hash serves both the check and the insert.
         let Self {
             tree,
             ranks,
@@ -957,11 +1011,7 @@ impl KvIndex {
             .expect("slot_of only names occupied slots");
         let child = tree.child(parent, block.tokens_hash);
         let rank_blocks = rank.blocks.len();
-        let entry = rank.blocks.entry(block.block_hash);
-        let existing = match &entry {
-            Entry::Occupied(e) => Some(*e.get()),
-            Entry::Vacant(_) => None,
-        };
+        let existing = rank.blocks.get(block.block_hash.0);
         if existing.is_some() && existing == child {
             // Idempotent re-store of a block the rank already holds here.
             return Ok(child.unwrap_or(ROOT));
@@ -989,16 +1039,13 @@ impl KvIndex {
             }
         };
         tree.add_owner(node, slot);
-        match entry {
-            Entry::Occupied(mut e) => {
+        // The slot `get` just probed is cached, so this second probe is cheap.
+        match rank.blocks.insert(block.block_hash.0, node) {
+            Some(old) => {
                 // The engine reused a hash for another block: move this rank's claim.
-                let old = e.insert(node);
                 tree.remove_owner(old, slot);
             }
-            Entry::Vacant(e) => {
-                e.insert(node);
-                *ownerships += 1;
-            }
+            None => *ownerships += 1,
         }
         Ok(node)
     }
