@@ -30,7 +30,9 @@ use super::{ExternalBlockHash, KvEventCounts, KvEventResult, LocalBlockHash};
 use crate::ids::{DpRank, InstanceId};
 
 mod block_table;
+mod owners;
 use block_table::BlockTable;
+use owners::{Owner, Owners, mask_slots};
 
 /// Radix nodes in the whole index (the root not counted).
 pub const MAX_INDEX_BLOCKS: usize = 1_048_576;
@@ -147,89 +149,6 @@ impl Hasher for FoldHasher {
 
 type FastMap<K, V> = HashMap<K, V, SeededBuild>;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Owner {
-    slot: Slot,
-    refs: u32,
-}
-
-/// A node's owners sorted by slot. Most nodes have exactly one owner, kept inline so creating
-/// and freeing a node costs no allocation.
-#[derive(Debug, Default)]
-enum Owners {
-    #[default]
-    None,
-    One(Owner),
-    Many(Vec<Owner>),
-}
-
-impl std::ops::Deref for Owners {
-    type Target = [Owner];
-    fn deref(&self) -> &[Owner] {
-        match self {
-            Owners::None => &[],
-            Owners::One(owner) => std::slice::from_ref(owner),
-            Owners::Many(owners) => owners,
-        }
-    }
-}
-
-impl Owners {
-    fn add(&mut self, slot: Slot) {
-        match self {
-            Owners::None => *self = Owners::One(Owner { slot, refs: 1 }),
-            Owners::One(owner) if owner.slot == slot => owner.refs += 1,
-            Owners::One(owner) => {
-                let new = Owner { slot, refs: 1 };
-                let pair = if owner.slot < slot {
-                    vec![*owner, new]
-                } else {
-                    vec![new, *owner]
-                };
-                *self = Owners::Many(pair);
-            }
-            Owners::Many(owners) => match owners.binary_search_by_key(&slot, |o| o.slot) {
-                Ok(i) => owners[i].refs += 1,
-                Err(i) => owners.insert(i, Owner { slot, refs: 1 }),
-            },
-        }
-    }
-
-    fn remove(&mut self, slot: Slot) {
-        match self {
-            Owners::None => {}
-            Owners::One(owner) => {
-                if owner.slot == slot {
-                    owner.refs -= 1;
-                    if owner.refs == 0 {
-                        *self = Owners::None;
-                    }
-                }
-            }
-            Owners::Many(owners) => {
-                if let Ok(i) = owners.binary_search_by_key(&slot, |o| o.slot) {
-                    owners[i].refs -= 1;
-                    if owners[i].refs == 0 {
-                        owners.remove(i);
-                    }
-                }
-                match owners.len() {
-                    0 => *self = Owners::None,
-                    1 => *self = Owners::One(owners[0]),
-                    _ => {}
-                }
-            }
-        }
-    }
-
-    fn heap_entries(&self) -> usize {
-        match self {
-            Owners::Many(owners) => owners.capacity(),
-            _ => 0,
-        }
-    }
-}
-
 #[derive(Debug)]
 struct Node {
     tokens_hash: LocalBlockHash,
@@ -265,7 +184,7 @@ impl Tree {
                 children: 0,
                 hint: ROOT,
                 edge_mode: true,
-                owners: Owners::None,
+                owners: Owners::default(),
             }],
             free: Vec::new(),
             live: 0,
@@ -293,7 +212,7 @@ impl Tree {
             children: 0,
             hint: ROOT,
             edge_mode: false,
-            owners: Owners::None,
+            owners: Owners::default(),
         };
         let idx = match self.free.pop() {
             Some(idx) => {
@@ -335,10 +254,7 @@ impl Tree {
     }
 
     fn has_owner(&self, node: NodeIdx, slot: Slot) -> bool {
-        self.nodes[node as usize]
-            .owners
-            .binary_search_by_key(&slot, |o| o.slot)
-            .is_ok()
+        self.nodes[node as usize].owners.contains(slot)
     }
 
     fn add_owner(&mut self, node: NodeIdx, slot: Slot) {
@@ -564,6 +480,10 @@ impl KvIndex {
     /// no overlap are omitted; the result is sorted by (worker, dp_rank).
     pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> Vec<RankOverlap> {
         let mut scores: Vec<(Slot, u32)> = Vec::new();
+        // The ranks still matching: a bitset while every node on the walk so far had bitset
+        // owners (one `&` per step), else a sorted list merged with each node's owners.
+        let mut mask = 0u64;
+        let mut list_mode = false;
         let mut active: Vec<Slot> = Vec::new();
         let mut next: Vec<Slot> = Vec::new();
         let mut node = ROOT;
@@ -573,34 +493,58 @@ impl KvIndex {
                 break;
             };
             let owners = &self.tree.nodes[child as usize].owners;
-            if i == 0 {
-                active.extend(owners.iter().map(|o| o.slot));
-            } else if owners.len() == active.len()
-                && owners.iter().zip(&active).all(|(o, s)| o.slot == *s)
-            {
-                // The same ranks hold this block too: nobody leaves (the common case on a
-                // shared prefix, so it skips the merge).
-            } else {
-                // Merge the sorted active set with the sorted owners; leavers score `depth`.
-                next.clear();
-                let mut o = owners.iter().peekable();
-                for slot in &active {
-                    while o.next_if(|x| x.slot < *slot).is_some() {}
-                    if o.next_if(|x| x.slot == *slot).is_some() {
-                        next.push(*slot);
+            match owners {
+                Owners::Mask(m) if !list_mode => {
+                    if i == 0 {
+                        mask = *m;
                     } else {
-                        scores.push((*slot, depth));
+                        // Leavers score `depth`.
+                        scores.extend(mask_slots(mask & !m).map(|s| (s, depth)));
+                        mask &= m;
                     }
                 }
-                std::mem::swap(&mut active, &mut next);
+                _ if i == 0 => {
+                    list_mode = true;
+                    active.extend(owners.iter().map(|o| o.slot));
+                }
+                _ => {
+                    if !list_mode {
+                        list_mode = true;
+                        active.extend(mask_slots(mask));
+                    }
+                    if owners.len() == active.len()
+                        && owners.iter().zip(&active).all(|(o, s)| o.slot == *s)
+                    {
+                        // The same ranks hold this block too: nobody leaves (the common case
+                        // on a shared prefix, so it skips the merge).
+                    } else {
+                        // Merge the sorted active set with the sorted owners; leavers score
+                        // `depth`.
+                        next.clear();
+                        let mut o = owners.iter().peekable();
+                        for slot in &active {
+                            while o.next_if(|x| x.slot < *slot).is_some() {}
+                            if o.next_if(|x| x.slot == *slot).is_some() {
+                                next.push(*slot);
+                            } else {
+                                scores.push((*slot, depth));
+                            }
+                        }
+                        std::mem::swap(&mut active, &mut next);
+                    }
+                }
             }
-            if active.is_empty() {
+            if (list_mode && active.is_empty()) || (!list_mode && mask == 0) {
                 break;
             }
             depth += 1;
             node = child;
         }
-        scores.extend(active.iter().map(|s| (*s, depth)));
+        if list_mode {
+            scores.extend(active.iter().map(|s| (*s, depth)));
+        } else {
+            scores.extend(mask_slots(mask).map(|s| (s, depth)));
+        }
         let mut out: Vec<RankOverlap> = scores
             .into_iter()
             .filter(|(_, blocks)| *blocks > 0)
@@ -822,7 +766,8 @@ impl KvIndex {
             if node.owners.len() > self.limits.max_owners_per_node {
                 return Err(format!("node {i} has {} owners", node.owners.len()));
             }
-            if !node.owners.windows(2).all(|w| w[0].slot < w[1].slot) {
+            let slots: Vec<Slot> = node.owners.iter().map(|o| o.slot).collect();
+            if !slots.windows(2).all(|w| w[0] < w[1]) {
                 return Err(format!("node {i} owners are not sorted"));
             }
         }
