@@ -974,7 +974,10 @@ impl KvIndex {
             .expect("slot_of only names occupied slots");
         let child = tree.child(parent, block.tokens_hash);
         let rank_blocks = rank.blocks.len();
-        let existing = rank.blocks.get(block.block_hash.0);
+        // One probe serves the check and the insert (it makes room first, so the slot stays
+        // valid).
+        let probe = rank.blocks.probe(block.block_hash.0);
+        let existing = probe.ok().map(|at| rank.blocks.node_at(at));
         if existing.is_some() && existing == child {
             // Idempotent re-store of a block the rank already holds here.
             return Ok(child.unwrap_or(ROOT));
@@ -1002,13 +1005,16 @@ impl KvIndex {
             }
         };
         tree.add_owner(node, slot);
-        // The slot `get` just probed is cached, so this second probe is cheap.
-        match rank.blocks.insert(block.block_hash.0, node) {
-            Some(old) => {
+        match probe {
+            Ok(at) => {
                 // The engine reused a hash for another block: move this rank's claim.
+                let old = rank.blocks.set(at, node);
                 tree.remove_owner(old, slot);
             }
-            None => *ownerships += 1,
+            Err(at) => {
+                rank.blocks.fill(at, block.block_hash.0, node);
+                *ownerships += 1;
+            }
         }
         Ok(node)
     }

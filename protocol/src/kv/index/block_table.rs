@@ -12,6 +12,8 @@ use super::{NodeIdx, ROOT, fold};
 /// An empty slot holds this value: no engine hash ever maps to the root.
 const EMPTY: NodeIdx = ROOT;
 const MIN_SLOTS: usize = 16;
+/// Slots per 64-byte cache line.
+const LINE_SLOTS: usize = 4;
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
@@ -70,9 +72,13 @@ impl BlockTable {
         if self.slots.is_empty() {
             return;
         }
+        let mask = self.slots.len() - 1;
         let mut acc = 0u64;
         for key in keys {
-            acc ^= self.slots[self.home(key)].key;
+            // The home slot's line and the next one: probes and backward shifts run past the
+            // end of a line often enough to stall there otherwise.
+            let home = self.home(key);
+            acc ^= self.slots[home].key ^ self.slots[(home + LINE_SLOTS) & mask].key;
         }
         std::hint::black_box(acc);
     }
@@ -94,6 +100,44 @@ impl BlockTable {
             }
             i = (i + 1) & mask;
         }
+    }
+
+    /// Where `key` is: `Ok(slot)` holding it, or `Err(slot)` where inserting it belongs. Makes
+    /// room first, so the answer stays valid for one [`Self::set`] or [`Self::fill`].
+    pub(super) fn probe(&mut self, key: u64) -> Result<usize, usize> {
+        if (self.len + 1) * 10 > self.slots.len() * 7 {
+            self.grow();
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let slot = self.slots[i];
+            if slot.node == EMPTY {
+                return Err(i);
+            }
+            if slot.key == key {
+                return Ok(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// The node in a slot [`Self::probe`] found.
+    pub(super) fn node_at(&self, at: usize) -> NodeIdx {
+        self.slots[at].node
+    }
+
+    /// Replaces the node in a slot [`Self::probe`] found; returns the old one.
+    pub(super) fn set(&mut self, at: usize, node: NodeIdx) -> NodeIdx {
+        std::mem::replace(&mut self.slots[at].node, node)
+    }
+
+    /// Inserts `key` at the vacant slot [`Self::probe`] returned for it.
+    pub(super) fn fill(&mut self, at: usize, key: u64, node: NodeIdx) {
+        debug_assert_ne!(node, EMPTY);
+        debug_assert_eq!(self.slots[at].node, EMPTY);
+        self.slots[at] = Slot { key, node };
+        self.len += 1;
     }
 
     pub(super) fn contains_key(&self, key: u64) -> bool {
@@ -205,7 +249,19 @@ mod tests {
             let mut table = BlockTable::new(seed);
             let mut model: HashMap<u64, NodeIdx> = HashMap::new();
             for (insert, key, node) in ops {
-                if insert {
+                if insert && node % 2 == 0 {
+                    let old = match table.probe(key) {
+                        Ok(at) => {
+                            prop_assert_eq!(table.node_at(at), model[&key]);
+                            Some(table.set(at, node))
+                        }
+                        Err(at) => {
+                            table.fill(at, key, node);
+                            None
+                        }
+                    };
+                    prop_assert_eq!(old, model.insert(key, node));
+                } else if insert {
                     prop_assert_eq!(table.insert(key, node), model.insert(key, node));
                 } else {
                     prop_assert_eq!(table.remove(key), model.remove(&key));
