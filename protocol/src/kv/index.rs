@@ -503,7 +503,8 @@ impl KvIndex {
         let mut next: Vec<Slot> = Vec::new();
         let mut node = ROOT;
         let mut depth = 0u32;
-        for (i, hash) in hashes.iter().enumerate() {
+        let mut i = 0;
+        while let Some(hash) = hashes.get(i) {
             let Some(child) = self.tree.child(node, *hash) else {
                 break;
             };
@@ -554,6 +555,26 @@ impl KvIndex {
             }
             depth += 1;
             node = child;
+            if !list_mode {
+                // Down a chain at consecutive arena indices whose owners stay the same, a step
+                // only compares hashes (nobody leaves; `mask` is non-empty here).
+                while let Some(hash) = hashes.get(i + 1) {
+                    let next = node + 1;
+                    match self.tree.nodes.get(next as usize) {
+                        Some(n)
+                            if n.parent == node
+                                && n.tokens_hash == *hash
+                                && matches!(n.owners, Owners::Mask(m) if m == mask) =>
+                        {
+                            node = next;
+                            depth += 1;
+                            i += 1;
+                        }
+                        _ => break,
+                    }
+                }
+            }
+            i += 1;
         }
         if list_mode {
             scores.extend(active.iter().map(|s| (*s, depth)));
@@ -648,7 +669,10 @@ impl KvIndex {
         // Node → the engine hashes naming it, nodes ordered by depth so parents come first.
         let mut by_node: BTreeMap<NodeIdx, Vec<ExternalBlockHash>> = BTreeMap::new();
         for (hash, node) in rank.blocks.iter() {
-            by_node.entry(node).or_default().push(ExternalBlockHash(hash));
+            by_node
+                .entry(node)
+                .or_default()
+                .push(ExternalBlockHash(hash));
         }
         let mut order: Vec<(usize, NodeIdx)> =
             by_node.keys().map(|n| (self.tree.depth(*n), *n)).collect();
@@ -941,12 +965,9 @@ impl KvIndex {
             .warm(blocks.iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
         for (i, block) in blocks.iter().enumerate() {
             if i % WARM_CHUNK == 0 && i > 0 {
-                self.rank_mut(slot).blocks.warm(
-                    blocks[i..]
-                        .iter()
-                        .take(WARM_CHUNK)
-                        .map(|b| b.block_hash.0),
-                );
+                self.rank_mut(slot)
+                    .blocks
+                    .warm(blocks[i..].iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
             }
             match self.attach(slot, parent, block) {
                 Ok(node) => parent = node,
