@@ -29,6 +29,11 @@ use super::events::{KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier,
 use super::{ExternalBlockHash, KvEventCounts, KvEventResult, LocalBlockHash};
 use crate::ids::{DpRank, InstanceId};
 
+mod block_table;
+mod owners;
+use block_table::BlockTable;
+use owners::{Owner, Owners, mask_slots};
+
 /// Radix nodes in the whole index (the root not counted).
 pub const MAX_INDEX_BLOCKS: usize = 1_048_576;
 /// Engine block hashes one (worker, dp_rank) may hold.
@@ -96,6 +101,8 @@ pub type OwnershipPaths =
 
 type NodeIdx = u32;
 const ROOT: NodeIdx = 0;
+/// The `parent` of a freed arena entry (no node has this index).
+const FREED: NodeIdx = NodeIdx::MAX;
 type Slot = u32;
 
 /// Keys here are hashes chosen by the fleet, so the table hasher is keyed by a caller-supplied
@@ -127,101 +134,22 @@ impl Hasher for FoldHasher {
             self.write_u64(u64::from_le_bytes(word));
         }
     }
+    #[inline]
     fn write_u64(&mut self, x: u64) {
         self.0 = fold(self.0 ^ x, FOLD_MUL);
     }
+    #[inline]
     fn write_u32(&mut self, x: u32) {
         self.write_u64(u64::from(x));
     }
+    #[inline]
     fn finish(&self) -> u64 {
-        fold(self.0, 0xD6E8_FEB8_6659_FD93)
+        // One seeded fold per word already spreads every input bit over both halves.
+        self.0
     }
 }
 
 type FastMap<K, V> = HashMap<K, V, SeededBuild>;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Owner {
-    slot: Slot,
-    refs: u32,
-}
-
-/// A node's owners sorted by slot. Most nodes have exactly one owner, kept inline so creating
-/// and freeing a node costs no allocation.
-#[derive(Debug, Default)]
-enum Owners {
-    #[default]
-    None,
-    One(Owner),
-    Many(Vec<Owner>),
-}
-
-impl std::ops::Deref for Owners {
-    type Target = [Owner];
-    fn deref(&self) -> &[Owner] {
-        match self {
-            Owners::None => &[],
-            Owners::One(owner) => std::slice::from_ref(owner),
-            Owners::Many(owners) => owners,
-        }
-    }
-}
-
-impl Owners {
-    fn add(&mut self, slot: Slot) {
-        match self {
-            Owners::None => *self = Owners::One(Owner { slot, refs: 1 }),
-            Owners::One(owner) if owner.slot == slot => owner.refs += 1,
-            Owners::One(owner) => {
-                let new = Owner { slot, refs: 1 };
-                let pair = if owner.slot < slot {
-                    vec![*owner, new]
-                } else {
-                    vec![new, *owner]
-                };
-                *self = Owners::Many(pair);
-            }
-            Owners::Many(owners) => match owners.binary_search_by_key(&slot, |o| o.slot) {
-                Ok(i) => owners[i].refs += 1,
-                Err(i) => owners.insert(i, Owner { slot, refs: 1 }),
-            },
-        }
-    }
-
-    fn remove(&mut self, slot: Slot) {
-        match self {
-            Owners::None => {}
-            Owners::One(owner) => {
-                if owner.slot == slot {
-                    owner.refs -= 1;
-                    if owner.refs == 0 {
-                        *self = Owners::None;
-                    }
-                }
-            }
-            Owners::Many(owners) => {
-                if let Ok(i) = owners.binary_search_by_key(&slot, |o| o.slot) {
-                    owners[i].refs -= 1;
-                    if owners[i].refs == 0 {
-                        owners.remove(i);
-                    }
-                }
-                match owners.len() {
-                    0 => *self = Owners::None,
-                    1 => *self = Owners::One(owners[0]),
-                    _ => {}
-                }
-            }
-        }
-    }
-
-    fn heap_entries(&self) -> usize {
-        match self {
-            Owners::Many(owners) => owners.capacity(),
-            _ => 0,
-        }
-    }
-}
 
 #[derive(Debug)]
 struct Node {
@@ -258,7 +186,7 @@ impl Tree {
                 children: 0,
                 hint: ROOT,
                 edge_mode: true,
-                owners: Owners::None,
+                owners: Owners::default(),
             }],
             free: Vec::new(),
             live: 0,
@@ -266,8 +194,20 @@ impl Tree {
         }
     }
 
+    #[inline]
     fn child(&self, parent: NodeIdx, hash: LocalBlockHash) -> Option<NodeIdx> {
-        // The hint is always a live child of `parent`, and (parent, hash) names one child.
+        // (parent, hash) names at most one live child, and a freed node's parent is `FREED`,
+        // so a live node that says so is the answer. A stored chain usually sits at ascending
+        // arena indices: trying the next index first makes a walk down a chain a stream of
+        // addresses the CPU computes (and loads) ahead, instead of a chase through `hint`.
+        let next = parent.wrapping_add(1);
+        if let Some(n) = self.nodes.get(next as usize)
+            && n.parent == parent
+            && n.tokens_hash == hash
+        {
+            return Some(next);
+        }
+        // The hint is always a live child of `parent`.
         let p = &self.nodes[parent as usize];
         if p.hint != ROOT && self.nodes[p.hint as usize].tokens_hash == hash {
             return Some(p.hint);
@@ -286,7 +226,7 @@ impl Tree {
             children: 0,
             hint: ROOT,
             edge_mode: false,
-            owners: Owners::None,
+            owners: Owners::default(),
         };
         let idx = match self.free.pop() {
             Some(idx) => {
@@ -318,11 +258,17 @@ impl Tree {
         idx
     }
 
+    /// Loads these nodes (see [`BlockTable::warm`]). Changes nothing.
+    fn warm(&self, nodes: &[NodeIdx]) {
+        let mut acc = 0u32;
+        for node in nodes {
+            acc ^= self.nodes[*node as usize].parent;
+        }
+        std::hint::black_box(acc);
+    }
+
     fn has_owner(&self, node: NodeIdx, slot: Slot) -> bool {
-        self.nodes[node as usize]
-            .owners
-            .binary_search_by_key(&slot, |o| o.slot)
-            .is_ok()
+        self.nodes[node as usize].owners.contains(slot)
     }
 
     fn add_owner(&mut self, node: NodeIdx, slot: Slot) {
@@ -354,6 +300,7 @@ impl Tree {
             if p.children == 0 && parent != ROOT {
                 p.edge_mode = false;
             }
+            self.nodes[node as usize].parent = FREED;
             self.free.push(node);
             self.live -= 1;
             node = parent;
@@ -385,7 +332,7 @@ impl Tree {
 struct RankState {
     worker: InstanceId,
     dp_rank: DpRank,
-    blocks: FastMap<ExternalBlockHash, NodeIdx>,
+    blocks: BlockTable,
 }
 
 /// The device-tier KV index of one router. `Send`, single-writer; owned by the KV actor.
@@ -401,7 +348,13 @@ pub struct KvIndex {
     ownerships: usize,
     /// Cursors for [`Self::apply`] (one implicit stream).
     own_cursors: CursorTable,
+    /// Reused by removals (no allocation per event once warm).
+    scratch: Vec<NodeIdx>,
 }
+
+/// Blocks whose slots are loaded ahead of use at a time: enough misses in flight to fill the
+/// memory pipeline, few enough that the first are still cached when used.
+const WARM_CHUNK: usize = 64;
 
 /// Why a store stopped early.
 enum Refusal {
@@ -427,6 +380,7 @@ impl KvIndex {
             live: BTreeMap::new(),
             ownerships: 0,
             own_cursors: CursorTable::new(),
+            scratch: Vec::new(),
         }
     }
 
@@ -518,9 +472,7 @@ impl KvIndex {
                     self.store(slot, store.parent_hash, &store.blocks)
                 }
                 KvCacheEventData::Removed(remove) => {
-                    for hash in remove.block_hashes.iter() {
-                        self.remove_block(slot, *hash);
-                    }
+                    self.remove_blocks(slot, &remove.block_hashes);
                     KvEventResult::Applied
                 }
                 KvCacheEventData::Cleared => {
@@ -543,43 +495,92 @@ impl KvIndex {
     /// no overlap are omitted; the result is sorted by (worker, dp_rank).
     pub fn find_matches(&self, hashes: &[LocalBlockHash]) -> Vec<RankOverlap> {
         let mut scores: Vec<(Slot, u32)> = Vec::new();
+        // The ranks still matching: a bitset while every node on the walk so far had bitset
+        // owners (one `&` per step), else a sorted list merged with each node's owners.
+        let mut mask = 0u64;
+        let mut list_mode = false;
         let mut active: Vec<Slot> = Vec::new();
         let mut next: Vec<Slot> = Vec::new();
         let mut node = ROOT;
         let mut depth = 0u32;
-        for (i, hash) in hashes.iter().enumerate() {
+        let mut i = 0;
+        while let Some(hash) = hashes.get(i) {
             let Some(child) = self.tree.child(node, *hash) else {
                 break;
             };
             let owners = &self.tree.nodes[child as usize].owners;
-            if i == 0 {
-                active.extend(owners.iter().map(|o| o.slot));
-            } else if owners.len() == active.len()
-                && owners.iter().zip(&active).all(|(o, s)| o.slot == *s)
-            {
-                // The same ranks hold this block too: nobody leaves (the common case on a
-                // shared prefix, so it skips the merge).
-            } else {
-                // Merge the sorted active set with the sorted owners; leavers score `depth`.
-                next.clear();
-                let mut o = owners.iter().peekable();
-                for slot in &active {
-                    while o.next_if(|x| x.slot < *slot).is_some() {}
-                    if o.next_if(|x| x.slot == *slot).is_some() {
-                        next.push(*slot);
+            match owners {
+                Owners::Mask(m) if !list_mode => {
+                    if i == 0 {
+                        mask = *m;
                     } else {
-                        scores.push((*slot, depth));
+                        // Leavers score `depth`.
+                        scores.extend(mask_slots(mask & !m).map(|s| (s, depth)));
+                        mask &= m;
                     }
                 }
-                std::mem::swap(&mut active, &mut next);
+                _ if i == 0 => {
+                    list_mode = true;
+                    active.extend(owners.iter().map(|o| o.slot));
+                }
+                _ => {
+                    if !list_mode {
+                        list_mode = true;
+                        active.extend(mask_slots(mask));
+                    }
+                    if owners.len() == active.len()
+                        && owners.iter().zip(&active).all(|(o, s)| o.slot == *s)
+                    {
+                        // The same ranks hold this block too: nobody leaves (the common case
+                        // on a shared prefix, so it skips the merge).
+                    } else {
+                        // Merge the sorted active set with the sorted owners; leavers score
+                        // `depth`.
+                        next.clear();
+                        let mut o = owners.iter().peekable();
+                        for slot in &active {
+                            while o.next_if(|x| x.slot < *slot).is_some() {}
+                            if o.next_if(|x| x.slot == *slot).is_some() {
+                                next.push(*slot);
+                            } else {
+                                scores.push((*slot, depth));
+                            }
+                        }
+                        std::mem::swap(&mut active, &mut next);
+                    }
+                }
             }
-            if active.is_empty() {
+            if (list_mode && active.is_empty()) || (!list_mode && mask == 0) {
                 break;
             }
             depth += 1;
             node = child;
+            if !list_mode {
+                // Down a chain at consecutive arena indices whose owners stay the same, a step
+                // only compares hashes (nobody leaves; `mask` is non-empty here).
+                while let Some(hash) = hashes.get(i + 1) {
+                    let next = node + 1;
+                    match self.tree.nodes.get(next as usize) {
+                        Some(n)
+                            if n.parent == node
+                                && n.tokens_hash == *hash
+                                && matches!(n.owners, Owners::Mask(m) if m == mask) =>
+                        {
+                            node = next;
+                            depth += 1;
+                            i += 1;
+                        }
+                        _ => break,
+                    }
+                }
+            }
+            i += 1;
         }
-        scores.extend(active.iter().map(|s| (*s, depth)));
+        if list_mode {
+            scores.extend(active.iter().map(|s| (*s, depth)));
+        } else {
+            scores.extend(mask_slots(mask).map(|s| (s, depth)));
+        }
         let mut out: Vec<RankOverlap> = scores
             .into_iter()
             .filter(|(_, blocks)| *blocks > 0)
@@ -612,7 +613,7 @@ impl KvIndex {
             + owner_entries * std::mem::size_of::<Owner>()
             + self.tree.edges.capacity()
                 * (std::mem::size_of::<((NodeIdx, LocalBlockHash), NodeIdx)>() + 1)
-            + rank_entries * (std::mem::size_of::<(ExternalBlockHash, NodeIdx)>() + 1)
+            + rank_entries * BlockTable::SLOT_BYTES
             + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>();
         KvIndexStats {
             nodes: self.tree.live,
@@ -633,7 +634,7 @@ impl KvIndex {
             let paths = rank
                 .blocks
                 .iter()
-                .map(|(hash, node)| (*hash, self.tree.path(*node)))
+                .map(|(hash, node)| (ExternalBlockHash(hash), self.tree.path(node)))
                 .collect();
             out.insert((rank.worker, rank.dp_rank), paths);
         }
@@ -667,8 +668,11 @@ impl KvIndex {
         }
         // Node → the engine hashes naming it, nodes ordered by depth so parents come first.
         let mut by_node: BTreeMap<NodeIdx, Vec<ExternalBlockHash>> = BTreeMap::new();
-        for (hash, node) in &rank.blocks {
-            by_node.entry(*node).or_default().push(*hash);
+        for (hash, node) in rank.blocks.iter() {
+            by_node
+                .entry(node)
+                .or_default()
+                .push(ExternalBlockHash(hash));
         }
         let mut order: Vec<(usize, NodeIdx)> =
             by_node.keys().map(|n| (self.tree.depth(*n), *n)).collect();
@@ -721,7 +725,7 @@ impl KvIndex {
                 missing.reverse();
                 let mut blocks = Vec::with_capacity(missing.len());
                 for m in &missing {
-                    while rank.blocks.contains_key(&ExternalBlockHash(next_synthetic)) {
+                    while rank.blocks.contains_key(next_synthetic) {
                         next_synthetic -= 1;
                     }
                     let hash = ExternalBlockHash(next_synthetic);
@@ -771,6 +775,9 @@ impl KvIndex {
         let mut edged = 0;
         for (i, node) in self.tree.nodes.iter().enumerate().skip(1) {
             if free.contains(&(i as NodeIdx)) {
+                if node.parent != FREED {
+                    return Err(format!("freed node {i} still names parent {}", node.parent));
+                }
                 continue;
             }
             live += 1;
@@ -801,7 +808,8 @@ impl KvIndex {
             if node.owners.len() > self.limits.max_owners_per_node {
                 return Err(format!("node {i} has {} owners", node.owners.len()));
             }
-            if !node.owners.windows(2).all(|w| w[0].slot < w[1].slot) {
+            let slots: Vec<Slot> = node.owners.iter().map(|o| o.slot).collect();
+            if !slots.windows(2).all(|w| w[0] < w[1]) {
                 return Err(format!("node {i} owners are not sorted"));
             }
         }
@@ -826,10 +834,10 @@ impl KvIndex {
             }
             total += rank.blocks.len();
             for node in rank.blocks.values() {
-                if free.contains(node) || *node == ROOT {
+                if free.contains(&node) || node == ROOT {
                     return Err(format!("slot {slot} maps to dead node {node}"));
                 }
-                *refs.entry((*node, slot as Slot)).or_default() += 1;
+                *refs.entry((node, slot as Slot)).or_default() += 1;
             }
         }
         if total != self.ownerships {
@@ -866,7 +874,7 @@ impl KvIndex {
         let state = RankState {
             worker: key.0,
             dp_rank: key.1,
-            blocks: HashMap::with_hasher(self.build),
+            blocks: BlockTable::new(self.build.0),
         };
         let slot = match self.free_slots.pop() {
             Some(slot) => {
@@ -895,20 +903,42 @@ impl KvIndex {
     }
 
     fn clear_slot(&mut self, slot: Slot) -> usize {
-        let empty = HashMap::with_hasher(self.build);
+        let empty = BlockTable::new(self.build.0);
         let blocks = std::mem::replace(&mut self.rank_mut(slot).blocks, empty);
         let dropped = blocks.len();
         self.ownerships -= dropped;
-        for node in blocks.into_values() {
+        for node in blocks.values() {
             self.tree.remove_owner(node, slot);
         }
         dropped
     }
 
-    fn remove_block(&mut self, slot: Slot, hash: ExternalBlockHash) {
-        if let Some(node) = self.rank_mut(slot).blocks.remove(&hash) {
-            self.ownerships -= 1;
-            self.tree.remove_owner(node, slot);
+    /// Removes the rank's claims in two passes: first every hash from the rank's table, then
+    /// every claimed node's ownership. The end state equals removing one block at a time (the
+    /// table and the tree are independent and each pass keeps the event's order), while each
+    /// pass touches one structure, with its loads issued ahead of use.
+    fn remove_blocks(&mut self, slot: Slot, hashes: &[ExternalBlockHash]) {
+        let Self {
+            tree,
+            ranks,
+            ownerships,
+            scratch,
+            ..
+        } = self;
+        let rank = ranks[slot as usize]
+            .as_mut()
+            .expect("slot_of only names occupied slots");
+        scratch.clear();
+        for chunk in hashes.chunks(WARM_CHUNK) {
+            rank.blocks.warm(chunk.iter().map(|h| h.0));
+            scratch.extend(chunk.iter().filter_map(|h| rank.blocks.remove(h.0)));
+        }
+        *ownerships -= scratch.len();
+        for chunk in scratch.chunks(WARM_CHUNK) {
+            tree.warm(chunk);
+            for node in chunk {
+                tree.remove_owner(*node, slot);
+            }
         }
     }
 
@@ -921,14 +951,24 @@ impl KvIndex {
         if parent_hash.is_some_and(|p| blocks.iter().any(|b| b.block_hash == p)) {
             return KvEventResult::Malformed;
         }
+        let rank = self.rank_mut(slot);
         let mut parent = match parent_hash {
             None => ROOT,
-            Some(hash) => match self.rank_mut(slot).blocks.get(&hash) {
-                Some(node) => *node,
+            Some(hash) => match rank.blocks.get(hash.0) {
+                Some(node) => node,
                 None => return KvEventResult::Orphan,
             },
         };
-        for block in blocks {
+        // Most stored blocks are new to the rank: load their table slots up front so the
+        // misses overlap (a long store warms chunk by chunk, so the early slots stay cached).
+        rank.blocks
+            .warm(blocks.iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
+        for (i, block) in blocks.iter().enumerate() {
+            if i % WARM_CHUNK == 0 && i > 0 {
+                self.rank_mut(slot)
+                    .blocks
+                    .warm(blocks[i..].iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
+            }
             match self.attach(slot, parent, block) {
                 Ok(node) => parent = node,
                 Err(Refusal::OverCapacity) => return KvEventResult::OverCapacity,
@@ -943,8 +983,6 @@ impl KvIndex {
         parent: NodeIdx,
         block: &StoredBlock,
     ) -> Result<NodeIdx, Refusal> {
-        use std::collections::hash_map::Entry;
-        // Split borrows: one hash lookup of the engine hash serves both the check and the insert.
         let Self {
             tree,
             ranks,
@@ -957,11 +995,10 @@ impl KvIndex {
             .expect("slot_of only names occupied slots");
         let child = tree.child(parent, block.tokens_hash);
         let rank_blocks = rank.blocks.len();
-        let entry = rank.blocks.entry(block.block_hash);
-        let existing = match &entry {
-            Entry::Occupied(e) => Some(*e.get()),
-            Entry::Vacant(_) => None,
-        };
+        // One probe serves the check and the insert (it makes room first, so the slot stays
+        // valid).
+        let probe = rank.blocks.probe(block.block_hash.0);
+        let existing = probe.ok().map(|at| rank.blocks.node_at(at));
         if existing.is_some() && existing == child {
             // Idempotent re-store of a block the rank already holds here.
             return Ok(child.unwrap_or(ROOT));
@@ -989,14 +1026,14 @@ impl KvIndex {
             }
         };
         tree.add_owner(node, slot);
-        match entry {
-            Entry::Occupied(mut e) => {
+        match probe {
+            Ok(at) => {
                 // The engine reused a hash for another block: move this rank's claim.
-                let old = e.insert(node);
+                let old = rank.blocks.set(at, node);
                 tree.remove_owner(old, slot);
             }
-            Entry::Vacant(e) => {
-                e.insert(node);
+            Err(at) => {
+                rank.blocks.fill(at, block.block_hash.0, node);
                 *ownerships += 1;
             }
         }
