@@ -83,8 +83,9 @@ impl BlockTable {
         std::hint::black_box(acc);
     }
 
+    /// The slot holding `key`, probing linearly from its home slot.
     #[inline]
-    pub(super) fn get(&self, key: u64) -> Option<NodeIdx> {
+    fn find(&self, key: u64) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
@@ -96,10 +97,15 @@ impl BlockTable {
                 return None;
             }
             if slot.key == key {
-                return Some(slot.node);
+                return Some(i);
             }
             i = (i + 1) & mask;
         }
+    }
+
+    #[inline]
+    pub(super) fn get(&self, key: u64) -> Option<NodeIdx> {
+        self.find(key).map(|i| self.slots[i].node)
     }
 
     /// Where `key` is: `Ok(slot)` holding it, or `Err(slot)` where inserting it belongs. Makes
@@ -167,21 +173,8 @@ impl BlockTable {
     }
 
     pub(super) fn remove(&mut self, key: u64) -> Option<NodeIdx> {
-        if self.slots.is_empty() {
-            return None;
-        }
+        let i = self.find(key)?;
         let mask = self.slots.len() - 1;
-        let mut i = self.home(key);
-        loop {
-            let slot = self.slots[i];
-            if slot.node == EMPTY {
-                return None;
-            }
-            if slot.key == key {
-                break;
-            }
-            i = (i + 1) & mask;
-        }
         let removed = self.slots[i].node;
         // Backward-shift deletion: pull later entries of the run into the hole when their home
         // is not inside (hole, j], so every key stays reachable from its home.
