@@ -291,22 +291,24 @@ impl ShimRouter {
         self.sync_picker(kv_config);
         let prepared = prepared.filter(|_| kv_config.enabled);
         let shim = &config.dynamo.shim;
+        let permitted = |name: &&String| allowed.is_empty() || allowed.contains(name);
         let pool_of = |ns: &Namespace| -> Vec<String> {
             shim.backends_for(ns.as_str())
                 .iter()
-                .filter(|name| allowed.is_empty() || allowed.contains(name))
+                .filter(permitted)
                 .filter(|name| usable(name))
                 .cloned()
                 .collect()
         };
-        // Only namespaces with a usable, permitted replica are offered to the picker.
-        let eligible: Vec<Namespace> = config
-            .dynamo
-            .discovery
-            .namespaces()
-            .into_iter()
-            .filter(|ns| !pool_of(ns).is_empty())
-            .collect();
+        // Only namespaces with a usable, permitted replica are offered to the picker (checked
+        // without building their pools: only the winner's pool is needed).
+        let mut eligible = config.dynamo.discovery.namespaces();
+        eligible.retain(|ns| {
+            shim.backends_for(ns.as_str())
+                .iter()
+                .filter(permitted)
+                .any(|name| usable(name))
+        });
         if eligible.is_empty() {
             return None;
         }

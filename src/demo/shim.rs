@@ -358,6 +358,7 @@ async fn generate(
                     .div_ceil(u64::from(prefill.spec.block_size)),
             },
         );
+        // Simulated engine time: the prefill booking holds published load while it "runs".
         tokio::time::sleep(state.pace.prefill).await;
         entry.prefill = Some((prefill_id, prefill_rank));
         prefill_booking = Some(booking);
@@ -431,6 +432,7 @@ async fn generate(
     if ask.stream {
         stream_reply(reply, state.pace.per_token, booking)
     } else {
+        // Simulated decode time for the whole answer, so the booking shows as load meanwhile.
         tokio::time::sleep(state.pace.per_token * ask.max_tokens as u32).await;
         drop(booking);
         axum::Json(reply.buffered()).into_response()
@@ -537,6 +539,7 @@ fn stream_reply(reply: Reply, per_token: Duration, booking: Booking) -> Response
             ));
         }
         if i > 0 {
+            // Simulated per-token engine time: tokens stream as a real engine's would.
             tokio::time::sleep(per_token).await;
         }
         let event = Bytes::from(format!("data: {}\n\n", reply.chunk(i)));
