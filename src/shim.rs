@@ -33,6 +33,7 @@ use continuum_actors::picker::{DynamoPicker, answer_arrivals};
 use continuum_actors::registry::DynamoRegistry;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
 use continuum_protocol::kv::hashing::BlockSize;
+use continuum_protocol::kv::prompt::MAX_BLOCK_SIZES;
 use continuum_protocol::load_store::LoadStore;
 use continuum_protocol::picker::candidates::sample_state;
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
@@ -50,9 +51,7 @@ use tracing::debug;
 use crate::config::Config;
 use crate::config::schema::KvConfig;
 use crate::proxy::Dispatch;
-pub use kv_prep::{
-    KvPrepFailure, KvPrepRequest, KvPromptPrep, MAX_BLOCK_SIZES_PER_MODEL, PreparedPrompt,
-};
+pub use kv_prep::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 
 /// Where and how to send one request through a shim.
 #[derive(Debug)]
@@ -231,8 +230,8 @@ impl ShimRouter {
                 };
                 prep.prepare(request).await
             }
-            (None, _) => Err(KvPrepFailure::TokenizerUnavailable),
-            (Some(_), Err(_)) => Err(KvPrepFailure::RenderUnavailable),
+            (None, _) => Err(KvUnavailable::TokenizerUnavailable),
+            (Some(_), Err(_)) => Err(KvUnavailable::RenderUnavailable),
         };
         self.decide_with(client_model, body, allowed, usable, Some(prepared))
     }
@@ -270,7 +269,7 @@ impl ShimRouter {
         allowed: &[String],
         usable: impl Fn(&str) -> bool,
     ) -> Option<ShimDecision> {
-        let kv = Err(KvPrepFailure::TokenizerUnavailable);
+        let kv = Err(KvUnavailable::TokenizerUnavailable);
         self.decide_with(client_model, body, allowed, usable, Some(kv))
     }
 
@@ -281,7 +280,7 @@ impl ShimRouter {
         body: &[u8],
         allowed: &[String],
         usable: impl Fn(&str) -> bool,
-        prepared: Option<Result<PreparedPrompt, KvPrepFailure>>,
+        prepared: Option<Result<PreparedPrompt, KvUnavailable>>,
     ) -> Option<ShimDecision> {
         let config = self.config.load();
         if !config.dynamo.enabled || !config.disaggregated_serving.enabled {
@@ -337,7 +336,7 @@ impl ShimRouter {
                 overlaps: &overlaps,
                 unit: self.draw_unit(),
             })),
-            Some(Err(failure)) => Some(Err(KvUnavailable::from(*failure))),
+            Some(Err(failure)) => Some(Err(*failure)),
             None => None,
         };
         let estimated_prompt_tokens = match &kv_input {
@@ -508,7 +507,7 @@ fn mapped_model<'a>(config: &'a Config, client_model: &'a str) -> &'a str {
 }
 
 /// The distinct valid block sizes of a model's candidates, ascending, at most
-/// [`MAX_BLOCK_SIZES_PER_MODEL`] (further sizes are not hashed: their ranks score without overlap).
+/// [`MAX_BLOCK_SIZES`] (further sizes are not hashed: their ranks score without overlap).
 fn block_sizes(candidates: &[Candidate]) -> Vec<BlockSize> {
     let mut sizes: Vec<BlockSize> = candidates
         .iter()
@@ -516,7 +515,7 @@ fn block_sizes(candidates: &[Candidate]) -> Vec<BlockSize> {
         .collect();
     sizes.sort_unstable();
     sizes.dedup();
-    sizes.truncate(MAX_BLOCK_SIZES_PER_MODEL);
+    sizes.truncate(MAX_BLOCK_SIZES);
     sizes
 }
 

@@ -313,7 +313,7 @@ async fn overlap_selects_the_worker_and_kv_settings_hot_reload() {
         .shim()
         .expect("shim")
         .set_kv_prep(Arc::new(WhitespacePrep {
-            fail: Some(continuum_router::shim::KvPrepFailure::PromptTooLarge),
+            fail: Some(continuum_protocol::picker::KvUnavailable::PromptTooLarge),
         }));
     shim.push(Reply::Json(http::StatusCode::OK, completion("ok"), vec![]));
     assert_eq!(chat(&daemon).await.status, 200);

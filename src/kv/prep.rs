@@ -20,7 +20,9 @@ use tracing::warn;
 
 use crate::kv::render::available_cpus;
 use crate::kv::{ChatTemplate, PrepareError, PromptRenderer, RenderPermits, SpecialTokens};
-use crate::shim::{KvPrepFailure, KvPrepRequest, KvPromptPrep, PreparedPrompt};
+use continuum_protocol::picker::KvUnavailable;
+
+use crate::shim::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 
 /// Compiled renderers kept at once (the loader keeps at most 16 tokenizers too).
 pub const MAX_RENDERERS: usize = 16;
@@ -53,7 +55,7 @@ impl ArtifactPromptPrep {
 
     /// The renderer of `artifacts`, compiled on first use. A template that does not compile is
     /// `render_unavailable` for every request of the model until its artifacts change.
-    fn renderer(&self, artifacts: &ModelArtifacts) -> Result<Arc<PromptRenderer>, KvPrepFailure> {
+    fn renderer(&self, artifacts: &ModelArtifacts) -> Result<Arc<PromptRenderer>, KvUnavailable> {
         let mut renderers = self.renderers.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(found) = renderers.get(&artifacts.key) {
             return Ok(found.clone());
@@ -62,7 +64,7 @@ impl ArtifactPromptPrep {
             Ok(template) => template.map(Arc::new),
             Err(error) => {
                 warn!(%error, key = ?artifacts.key, "The pinned chat template does not compile; KV-aware selection scores without overlap for its models.");
-                return Err(KvPrepFailure::RenderUnavailable);
+                return Err(KvUnavailable::RenderUnavailable);
             }
         };
         let renderer = Arc::new(
@@ -149,7 +151,7 @@ impl KvPromptPrep for ArtifactPromptPrep {
     fn prepare<'a>(
         &'a self,
         request: KvPrepRequest<'a>,
-    ) -> BoxFuture<'a, Result<PreparedPrompt, KvPrepFailure>> {
+    ) -> BoxFuture<'a, Result<PreparedPrompt, KvUnavailable>> {
         Box::pin(async move {
             let artifacts =
                 self.artifacts
@@ -158,9 +160,9 @@ impl KvPromptPrep for ArtifactPromptPrep {
                         ArtifactUnavailable::Fleet(u)
                             if u.selection_label() == "artifact_unpinned" =>
                         {
-                            KvPrepFailure::ArtifactUnpinned
+                            KvUnavailable::ArtifactUnpinned
                         }
-                        _ => KvPrepFailure::TokenizerUnavailable,
+                        _ => KvUnavailable::TokenizerUnavailable,
                     })?;
             let renderer = self.renderer(&artifacts)?;
             let sizes: Vec<u32> = request.block_sizes.iter().map(|b| b.get()).collect();
@@ -168,16 +170,13 @@ impl KvPromptPrep for ArtifactPromptPrep {
                 .prepare(request.body, &sizes, None, cache_salt(request.body))
                 .await
             {
-                Ok(prepared) => Ok(PreparedPrompt {
-                    tokens: prepared.tokens,
-                    hashes: prepared.hashes,
-                }),
+                Ok(prepared) => Ok(prepared),
                 Err(error) => Err(match error.kind() {
-                    PrepareFailureKind::PromptTooLarge => KvPrepFailure::PromptTooLarge,
-                    PrepareFailureKind::RenderUnavailable => KvPrepFailure::RenderUnavailable,
+                    PrepareFailureKind::PromptTooLarge => KvUnavailable::PromptTooLarge,
+                    PrepareFailureKind::RenderUnavailable => KvUnavailable::RenderUnavailable,
                     PrepareFailureKind::Unsupported => {
                         self.unsupported(request.model, &error);
-                        KvPrepFailure::RenderUnavailable
+                        KvUnavailable::RenderUnavailable
                     }
                 }),
             }

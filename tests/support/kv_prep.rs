@@ -7,14 +7,15 @@ use std::sync::Arc;
 
 use continuum_protocol::kv::LocalBlockHash;
 use continuum_protocol::kv::hashing::{KV_HASH_SEED, local_block_hashes};
-use continuum_router::shim::{KvPrepFailure, KvPrepRequest, KvPromptPrep, PreparedPrompt};
+use continuum_protocol::picker::KvUnavailable;
+use continuum_router::shim::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 use futures::future::BoxFuture;
 use serde_json::Value;
 
 /// Tokenizes by whitespace; `fail` makes every preparation fail with that reason.
 #[derive(Clone, Debug, Default)]
 pub struct WhitespacePrep {
-    pub fail: Option<KvPrepFailure>,
+    pub fail: Option<KvUnavailable>,
 }
 
 /// The token id of one word: 32-bit FNV-1a.
@@ -55,7 +56,7 @@ impl KvPromptPrep for WhitespacePrep {
     fn prepare<'a>(
         &'a self,
         request: KvPrepRequest<'a>,
-    ) -> BoxFuture<'a, Result<PreparedPrompt, KvPrepFailure>> {
+    ) -> BoxFuture<'a, Result<PreparedPrompt, KvUnavailable>> {
         Box::pin(async move {
             if let Some(failure) = self.fail {
                 return Err(failure);
@@ -67,6 +68,7 @@ impl KvPromptPrep for WhitespacePrep {
                 .map(|bs| (*bs, local_block_hashes(&tokens, *bs, KV_HASH_SEED)))
                 .collect();
             Ok(PreparedPrompt {
+                isl: tokens.len(),
                 tokens: Arc::from(tokens),
                 hashes,
             })
