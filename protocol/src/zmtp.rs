@@ -698,28 +698,31 @@ impl ZmtpSub {
     }
 }
 
-/// Validates a READY command's metadata: `Socket-Type` must be PUB or XPUB.
-fn check_peer_ready(mut props: &[u8]) -> Result<(), ZmtpError> {
-    const MALFORMED: ZmtpError = ZmtpError::MalformedCommand { command: "READY" };
+/// The `Socket-Type` property of a READY command's metadata (`Ok(None)` when absent); `Err` when
+/// a property's lengths run past the command. Both ends of our ZMTP use it.
+pub(crate) fn ready_socket_type(mut props: &[u8]) -> Result<Option<&[u8]>, ()> {
     let mut socket_type = None;
     while !props.is_empty() {
-        let (&name_len, rest) = props.split_first().ok_or(MALFORMED)?;
+        let (&name_len, rest) = props.split_first().ok_or(())?;
         let name_len = usize::from(name_len);
-        let name = rest.get(..name_len).ok_or(MALFORMED)?;
+        let name = rest.get(..name_len).ok_or(())?;
         let rest = &rest[name_len..];
-        let len_bytes: [u8; 4] = rest
-            .get(..4)
-            .ok_or(MALFORMED)?
-            .try_into()
-            .map_err(|_| MALFORMED)?;
+        let len_bytes: [u8; 4] = rest.get(..4).ok_or(())?.try_into().map_err(|_| ())?;
         let value_len = u32::from_be_bytes(len_bytes) as usize;
         let rest = &rest[4..];
-        let value = rest.get(..value_len).ok_or(MALFORMED)?;
+        let value = rest.get(..value_len).ok_or(())?;
         if name.eq_ignore_ascii_case(b"Socket-Type") {
             socket_type = Some(value);
         }
         props = &rest[value_len..];
     }
+    Ok(socket_type)
+}
+
+/// Validates a READY command's metadata: `Socket-Type` must be PUB or XPUB.
+fn check_peer_ready(props: &[u8]) -> Result<(), ZmtpError> {
+    let socket_type =
+        ready_socket_type(props).map_err(|()| ZmtpError::MalformedCommand { command: "READY" })?;
     match socket_type {
         None => Err(ZmtpError::MissingSocketType),
         Some(b"PUB" | b"XPUB") => Ok(()),

@@ -337,26 +337,10 @@ fn split_command(body: &[u8]) -> Result<(&[u8], &[u8]), ZmtpPubError> {
     Ok((name, &rest[len..]))
 }
 
-fn check_peer_ready(mut props: &[u8]) -> Result<(), ZmtpPubError> {
-    const MALFORMED: ZmtpPubError = ZmtpPubError::MalformedCommand { command: "READY" };
-    let mut socket_type = None;
-    while !props.is_empty() {
-        let (&name_len, rest) = props.split_first().ok_or(MALFORMED)?;
-        let name = rest.get(..usize::from(name_len)).ok_or(MALFORMED)?;
-        let rest = &rest[usize::from(name_len)..];
-        let len: [u8; 4] = rest
-            .get(..4)
-            .ok_or(MALFORMED)?
-            .try_into()
-            .map_err(|_| MALFORMED)?;
-        let value_len = u32::from_be_bytes(len) as usize;
-        let rest = &rest[4..];
-        let value = rest.get(..value_len).ok_or(MALFORMED)?;
-        if name.eq_ignore_ascii_case(b"Socket-Type") {
-            socket_type = Some(value);
-        }
-        props = &rest[value_len..];
-    }
+/// Validates a READY command's metadata: `Socket-Type` must be SUB or XSUB.
+fn check_peer_ready(props: &[u8]) -> Result<(), ZmtpPubError> {
+    let socket_type = super::ready_socket_type(props)
+        .map_err(|()| ZmtpPubError::MalformedCommand { command: "READY" })?;
     match socket_type {
         None => Err(ZmtpPubError::MissingSocketType),
         Some(b"SUB" | b"XSUB") => Ok(()),
