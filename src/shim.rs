@@ -32,8 +32,6 @@ use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, 
 use continuum_actors::picker::{DynamoPicker, answer_arrivals};
 use continuum_actors::registry::DynamoRegistry;
 use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
-use continuum_protocol::kv::hashing::BlockSize;
-use continuum_protocol::kv::prompt::MAX_BLOCK_SIZES;
 use continuum_protocol::load_store::LoadStore;
 use continuum_protocol::picker::candidates::sample_state;
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
@@ -41,9 +39,9 @@ use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::load_based::LoadBasedPicker;
 use continuum_protocol::picker::reachability::reachable_candidates;
 use continuum_protocol::picker::{
-    BlockOverlaps, Candidate, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker,
-    KvPickInput, KvPickParams, KvSelectionResult, KvUnavailable, LoadView, PickOutcome,
-    PickRequest, SampleState,
+    BlockOverlaps, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
+    KvPickParams, KvSelectionResult, KvUnavailable, LoadView, PickOutcome, PickRequest,
+    SampleState,
 };
 use continuum_protocol::time::Tick;
 use tracing::debug;
@@ -216,7 +214,7 @@ impl ShimRouter {
         }
         let model = mapped_model(&config, client_model);
         let held = self.picker.index_for(&self.registry);
-        let block_sizes = block_sizes(held.index.for_model(model));
+        let block_sizes = held.index.block_sizes(model);
         if block_sizes.is_empty() {
             return self.decide_with(client_model, body, allowed, usable, None);
         }
@@ -226,7 +224,7 @@ impl ShimRouter {
                 let request = KvPrepRequest {
                     model,
                     body: &value,
-                    block_sizes: &block_sizes,
+                    block_sizes,
                 };
                 prep.prepare(request).await
             }
@@ -506,19 +504,6 @@ fn mapped_model<'a>(config: &'a Config, client_model: &'a str) -> &'a str {
         .unwrap_or(client_model)
 }
 
-/// The distinct valid block sizes of a model's candidates, ascending, at most
-/// [`MAX_BLOCK_SIZES`] (further sizes are not hashed: their ranks score without overlap).
-fn block_sizes(candidates: &[Candidate]) -> Vec<BlockSize> {
-    let mut sizes: Vec<BlockSize> = candidates
-        .iter()
-        .filter_map(|c| c.block_size.and_then(|b| BlockSize::new(b).ok()))
-        .collect();
-    sizes.sort_unstable();
-    sizes.dedup();
-    sizes.truncate(MAX_BLOCK_SIZES);
-    sizes
-}
-
 /// The `dynamo.kv` tunables as the picker reads them.
 pub fn kv_params(kv: &KvConfig) -> KvPickParams {
     KvPickParams {
@@ -657,7 +642,9 @@ mod tests {
     #[test]
     fn at_most_two_valid_block_sizes_are_hashed() {
         use continuum_protocol::ids::{InstanceId, WorkerKey};
+        use continuum_protocol::picker::Candidate;
         use continuum_protocol::picker::CandidateRole;
+        use continuum_protocol::picker::candidates::hashed_block_sizes;
         let cand = |bs: Option<u32>| Candidate {
             worker: WorkerKey {
                 namespace: Namespace::new("ns"),
@@ -671,7 +658,7 @@ mod tests {
             total_kv_blocks: None,
             max_num_batched_tokens: None,
         };
-        let sizes = block_sizes(&[
+        let sizes = hashed_block_sizes(&[
             cand(Some(64)),
             cand(Some(16)),
             cand(None),

@@ -12,6 +12,8 @@ use std::time::Duration;
 use super::{Candidate, CandidateRole, SampleState, dp_ranks};
 use crate::discovery::records::Role;
 use crate::discovery::snapshot::DynamoSnapshot;
+use crate::kv::hashing::BlockSize;
+use crate::kv::prompt::MAX_BLOCK_SIZES;
 use crate::load_store::LoadSample;
 use crate::time::Tick;
 
@@ -19,6 +21,8 @@ use crate::time::Tick;
 #[derive(Clone, Debug, Default)]
 pub struct CandidateIndex {
     by_model: BTreeMap<Arc<str>, Vec<Candidate>>,
+    /// Per model, the block sizes a KV-aware request is hashed for ([`hashed_block_sizes`]).
+    block_sizes: BTreeMap<Arc<str>, Vec<BlockSize>>,
     /// Workers left out because their card declared an impossible rank range.
     pub refused_workers: usize,
 }
@@ -60,7 +64,20 @@ impl CandidateIndex {
                 });
             }
         }
+        index.block_sizes = index
+            .by_model
+            .iter()
+            .map(|(model, list)| (model.clone(), hashed_block_sizes(list)))
+            .collect();
         index
+    }
+
+    /// The block sizes `model`'s prompts are hashed for (computed once per generation).
+    pub fn block_sizes(&self, model: &str) -> &[BlockSize] {
+        self.block_sizes
+            .get(model)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
     }
 
     /// The candidates serving `model` (a Dynamo display name), in snapshot order.
@@ -94,6 +111,19 @@ pub fn sample_state(sample: Option<&LoadSample>, now: Tick, max_age: Duration) -
             s.load.kv_used_blocks,
         ),
     }
+}
+
+/// The distinct valid block sizes of a model's candidates, ascending, at most
+/// [`MAX_BLOCK_SIZES`] (further sizes are not hashed: their ranks score without overlap).
+pub fn hashed_block_sizes(candidates: &[Candidate]) -> Vec<BlockSize> {
+    let mut sizes: Vec<BlockSize> = candidates
+        .iter()
+        .filter_map(|c| c.block_size.and_then(|b| BlockSize::new(b).ok()))
+        .collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes.truncate(MAX_BLOCK_SIZES);
+    sizes
 }
 
 #[cfg(test)]
