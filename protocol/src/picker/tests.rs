@@ -12,7 +12,8 @@ use crate::ids::{InstanceId, Namespace, WorkerKey};
 
 const MODEL: &str = "Qwen/Qwen3-0.6B";
 
-fn key(ns: &str, id: u64) -> WorkerKey {
+/// Shared with the KV-aware picker's tests.
+pub(super) fn key(ns: &str, id: u64) -> WorkerKey {
     WorkerKey {
         namespace: Namespace::new(ns),
         instance_id: InstanceId(id),
@@ -57,11 +58,12 @@ fn fresh_prefill(tokens: u64) -> SampleState {
     }
 }
 
+/// A load view over a fixed table (shared with the KV-aware picker's tests).
 #[derive(Default)]
-struct FakeLoad(HashMap<(WorkerKey, DpRank), SampleState>);
+pub(super) struct FakeLoad(HashMap<(WorkerKey, DpRank), SampleState>);
 
 impl FakeLoad {
-    fn with(mut self, ns: &str, id: u64, sample: SampleState) -> Self {
+    pub(super) fn with(mut self, ns: &str, id: u64, sample: SampleState) -> Self {
         self.0.insert((key(ns, id), DpRank(0)), sample);
         self
     }

@@ -8,17 +8,11 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use super::*;
-use crate::ids::{Namespace, WorkerKey};
+use crate::ids::Namespace;
 use crate::kv::hashing::BlockSize;
+use crate::picker::tests::{FakeLoad, key};
 
 const MODEL: &str = "m";
-
-fn key(ns: &str, id: u64) -> WorkerKey {
-    WorkerKey {
-        namespace: Namespace::new(ns),
-        instance_id: InstanceId(id),
-    }
-}
 
 /// Block size 16, 100 KV blocks, a prefill budget of 1,000 tokens.
 fn cand(ns: &str, id: u64, role: CandidateRole) -> Candidate {
@@ -49,25 +43,6 @@ fn fresh(decode: Option<u64>, prefill: Option<u64>) -> SampleState {
         active_decode_blocks: decode,
         active_prefill_tokens: prefill,
         kv_used_blocks: None,
-    }
-}
-
-#[derive(Default)]
-struct FakeLoad(HashMap<(WorkerKey, DpRank), SampleState>);
-
-impl FakeLoad {
-    fn with(mut self, ns: &str, id: u64, sample: SampleState) -> Self {
-        self.0.insert((key(ns, id), DpRank(0)), sample);
-        self
-    }
-}
-
-impl LoadView for FakeLoad {
-    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
-        self.0
-            .get(&(worker.clone(), rank))
-            .copied()
-            .unwrap_or(SampleState::Never)
     }
 }
 
