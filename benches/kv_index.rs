@@ -13,95 +13,25 @@
 //! `/work/shared/fixtures/mooncake/conversation_trace.jsonl`); without `--bench` (as under
 //! `cargo test --benches`) it replays the first 300 requests as a smoke test.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
+
+#[path = "support/mooncake.rs"]
+mod mooncake;
 
 use continuum_protocol::ids::{DpRank, InstanceId};
 use continuum_protocol::kv::events::{
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, ResidencyDomain,
     RouterEvent, StorageTier, StoredBlock,
 };
-use continuum_protocol::kv::hashing::sequence_hashes;
-use continuum_protocol::kv::{ExternalBlockHash, KvEventResult, KvIndex, LocalBlockHash};
+use continuum_protocol::kv::{ExternalBlockHash, KvEventResult, KvIndex};
+use mooncake::{Lru, TraceRequest, WORKERS};
 
-const WORKERS: u64 = 16;
-const LRU_BLOCKS: usize = 16_384;
-const BLOCKS_PER_HASH_ID: u64 = 32;
-const BLOCK_TOKENS: u64 = 16;
 const AGREEMENT_EVERY: usize = 97;
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-/// Exact LRU over block hashes: most recent = highest stamp.
-#[derive(Default)]
-struct Lru {
-    stamp: u64,
-    by_hash: HashMap<u64, u64>,
-    by_stamp: BTreeMap<u64, u64>,
-}
-
-impl Lru {
-    fn touch(&mut self, hash: u64) {
-        if let Some(old) = self.by_hash.insert(hash, self.stamp) {
-            self.by_stamp.remove(&old);
-        }
-        self.by_stamp.insert(self.stamp, hash);
-        self.stamp += 1;
-    }
-
-    fn evict(&mut self) -> Vec<u64> {
-        let mut out = Vec::new();
-        while self.by_hash.len() > LRU_BLOCKS {
-            let Some((_, hash)) = self.by_stamp.pop_first() else {
-                break;
-            };
-            self.by_hash.remove(&hash);
-            out.push(hash);
-        }
-        out
-    }
-
-    fn prefix(&self, seq: &[u64]) -> usize {
-        seq.iter()
-            .take_while(|h| self.by_hash.contains_key(h))
-            .count()
-    }
-}
-
-struct Request {
-    local: Vec<LocalBlockHash>,
-    seq: Vec<u64>,
-}
-
-fn load(path: &str, limit: usize) -> Option<Vec<Request>> {
+fn load(path: &str, limit: usize) -> Option<Vec<TraceRequest>> {
     let text = std::fs::read_to_string(path).ok()?;
-    let mut out = Vec::new();
-    for line in text.lines().take(limit) {
-        let v: serde_json::Value = serde_json::from_str(line).ok()?;
-        let ids: Vec<u64> = v["hash_ids"]
-            .as_array()?
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .collect();
-        let isl = v["input_length"].as_u64()?;
-        let n = (BLOCKS_PER_HASH_ID * ids.len() as u64).min(isl / BLOCK_TOKENS) as usize;
-        let local: Vec<LocalBlockHash> = (0..n as u64)
-            .map(|i| {
-                let h = ids[(i / BLOCKS_PER_HASH_ID) as usize];
-                LocalBlockHash(splitmix64(
-                    h.wrapping_mul(BLOCKS_PER_HASH_ID) + i % BLOCKS_PER_HASH_ID,
-                ))
-            })
-            .collect();
-        let seq = sequence_hashes(&local).into_iter().map(|s| s.0).collect();
-        out.push(Request { local, seq });
-    }
-    Some(out)
+    text.lines().take(limit).map(mooncake::expand).collect()
 }
 
 fn event(worker: u64, id: u64, data: KvCacheEventData) -> RouterEvent {

@@ -17,17 +17,20 @@
 //!
 //! Run: `cargo run --release --manifest-path benches/kv_upstream/Cargo.toml [-- TRACE [LIMIT]]`.
 
+#[path = "../../support/mooncake.rs"]
+mod mooncake;
+
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use continuum_protocol::ids::{DpRank, InstanceId};
 use continuum_protocol::kv::events as ours_ev;
-use continuum_protocol::kv::hashing::sequence_hashes;
 use continuum_protocol::kv::{ExternalBlockHash, KvEventResult, KvIndex, LocalBlockHash};
 use dynamo_kv_router::RadixTree;
 use dynamo_kv_router::protocols as up;
+use mooncake::{Lru, TraceRequest, WORKERS};
 
 // ----- counting allocator ---------------------------------------------------------------------
 
@@ -78,51 +81,7 @@ fn reset_peak() -> usize {
 
 // ----- workload -------------------------------------------------------------------------------
 
-const WORKERS: u64 = 16;
-const LRU_BLOCKS: usize = 16_384;
-const BLOCKS_PER_HASH_ID: u64 = 32;
-const BLOCK_TOKENS: u64 = 16;
 const COMPARE_EVERY: usize = 97;
-
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
-#[derive(Default)]
-struct Lru {
-    stamp: u64,
-    by_hash: HashMap<u64, u64>,
-    by_stamp: BTreeMap<u64, u64>,
-}
-
-impl Lru {
-    fn touch(&mut self, hash: u64) {
-        if let Some(old) = self.by_hash.insert(hash, self.stamp) {
-            self.by_stamp.remove(&old);
-        }
-        self.by_stamp.insert(self.stamp, hash);
-        self.stamp += 1;
-    }
-    fn evict(&mut self) -> Vec<u64> {
-        let mut out = Vec::new();
-        while self.by_hash.len() > LRU_BLOCKS {
-            let Some((_, hash)) = self.by_stamp.pop_first() else {
-                break;
-            };
-            self.by_hash.remove(&hash);
-            out.push(hash);
-        }
-        out
-    }
-    fn prefix(&self, seq: &[u64]) -> usize {
-        seq.iter()
-            .take_while(|h| self.by_hash.contains_key(h))
-            .count()
-    }
-}
 
 enum Op {
     Lookup(usize),
@@ -155,23 +114,8 @@ fn load(path: &str, limit: usize) -> Option<Workload> {
     let mut next_id = vec![0u64; WORKERS as usize];
     let (mut lookup_blocks, mut stored_blocks, mut removed_blocks) = (0, 0, 0);
     for (r, line) in text.lines().take(limit).enumerate() {
-        let v: serde_json::Value = serde_json::from_str(line).ok()?;
-        let ids: Vec<u64> = v["hash_ids"]
-            .as_array()?
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .collect();
-        let isl = v["input_length"].as_u64()?;
-        let n = (BLOCKS_PER_HASH_ID * ids.len() as u64).min(isl / BLOCK_TOKENS) as usize;
-        let local: Vec<LocalBlockHash> = (0..n as u64)
-            .map(|i| {
-                let h = ids[(i / BLOCKS_PER_HASH_ID) as usize];
-                LocalBlockHash(splitmix64(
-                    h.wrapping_mul(BLOCKS_PER_HASH_ID) + i % BLOCKS_PER_HASH_ID,
-                ))
-            })
-            .collect();
-        let seq: Vec<u64> = sequence_hashes(&local).into_iter().map(|s| s.0).collect();
+        let TraceRequest { local, seq } = mooncake::expand(line)?;
+        let n = local.len();
         lookup_blocks += n as u64;
         ops.push(Op::Lookup(r));
         let w = r as u64 % WORKERS;
