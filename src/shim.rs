@@ -316,16 +316,20 @@ impl ShimRouter {
             return None;
         }
         let now = now_tick();
-        // Overlaps per block size, read once from the shared index.
+        // Overlaps per block size, read under one guard of the shared index.
         let overlaps: Vec<BlockOverlaps> = match (&prepared, &self.kv_index) {
-            (Some(Ok(prompt)), Some(kv_index)) => prompt
-                .hashes
-                .iter()
-                .map(|(block_size, hashes)| BlockOverlaps {
-                    block_size: *block_size,
-                    ranks: kv_index.overlaps(hashes),
-                })
-                .collect(),
+            (Some(Ok(prompt)), Some(kv_index)) => {
+                let queries: Vec<_> = prompt
+                    .hashes
+                    .iter()
+                    .map(|(block_size, hashes)| (*block_size, hashes.as_slice()))
+                    .collect();
+                kv_index
+                    .overlaps_by_block_size(&queries)
+                    .into_iter()
+                    .map(|(block_size, ranks)| BlockOverlaps { block_size, ranks })
+                    .collect()
+            }
             _ => Vec::new(),
         };
         let kv_input = match &prepared {

@@ -150,14 +150,7 @@ impl DynamoKvIndex {
         self.read().find_matches(hashes)
     }
 
-    /// [`Self::overlaps`] for several hash sequences (one per block size a model's workers use)
-    /// under one read guard, in the order given.
-    pub fn overlaps_many(&self, queries: &[&[LocalBlockHash]]) -> Vec<Vec<RankOverlap>> {
-        let index = self.read();
-        queries.iter().map(|q| index.find_matches(q)).collect()
-    }
-
-    /// [`Self::overlaps_many`] keyed by block size: a model whose workers use two
+    /// [`Self::overlaps`] for each block size under one read guard: a model whose workers use two
     /// `kv_cache_block_size` values hashes the prompt once per size; each answer comes back with
     /// its size so the picker applies it to the ranks of that size only (another size's ranks
     /// cannot hold these hashes except by coincidence).

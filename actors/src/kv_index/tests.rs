@@ -180,7 +180,7 @@ async fn batches_apply_through_the_actor_and_reads_see_them() {
             },
         ]
     );
-    assert_eq!(kv.overlaps_many(&[&q(&[2]), &q(&[1])])[1].len(), 2);
+    assert_eq!(kv.overlaps(&q(&[1])).len(), 2);
     let b16 = continuum_protocol::kv::hashing::BlockSize::new(16).expect("valid");
     let b32 = continuum_protocol::kv::hashing::BlockSize::new(32).expect("valid");
     let by_size = kv.overlaps_by_block_size(&[(b16, &q(&[1, 2])), (b32, &q(&[9]))]);
