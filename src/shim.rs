@@ -216,22 +216,32 @@ impl ShimRouter {
         let held = self.picker.index_for(&self.registry);
         let block_sizes = held.index.block_sizes(model);
         if block_sizes.is_empty() {
-            return self.decide_with(client_model, body, allowed, usable, None);
+            return self.decide_with(client_model, body, None, allowed, usable, None);
         }
         let prep = lock(&self.kv_prep).clone();
-        let prepared = match (prep, serde_json::from_slice::<serde_json::Value>(body)) {
-            (Some(prep), Ok(value)) => {
+        // Parsed once: the prompt preparation reads it, and so does the size estimate when the
+        // preparation fails.
+        let parsed = serde_json::from_slice::<serde_json::Value>(body).ok();
+        let prepared = match (prep, &parsed) {
+            (Some(prep), Some(value)) => {
                 let request = KvPrepRequest {
                     model,
-                    body: &value,
+                    body: value,
                     block_sizes,
                 };
                 prep.prepare(request).await
             }
             (None, _) => Err(KvUnavailable::TokenizerUnavailable),
-            (Some(_), Err(_)) => Err(KvUnavailable::RenderUnavailable),
+            (Some(_), None) => Err(KvUnavailable::RenderUnavailable),
         };
-        self.decide_with(client_model, body, allowed, usable, Some(prepared))
+        self.decide_with(
+            client_model,
+            body,
+            parsed.as_ref(),
+            allowed,
+            usable,
+            Some(prepared),
+        )
     }
 
     /// A dispatch ended (its response finished or failed).
@@ -268,14 +278,16 @@ impl ShimRouter {
         usable: impl Fn(&str) -> bool,
     ) -> Option<ShimDecision> {
         let kv = Err(KvUnavailable::TokenizerUnavailable);
-        self.decide_with(client_model, body, allowed, usable, Some(kv))
+        self.decide_with(client_model, body, None, allowed, usable, Some(kv))
     }
 
-    /// The decision, with the prepared prompt (or why there is none) when KV applies.
+    /// The decision, with the prepared prompt (or why there is none) when KV applies; `parsed`
+    /// is `body` already parsed, when the caller has it.
     fn decide_with(
         &self,
         client_model: &str,
         body: &[u8],
+        parsed: Option<&serde_json::Value>,
         allowed: &[String],
         usable: impl Fn(&str) -> bool,
         prepared: Option<Result<PreparedPrompt, KvUnavailable>>,
@@ -343,7 +355,10 @@ impl ShimRouter {
         };
         let estimated_prompt_tokens = match &kv_input {
             Some(Ok(input)) => input.isl,
-            _ => estimate_tokens(body),
+            _ => match parsed {
+                Some(value) => estimate_value_tokens(value),
+                None => estimate_tokens(body),
+            },
         };
         let request = PickRequest {
             model,
@@ -554,9 +569,13 @@ pub fn with_token_data(body: &[u8], tokens: &[u32]) -> Option<Bytes> {
 /// The coarse prompt-size estimate from a chat (`messages[].content`) or completions (`prompt`)
 /// body; no tokenizer.
 pub fn estimate_tokens(body: &[u8]) -> u64 {
-    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return 0;
-    };
+    serde_json::from_slice::<serde_json::Value>(body)
+        .map(|value| estimate_value_tokens(&value))
+        .unwrap_or(0)
+}
+
+/// [`estimate_tokens`] of an already parsed body.
+fn estimate_value_tokens(value: &serde_json::Value) -> u64 {
     let mut texts: Vec<&str> = Vec::new();
     if let Some(messages) = value.get("messages").and_then(|m| m.as_array()) {
         for message in messages {
