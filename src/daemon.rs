@@ -258,16 +258,14 @@ impl Daemon {
         let local_addr = listener.local_addr()?;
         let (stop_server, mut stop_rx) = watch::channel(false);
         let app = front_door::router(state);
+        let serve_options = front_door::serve::ServeOptions::from_config(&config.server);
+        let server_metrics = shared.metrics.clone();
         let server = tokio::spawn(async move {
             let shutdown = async move {
                 let _ = stop_rx.wait_for(|stop| *stop).await;
             };
-            if let Err(error) = axum::serve(front_door::listener(listener), app)
-                .with_graceful_shutdown(shutdown)
-                .await
-            {
-                error!(%error, "The HTTP server failed.");
-            }
+            front_door::serve::serve(listener, app, serve_options, Some(&server_metrics), shutdown)
+                .await;
         });
         let control = tokio::spawn(
             ControlLoop {

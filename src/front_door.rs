@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod error;
+pub mod serve;
 pub mod strip;
 
 use std::sync::Arc;
@@ -76,11 +77,14 @@ pub fn listener(
     listener: tokio::net::TcpListener,
 ) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
     use axum::serve::ListenerExt;
-    listener.tap_io(|tcp| {
-        if let Err(error) = tcp.set_nodelay(true) {
-            tracing::debug!(%error, "Could not set TCP_NODELAY on a client connection.");
-        }
-    })
+    listener.tap_io(|tcp| configure_accepted(tcp))
+}
+
+/// What every accepted client socket gets (both [`listener`] and [`serve::serve`]).
+pub fn configure_accepted(tcp: &tokio::net::TcpStream) {
+    if let Err(error) = tcp.set_nodelay(true) {
+        tracing::debug!(%error, "Could not set TCP_NODELAY on a client connection.");
+    }
 }
 
 /// The whole router, with the always-on pin-stripping middleware outermost.

@@ -105,12 +105,26 @@ impl Config {
 pub struct ServerConfig {
     /// TCP address the front door (and `/admin/*`, `/metrics`) listens on.
     pub bind_address: SocketAddr,
+    /// An HTTP/1.1 connection waiting for a request (new or kept alive) must deliver the whole
+    /// request head within this time or it is closed.
+    pub header_read_timeout: HumanDuration,
+    /// A request body must arrive whole within this time after its head (else 408).
+    pub body_read_timeout: HumanDuration,
+    /// A connection with no request in flight is closed after this long (HTTP/1.1 and h2c).
+    pub idle_timeout: HumanDuration,
+    /// Client connections open at once; beyond it the oldest idle connection is closed to make
+    /// room, or the new one is refused when every connection has a request in flight.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             bind_address: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            header_read_timeout: HumanDuration::from_secs(10),
+            body_read_timeout: HumanDuration::from_secs(60),
+            idle_timeout: HumanDuration::from_secs(60),
+            max_connections: 4096,
         }
     }
 }

@@ -104,6 +104,25 @@ impl Validator {
                 }
             }
         }
+        let server = &config.server;
+        for (key, value) in [
+            ("header_read_timeout", server.header_read_timeout),
+            ("body_read_timeout", server.body_read_timeout),
+            ("idle_timeout", server.idle_timeout),
+        ] {
+            if value.get() < Duration::from_millis(100) || value.get() > Duration::from_secs(3600) {
+                self.err(
+                    format!("server.{key}"),
+                    format!("{key} must be between 100ms and 1h (got {value})"),
+                );
+            }
+        }
+        if !(1..=1_000_000).contains(&server.max_connections) {
+            self.err(
+                "server.max_connections",
+                "max_connections must be between 1 and 1000000",
+            );
+        }
         if config.api_keys.is_empty() && !config.server.bind_address.ip().is_loopback() {
             self.warn(
                 "server.bind_address",

@@ -56,6 +56,9 @@ pub async fn read_bounded(
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(too_large(limit)),
+        Err(error) if crate::front_door::serve::is_body_read_timeout(error.as_ref()) => {
+            Err(ApiError::RequestTimeout(error.to_string()))
+        }
         Err(error) => Err(ApiError::BadRequest(format!(
             "could not read the request body: {error}"
         ))),

@@ -160,6 +160,30 @@ fn public_bind_without_api_keys_warns() {
 }
 
 #[test]
+fn server_timeouts_and_connection_cap_are_bounded() {
+    let c = base();
+    for key in [
+        "server.header_read_timeout",
+        "server.body_read_timeout",
+        "server.idle_timeout",
+        "server.max_connections",
+    ] {
+        expect_clean_at(&c, key);
+    }
+    let mut c = base();
+    c.server.header_read_timeout = HumanDuration::from_millis(0);
+    c.server.body_read_timeout = HumanDuration::from_millis(99);
+    c.server.idle_timeout = HumanDuration::from_secs(3601);
+    c.server.max_connections = 0;
+    expect_error(&c, "server.header_read_timeout", "between 100ms and 1h");
+    expect_error(&c, "server.body_read_timeout", "between 100ms and 1h");
+    expect_error(&c, "server.idle_timeout", "between 100ms and 1h");
+    expect_error(&c, "server.max_connections", "between 1 and 1000000");
+    c.server.max_connections = 1_000_001;
+    expect_error(&c, "server.max_connections", "between 1 and 1000000");
+}
+
+#[test]
 fn backend_name_must_be_valid_and_unique() {
     let mut c = base();
     c.backends[1].name = "bad name".into();
