@@ -264,8 +264,14 @@ impl Daemon {
             let shutdown = async move {
                 let _ = stop_rx.wait_for(|stop| *stop).await;
             };
-            front_door::serve::serve(listener, app, serve_options, Some(&server_metrics), shutdown)
-                .await;
+            front_door::serve::serve(
+                listener,
+                app,
+                serve_options,
+                Some(&server_metrics),
+                shutdown,
+            )
+            .await;
         });
         let control = tokio::spawn(
             ControlLoop {

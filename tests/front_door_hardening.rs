@@ -105,8 +105,8 @@ async fn exchange(addr: SocketAddr, request: &[u8]) -> std::io::Result<(String, 
     stream.write_all(request).await?;
     let mut response = Vec::new();
     stream.read_to_end(&mut response).await?;
-    let status = String::from_utf8_lossy(response.split(|b| *b == b'\r').next().unwrap_or(&[]))
-        .into_owned();
+    let status =
+        String::from_utf8_lossy(response.split(|b| *b == b'\r').next().unwrap_or(&[])).into_owned();
     Ok((status, response))
 }
 
@@ -160,7 +160,10 @@ fn raise_own_nofile(n: u64) {
         .arg(format!("--nofile={n}:"))
         .status()
         .expect("run prlimit");
-    assert!(status.success(), "cannot raise this test's open-file limit to {n}");
+    assert!(
+        status.success(),
+        "cannot raise this test's open-file limit to {n}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -200,7 +203,10 @@ async fn stalled_connections_under_an_fd_limit_neither_starve_health_nor_stay_op
     )
     .await
     .expect("every stalled connection is closed by the router");
-    println!("all {STALLED} stalled connections closed after {:?}", started.elapsed());
+    println!(
+        "all {STALLED} stalled connections closed after {:?}",
+        started.elapsed()
+    );
 
     let (_, metrics) = get(router.addr, "/metrics").await.expect("/metrics");
     let metrics = String::from_utf8_lossy(&metrics);
@@ -212,7 +218,10 @@ async fn stalled_connections_under_an_fd_limit_neither_starve_health_nor_stay_op
     let limit = sample(&metrics, "continuum_http_connections_limit").expect("the limit gauge");
     println!("connection cap {limit}, evicted at the cap: {evicted}");
     assert_eq!(limit, 480.0, "the cap follows the 1,024 fd limit");
-    assert!(evicted > 0.0, "the cap was reached and idle connections evicted");
+    assert!(
+        evicted > 0.0,
+        "the cap was reached and idle connections evicted"
+    );
 }
 
 /// A daemon in-process with 1 s timeouts in front of a fake upstream serving model `m`.
@@ -301,7 +310,10 @@ async fn an_sse_stream_outlives_the_idle_and_body_timeouts() {
     let text = String::from_utf8_lossy(&seen);
     assert!(text.starts_with("HTTP/1.1 200"), "{text}");
     assert!(text.contains("data: [DONE]"), "{text}");
-    assert!(text.ends_with("0\r\n\r\n"), "a complete chunked body: {text}");
+    assert!(
+        text.ends_with("0\r\n\r\n"),
+        "a complete chunked body: {text}"
+    );
     daemon.shutdown().await;
 }
 

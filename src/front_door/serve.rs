@@ -51,6 +51,9 @@ pub const FD_RESERVE: u64 = 64;
 /// How long the accept loop backs off after an accept error (e.g. out of file descriptors).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(20);
 
+/// Accept errors are logged at most this often (with a running count).
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(5);
+
 /// The front door's connection settings (`server.*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ServeOptions {
@@ -191,7 +194,10 @@ impl Conn {
     }
 
     fn idle_since(&self) -> Instant {
-        *self.idle_since.lock().unwrap_or_else(PoisonError::into_inner)
+        *self
+            .idle_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Resolves once the connection has had no request in flight for `timeout`.
@@ -228,7 +234,11 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
-            *self.0.idle_since.lock().unwrap_or_else(PoisonError::into_inner) = Instant::now();
+            *self
+                .0
+                .idle_since
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Instant::now();
         }
         self.0.activity.notify_one();
     }
@@ -374,9 +384,15 @@ pub async fn serve(
              (ulimit -n, LimitNOFILE=) to use the configured cap."
         );
     } else {
-        info!(max_connections = cap, soft_nofile_limit = nofile, "Front door connection cap.");
+        info!(
+            max_connections = cap,
+            soft_nofile_limit = nofile,
+            "Front door connection cap."
+        );
     }
-    conn_metrics.limit.set(i64::try_from(cap).unwrap_or(i64::MAX));
+    conn_metrics
+        .limit
+        .set(i64::try_from(cap).unwrap_or(i64::MAX));
 
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -390,6 +406,7 @@ pub async fn serve(
     // Every connection task holds a clone; `recv()` returns `None` once all have ended.
     let (alive_tx, mut alive_rx) = mpsc::channel::<Infallible>(1);
 
+    let (mut accept_errors, mut last_warned) = (0u64, None);
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -405,7 +422,11 @@ pub async fn serve(
                     victim.evict.notify_one();
                     conn_metrics.shed(ShedReason::EvictedIdle);
                 }
-                warn!(%error, "accept error");
+                accept_errors += 1;
+                if last_warned.is_none_or(|at: Instant| at.elapsed() >= ACCEPT_WARN_EVERY) {
+                    warn!(%error, accept_errors, "accept error");
+                    last_warned = Some(Instant::now());
+                }
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
                 continue;
             }
@@ -490,9 +511,7 @@ impl Connection {
                 }
             })
         };
-        let connection = self
-            .builder
-            .serve_connection(TokioIo::new(stream), service);
+        let connection = self.builder.serve_connection(TokioIo::new(stream), service);
         tokio::pin!(connection);
         let mut draining = false;
         loop {

@@ -416,10 +416,10 @@ fn scalar<E: de::Error>(raw: &RawValue) -> Result<Scalar, E> {
 /// The members of an `nvext` object (value range, index of the pin field its key names), or
 /// `None` when `nvext` is not an object (then it carries no pin and is forwarded as sent).
 #[allow(clippy::type_complexity)]
-fn nvext_members<'de, E: de::Error>(
+fn nvext_members<E: de::Error>(
     base: usize,
     len: usize,
-    raw: &'de RawValue,
+    raw: &RawValue,
 ) -> Result<Option<Vec<(std::ops::Range<usize>, Option<usize>)>>, E> {
     if !raw.get().starts_with('{') {
         return Ok(None);
@@ -540,7 +540,9 @@ impl<'de> Deserialize<'de> for PinKey {
                 f.write_str("an object key")
             }
             fn visit_str<E: de::Error>(self, key: &str) -> Result<PinKey, E> {
-                Ok(PinKey(NVEXT_PIN_FIELDS.iter().position(|field| *field == key)))
+                Ok(PinKey(
+                    NVEXT_PIN_FIELDS.iter().position(|field| *field == key),
+                ))
             }
         }
         deserializer.deserialize_str(PinKeyVisitor)
@@ -737,7 +739,10 @@ mod tests {
         let mut bad = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
         bad.extend_from_slice(b"\xff\xfe\xc0\x80");
         bad.extend_from_slice(br#""}]}"#);
-        assert!(matches!(parse(Bytes::from(bad)), Err(ApiError::BadRequest(_))));
+        assert!(matches!(
+            parse(Bytes::from(bad)),
+            Err(ApiError::BadRequest(_))
+        ));
         for bad in [
             r#"{"model":"m","x":"\ud800"}"#,
             r#"{"model":"m","x":"\udc00"}"#,
@@ -748,7 +753,10 @@ mod tests {
         ] {
             let serde: Result<Value, _> = serde_json::from_str(bad);
             assert!(serde.is_err(), "serde refuses {bad}");
-            assert!(matches!(parse(Bytes::from(bad)), Err(ApiError::BadRequest(_))), "{bad}");
+            assert!(
+                matches!(parse(Bytes::from(bad)), Err(ApiError::BadRequest(_))),
+                "{bad}"
+            );
         }
         // Pairs, escaped backslashes and plain escapes pass.
         for good in [
@@ -851,10 +859,8 @@ mod tests {
                 others,
             )
                 .prop_flat_map(|(key, nvext, stream, others)| {
-                    let mut members = vec![
-                        ("\"model\"".to_owned(), "\"m\"".to_owned()),
-                        (key, nvext),
-                    ];
+                    let mut members =
+                        vec![("\"model\"".to_owned(), "\"m\"".to_owned()), (key, nvext)];
                     if let Some(stream) = stream {
                         members.push(("\"stream\"".into(), stream.to_string()));
                     }

@@ -125,7 +125,8 @@ pub struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
-/// How long an idle pooled backend connection is kept before it is closed.
+/// How long an idle pooled backend connection is kept before it is closed (the pool's reaper
+/// runs at this interval, so an idle connection lives up to twice this long).
 pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Idle pooled connections kept per backend host; more are closed when they go idle.
@@ -283,8 +284,7 @@ mod tests {
     #[tokio::test]
     async fn idle_backend_connections_close_after_the_idle_timeout() {
         let (addr, mut closed) = backend(8).await;
-        let upstream =
-            Upstream::with_pool(Duration::from_secs(5), Duration::from_millis(200), 64);
+        let upstream = Upstream::with_pool(Duration::from_secs(5), Duration::from_millis(200), 64);
         burst(&upstream, addr, 8).await;
         // The client (and its pool) stay alive: only the pool's idle timeout can close these.
         closed_within(&mut closed, 8).await;
@@ -297,7 +297,10 @@ mod tests {
         let upstream = Upstream::with_pool(Duration::from_secs(5), Duration::from_secs(3600), 2);
         burst(&upstream, addr, 8).await;
         closed_within(&mut closed, 6).await;
-        assert!(closed.try_recv().is_err(), "the 2 kept idle connections stay open");
+        assert!(
+            closed.try_recv().is_err(),
+            "the 2 kept idle connections stay open"
+        );
         drop(upstream);
     }
 }
