@@ -406,3 +406,62 @@ async fn invalid_utf8_in_a_skipped_value_is_refused_and_never_forwarded() {
     assert_eq!(up.next_request().await.body, Bytes::from_static(good));
     daemon.shutdown().await;
 }
+
+#[tokio::test]
+async fn at_the_cap_idle_connections_are_evicted_and_new_ones_refused_when_all_are_busy() {
+    let mut up = FakeUpstream::start().await;
+    let yaml = format!(
+        "server:\n  max_connections: 1\nbackends:\n  - name: b1\n    url: \"{}\"\n    \
+         models: [m]\n    health_check:\n      enabled: false\n",
+        up.url()
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    let addr = daemon.local_addr();
+    let shed = |reason: &str| {
+        daemon
+            .metrics()
+            .value(
+                "continuum_http_connections_shed_total",
+                &[("reason", reason)],
+            )
+            .unwrap_or(0.0)
+    };
+
+    // An idle connection holds the one slot; a new client takes it over.
+    let idle = TcpStream::connect(addr).await.expect("connect");
+    let (status, _) = get(addr, "/health").await.expect("/health");
+    assert!(status.contains("200"), "{status}");
+    tokio::time::timeout(Duration::from_secs(30), closed_by_server(idle))
+        .await
+        .expect("the idle connection was evicted");
+    assert!(shed("evicted_idle") >= 1.0);
+
+    // A streaming request holds the slot: a new connection is refused unserved.
+    let (tx, rx) = mpsc::unbounded_channel();
+    up.push(Reply::Sse(rx));
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    stream
+        .write_all(&post("/v1/chat/completions", body))
+        .await
+        .expect("send");
+    up.next_request().await;
+    let mut refused = TcpStream::connect(addr).await.expect("connect");
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), refused.read_to_end(&mut buf))
+        .await
+        .expect("the refused connection is closed");
+    assert!(read.is_err() || buf.is_empty(), "refused without an answer");
+    assert_eq!(shed("refused"), 1.0);
+
+    tx.send(Bytes::from_static(b"data: [DONE]\n\n"))
+        .expect("send");
+    drop(tx);
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut seen))
+        .await
+        .expect("the stream ends")
+        .expect("read");
+    assert!(String::from_utf8_lossy(&seen).contains("data: [DONE]"));
+    daemon.shutdown().await;
+}
