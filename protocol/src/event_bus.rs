@@ -10,10 +10,12 @@
 //! | [`hello`] | `continuum-bus-version` parsing, version negotiation, `Hello::validate` against a [`Grant`] |
 //! | [`credential`] | `token_hash` verification in constant time, the token-vs-certificate rule, the revocation ring |
 //! | [`rendezvous`] | 64-bit rendezvous weights and ranking of broker sessions |
+//! | [`admission`] | one pre-hello handshake per credential, one session per entry (superseding), `max_sessions` |
 //! | [`bounds`] | per-session and per-stream byte bounds, connection cap |
 //! | [`server`] | the router's session state machine |
 //! | [`client`] | the agent's session state machine |
 
+pub mod admission;
 pub mod bounds;
 pub mod client;
 pub mod credential;
@@ -26,6 +28,7 @@ pub mod server;
 #[cfg(test)]
 mod tests;
 
+pub use admission::Admission;
 pub use bounds::{BoundsError, SessionBounds};
 pub use client::{ClientEvent, ClientSession};
 pub use hello::{AcceptedHello, Coverage, Grant, Refusal};

@@ -4,9 +4,11 @@
 //! `continuum-bus-version` before it builds a [`ServerSession`]; the session then:
 //! 1. waits up to [`HELLO_TIMEOUT`] for the first line, which must be a hello passing
 //!    [`Hello::validate`](super::message::Hello) against the credential's [`Grant`]. It reports
-//!    [`ServerEvent::Welcomed`] (answer 200; the welcome line is the first transmit) or
-//!    [`ServerEvent::Refused`] (answer the code's HTTP status with an
-//!    [`ErrorBody`](super::ErrorBody); nothing was transmitted);
+//!    [`ServerEvent::HelloAccepted`] or [`ServerEvent::Refused`] (answer the code's HTTP status
+//!    with an [`ErrorBody`](super::ErrorBody); nothing was transmitted). After an accepted
+//!    hello the listener consults its [`Admission`](super::admission::Admission) table and
+//!    calls [`ServerSession::welcome`] (answer 200; the welcome line is the first transmit) or
+//!    [`ServerSession::close`] (a refusal, e.g. 429 `too_many_sessions`);
 //! 2. once live, numbers streams from 1 and commands them with [`ServerSession::subscribe`];
 //!    [`ServerSession::accept_stream`] admits a data stream only for a commanded, unopened ID
 //!    of this session, from the owning credential, at the negotiated version, exactly once;
@@ -24,7 +26,7 @@ use thiserror::Error;
 
 use super::MAX_LINE_BYTES;
 use super::bounds::SessionBounds;
-use super::hello::{AcceptedHello, Grant, Refusal};
+use super::hello::{AcceptedHello, Coverage, Grant, Refusal};
 use super::message::{
     ClientId, Closed, ErrorCode, Message, SessionId, StreamCloseReason, StreamId, StreamTarget,
     Subscribe, Welcome,
@@ -68,8 +70,9 @@ impl ServerConfig {
 /// What the listener must act on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ServerEvent {
-    /// Answer the session request 200 and stream [`ServerSession::poll_transmit`] bytes.
-    Welcomed(AcceptedHello),
+    /// The hello is valid: call [`ServerSession::welcome`] if admission allows, else
+    /// [`ServerSession::close`] with the admission's refusal code.
+    HelloAccepted(AcceptedHello),
     /// Answer the session request with the refusal's status and error body; the session is over.
     Refused(Refusal),
     /// A commanded data stream was accepted.
@@ -102,7 +105,13 @@ pub enum SubscribeError {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
-    AwaitingHello { deadline: Tick },
+    AwaitingHello {
+        deadline: Tick,
+    },
+    /// The hello passed validation; waiting for the listener's admission decision.
+    Validated {
+        deadline: Tick,
+    },
     Live,
     Closed,
 }
@@ -172,7 +181,7 @@ impl ServerSession {
         &self.grant
     }
 
-    /// The validated hello, once welcomed.
+    /// The validated hello (once accepted).
     pub fn accepted(&self) -> Option<&AcceptedHello> {
         self.accepted.as_ref()
     }
@@ -220,9 +229,9 @@ impl ServerSession {
     /// The client ended the request body.
     pub fn handle_end_of_input(&mut self) {
         match self.phase {
-            Phase::AwaitingHello { .. } => self.refuse(Refusal::new(
+            Phase::AwaitingHello { .. } | Phase::Validated { .. } => self.refuse(Refusal::new(
                 ErrorCode::InvalidHello,
-                "the request body ended before a hello",
+                "the request body ended before the welcome",
             )),
             Phase::Live => self.finish(ErrorCode::PeerClosed),
             Phase::Closed => {}
@@ -232,7 +241,7 @@ impl ServerSession {
     /// Advances timers; call at [`ServerSession::poll_timeout`] (earlier is harmless).
     pub fn handle_timeout(&mut self, now: Tick) {
         match self.phase {
-            Phase::AwaitingHello { deadline } => {
+            Phase::AwaitingHello { deadline } | Phase::Validated { deadline } => {
                 if now >= deadline {
                     self.refuse(Refusal::new(
                         ErrorCode::HelloTimeout,
@@ -274,7 +283,7 @@ impl ServerSession {
     /// The earliest instant [`ServerSession::handle_timeout`] has work to do.
     pub fn poll_timeout(&self) -> Option<Tick> {
         match self.phase {
-            Phase::AwaitingHello { deadline } => Some(deadline),
+            Phase::AwaitingHello { deadline } | Phase::Validated { deadline } => Some(deadline),
             Phase::Live => {
                 let idle = self.last_rx.plus(self.config.idle_timeout);
                 let open = self.streams.values().filter_map(|phase| match phase {
@@ -285,6 +294,54 @@ impl ServerSession {
             }
             Phase::Closed => None,
         }
+    }
+
+    /// Admission allowed the accepted hello: the session goes live and the welcome line is the
+    /// first transmit. `false` (and nothing happens) unless a hello was accepted and is
+    /// awaiting this decision.
+    pub fn welcome(&mut self, now: Tick) -> bool {
+        let (Phase::Validated { .. }, Some(accepted)) = (self.phase, self.accepted.as_ref()) else {
+            return false;
+        };
+        let bounds = self.config.bounds;
+        let welcome = Welcome {
+            session_id: self.session_id,
+            version: accepted.version,
+            heartbeat_interval_ms: duration_ms(self.config.heartbeat_interval),
+            idle_timeout_ms: duration_ms(self.config.idle_timeout),
+            max_streams: bounds.max_streams_per_session,
+            stream_buffer_bytes: bounds.stream_buffer_bytes,
+            max_line_bytes: self.config.max_line_bytes as u64,
+        };
+        self.send(&Message::Welcome(welcome));
+        self.phase = Phase::Live;
+        self.last_rx = now;
+        self.next_heartbeat = now.plus(self.config.heartbeat_interval);
+        true
+    }
+
+    /// A reload changed the credential's entry: the session keeps running only if its role,
+    /// id and declared namespaces or announced backends still fit the new grant; otherwise it
+    /// closes with `forbidden`. Returns whether it still runs.
+    pub fn regrant(&mut self, grant: Grant) -> bool {
+        let fits = self.accepted.as_ref().is_none_or(|accepted| {
+            accepted.role == grant.role
+                && accepted.client_id == grant.id
+                && match &accepted.coverage {
+                    Coverage::Namespaces(set) => {
+                        grant.namespaces.is_empty() || set.is_subset(&grant.namespaces)
+                    }
+                    Coverage::Backends(set) => set.is_subset(&grant.backends),
+                }
+        });
+        self.grant = grant;
+        if !fits {
+            self.close(
+                ErrorCode::Forbidden,
+                Some("the credential's grant no longer covers this session".to_owned()),
+            );
+        }
+        !self.is_closed()
     }
 
     /// Commands a new stream; the returned ID is the only one [`ServerSession::accept_stream`]
@@ -378,7 +435,7 @@ impl ServerSession {
     /// (superseded, revoked, forbidden after a reload, shutdown, idle).
     pub fn close(&mut self, code: ErrorCode, message: Option<String>) {
         match self.phase {
-            Phase::AwaitingHello { .. } => {
+            Phase::AwaitingHello { .. } | Phase::Validated { .. } => {
                 self.refuse(Refusal::new(code, message.unwrap_or_default()));
             }
             Phase::Live => {
@@ -427,7 +484,11 @@ impl ServerSession {
             Err(error) => return self.fail(error.to_string()),
         };
         match self.phase {
-            Phase::AwaitingHello { .. } => self.handle_hello(message, now),
+            Phase::AwaitingHello { .. } => self.handle_hello(message),
+            Phase::Validated { .. } => self.refuse(Refusal::new(
+                ErrorCode::InvalidHello,
+                format!("a client waits for the welcome; got {}", message.kind()),
+            )),
             Phase::Live => {
                 self.last_rx = now;
                 self.handle_live(message);
@@ -436,7 +497,7 @@ impl ServerSession {
         }
     }
 
-    fn handle_hello(&mut self, message: Message, now: Tick) {
+    fn handle_hello(&mut self, message: Message) {
         let Message::Hello(hello) = message else {
             return self.refuse(Refusal::new(
                 ErrorCode::InvalidHello,
@@ -446,23 +507,14 @@ impl ServerSession {
                 ),
             ));
         };
+        let Phase::AwaitingHello { deadline } = self.phase else {
+            return;
+        };
         match hello.validate(&self.grant, self.header_version) {
             Ok(accepted) => {
-                let bounds = self.config.bounds;
-                self.send(&Message::Welcome(Welcome {
-                    session_id: self.session_id,
-                    version: accepted.version,
-                    heartbeat_interval_ms: duration_ms(self.config.heartbeat_interval),
-                    idle_timeout_ms: duration_ms(self.config.idle_timeout),
-                    max_streams: bounds.max_streams_per_session,
-                    stream_buffer_bytes: bounds.stream_buffer_bytes,
-                    max_line_bytes: self.config.max_line_bytes as u64,
-                }));
-                self.phase = Phase::Live;
-                self.last_rx = now;
-                self.next_heartbeat = now.plus(self.config.heartbeat_interval);
+                self.phase = Phase::Validated { deadline };
                 self.accepted = Some(accepted.clone());
-                self.events.push_back(ServerEvent::Welcomed(accepted));
+                self.events.push_back(ServerEvent::HelloAccepted(accepted));
             }
             Err(refusal) => self.refuse(refusal),
         }
@@ -516,7 +568,7 @@ impl ServerSession {
     /// A framing or decoding error: before the welcome a refusal, after it `protocol_error`.
     fn fail(&mut self, message: String) {
         match self.phase {
-            Phase::AwaitingHello { .. } => {
+            Phase::AwaitingHello { .. } | Phase::Validated { .. } => {
                 self.refuse(Refusal::new(ErrorCode::InvalidHello, message));
             }
             Phase::Live => self.close(ErrorCode::ProtocolError, Some(message)),

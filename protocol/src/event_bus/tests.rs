@@ -17,7 +17,7 @@ use super::rendezvous;
 use super::server::{
     HELLO_TIMEOUT, STREAM_OPEN_TIMEOUT, ServerConfig, ServerEvent, ServerSession, SubscribeError,
 };
-use super::{BusPath, MAX_LINE_BYTES};
+use super::{Admission, BusPath, MAX_LINE_BYTES};
 use crate::discovery::EventTopic;
 use crate::ids::Namespace;
 use crate::time::Tick;
@@ -130,6 +130,7 @@ fn lines(bytes: &[u8]) -> Vec<Message> {
 fn live_server(max_streams: u32) -> ServerSession {
     let mut s = server(broker_grant(), max_streams);
     s.handle_input(&Message::Hello(broker_hello()).encode(), t(1));
+    assert!(s.welcome(t(1)));
     assert!(s.is_live());
     s.poll_transmit();
     events(&mut s);
@@ -874,10 +875,15 @@ fn server_welcomes_a_valid_hello() {
     assert_eq!(s.poll_transmit(), None);
     s.handle_input(&hello[5..], t(2));
     let accepted = match events(&mut s).as_slice() {
-        [ServerEvent::Welcomed(accepted)] => accepted.clone(),
+        [ServerEvent::HelloAccepted(accepted)] => accepted.clone(),
         other => panic!("{other:?}"),
     };
     assert_eq!(accepted.client_id.as_str(), "broker-a.dynamo");
+    // Nothing is sent until admission decides.
+    assert_eq!(s.poll_transmit(), None);
+    assert!(!s.is_live());
+    assert!(s.welcome(t(2)));
+    assert!(!s.welcome(t(2)));
     let sent = lines(&s.poll_transmit().unwrap());
     let [Message::Welcome(w)] = sent.as_slice() else {
         panic!("{sent:?}")
@@ -1142,6 +1148,7 @@ fn server_handles_stream_closed_draining_and_errors() {
 fn listener_draining_unsubscribes_every_stream() {
     let mut s = server(listener_grant(), 4);
     s.handle_input(&Message::Hello(listener_hello()).encode(), t(1));
+    s.welcome(t(1));
     s.poll_transmit();
     events(&mut s);
     assert_eq!(
@@ -1205,6 +1212,96 @@ fn server_close_sends_a_closed_line_once() {
         vec![ServerEvent::Closed(ErrorCode::PeerClosed)]
     );
     assert_eq!(s.poll_transmit(), None);
+}
+
+#[test]
+fn server_refusal_after_validation_and_regrant() {
+    // Admission said no: still a refusal, nothing transmitted.
+    let mut s = server(broker_grant(), 4);
+    s.handle_input(&Message::Hello(broker_hello()).encode(), t(1));
+    assert!(matches!(
+        events(&mut s).as_slice(),
+        [ServerEvent::HelloAccepted(_)]
+    ));
+    s.close(
+        ErrorCode::TooManySessions,
+        Some("64 sessions are live".into()),
+    );
+    assert!(matches!(
+        events(&mut s).as_slice(),
+        [ServerEvent::Refused(r)] if r.code == ErrorCode::TooManySessions
+    ));
+    assert_eq!(s.poll_transmit(), None);
+    assert!(!s.welcome(t(2)));
+
+    // Reload keeps a session whose declared namespaces stay granted, closes one that lost them.
+    let mut s = live_server(4);
+    let mut wider = broker_grant();
+    wider.namespaces.insert(ns("third"));
+    assert!(s.regrant(wider));
+    let mut any = broker_grant();
+    any.namespaces.clear();
+    assert!(s.regrant(any));
+    let mut narrower = broker_grant();
+    narrower.namespaces.remove(&ns("dynamo"));
+    assert!(!s.regrant(narrower));
+    assert_eq!(
+        events(&mut s),
+        vec![ServerEvent::Closed(ErrorCode::Forbidden)]
+    );
+
+    // A kv_listener whose role changed is closed too.
+    let mut s = server(listener_grant(), 4);
+    s.handle_input(&Message::Hello(listener_hello()).encode(), t(1));
+    s.welcome(t(1));
+    events(&mut s);
+    let mut narrower = listener_grant();
+    narrower.backends.remove("vllm-2");
+    assert!(s.regrant(narrower.clone()));
+    narrower.role = Role::Broker;
+    assert!(!s.regrant(narrower));
+}
+
+#[test]
+fn admission_limits_handshakes_sessions_and_supersedes() {
+    let a = ClientId::new("broker-a.dynamo");
+    let b = ClientId::new("broker-b.dynamo");
+    let c = ClientId::new("broker-c.dynamo");
+    let mut admission = Admission::new(2);
+    admission.begin_handshake(&a).unwrap();
+    assert_eq!(
+        admission.begin_handshake(&a).unwrap_err().code,
+        ErrorCode::TooManySessions
+    );
+    admission.begin_handshake(&b).unwrap();
+    assert_eq!(admission.admit(&a, SessionId::from_random(1)), Ok(None));
+    // The slot is free again once admitted.
+    admission.begin_handshake(&a).unwrap();
+    assert_eq!(admission.admit(&b, SessionId::from_random(2)), Ok(None));
+    // A third entry finds max_sessions live sessions.
+    admission.begin_handshake(&c).unwrap();
+    assert_eq!(
+        admission
+            .admit(&c, SessionId::from_random(3))
+            .unwrap_err()
+            .code,
+        ErrorCode::TooManySessions
+    );
+    admission.begin_handshake(&c).unwrap();
+    admission.abandon_handshake(&c);
+    // The same entry supersedes its own session even at the cap.
+    assert_eq!(
+        admission.admit(&a, SessionId::from_random(4)),
+        Ok(Some(SessionId::from_random(1)))
+    );
+    assert_eq!(admission.live_count(), 2);
+    // The superseded session's end does not remove its successor.
+    admission.ended(&a, SessionId::from_random(1));
+    assert_eq!(admission.live_session(&a), Some(SessionId::from_random(4)));
+    admission.ended(&a, SessionId::from_random(4));
+    assert_eq!(admission.live_count(), 1);
+    admission.set_max_sessions(1);
+    assert!(admission.admit(&c, SessionId::from_random(5)).is_err());
 }
 
 // ---------- client session ----------
@@ -1483,11 +1580,13 @@ fn both_ends_talk_to_each_other() {
         }
     };
     pump(&mut s, &mut c, t(1));
-    assert!(s.is_live() && c.is_live());
     assert!(matches!(
         events(&mut s).as_slice(),
-        [ServerEvent::Welcomed(_)]
+        [ServerEvent::HelloAccepted(_)]
     ));
+    assert!(s.welcome(t(1)));
+    pump(&mut s, &mut c, t(1));
+    assert!(s.is_live() && c.is_live());
     let welcome = match client_events(&mut c).as_slice() {
         [ClientEvent::Welcomed(w)] => w.clone(),
         other => panic!("{other:?}"),
@@ -1735,6 +1834,7 @@ proptest! {
         // Most runs start welcomed so the live paths get most of the ops.
         if ops.len() % 4 != 0 {
             s.handle_input(&Message::Hello(hello).encode(), t(0));
+            s.welcome(t(0));
         }
         let mut now = 0u64;
         // Model: commanded-but-unopened ids, and open ids.
@@ -1787,7 +1887,10 @@ proptest! {
                         commanded.clear();
                         open.clear();
                     }
-                    ServerEvent::Welcomed(_) | ServerEvent::Draining => {}
+                    ServerEvent::HelloAccepted(_) => {
+                        s.welcome(t(now));
+                    }
+                    ServerEvent::Draining => {}
                 }
             }
             prop_assert_eq!(s.stream_count(), commanded.len() + open.len());
