@@ -14,6 +14,7 @@
 //! | [`bounds`] | per-session and per-stream byte bounds, connection cap |
 //! | [`server`] | the router's session state machine |
 //! | [`client`] | the agent's session state machine |
+//! | [`transport`] | first-byte check, plaintext refusal, connection deadlines (`auth_timeout`, linger) |
 
 pub mod admission;
 pub mod bounds;
@@ -24,6 +25,7 @@ pub mod message;
 pub mod ndjson;
 pub mod rendezvous;
 pub mod server;
+pub mod transport;
 
 #[cfg(test)]
 mod tests;

@@ -17,6 +17,10 @@ use super::rendezvous;
 use super::server::{
     HELLO_TIMEOUT, STREAM_OPEN_TIMEOUT, ServerConfig, ServerEvent, ServerSession, SubscribeError,
 };
+use super::transport::{
+    AUTH_TIMEOUT, CONNECTION_LINGER, ConnectionTimers, FirstByte, classify_first_byte,
+    plaintext_refusal,
+};
 use super::{Admission, BusPath, MAX_LINE_BYTES};
 use crate::discovery::EventTopic;
 use crate::ids::Namespace;
@@ -1304,6 +1308,61 @@ fn admission_limits_handshakes_sessions_and_supersedes() {
     assert!(admission.admit(&c, SessionId::from_random(5)).is_err());
 }
 
+// ---------- connection rules ----------
+
+#[test]
+fn first_byte_decides_tls_or_refusal() {
+    assert_eq!(classify_first_byte(0x16), FirstByte::Tls);
+    for letter in [b'G', b'P', b'g', b'z'] {
+        assert_eq!(classify_first_byte(letter), FirstByte::PlaintextLetter);
+    }
+    for other in [0x00, 0x15, 0x17, b'0', b' ', 0x80, 0xff] {
+        assert_eq!(classify_first_byte(other), FirstByte::Other);
+    }
+    let response = plaintext_refusal();
+    let text = String::from_utf8(response).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 403 Forbidden\r\n"), "{head}");
+    assert!(
+        head.contains(&format!("content-length: {}", body.len())),
+        "{head}"
+    );
+    assert!(head.contains("connection: close"), "{head}");
+    assert_eq!(
+        ErrorBody::decode(body.as_bytes()).unwrap().error.code,
+        ErrorCode::TlsRequired
+    );
+}
+
+#[test]
+fn connection_deadlines_follow_accepted_requests() {
+    let mut timers = ConnectionTimers::new(t(1_000));
+    // Only an accepted request clears auth_timeout (PINGs do not reach this type at all).
+    assert_eq!(
+        timers.deadline(),
+        Some((t(1_000).plus(AUTH_TIMEOUT), ErrorCode::AuthTimeout))
+    );
+    assert_eq!(timers.expired(t(10_999)), None);
+    assert_eq!(timers.expired(t(11_000)), Some(ErrorCode::AuthTimeout));
+    // A refused request does not count; an accepted one does.
+    timers.request_accepted();
+    timers.request_accepted();
+    assert_eq!(timers.deadline(), None);
+    timers.request_ended(t(20_000));
+    assert_eq!(timers.deadline(), None, "one request still runs");
+    timers.request_ended(t(25_000));
+    assert_eq!(
+        timers.deadline(),
+        Some((t(25_000).plus(CONNECTION_LINGER), ErrorCode::IdleTimeout))
+    );
+    // A new request cancels the linger.
+    timers.request_accepted();
+    assert_eq!(timers.expired(t(1_000_000)), None);
+    timers.request_ended(t(60_000));
+    assert_eq!(timers.expired(t(89_999)), None);
+    assert_eq!(timers.expired(t(90_000)), Some(ErrorCode::IdleTimeout));
+}
+
 // ---------- client session ----------
 
 #[test]
@@ -1964,6 +2023,123 @@ proptest! {
                     prop_assert!(Message::decode(line).is_ok());
                 }
             }
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum PairOp {
+    Subscribe(StreamTarget),
+    Unsubscribe(usize),
+    RelayEnded(usize),
+    Drain,
+    Advance(u64),
+}
+
+fn arb_pair_op() -> impl Strategy<Value = PairOp> {
+    prop_oneof![
+        6 => arb_target().prop_map(PairOp::Subscribe),
+        2 => any::<usize>().prop_map(PairOp::Unsubscribe),
+        2 => any::<usize>().prop_map(PairOp::RelayEnded),
+        1 => Just(PairOp::Drain),
+        3 => (0u64..9_000).prop_map(PairOp::Advance),
+    ]
+}
+
+/// Delivers transmit bytes both ways until neither side has anything to say.
+fn pump_pair(s: &mut ServerSession, c: &mut ClientSession, now: Tick) {
+    loop {
+        let up = c.poll_transmit();
+        let down = s.poll_transmit();
+        if up.is_none() && down.is_none() {
+            return;
+        }
+        if let Some(bytes) = up {
+            s.handle_input(&bytes, now);
+        }
+        if let Some(bytes) = down {
+            c.handle_input(&bytes, now);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Both ends back to back under arbitrary commands, relay ends, drains and clock steps
+    /// (below the idle timeout): the session stays up, every stream the agent opens is admitted
+    /// by the router exactly once, and once the wire is quiet both ends agree on which streams
+    /// exist.
+    #[test]
+    fn both_ends_agree_on_streams(
+        listener in any::<bool>(),
+        ops in prop::collection::vec(arb_pair_op(), 0..80),
+    ) {
+        let (grant, hello) = if listener {
+            (listener_grant(), listener_hello())
+        } else {
+            (broker_grant(), broker_hello())
+        };
+        let me = grant.id.clone();
+        let mut s = server(grant, 3);
+        let mut c = ClientSession::new(hello, t(0)).unwrap();
+        pump_pair(&mut s, &mut c, t(0));
+        prop_assert!(s.welcome(t(0)));
+        pump_pair(&mut s, &mut c, t(0));
+        prop_assert!(s.is_live() && c.is_live());
+        let mut now = 0u64;
+        let mut admitted: BTreeSet<StreamId> = BTreeSet::new();
+        for op in ops {
+            match op {
+                PairOp::Subscribe(target) => {
+                    let _ = s.subscribe(target, t(now));
+                }
+                PairOp::Unsubscribe(i) => {
+                    let open: Vec<StreamId> = c.open_streams().collect();
+                    if !open.is_empty() {
+                        s.unsubscribe(open[i % open.len()]);
+                    }
+                }
+                PairOp::RelayEnded(i) => {
+                    let open: Vec<StreamId> = c.open_streams().collect();
+                    if !open.is_empty() {
+                        let id = open[i % open.len()];
+                        prop_assert!(c.stream_closed(id, StreamCloseReason::PublisherClosed, None));
+                    }
+                }
+                PairOp::Drain => c.drain(),
+                PairOp::Advance(ms) => {
+                    now += ms;
+                    s.handle_timeout(t(now));
+                    c.handle_timeout(t(now));
+                }
+            }
+            pump_pair(&mut s, &mut c, t(now));
+            while let Some(event) = c.poll_event() {
+                match event {
+                    ClientEvent::OpenStream { stream_id, .. } => {
+                        // Opened right after the subscribe arrived, so the router still
+                        // holds it unless it already unsubscribed it in the same exchange.
+                        let result = s.accept_stream(stream_id, &me, 1);
+                        prop_assert!(admitted.insert(stream_id));
+                        if let Err(refusal) = result {
+                            prop_assert_eq!(refusal.code, ErrorCode::UnknownStream);
+                        }
+                    }
+                    ClientEvent::CloseStream(id) => {
+                        s.stream_ended(id);
+                    }
+                    ClientEvent::Welcomed(_) => {}
+                    ClientEvent::Closed { code, .. } => prop_assert!(false, "client closed: {code}"),
+                }
+            }
+            while let Some(event) = s.poll_event() {
+                if let ServerEvent::Closed(code) = event {
+                    prop_assert!(false, "router closed: {code}");
+                }
+            }
+            prop_assert!(s.is_live() && c.is_live());
+            prop_assert_eq!(s.stream_count(), c.open_streams().count());
         }
     }
 }
