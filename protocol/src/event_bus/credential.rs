@@ -191,7 +191,7 @@ impl RevokedCredentials {
             self.restore(&credential.id);
         }
         for credential in old {
-            let kept = new.iter().any(|n| *n == *credential);
+            let kept = new.contains(credential);
             if !kept {
                 let replaced_same_id = new.iter().any(|n| n.id == credential.id);
                 if replaced_same_id {
