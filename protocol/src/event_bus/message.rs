@@ -7,7 +7,7 @@
 //! [`super::MAX_LINE_BYTES`]-proportional memory).
 
 use std::fmt;
-use std::net::IpAddr;
+use core::net::IpAddr;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use thiserror::Error;
