@@ -6,8 +6,8 @@
 //! [`super::ndjson::LineDecoder`] before it was buffered, so parsing allocates at most
 //! [`super::MAX_LINE_BYTES`]-proportional memory).
 
-use std::fmt;
 use core::net::IpAddr;
+use std::fmt;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use thiserror::Error;
