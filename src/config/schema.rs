@@ -639,13 +639,15 @@ impl EventBusConfig {
     /// Per-direction buffer of one data stream: `max_session_buffer_bytes / (4 *
     /// max_streams_per_session)` clamped to 16 KiB..=1 MiB (16 KiB at defaults).
     pub fn stream_buffer_bytes(&self) -> u64 {
-        let reservations = 4 * u64::from(self.max_streams_per_session.max(1));
-        (self.max_session_buffer_bytes / reservations).clamp(16 * 1024, 1024 * 1024)
+        continuum_protocol::event_bus::bounds::stream_buffer_bytes(
+            self.max_session_buffer_bytes,
+            self.max_streams_per_session,
+        )
     }
 
     /// Concurrent TCP connections the listener accepts: `4 * max_sessions`, at least 16.
     pub fn max_connections(&self) -> u64 {
-        (4 * u64::from(self.max_sessions)).max(16)
+        continuum_protocol::event_bus::bounds::max_connections(self.max_sessions)
     }
 }
 

@@ -918,6 +918,15 @@ impl Validator {
                 ),
             );
         }
+        if bus.max_session_buffer_bytes > continuum_protocol::event_bus::bounds::MAX_HTTP2_WINDOW {
+            self.err(
+                format!("{base}.max_session_buffer_bytes"),
+                format!(
+                    "must be at most {} bytes: it is the HTTP/2 connection window",
+                    continuum_protocol::event_bus::bounds::MAX_HTTP2_WINDOW
+                ),
+            );
+        }
         if bus.heartbeat_interval.get().is_zero() {
             self.err(
                 format!("{base}.heartbeat_interval"),

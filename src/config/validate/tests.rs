@@ -1259,6 +1259,16 @@ fn session_buffer_at_least_streams_times_64_kib() {
     expect_error(&c, "dynamo.event_bus.max_session_buffer_bytes", "64 KiB");
     c.dynamo.event_bus.max_session_buffer_bytes = 1024 * 64 * 1024;
     expect_clean_at(&c, "dynamo.event_bus.max_session_buffer_bytes");
+    // The session budget is the HTTP/2 connection window: at most 2^31 - 1.
+    c.dynamo.event_bus.max_streams_per_session = 1;
+    c.dynamo.event_bus.max_session_buffer_bytes = (1 << 31) - 1;
+    expect_clean_at(&c, "dynamo.event_bus.max_session_buffer_bytes");
+    c.dynamo.event_bus.max_session_buffer_bytes = 1 << 31;
+    expect_error(
+        &c,
+        "dynamo.event_bus.max_session_buffer_bytes",
+        "HTTP/2 connection window",
+    );
 }
 
 #[test]
