@@ -881,9 +881,18 @@ fn hangup_signal() -> mpsc::Receiver<()> {
     match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
         Ok(mut signal) => {
             tokio::spawn(async move {
-                while signal.recv().await.is_some() {
-                    // One pending reload covers any number of signals.
-                    let _ = tx.try_send(());
+                loop {
+                    tokio::select! {
+                        received = signal.recv() => {
+                            if received.is_none() {
+                                return;
+                            }
+                            // One pending reload covers any number of signals.
+                            let _ = tx.try_send(());
+                        }
+                        // The control loop ended (shutdown): stop listening.
+                        () = tx.closed() => return,
+                    }
                 }
             });
         }

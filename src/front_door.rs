@@ -54,6 +54,8 @@ pub enum ControlCommand {
 
 pub type MetricsRender = Arc<dyn Fn() -> String + Send + Sync>;
 pub type JsonView = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+/// Fleet model ids reachable under a key's `allowed_backends` (empty = all).
+pub type FleetModels = Arc<dyn Fn(&[String]) -> Vec<String> + Send + Sync>;
 
 /// Everything handlers need, cheap to clone.
 #[derive(Clone)]
@@ -68,7 +70,7 @@ pub struct AppState {
     /// Model ids the discovered fleet serves, merged into `GET /v1/models`; the argument is the
     /// key's `allowed_backends` (empty = all), which limits the list to namespaces whose shim
     /// replicas the key may use.
-    pub fleet_models: Arc<dyn Fn(&[String]) -> Vec<String> + Send + Sync>,
+    pub fleet_models: FleetModels,
     /// The OpenAI-wire proxy behind `POST /v1/chat/completions` and `POST /v1/completions`.
     pub proxy: Arc<crate::proxy::Proxy>,
 }
