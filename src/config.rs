@@ -7,6 +7,7 @@
 //! | [`validate`] | every validation rule and warning, as path-addressed [`Diagnostic`]s |
 //! | [`mask`] | `config show`: the effective config as YAML with secrets masked |
 //! | [`diff`] | reload classification of an old/new config pair ([`ReloadPlan`]) |
+//! | [`guard`] | the reload guard: refuses a file that removes every backend or the admin API |
 //! | [`report`] | `config validate`: the human report and exit code |
 //!
 //! Parsing goes YAML text → `serde_json::Value` (serde-saphyr, duplicate keys rejected) →
@@ -22,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub mod diff;
+pub mod guard;
 pub mod interpolate;
 pub mod mask;
 pub mod report;
@@ -180,6 +182,14 @@ impl Config {
         Self::load_with_env(path, &ProcessEnv)
     }
 
+    /// [`Config::load`] that also returns the file's text (the reload guard reads which
+    /// changes the file states explicitly).
+    pub fn load_with_text(path: &Path) -> Result<(LoadedConfig, String), ConfigError> {
+        let text = read_bounded(path)?;
+        let loaded = Self::from_yaml_str_validated(&text, &ProcessEnv)?;
+        Ok((loaded, text))
+    }
+
     /// [`Config::load`] with an injected environment.
     pub fn load_with_env(path: &Path, env: &dyn EnvLookup) -> Result<LoadedConfig, ConfigError> {
         let text = read_bounded(path)?;
@@ -201,7 +211,7 @@ impl Config {
 
 /// YAML 1.2 core reading of untyped scalars: `no`, `on`, `y` stay strings (a namespace called
 /// `no` must not become `false`), as do `0755` and `1_000`. Duplicate keys are errors.
-fn yaml_options() -> serde_saphyr::Options {
+pub(crate) fn yaml_options() -> serde_saphyr::Options {
     let mut options = serde_saphyr::Options::default();
     options.strict_booleans = true;
     options.leading_zero_numbers_as_strings = true;

@@ -42,6 +42,8 @@ pub struct LiveSettings {
     pub api_keys: Vec<ApiKeySetting>,
     /// Model ids served by configured, enabled, non-internal backends.
     pub models: Vec<String>,
+    /// The same, per backend name: what a key limited by `allowed_backends` may list.
+    pub backend_models: Vec<(String, Vec<String>)>,
 }
 
 /// Commands from the admin API to the daemon's control loop.
@@ -53,6 +55,8 @@ pub enum ControlCommand {
 
 pub type MetricsRender = Arc<dyn Fn() -> String + Send + Sync>;
 pub type JsonView = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+/// Fleet model ids reachable under a key's `allowed_backends` (empty = all).
+pub type FleetModels = Arc<dyn Fn(&[String]) -> Vec<String> + Send + Sync>;
 
 /// Everything handlers need, cheap to clone.
 #[derive(Clone)]
@@ -64,8 +68,10 @@ pub struct AppState {
     pub control: mpsc::Sender<ControlCommand>,
     /// `GET /admin/dynamo/workers`.
     pub dynamo_workers: JsonView,
-    /// Model ids the discovered fleet serves, merged into `GET /v1/models`.
-    pub fleet_models: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
+    /// Model ids the discovered fleet serves, merged into `GET /v1/models`; the argument is the
+    /// key's `allowed_backends` (empty = all), which limits the list to namespaces whose shim
+    /// replicas the key may use.
+    pub fleet_models: FleetModels,
     /// The OpenAI-wire proxy behind `POST /v1/chat/completions` and `POST /v1/completions`.
     pub proxy: Arc<crate::proxy::Proxy>,
 }
@@ -151,9 +157,21 @@ pub fn authenticate_client(
 
 async fn models(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     let live = state.live.load();
-    authenticate_client(&live, &headers)?;
-    let mut ids: Vec<String> = live.models.clone();
-    ids.extend((state.fleet_models)());
+    let key = authenticate_client(&live, &headers)?;
+    // A key limited by `allowed_backends` lists only what it can reach.
+    let allowed = key
+        .as_ref()
+        .map_or(&[][..], |k| k.allowed_backends.as_slice());
+    let mut ids: Vec<String> = if allowed.is_empty() {
+        live.models.clone()
+    } else {
+        live.backend_models
+            .iter()
+            .filter(|(backend, _)| allowed.contains(backend))
+            .flat_map(|(_, models)| models.iter().cloned())
+            .collect()
+    };
+    ids.extend((state.fleet_models)(allowed));
     ids.sort();
     ids.dedup();
     let data: Vec<_> = ids

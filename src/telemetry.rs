@@ -31,6 +31,11 @@ use tracing_subscriber::{Layer, Registry};
 /// bounds [`TelemetryGuard::shutdown`] when a collector accepts connections but never answers.
 pub const OTLP_EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How often the batch processor exports finished spans (the SDK default is 5 s), so short spans
+/// such as `actor.start` reach the collector about a second after they end.
+/// `OTEL_BSP_SCHEDULE_DELAY` (milliseconds), when set, wins.
+pub const OTLP_SCHEDULE_DELAY: Duration = Duration::from_secs(1);
+
 /// Targets never exported as spans: the export pipeline's own instrumentation.
 const EXPORT_PIPELINE_TARGETS: &[&str] = &[
     "h2",
@@ -257,8 +262,15 @@ fn tracer_provider(
         .build();
     // The SDK's batch processor exports from a dedicated thread; the tonic channel it drives runs
     // on the tokio runtime. (The tokio-task variant is still behind an experimental SDK feature.)
+    let mut batch = opentelemetry_sdk::trace::BatchConfigBuilder::default();
+    if std::env::var_os("OTEL_BSP_SCHEDULE_DELAY").is_none() {
+        batch = batch.with_scheduled_delay(OTLP_SCHEDULE_DELAY);
+    }
+    let processor = opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter)
+        .with_batch_config(batch.build())
+        .build();
     Ok(SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
+        .with_span_processor(processor)
         .with_resource(resource)
         .build())
 }

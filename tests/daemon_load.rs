@@ -3,6 +3,8 @@
 //! subscription, samples land in the load store and the per-worker gauges, foreign publisher ids
 //! are counted, and a departed worker's sample and gauges are evicted. A publisher SIGKILLed while
 //! its records stay in etcd (a killed worker within its lease) marks the worker unreachable.
+//! A sequence gap drops the publisher's samples, and the sample that revealed it keeps its
+//! gauges.
 #![cfg(feature = "real-peers")]
 
 mod support {
@@ -290,6 +292,70 @@ async fn a_killed_publisher_marks_its_worker_unreachable_until_it_answers_again(
     assert_eq!(
         metrics.value("continuum_dynamo_unreachable_workers", &[]),
         Some(0.0)
+    );
+    daemon.shutdown().await;
+}
+
+/// seq 0..2, a gap (3 and 4 never sent), then seq 5: the store holds seq 5's sample and the
+/// gauges equal it. Before the fix the gap's `clear_gauges` ran after `set_worker_load` for the
+/// same key, deleting the series just set while `/admin/dynamo/workers` showed the sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sample_after_a_sequence_gap_keeps_its_gauges() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    let mut publisher = Publisher::spawn().await;
+    let port = publisher.bind("xpub", 0).await;
+    let mut client = etcd.client().await;
+    for (key, value) in records(port) {
+        client.put(key, value.to_string(), None).await.expect("put");
+    }
+    let yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\n\
+         dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{}\"]\n      \
+         namespace: \"{NS}\"\n  load:\n    max_staleness: \"5m\"\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n",
+        etcd.endpoint()
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    publisher.await_subscriptions(1).await;
+    publisher
+        .send(&[
+            make(PUBLISHER, 0, WORKER, 1),
+            make(PUBLISHER, 1, WORKER, 2),
+            make(PUBLISHER, 2, WORKER, 3),
+        ])
+        .await;
+    until(&daemon, |d| {
+        gauge(d, "continuum_dynamo_worker_kv_used_blocks") == Some(3.0)
+    })
+    .await;
+    let duplicates = |d: &Daemon| {
+        d.metrics()
+            .value(
+                "continuum_dynamo_load_events_total",
+                &[("result", "duplicate")],
+            )
+            .unwrap_or(0.0)
+    };
+    let before = duplicates(&daemon);
+    // The gap, then seq 5 again: frames are handled in order, so once the duplicate is counted
+    // the gap frame's gauges are settled.
+    publisher
+        .send(&[
+            make(PUBLISHER, 5, WORKER, 11),
+            make(PUBLISHER, 5, WORKER, 12),
+        ])
+        .await;
+    until(&daemon, |d| {
+        d.load_store()
+            .latest(WORKER, DpRank(0))
+            .is_some_and(|s| s.load.kv_used_blocks == Some(11))
+            && duplicates(d) > before
+    })
+    .await;
+    assert_eq!(
+        gauge(&daemon, "continuum_dynamo_worker_kv_used_blocks"),
+        Some(11.0),
+        "the gauge equals the applied sample"
     );
     daemon.shutdown().await;
 }

@@ -73,6 +73,19 @@ macro_rules! label_enum {
 pub(crate) use label_enum;
 
 label_enum! {
+    /// The `reason` of `continuum_config_reload_refusals_total{reason}`: why a config reload
+    /// (file watch, SIGHUP or `POST /admin/config/reload`) kept the running config.
+    ReloadRefusal {
+        /// The file could not be read, parsed or validated.
+        Invalid => "invalid",
+        /// It would remove every backend without writing `backends: []`.
+        RemovesAllBackends => "removes_all_backends",
+        /// It would disable the admin API (or drop its token) without `admin.enabled: false`.
+        DisablesAdmin => "disables_admin",
+    }
+}
+
+label_enum! {
     /// The `role` of `continuum_dynamo_workers{namespace, role}`.
     WorkerRole {
         Prefill => "prefill",
@@ -252,6 +265,7 @@ struct Inner {
     disaggregated_requests: IntCounterVec,
     disaggregated_errors: IntCounterVec,
     actor_restarts: IntCounterVec,
+    config_reload_refusals: IntCounterVec,
     http_requests: IntCounterVec,
     unreachable_workers: IntGauge,
     workers_marked_unreachable: prometheus::IntCounter,
@@ -410,6 +424,12 @@ impl Metrics {
                 "continuum_actor_restarts_total",
                 "Supervisor restarts of a failed actor, by actor kind.",
                 &["actor"],
+            )?,
+            config_reload_refusals: counter_vec(
+                r,
+                "continuum_config_reload_refusals_total",
+                "Config reloads refused (the running config stays), by reason.",
+                &["reason"],
             )?,
             http_requests: counter_vec(
                 r,
@@ -735,6 +755,13 @@ impl Metrics {
             .inc();
     }
 
+    pub fn config_reload_refused(&self, reason: ReloadRefusal) {
+        self.inner
+            .config_reload_refusals
+            .with_label_values(&[reason.as_label()])
+            .inc();
+    }
+
     pub fn http_request(&self, route: HttpRoute, status: u16) {
         self.inner
             .http_requests
@@ -784,6 +811,10 @@ impl Inner {
         }
         for kind in ActorKind::ALL {
             self.actor_restarts.with_label_values(&[kind.as_label()]);
+        }
+        for reason in ReloadRefusal::ALL {
+            self.config_reload_refusals
+                .with_label_values(&[reason.as_label()]);
         }
         for route in HttpRoute::ALL {
             for class in StatusClass::ALL {
@@ -863,6 +894,7 @@ mod tests {
         check_closed(HttpRoute::ALL, HttpRoute::as_label);
         check_closed(StatusClass::ALL, StatusClass::as_label);
         check_closed(ActorKind::ALL, ActorKind::as_label);
+        check_closed(ReloadRefusal::ALL, ReloadRefusal::as_label);
     }
 
     /// The label values the seed names verbatim are spelled exactly so.
@@ -930,6 +962,7 @@ mod tests {
             "disaggregated_requests_total",
             "disaggregated_errors_total",
             "continuum_actor_restarts_total",
+            "continuum_config_reload_refusals_total",
             "continuum_http_requests_total",
         ] {
             assert!(text.contains(&format!("# TYPE {family} ")), "{family}");

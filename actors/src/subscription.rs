@@ -237,6 +237,9 @@ async fn run_subscription(args: SubscriptionArgs) {
                             .and_then(|k| s.latest(k.worker_id, k.dp_rank).cloned());
                         (outcome, sample)
                     });
+                    // A gap drops the publisher's samples, then the frame that revealed it is
+                    // applied: clear the dropped series first so the one just set stays.
+                    clear_gauges(&metrics, &target.namespace, &outcome.dropped);
                     if let Some(metrics) = &metrics {
                         metrics.load_event(outcome.result);
                         if let Some(sample) = sample {
@@ -258,7 +261,6 @@ async fn run_subscription(args: SubscriptionArgs) {
                     if let Some(missed) = outcome.gap {
                         debug!(subscription = %name, missed, "Sequence gap: dropped this publisher's samples.");
                     }
-                    clear_gauges(&metrics, &target.namespace, &outcome.dropped);
                     store.notify();
                 }
             }
