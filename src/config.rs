@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub mod diff;
+pub mod example;
 pub mod interpolate;
 pub mod mask;
 pub mod report;

@@ -12,6 +12,7 @@
 //! | [`shim`] | Dynamo direct-mode shim routing: picks and pins per request |
 //! | [`telemetry`] | logs and OTLP trace export |
 
+pub mod build_info;
 pub mod config;
 pub mod daemon;
 pub mod demo;
