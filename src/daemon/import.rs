@@ -26,10 +26,11 @@ impl ControlLoop {
                     .into(),
             ));
         };
-        let (rendered, warnings) = prepare_import(&text, &self.current)?;
         let previous = std::fs::read(&path).map_err(|e| {
             ImportError::Write(format!("cannot read {} first: {e}", path.display()))
         })?;
+        let (rendered, warnings) =
+            prepare_import(&text, &self.current, std::str::from_utf8(&previous).ok())?;
         write_atomically(&path, rendered.as_bytes())
             .map_err(|e| ImportError::Write(format!("{}: {e}", path.display())))?;
         match self.reload().await {
@@ -47,9 +48,14 @@ impl ControlLoop {
 /// Parses and validates an imported config against the running one: masked secrets take the
 /// live values, secrets still masked afterwards are refused. Returns the YAML to write (the
 /// effective config, `${` escaped so the file re-reads to the same values) and the warnings.
+///
+/// A secret that arrived masked and that the current file (`live_file`, its raw text) spells
+/// as a `${VAR}` reference resolving to the live value is written back as that reference, so an
+/// import never copies a secret from the environment into the file.
 pub(crate) fn prepare_import(
     text: &str,
     live: &Config,
+    live_file: Option<&str>,
 ) -> Result<(String, Vec<String>), ImportError> {
     if text.len() as u64 > config::MAX_CONFIG_BYTES {
         return Err(ImportError::Invalid(format!(
@@ -64,6 +70,7 @@ pub(crate) fn prepare_import(
         warn!(%note, "Admin config import reuses the live etcd password.");
         warnings.push(note);
     }
+    let restored = masked_secret_pointers(&imported, live);
     config::restore_masked(&mut imported, live);
     let unrestored = still_masked(&imported);
     if !unrestored.is_empty() {
@@ -81,7 +88,9 @@ pub(crate) fn prepare_import(
         )));
     }
     warnings.extend(diagnostics.iter().map(ToString::to_string));
-    let rendered = render_for_file(&imported).map_err(ImportError::Invalid)?;
+    let raw_live = live_file.and_then(|text| serde_saphyr::from_str::<Value>(text).ok());
+    let rendered =
+        render_for_file(&imported, &restored, raw_live.as_ref()).map_err(ImportError::Invalid)?;
     Ok((rendered, warnings))
 }
 
@@ -136,12 +145,83 @@ fn still_masked(config: &Config) -> Vec<String> {
     out
 }
 
+/// JSON pointers `(in the import, in the live config)` of every secret that arrives masked and
+/// has a live value to restore (API keys matched by name, brokers by id, as `restore_masked`).
+fn masked_secret_pointers(imported: &Config, live: &Config) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mask_path = Path::new(MASK);
+    let mut same = |pointer: &str| out.push((pointer.to_owned(), pointer.to_owned()));
+    if imported.admin.token.as_deref() == Some(MASK) {
+        same("/admin/token");
+    }
+    let etcd = &imported.dynamo.discovery.etcd;
+    if etcd.auth.as_ref().is_some_and(|a| a.password == MASK) {
+        same("/dynamo/discovery/etcd/auth/password");
+    }
+    if etcd.tls.as_ref().and_then(|t| t.client_key.as_deref()) == Some(mask_path) {
+        same("/dynamo/discovery/etcd/tls/client_key");
+    }
+    let bus = &imported.dynamo.event_bus;
+    if bus.tls.as_ref().and_then(|t| t.key.as_deref()) == Some(mask_path) {
+        same("/dynamo/event_bus/tls/key");
+    }
+    for (i, key) in imported.api_keys.iter().enumerate() {
+        if key.key == MASK
+            && let Some(j) = live.api_keys.iter().position(|old| old.name == key.name)
+        {
+            out.push((format!("/api_keys/{i}/key"), format!("/api_keys/{j}/key")));
+        }
+    }
+    for (i, broker) in bus.brokers.iter().enumerate() {
+        if broker.token_hash.as_deref() == Some(MASK)
+            && let Some(j) = live
+                .dynamo
+                .event_bus
+                .brokers
+                .iter()
+                .position(|old| old.id == broker.id)
+        {
+            out.push((
+                format!("/dynamo/event_bus/brokers/{i}/token_hash"),
+                format!("/dynamo/event_bus/brokers/{j}/token_hash"),
+            ));
+        }
+    }
+    out
+}
+
+/// Whether `raw` (a scalar of the current file) interpolates to `value` now.
+fn resolves_to(raw: &str, value: &Value) -> bool {
+    let mut resolved = Value::String(raw.to_owned());
+    let mut problems = Vec::new();
+    config::interpolate::interpolate(&mut resolved, &ProcessEnv, &mut problems);
+    problems.is_empty() && resolved == *value
+}
+
 /// The config as the YAML file the reload path re-reads: every `${` in a value is written as
-/// `$${` so interpolation gives back the same text.
-fn render_for_file(config: &Config) -> Result<String, String> {
-    let mut value =
+/// `$${` so interpolation gives back the same text, except restored secrets the current file
+/// spells as `${VAR}` references (`restored`, `raw_live`), which keep the reference.
+fn render_for_file(
+    config: &Config,
+    restored: &[(String, String)],
+    raw_live: Option<&Value>,
+) -> Result<String, String> {
+    let resolved =
         serde_json::to_value(config).map_err(|e| format!("cannot render the config: {e}"))?;
+    let mut value = resolved.clone();
     escape_interpolation(&mut value);
+    for (imported, live) in restored {
+        let reference = raw_live
+            .and_then(|raw| raw.pointer(live))
+            .and_then(Value::as_str)
+            .filter(|raw| raw.contains("${"));
+        if let (Some(reference), Some(now)) = (reference, resolved.pointer(imported))
+            && resolves_to(reference, now)
+            && let Some(slot) = value.pointer_mut(imported)
+        {
+            *slot = Value::String(reference.to_owned());
+        }
+    }
     let yaml =
         serde_saphyr::to_string(&value).map_err(|e| format!("cannot render the config: {e}"))?;
     Ok(format!(
@@ -211,7 +291,7 @@ api_keys:
         let live = parse(LIVE);
         let shown = config::show_effective(&live);
         assert!(shown.contains(MASK) && !shown.contains("alice-key"));
-        let (rendered, warnings) = prepare_import(&shown, &live).expect("import");
+        let (rendered, warnings) = prepare_import(&shown, &live, None).expect("import");
         assert_eq!(parse(&rendered), live);
         // Only the live config's own warnings (none for a loopback front door with keys).
         assert!(
@@ -228,7 +308,7 @@ admin: {enabled: true, token: "live-admin-token-0123456789"}
 api_keys:
   - {name: bob, key: "********"}
 "#;
-        let error = prepare_import(text, &live).expect_err("refused");
+        let error = prepare_import(text, &live, None).expect_err("refused");
         assert!(
             matches!(&error, ImportError::Invalid(m) if m.contains("api_keys[0].key") && m.contains("bob")),
             "{error:?}"
@@ -241,7 +321,7 @@ api_keys:
         let text = r#"
 admin: {enabled: true, token: "tok-$${NOT_A_VAR}-0123456789"}
 "#;
-        let (rendered, _) = prepare_import(text, &live).expect("import");
+        let (rendered, _) = prepare_import(text, &live, None).expect("import");
         assert_eq!(
             parse(&rendered).admin.token.as_deref(),
             Some("tok-${NOT_A_VAR}-0123456789")
@@ -262,7 +342,7 @@ dynamo:
   enabled: true
   discovery: {etcd: {endpoints: ["https://etcd-b:2379"], auth: {username: u, password: "********"}}}
 "#;
-        let (rendered, warnings) = prepare_import(text, &live).expect("import");
+        let (rendered, warnings) = prepare_import(text, &live, None).expect("import");
         assert!(
             warnings.iter().any(|w| w.contains("trusted cluster")),
             "{warnings:?}"
@@ -280,12 +360,44 @@ dynamo:
             ("admin: {enabled: true}", "admin.token"),
             ("a: [unclosed", "YAML"),
         ] {
-            let error = prepare_import(text, &live).expect_err(text);
+            let error = prepare_import(text, &live, None).expect_err(text);
             assert!(
                 matches!(&error, ImportError::Invalid(m) if m.contains(needle)),
                 "{text}: {error:?}"
             );
         }
+    }
+
+    #[test]
+    fn restored_secrets_keep_the_files_env_references() {
+        let file = r#"
+admin: {enabled: true, token: "${CONTINUUM_IMPORT_TEST_TOKEN}"}
+api_keys:
+  - {name: alice, key: "${CONTINUUM_IMPORT_TEST_KEY}-suffix"}
+  - {name: bob, key: "bob-literal-key"}
+"#;
+        let env = [
+            ("CONTINUUM_IMPORT_TEST_TOKEN", "token-from-env-0123456789"),
+            ("CONTINUUM_IMPORT_TEST_KEY", "key-from-env"),
+        ];
+        let live = Config::from_yaml_str(file, &env).expect("valid");
+        let mut raw: Value = serde_saphyr::from_str(file).expect("raw");
+        let restored = masked_secret_pointers(&config::mask::masked(&live), &live);
+        assert_eq!(restored.len(), 3, "{restored:?}");
+        // The environment of this process does not hold the variables: nothing resolves, so
+        // the values are written (resolution is checked, never assumed).
+        let rendered = render_for_file(&live, &restored, Some(&raw)).expect("render");
+        assert!(rendered.contains("token-from-env-0123456789"), "{rendered}");
+        // A raw file whose reference resolves here is kept as the reference.
+        raw["admin"]["token"] = Value::String("${PATH}".into());
+        let mut from_path = live.clone();
+        from_path.admin.token = Some(std::env::var("PATH").expect("PATH is set"));
+        let rendered = render_for_file(&from_path, &restored, Some(&raw)).expect("render");
+        assert!(
+            rendered.contains("${PATH}") && !rendered.contains("$${PATH}"),
+            "{rendered}"
+        );
+        assert!(rendered.contains("bob-literal-key"), "{rendered}");
     }
 
     #[test]
