@@ -979,6 +979,43 @@ mod tests {
     }
 
     #[test]
+    fn build_info_latency_and_budget_families_export() {
+        let metrics = metrics();
+        metrics.set_build_info("9.9.9", "real-peers");
+        metrics.set_build_info("1.2.3", "none");
+        let text = metrics.render();
+        assert!(text.contains(r#"continuum_router_build_info{features="none",version="1.2.3"} 1"#));
+        assert!(!text.contains("9.9.9"), "one build_info series only");
+        metrics.http_request_timed(
+            HttpRoute::ChatCompletions,
+            200,
+            std::time::Duration::from_millis(30),
+        );
+        let text = metrics.render();
+        assert!(text.contains(
+            r#"continuum_http_request_duration_seconds_bucket{route="chat_completions",le="0.05"} 1"#
+        ));
+        assert!(text.contains(
+            r#"continuum_http_request_duration_seconds_bucket{route="chat_completions",le="0.025"} 0"#
+        ));
+        assert_eq!(
+            metrics.value(
+                "continuum_http_requests_total",
+                &[("route", "chat_completions"), ("status_class", "2xx")]
+            ),
+            Some(1.0)
+        );
+        metrics.restart_budget_exhausted(ActorKind::Discovery);
+        assert_eq!(
+            metrics.value(
+                "continuum_actor_restart_budget_exhausted_total",
+                &[("actor", "discovery")]
+            ),
+            Some(1.0)
+        );
+    }
+
+    #[test]
     fn render_contains_every_family_preinitialised() {
         let metrics = metrics();
         let text = metrics.render();
@@ -995,6 +1032,7 @@ mod tests {
             "disaggregated_requests_total",
             "disaggregated_errors_total",
             "continuum_actor_restarts_total",
+            "continuum_actor_restart_budget_exhausted_total",
             "continuum_http_requests_total",
         ] {
             assert!(text.contains(&format!("# TYPE {family} ")), "{family}");
