@@ -649,6 +649,49 @@ fn the_chart_templates_build_what_the_checks_assume() {
             "{file}"
         );
     }
+    // Every block action is closed (what helm would refuse to parse first).
+    for entry in std::fs::read_dir(root().join(CHART).join("templates")).expect("templates") {
+        let path = entry.expect("entry").path();
+        let text = std::fs::read_to_string(&path).expect("read");
+        let (open, close) = template_blocks(&text);
+        assert_eq!(
+            open,
+            close,
+            "{}: {open} blocks opened, {close} ended",
+            path.display()
+        );
+    }
+    assert_eq!(
+        template_blocks("{{- if a }}{{ with b }}x{{ end }}{{- end -}}"),
+        (2, 2)
+    );
+    assert_eq!(
+        template_blocks("{{ if a }}{{ else if b }}{{ end }}"),
+        (1, 1)
+    );
+    assert_eq!(template_blocks("{{- range .x }}"), (1, 0));
+}
+
+/// `(blocks opened, blocks ended)` in a Go template: `if`, `range`, `with`, `define`, `block`
+/// open one (`else if` does not), `end` closes one. Comments are skipped.
+fn template_blocks(text: &str) -> (usize, usize) {
+    let (mut open, mut close) = (0, 0);
+    let mut rest = text;
+    while let Some(start) = rest.find("{{") {
+        let after = &rest[start + 2..];
+        let end = after.find("}}").unwrap_or(after.len());
+        let action = after[..end].trim_start_matches('-').trim();
+        let word = action.split_whitespace().next().unwrap_or("");
+        if !action.starts_with("/*") {
+            match word {
+                "if" | "range" | "with" | "define" | "block" => open += 1,
+                "end" => close += 1,
+                _ => {}
+            }
+        }
+        rest = &after[end..];
+    }
+    (open, close)
 }
 
 /// The subset of JSON Schema `values.schema.json` uses: type, properties, required,
