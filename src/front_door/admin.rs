@@ -24,6 +24,7 @@ pub fn routes(state: AppState) -> Router<AppState> {
         .route("/admin/subsystems/{*rest}", post(restart_subsystem))
         .route("/admin/config/reload", post(reload_config))
         .route("/admin/dynamo/workers", get(dynamo_workers))
+        .merge(super::admin_config::routes())
         .layer(middleware::from_fn_with_state(state, admin_auth))
 }
 
