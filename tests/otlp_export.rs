@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use continuum_actors::lifecycle::{ActorKind, ActorSpan};
 use continuum_router::telemetry::{self, LogFormat, TelemetryOptions};
-use tracing_subscriber::fmt::TestWriter;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use support::otlp::{OtlpReceiver, one};
+use tracing_subscriber::fmt::TestWriter;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -34,7 +34,8 @@ fn options(endpoint: String) -> TelemetryOptions {
 async fn actor_restart_arrives_as_supervisor_restart_incarnation_chain() {
     let receiver = OtlpReceiver::start().await.expect("bind loopback");
     let (subscriber, guard) =
-        telemetry::subscriber_with_writer(&options(receiver.endpoint()), TestWriter::new()).expect("telemetry layers");
+        telemetry::subscriber_with_writer(&options(receiver.endpoint()), TestWriter::new())
+            .expect("telemetry layers");
 
     {
         // Scoped to this thread: spans are created and ended here, before the flush below.
@@ -142,7 +143,8 @@ async fn no_collector_neither_fails_nor_blocks() {
         listener.local_addr().expect("addr")
     };
     let (subscriber, guard) =
-        telemetry::subscriber_with_writer(&options(format!("http://{closed}")), TestWriter::new()).expect("lazy exporter builds");
+        telemetry::subscriber_with_writer(&options(format!("http://{closed}")), TestWriter::new())
+            .expect("lazy exporter builds");
     {
         let _default = tracing::subscriber::set_default(subscriber);
         let actor = ActorSpan::start("root", ActorKind::Root, None);

@@ -15,10 +15,10 @@ use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::supervisor::{ChildContext, ChildSpec, spawn_root};
 use continuum_actors::tree::ActorTree;
 use continuum_router::telemetry::{self, LogFormat, TelemetryOptions};
-use tracing_subscriber::fmt::TestWriter;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use support::otlp::OtlpReceiver;
 use tokio::sync::mpsc;
+use tracing_subscriber::fmt::TestWriter;
 
 struct Worker;
 

@@ -625,10 +625,7 @@ fn a_type_error_echoes_the_offending_value() {
 fn secrets_and_long_values_are_not_echoed_whole() {
     let token = [PathSeg::Key("admin".into()), PathSeg::Key("token".into())];
     assert_eq!(echo_value(&token, &Value::from("hunter2")), None);
-    let password = [
-        PathSeg::Key("auth".into()),
-        PathSeg::Key("password".into()),
-    ];
+    let password = [PathSeg::Key("auth".into()), PathSeg::Key("password".into())];
     assert_eq!(echo_value(&password, &Value::from(1234)), None);
     let bind = [PathSeg::Key("bind_address".into())];
     let long = echo_value(&bind, &Value::from("x".repeat(500))).expect("echoed");
