@@ -46,7 +46,6 @@ log "Dynamo 1.6.1 venv"
 CONTINUUM_DYNAMO_PYTHON="$(scripts/setup-dynamo-venv.sh | tail -n 1)"
 export CONTINUUM_DYNAMO_PYTHON
 FEATURES="real-peers,dynamo-e2e"
-export CONTINUUM_SHARED_DIR="${CONTINUUM_SHARED_DIR:-$(cd .. && pwd)/shared}"
 
 log "cargo fmt --check"
 cargo fmt --all -- --check

@@ -476,8 +476,10 @@ pub fn live_settings(config: &Config) -> LiveSettings {
 
 fn source_kind(source: DiscoverySource) -> SourceKind {
     match source {
-        // The simulated fleet writes etcd's records: everything after the source is etcd's path.
-        DiscoverySource::Etcd | DiscoverySource::Simulated => SourceKind::Etcd,
+        // The simulated fleet writes etcd's records: everything after the source is etcd's path;
+        // only the admin label says where the records came from.
+        DiscoverySource::Etcd => SourceKind::Etcd,
+        DiscoverySource::Simulated => SourceKind::Simulated,
         DiscoverySource::Kubernetes => SourceKind::Kubernetes,
         DiscoverySource::KubernetesPods => SourceKind::KubernetesPods,
     }

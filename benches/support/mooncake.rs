@@ -4,8 +4,13 @@
 //!
 //! Each `hash_id` is 32 blocks of 16 tokens (`n = min(32 × len(hash_ids), input_length / 16)`),
 //! `tokens_hash = splitmix64(h × 32 + j)`, `block_hash` chained with Dynamo's sequence hash.
+//!
+//! The trace lives in the repository, gzip-compressed: `benches/fixtures/mooncake/` (see its
+//! README); [`read_trace`] reads a plain or a `.gz` JSONL file.
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::path::Path;
 
 use continuum_protocol::kv::LocalBlockHash;
 use continuum_protocol::kv::hashing::sequence_hashes;
@@ -20,6 +25,24 @@ pub fn splitmix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
+}
+
+/// The conversation trace's file name under `benches/fixtures/mooncake/`.
+pub const CONVERSATION_TRACE: &str = "conversation_trace.jsonl.gz";
+
+/// The whole text of a JSONL trace, gunzipped when the name ends in `.gz`; `None` when the file
+/// cannot be read or decoded.
+pub fn read_trace(path: &Path) -> Option<String> {
+    let bytes = std::fs::read(path).ok()?;
+    if path.extension().is_some_and(|e| e == "gz") {
+        let mut text = String::new();
+        flate2::read::GzDecoder::new(bytes.as_slice())
+            .read_to_string(&mut text)
+            .ok()?;
+        Some(text)
+    } else {
+        String::from_utf8(bytes).ok()
+    }
 }
 
 /// One trace line as blocks: its LocalBlockHashes and their chained sequence hashes.

@@ -16,15 +16,18 @@ pub enum SourceKind {
     Etcd,
     Kubernetes,
     KubernetesPods,
+    /// `continuum-router demo`'s in-process fleet: etcd-shaped records, fed without etcd.
+    Simulated,
 }
 
 impl SourceKind {
-    /// The config / admin spelling (`etcd`, `kubernetes`, `kubernetes_pods`).
+    /// The config / admin spelling (`etcd`, `kubernetes`, `kubernetes_pods`, `simulated`).
     pub fn as_str(self) -> &'static str {
         match self {
             SourceKind::Etcd => "etcd",
             SourceKind::Kubernetes => "kubernetes",
             SourceKind::KubernetesPods => "kubernetes_pods",
+            SourceKind::Simulated => "simulated",
         }
     }
 
