@@ -23,7 +23,7 @@
 //! else. Expired files are treated as absent and left for Dynamo's own sweepers to delete.
 //! `tests/tidy_readonly.rs` greps this file for calls that would break that promise.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};

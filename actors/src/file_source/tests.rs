@@ -1,6 +1,7 @@
 //! File-store source tests on a temporary directory written the way Dynamo 1.6.1 writes it:
 //! `.tmp_` file then rename, one percent-encoded file per key, liveness by mtime.
 
+use std::collections::BTreeSet;
 use std::fs;
 use std::time::{Duration, SystemTime};
 

@@ -16,15 +16,18 @@ pub enum SourceKind {
     Etcd,
     Kubernetes,
     KubernetesPods,
+    /// Dynamo's file store: the same records as etcd, read from a directory.
+    File,
 }
 
 impl SourceKind {
-    /// The config / admin spelling (`etcd`, `kubernetes`, `kubernetes_pods`).
+    /// The config / admin spelling (`etcd`, `kubernetes`, `kubernetes_pods`, `file`).
     pub fn as_str(self) -> &'static str {
         match self {
             SourceKind::Etcd => "etcd",
             SourceKind::Kubernetes => "kubernetes",
             SourceKind::KubernetesPods => "kubernetes_pods",
+            SourceKind::File => "file",
         }
     }
 
