@@ -15,7 +15,7 @@ use super::{Diagnostic, Severity};
 /// Most etcd endpoints accepted.
 pub const MAX_ETCD_ENDPOINTS: usize = 16;
 /// Shortest `dynamo.discovery.file.rescan_interval` accepted.
-pub const MIN_FILE_RESCAN: std::time::Duration = std::time::Duration::from_millis(10);
+pub const MIN_FILE_RESCAN: Duration = Duration::from_millis(10);
 /// Most Dynamo namespaces one router watches (`MAX_DYNAMO_NAMESPACES`).
 pub const MAX_DYNAMO_NAMESPACES: usize = 16;
 /// Most shim replicas in `shim.backends` (and in one pool).
