@@ -1,7 +1,7 @@
 //! Single-node discovery through Dynamo's file store, with real NVIDIA Dynamo 1.6.1 and no etcd
 //! process at all: `dynamo.mocker` workers and a `dynamo.frontend --router-mode direct` all run
 //! with `--discovery-backend file` on one `DYN_FILE_KV` directory, and our router reads that
-//! directory (`dynamo.discovery.source: file`).
+//! directory (`dynamo.discovery.source: file`) with `deploy/examples/single-node-file/router.yaml`.
 //!
 //! Proven: the router discovers every worker and its `kv_metrics` publisher from the files, pins
 //! each request to a prefill and a decode worker that the real frontend resolves from the same
@@ -16,10 +16,13 @@ mod support {
     pub mod etcd;
 }
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use continuum_protocol::discovery::snapshot::SourceKind;
+use continuum_router::config::Config;
+use continuum_router::daemon::{Daemon, RunOptions};
+use tokio::net::TcpListener;
 use serde_json::json;
 use support::dynamo::{
     Discovery, DynamoStack, FILE_TTL, MODEL, Signal, StackOptions, Topology, WorkerRole,
@@ -31,19 +34,42 @@ const BEFORE: usize = 100;
 /// Requests after the killed worker left the view.
 const AFTER: usize = 50;
 
-fn config_yaml(stack: &DynamoStack) -> String {
-    format!(
-        "server:\n  bind_address: \"127.0.0.1:0\"\n\
-         disaggregated_serving:\n  enabled: true\n  fallback_to_unified: false\n\
-         backends:\n  - name: dynamo-frontend\n    type: openai\n    url: \"{frontend}\"\n    \
-         role: unified\n    models: [\"{MODEL}\"]\n    health_check:\n      enabled: false\n\
-         dynamo:\n  enabled: true\n  discovery:\n    source: file\n    file:\n      \
-         root: \"{root}\"\n      namespace: \"{ns}\"\n  load:\n    \
-         direct_allow_cidrs: [\"127.0.0.0/8\"]\n  shim:\n    backends: [dynamo-frontend]\n",
-        frontend = stack.frontend_url(),
-        root = stack.file_root().display(),
-        ns = stack.namespace(),
+/// The single-node example config, its `${...}` variables filled from the stack.
+const EXAMPLE: &str = include_str!("../deploy/examples/single-node-file/router.yaml");
+const ADMIN_TOKEN: &str = "file-e2e-admin-token";
+const CLIENT_KEY: &str = "sk-file-e2e-client";
+
+/// A daemon on a free loopback port running [`EXAMPLE`] against `stack`.
+async fn start_router(stack: &DynamoStack) -> Daemon {
+    let env: BTreeMap<String, String> = [
+        ("ROUTER_BIND", "127.0.0.1:0".to_owned()),
+        ("ROUTER_ADMIN_TOKEN", ADMIN_TOKEN.to_owned()),
+        ("CLIENT_API_KEY", CLIENT_KEY.to_owned()),
+        ("DYN_FILE_KV", stack.file_root().display().to_string()),
+        ("DYNAMO_NAMESPACE", stack.namespace().to_owned()),
+        ("DYNAMO_FRONTEND_URL", stack.frontend_url()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    let loaded = Config::from_yaml_str_validated(EXAMPLE, &env).expect("the example is valid");
+    assert_eq!(
+        loaded.config.dynamo.discovery.source,
+        continuum_router::config::DiscoverySource::File
+    );
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    Daemon::start(
+        RunOptions {
+            config: loaded.config,
+            config_path: None,
+            demo: false,
+        },
+        listener,
     )
+    .await
+    .expect("daemon starts")
 }
 
 async fn send_all(url: &str, n: usize, phase: &str) {
@@ -51,6 +77,7 @@ async fn send_all(url: &str, n: usize, phase: &str) {
     for i in 0..n {
         let resp = client
             .post(url)
+            .bearer_auth(CLIENT_KEY)
             .json(&json!({"model": MODEL, "max_tokens": 8,
                           "messages": [{"role": "user", "content": format!("{phase} {i}")}]}))
             .send()
@@ -81,7 +108,7 @@ async fn a_file_store_fleet_is_discovered_pinned_and_expired_without_etcd() {
     // A second decode worker, so one can die mid-run.
     stack.add_worker(WorkerRole::Decode).await;
     assert!(!stack.has_etcd(), "no etcd process in this stack");
-    let daemon = support::daemon::start(&config_yaml(&stack)).await;
+    let daemon = start_router(&stack).await;
     let registry = daemon.registry().clone();
     support::daemon::wait_for(
         &registry,
