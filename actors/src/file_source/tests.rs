@@ -1,5 +1,5 @@
 //! File-store source tests on a temporary directory written the way Dynamo 1.6.1 writes it:
-//! `.tmp_` file then rename, one percent-encoded file per key, liveness by mtime.
+//! `.tmp_` file then hard link, one percent-encoded file per key, liveness by mtime.
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -32,8 +32,11 @@ fn registration(id: u64) -> Registration {
     }
 }
 
-/// Writes `key` = `value` as Dynamo does: a `.tmp_` file renamed into place, mtime `age` ago.
+/// Writes `key` = `value` as Dynamo 1.6.1 does (seen with strace): the value goes to a fresh
+/// `.tmp_<random hex>` file, which is hard-linked to the key's name (create-if-absent) and then
+/// unlinked; its mtime is `age` ago. A key that already exists is replaced by a rename.
 fn write(root: &Path, key: &str, value: &[u8], age: Duration) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0x7bb4_0ff8);
     let bucket = BUCKETS
         .iter()
         .find(|b| key.starts_with(&format!("{b}/")))
@@ -41,12 +44,18 @@ fn write(root: &Path, key: &str, value: &[u8], age: Duration) -> PathBuf {
     let dir = root.join(bucket);
     fs::create_dir_all(&dir).unwrap();
     let name = encode_file_name(&key[bucket.len() + 1..]);
-    let tmp = dir.join(format!("{TMP_PREFIX}{name}"));
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!("{TMP_PREFIX}{n:x}"));
     fs::write(&tmp, value).unwrap();
     let file = fs::File::options().write(true).open(&tmp).unwrap();
     file.set_modified(SystemTime::now() - age).unwrap();
     let path = dir.join(name);
-    fs::rename(&tmp, &path).unwrap();
+    if path.exists() {
+        fs::rename(&tmp, &path).unwrap();
+    } else {
+        fs::hard_link(&tmp, &path).unwrap();
+        fs::remove_file(&tmp).unwrap();
+    }
     path
 }
 

@@ -8,7 +8,8 @@
 //! whose name is the key relative to its bucket with every byte that is not ASCII alphanumeric
 //! written as `%XX` (uppercase hex; `/`, `-`, `_` and `.` included), and whose content is the
 //! same JSON value etcd would hold. So `v1/instances/dyntest/backend/generate/2fb7a12752f64e86`
-//! lives in `<root>/v1/instances/dyntest%2Fbackend%2Fgenerate%2F2fb7a12752f64e86`. Files whose
+//! lives in `<root>/v1/instances/dyntest%2Fbackend%2Fgenerate%2F2fb7a12752f64e86`. A writer
+//! fills `.tmp_<random hex>`, hard-links it to the key's name and unlinks it, so files whose
 //! name starts with `.tmp_` are writes in progress and are ignored.
 //!
 //! Liveness: a live owner touches every one of its files every TTL/3 (≈ 3.3 s for the 10 s TTL);
@@ -30,7 +31,7 @@ pub const ROOT_ENV: &str = "DYN_FILE_KV";
 pub const DEFAULT_ROOT_DIR: &str = "dynamo_store_kv";
 /// The TTL Dynamo 1.6.1 gives every file-store key.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(10);
-/// Prefix of the temporary files a writer renames into place.
+/// Prefix of the temporary files a writer links into place.
 pub const TMP_PREFIX: &str = ".tmp_";
 /// The bucket directories under the root, in scan order (keys are `<bucket>/<decoded name>`).
 pub const BUCKETS: [&str; 4] = [
