@@ -108,7 +108,10 @@ async fn file_store_records_expire_by_mtime_and_follow_removals() {
     })
     .await;
     assert_eq!(ids(&daemon), [0xa1]);
-    assert!(decode_files.iter().all(|p| p.exists()), "the router deletes nothing");
+    assert!(
+        decode_files.iter().all(|p| p.exists()),
+        "the router deletes nothing"
+    );
 
     // Touched again (a worker that was only late): back in the view.
     for path in &decode_files {

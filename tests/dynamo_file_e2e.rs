@@ -22,11 +22,11 @@ use std::time::Duration;
 use continuum_protocol::discovery::snapshot::SourceKind;
 use continuum_router::config::Config;
 use continuum_router::daemon::{Daemon, RunOptions};
-use tokio::net::TcpListener;
 use serde_json::json;
 use support::dynamo::{
     Discovery, DynamoStack, FILE_TTL, MODEL, Signal, StackOptions, Topology, WorkerRole,
 };
+use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 /// Requests while all three workers are up.
@@ -91,7 +91,11 @@ async fn send_all(url: &str, n: usize, phase: &str) {
             .map(str::to_owned);
         let text = resp.text().await.expect("body");
         assert_eq!(status, 200, "{phase} request {i}: {text}");
-        assert_eq!(path.as_deref(), Some("disaggregated"), "{phase} request {i}");
+        assert_eq!(
+            path.as_deref(),
+            Some("disaggregated"),
+            "{phase} request {i}"
+        );
         let v: serde_json::Value = serde_json::from_str(&text).expect("json");
         assert!(v["choices"][0]["message"].is_object(), "{text}");
     }

@@ -117,7 +117,11 @@ fn the_file_store_source_only_reads() {
         violations.join("\n")
     );
     // Guard against a pattern list that can never match.
-    assert!(FORBIDDEN_FS.iter().any(|p| "std::fs::remove_file(&path)?;".contains(p)));
+    assert!(
+        FORBIDDEN_FS
+            .iter()
+            .any(|p| "std::fs::remove_file(&path)?;".contains(p))
+    );
 }
 
 #[test]

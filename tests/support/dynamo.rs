@@ -389,7 +389,12 @@ impl DynamoStack {
                 .arg(&self.model_dir)
                 .args(["--model-name", MODEL, "--endpoint", &endpoint])
                 .args(["--disaggregation-mode", role.mode()])
-                .args(["--discovery-backend", self.backend(), "--event-plane", "zmq"])
+                .args([
+                    "--discovery-backend",
+                    self.backend(),
+                    "--event-plane",
+                    "zmq",
+                ])
                 .args(["--request-plane", "tcp"])
                 .args(&self.mocker_args);
             let (child, log) = self.spawn(&name, command);
@@ -443,7 +448,12 @@ impl DynamoStack {
             .args(["--router-mode", "direct", "--http-host", "127.0.0.1"])
             .args(["--http-port", &self.frontend_port.to_string()])
             .args(["--namespace", &self.namespace])
-            .args(["--discovery-backend", self.backend(), "--event-plane", "zmq"])
+            .args([
+                "--discovery-backend",
+                self.backend(),
+                "--event-plane",
+                "zmq",
+            ])
             .args(["--request-plane", "tcp"]);
         let (mut child, log) = self.spawn("frontend", command);
         let url = format!("{}/v1/models", self.frontend_url());

@@ -127,7 +127,11 @@ fn deleted(events: &[SourceEvent]) -> BTreeSet<String> {
 }
 
 fn worker_keys(id: u64) -> BTreeSet<String> {
-    registration(id).records().into_iter().map(|(k, _)| k).collect()
+    registration(id)
+        .records()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,10 +170,7 @@ async fn scans_follow_writes_removals_and_expiry_without_touching_files() {
     // A rescan interval far beyond the test: expiry is a scheduled wake, changes come from
     // inotify.
     let (tx, mut rx) = mpsc::channel(64);
-    let task = tokio::spawn(run_file_source(
-        config(root, Duration::from_secs(3600)),
-        tx,
-    ));
+    let task = tokio::spawn(run_file_source(config(root, Duration::from_secs(3600)), tx));
     let (mut counted, mut connected) = (Vec::new(), Vec::new());
     let first = next_events(&mut rx, &mut counted, &mut connected).await;
     assert_eq!(first.first(), Some(&SourceEvent::Init));
@@ -204,8 +205,11 @@ async fn scans_follow_writes_removals_and_expiry_without_touching_files() {
     // A graceful stop removes the files: deletes.
     for (key, _) in registration(0xb).records() {
         let bucket = BUCKETS.iter().find(|b| key.starts_with(*b)).unwrap();
-        fs::remove_file(root.join(bucket).join(encode_file_name(&key[bucket.len() + 1..])))
-            .unwrap();
+        fs::remove_file(
+            root.join(bucket)
+                .join(encode_file_name(&key[bucket.len() + 1..])),
+        )
+        .unwrap();
     }
     let mut removed = BTreeSet::new();
     while removed != worker_keys(0xb) {
@@ -246,7 +250,9 @@ async fn a_missing_root_is_an_empty_fleet_until_a_worker_creates_it() {
     write_worker(&root, 0xa, Duration::ZERO);
     let mut arrived = BTreeSet::new();
     while arrived != worker_keys(0xa) {
-        arrived.extend(keys(&next_events(&mut rx, &mut counted, &mut connected).await));
+        arrived.extend(keys(
+            &next_events(&mut rx, &mut counted, &mut connected).await,
+        ));
     }
     assert_eq!(connected, [false, true]);
     let (key, _) = registration(0xa).endpoint_record();

@@ -318,12 +318,12 @@ mod tests {
     #[test]
     fn names_that_are_not_encoded_keys_are_malformed() {
         for name in [
-            "dyntest/backend",         // raw separator
-            "dyntest%2Fbackend.json",  // raw dot
-            "dyntest%2",               // truncated escape
-            "dyntest%zz",              // not hex
-            "%FF%FE",                  // not UTF-8
-            "editor-backup~",          // raw punctuation
+            "dyntest/backend",        // raw separator
+            "dyntest%2Fbackend.json", // raw dot
+            "dyntest%2",              // truncated escape
+            "dyntest%zz",             // not hex
+            "%FF%FE",                 // not UTF-8
+            "editor-backup~",         // raw punctuation
         ] {
             assert!(
                 matches!(
@@ -358,10 +358,7 @@ mod tests {
         assert!(!is_live(s(100), s(200), ttl));
         // Modified "in the future": live.
         assert!(is_live(s(200), s(100), ttl));
-        assert_eq!(
-            expires_at(s(100), ttl),
-            s(110) + Duration::from_nanos(1)
-        );
+        assert_eq!(expires_at(s(100), ttl), s(110) + Duration::from_nanos(1));
         assert!(!is_live(s(100), expires_at(s(100), ttl), ttl));
         assert!(is_live(s(0), s(u64::MAX), Duration::MAX));
     }
@@ -369,7 +366,10 @@ mod tests {
     #[test]
     fn admission_bounds_sizes_counts_and_the_scan_budget() {
         let mut admission = Admission::new();
-        assert_eq!(admission.admit(0, MAX_FILE_BYTES + 1), Err(Refusal::Oversized));
+        assert_eq!(
+            admission.admit(0, MAX_FILE_BYTES + 1),
+            Err(Refusal::Oversized)
+        );
         assert_eq!(admission.admit(0, MAX_FILE_BYTES), Ok(()));
         for _ in 1..MAX_RECORDS_PER_KEYSPACE {
             assert_eq!(admission.admit(0, 1), Ok(()));

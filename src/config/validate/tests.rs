@@ -1338,6 +1338,10 @@ fn file_source_bounds_root_ttl_and_rescan() {
     expect_error(&c, "dynamo.discovery.file.rescan_interval", "at least 10ms");
     let mut c = file_store();
     c.dynamo.discovery.file.rescan_interval = HumanDuration::from_secs(30);
-    expect_warning(&c, "dynamo.discovery.file.rescan_interval", "longer than ttl");
+    expect_warning(
+        &c,
+        "dynamo.discovery.file.rescan_interval",
+        "longer than ttl",
+    );
     expect_clean_at(&file_store(), "dynamo.discovery.file.rescan_interval");
 }
