@@ -15,6 +15,7 @@ use anyhow::Context as _;
 use arc_swap::ArcSwap;
 use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
+use continuum_actors::file_source::{FileSourceConfig, default_root as default_file_root};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::kv_artifacts::{ArtifactConfig, ArtifactRegistry};
 use continuum_actors::kv_index::{DynamoKvIndex, kv_index_spec};
@@ -482,6 +483,7 @@ fn source_kind(source: DiscoverySource) -> SourceKind {
         DiscoverySource::Simulated => SourceKind::Simulated,
         DiscoverySource::Kubernetes => SourceKind::Kubernetes,
         DiscoverySource::KubernetesPods => SourceKind::KubernetesPods,
+        DiscoverySource::File => SourceKind::File,
     }
 }
 
@@ -517,6 +519,7 @@ fn source_prefix(source: DiscoverySource) -> &'static str {
         DiscoverySource::Etcd => "etcd",
         DiscoverySource::Kubernetes => "kubernetes",
         DiscoverySource::KubernetesPods => "kubernetes_pods",
+        DiscoverySource::File => "file",
         DiscoverySource::Simulated => "simulated",
     }
 }
@@ -603,6 +606,9 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
                     feed: shared.simulated.clone(),
                     namespace: namespace.clone(),
                 },
+                DiscoverySource::File => {
+                    SourceSpec::File(file_source_config(&config, namespace.clone()))
+                }
                 _ => SourceSpec::Etcd(etcd_source_config(&config, namespace.clone())),
             };
             let shared = shared.clone();
@@ -666,6 +672,17 @@ pub fn kube_source_config(config: &Config) -> KubeSourceConfig {
             jitter: Jitter::None,
         },
         timing: WatchTiming::default(),
+    }
+}
+
+/// Maps the YAML file section onto the file-store source's settings.
+pub fn file_source_config(config: &Config, namespace: Namespace) -> FileSourceConfig {
+    let file = &config.dynamo.discovery.file;
+    FileSourceConfig {
+        root: file.root.clone().unwrap_or_else(default_file_root),
+        namespace,
+        rescan_interval: file.rescan_interval.get(),
+        ttl: file.ttl.get(),
     }
 }
 

@@ -296,6 +296,8 @@ pub enum DiscoverySource {
     Etcd,
     Kubernetes,
     KubernetesPods,
+    /// Dynamo's file store (`--discovery-backend file`, single node): the `file` section.
+    File,
     /// etcd-shaped records held in process: only `continuum-router demo` feeds it (its simulated
     /// fleet); namespaces come from the `etcd` section, no etcd is dialled.
     Simulated,
@@ -307,6 +309,7 @@ impl DiscoverySource {
             Self::Etcd => "etcd",
             Self::Kubernetes => "kubernetes",
             Self::KubernetesPods => "kubernetes_pods",
+            Self::File => "file",
             Self::Simulated => "simulated",
         }
     }
@@ -323,6 +326,7 @@ pub struct DiscoveryConfig {
     pub source: DiscoverySource,
     pub etcd: EtcdConfig,
     pub kubernetes: KubernetesConfig,
+    pub file: FileStoreConfig,
 }
 
 impl DiscoveryConfig {
@@ -336,6 +340,7 @@ impl DiscoveryConfig {
                 &self.kubernetes.dynamo_namespace,
                 &self.kubernetes.dynamo_namespaces,
             ),
+            DiscoverySource::File => (&self.file.namespace, &self.file.namespaces),
         };
         if list.is_empty() {
             vec![scalar.clone()]
@@ -359,6 +364,8 @@ impl DiscoveryConfig {
             DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {
                 self.kubernetes.watch_reconnect_backoff
             }
+            // Scans never "reconnect": a failed scan is retried at the next rescan.
+            DiscoverySource::File => BackoffConfig::default(),
         }
     }
 }
@@ -415,6 +422,35 @@ impl EtcdConfig {
             .iter()
             .map(|endpoint| crate::config::validate::normalize_endpoint(endpoint))
             .collect()
+    }
+}
+
+/// `dynamo.discovery.file`: Dynamo's file store (dynamo-wire §16), read-only.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FileStoreConfig {
+    /// The store root the workers write (their `DYN_FILE_KV`); unset means Dynamo's default,
+    /// `$DYN_FILE_KV` of the router's environment, else `$TMPDIR/dynamo_store_kv`.
+    pub root: Option<PathBuf>,
+    /// The workers' `DYN_NAMESPACE`.
+    pub namespace: String,
+    /// Several namespaces instead of `namespace` (each needs a shim pool).
+    pub namespaces: Vec<String>,
+    /// Time between full scans (inotify wakes a scan earlier on file changes).
+    pub rescan_interval: HumanDuration,
+    /// A file not touched for longer than this belongs to a dead worker (Dynamo 1.6.1: 10 s).
+    pub ttl: HumanDuration,
+}
+
+impl Default for FileStoreConfig {
+    fn default() -> Self {
+        Self {
+            root: None,
+            namespace: DEFAULT_DYNAMO_NAMESPACE.to_owned(),
+            namespaces: Vec::new(),
+            rescan_interval: HumanDuration::from_secs(1),
+            ttl: HumanDuration::from_secs(10),
+        }
     }
 }
 

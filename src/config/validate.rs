@@ -14,6 +14,8 @@ use super::{Diagnostic, Severity};
 
 /// Most etcd endpoints accepted.
 pub const MAX_ETCD_ENDPOINTS: usize = 16;
+/// Shortest `dynamo.discovery.file.rescan_interval` accepted.
+pub const MIN_FILE_RESCAN: Duration = Duration::from_millis(10);
 /// Most Dynamo namespaces one router watches (`MAX_DYNAMO_NAMESPACES`).
 pub const MAX_DYNAMO_NAMESPACES: usize = 16;
 /// Most shim replicas in `shim.backends` (and in one pool).
@@ -376,8 +378,45 @@ impl Validator {
                 true,
             );
         }
+        let file = &discovery.file;
+        let fbase = "dynamo.discovery.file";
+        if file
+            .root
+            .as_ref()
+            .is_some_and(|root| root.as_os_str().is_empty())
+        {
+            self.err(format!("{fbase}.root"), "path must not be empty");
+        }
+        if file.ttl.get().is_zero() {
+            self.err(format!("{fbase}.ttl"), "ttl must be greater than 0");
+        }
+        if file.rescan_interval.get() < MIN_FILE_RESCAN {
+            self.err(
+                format!("{fbase}.rescan_interval"),
+                format!(
+                    "rescan_interval must be at least {}",
+                    humantime::format_duration(MIN_FILE_RESCAN)
+                ),
+            );
+        } else if source == DiscoverySource::File && file.rescan_interval > file.ttl {
+            self.warn(
+                format!("{fbase}.rescan_interval"),
+                "rescan_interval is longer than ttl; inotify still reports new and removed \
+                 files at once, and expiry is scheduled from mtimes",
+            );
+        }
+        if source == DiscoverySource::File {
+            self.namespaces(
+                fbase,
+                "namespace",
+                &file.namespace,
+                "namespaces",
+                &file.namespaces,
+                false,
+            );
+        }
         match source {
-            DiscoverySource::Etcd => {}
+            DiscoverySource::Etcd | DiscoverySource::File => {}
             DiscoverySource::Simulated => self.warn(
                 "dynamo.discovery.source",
                 "source simulated discovers only the fleet `continuum-router demo` simulates; \

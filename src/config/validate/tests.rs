@@ -1323,3 +1323,59 @@ fn errors_sort_before_warnings() {
     assert!(diagnostics[0].is_error());
     assert!(!diagnostics.last().unwrap().is_error());
 }
+
+const FILE_YAML: &str = r#"
+disaggregated_serving: {enabled: true}
+backends:
+  - {name: shim-a, url: "http://shim-a:8000"}
+dynamo:
+  enabled: true
+  discovery:
+    source: file
+    file: {root: /tmp/dynamo_store_kv, namespace: dyntest}
+  load: {direct_allow_cidrs: ["127.0.0.0/8"]}
+  shim: {backends: [shim-a]}
+"#;
+
+fn file_store() -> Config {
+    Config::from_yaml_str(FILE_YAML, &BTreeMap::new()).unwrap()
+}
+
+#[test]
+fn file_source_needs_no_etcd_and_reads_its_own_namespace() {
+    let c = file_store();
+    assert_eq!(
+        validate(&c)
+            .iter()
+            .filter(|d| d.severity == Severity::Error)
+            .count(),
+        0,
+        "{:#?}",
+        validate(&c)
+    );
+    assert_eq!(c.dynamo.discovery.namespace_names(), ["dyntest"]);
+    let mut bad = file_store();
+    bad.dynamo.discovery.file.namespace = "a/b".into();
+    expect_error(&bad, "dynamo.discovery.file.namespace", "");
+}
+
+#[test]
+fn file_source_bounds_root_ttl_and_rescan() {
+    let mut c = file_store();
+    c.dynamo.discovery.file.root = Some(PathBuf::new());
+    expect_error(&c, "dynamo.discovery.file.root", "must not be empty");
+    let mut c = file_store();
+    c.dynamo.discovery.file.ttl = HumanDuration::from_secs(0);
+    expect_error(&c, "dynamo.discovery.file.ttl", "greater than 0");
+    let mut c = file_store();
+    c.dynamo.discovery.file.rescan_interval = HumanDuration::from_millis(1);
+    expect_error(&c, "dynamo.discovery.file.rescan_interval", "at least 10ms");
+    let mut c = file_store();
+    c.dynamo.discovery.file.rescan_interval = HumanDuration::from_secs(30);
+    expect_warning(
+        &c,
+        "dynamo.discovery.file.rescan_interval",
+        "longer than ttl",
+    );
+    expect_clean_at(&file_store(), "dynamo.discovery.file.rescan_interval");
+}
