@@ -13,6 +13,8 @@ command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v kill >/dev/null 2>&1 || need_apt+=(procps)
+# Headless Chromium for the fleet page's browser test (tests/ui_browser.rs).
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi

@@ -7,6 +7,7 @@ pub mod admin;
 pub mod error;
 pub mod serve;
 pub mod strip;
+pub mod ui;
 
 use std::sync::Arc;
 
@@ -64,6 +65,8 @@ pub struct AppState {
     pub control: mpsc::Sender<ControlCommand>,
     /// `GET /admin/dynamo/workers`.
     pub dynamo_workers: JsonView,
+    /// `GET /admin/fleet/summary` (the fleet page's counters and KV blocks per rank).
+    pub fleet_summary: JsonView,
     /// Model ids the discovered fleet serves, merged into `GET /v1/models`.
     pub fleet_models: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
     /// The OpenAI-wire proxy behind `POST /v1/chat/completions` and `POST /v1/completions`.
@@ -98,6 +101,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .merge(admin)
+        .merge(ui::routes())
         .fallback(not_found)
         .layer(middleware::from_fn(strip::strip_client_pins))
         .with_state(state)
