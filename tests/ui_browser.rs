@@ -402,6 +402,12 @@ async fn the_fleet_page_shows_live_load_and_restarts_a_subsystem_in_chromium() {
     )
     .await;
     let renders_before = cdp.eval("window.continuumFleet.renders()").await;
+    // A few more polls under load, so the screenshot's sparklines have a history.
+    cdp.wait_for(
+        &format!("window.continuumFleet.renders() >= {renders_before} + 3"),
+        "three more polls",
+    )
+    .await;
     let artifacts = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"))

@@ -183,10 +183,12 @@
   function sparkline(values, max) {
     const NS = 'http://www.w3.org/2000/svg';
     const svg = document.createElementNS(NS, 'svg');
-    svg.setAttribute('viewBox', '0 0 ' + HISTORY + ' 36');
+    // The x axis spans at least a minute of polls and grows to the full window.
+    const span = Math.max(60, values.length);
+    svg.setAttribute('viewBox', '0 0 ' + span + ' 36');
     svg.setAttribute('preserveAspectRatio', 'none');
     const line = document.createElementNS(NS, 'polyline');
-    const off = HISTORY - values.length;
+    const off = span - values.length;
     const top = max || Math.max(1, ...values.filter((v) => v !== null));
     const pts = [];
     values.forEach((v, i) => { if (v !== null) pts.push((off + i) + ',' + (34 - (v / top) * 32).toFixed(1)); });
@@ -197,6 +199,7 @@
 
   function renderSparks() {
     const cards = [];
+    const idle = [];
     const keys = [...state.history.keys()].sort();
     for (const key of keys) {
       const values = state.history.get(key);
@@ -204,6 +207,8 @@
       const last = values[values.length - 1];
       if (kind === 'sel') {
         const sum = values.reduce((a, v) => a + v, 0);
+        // Reasons with no selection in the window are listed on one line, not plotted.
+        if (sum === 0) { idle.push(name); continue; }
         cards.push(el('div', { class: 'spark', 'data-key': key },
           el('div', {}, 'selections ' + name, el('span', { class: 'sub' }, ' · ' + last + ' last poll, ' + sum + ' in window')),
           sparkline(values)));
@@ -214,8 +219,10 @@
           sparkline(values, 1)));
       }
     }
-    if (!cards.length) cards.push(el('p', { class: 'sub' }, 'Waiting for a second poll.'));
-    $('sparks').replaceChildren(...cards);
+    if (!keys.length) cards.push(el('p', { class: 'sub' }, 'Waiting for a second poll.'));
+    const nodes = [el('div', { class: 'sparks' }, ...cards)];
+    if (idle.length) nodes.push(el('p', { class: 'sub', id: 'idle-series' }, 'No selections in the window: ' + idle.join(', ')));
+    $('sparks').replaceChildren(...nodes);
   }
 
   // ----- workers -------------------------------------------------------------------------
