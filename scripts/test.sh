@@ -57,4 +57,7 @@ passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' target/test-output.tx
 failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 echo
 echo "tests: $passed passed, $failed failed"
+# CI artifacts: the fleet page's screenshots from tests/ui_browser.rs.
+shots="${CARGO_TARGET_DIR:-target}/ui-artifacts"
+[ -f "$shots/fleet.png" ] && echo "artifacts: $shots/fleet.png, $shots/fleet-1000.png (fleet page screenshots)"
 exit "$status"
