@@ -148,6 +148,7 @@ async fn router(upstream: SocketAddr) -> SocketAddr {
         tree: ActorTree::default(),
         control,
         dynamo_workers: Arc::new(|| serde_json::json!({})),
+        fleet_summary: Arc::new(|| serde_json::json!({})),
         fleet_models: Arc::new(|_: &[String]| Vec::new()),
         proxy,
     };

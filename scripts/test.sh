@@ -17,6 +17,8 @@ command -v kill >/dev/null 2>&1 || need_apt+=(procps)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 # kubectl renders the Kustomize overlays offline (`kubectl kustomize`).
 command -v kubectl >/dev/null 2>&1 || need_apt+=(kubectl)
+# Headless Chromium for the fleet page's browser test (tests/ui_browser.rs).
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -64,4 +66,7 @@ passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' target/test-output.tx
 failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 echo
 echo "tests: $passed passed, $failed failed"
+# CI artifacts: the fleet page's screenshots from tests/ui_browser.rs.
+shots="${CARGO_TARGET_DIR:-target}/ui-artifacts"
+[ -f "$shots/fleet.png" ] && echo "artifacts: $shots/fleet.png, $shots/fleet-1000.png (fleet page screenshots)"
 exit "$status"

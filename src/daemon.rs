@@ -407,6 +407,8 @@ fn app_state(
     let load = shared.load.clone();
     let kv = shared.kv.clone();
     let picker = shared.picker.clone();
+    let summary_kv = shared.kv.clone();
+    let summary_metrics = shared.metrics.clone();
     let models_registry = shared.registry.clone();
     let models_config = shared.config.clone();
     AppState {
@@ -417,6 +419,9 @@ fn app_state(
         control,
         dynamo_workers: Arc::new(move || {
             crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker))
+        }),
+        fleet_summary: Arc::new(move || {
+            crate::dynamo_admin::fleet_summary(&summary_kv, &summary_metrics)
         }),
         proxy: shared.proxy.clone(),
         fleet_models: Arc::new(move |allowed: &[String]| {

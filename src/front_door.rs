@@ -8,6 +8,7 @@ pub mod admin_config;
 pub mod error;
 pub mod serve;
 pub mod strip;
+pub mod ui;
 
 use std::sync::Arc;
 
@@ -73,6 +74,8 @@ pub struct AppState {
     pub control: mpsc::Sender<ControlCommand>,
     /// `GET /admin/dynamo/workers`.
     pub dynamo_workers: JsonView,
+    /// `GET /admin/fleet/summary` (the fleet page's counters and KV blocks per rank).
+    pub fleet_summary: JsonView,
     /// Model ids the discovered fleet serves, merged into `GET /v1/models`; the argument is the
     /// key's `allowed_backends` (empty = all), which limits the list to namespaces whose shim
     /// replicas the key may use.
@@ -109,6 +112,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .merge(admin)
+        .merge(ui::routes())
         .fallback(not_found)
         .layer(middleware::from_fn(strip::strip_client_pins))
         .with_state(state)

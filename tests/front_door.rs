@@ -33,6 +33,7 @@ fn state_with(live: LiveSettings) -> (AppState, mpsc::Receiver<ControlCommand>) 
         tree: ActorTree::default(),
         control,
         dynamo_workers: Arc::new(|| serde_json::json!({"enabled": false})),
+        fleet_summary: Arc::new(|| serde_json::json!({})),
         fleet_models: Arc::new(|_: &[String]| vec!["fleet-model".to_string()]),
         proxy: Arc::new(Proxy::new(ProxyOptions::default(), None)),
     };

@@ -99,6 +99,7 @@ fn harness_with(
         tree: ActorTree::default(),
         control,
         dynamo_workers: Arc::new(|| json!({})),
+        fleet_summary: Arc::new(|| json!({})),
         fleet_models: Arc::new(|_: &[String]| Vec::new()),
         proxy: proxy.clone(),
     };
