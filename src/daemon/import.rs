@@ -33,7 +33,7 @@ impl ControlLoop {
             prepare_import(&text, &self.current, std::str::from_utf8(&previous).ok())?;
         write_atomically(&path, rendered.as_bytes())
             .map_err(|e| ImportError::Write(format!("{}: {e}", path.display())))?;
-        match self.reload().await {
+        match self.reload("config import").await {
             Ok(summary) => Ok(ImportOutcome { summary, warnings }),
             Err(reason) => {
                 if let Err(error) = write_atomically(&path, &previous) {
