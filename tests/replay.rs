@@ -59,7 +59,10 @@ fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
     }
 }
 
-fn policy<'a>(summary: &'a Summary, name: &str) -> &'a continuum_router::replay::report::PolicySummary {
+fn policy<'a>(
+    summary: &'a Summary,
+    name: &str,
+) -> &'a continuum_router::replay::report::PolicySummary {
     summary
         .policies
         .iter()
@@ -104,9 +107,18 @@ fn known_placement_gives_the_derived_hit_rates_and_latencies() {
     let (miss, hit) = (312.2, 107.4);
     assert_eq!(kv.ttft_ms.p50, hit);
     assert_eq!(kv.ttft_ms.p99, miss);
-    let mean = |misses: u64| (misses as f64 * miss + (REQUESTS - misses) as f64 * hit) / REQUESTS as f64;
-    assert!((kv.ttft_ms.mean - mean(FAMILIES)).abs() < 1e-9, "{}", kv.ttft_ms.mean);
-    assert!((rr.ttft_ms.mean - mean(16)).abs() < 1e-9, "{}", rr.ttft_ms.mean);
+    let mean =
+        |misses: u64| (misses as f64 * miss + (REQUESTS - misses) as f64 * hit) / REQUESTS as f64;
+    assert!(
+        (kv.ttft_ms.mean - mean(FAMILIES)).abs() < 1e-9,
+        "{}",
+        kv.ttft_ms.mean
+    );
+    assert!(
+        (rr.ttft_ms.mean - mean(16)).abs() < 1e-9,
+        "{}",
+        rr.ttft_ms.mean
+    );
     assert_eq!(kv.e2e_ms.p50, hit + OUTPUT as f64 * 20.0);
 
     // Selection reasons as the daemon's metrics would count them.
@@ -129,7 +141,11 @@ fn a_small_cache_evicts_the_families_and_kv_loses_its_edge() {
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("families.jsonl");
     std::fs::write(&trace, family_trace()).unwrap();
-    let mut small = args(&trace, &dir.path().join("out"), &[Policy::Kv, Policy::RoundRobin]);
+    let mut small = args(
+        &trace,
+        &dir.path().join("out"),
+        &[Policy::Kv, Policy::RoundRobin],
+    );
     small.capacity = 200;
     let summary = run(&small).unwrap();
     let kv = policy(&summary, "kv");

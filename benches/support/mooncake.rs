@@ -6,9 +6,7 @@
 //! Each `hash_id` is 32 blocks of 16 tokens (`n = min(32 × len(hash_ids), input_length / 16)`),
 //! `tokens_hash = splitmix64(h × 32 + j)`, `block_hash` chained with Dynamo's sequence hash.
 
-pub use continuum_protocol::kv::mooncake::{
-    BlockLru as Lru, TraceBlocks as TraceRequest, expand,
-};
+pub use continuum_protocol::kv::mooncake::{BlockLru as Lru, TraceBlocks as TraceRequest, expand};
 
 pub const WORKERS: u64 = 16;
 pub const LRU_BLOCKS: usize = 16_384;

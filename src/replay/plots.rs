@@ -73,7 +73,7 @@ fn hit_rate(runs: &[PolicyRun], path: &Path) -> Result<(), Box<dyn std::error::E
         .configure_series_labels()
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperRight)
         .draw()?;
     root.present()?;
     Ok(())

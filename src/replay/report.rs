@@ -119,12 +119,23 @@ pub fn table(summary: &Summary) -> String {
     let _ = writeln!(
         out,
         "replay of {} ({} requests, {} workers × {} blocks of {} tokens)",
-        summary.trace, summary.requests, summary.workers, summary.capacity_blocks, summary.block_size
+        summary.trace,
+        summary.requests,
+        summary.workers,
+        summary.capacity_blocks,
+        summary.block_size
     );
     let _ = writeln!(
         out,
         "{:<12} {:>9} {:>14} {:>10} {:>10} {:>10} {:>10} {:>10}  selections",
-        "policy", "hit_rate", "cached_tokens", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "imbalance"
+        "policy",
+        "hit_rate",
+        "cached_tokens",
+        "ttft_p50",
+        "ttft_p99",
+        "e2e_p50",
+        "e2e_p99",
+        "imbalance"
     );
     for p in &summary.policies {
         let selections: Vec<String> = p

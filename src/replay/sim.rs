@@ -347,7 +347,12 @@ impl Sim<'_> {
 
     /// Serves `blocks` on `worker`'s cache: returns the cached prefix (blocks) and applies the
     /// worker's kv-events to the index.
-    fn serve_blocks(&mut self, worker: usize, local: &[LocalBlockHash], run: &mut PolicyRun) -> usize {
+    fn serve_blocks(
+        &mut self,
+        worker: usize,
+        local: &[LocalBlockHash],
+        run: &mut PolicyRun,
+    ) -> usize {
         let seq: Vec<u64> = sequence_hashes(local).into_iter().map(|s| s.0).collect();
         let w = &mut self.workers[worker];
         let hit = w.lru.prefix(&seq);
@@ -470,8 +475,12 @@ pub fn simulate(
     let kv_picker = KvAwarePicker::new(cfg.kv);
     let namespaces = [Namespace::new(NAMESPACE)];
     let buckets = cfg.buckets.max(1);
-    let span_us = trace.last().map_or(0, |r| arrival_us(r, cfg.speedup)).max(1);
-    let bucket_of = |t: u64| ((t as u128 * buckets as u128 / (span_us as u128 + 1)) as usize).min(buckets - 1);
+    let span_us = trace
+        .last()
+        .map_or(0, |r| arrival_us(r, cfg.speedup))
+        .max(1);
+    let bucket_of =
+        |t: u64| ((t as u128 * buckets as u128 / (span_us as u128 + 1)) as usize).min(buckets - 1);
     let mut run = PolicyRun {
         policy: Some(policy),
         requests_per_worker: vec![0; n_workers],
@@ -565,10 +574,14 @@ pub fn simulate(
             }
         };
         for (role, reason) in pick.reasons.labels() {
-            *run.selections.entry(format!("{role}/{reason}")).or_default() += 1;
+            *run.selections
+                .entry(format!("{role}/{reason}"))
+                .or_default() += 1;
         }
         if let Some(result) = outcome.kv {
-            *run.kv_results.entry(result.as_label().to_owned()).or_default() += 1;
+            *run.kv_results
+                .entry(result.as_label().to_owned())
+                .or_default() += 1;
         }
         let Some(worker) = worker_of(pick.decode.worker.instance_id) else {
             run.unrouted += 1;
