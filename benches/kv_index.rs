@@ -1,5 +1,5 @@
 //! KV index benchmark: replays the Mooncake conversation trace into `KvIndex` as the reference
-//! workload in `fixtures/mooncake/README.md` describes, and prints throughput, latency
+//! workload in `benches/fixtures/mooncake/README.md` describes, and prints throughput, latency
 //! percentiles, memory and agreement with a naive reference.
 //!
 //! Workload: all 12,031 requests in file order, one thread. Each `hash_id` is 32 blocks of 16
@@ -9,9 +9,9 @@
 //! Per request: `find_matches` on the full sequence, one Stored event for the blocks the worker
 //! lacked, one Removed event for what LRU evicted. Only time inside index calls is counted.
 //!
-//! `cargo bench --bench kv_index` runs the full trace (path from `KV_BENCH_TRACE`, default
-//! `/work/shared/fixtures/mooncake/conversation_trace.jsonl`); without `--bench` (as under
-//! `cargo test --benches`) it replays the first 300 requests as a smoke test.
+//! `cargo bench --bench kv_index` runs the full trace (path from `KV_BENCH_TRACE`, plain or `.gz`;
+//! default the in-repo `benches/fixtures/mooncake/conversation_trace.jsonl.gz`); without `--bench`
+//! (as under `cargo test --benches`) it replays the first 300 requests as a smoke test.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -30,7 +30,7 @@ use mooncake::{Lru, TraceRequest, WORKERS};
 const AGREEMENT_EVERY: usize = 97;
 
 fn load(path: &str, limit: usize) -> Option<Vec<TraceRequest>> {
-    let text = std::fs::read_to_string(path).ok()?;
+    let text = mooncake::read_trace(std::path::Path::new(path))?;
     text.lines().take(limit).map(mooncake::expand).collect()
 }
 
@@ -68,8 +68,13 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
-    let path = std::env::var("KV_BENCH_TRACE")
-        .unwrap_or_else(|_| "/work/shared/fixtures/mooncake/conversation_trace.jsonl".into());
+    let path = std::env::var("KV_BENCH_TRACE").unwrap_or_else(|_| {
+        format!(
+            "{}/benches/fixtures/mooncake/{}",
+            env!("CARGO_MANIFEST_DIR"),
+            mooncake::CONVERSATION_TRACE
+        )
+    });
     let limit = if full { usize::MAX } else { 300 };
     let Some(requests) = load(&path, limit) else {
         println!("kv_index: trace {path} not readable; set KV_BENCH_TRACE. Skipped.");

@@ -148,7 +148,8 @@ async fn router(upstream: SocketAddr) -> SocketAddr {
         tree: ActorTree::default(),
         control,
         dynamo_workers: Arc::new(|| serde_json::json!({})),
-        fleet_models: Arc::new(Vec::new),
+        fleet_summary: Arc::new(|| serde_json::json!({})),
+        fleet_models: Arc::new(|_: &[String]| Vec::new()),
         proxy,
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

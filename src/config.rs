@@ -7,6 +7,7 @@
 //! | [`validate`] | every validation rule and warning, as path-addressed [`Diagnostic`]s |
 //! | [`mask`] | `config show`: the effective config as YAML with secrets masked |
 //! | [`diff`] | reload classification of an old/new config pair ([`ReloadPlan`]) |
+//! | [`guard`] | the reload guard: refuses a file that removes every backend or the admin API |
 //! | [`report`] | `config validate`: the human report and exit code |
 //!
 //! Parsing goes YAML text → `serde_json::Value` (serde-saphyr, duplicate keys rejected) →
@@ -22,6 +23,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub mod diff;
+pub mod guard;
+pub mod example;
 pub mod interpolate;
 pub mod mask;
 pub mod report;
@@ -146,7 +149,7 @@ impl Config {
     /// [`validate`] (or use [`Config::load`] / [`Config::from_yaml_str_validated`]).
     pub fn from_yaml_str(text: &str, env: &dyn EnvLookup) -> Result<Config, ConfigError> {
         let mut value: Value = serde_saphyr::from_str_with_options(text, yaml_options())
-            .map_err(|error| ConfigError::Yaml(error.to_string()))?;
+            .map_err(|error| ConfigError::Yaml(yaml_error(text, &error)))?;
         if value.is_null() {
             // An empty document is the all-defaults config.
             value = Value::Object(serde_json::Map::new());
@@ -180,6 +183,14 @@ impl Config {
         Self::load_with_env(path, &ProcessEnv)
     }
 
+    /// [`Config::load`] that also returns the file's text (the reload guard reads which
+    /// changes the file states explicitly).
+    pub fn load_with_text(path: &Path) -> Result<(LoadedConfig, String), ConfigError> {
+        let text = read_bounded(path)?;
+        let loaded = Self::from_yaml_str_validated(&text, &ProcessEnv)?;
+        Ok((loaded, text))
+    }
+
     /// [`Config::load`] with an injected environment.
     pub fn load_with_env(path: &Path, env: &dyn EnvLookup) -> Result<LoadedConfig, ConfigError> {
         let text = read_bounded(path)?;
@@ -201,13 +212,54 @@ impl Config {
 
 /// YAML 1.2 core reading of untyped scalars: `no`, `on`, `y` stay strings (a namespace called
 /// `no` must not become `false`), as do `0755` and `1_000`. Duplicate keys are errors.
-fn yaml_options() -> serde_saphyr::Options {
+pub(crate) fn yaml_options() -> serde_saphyr::Options {
     let mut options = serde_saphyr::Options::default();
     options.strict_booleans = true;
     options.leading_zero_numbers_as_strings = true;
     options.underscored_numbers_as_strings = true;
     options.duplicate_keys = serde_saphyr::DuplicateKeyPolicy::Error;
     options
+}
+
+/// Syntax errors the parser notices only at the next token, so the line it names is past the
+/// mistake (an unclosed `[`, `{` or quote, a key without `:` on an earlier line).
+const DETECTED_LATE: [&str; 5] = [
+    "did not find expected ',' or '}'",
+    "expected ',' or ']'",
+    "illegal placement of ':' indicator",
+    "simple key expected ':'",
+    "could not find expected ':'",
+];
+
+/// The parser's message (line, column and a snippet), plus, for [`DETECTED_LATE`] errors, the
+/// previous non-blank line, where the mistake usually is.
+fn yaml_error(text: &str, error: &serde_saphyr::Error) -> String {
+    let mut out = error.to_string();
+    let Some(location) = error.location() else {
+        return out;
+    };
+    if !DETECTED_LATE.iter().any(|late| out.contains(late)) {
+        return out;
+    }
+    let detected = usize::try_from(location.line()).unwrap_or(usize::MAX);
+    let previous = text
+        .lines()
+        .enumerate()
+        .take(detected.saturating_sub(1))
+        .filter(|(_, line)| {
+            let line = line.trim();
+            !line.is_empty() && !line.starts_with('#')
+        })
+        .last();
+    if let Some((index, line)) = previous {
+        let line: String = line.trim_end().chars().take(MAX_ECHO_CHARS).collect();
+        out.push_str(&format!(
+            "\nhint: the parser notices this only at line {detected}; the mistake is likely at \
+             the end of line {}: {line:?} (an unclosed bracket, brace or quote, or a missing ':')",
+            index + 1
+        ));
+    }
+    out
 }
 
 /// Most re-deserialisations spent turning scalars back into what their fields want.
@@ -309,6 +361,43 @@ fn node_mut<'a>(value: &'a mut Value, path: &[PathSeg]) -> Option<&'a mut Value>
     })
 }
 
+/// Longest offending value echoed back in a type error.
+const MAX_ECHO_CHARS: usize = 80;
+
+/// The offending scalar as an error may quote it: never under a secret-looking key (tokens,
+/// passwords, keys), never a whole map or list, and truncated to [`MAX_ECHO_CHARS`].
+fn echo_value(path: &[PathSeg], node: &Value) -> Option<String> {
+    let secret = path.iter().any(|seg| match seg {
+        PathSeg::Key(key) => {
+            let key = key.to_ascii_lowercase();
+            ["token", "password", "secret", "key", "credential"]
+                .iter()
+                .any(|word| key.contains(word))
+        }
+        PathSeg::Index(_) => false,
+    });
+    if secret {
+        return None;
+    }
+    match node {
+        Value::String(text) if text.chars().count() > MAX_ECHO_CHARS => {
+            let head: String = text.chars().take(MAX_ECHO_CHARS).collect();
+            Some(format!("{head:?}…"))
+        }
+        Value::String(text) => Some(format!("{text:?}")),
+        Value::Number(_) | Value::Bool(_) => Some(node.to_string()),
+        Value::Null | Value::Array(_) | Value::Object(_) => None,
+    }
+}
+
+fn scalar_text(node: &Value) -> Option<String> {
+    match node {
+        Value::String(text) => Some(text.clone()),
+        Value::Number(_) | Value::Bool(_) => Some(node.to_string()),
+        Value::Null | Value::Array(_) | Value::Object(_) => None,
+    }
+}
+
 /// Reads an interpolated scalar the way YAML would have read it unquoted.
 fn coerce_scalar(text: &str) -> Option<Value> {
     match text.trim() {
@@ -361,6 +450,12 @@ fn deserialize_typed(
         };
         let segs = error_path(error.path());
         let message = error.into_inner().to_string();
+        // Serde's own messages quote some values (`unknown variant `consul``); echo the rest.
+        let got = node_mut(&mut value, &segs)
+            .filter(|node| {
+                !scalar_text(node).is_some_and(|text| !text.is_empty() && message.contains(&text))
+            })
+            .and_then(|node| echo_value(&segs, node));
         // The YAML went through an untyped tree, so a plain scalar was typed by its spelling
         // alone: `model: 2024` is a number there, `enabled: "${ON}"` a string. When a field
         // rejects such a scalar, retype that one node and retry.
@@ -388,6 +483,10 @@ fn deserialize_typed(
                 .iter()
                 .any(|gone| gone.len() == segs.len() + 1 && gone.starts_with(&segs));
         if !caused_by_removal {
+            let message = match got {
+                Some(got) => format!("{message} (got {got})"),
+                None => message,
+            };
             type_errors.push(Diagnostic::error(format_path(&segs), message));
         }
         // Drop the nearest key holding the problem (the key itself, or the whole list for a bad

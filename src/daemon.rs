@@ -1,10 +1,11 @@
 //! The daemon's lifecycle: one code path for startup and reload (vector's config diff).
 //!
 //! `Daemon::start` turns a validated config into the supervision tree and the front door;
-//! the control loop re-reads the config file when it changes (or on `POST /admin/config/reload`),
-//! refuses an invalid file with a logged reason while the running config stays, and applies the
-//! diff by reload class: immediate settings are swapped, discovery is replaced live, settings that
-//! need a process restart are reported. Shutdown is bounded by 10 s.
+//! the control loop re-reads the config file when it changes (once it has been quiet for 250 ms),
+//! on SIGHUP, or on `POST /admin/config/reload`; it refuses an invalid file, or one the reload
+//! guard (`config::guard`) stops, with a logged, counted reason while the running config stays,
+//! and applies the diff by reload class: immediate settings are swapped, discovery is replaced
+//! live, settings that need a process restart are reported. Shutdown is bounded by 10 s.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,6 +15,7 @@ use anyhow::Context as _;
 use arc_swap::ArcSwap;
 use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
+use continuum_actors::file_source::{FileSourceConfig, default_root as default_file_root};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::kv_artifacts::{ArtifactConfig, ArtifactRegistry};
 use continuum_actors::kv_index::{DynamoKvIndex, kv_index_spec};
@@ -21,7 +23,7 @@ use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::memory_source::MemoryDiscovery;
 use continuum_actors::metrics::SubscriptionTransport;
-use continuum_actors::metrics::{DiscoveryEventKind, Metrics};
+use continuum_actors::metrics::{DiscoveryEventKind, Metrics, ReloadRefusal};
 use continuum_actors::picker::{DynamoPicker, picker_spec};
 use continuum_actors::registry::{
     DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox, RegistryMsg,
@@ -41,6 +43,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 
+use crate::config::guard::GuardRefusal;
 use crate::config::{
     self, Config, DiscoveryAction, DiscoverySource, LoadTransport, LoadedConfig, RestartReason,
 };
@@ -50,10 +53,14 @@ use crate::proxy::{Proxy, ProxyOptions};
 use crate::readiness::Readiness;
 use crate::telemetry;
 
+mod import;
+
 /// The whole shutdown (drain HTTP, stop the tree) is bounded by this.
 pub const SHUTDOWN_BOUND: Duration = Duration::from_secs(10);
-/// File-change events closer than this are one reload.
+/// A file-change burst is one reload once the file has been quiet this long.
 const RELOAD_DEBOUNCE: Duration = Duration::from_millis(250);
+/// A file that keeps changing is still read this often.
+const RELOAD_DEBOUNCE_MAX: Duration = Duration::from_secs(5);
 /// How long a live watcher replacement may take before the reload reports it.
 const REPLACE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -201,6 +208,7 @@ impl Daemon {
         let config = options.config;
         let metrics = Metrics::new(&config.telemetry.service_name)
             .map_err(|e| anyhow::anyhow!("cannot build metrics: {e}"))?;
+        metrics.set_build_info(crate::build_info::VERSION, crate::build_info::FEATURES);
         let registry = DynamoRegistry::new(registry_config(&config));
         let readiness = Readiness::new();
         readiness.require_exactly(required_sources(&config));
@@ -258,17 +266,29 @@ impl Daemon {
         let local_addr = listener.local_addr()?;
         let (stop_server, mut stop_rx) = watch::channel(false);
         let app = front_door::router(state);
+        let serve_options = front_door::serve::ServeOptions::from_config(&config.server);
+        let server_metrics = shared.metrics.clone();
         let server = tokio::spawn(async move {
             let shutdown = async move {
                 let _ = stop_rx.wait_for(|stop| *stop).await;
             };
-            if let Err(error) = axum::serve(front_door::listener(listener), app)
-                .with_graceful_shutdown(shutdown)
-                .await
-            {
-                error!(%error, "The HTTP server failed.");
-            }
+            front_door::serve::serve(
+                listener,
+                app,
+                serve_options,
+                Some(&server_metrics),
+                shutdown,
+            )
+            .await;
         });
+        // Installed before the daemon answers anything: from here on SIGHUP and file changes
+        // reload.
+        let hangup = hangup_signal();
+        let (file_tx, file_rx) = mpsc::channel::<()>(16);
+        let watcher = options
+            .config_path
+            .as_deref()
+            .and_then(|p| watch_file(p, file_tx));
         let control = tokio::spawn(
             ControlLoop {
                 shared: shared.clone(),
@@ -277,7 +297,7 @@ impl Daemon {
                 path: options.config_path,
                 current: config,
             }
-            .run(control_rx),
+            .run(control_rx, hangup, (watcher, file_rx)),
         );
         Ok(Daemon {
             local_addr,
@@ -387,7 +407,10 @@ fn app_state(
     let load = shared.load.clone();
     let kv = shared.kv.clone();
     let picker = shared.picker.clone();
+    let summary_kv = shared.kv.clone();
+    let summary_metrics = shared.metrics.clone();
     let models_registry = shared.registry.clone();
+    let models_config = shared.config.clone();
     AppState {
         live,
         readiness: shared.readiness.clone(),
@@ -397,10 +420,28 @@ fn app_state(
         dynamo_workers: Arc::new(move || {
             crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker))
         }),
+        fleet_summary: Arc::new(move || {
+            crate::dynamo_admin::fleet_summary(&summary_kv, &summary_metrics)
+        }),
         proxy: shared.proxy.clone(),
-        fleet_models: Arc::new(move || {
+        fleet_models: Arc::new(move |allowed: &[String]| {
             let snapshot = models_registry.snapshot();
-            let mut models: Vec<String> = snapshot.models().map(|(_, m)| m.to_string()).collect();
+            let config = models_config.load();
+            let shim = &config.dynamo.shim;
+            // A fleet model is reachable through its namespace's shim replicas.
+            let reachable = |ns: &Namespace| {
+                allowed.is_empty()
+                    || shim
+                        .backends_for(ns.as_str())
+                        .iter()
+                        .any(|b| allowed.contains(b))
+            };
+            let mut models: Vec<String> = snapshot
+                .models()
+                .filter(|(ns, _)| reachable(ns))
+                .map(|(_, m)| m.to_string())
+                .collect();
+            models.sort();
             models.dedup();
             models
         }),
@@ -430,15 +471,24 @@ pub fn live_settings(config: &Config) -> LiveSettings {
             .filter(|b| b.enabled && !b.internal)
             .flat_map(|b| b.models.iter().cloned())
             .collect(),
+        backend_models: config
+            .backends
+            .iter()
+            .filter(|b| b.enabled && !b.internal)
+            .map(|b| (b.name.clone(), b.models.clone()))
+            .collect(),
     }
 }
 
 fn source_kind(source: DiscoverySource) -> SourceKind {
     match source {
-        // The simulated fleet writes etcd's records: everything after the source is etcd's path.
-        DiscoverySource::Etcd | DiscoverySource::Simulated => SourceKind::Etcd,
+        // The simulated fleet writes etcd's records: everything after the source is etcd's path;
+        // only the admin label says where the records came from.
+        DiscoverySource::Etcd => SourceKind::Etcd,
+        DiscoverySource::Simulated => SourceKind::Simulated,
         DiscoverySource::Kubernetes => SourceKind::Kubernetes,
         DiscoverySource::KubernetesPods => SourceKind::KubernetesPods,
+        DiscoverySource::File => SourceKind::File,
     }
 }
 
@@ -474,6 +524,7 @@ fn source_prefix(source: DiscoverySource) -> &'static str {
         DiscoverySource::Etcd => "etcd",
         DiscoverySource::Kubernetes => "kubernetes",
         DiscoverySource::KubernetesPods => "kubernetes_pods",
+        DiscoverySource::File => "file",
         DiscoverySource::Simulated => "simulated",
     }
 }
@@ -560,6 +611,9 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
                     feed: shared.simulated.clone(),
                     namespace: namespace.clone(),
                 },
+                DiscoverySource::File => {
+                    SourceSpec::File(file_source_config(&config, namespace.clone()))
+                }
                 _ => SourceSpec::Etcd(etcd_source_config(&config, namespace.clone())),
             };
             let shared = shared.clone();
@@ -626,6 +680,17 @@ pub fn kube_source_config(config: &Config) -> KubeSourceConfig {
     }
 }
 
+/// Maps the YAML file section onto the file-store source's settings.
+pub fn file_source_config(config: &Config, namespace: Namespace) -> FileSourceConfig {
+    let file = &config.dynamo.discovery.file;
+    FileSourceConfig {
+        root: file.root.clone().unwrap_or_else(default_file_root),
+        namespace,
+        rescan_interval: file.rescan_interval.get(),
+        ttl: file.ttl.get(),
+    }
+}
+
 /// Maps the YAML etcd section onto the source's plain connection settings.
 pub fn etcd_source_config(config: &Config, namespace: Namespace) -> EtcdSourceConfig {
     let etcd = &config.dynamo.discovery.etcd;
@@ -661,41 +726,73 @@ struct ControlLoop {
 }
 
 impl ControlLoop {
-    async fn run(mut self, mut commands: mpsc::Receiver<ControlCommand>) {
-        let (file_tx, mut file_rx) = mpsc::channel::<()>(16);
-        let _watcher = self.path.as_deref().and_then(|p| watch_file(p, file_tx));
+    async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<ControlCommand>,
+        mut hangup: mpsc::Receiver<()>,
+        (_watcher, mut file_rx): (Option<notify::RecommendedWatcher>, mpsc::Receiver<()>),
+    ) {
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
                     Some(ControlCommand::Reload(reply)) => {
-                        let outcome = self.reload().await;
+                        let outcome = self.reload("admin API").await;
+                        let _ = reply.send(outcome);
+                    }
+                    Some(ControlCommand::Config(reply)) => {
+                        let _ = reply.send(self.running());
+                    }
+                    Some(ControlCommand::Import(text, reply)) => {
+                        let outcome = self.import(text).await;
                         let _ = reply.send(outcome);
                     }
                     None => return,
                 },
                 Some(()) = file_rx.recv() => {
-                    // Editors write in several steps: settle, then reload once.
-                    tokio::time::sleep(RELOAD_DEBOUNCE).await;
-                    while file_rx.try_recv().is_ok() {}
-                    if let Err(reason) = self.reload().await {
-                        warn!(%reason, "Config file changed but was refused; the running config stays.");
-                    }
+                    // Editors write in several steps: reload once the file has been quiet.
+                    settle(&mut file_rx, RELOAD_DEBOUNCE, RELOAD_DEBOUNCE_MAX).await;
+                    let _ = self.reload("file watch").await;
+                }
+                Some(()) = hangup.recv() => {
+                    info!("SIGHUP: reloading the config file.");
+                    let _ = self.reload("SIGHUP").await;
                 }
             }
         }
     }
 
-    async fn reload(&mut self) -> Result<String, String> {
+    /// Re-reads the file and applies it, unless it is invalid or the reload guard refuses it;
+    /// a refusal is logged (with `trigger`), counted, and returned (the API answers 409).
+    async fn reload(&mut self, trigger: &'static str) -> Result<String, String> {
         let Some(path) = self.path.clone() else {
             return Err("the demo runs on an embedded config; there is no file to reload".into());
         };
-        let loaded = match Config::load(&path) {
+        let (loaded, text) = match Config::load_with_text(&path) {
             Ok(loaded) => loaded,
             Err(error) => {
-                warn!(%error, path = %path.display(), "Refused the new config; the running config stays.");
+                self.shared
+                    .metrics
+                    .config_reload_refused(ReloadRefusal::Invalid);
+                warn!(%error, trigger, path = %path.display(), "Refused the new config; the running config stays.");
                 return Err(error.to_string());
             }
         };
+        let explicit = config::guard::Explicit::of(&text);
+        if let Err(refusal) = config::guard::check_reload(&self.current, &loaded.config, explicit) {
+            let reason = match refusal {
+                GuardRefusal::RemovesAllBackends => ReloadRefusal::RemovesAllBackends,
+                GuardRefusal::DisablesAdmin => ReloadRefusal::DisablesAdmin,
+            };
+            self.shared.metrics.config_reload_refused(reason);
+            warn!(
+                reason = reason.as_label(),
+                trigger,
+                path = %path.display(),
+                "Refused the new config: {}; the running config stays.",
+                refusal.explain()
+            );
+            return Err(refusal.explain().to_string());
+        }
         Ok(self.apply(loaded).await)
     }
 
@@ -796,6 +893,57 @@ impl ControlLoop {
     }
 }
 
+/// Waits until `events` has been quiet for `quiet` (each new event restarts the wait), at most
+/// `max` in all, so a file written in several steps is read once, when complete; a file that
+/// keeps changing is still read every `max`.
+async fn settle(events: &mut mpsc::Receiver<()>, quiet: Duration, max: Duration) {
+    let deadline = tokio::time::Instant::now() + max;
+    loop {
+        let wait = (tokio::time::Instant::now() + quiet).min(deadline);
+        tokio::select! {
+            event = events.recv() => {
+                if event.is_none() || tokio::time::Instant::now() >= deadline {
+                    return;
+                }
+            }
+            () = tokio::time::sleep_until(wait) => return,
+        }
+    }
+}
+
+/// SIGHUP as a stream of reload requests. Installing the handler replaces the default action
+/// (terminate), so a SIGHUP never kills the daemon.
+fn hangup_signal() -> mpsc::Receiver<()> {
+    let (tx, rx) = mpsc::channel(1);
+    #[cfg(unix)]
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(mut signal) => {
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        received = signal.recv() => {
+                            if received.is_none() {
+                                return;
+                            }
+                            // One pending reload covers any number of signals.
+                            let _ = tx.try_send(());
+                        }
+                        // The control loop ended (shutdown): stop listening.
+                        () = tx.closed() => return,
+                    }
+                }
+            });
+        }
+        Err(error) => {
+            drop(tx);
+            warn!(%error, "Cannot handle SIGHUP; use POST /admin/config/reload.");
+        }
+    }
+    #[cfg(not(unix))]
+    drop(tx);
+    rx
+}
+
 /// Watches the config file's directory (editors replace files) and pokes on changes to it.
 fn watch_file(path: &Path, tx: mpsc::Sender<()>) -> Option<notify::RecommendedWatcher> {
     use notify::Watcher as _;
@@ -806,7 +954,10 @@ fn watch_file(path: &Path, tx: mpsc::Sender<()>) -> Option<notify::RecommendedWa
         .unwrap_or(Path::new("."))
         .to_path_buf();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        // Reading the file (as every reload does) is an access event: only changes count, or
+        // each reload would schedule the next.
         if let Ok(event) = event
+            && !matches!(event.kind, notify::EventKind::Access(_))
             && event
                 .paths
                 .iter()
@@ -824,4 +975,57 @@ fn watch_file(path: &Path, tx: mpsc::Sender<()>) -> Option<notify::RecommendedWa
         )
         .ok()?;
     Some(watcher)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file written in steps 200 ms apart is read once, 250 ms after the last step (the
+    /// previous fixed 250 ms wait after the first event read it after the second step, half
+    /// written). The clock is paused: time moves only when every task waits.
+    #[tokio::test(start_paused = true)]
+    async fn reload_waits_until_the_file_has_been_quiet() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let start = tokio::time::Instant::now();
+        let writer = tokio::spawn(async move {
+            for _ in 0..4 {
+                tx.send(()).await.expect("open");
+                tokio::time::advance(Duration::from_millis(200)).await;
+            }
+            tx
+        });
+        rx.recv().await.expect("first event");
+        settle(&mut rx, RELOAD_DEBOUNCE, RELOAD_DEBOUNCE_MAX).await;
+        let settled = start.elapsed();
+        let _tx = writer.await.expect("writer");
+        // Events at 0, 200, 400, 600 ms: quiet from 600 ms on, so settled at 850 ms.
+        assert!(settled >= Duration::from_millis(850), "{settled:?}");
+        assert!(settled < RELOAD_DEBOUNCE_MAX, "{settled:?}");
+        assert!(rx.try_recv().is_err(), "every event of the burst consumed");
+    }
+
+    /// A file that never stops changing is still read after the bound.
+    #[tokio::test(start_paused = true)]
+    async fn reload_of_a_file_that_keeps_changing_is_bounded() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let start = tokio::time::Instant::now();
+        let writer = tokio::spawn(async move {
+            loop {
+                if tx.send(()).await.is_err() {
+                    return;
+                }
+                tokio::time::advance(Duration::from_millis(100)).await;
+            }
+        });
+        rx.recv().await.expect("first event");
+        settle(&mut rx, RELOAD_DEBOUNCE, RELOAD_DEBOUNCE_MAX).await;
+        let settled = start.elapsed();
+        writer.abort();
+        assert!(settled >= RELOAD_DEBOUNCE_MAX, "{settled:?}");
+        assert!(
+            settled < RELOAD_DEBOUNCE_MAX + Duration::from_millis(300),
+            "{settled:?}"
+        );
+    }
 }

@@ -199,8 +199,17 @@ impl Demo {
             "  Workers      curl -s -H 'authorization: Bearer {token}' {url}/admin/dynamo/workers\n"
         ));
         out.push_str(&format!(
-            "  Metrics      curl -s {url}/metrics | grep continuum_dynamo_selection_total\n\n"
+            "  Metrics      curl -s {url}/metrics | grep continuum_dynamo_selection_total\n"
         ));
+        out.push_str(&format!(
+            "  Limits       answers are filler text of at most {} tokens (a larger max_tokens is \
+             capped; finish_reason \"length\"); the embedded config cannot be reloaded\n",
+            shim::MAX_TOKENS
+        ));
+        out.push_str(
+            "  Logs         warnings only unless RUST_LOG is set \
+             (RUST_LOG=info,continuum_router::shim=debug logs every pick)\n\n",
+        );
         out.push_str(&format!(
             "  Simulated workers (each publishes kv_metrics over ZMQ every {}):\n",
             humantime::format_duration(self.publish_interval)
@@ -263,6 +272,14 @@ pub async fn run_until_signal(
     let mut config = Config::demo();
     if let Some(bind) = bind {
         config.server.bind_address = bind;
+    }
+    // The embedded config logs warnings only; `RUST_LOG` asks for more (a bad filter is refused
+    // by telemetry::init with the filter's own error).
+    if let Some(filter) = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|f| !f.trim().is_empty())
+    {
+        config.telemetry.log_level = filter;
     }
     let guard =
         telemetry::init(&(&config.telemetry).into()).context("cannot initialise telemetry")?;

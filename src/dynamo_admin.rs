@@ -103,3 +103,71 @@ fn kv_hash_parity(kv: &DynamoKvIndex) -> Value {
         .collect();
     Value::Object(models)
 }
+
+/// `GET /admin/fleet/summary`: the numbers the fleet page turns into bars and sparklines.
+/// Counters are cumulative since start (the page plots their per-second deltas); KV blocks are
+/// per rank, read from the index in O(ranks). Built from the metrics registry's families, so it
+/// always agrees with `/metrics`.
+pub fn fleet_summary(kv: &DynamoKvIndex, metrics: &continuum_actors::metrics::Metrics) -> Value {
+    let families = metrics.registry().gather();
+    // Per counter family, its series as (labels, value).
+    let series = |name: &str| -> Vec<(Vec<(String, String)>, f64)> {
+        families
+            .iter()
+            .filter(|mf| mf.name() == name)
+            .flat_map(|mf| mf.get_metric().iter())
+            .map(|m| {
+                let labels = m
+                    .get_label()
+                    .iter()
+                    .map(|p| (p.name().to_owned(), p.value().to_owned()))
+                    .collect();
+                (labels, m.get_counter().get_value())
+            })
+            .collect()
+    };
+    let label = |labels: &[(String, String)], name: &str| -> String {
+        labels
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    // {role: {reason: n}}
+    let mut selections = serde_json::Map::new();
+    for (labels, value) in series("continuum_dynamo_selection_total") {
+        let role = selections
+            .entry(label(&labels, "role"))
+            .or_insert_with(|| json!({}));
+        if let Some(role) = role.as_object_mut() {
+            role.insert(label(&labels, "reason"), json!(value as u64));
+        }
+    }
+    let mut kv_selection = serde_json::Map::new();
+    for (labels, value) in series("continuum_dynamo_kv_selection_total") {
+        kv_selection.insert(label(&labels, "result"), json!(value as u64));
+    }
+    // {model: {match: n, mismatch: n}}
+    let mut parity = serde_json::Map::new();
+    for (labels, value) in series("continuum_dynamo_kv_hash_parity_total") {
+        let model = parity
+            .entry(label(&labels, "model"))
+            .or_insert_with(|| json!({"match": 0, "mismatch": 0}));
+        if let Some(model) = model.as_object_mut() {
+            model.insert(label(&labels, "result"), json!(value as u64));
+        }
+    }
+    let kv_blocks: Vec<Value> = kv
+        .rank_blocks()
+        .into_iter()
+        .map(|(worker, rank, blocks)| {
+            json!({"instance_id": worker.hex(), "dp_rank": rank.0, "blocks": blocks})
+        })
+        .collect();
+    json!({
+        "selections": selections,
+        "kv_selection": kv_selection,
+        "kv_hash_parity": parity,
+        "kv_blocks": kv_blocks,
+    })
+}

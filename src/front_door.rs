@@ -4,8 +4,11 @@
 //! and reach actors only through typed handles; they never see raw actor messages.
 
 pub mod admin;
+pub mod admin_config;
 pub mod error;
+pub mod serve;
 pub mod strip;
+pub mod ui;
 
 use std::sync::Arc;
 
@@ -41,6 +44,8 @@ pub struct LiveSettings {
     pub api_keys: Vec<ApiKeySetting>,
     /// Model ids served by configured, enabled, non-internal backends.
     pub models: Vec<String>,
+    /// The same, per backend name: what a key limited by `allowed_backends` may list.
+    pub backend_models: Vec<(String, Vec<String>)>,
 }
 
 /// Commands from the admin API to the daemon's control loop.
@@ -48,10 +53,16 @@ pub struct LiveSettings {
 pub enum ControlCommand {
     /// Re-read the config file now; answers with a summary or the refusal reason.
     Reload(oneshot::Sender<Result<String, String>>),
+    /// `GET /admin/config`: the running config (the handler masks it).
+    Config(oneshot::Sender<Box<crate::config::Config>>),
+    /// `PUT`/`POST /admin/config`: validate, restore masked secrets, write the file, reload.
+    Import(String, admin_config::ImportReply),
 }
 
 pub type MetricsRender = Arc<dyn Fn() -> String + Send + Sync>;
 pub type JsonView = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+/// Fleet model ids reachable under a key's `allowed_backends` (empty = all).
+pub type FleetModels = Arc<dyn Fn(&[String]) -> Vec<String> + Send + Sync>;
 
 /// Everything handlers need, cheap to clone.
 #[derive(Clone)]
@@ -63,8 +74,12 @@ pub struct AppState {
     pub control: mpsc::Sender<ControlCommand>,
     /// `GET /admin/dynamo/workers`.
     pub dynamo_workers: JsonView,
-    /// Model ids the discovered fleet serves, merged into `GET /v1/models`.
-    pub fleet_models: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
+    /// `GET /admin/fleet/summary` (the fleet page's counters and KV blocks per rank).
+    pub fleet_summary: JsonView,
+    /// Model ids the discovered fleet serves, merged into `GET /v1/models`; the argument is the
+    /// key's `allowed_backends` (empty = all), which limits the list to namespaces whose shim
+    /// replicas the key may use.
+    pub fleet_models: FleetModels,
     /// The OpenAI-wire proxy behind `POST /v1/chat/completions` and `POST /v1/completions`.
     pub proxy: Arc<crate::proxy::Proxy>,
 }
@@ -76,11 +91,14 @@ pub fn listener(
     listener: tokio::net::TcpListener,
 ) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
     use axum::serve::ListenerExt;
-    listener.tap_io(|tcp| {
-        if let Err(error) = tcp.set_nodelay(true) {
-            tracing::debug!(%error, "Could not set TCP_NODELAY on a client connection.");
-        }
-    })
+    listener.tap_io(|tcp| configure_accepted(tcp))
+}
+
+/// What every accepted client socket gets (both [`listener`] and [`serve::serve`]).
+pub fn configure_accepted(tcp: &tokio::net::TcpStream) {
+    if let Err(error) = tcp.set_nodelay(true) {
+        tracing::debug!(%error, "Could not set TCP_NODELAY on a client connection.");
+    }
 }
 
 /// The whole router, with the always-on pin-stripping middleware outermost.
@@ -94,6 +112,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .merge(admin)
+        .merge(ui::routes())
         .fallback(not_found)
         .layer(middleware::from_fn(strip::strip_client_pins))
         .with_state(state)
@@ -147,9 +166,21 @@ pub fn authenticate_client(
 
 async fn models(State(state): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     let live = state.live.load();
-    authenticate_client(&live, &headers)?;
-    let mut ids: Vec<String> = live.models.clone();
-    ids.extend((state.fleet_models)());
+    let key = authenticate_client(&live, &headers)?;
+    // A key limited by `allowed_backends` lists only what it can reach.
+    let allowed = key
+        .as_ref()
+        .map_or(&[][..], |k| k.allowed_backends.as_slice());
+    let mut ids: Vec<String> = if allowed.is_empty() {
+        live.models.clone()
+    } else {
+        live.backend_models
+            .iter()
+            .filter(|(backend, _)| allowed.contains(backend))
+            .flat_map(|(_, models)| models.iter().cloned())
+            .collect()
+    };
+    ids.extend((state.fleet_models)(allowed));
     ids.sort();
     ids.dedup();
     let data: Vec<_> = ids

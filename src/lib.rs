@@ -2,8 +2,9 @@
 //!
 //! | module | what it holds |
 //! |---|---|
+//! | [`build_info`] | version and compiled features (`--version`, `continuum_router_build_info`) |
 //! | [`config`] | the typed YAML schema, validation, masking and the reload diff |
-//! | [`daemon`] | startup, the reload control loop and bounded shutdown |
+//! | [`daemon`] | startup, the reload control loop (and the config readback/import) and bounded shutdown |
 //! | [`demo`] | `continuum-router demo`: a simulated Dynamo fleet and the router in one process |
 //! | [`front_door`] | the axum router: OpenAI surface, health, metrics, admin |
 //! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
@@ -13,6 +14,7 @@
 //! | [`shim`] | Dynamo direct-mode shim routing: picks and pins per request |
 //! | [`telemetry`] | logs and OTLP trace export |
 
+pub mod build_info;
 pub mod config;
 pub mod daemon;
 pub mod demo;

@@ -11,12 +11,12 @@ use continuum_router::demo;
 #[derive(Parser, Debug)]
 #[command(
     name = "continuum-router",
-    version,
+    version = continuum_router::build_info::LONG_VERSION,
     about = "External router for NVIDIA Dynamo fleets"
 )]
 struct Cli {
     /// Config file to run with (same as `run --config FILE`).
-    #[arg(long, global = false)]
+    #[arg(long, global = false, value_name = "FILE")]
     config: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
@@ -26,7 +26,9 @@ struct Cli {
 enum Command {
     /// Run the daemon with a config file.
     Run {
-        #[arg(long)]
+        /// YAML config file to run with (see docs/configuration.md; `${VAR}` references are
+        /// read from the environment).
+        #[arg(long, value_name = "FILE")]
         config: PathBuf,
     },
     /// Inspect a config file.
@@ -36,8 +38,8 @@ enum Command {
     },
     /// Run the daemon on an embedded default: a simulated fleet on this machine.
     Demo {
-        /// Address to serve on (default from the embedded config).
-        #[arg(long)]
+        /// Address to serve on [default: 127.0.0.1:8080, from the embedded config].
+        #[arg(long, value_name = "ADDR")]
         bind: Option<String>,
         /// How often each simulated worker publishes its load ("200ms", "1s").
         #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
@@ -51,14 +53,18 @@ enum Command {
 enum ConfigAction {
     /// Print every error and warning with its YAML path; exit 0 when valid, 1 otherwise.
     Validate {
-        #[arg(long)]
+        /// YAML config file to check.
+        #[arg(long, value_name = "FILE")]
         config: PathBuf,
     },
     /// Print the effective config (defaults filled in) with secrets masked.
     Show {
-        #[arg(long)]
+        /// YAML config file to show.
+        #[arg(long, value_name = "FILE")]
         config: PathBuf,
     },
+    /// Print a commented starter config (secrets from ${ROUTER_ADMIN_TOKEN}, ${CLIENT_API_KEY}).
+    Example,
 }
 
 fn main() -> ExitCode {
@@ -109,6 +115,10 @@ fn config_command(action: ConfigAction) -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        ConfigAction::Example => {
+            print!("{}", config::example::EXAMPLE_YAML);
+            ExitCode::SUCCESS
+        }
     }
 }
 

@@ -21,8 +21,10 @@
 //!   same 404 `model_not_found` as an unknown model, so a key's policy never reveals what other
 //!   keys can reach. Backends that serve the model but are all unhealthy or breaker-open: 503.
 //! - New backends start healthy (they serve before their first probe completes); the breaker
-//!   counts transport errors and 5xx, not 4xx or 429. Retries happen only on connection failures
-//!   (nothing was sent); a response-head timeout is a 504 and another transport error a 502.
+//!   counts transport errors, timeouts, 502/503/504 and 500s without a JSON error body; not 4xx,
+//!   429 or a request-level 500 refusal carrying the frontend's JSON error body (a stale pin).
+//!   Retries happen only on connection failures (nothing was sent); a response-head timeout is a
+//!   504 and another transport error a 502.
 //! - The router's own `Authorization` is not forwarded when API keys are configured; with an
 //!   open surface the client's header passes through. Client `x-dynamo-*`, the pin aliases and
 //!   the rank aliases (`x-dp-rank`, `x-data-parallel-rank`, `x-prefill-dp-rank`) never leave.
@@ -42,7 +44,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
 use axum::response::IntoResponse;
 use continuum_actors::metrics::{DisaggregatedPhase, HttpRoute, Metrics, RoutingPath};
-use continuum_protocol::breaker::BreakerConfig;
+use continuum_protocol::breaker::{BreakerConfig, ResponseVerdict, classify_response};
 use http_body_util::Full;
 use tracing::{debug, warn};
 
@@ -185,12 +187,17 @@ impl Proxy {
         headers: HeaderMap,
         body: Body,
     ) -> Response<Body> {
+        let started = std::time::Instant::now();
         let response = match self.serve_inner(live, route, headers, body).await {
             Ok(resp) => resp,
             Err(error) => error.into_response(),
         };
         if let Some(metrics) = &self.metrics {
-            metrics.http_request(route.metric(), response.status().as_u16());
+            metrics.http_request_timed(
+                route.metric(),
+                response.status().as_u16(),
+                started.elapsed(),
+            );
         }
         response
     }
@@ -410,7 +417,8 @@ impl Proxy {
 
     /// Sends `request` to the first admitted candidate with `dispatch`'s headers. Only connection
     /// failures move on to the next candidate (nothing was sent), with the same headers: workers
-    /// are never re-selected here. 5xx and transport errors count against the breaker.
+    /// are never re-selected here. Transport errors, timeouts and gateway-class answers count
+    /// against the breaker (`continuum_protocol::breaker::classify_response`).
     pub async fn dispatch(
         &self,
         request: &ClientRequest,
@@ -449,10 +457,9 @@ impl Proxy {
                 .await
             {
                 Ok(resp) => {
-                    if resp.status().is_server_error() {
-                        backend.record_failure(self.pool.now());
-                    } else {
-                        backend.record_success();
+                    match classify_response(resp.status().as_u16(), frontend_error_body(&resp)) {
+                        ResponseVerdict::Failing => backend.record_failure(self.pool.now()),
+                        ResponseVerdict::Serving => backend.record_success(),
                     }
                     let relayed = if request.body.stream {
                         Ok(relay::streamed(resp, backend.name()))
@@ -483,6 +490,16 @@ impl Proxy {
             None => ApiError::Unavailable("no backend replica admitted the request".into()),
         })
     }
+}
+
+/// Whether an upstream answer carries the frontend's own JSON error body (`content-type:
+/// application/json`, as Dynamo 1.6.1's `{"message", "type", "code"}` refusals do).
+fn frontend_error_body<B>(resp: &Response<B>) -> bool {
+    resp.headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"))
 }
 
 /// Routing headers on every relayed response; identities only when asked with `x-backend`.

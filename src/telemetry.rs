@@ -31,6 +31,11 @@ use tracing_subscriber::{Layer, Registry};
 /// bounds [`TelemetryGuard::shutdown`] when a collector accepts connections but never answers.
 pub const OTLP_EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How often the batch processor exports finished spans (the SDK default is 5 s), so short spans
+/// such as `actor.start` reach the collector about a second after they end.
+/// `OTEL_BSP_SCHEDULE_DELAY` (milliseconds), when set, wins.
+pub const OTLP_SCHEDULE_DELAY: Duration = Duration::from_secs(1);
+
 /// Targets never exported as spans: the export pipeline's own instrumentation.
 const EXPORT_PIPELINE_TARGETS: &[&str] = &[
     "h2",
@@ -144,7 +149,27 @@ async fn blocking(
 /// the OTLP trace layer. Also routes `log` records into tracing and sets the global tracer
 /// provider and W3C trace-context propagator for code that uses OpenTelemetry directly.
 pub fn init(options: &TelemetryOptions) -> Result<TelemetryGuard, TelemetryError> {
-    let (subscriber, guard) = subscriber(options)?;
+    let (layer, guard) = layers::<Registry>(options)?;
+    install(tracing_subscriber::registry().with(layer), guard)
+}
+
+/// [`init`] with the log lines going to `writer`, without ANSI colours. Tests pass
+/// `tracing_subscriber::fmt::TestWriter` so the log of a passing test stays captured.
+pub fn init_with_writer<W>(
+    options: &TelemetryOptions,
+    writer: W,
+) -> Result<TelemetryGuard, TelemetryError>
+where
+    W: for<'writer> MakeWriter<'writer> + Send + Sync + 'static,
+{
+    let (subscriber, guard) = subscriber_with_writer(options, writer)?;
+    install(subscriber, guard)
+}
+
+fn install(
+    subscriber: impl Subscriber + Send + Sync + 'static,
+    guard: TelemetryGuard,
+) -> Result<TelemetryGuard, TelemetryError> {
     subscriber
         .try_init()
         .map_err(|error| TelemetryError::AlreadyInstalled(error.to_string()))?;
@@ -165,17 +190,32 @@ pub fn subscriber(
     Ok((tracing_subscriber::registry().with(layer), guard))
 }
 
-/// The layers of [`init`] (log output to stdout), to compose with other layers in tests.
+/// [`subscriber`] with the log lines going to `writer` (see [`init_with_writer`]).
+pub fn subscriber_with_writer<W>(
+    options: &TelemetryOptions,
+    writer: W,
+) -> Result<(impl Subscriber + Send + Sync + 'static, TelemetryGuard), TelemetryError>
+where
+    W: for<'writer> MakeWriter<'writer> + Send + Sync + 'static,
+{
+    let (layer, guard) = layers_with_writer::<Registry, W>(options, writer)?;
+    Ok((tracing_subscriber::registry().with(layer), guard))
+}
+
+/// The layers of [`init`] (log output to stdout), to compose with other layers in tests. Text
+/// logs carry ANSI colours only when stdout is a terminal (not in a file, a pipe or a journal).
 pub fn layers<S>(
     options: &TelemetryOptions,
 ) -> Result<(Box<dyn Layer<S> + Send + Sync + 'static>, TelemetryGuard), TelemetryError>
 where
     S: Subscriber + for<'span> LookupSpan<'span> + Send + Sync,
 {
-    layers_with_writer(options, std::io::stdout)
+    use std::io::IsTerminal as _;
+    build_layers(options, std::io::stdout, std::io::stdout().is_terminal())
 }
 
-/// [`layers`] with the log lines going to `writer`.
+/// [`layers`] with the log lines going to `writer`, without ANSI colours (a writer other than
+/// stdout is a file or a buffer).
 pub fn layers_with_writer<S, W>(
     options: &TelemetryOptions,
     writer: W,
@@ -184,9 +224,24 @@ where
     S: Subscriber + for<'span> LookupSpan<'span> + Send + Sync,
     W: for<'writer> MakeWriter<'writer> + Send + Sync + 'static,
 {
+    build_layers(options, writer, false)
+}
+
+fn build_layers<S, W>(
+    options: &TelemetryOptions,
+    writer: W,
+    ansi: bool,
+) -> Result<(Box<dyn Layer<S> + Send + Sync + 'static>, TelemetryGuard), TelemetryError>
+where
+    S: Subscriber + for<'span> LookupSpan<'span> + Send + Sync,
+    W: for<'writer> MakeWriter<'writer> + Send + Sync + 'static,
+{
     let log_filter = parse_filter(&options.log_level)?;
     let fmt = match options.log_format {
-        LogFormat::Text => tracing_subscriber::fmt::layer().with_writer(writer).boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_ansi(ansi)
+            .with_writer(writer)
+            .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
             .flatten_event(true)
@@ -257,8 +312,15 @@ fn tracer_provider(
         .build();
     // The SDK's batch processor exports from a dedicated thread; the tonic channel it drives runs
     // on the tokio runtime. (The tokio-task variant is still behind an experimental SDK feature.)
+    let mut batch = opentelemetry_sdk::trace::BatchConfigBuilder::default();
+    if std::env::var_os("OTEL_BSP_SCHEDULE_DELAY").is_none() {
+        batch = batch.with_scheduled_delay(OTLP_SCHEDULE_DELAY);
+    }
+    let processor = opentelemetry_sdk::trace::BatchSpanProcessor::builder(exporter)
+        .with_batch_config(batch.build())
+        .build();
     Ok(SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
+        .with_span_processor(processor)
         .with_resource(resource)
         .build())
 }
@@ -343,6 +405,10 @@ mod tests {
         assert!(text.contains("Kept by the crate directive."), "{text}");
         assert!(!text.contains("Dropped by the default level."), "{text}");
         assert!(!text.starts_with('{'), "text format, not JSON: {text}");
+        assert!(
+            !text.contains('\x1b'),
+            "no ANSI colour codes in a non-terminal writer: {text:?}"
+        );
     }
 
     #[test]

@@ -221,3 +221,120 @@ async fn dynamo_records_become_the_fleet_view_and_follow_the_cluster() {
     assert_eq!(registry.snapshot().namespaces()[0].as_str(), "otherns");
     daemon.shutdown().await;
 }
+
+/// Writes `n` generate endpoints with ids 1..=n and no model card under a component that sorts
+/// before every real one: junk keys that fill an instances range get in key order first.
+async fn write_orphan_endpoints(client: &mut Client, namespace: &str, n: u64) {
+    let ids: Vec<u64> = (1..=n).collect();
+    for chunk in ids.chunks(100) {
+        let ops: Vec<etcd_client::TxnOp> = chunk
+            .iter()
+            .map(|id| {
+                let value = serde_json::json!({
+                    "type": "Endpoint", "namespace": namespace, "component": "aaa",
+                    "endpoint": "generate", "instance_id": id,
+                    "transport": {"tcp": format!("10.9.0.1:31000/{id:x}/{namespace}/aaa/generate")}
+                });
+                etcd_client::TxnOp::put(
+                    format!("v1/instances/{namespace}/aaa/generate/{id:x}"),
+                    value.to_string(),
+                    None,
+                )
+            })
+            .collect();
+        client
+            .txn(etcd_client::Txn::new().and_then(ops))
+            .await
+            .expect("txn");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resync_flooded_with_20000_low_id_orphan_endpoints_keeps_the_real_workers_routable() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut etcd = EtcdServer::start().await;
+    let mut client = etcd.client().await;
+    let kvs = captured_kvs("disagg-workers-only.raw.json");
+    write_like_dynamo(&mut client, &kvs).await;
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let daemon = start(&yaml(&etcd.endpoint(), "dyntest"), &dir).await;
+    let registry = daemon.registry().clone();
+    let routable = |s: &DynamoSnapshot| {
+        s.workers_for_model(&continuum_protocol::ids::Namespace::new("dyntest"), "tiny")
+            .filter(|w| w.role != continuum_protocol::discovery::Role::Unknown)
+            .count()
+    };
+    wait_for(&registry, |s| routable(s) == 2).await;
+    let real: Vec<String> = registry
+        .snapshot()
+        .workers()
+        .iter()
+        .map(|w| w.key.instance_id.hex())
+        .collect();
+
+    // The flood arrives live: past the cap it is refused and the real workers stay.
+    write_orphan_endpoints(&mut client, "dyntest", 20_000).await;
+    let over_capacity = || {
+        daemon
+            .metrics()
+            .value(
+                "continuum_dynamo_discovery_events_total",
+                &[("kind", "over_capacity")],
+            )
+            .unwrap_or(0.0)
+    };
+    let live_refused = (20_000 + 2 - 16_384) as f64;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut generations = registry.subscribe();
+    while over_capacity() < live_refused && tokio::time::Instant::now() < deadline {
+        let _ = tokio::time::timeout(Duration::from_millis(200), generations.changed()).await;
+    }
+    assert_eq!(
+        over_capacity(),
+        live_refused,
+        "the live flood is refused past the cap"
+    );
+    assert_eq!(routable(&registry.snapshot()), 2);
+
+    // A forced resync (etcd restarts; the source reconnects and range-gets everything again).
+    let resyncs = || {
+        daemon
+            .metrics()
+            .value(
+                "continuum_dynamo_discovery_events_total",
+                &[("kind", "resync")],
+            )
+            .unwrap_or(0.0)
+    };
+    drop(client);
+    etcd.restart().await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !(resyncs() >= 2.0 && registry.connected()) && tokio::time::Instant::now() < deadline {
+        let _ = tokio::time::timeout(Duration::from_millis(200), generations.changed()).await;
+    }
+    assert!(resyncs() >= 2.0 && registry.connected(), "resynced");
+    assert_eq!(
+        over_capacity(),
+        2.0 * live_refused,
+        "the resync leaves out (and counts) as many records as the cap demands"
+    );
+
+    let snapshot = registry.snapshot();
+    assert_eq!(routable(&snapshot), 2, "the real workers stay routable");
+    let view = admin_get(&daemon, "/admin/dynamo/workers").await;
+    let listed: Vec<&str> = view["workers"]
+        .as_array()
+        .expect("workers")
+        .iter()
+        .filter(|w| w["model"] == "tiny")
+        .filter_map(|w| w["instance_id"].as_str())
+        .collect();
+    for id in &real {
+        assert!(
+            listed.contains(&id.as_str()),
+            "worker {id} listed after the resync"
+        );
+    }
+    daemon.shutdown().await;
+}

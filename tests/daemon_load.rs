@@ -3,6 +3,8 @@
 //! subscription, samples land in the load store and the per-worker gauges, foreign publisher ids
 //! are counted, and a departed worker's sample and gauges are evicted. A publisher SIGKILLed while
 //! its records stay in etcd (a killed worker within its lease) marks the worker unreachable.
+//! A sequence gap drops the publisher's samples, and the sample that revealed it keeps its
+//! gauges.
 #![cfg(feature = "real-peers")]
 
 mod support {
@@ -290,6 +292,192 @@ async fn a_killed_publisher_marks_its_worker_unreachable_until_it_answers_again(
     assert_eq!(
         metrics.value("continuum_dynamo_unreachable_workers", &[]),
         Some(0.0)
+    );
+    daemon.shutdown().await;
+}
+
+/// seq 0..2, a gap (3 and 4 never sent), then seq 5: the store holds seq 5's sample and the
+/// gauges equal it. Before the fix the gap's `clear_gauges` ran after `set_worker_load` for the
+/// same key, deleting the series just set while `/admin/dynamo/workers` showed the sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sample_after_a_sequence_gap_keeps_its_gauges() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    let mut publisher = Publisher::spawn().await;
+    let port = publisher.bind("xpub", 0).await;
+    let mut client = etcd.client().await;
+    for (key, value) in records(port) {
+        client.put(key, value.to_string(), None).await.expect("put");
+    }
+    let yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\n\
+         dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{}\"]\n      \
+         namespace: \"{NS}\"\n  load:\n    max_staleness: \"5m\"\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n",
+        etcd.endpoint()
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    publisher.await_subscriptions(1).await;
+    publisher
+        .send(&[
+            make(PUBLISHER, 0, WORKER, 1),
+            make(PUBLISHER, 1, WORKER, 2),
+            make(PUBLISHER, 2, WORKER, 3),
+        ])
+        .await;
+    until(&daemon, |d| {
+        gauge(d, "continuum_dynamo_worker_kv_used_blocks") == Some(3.0)
+    })
+    .await;
+    let duplicates = |d: &Daemon| {
+        d.metrics()
+            .value(
+                "continuum_dynamo_load_events_total",
+                &[("result", "duplicate")],
+            )
+            .unwrap_or(0.0)
+    };
+    let before = duplicates(&daemon);
+    // The gap, then seq 5 again: frames are handled in order, so once the duplicate is counted
+    // the gap frame's gauges are settled.
+    publisher
+        .send(&[
+            make(PUBLISHER, 5, WORKER, 11),
+            make(PUBLISHER, 5, WORKER, 12),
+        ])
+        .await;
+    until(&daemon, |d| {
+        d.load_store()
+            .latest(WORKER, DpRank(0))
+            .is_some_and(|s| s.load.kv_used_blocks == Some(11))
+            && duplicates(d) > before
+    })
+    .await;
+    assert_eq!(
+        gauge(&daemon, "continuum_dynamo_worker_kv_used_blocks"),
+        Some(11.0),
+        "the gauge equals the applied sample"
+    );
+    daemon.shutdown().await;
+}
+
+/// Writes `n` kv_metrics channels with publisher ids 1..=n (below the real one), scoped on a
+/// component no worker serves, whose endpoints lie outside `direct_allow_cidrs` (so the
+/// subscriptions admitted for them never open a socket).
+async fn write_hostile_channels(client: &mut etcd_client::Client, n: u64) {
+    let ids: Vec<u64> = (1..=n).collect();
+    for chunk in ids.chunks(100) {
+        let ops: Vec<etcd_client::TxnOp> = chunk
+            .iter()
+            .map(|id| {
+                let value = json!({"type": "EventChannel", "scope": {"kind": "endpoint", "endpoint":
+                    {"namespace": NS, "component": "ghost", "name": "generate"}},
+                    "topic": "kv_metrics", "instance_id": id,
+                    "transport": {"kind": "Zmq", "config": {"endpoint": "tcp://10.255.0.1:5555"}}});
+                etcd_client::TxnOp::put(
+                    format!(
+                        "v1/event_channels/namespace/{NS}/component/ghost/endpoint/generate/topic/kv_metrics/{id:x}"
+                    ),
+                    value.to_string(),
+                    None,
+                )
+            })
+            .collect();
+        client
+            .txn(etcd_client::Txn::new().and_then(ops))
+            .await
+            .expect("txn");
+    }
+}
+
+/// At the 1,024-subscription cap, 1,100 hostile channels with lower publisher ids never push the
+/// registered worker's subscription out; the overflow is counted. A worker whose subscription
+/// stops while it stays registered loses its sample and gauge series (it reads as stale, not as
+/// a frozen sample).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_subscription_cap_live_workers_stay_subscribed_and_unsubscribed_ones_read_stale() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    let mut publisher = Publisher::spawn().await;
+    let port = publisher.bind("xpub", 0).await;
+    let mut client = etcd.client().await;
+    for (key, value) in records(port) {
+        client.put(key, value.to_string(), None).await.expect("put");
+    }
+    let yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\nadmin:\n  enabled: true\n  token: t\n\
+         dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{}\"]\n      \
+         namespace: \"{NS}\"\n  load:\n    max_staleness: \"5m\"\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n",
+        etcd.endpoint()
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    publisher.await_subscriptions(1).await;
+    publisher.send(&[make(PUBLISHER, 1, WORKER, 7)]).await;
+    until(&daemon, |d| {
+        gauge(d, "continuum_dynamo_worker_kv_used_blocks") == Some(7.0)
+    })
+    .await;
+
+    let hostile = 1_100u64;
+    write_hostile_channels(&mut client, hostile).await;
+    let over_capacity = |d: &Daemon| {
+        d.metrics()
+            .value(
+                "continuum_dynamo_load_events_total",
+                &[("result", "over_capacity")],
+            )
+            .unwrap_or(0.0)
+    };
+    let expected = (hostile + 1 - 1_024) as f64;
+    until(&daemon, |d| {
+        d.registry().snapshot().load_publisher_count() == hostile as usize + 1
+            && over_capacity(d) == expected
+    })
+    .await;
+    // Still subscribed and live: a new sample moves the gauge.
+    let real = PUBLISHER.0.to_string();
+    assert!(
+        daemon
+            .load_store()
+            .subscriptions()
+            .iter()
+            .any(|s| s.publisher_id == real),
+        "the registered worker's subscription was kept"
+    );
+    publisher.send(&[make(PUBLISHER, 2, WORKER, 8)]).await;
+    until(&daemon, |d| {
+        gauge(d, "continuum_dynamo_worker_kv_used_blocks") == Some(8.0)
+    })
+    .await;
+    assert_eq!(
+        over_capacity(&daemon),
+        expected,
+        "counted once per publisher left out"
+    );
+
+    // The worker's channel goes (its publisher moved away) while the worker stays registered:
+    // no subscription, so no sample and no gauge series — it reads as stale.
+    client
+        .delete(
+            format!(
+                "v1/event_channels/namespace/{NS}/component/backend/endpoint/generate/topic/kv_metrics/{:x}",
+                PUBLISHER.0
+            ),
+            None,
+        )
+        .await
+        .expect("delete channel");
+    until(&daemon, |d| {
+        d.load_store().latest(WORKER, DpRank(0)).is_none()
+            && gauge(d, "continuum_dynamo_worker_kv_used_blocks").is_none()
+    })
+    .await;
+    assert_eq!(daemon.registry().snapshot().workers().len(), 1);
+    assert!(
+        !daemon
+            .load_store()
+            .subscriptions()
+            .iter()
+            .any(|s| s.publisher_id == real)
     );
     daemon.shutdown().await;
 }

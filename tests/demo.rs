@@ -238,7 +238,10 @@ async fn the_demo_routes_by_load_through_the_simulated_fleet() {
         .json()
         .await
         .unwrap();
-    assert_eq!(view["source"], "etcd");
+    assert_eq!(
+        view["source"], "simulated",
+        "the admin label matches /admin/subsystems"
+    );
     assert_eq!(view["workers"].as_array().unwrap().len(), 6);
     assert_eq!(view["load_publishers"], 6);
     assert!(

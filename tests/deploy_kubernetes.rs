@@ -48,7 +48,7 @@ fn reader_rule(group: &str, resource: &str) -> Value {
 fn every_kustomize_file_is_valid_yaml() {
     let mut files = Vec::new();
     yaml_files(&root().join("deploy/kubernetes"), &mut files);
-    assert_eq!(files.len(), 6, "{files:?}");
+    assert_eq!(files.len(), 14, "{files:?}");
     for f in files {
         let text = std::fs::read_to_string(&f).expect("readable");
         assert!(!yaml_docs(&text).is_empty(), "{}", f.display());
@@ -235,4 +235,660 @@ fn the_chart_network_policy_opens_the_api_server_ports() {
     assert_eq!(policy["spec"]["policyTypes"], json!(["Egress"]));
     let egress = policy["spec"]["egress"].as_array().expect("egress rules");
     assert_eq!(egress.len(), 2, "DNS plus the API server ports");
+}
+
+// ---- The router config, probes, ports and security context of both packagings. ----
+
+const BIN: &str = env!("CARGO_BIN_EXE_continuum-router");
+/// Values for every secret variable the packaged configs read.
+const SECRET_ENV: &[(&str, &str)] = &[
+    ("ROUTER_ADMIN_TOKEN", "an-admin-token-of-at-least-32-chars"),
+    ("CLIENT_API_KEY", "client-key"),
+    ("ETCD_PASSWORD", "etcd-password"),
+];
+/// Where both packagings mount Secrets; config paths below it must be mounted.
+const SECRET_ROOT: &str = "/etc/continuum-router-secrets/";
+
+/// `continuum-router config validate` on `text` with the secret variables set: must exit 0.
+fn assert_config_validates(what: &str, text: &str) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("router.yaml");
+    std::fs::write(&path, text).expect("write config");
+    let mut command = Command::new(BIN);
+    command.args(["config", "validate", "--config"]).arg(&path);
+    for (name, value) in SECRET_ENV {
+        command.env(name, value);
+    }
+    let out = command.output().expect("run config validate");
+    assert!(
+        out.status.success(),
+        "{what}: config validate failed:\n{}{}\n{text}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The `${NAME}` references in `text` (`$${` is a literal).
+fn env_refs(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("${") {
+        let escaped = at > 0 && rest.as_bytes()[at - 1] == b'$';
+        let tail = &rest[at + 2..];
+        let end = tail.find('}').unwrap_or(tail.len());
+        if !escaped {
+            out.push(tail[..end].to_string());
+        }
+        rest = &tail[end..];
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Every string in `value` that names a file under [`SECRET_ROOT`].
+fn secret_paths(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::String(s) if s.starts_with(SECRET_ROOT) => out.push(s.clone()),
+        Value::Array(items) => items.iter().for_each(|v| secret_paths(v, out)),
+        Value::Object(map) => map.values().for_each(|v| secret_paths(v, out)),
+        _ => {}
+    }
+}
+
+fn port_of(address: &str) -> u64 {
+    address
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {address:?}"))
+}
+
+/// What a rendered Deployment must hold, given the router config it mounts.
+fn assert_hardened_deployment(what: &str, deployment: &Value, config: &Value) {
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert_eq!(
+        pod["securityContext"]["runAsNonRoot"],
+        json!(true),
+        "{what}"
+    );
+    assert_ne!(pod["securityContext"]["runAsUser"], json!(0), "{what}");
+    let container = &pod["containers"][0];
+    let security = &container["securityContext"];
+    assert_eq!(security["readOnlyRootFilesystem"], json!(true), "{what}");
+    assert_eq!(security["allowPrivilegeEscalation"], json!(false), "{what}");
+    assert_eq!(security["capabilities"]["drop"], json!(["ALL"]), "{what}");
+    assert!(container["resources"]["requests"].is_object(), "{what}");
+    assert_eq!(
+        container["livenessProbe"]["httpGet"],
+        json!({"path": "/health", "port": "http"}),
+        "{what}"
+    );
+    assert_eq!(
+        container["readinessProbe"]["httpGet"],
+        json!({"path": "/ready", "port": "http"}),
+        "{what}"
+    );
+    let ports = container["ports"].as_array().expect("ports");
+    let port = |name: &str| {
+        ports
+            .iter()
+            .find(|p| p["name"] == json!(name))
+            .map(|p| p["containerPort"].as_u64().expect("numeric containerPort"))
+    };
+    let bind = config["server"]["bind_address"]
+        .as_str()
+        .expect("bind_address");
+    assert!(
+        !bind.starts_with("127."),
+        "{what}: a Pod must not bind loopback"
+    );
+    assert_eq!(port("http"), Some(port_of(bind)), "{what}");
+    let bus = &config["dynamo"]["event_bus"];
+    if bus["enabled"] == json!(true) {
+        let listen = bus["listen"].as_str().unwrap_or("0.0.0.0:7443");
+        assert_eq!(port("bus"), Some(port_of(listen)), "{what}");
+    } else {
+        assert_eq!(port("bus"), None, "{what}");
+    }
+    // Every secret variable of the config comes from a Secret, and every secret file is mounted.
+    let text = serde_json::to_string(config).expect("JSON");
+    let env: Vec<&str> = container["env"]
+        .as_array()
+        .map(|e| e.iter().filter_map(|v| v["name"].as_str()).collect())
+        .unwrap_or_default();
+    for var in env_refs(&text) {
+        assert!(env.contains(&var.as_str()), "{what}: ${{{var}}} is not set");
+    }
+    let mounts: Vec<&str> = container["volumeMounts"]
+        .as_array()
+        .expect("mounts")
+        .iter()
+        .filter_map(|m| m["mountPath"].as_str())
+        .collect();
+    let mut files = Vec::new();
+    secret_paths(config, &mut files);
+    for file in files {
+        assert!(
+            mounts.iter().any(|m| file.starts_with(&format!("{m}/"))),
+            "{what}: {file} is not under a mounted Secret ({mounts:?})"
+        );
+    }
+    assert!(mounts.contains(&"/etc/continuum-router"), "{what}");
+    // The KV artifact cache must be writable on a read-only root fs.
+    let cache = config["dynamo"]["kv"]["artifact_cache_dir"]
+        .as_str()
+        .unwrap_or("/var/cache/continuum-router/kv-artifacts");
+    assert!(
+        mounts
+            .iter()
+            .any(|m| *m != "/etc/continuum-router" && cache.starts_with(m)),
+        "{what}: {cache} is not on a writable volume"
+    );
+}
+
+#[test]
+fn every_kustomization_renders_a_hardened_router_with_a_valid_config() {
+    let cases = [
+        ("base", "deploy/kubernetes/base", "etcd", false),
+        (
+            "pod discovery",
+            "deploy/kubernetes/overlays/dynamo-pod-discovery",
+            "kubernetes_pods",
+            false,
+        ),
+        (
+            "metadata discovery",
+            "deploy/kubernetes/overlays/dynamo-metadata-discovery",
+            "kubernetes",
+            false,
+        ),
+        (
+            "event bus",
+            "deploy/kubernetes/overlays/event-bus",
+            "etcd",
+            true,
+        ),
+    ];
+    for (what, dir, source, bus) in cases {
+        let Some(out) = Command::new("kubectl")
+            .arg("kustomize")
+            .arg(root().join(dir))
+            .output()
+            .ok()
+        else {
+            return;
+        };
+        assert!(
+            out.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let docs = yaml_docs(&String::from_utf8(out.stdout).expect("UTF-8"));
+        let map = find(&docs, "ConfigMap");
+        let text = map["data"]["router.yaml"].as_str().expect("router.yaml");
+        assert_config_validates(what, text);
+        let config = &yaml_docs(text)[0];
+        assert_eq!(
+            config["dynamo"]["discovery"]["source"],
+            json!(source),
+            "{what}"
+        );
+        assert_eq!(
+            config["dynamo"]["event_bus"]["enabled"] == json!(true),
+            bus,
+            "{what}"
+        );
+        let deployment = find(&docs, "Deployment");
+        assert_hardened_deployment(what, deployment, config);
+        let volumes = deployment["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .expect("volumes");
+        let config_volume = volumes
+            .iter()
+            .find(|v| v["name"] == json!("config"))
+            .expect("config volume");
+        assert_eq!(
+            config_volume["configMap"]["name"], map["metadata"]["name"],
+            "{what}: the Deployment mounts the generated ConfigMap"
+        );
+        let service = find(&docs, "Service");
+        let service_ports: Vec<&Value> = service["spec"]["ports"]
+            .as_array()
+            .expect("ports")
+            .iter()
+            .collect();
+        assert!(
+            service_ports
+                .iter()
+                .any(|p| p["targetPort"] == json!("http")),
+            "{what}"
+        );
+        assert_eq!(
+            service_ports
+                .iter()
+                .any(|p| p["targetPort"] == json!("bus")),
+            bus,
+            "{what}"
+        );
+        let pdb = find(&docs, "PodDisruptionBudget");
+        assert_eq!(
+            pdb["spec"]["selector"]["matchLabels"], deployment["spec"]["selector"]["matchLabels"],
+            "{what}"
+        );
+    }
+}
+
+/// Helm's values merge: maps merge key by key, `null` deletes, anything else replaces.
+fn merge(base: &mut Value, over: &Value) {
+    match (base, over) {
+        (Value::Object(base), Value::Object(over)) => {
+            for (key, value) in over {
+                if value.is_null() {
+                    base.remove(key);
+                } else if let Some(slot) = base.get_mut(key) {
+                    merge(slot, value);
+                } else {
+                    base.insert(key.clone(), value.clone());
+                }
+            }
+        }
+        (base, over) => *base = over.clone(),
+    }
+}
+
+/// The chart's values, alone and merged with each `ci/*-values.yaml`.
+fn chart_value_sets() -> Vec<(String, Value)> {
+    let defaults = yaml_docs(&read(&format!("{CHART}/values.yaml"))).remove(0);
+    let mut sets = vec![("values.yaml".to_string(), defaults.clone())];
+    let mut files: Vec<_> = std::fs::read_dir(root().join(CHART).join("ci"))
+        .expect("ci values")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 3, "{files:?}");
+    for file in files {
+        let over = yaml_docs(&std::fs::read_to_string(&file).expect("read")).remove(0);
+        let mut merged = defaults.clone();
+        merge(&mut merged, &over);
+        sets.push((
+            file.file_name().expect("name").to_string_lossy().into(),
+            merged,
+        ));
+    }
+    sets
+}
+
+/// The Deployment the chart renders for `values`, built the way the templates build it (the
+/// templates are checked against this shape below; helm itself is not installable here).
+fn chart_deployment(values: &Value) -> Value {
+    let secrets = &values["secrets"];
+    let mut env = Vec::new();
+    if secrets["adminToken"]["secretName"]
+        .as_str()
+        .is_some_and(|s| !s.is_empty())
+    {
+        env.push(json!({"name": "ROUTER_ADMIN_TOKEN"}));
+    }
+    for key in secrets["apiKeys"].as_array().into_iter().flatten() {
+        env.push(json!({"name": key["env"]}));
+    }
+    if secrets["etcd"]["passwordSecretName"]
+        .as_str()
+        .is_some_and(|s| !s.is_empty())
+    {
+        env.push(json!({"name": "ETCD_PASSWORD"}));
+    }
+    let config = &values["config"];
+    let mut ports = vec![
+        json!({"name": "http", "containerPort": port_of(config["server"]["bind_address"].as_str().unwrap_or("127.0.0.1:8080"))}),
+    ];
+    let bus = &config["dynamo"]["event_bus"];
+    if bus["enabled"] == json!(true) {
+        ports.push(json!({"name": "bus", "containerPort": port_of(bus["listen"].as_str().unwrap_or("0.0.0.0:7443"))}));
+    }
+    let mut mounts = vec![
+        json!({"mountPath": "/etc/continuum-router"}),
+        json!({"mountPath": "/var/cache/continuum-router"}),
+        json!({"mountPath": "/tmp"}),
+    ];
+    if secrets["etcd"]["tlsSecretName"]
+        .as_str()
+        .is_some_and(|s| !s.is_empty())
+    {
+        mounts.push(json!({"mountPath": "/etc/continuum-router-secrets/etcd-tls"}));
+    }
+    if secrets["eventBusTls"]["secretName"]
+        .as_str()
+        .is_some_and(|s| !s.is_empty())
+    {
+        mounts.push(json!({"mountPath": "/etc/continuum-router-secrets/bus-tls"}));
+    }
+    let probe = |p: &Value| json!({"httpGet": {"path": p["path"], "port": "http"}});
+    json!({"spec": {"template": {"spec": {
+        "securityContext": values["podSecurityContext"],
+        "containers": [{
+            "securityContext": values["securityContext"],
+            "resources": values["resources"],
+            "livenessProbe": probe(&values["probes"]["liveness"]),
+            "readinessProbe": probe(&values["probes"]["readiness"]),
+            "ports": ports,
+            "env": env,
+            "volumeMounts": mounts,
+        }],
+    }}}})
+}
+
+#[test]
+fn every_chart_value_set_renders_a_valid_config_and_a_hardened_router() {
+    for (what, values) in chart_value_sets() {
+        let config = &values["config"];
+        let text = serde_saphyr::to_string(config).expect("YAML");
+        assert_config_validates(&what, &text);
+        assert_hardened_deployment(&what, &chart_deployment(&values), config);
+    }
+}
+
+#[test]
+fn the_chart_templates_build_what_the_checks_assume() {
+    let configmap = read(&format!("{CHART}/templates/configmap.yaml"));
+    assert!(configmap.contains("router.yaml: |\n    {{- toYaml .Values.config | nindent 4 }}"));
+    let deployment = read(&format!("{CHART}/templates/deployment.yaml"));
+    for needle in [
+        "- /etc/continuum-router/router.yaml",
+        "containerPort: {{ include \"continuum-router.httpPort\" . }}",
+        "{{- if include \"continuum-router.busEnabled\" . }}\n            - name: bus\n              containerPort: {{ include \"continuum-router.busPort\" . }}",
+        "{{- if .secretName }}\n            - name: ROUTER_ADMIN_TOKEN",
+        "{{- range .Values.secrets.apiKeys }}\n            - name: {{ .env }}",
+        "{{- if .Values.secrets.etcd.passwordSecretName }}\n            - name: ETCD_PASSWORD",
+        "path: {{ .Values.probes.liveness.path }}\n              port: http",
+        "path: {{ .Values.probes.readiness.path }}\n              port: http",
+        "{{- toYaml .Values.podSecurityContext | nindent 8 }}",
+        "{{- toYaml .Values.securityContext | nindent 12 }}",
+        "{{- toYaml .Values.resources | nindent 12 }}",
+        "mountPath: /etc/continuum-router\n",
+        "mountPath: /var/cache/continuum-router\n",
+        "{{- if .Values.secrets.etcd.tlsSecretName }}\n            - name: etcd-tls\n              mountPath: /etc/continuum-router-secrets/etcd-tls",
+        "{{- if .Values.secrets.eventBusTls.secretName }}\n            - name: bus-tls\n              mountPath: /etc/continuum-router-secrets/bus-tls",
+    ] {
+        assert!(
+            deployment.contains(needle),
+            "deployment.yaml lacks {needle:?}"
+        );
+    }
+    let helpers = read(&format!("{CHART}/templates/_helpers.tpl"));
+    assert!(helpers.contains(r#"dig "dynamo" "event_bus" "enabled" false .Values.config"#));
+    assert!(helpers.contains(
+        r#"dig "dynamo" "event_bus" "listen" "0.0.0.0:7443" .Values.config | splitList ":" | last"#
+    ));
+    assert!(helpers.contains(
+        r#"dig "server" "bind_address" "127.0.0.1:8080" .Values.config | splitList ":" | last"#
+    ));
+    let service = read(&format!("{CHART}/templates/service.yaml"));
+    assert!(service.contains("{{- if include \"continuum-router.busEnabled\" . }}"));
+    let docs = stripped(&service);
+    let ports = find(&docs, "Service")["spec"]["ports"]
+        .as_array()
+        .expect("ports")
+        .clone();
+    assert_eq!(ports.len(), 2, "http and the gated bus port");
+    let pdb = read(&format!("{CHART}/templates/poddisruptionbudget.yaml"));
+    assert!(pdb.starts_with("{{- if .Values.podDisruptionBudget.enabled }}"));
+    assert!(!stripped(&pdb).is_empty());
+    let monitor = read(&format!("{CHART}/templates/servicemonitor.yaml"));
+    assert!(monitor.starts_with("{{- if .Values.serviceMonitor.enabled }}"));
+    let docs = stripped(&monitor);
+    assert_eq!(
+        find(&docs, "ServiceMonitor")["spec"]["endpoints"][0]["path"],
+        json!("/metrics")
+    );
+    for file in ["configmap.yaml", "deployment.yaml"] {
+        assert!(
+            !stripped(&read(&format!("{CHART}/templates/{file}"))).is_empty(),
+            "{file}"
+        );
+    }
+    // Every block action is closed (what helm would refuse to parse first).
+    for entry in std::fs::read_dir(root().join(CHART).join("templates")).expect("templates") {
+        let path = entry.expect("entry").path();
+        let text = std::fs::read_to_string(&path).expect("read");
+        let (open, close) = template_blocks(&text);
+        assert_eq!(
+            open,
+            close,
+            "{}: {open} blocks opened, {close} ended",
+            path.display()
+        );
+    }
+    assert_eq!(
+        template_blocks("{{- if a }}{{ with b }}x{{ end }}{{- end -}}"),
+        (2, 2)
+    );
+    assert_eq!(
+        template_blocks("{{ if a }}{{ else if b }}{{ end }}"),
+        (1, 1)
+    );
+    assert_eq!(template_blocks("{{- range .x }}"), (1, 0));
+}
+
+/// `(blocks opened, blocks ended)` in a Go template: `if`, `range`, `with`, `define`, `block`
+/// open one (`else if` does not), `end` closes one. Comments are skipped.
+fn template_blocks(text: &str) -> (usize, usize) {
+    let (mut open, mut close) = (0, 0);
+    let mut rest = text;
+    while let Some(start) = rest.find("{{") {
+        let after = &rest[start + 2..];
+        let end = after.find("}}").unwrap_or(after.len());
+        let action = after[..end].trim_start_matches('-').trim();
+        let word = action.split_whitespace().next().unwrap_or("");
+        if !action.starts_with("/*") {
+            match word {
+                "if" | "range" | "with" | "define" | "block" => open += 1,
+                "end" => close += 1,
+                _ => {}
+            }
+        }
+        rest = &after[end..];
+    }
+    (open, close)
+}
+
+/// The subset of JSON Schema `values.schema.json` uses: type, properties, required,
+/// additionalProperties (false), items, enum, minimum, maximum, minLength, pattern (prefix `^/`
+/// and the env-name pattern only).
+fn schema_errors(schema: &Value, value: &Value, path: &str, out: &mut Vec<String>) {
+    let type_ok = |t: &str| match t {
+        "object" => value.is_object(),
+        "array" => value.is_array(),
+        "string" => value.is_string(),
+        "boolean" => value.is_boolean(),
+        "integer" => value.is_i64() || value.is_u64(),
+        "number" => value.is_number(),
+        _ => false,
+    };
+    match &schema["type"] {
+        Value::String(t) if !type_ok(t) => out.push(format!("{path}: not {t}")),
+        Value::Array(ts) if !ts.iter().any(|t| type_ok(t.as_str().unwrap_or(""))) => {
+            out.push(format!("{path}: not one of {ts:?}"))
+        }
+        _ => {}
+    }
+    if let Some(options) = schema["enum"].as_array()
+        && !options.contains(value)
+    {
+        out.push(format!("{path}: {value} not in {options:?}"));
+    }
+    if let (Some(min), Some(v)) = (schema["minimum"].as_f64(), value.as_f64())
+        && v < min
+    {
+        out.push(format!("{path}: below {min}"));
+    }
+    if let (Some(max), Some(v)) = (schema["maximum"].as_f64(), value.as_f64())
+        && v > max
+    {
+        out.push(format!("{path}: above {max}"));
+    }
+    if let (Some(min), Some(s)) = (schema["minLength"].as_u64(), value.as_str())
+        && (s.len() as u64) < min
+    {
+        out.push(format!("{path}: shorter than {min}"));
+    }
+    if let (Some(pattern), Some(s)) = (schema["pattern"].as_str(), value.as_str()) {
+        let ok = match pattern {
+            "^/" => s.starts_with('/'),
+            "^[A-Za-z_][A-Za-z0-9_]*$" => {
+                s.chars()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                    && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            }
+            other => panic!("pattern {other:?} is not supported by this check"),
+        };
+        if !ok {
+            out.push(format!("{path}: {s:?} does not match {pattern}"));
+        }
+    }
+    if let Some(map) = value.as_object() {
+        let props = schema["properties"].as_object();
+        for required in schema["required"].as_array().into_iter().flatten() {
+            if !map.contains_key(required.as_str().unwrap_or("")) {
+                out.push(format!("{path}: missing {required}"));
+            }
+        }
+        for (key, v) in map {
+            match props.and_then(|p| p.get(key)) {
+                Some(sub) => schema_errors(sub, v, &format!("{path}.{key}"), out),
+                None if schema["additionalProperties"] == json!(false) => {
+                    out.push(format!("{path}.{key}: not in the schema"))
+                }
+                None => {}
+            }
+        }
+    }
+    if let (Some(items), Some(array)) = (schema.get("items"), value.as_array()) {
+        for (i, v) in array.iter().enumerate() {
+            schema_errors(items, v, &format!("{path}[{i}]"), out);
+        }
+    }
+}
+
+#[test]
+fn every_chart_value_set_matches_values_schema_json() {
+    let schema: Value =
+        serde_json::from_str(&read(&format!("{CHART}/values.schema.json"))).expect("JSON schema");
+    for (what, values) in chart_value_sets() {
+        let mut errors = Vec::new();
+        schema_errors(&schema, &values, "", &mut errors);
+        assert!(errors.is_empty(), "{what}: {errors:#?}");
+    }
+    // The check can fail: a typo'd key and a wrong type are caught.
+    let mut bad = chart_value_sets().remove(0).1;
+    bad["replicaCuont"] = json!(2);
+    bad["service"]["port"] = json!("8080");
+    let mut errors = Vec::new();
+    schema_errors(&schema, &bad, "", &mut errors);
+    assert_eq!(errors.len(), 2, "{errors:?}");
+}
+
+/// A free loopback port (bound, then released for the child process).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port()
+}
+
+struct Child(std::process::Child);
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn every_probe_and_scrape_path_is_served_by_the_binary() {
+    // The paths both packagings point at: chart values, rendered Kustomize Deployments, the
+    // ServiceMonitor.
+    let mut paths = vec!["/metrics".to_string()];
+    for (_, values) in chart_value_sets() {
+        for probe in ["liveness", "readiness"] {
+            paths.push(
+                values["probes"][probe]["path"]
+                    .as_str()
+                    .expect("path")
+                    .into(),
+            );
+        }
+    }
+    let text = read("deploy/kubernetes/base/deployment.yaml");
+    for probe in ["livenessProbe", "readinessProbe"] {
+        let docs = yaml_docs(&text);
+        let container = &find(&docs, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+        paths.push(
+            container[probe]["httpGet"]["path"]
+                .as_str()
+                .expect("path")
+                .into(),
+        );
+    }
+    paths.sort();
+    paths.dedup();
+    assert_eq!(paths, ["/health", "/metrics", "/ready"]);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("router.yaml");
+    let port = free_port();
+    std::fs::write(
+        &config,
+        format!("server: {{bind_address: \"127.0.0.1:{port}\"}}\n"),
+    )
+    .expect("write");
+    let _child = Child(
+        Command::new(BIN)
+            .arg("--config")
+            .arg(&config)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start the router"),
+    );
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    // Poll (a tick, not a sleep) until the child listens, under a deadline.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        match client.get(format!("{base}/health")).send().await {
+            Ok(r) if r.status().is_success() => break,
+            _ if tokio::time::Instant::now() < deadline => {}
+            other => panic!("the router never answered /health: {other:?}"),
+        }
+    }
+    for path in &paths {
+        let response = client
+            .get(format!("{base}{path}"))
+            .send()
+            .await
+            .expect("GET");
+        assert!(
+            response.status().is_success(),
+            "{path}: {}",
+            response.status()
+        );
+        if path == "/metrics" {
+            let body = response.text().await.expect("body");
+            assert!(body.contains("continuum_router_build_info{"), "{body}");
+        }
+    }
+    // And an unknown path is not silently served.
+    let missing = client
+        .get(format!("{base}/healthz"))
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(missing.status().as_u16(), 404);
 }

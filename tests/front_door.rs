@@ -1,5 +1,10 @@
 //! The front door through `oneshot` (no socket): health, readiness, metrics, models, admin auth,
-//! pin stripping, and an operator restart of one subsystem through the admin API.
+//! pin stripping, and an operator restart of one subsystem through the admin API. `/v1/models`
+//! per API key also runs through a real daemon over a socket.
+
+mod support {
+    pub mod daemon;
+}
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +33,8 @@ fn state_with(live: LiveSettings) -> (AppState, mpsc::Receiver<ControlCommand>) 
         tree: ActorTree::default(),
         control,
         dynamo_workers: Arc::new(|| serde_json::json!({"enabled": false})),
-        fleet_models: Arc::new(|| vec!["fleet-model".to_string()]),
+        fleet_summary: Arc::new(|| serde_json::json!({})),
+        fleet_models: Arc::new(|_: &[String]| vec!["fleet-model".to_string()]),
         proxy: Arc::new(Proxy::new(ProxyOptions::default(), None)),
     };
     (state, rx)
@@ -291,4 +297,42 @@ async fn client_pin_headers_never_reach_a_handler() {
     let resp = app.oneshot(req).await.expect("ok");
     let body = resp.into_body().collect().await.expect("body").to_bytes();
     assert_eq!(std::str::from_utf8(&body).expect("utf8"), "x-backend");
+}
+
+/// `GET /v1/models` lists only what the key's `allowed_backends` can reach (before the fix a
+/// limited key saw every backend's models).
+#[tokio::test]
+async fn models_follow_the_keys_allowed_backends_over_a_socket() {
+    let yaml = "server:\n  bind_address: \"127.0.0.1:0\"\n\
+        api_keys:\n  - {key: key-all-backends, name: all}\n  \
+        - {key: key-only-a, name: only-a, allowed_backends: [a]}\n\
+        backends:\n  - {name: a, type: openai, url: \"http://127.0.0.1:9\", models: [model-a], \
+        health_check: {enabled: false}}\n  \
+        - {name: b, type: openai, url: \"http://127.0.0.1:9\", models: [model-b], \
+        health_check: {enabled: false}}\n";
+    let daemon = support::daemon::start(yaml).await;
+    let client = reqwest::Client::new();
+    let list = |key: &'static str| {
+        let req = client
+            .get(format!("http://{}/v1/models", daemon.local_addr()))
+            .bearer_auth(key);
+        async move {
+            let body: Value = req
+                .send()
+                .await
+                .expect("models")
+                .json()
+                .await
+                .expect("json");
+            body["data"]
+                .as_array()
+                .expect("list")
+                .iter()
+                .map(|m| m["id"].as_str().expect("id").to_owned())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(list("key-all-backends").await, ["model-a", "model-b"]);
+    assert_eq!(list("key-only-a").await, ["model-a"]);
+    daemon.shutdown().await;
 }

@@ -16,6 +16,7 @@ use continuum_actors::lifecycle::{ActorKind, ActorSpan};
 use continuum_router::telemetry::{self, LogFormat, TelemetryOptions};
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use support::otlp::{OtlpReceiver, one};
+use tracing_subscriber::fmt::TestWriter;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -33,7 +34,8 @@ fn options(endpoint: String) -> TelemetryOptions {
 async fn actor_restart_arrives_as_supervisor_restart_incarnation_chain() {
     let receiver = OtlpReceiver::start().await.expect("bind loopback");
     let (subscriber, guard) =
-        telemetry::subscriber(&options(receiver.endpoint())).expect("telemetry layers");
+        telemetry::subscriber_with_writer(&options(receiver.endpoint()), TestWriter::new())
+            .expect("telemetry layers");
 
     {
         // Scoped to this thread: spans are created and ended here, before the flush below.
@@ -141,7 +143,8 @@ async fn no_collector_neither_fails_nor_blocks() {
         listener.local_addr().expect("addr")
     };
     let (subscriber, guard) =
-        telemetry::subscriber(&options(format!("http://{closed}"))).expect("lazy exporter builds");
+        telemetry::subscriber_with_writer(&options(format!("http://{closed}")), TestWriter::new())
+            .expect("lazy exporter builds");
     {
         let _default = tracing::subscriber::set_default(subscriber);
         let actor = ActorSpan::start("root", ActorKind::Root, None);
@@ -187,8 +190,9 @@ async fn a_malformed_endpoint_is_a_config_error() {
 async fn init_installs_the_global_subscriber_once() {
     // The only test here that touches the global subscriber; the others scope theirs.
     let options = TelemetryOptions::default();
-    let guard = telemetry::init(&options).expect("first install");
-    let again = telemetry::init(&options).expect_err("second install refused");
+    let guard = telemetry::init_with_writer(&options, TestWriter::new()).expect("first install");
+    let again = telemetry::init_with_writer(&options, TestWriter::new())
+        .expect_err("second install refused");
     assert!(
         matches!(again, telemetry::TelemetryError::AlreadyInstalled(_)),
         "{again}"

@@ -18,6 +18,7 @@ use continuum_router::telemetry::{self, LogFormat, TelemetryOptions};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use support::otlp::OtlpReceiver;
 use tokio::sync::mpsc;
+use tracing_subscriber::fmt::TestWriter;
 
 struct Worker;
 
@@ -68,12 +69,16 @@ async fn next(rx: &mut mpsc::UnboundedReceiver<ActorRef<()>>) -> ActorRef<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarts_of_the_real_tree_arrive_with_parent_links() {
     let receiver = OtlpReceiver::start().await.expect("bind loopback");
-    let guard = telemetry::init(&TelemetryOptions {
-        log_format: LogFormat::Text,
-        log_level: "info".to_owned(),
-        service_name: "continuum-router-tree-test".to_owned(),
-        otlp_endpoint: Some(receiver.endpoint()),
-    })
+    // TestWriter: the log stays captured unless the test fails.
+    let guard = telemetry::init_with_writer(
+        &TelemetryOptions {
+            log_format: LogFormat::Text,
+            log_level: "info".to_owned(),
+            service_name: "continuum-router-tree-test".to_owned(),
+            otlp_endpoint: Some(receiver.endpoint()),
+        },
+        TestWriter::new(),
+    )
     .expect("telemetry installs");
 
     let (tx, mut rx) = mpsc::unbounded_channel();

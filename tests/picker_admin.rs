@@ -89,3 +89,39 @@ async fn the_picker_is_a_restartable_subsystem_that_keeps_its_state() {
 
     daemon.shutdown().await;
 }
+
+/// 200 parallel operator restarts of one subsystem over real sockets: every caller gets the
+/// outcome of the restart it joined (before the fix the supervisor kept only the last caller's
+/// reply port, so the others answered 503 although the restart happened).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_restarts_of_one_subsystem_all_get_the_outcome() {
+    const CALLERS: usize = 200;
+    let yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\ndynamo:\n  enabled: false\n\
+         admin:\n  enabled: true\n  token: \"{TOKEN}\"\n"
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    let url = format!(
+        "http://{}/admin/subsystems/root/picker/restart",
+        daemon.local_addr()
+    );
+    let client = reqwest::Client::new();
+    let calls = (0..CALLERS).map(|_| {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move { admin(&client, reqwest::Method::POST, url).await })
+    });
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    for call in futures::future::join_all(calls).await {
+        let (status, _) = call.expect("caller task");
+        *statuses.entry(status).or_default() += 1;
+    }
+    eprintln!("statuses of {CALLERS} parallel restarts: {statuses:?}");
+    assert_eq!(statuses.get(&200).copied(), Some(CALLERS), "{statuses:?}");
+    let restarts = daemon.tree().get("root/picker").expect("row").restarts;
+    assert!(
+        (1..=CALLERS as u64).contains(&restarts),
+        "{restarts} restarts"
+    );
+    assert_eq!(daemon.tree().get("root/registry").expect("row").restarts, 0);
+    daemon.shutdown().await;
+}

@@ -99,7 +99,8 @@ fn harness_with(
         tree: ActorTree::default(),
         control,
         dynamo_workers: Arc::new(|| json!({})),
-        fleet_models: Arc::new(Vec::new),
+        fleet_summary: Arc::new(|| json!({})),
+        fleet_models: Arc::new(|_: &[String]| Vec::new()),
         proxy: proxy.clone(),
     };
     Harness {
@@ -310,11 +311,12 @@ async fn the_breaker_opens_after_failures_and_recovers_after_a_probe() {
             cool_down: Duration::from_secs(10),
         },
     );
-    up.push(Reply::status(500));
+    // Gateway-class answers count (a 500 with a JSON error body is a request-level refusal).
+    up.push(Reply::status(502));
     up.push(Reply::status(503));
     assert_eq!(
         h.send(chat(chat_body())).await.status(),
-        StatusCode::INTERNAL_SERVER_ERROR
+        StatusCode::BAD_GATEWAY
     );
     assert_eq!(
         h.send(chat(chat_body())).await.status(),

@@ -3,7 +3,8 @@
 //! unified backend: decimal pins (and rank headers, since 1.6.1 cards declare
 //! `data_parallel_size`) reach the shim, client pins never do; a failing shim falls back to
 //! unified routing without pins, or answers `disaggregated_decode_failed`; a direct-mode prefill
-//! refusal is a 503 without retry.
+//! refusal is a 503 without retry. Request-level refusals (real 1.6.1's 500 with its JSON error
+//! body) leave the shim replica's breaker closed; gateway errors open it.
 #![cfg(feature = "real-peers")]
 
 mod support {
@@ -159,5 +160,60 @@ async fn pins_reach_the_shim_and_failures_follow_the_seed() {
     let (status, body) = chat(&daemon).await;
     assert_eq!(status, 502);
     assert_eq!(body["error"]["code"], "disaggregated_decode_failed");
+    daemon.shutdown().await;
+}
+
+/// The response body of a real 1.6.1 refusal (a pin without its prefill id), from the transcript.
+fn refusal_body() -> Value {
+    let transcript = include_str!("fixtures/dynamo-1.6.1/transcripts/02-decode-only-dec.txt");
+    let line = transcript
+        .lines()
+        .find(|l| l.starts_with("{\"message\""))
+        .expect("the transcript holds the response body");
+    serde_json::from_str(line).expect("JSON error body")
+}
+
+/// Ten 1.6.1 refusals in a row (as stale pins during a rollout produce) each reach the shim
+/// replica: its breaker stays closed, and the eleventh request is served. Before the fix every
+/// 5xx counted, so the breaker of a healthy replica opened after five. Five 503s still open it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_leave_the_breaker_closed_and_gateway_errors_open_it() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (etcd, _) = fleet().await;
+    let mut shim = FakeUpstream::start().await;
+    let unified = FakeUpstream::start().await;
+    let daemon = daemon(&etcd, &shim, &unified, false).await;
+    let body = refusal_body();
+    assert_eq!(body["code"], 500);
+
+    let mut reached = 0;
+    for _ in 0..10 {
+        shim.push(Reply::Json(
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            body.clone(),
+            vec![],
+        ));
+        let (status, answer) = chat(&daemon).await;
+        assert_ne!(status, 200, "{answer}");
+        if shim.try_request().is_some() {
+            reached += 1;
+        }
+    }
+    eprintln!("refusals that reached the shim replica: {reached} of 10");
+    assert_eq!(reached, 10, "the breaker opened on refusals");
+    shim.push(Reply::Json(http::StatusCode::OK, completion("ok"), vec![]));
+    let (status, answer) = chat(&daemon).await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(shim.try_request().is_some());
+
+    // Gateway-class answers still open it: after five 503s the sixth request never reaches it.
+    for _ in 0..5 {
+        shim.push(Reply::status(503));
+        let _ = chat(&daemon).await;
+        assert!(shim.try_request().is_some());
+    }
+    let (status, _) = chat(&daemon).await;
+    assert_ne!(status, 200);
+    assert!(shim.try_request().is_none(), "the breaker is open");
     daemon.shutdown().await;
 }

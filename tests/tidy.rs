@@ -1,6 +1,7 @@
 //! Tidy checks as ordinary tests (rust-analyzer's `tidy.rs`): habits a reviewer would otherwise
-//! repeat. Every Rust file starts with `//!`, there is no `mod.rs`, tests never sleep, and
-//! `protocol` stays sans-IO.
+//! repeat. Every Rust file starts with `//!`, there is no `mod.rs`, tests never sleep (test files
+//! and inline `#[cfg(test)]` modules alike), `protocol` stays sans-IO, and nothing reads a path
+//! outside the repository (a fresh clone must pass its own tests).
 
 use std::path::{Path, PathBuf};
 
@@ -17,8 +18,16 @@ fn rust_files() -> Vec<PathBuf> {
 }
 
 fn collect(path: &Path, out: &mut Vec<PathBuf>) {
+    collect_ext(path, &["rs"], out);
+}
+
+fn collect_ext(path: &Path, exts: &[&str], out: &mut Vec<PathBuf>) {
     if path.is_file() {
-        if path.extension().is_some_and(|e| e == "rs") {
+        if path
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| exts.contains(&e))
+        {
             out.push(path.to_path_buf());
         }
         return;
@@ -33,7 +42,7 @@ fn collect(path: &Path, out: &mut Vec<PathBuf>) {
         {
             continue;
         }
-        collect(&p, out);
+        collect_ext(&p, exts, out);
     }
 }
 
@@ -73,6 +82,45 @@ fn no_mod_rs() {
     );
 }
 
+/// The inline `#[cfg(test)] mod name { ... }` modules of a source file, as text (braces counted
+/// naively, which is enough for this codebase: a miscount only widens or narrows the scan).
+fn inline_test_modules(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("#[cfg(test)]") {
+        rest = &rest[at + "#[cfg(test)]".len()..];
+        let item = rest.trim_start();
+        let Some(header_end) = item.find(['{', ';']) else {
+            break;
+        };
+        let header = &item[..header_end];
+        if !(header.starts_with("mod ") || header.starts_with("pub mod "))
+            || item.as_bytes()[header_end] == b';'
+        {
+            continue;
+        }
+        let body = &item[header_end..];
+        let mut depth = 0usize;
+        let mut end = body.len();
+        for (i, c) in body.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        end = i + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        out.push(&body[..end]);
+        rest = &body[end..];
+    }
+    out
+}
+
 #[test]
 fn tests_never_sleep() {
     // Synchronise on replies, channels and snapshot generations instead.
@@ -81,19 +129,130 @@ fn tests_never_sleep() {
         concat!("time::", "sleep("),
         concat!("tokio::time::", "sleep("),
     ];
-    let offenders: Vec<_> = rust_files()
+    let sleeps = |text: &str| needles.iter().any(|n| text.contains(n));
+    let is_test_file = |p: &Path| {
+        let r = rel(p);
+        r.starts_with("tests/") || r.contains("/tests/") || r.ends_with("_tests.rs")
+    };
+    let mut offenders: Vec<_> = rust_files()
         .into_iter()
-        .filter(|p| {
-            let r = rel(p);
-            r.starts_with("tests/") || r.contains("/tests/") || r.ends_with("_tests.rs")
-        })
-        .filter(|p| {
-            let text = std::fs::read_to_string(p).unwrap_or_default();
-            needles.iter().any(|n| text.contains(n))
-        })
+        .filter(|p| is_test_file(p))
+        .filter(|p| sleeps(&std::fs::read_to_string(p).unwrap_or_default()))
         .map(|p| rel(&p))
         .collect();
+    // Inline test modules of the library crates. A module on tokio's paused clock
+    // (`start_paused = true`) sleeps in virtual time: that is scripted, not waited.
+    let mut sources = Vec::new();
+    for top in ["src", "actors/src", "protocol/src"] {
+        collect(&repo_root().join(top), &mut sources);
+    }
+    let virtual_clock = |module: &str| {
+        module.contains("start_paused = true") || module.contains(concat!("time::", "pause()"))
+    };
+    for p in sources.into_iter().filter(|p| !is_test_file(p)) {
+        let text = std::fs::read_to_string(&p).unwrap_or_default();
+        if inline_test_modules(&text)
+            .into_iter()
+            .any(|module| sleeps(module) && !virtual_clock(module))
+        {
+            offenders.push(format!("{} (inline #[cfg(test)] module)", rel(&p)));
+        }
+    }
     assert!(offenders.is_empty(), "tests that sleep: {offenders:?}");
+}
+
+#[test]
+fn inline_test_module_scan_finds_the_module_body() {
+    let text = concat!(
+        "fn a() { b() }\n#[cfg(test)]\nfn helper() {}\n#[cfg(test)]\nmod tests;\n",
+        "#[cfg(test)]\nmod tests {\n    fn x() { if y { z() } }\n}\nfn after() {}\n"
+    );
+    let modules = inline_test_modules(text);
+    assert_eq!(modules, ["{\n    fn x() { if y { z() } }\n}"]);
+}
+
+/// The reference material beside the repository, however it is spelled. Built with `concat!`
+/// so this file does not match itself.
+const SHARED_DIR_SPELLINGS: [&str; 3] = [
+    concat!("../", "shared"),
+    concat!("pwd)/", "shared"),
+    concat!("CONTINUUM_", "SHARED_DIR"),
+];
+
+/// Absolute directories that exist only on one machine (workspace, homes). They count only at
+/// the start of a path (after a quote, a space, `=`, ...), not inside a URL path of an endpoint.
+const ABSOLUTE_DIRS: [&str; 4] = [
+    concat!("/wo", "rk/"),
+    concat!("/ho", "me/"),
+    concat!("/ro", "ot/"),
+    concat!("/Us", "ers/"),
+];
+
+/// The first foreign path `line` names, if any.
+fn foreign_path(line: &str) -> Option<&'static str> {
+    if let Some(spelling) = SHARED_DIR_SPELLINGS.iter().find(|s| line.contains(*s)) {
+        return Some(spelling);
+    }
+    ABSOLUTE_DIRS.into_iter().find(|dir| {
+        line.match_indices(dir).any(|(at, _)| {
+            line[..at]
+                .chars()
+                .next_back()
+                .is_none_or(|c| c.is_whitespace() || "\"'`=(:,[{".contains(c))
+        })
+    })
+}
+
+#[test]
+fn foreign_path_spots_paths_outside_the_repository_only() {
+    let home = concat!("/ro", "ot/");
+    let work = concat!("/wo", "rk/");
+    assert!(foreign_path(&format!("let p = \"{work}shared/x.jsonl\";")).is_some());
+    assert!(foreign_path(&format!("cd {home}repo")).is_some());
+    assert!(foreign_path(&format!("X=$(cd .. && {})", concat!("pwd)/", "shared"))).is_some());
+    assert!(foreign_path(&format!("\"/admin/subsystems{home}discovery/restart\"")).is_none());
+    assert!(foreign_path("join(\"tests/fixtures/vectors\")").is_none());
+}
+
+#[test]
+fn nothing_reads_a_path_outside_the_repository() {
+    // Every fixture a test or bench reads lives under tests/fixtures, benches/fixtures or next to
+    // its test; see their READMEs.
+    let mut files = Vec::new();
+    for top in [
+        "src",
+        "actors",
+        "protocol",
+        "tests",
+        "benches",
+        "scripts",
+        "build.rs",
+        "Cargo.toml",
+    ] {
+        collect_ext(
+            &repo_root().join(top),
+            &["rs", "sh", "py", "toml"],
+            &mut files,
+        );
+    }
+    assert!(
+        files.len() > 50,
+        "scan found only {} files: wrong root?",
+        files.len()
+    );
+    let mut offenders = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        for (n, line) in text.lines().enumerate() {
+            if let Some(needle) = foreign_path(line) {
+                offenders.push(format!("{}:{}: {needle}", rel(f), n + 1));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "paths outside the repository (copy the fixture into the repo instead): {offenders:#?}"
+    );
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Tidy check for the read-only contract: the etcd discovery source never writes, deletes,
-//! compacts or touches a lease. A failing line here is a broken promise, not a style nit.
+//! compacts or touches a lease, and the file-store source never writes, touches or deletes a
+//! file. A failing line here is a broken promise, not a style nit.
 
 use std::path::{Path, PathBuf};
 
@@ -74,6 +75,52 @@ fn the_etcd_source_only_reads() {
         violations.is_empty(),
         "the etcd source must only range-get and watch:\n{}",
         violations.join("\n")
+    );
+}
+
+/// Filesystem calls that would write, touch, rename or delete (the file-store source only lists,
+/// stats and reads; its tests, which play the workers, live in `file_source/tests.rs`).
+const FORBIDDEN_FS: &[&str] = &[
+    "fs::write",
+    "remove_file",
+    "remove_dir",
+    "rename(",
+    "create_dir",
+    "File::create",
+    "OpenOptions",
+    "File::options",
+    "set_modified",
+    "set_times",
+    "set_len",
+    "set_permissions",
+    ".write(true)",
+    ".append(true)",
+];
+
+#[test]
+fn the_file_store_source_only_reads() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("actors/src/file_source.rs");
+    let text = std::fs::read_to_string(&path).expect("read actors/src/file_source.rs");
+    let violations: Vec<String> = text
+        .lines()
+        .enumerate()
+        .flat_map(|(number, line)| {
+            FORBIDDEN_FS
+                .iter()
+                .filter(|pattern| line.contains(*pattern))
+                .map(move |pattern| format!("{}: `{pattern}` in `{}`", number + 1, line.trim()))
+        })
+        .collect();
+    assert!(
+        violations.is_empty(),
+        "the file-store source must only list, stat and read:\n{}",
+        violations.join("\n")
+    );
+    // Guard against a pattern list that can never match.
+    assert!(
+        FORBIDDEN_FS
+            .iter()
+            .any(|p| "std::fs::remove_file(&path)?;".contains(p))
     );
 }
 

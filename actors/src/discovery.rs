@@ -1,9 +1,10 @@
 //! DiscoveryActor: one per Dynamo namespace, folding a discovery source into the reducer.
 //!
 //! Role: owns the namespace's `DiscoveryReducer` (created once per incarnation and reused across
-//! the source's reconnects, so `first_seen` survives resyncs) and the etcd source task that
-//! produces `SourceEvent`s. Every event is folded by `protocol`; when the materialised view
-//! changes outside a resync, the new view goes to the RegistryActor.
+//! the source's reconnects, so `first_seen` survives resyncs) and the source task (etcd, Dynamo
+//! file store, Kubernetes, in-memory feed) that produces `SourceEvent`s. Every event is folded by
+//! `protocol`; when the materialised view changes outside a resync, the new view goes to the
+//! RegistryActor.
 //!
 //! Parent: the discovery supervisor. Children: none (the source and its forwarder are tasks
 //! spawned in `pre_start` and stopped in `post_stop`). Messages in: `Events` (batches from the
@@ -24,6 +25,7 @@ use tracing::{Instrument, info, warn};
 
 use crate::clock::now_unix;
 use crate::etcd_source::{EtcdSource, EtcdSourceConfig};
+use crate::file_source::{FileSourceConfig, FileUpdate, run_file_source};
 use crate::kube_source::{KubeSourceConfig, KubeUpdate, run_metadata_source, run_pod_source};
 use crate::lifecycle::ActorSpan;
 use crate::memory_source::{MemoryDiscovery, run_memory_source};
@@ -39,6 +41,8 @@ use continuum_protocol::kube::pods::{PodMember, PodSourceConfig};
 pub const SOURCE_CHANNEL: usize = 1024;
 /// Events folded per mailbox message.
 pub const MAX_BATCH: usize = 256;
+/// File-source updates buffered (each holds a whole scan's events).
+pub const FILE_CHANNEL: usize = 16;
 /// How long a stopping actor waits for its source task.
 pub const SOURCE_STOP_GRACE: Duration = Duration::from_secs(5);
 
@@ -52,6 +56,8 @@ pub struct DiscoveryActor;
 #[derive(Clone, Debug)]
 pub enum SourceSpec {
     Etcd(EtcdSourceConfig),
+    /// Dynamo's file store (`--discovery-backend file`): directory scans, etcd-shaped records.
+    File(FileSourceConfig),
     /// DynamoWorkerMetadata ⋈ EndpointSlice, fed as etcd-style records.
     KubeMetadata {
         kube: KubeSourceConfig,
@@ -74,6 +80,7 @@ impl SourceSpec {
     pub fn namespace(&self) -> &Namespace {
         match self {
             SourceSpec::Etcd(cfg) => &cfg.namespace,
+            SourceSpec::File(cfg) => &cfg.namespace,
             SourceSpec::KubeMetadata { namespace, .. }
             | SourceSpec::KubePods { namespace, .. }
             | SourceSpec::Memory { namespace, .. } => namespace,
@@ -143,6 +150,12 @@ impl Actor for DiscoveryActor {
                     forward_connected(source.connected(), myself.clone()).instrument(span),
                 );
                 (RunningSource::Etcd(source), vec![forwarder, watcher])
+            }
+            SourceSpec::File(cfg) => {
+                let (tx, rx) = mpsc::channel(FILE_CHANNEL);
+                let task = tokio::spawn(run_file_source(cfg, tx).instrument(span.clone()));
+                let forwarder = tokio::spawn(forward_file(rx, myself.clone()).instrument(span));
+                (RunningSource::Kube(task), vec![forwarder])
             }
             SourceSpec::KubeMetadata { kube, namespace } => {
                 let (tx, rx) = mpsc::channel(SOURCE_CHANNEL);
@@ -312,6 +325,20 @@ async fn forward_events(mut rx: mpsc::Receiver<SourceEvent>, actor: ActorRef<Dis
             }
         }
         if actor.cast(DiscoveryMsg::Events(batch)).is_err() {
+            return;
+        }
+    }
+}
+
+/// Forwards the file source's scans, refusals and root state to the actor.
+async fn forward_file(mut rx: mpsc::Receiver<FileUpdate>, actor: ActorRef<DiscoveryMsg>) {
+    while let Some(update) = rx.recv().await {
+        let msg = match update {
+            FileUpdate::Events(events) => DiscoveryMsg::Events(events),
+            FileUpdate::Counted(kind) => DiscoveryMsg::Counted(kind),
+            FileUpdate::Connected(connected) => DiscoveryMsg::Connected(connected),
+        };
+        if actor.cast(msg).is_err() {
             return;
         }
     }

@@ -170,6 +170,11 @@ impl DynamoKvIndex {
         self.read().stats()
     }
 
+    /// Blocks indexed per (worker, dp_rank), for the admin fleet summary: O(ranks).
+    pub fn rank_blocks(&self) -> Vec<(InstanceId, DpRank, usize)> {
+        self.read().rank_blocks()
+    }
+
     // ----- hash parity -----------------------------------------------------------------------
 
     /// After a KV-aware pick of (worker, dp_rank) for `model`: the blocks the rank should now

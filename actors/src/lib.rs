@@ -27,6 +27,7 @@
 //! | [`kv_index`] | KvIndexActor and the shared `DynamoKvIndex` (reads, parity, subscription cursors) |
 //! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
 //! | [`etcd_source`] | the read-only etcd get-then-watch source |
+//! | [`file_source`] | the read-only Dynamo file-store source (directory scans, inotify, mtime TTL) |
 //! | [`memory_source`] | in-process etcd-shaped records (the demo's simulated fleet) |
 //! | [`zmtp_conn`] | one bounded ZMTP SUB connection over TCP |
 //! | [`subscription`] | SubscriptionActor per publisher and the follower of registry generations |
@@ -37,6 +38,7 @@
 pub mod clock;
 pub mod discovery;
 pub mod etcd_source;
+pub mod file_source;
 pub mod kube_source;
 pub mod kv_artifacts;
 pub mod kv_index;

@@ -3,7 +3,9 @@
 //! Each actor incarnation runs inside one span named `actor` (fields `actor.id`, `actor.kind`,
 //! `actor.parent`, `actor.incarnation`) whose parent is its supervisor's span. Lifecycle
 //! transitions are events on that span: `actor.started`, `actor.stopped{reason}` and
-//! `actor.failed{error}` (an ERROR event, so the exported span gets an error status).
+//! `actor.failed{error}` (an ERROR event, so the exported span gets an error status). Because
+//! that span is exported only when it ends, each start also emits a short `actor.start` span
+//! (child of, and linked to, the lifecycle span) that is exported while the actor runs.
 //!
 //! A restart is a span of its own, `actor.restart{attempt, delay_ms}`, child of the supervisor's
 //! span and linked to the failed incarnation; the new incarnation's `actor` span is its child.
@@ -66,6 +68,8 @@ pub struct ActorSpan {
     id: Arc<str>,
     kind: ActorKind,
     incarnation: u32,
+    /// The supervisor's `actor.id`, if any.
+    parent: Option<Arc<str>>,
 }
 
 impl ActorSpan {
@@ -95,6 +99,7 @@ impl ActorSpan {
             id: Arc::from(id),
             kind,
             incarnation: 1,
+            parent: parent.map(|p| Arc::clone(&p.id)),
         }
     }
 
@@ -117,6 +122,11 @@ impl ActorSpan {
     }
 
     /// Records `actor.started`: `pre_start` succeeded and the actor takes messages.
+    ///
+    /// The event lives on the long-lived lifecycle span, which is exported only when it ends;
+    /// so every start (and restart) also emits a short `actor.start` span, ended at once and
+    /// exported with the next batch: a child of the lifecycle span, linked to it, carrying
+    /// `actor.id`, `actor.kind`, `actor.parent` and `actor.incarnation`.
     pub fn started(&self) {
         tracing::info!(
             parent: &self.span,
@@ -124,6 +134,22 @@ impl ActorSpan {
             actor.kind = self.kind.as_label(),
             "actor.started"
         );
+        let start = tracing::info_span!(
+            parent: &self.span,
+            "actor.start",
+            actor.id = &*self.id,
+            actor.kind = self.kind.as_label(),
+            actor.parent = tracing::field::Empty,
+            actor.incarnation = i64::from(self.incarnation),
+        );
+        if let Some(parent) = &self.parent {
+            start.record("actor.parent", &**parent);
+        }
+        let lifecycle = self.span.context().span().span_context().clone();
+        if lifecycle.is_valid() {
+            start.add_link(lifecycle);
+        }
+        drop(start);
     }
 
     /// Records `actor.stopped`: a clean stop (shutdown, a departed publisher), not a failure.
@@ -210,6 +236,7 @@ impl RestartSpan {
             id: Arc::clone(&self.id),
             kind: self.kind,
             incarnation: self.next_incarnation,
+            parent: Some(Arc::clone(&self.supervisor_id)),
         }
     }
 }

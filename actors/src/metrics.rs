@@ -27,7 +27,10 @@ use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use prometheus::proto::MetricType;
-use prometheus::{Encoder as _, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder as _, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
 
 use crate::lifecycle::ActorKind;
 
@@ -71,6 +74,19 @@ macro_rules! label_enum {
     };
 }
 pub(crate) use label_enum;
+
+label_enum! {
+    /// The `reason` of `continuum_config_reload_refusals_total{reason}`: why a config reload
+    /// (file watch, SIGHUP or `POST /admin/config/reload`) kept the running config.
+    ReloadRefusal {
+        /// The file could not be read, parsed or validated.
+        Invalid => "invalid",
+        /// It would remove every backend without writing `backends: []`.
+        RemovesAllBackends => "removes_all_backends",
+        /// It would disable the admin API (or drop its token) without `admin.enabled: false`.
+        DisablesAdmin => "disables_admin",
+    }
+}
 
 label_enum! {
     /// The `role` of `continuum_dynamo_workers{namespace, role}`.
@@ -252,7 +268,11 @@ struct Inner {
     disaggregated_requests: IntCounterVec,
     disaggregated_errors: IntCounterVec,
     actor_restarts: IntCounterVec,
+    config_reload_refusals: IntCounterVec,
+    restart_budget_exhausted: IntCounterVec,
     http_requests: IntCounterVec,
+    http_request_duration: HistogramVec,
+    build_info: IntGaugeVec,
     unreachable_workers: IntGauge,
     workers_marked_unreachable: prometheus::IntCounter,
     /// Which dp_ranks of a worker have gauge series, so a departed worker's series can all be
@@ -281,6 +301,11 @@ fn gauge_vec(
     registry.register(Box::new(vec.clone()))?;
     Ok(vec)
 }
+
+/// `continuum_http_request_duration_seconds` buckets: 5 ms to 2 min (LLM answers are slow).
+const HTTP_DURATION_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
 
 /// Gauges hold `i64`; load figures are `u64` from the wire and saturate rather than wrap.
 fn gauge_value(value: u64) -> i64 {
@@ -411,11 +436,41 @@ impl Metrics {
                 "Supervisor restarts of a failed actor, by actor kind.",
                 &["actor"],
             )?,
+            config_reload_refusals: counter_vec(
+                r,
+                "continuum_config_reload_refusals_total",
+                "Config reloads refused (the running config stays), by reason.",
+                &["reason"],
+            )?,
+            restart_budget_exhausted: counter_vec(
+                r,
+                "continuum_actor_restart_budget_exhausted_total",
+                "Supervisors that spent a child's restart budget and escalated, by actor kind.",
+                &["actor"],
+            )?,
             http_requests: counter_vec(
                 r,
                 "continuum_http_requests_total",
                 "HTTP requests answered, by matched route and status class.",
                 &["route", "status_class"],
+            )?,
+            http_request_duration: {
+                let vec = HistogramVec::new(
+                    HistogramOpts::new(
+                        "continuum_http_request_duration_seconds",
+                        "Time from request to response headers on the OpenAI routes, by route.",
+                    )
+                    .buckets(HTTP_DURATION_BUCKETS.to_vec()),
+                    &["route"],
+                )?;
+                r.register(Box::new(vec.clone()))?;
+                vec
+            },
+            build_info: gauge_vec(
+                r,
+                "continuum_router_build_info",
+                "Always 1: the running binary's version and compiled Cargo features.",
+                &["version", "features"],
             )?,
             unreachable_workers: {
                 let gauge = IntGauge::new(
@@ -735,11 +790,46 @@ impl Metrics {
             .inc();
     }
 
+    pub fn config_reload_refused(&self, reason: ReloadRefusal) {
+        self.inner
+            .config_reload_refusals
+            .with_label_values(&[reason.as_label()])
+            .inc();
+    }
+
     pub fn http_request(&self, route: HttpRoute, status: u16) {
         self.inner
             .http_requests
             .with_label_values(&[route.as_label(), StatusClass::from_code(status).as_label()])
             .inc();
+    }
+
+    /// [`Metrics::http_request`] plus the time to response headers in
+    /// `continuum_http_request_duration_seconds{route}`.
+    pub fn http_request_timed(&self, route: HttpRoute, status: u16, elapsed: std::time::Duration) {
+        self.http_request(route, status);
+        self.inner
+            .http_request_duration
+            .with_label_values(&[route.as_label()])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// A supervisor spent `kind`'s restart budget and escalated (or gave up starting it).
+    pub fn restart_budget_exhausted(&self, kind: ActorKind) {
+        self.inner
+            .restart_budget_exhausted
+            .with_label_values(&[kind.as_label()])
+            .inc();
+    }
+
+    /// Sets `continuum_router_build_info{version, features} 1` (the only series of the family).
+    /// Both values are compile-time constants of the binary, never input.
+    pub fn set_build_info(&self, version: &'static str, features: &'static str) {
+        self.inner.build_info.reset();
+        self.inner
+            .build_info
+            .with_label_values(&[version, features])
+            .set(1);
     }
 }
 
@@ -784,6 +874,12 @@ impl Inner {
         }
         for kind in ActorKind::ALL {
             self.actor_restarts.with_label_values(&[kind.as_label()]);
+            self.restart_budget_exhausted
+                .with_label_values(&[kind.as_label()]);
+        }
+        for reason in ReloadRefusal::ALL {
+            self.config_reload_refusals
+                .with_label_values(&[reason.as_label()]);
         }
         for route in HttpRoute::ALL {
             for class in StatusClass::ALL {
@@ -863,6 +959,7 @@ mod tests {
         check_closed(HttpRoute::ALL, HttpRoute::as_label);
         check_closed(StatusClass::ALL, StatusClass::as_label);
         check_closed(ActorKind::ALL, ActorKind::as_label);
+        check_closed(ReloadRefusal::ALL, ReloadRefusal::as_label);
     }
 
     /// The label values the seed names verbatim are spelled exactly so.
@@ -914,6 +1011,43 @@ mod tests {
     }
 
     #[test]
+    fn build_info_latency_and_budget_families_export() {
+        let metrics = metrics();
+        metrics.set_build_info("9.9.9", "real-peers");
+        metrics.set_build_info("1.2.3", "none");
+        let text = metrics.render();
+        assert!(text.contains(r#"continuum_router_build_info{features="none",version="1.2.3"} 1"#));
+        assert!(!text.contains("9.9.9"), "one build_info series only");
+        metrics.http_request_timed(
+            HttpRoute::ChatCompletions,
+            200,
+            std::time::Duration::from_millis(30),
+        );
+        let text = metrics.render();
+        assert!(text.contains(
+            r#"continuum_http_request_duration_seconds_bucket{route="chat_completions",le="0.05"} 1"#
+        ));
+        assert!(text.contains(
+            r#"continuum_http_request_duration_seconds_bucket{route="chat_completions",le="0.025"} 0"#
+        ));
+        assert_eq!(
+            metrics.value(
+                "continuum_http_requests_total",
+                &[("route", "chat_completions"), ("status_class", "2xx")]
+            ),
+            Some(1.0)
+        );
+        metrics.restart_budget_exhausted(ActorKind::Discovery);
+        assert_eq!(
+            metrics.value(
+                "continuum_actor_restart_budget_exhausted_total",
+                &[("actor", "discovery")]
+            ),
+            Some(1.0)
+        );
+    }
+
+    #[test]
     fn render_contains_every_family_preinitialised() {
         let metrics = metrics();
         let text = metrics.render();
@@ -930,6 +1064,8 @@ mod tests {
             "disaggregated_requests_total",
             "disaggregated_errors_total",
             "continuum_actor_restarts_total",
+            "continuum_config_reload_refusals_total",
+            "continuum_actor_restart_budget_exhausted_total",
             "continuum_http_requests_total",
         ] {
             assert!(text.contains(&format!("# TYPE {family} ")), "{family}");

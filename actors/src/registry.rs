@@ -20,7 +20,7 @@ use continuum_protocol::discovery::view::NamespaceView;
 use continuum_protocol::ids::Namespace;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{debug, warn};
 
 use crate::metrics::{Metrics, WorkerRole};
 use crate::store::SnapshotStore;
@@ -246,8 +246,11 @@ impl RegistryState {
         if !changed {
             return;
         }
-        info!(
+        // Debug, not info: a fleet under churn (leases renewed, workers restarting) publishes on
+        // every etcd change, which would drown the log; the admin API shows the current fleet.
+        debug!(
             generation = self.registry.generation(),
+            workers = gauges.values().sum::<u64>(),
             "Published a new fleet snapshot."
         );
         for mixed in &report.shown {

@@ -11,11 +11,20 @@
 //! times out, the workers this publisher delivered samples for are marked unreachable in the
 //! store (`LoadStream::on_connect_failed`) until a session is established again.
 //!
+//! A stopped `kv_metrics` subscription (its publisher departed, changed or was left out by the
+//! cap) drops the samples and gauge series its publisher contributed once its task has ended:
+//! a worker without a subscription has no live gauge and reads as stale, never as a frozen
+//! sample.
+//!
 //! SubscriptionFollower — role: on every registry generation, applies the live-worker gate to
 //! the store (evicting samples and gauges of departed workers), plans the wanted subscriptions
-//! (`protocol::subscriptions::plan`: ≤ 1,024, ascending publisher id) and tells its supervisor to
-//! stop departed or modified ones (concurrently) and start new ones. Parent: the same supervisor,
-//! whose dynamic children it manages. Messages in: `Reconcile` (from its generation watcher).
+//! (`protocol::subscriptions::plan`: ≤ 1,024; publishers of registered workers first, then
+//! running ones, then ascending publisher id) and tells its supervisor to stop departed or
+//! modified ones (concurrently) and start new ones. Publishers newly left out by the cap are
+//! counted `over_capacity` (`load_events_total` for kv_metrics, `kv_events_total` for
+//! kv-events), and a warning follows the number left out whenever it changes. Parent: the same
+//! supervisor, whose dynamic children it manages. Messages in: `Reconcile` (from its generation
+//! watcher).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -23,7 +32,7 @@ use std::time::Duration;
 
 use continuum_protocol::backoff::{Backoff, BackoffPolicy};
 use continuum_protocol::discovery::records::EventTopic;
-use continuum_protocol::ids::{InstanceId, Namespace, WorkerKey};
+use continuum_protocol::ids::{InstanceId, Namespace, PublisherId, WorkerKey};
 use continuum_protocol::load_store::{LoadStream, WorkerRank};
 use continuum_protocol::subscriptions::{self, MAX_SUBSCRIPTIONS, SubscriptionTarget};
 use ipnet::IpNet;
@@ -36,7 +45,9 @@ use crate::clock::now_tick;
 use crate::kv_index::{DynamoKvIndex, SubscriptionName};
 use crate::lifecycle::ActorKind;
 use crate::load::{DynamoLoadStore, SubscriptionStatus};
-use crate::metrics::{Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges};
+use crate::metrics::{
+    LoadEventResult, Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges,
+};
 use crate::registry::DynamoRegistry;
 use crate::supervisor::{ChildContext, ChildSpec, SupervisorMsg};
 use crate::zmtp_conn::{CONNECT_TIMEOUT, ConnEvent, ZmtpConnConfig, ZmtpConnError, run_session};
@@ -79,6 +90,8 @@ pub struct SubscriptionActorState {
     store: DynamoLoadStore,
     /// Set for a kv-events subscription: told when this subscription stops.
     kv: Option<DynamoKvIndex>,
+    /// Set for a kv_metrics subscription: whose samples and gauges go when it stops.
+    load: Option<(PublisherId, Namespace, Option<Metrics>)>,
     task: JoinHandle<()>,
 }
 
@@ -96,11 +109,19 @@ impl Actor for SubscriptionActor {
         let store = args.store.clone();
         let span = args.span.clone();
         let kv = (args.target.topic == EventTopic::KvEvents).then(|| args.kv.clone());
+        let load = (args.target.topic == EventTopic::KvMetrics).then(|| {
+            (
+                args.target.publisher_id,
+                args.target.namespace.clone(),
+                args.metrics.clone(),
+            )
+        });
         let task = tokio::spawn(run_subscription(args).instrument(span));
         Ok(SubscriptionActorState {
             name,
             store,
             kv,
+            load,
             task,
         })
     }
@@ -111,7 +132,17 @@ impl Actor for SubscriptionActor {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         state.task.abort();
+        // Wait for the task to end, so no delivery lands after its samples are dropped.
+        let _ = (&mut state.task).await;
         state.store.remove_status(&state.name);
+        if let Some((publisher, namespace, metrics)) = &state.load {
+            let dropped = state.store.with(|s| s.drop_publisher(*publisher));
+            clear_gauges(metrics, namespace, &dropped);
+            state.store.notify();
+            if !dropped.is_empty() {
+                debug!(subscription = %state.name, dropped = dropped.len(), "Subscription stopped: dropped its samples and gauges.");
+            }
+        }
         if let Some(kv) = &state.kv {
             // Its ranks are cleared if no subscription of the same name is back within 60 s.
             kv.subscription_state(&SubscriptionName::from(state.name.as_str()), false);
@@ -237,6 +268,9 @@ async fn run_subscription(args: SubscriptionArgs) {
                             .and_then(|k| s.latest(k.worker_id, k.dp_rank).cloned());
                         (outcome, sample)
                     });
+                    // A gap drops the publisher's samples, then the frame that revealed it is
+                    // applied: clear the dropped series first so the one just set stays.
+                    clear_gauges(&metrics, &target.namespace, &outcome.dropped);
                     if let Some(metrics) = &metrics {
                         metrics.load_event(outcome.result);
                         if let Some(sample) = sample {
@@ -258,7 +292,6 @@ async fn run_subscription(args: SubscriptionArgs) {
                     if let Some(missed) = outcome.gap {
                         debug!(subscription = %name, missed, "Sequence gap: dropped this publisher's samples.");
                     }
-                    clear_gauges(&metrics, &target.namespace, &outcome.dropped);
                     store.notify();
                 }
             }
@@ -384,7 +417,8 @@ pub struct FollowerState {
     policy: DialPolicy,
     running: BTreeMap<String, SubscriptionTarget>,
     watcher: JoinHandle<()>,
-    warned_cap: bool,
+    /// Publishers the cap left out at the last reconcile (child names).
+    left_out: BTreeSet<String>,
     /// Whether leftovers of a previous follower incarnation were cleared.
     adopted: bool,
 }
@@ -417,7 +451,7 @@ impl Actor for SubscriptionFollower {
             policy,
             running: BTreeMap::new(),
             watcher,
-            warned_cap: false,
+            left_out: BTreeSet::new(),
             adopted: false,
         })
     }
@@ -475,22 +509,25 @@ impl FollowerState {
         if self.policy.kv_events {
             self.args.kv.set_live(&snapshot);
         }
-        let (mut wanted, mut left_out) =
-            subscriptions::plan(&snapshot, EventTopic::KvMetrics, MAX_SUBSCRIPTIONS);
+        let plan = subscriptions::plan(
+            &snapshot,
+            EventTopic::KvMetrics,
+            MAX_SUBSCRIPTIONS,
+            &self.running,
+        );
+        let mut wanted = plan.wanted;
+        let mut left_out: BTreeSet<String> = plan.left_out.into_iter().collect();
         if self.policy.kv_events {
-            let (kv, kv_left_out) =
-                subscriptions::plan(&snapshot, EventTopic::KvEvents, MAX_SUBSCRIPTIONS);
-            wanted.extend(kv);
-            left_out += kv_left_out;
-        }
-        if left_out > 0 && !self.warned_cap {
-            self.warned_cap = true;
-            warn!(
-                left_out,
-                cap = MAX_SUBSCRIPTIONS,
-                "More kv_metrics publishers than the subscription cap; the highest ids are not subscribed."
+            let kv = subscriptions::plan(
+                &snapshot,
+                EventTopic::KvEvents,
+                MAX_SUBSCRIPTIONS,
+                &self.running,
             );
+            wanted.extend(kv.wanted);
+            left_out.extend(kv.left_out);
         }
+        self.note_left_out(left_out);
         let (stop, start) = subscriptions::diff(&self.running, &wanted);
         self.stop_all(&stop).await;
         for target in start {
@@ -514,6 +551,42 @@ impl FollowerState {
                 "Subscriptions follow the registry."
             );
         }
+    }
+
+    /// Counts publishers newly left out by the cap and logs whenever the number changes.
+    fn note_left_out(&mut self, left_out: BTreeSet<String>) {
+        let kv_events_prefix = format!("{}:", EventTopic::KvEvents.as_str());
+        let (mut load, mut kv) = (0u64, 0u64);
+        for name in left_out.difference(&self.left_out) {
+            if name.starts_with(&kv_events_prefix) {
+                kv += 1;
+            } else {
+                load += 1;
+            }
+        }
+        if let Some(metrics) = &self.args.metrics
+            && load > 0
+        {
+            metrics.load_events(LoadEventResult::OverCapacity, load);
+        }
+        for _ in 0..kv {
+            self.args.kv.count_envelope(LoadEventResult::OverCapacity);
+        }
+        if left_out.len() != self.left_out.len() {
+            if left_out.is_empty() {
+                info!(
+                    cap = MAX_SUBSCRIPTIONS,
+                    "Every event-plane publisher is subscribed again."
+                );
+            } else {
+                warn!(
+                    left_out = left_out.len(),
+                    cap = MAX_SUBSCRIPTIONS,
+                    "More event-plane publishers than the subscription cap; those left out have no live load signal (registered workers' publishers and running subscriptions are kept first)."
+                );
+            }
+        }
+        self.left_out = left_out;
     }
 
     /// Stops subscriptions concurrently, each within [`STOP_GRACE`].

@@ -173,8 +173,9 @@ struct ChildSlot {
     /// The restart in progress, held over the backoff, ended once the child runs again.
     pending_restart: Option<RestartSpan>,
     restarts: u32,
-    /// Operator restart in progress: answer here once respawned.
-    admin_reply: Option<RpcReplyPort<Result<(), String>>>,
+    /// Operator restart in progress: every caller that asked while it ran is answered here
+    /// once the child respawned (overlapping requests join the restart in progress).
+    admin_replies: Vec<RpcReplyPort<Result<(), String>>>,
     /// Being removed: answer here once stopped.
     remove_reply: Option<RpcReplyPort<()>>,
 }
@@ -292,7 +293,7 @@ impl ChildSlot {
             last_span: None,
             pending_restart: None,
             restarts: 0,
-            admin_reply: None,
+            admin_replies: Vec::new(),
             remove_reply: None,
         }
     }
@@ -404,6 +405,11 @@ impl SupervisorState {
             let _ = reply.send(());
             return Ok(());
         }
+        if !slot.admin_replies.is_empty() {
+            // It failed while stopping for an operator restart: the restart still happens now.
+            self.finish_admin_restart(myself, idx).await;
+            return Ok(());
+        }
         match slot.budget.on_failure(now_tick()) {
             RestartDecision::Restart { after } => {
                 self.tree.failed(&path, error, ActorState::Restarting);
@@ -420,6 +426,9 @@ impl SupervisorState {
             }
             RestartDecision::Escalate => {
                 self.tree.failed(&path, error, ActorState::Failed);
+                if let Some(metrics) = &self.metrics {
+                    metrics.restart_budget_exhausted(slot.spec.kind);
+                }
                 error!(actor.id = %path, supervisor = %self.path, "Restart budget spent; escalating.");
                 // Stop the remaining children before failing, so the parent restarts a clean
                 // subtree.
@@ -453,10 +462,8 @@ impl SupervisorState {
             let _ = reply.send(());
             return;
         }
-        if let Some(reply) = slot.admin_reply.take() {
-            self.begin_restart(idx, Duration::ZERO);
-            let result = self.spawn_child(myself, idx).await;
-            let _ = reply.send(result.map_err(|e| e.to_string()));
+        if !slot.admin_replies.is_empty() {
+            self.finish_admin_restart(myself, idx).await;
             return;
         }
         // A child that ended its work by itself is not restarted.
@@ -491,9 +498,26 @@ impl SupervisorState {
                 }
                 RestartDecision::Escalate => {
                     error!(actor.id = %path, error = %e, "Actor cannot start and its budget is spent.");
+                    if let Some(metrics) = &self.metrics {
+                        metrics.restart_budget_exhausted(self.children[idx].spec.kind);
+                    }
                     myself.stop(Some(format!("child {path} cannot start")));
                 }
             }
+        }
+    }
+
+    /// Respawns child `idx` after an operator-requested stop and answers every waiting caller
+    /// with the one outcome.
+    async fn finish_admin_restart(&mut self, myself: &ActorRef<SupervisorMsg>, idx: usize) {
+        let replies = std::mem::take(&mut self.children[idx].admin_replies);
+        self.begin_restart(idx, Duration::ZERO);
+        let result = self
+            .spawn_child(myself, idx)
+            .await
+            .map_err(|e| e.to_string());
+        for reply in replies {
+            let _ = reply.send(result.clone());
         }
     }
 
@@ -505,9 +529,14 @@ impl SupervisorState {
         let path = self.child_path(&name);
         let slot = &mut self.children[idx];
         match &slot.cell {
+            Some(_) if !slot.admin_replies.is_empty() => {
+                // A restart of this child is already under way: this caller gets its outcome.
+                info!(actor.id = %path, "Operator restart joins the one in progress.");
+                slot.admin_replies.push(reply);
+            }
             Some(cell) => {
                 info!(actor.id = %path, "Operator requested a restart.");
-                slot.admin_reply = Some(reply);
+                slot.admin_replies.push(reply);
                 cell.stop(Some("admin restart".into()));
             }
             None => {
@@ -572,14 +601,19 @@ pub async fn spawn_root(
     tree: ActorTree,
     metrics: Option<Metrics>,
 ) -> Result<(ActorRef<SupervisorMsg>, tokio::task::JoinHandle<()>), SpawnErr> {
+    let span = ActorSpan::start("root", ActorKind::Root, None);
     let args = SupervisorArgs {
         path: "root".into(),
         kind: ActorKind::Root,
         children,
         tree,
-        span: ActorSpan::start("root", ActorKind::Root, None),
+        span: span.clone(),
         budget: BudgetSpec::default(),
         metrics,
     };
-    Actor::spawn(None, Supervisor, args).await
+    let spawned = Actor::spawn(None, Supervisor, args).await;
+    if spawned.is_ok() {
+        span.started();
+    }
+    spawned
 }

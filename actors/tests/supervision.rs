@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use continuum_actors::lifecycle::ActorKind;
+use continuum_actors::metrics::Metrics;
 use continuum_actors::supervisor::{ChildContext, ChildSpec, spawn_root};
 use continuum_actors::tree::{ActorState, ActorTree};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -156,7 +157,8 @@ async fn spent_budget_escalates_to_the_parent() {
         ActorKind::DiscoverySupervisor,
         vec![probe("x", &tx)],
     );
-    let (root, handle) = spawn_root(vec![sub], tree.clone(), None)
+    let metrics = Metrics::new("supervision-test").expect("metrics");
+    let (root, handle) = spawn_root(vec![sub], tree.clone(), Some(metrics.clone()))
         .await
         .expect("root starts");
     let (_, mut x) = next_start(&mut rx).await;
@@ -174,6 +176,15 @@ async fn spent_budget_escalates_to_the_parent() {
             .expect("failure recorded")
             .contains("restart budget")
     );
+    // `flaky` spent x's budget once; root's budget for `flaky` is untouched.
+    let exhausted = |actor: &str| {
+        metrics.value(
+            "continuum_actor_restart_budget_exhausted_total",
+            &[("actor", actor)],
+        )
+    };
+    assert_eq!(exhausted("registry"), Some(1.0));
+    assert_eq!(exhausted("discovery_supervisor"), Some(0.0));
 
     root.stop(None);
     handle.await.expect("root stops");

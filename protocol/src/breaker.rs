@@ -148,6 +148,29 @@ impl Breaker {
     }
 }
 
+/// What one answered response means for its backend's breaker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResponseVerdict {
+    /// The replica is serving (a 2xx-4xx, or a request-level refusal): [`Breaker::on_success`].
+    Serving,
+    /// The replica (or what fronts it) is failing: [`Breaker::on_failure`].
+    Failing,
+}
+
+/// Classifies an upstream answer for the breaker. Transport failures and timeouts never get
+/// here (they always count). Gateway-class answers (502, 503, 504) count as failures. A 500 that
+/// carries the frontend's own JSON error body (`frontend_error_body`: Dynamo 1.6.1 answers a
+/// missing prefill id or a pinned instance that just left that way) is a refusal of that one
+/// request by a healthy replica, so it does not count; a 500 without one (a crash page, an
+/// empty body) does. Other statuses (including 501 and 505+) are answers about the request.
+pub fn classify_response(status: u16, frontend_error_body: bool) -> ResponseVerdict {
+    match status {
+        502..=504 => ResponseVerdict::Failing,
+        500 if !frontend_error_body => ResponseVerdict::Failing,
+        _ => ResponseVerdict::Serving,
+    }
+}
+
 /// Health tuning from `backends[].health_check`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HealthThresholds {
@@ -228,6 +251,28 @@ mod tests {
 
     fn t(s: u64) -> Tick {
         Tick(Duration::from_secs(s))
+    }
+
+    #[test]
+    fn refusals_do_not_open_and_gateway_errors_do() {
+        assert_eq!(classify_response(500, true), ResponseVerdict::Serving);
+        assert_eq!(classify_response(500, false), ResponseVerdict::Failing);
+        for status in [502, 503, 504] {
+            assert_eq!(classify_response(status, true), ResponseVerdict::Failing);
+        }
+        for status in [200, 400, 404, 429, 501, 505] {
+            assert_eq!(classify_response(status, false), ResponseVerdict::Serving);
+        }
+        let mut b = breaker(5);
+        for _ in 0..10 {
+            match classify_response(500, true) {
+                ResponseVerdict::Serving => b.on_success(),
+                ResponseVerdict::Failing => {
+                    b.on_failure(t(1));
+                }
+            }
+        }
+        assert_eq!(b.state().as_label(), "closed");
     }
 
     #[test]

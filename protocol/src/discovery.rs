@@ -9,12 +9,14 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`keys`] | etcd key shapes, keyspaces, Dynamo's event-segment percent-encoding |
+//! | [`file_store`] | Dynamo's file store: file names to keys, mtime liveness, bounded admission, scan diffs |
 //! | [`registration`] | the records a 1.6.1 worker registers, for simulated workers |
 //! | [`records`] | tolerant parsing of Endpoint / Model / EventChannel / EventSource values, bounds |
 //! | [`reducer`] | [`DiscoveryReducer`]: held records, joins, duplicate refusal, counts |
 //! | [`view`] | [`Worker`], [`Publisher`], [`NamespaceView`] and the admin JSON of a worker |
 //! | [`snapshot`] | [`DynamoSnapshot`], [`build_snapshot`], the mixed-namespace detector |
 
+pub mod file_store;
 pub mod keys;
 pub mod records;
 pub mod reducer;

@@ -12,6 +12,7 @@
 //! | [`breaker`] | backend circuit breaker and active-health thresholds |
 //! | [`discovery`] | the discovery event vocabulary shared by every source |
 //! | [`zmtp`] | bounded ZMTP 3.x SUB client state machine (greeting, READY, frames, PING) |
+//! | [`event_bus`] | event-bus wire contract: NDJSON control messages, hello validation, credentials, rendezvous, byte bounds, session state machines of both ends |
 //! | [`event_plane`] | 4-frame event-plane messages, EventEnvelope, ActiveLoad, drop results |
 //! | [`load_store`] | latest ActiveLoad per (worker, dp_rank), staleness, missed-message rule |
 //! | [`subscriptions`] | which publishers to subscribe to (cap, order, diff) |
@@ -22,6 +23,7 @@
 pub mod backoff;
 pub mod breaker;
 pub mod discovery;
+pub mod event_bus;
 pub mod event_plane;
 pub mod id_hash;
 pub mod ids;

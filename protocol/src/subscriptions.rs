@@ -1,15 +1,19 @@
 //! Which event-plane publishers to subscribe to, as a pure function of the fleet snapshot.
 //!
 //! The load supervisor runs one subscription per discovered publisher. Fleet-authored records
-//! must not exhaust file descriptors, so at most [`MAX_SUBSCRIPTIONS`] are admitted, in
-//! ascending publisher id order (a stable, fleet-independent rule). A publisher whose record
-//! changed (a new endpoint under the same id) is a different target, so the old subscription
-//! stops and a new one starts.
+//! must not exhaust file descriptors, so at most [`MAX_SUBSCRIPTIONS`] are admitted. Publisher
+//! ids are fleet-authored too, so the cap keeps what already works first: publishers of workers
+//! in the registry before publishers no worker stands behind, then publishers already
+//! subscribed before new ones, then ascending publisher id (a stable tie-break). A flood of
+//! channels with low ids therefore never pushes out a live worker's subscription. A publisher
+//! whose record changed (a new endpoint under the same id) is a different target, so the old
+//! subscription stops and a new one starts.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::discovery::records::EventTopic;
 use crate::discovery::snapshot::DynamoSnapshot;
+use crate::discovery::view::Publisher;
 use crate::ids::{Namespace, PublisherId};
 
 /// Active subscriptions per family are capped at this many sockets.
@@ -38,30 +42,89 @@ impl SubscriptionTarget {
     }
 }
 
-/// The wanted subscriptions of one `topic`, keyed by child name, capped at `cap` in ascending
-/// publisher id order. Also returns how many publishers were left out by the cap.
+/// The subscriptions of one topic the cap admits, and the publishers it leaves out.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Wanted subscriptions, keyed by child name.
+    pub wanted: BTreeMap<String, SubscriptionTarget>,
+    /// Child names of the publishers left out by the cap, sorted.
+    pub left_out: Vec<String>,
+}
+
+/// The wanted subscriptions of one `topic`, capped at `cap`. `running` (the subscriptions that
+/// run now, by child name) lets the cap keep them ahead of newcomers; see the module docs for
+/// the admission order.
 pub fn plan(
     snapshot: &DynamoSnapshot,
     topic: EventTopic,
     cap: usize,
-) -> (BTreeMap<String, SubscriptionTarget>, usize) {
-    let mut targets: Vec<SubscriptionTarget> = snapshot
+    running: &BTreeMap<String, SubscriptionTarget>,
+) -> Plan {
+    let scopes: BTreeSet<(&Namespace, &str, &str)> = snapshot
+        .workers()
+        .iter()
+        .map(|w| (&w.key.namespace, w.component.as_str(), w.endpoint.as_str()))
+        .collect();
+    let mut ranked: Vec<((bool, bool, PublisherId, Namespace), SubscriptionTarget)> = snapshot
         .publishers()
         .iter()
         .filter(|p| p.topic == topic)
-        .map(|p| SubscriptionTarget {
-            topic,
-            namespace: p.namespace.clone(),
-            publisher_id: p.publisher_id,
-            component: p.component.clone(),
-            endpoint: format!("tcp://{}", p.address().authority()),
+        .map(|p| {
+            let target = SubscriptionTarget {
+                topic,
+                namespace: p.namespace.clone(),
+                publisher_id: p.publisher_id,
+                component: p.component.clone(),
+                endpoint: format!("tcp://{}", p.address().authority()),
+            };
+            let orphan = !serves_a_worker(snapshot, &scopes, p);
+            let new = !running.contains_key(&target.child_name());
+            ((orphan, new, p.publisher_id, p.namespace.clone()), target)
         })
         .collect();
-    targets.sort_by(|a, b| (a.publisher_id, &a.namespace).cmp(&(b.publisher_id, &b.namespace)));
-    let left_out = targets.len().saturating_sub(cap);
-    targets.truncate(cap);
-    let wanted = targets.into_iter().map(|t| (t.child_name(), t)).collect();
-    (wanted, left_out)
+    ranked.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut left_out: Vec<String> = ranked
+        .iter()
+        .skip(cap)
+        .map(|(_, t)| t.child_name())
+        .collect();
+    left_out.sort_unstable();
+    ranked.truncate(cap);
+    let wanted = ranked
+        .into_iter()
+        .map(|(_, t)| (t.child_name(), t))
+        .collect();
+    Plan { wanted, left_out }
+}
+
+/// Whether a worker of the registry stands behind `publisher`. A publisher id is not a worker
+/// id: a channel is tied to workers by its scope (Dynamo's publishers are endpoint-scoped on the
+/// worker's serving endpoint), or by the worker its EventSource names (kv-events).
+fn serves_a_worker(
+    snapshot: &DynamoSnapshot,
+    scopes: &BTreeSet<(&Namespace, &str, &str)>,
+    publisher: &Publisher,
+) -> bool {
+    let ns = &publisher.namespace;
+    let in_scope = match (
+        publisher.component.as_deref(),
+        publisher.endpoint.as_deref(),
+    ) {
+        (Some(c), Some(e)) => scopes.contains(&(ns, c, e)),
+        (Some(c), None) => scopes
+            .range((ns, c, "")..)
+            .next()
+            .is_some_and(|(n, held, _)| *n == ns && *held == c),
+        (None, _) => scopes
+            .range((ns, "", "")..)
+            .next()
+            .is_some_and(|(n, _, _)| *n == ns),
+    };
+    in_scope
+        || publisher
+            .worker
+            .as_ref()
+            .is_some_and(|w| snapshot.worker(w).is_some())
 }
 
 /// What to stop and what to start to go from `running` to `wanted`. A running child whose target
@@ -92,17 +155,40 @@ mod tests {
     use crate::time::UnixMillis;
 
     fn channel(ns: &str, topic: &str, id: u64, port: u16) -> (String, Vec<u8>) {
+        channel_in(ns, "backend", topic, id, port)
+    }
+
+    fn channel_in(ns: &str, component: &str, topic: &str, id: u64, port: u16) -> (String, Vec<u8>) {
         let key = format!(
-            "v1/event_channels/namespace/{ns}/component/backend/endpoint/generate/topic/{topic}/{id:x}"
+            "v1/event_channels/namespace/{ns}/component/{component}/endpoint/generate/topic/{topic}/{id:x}"
         );
         let value = serde_json::json!({
             "type": "EventChannel",
-            "scope": {"kind": "endpoint", "endpoint": {"namespace": ns, "component": "backend", "name": "generate"}},
+            "scope": {"kind": "endpoint", "endpoint": {"namespace": ns, "component": component, "name": "generate"}},
             "topic": topic,
             "instance_id": id,
             "transport": {"kind": "Zmq", "config": {"endpoint": format!("tcp://127.0.0.1:{port}")}}
         });
         (key, serde_json::to_vec(&value).expect("json"))
+    }
+
+    fn endpoint(ns: &str, id: u64) -> (String, Vec<u8>) {
+        let key = format!("v1/instances/{ns}/backend/generate/{id:x}");
+        let value = serde_json::json!({
+            "type": "Endpoint", "namespace": ns, "component": "backend", "endpoint": "generate",
+            "instance_id": id,
+            "transport": {"tcp": format!("10.0.0.4:31000/{id:x}/{ns}/backend/generate")}
+        });
+        (key, serde_json::to_vec(&value).expect("json"))
+    }
+
+    /// A worker (its generate endpoint) and its `kv_metrics` channel, whose publisher id differs
+    /// from the worker id as in Dynamo.
+    fn live_worker(id: u64) -> [(String, Vec<u8>); 2] {
+        [
+            endpoint("dyn", id + 0x1_0000_0000),
+            channel("dyn", "kv_metrics", id, (id % 60_000) as u16 + 1),
+        ]
     }
 
     fn snapshot(channels: &[(String, Vec<u8>)]) -> DynamoSnapshot {
@@ -130,13 +216,18 @@ mod tests {
             channel("dyn", "kv-events", 25, 2000),
             channel("dyn", "kv_metrics", 20, 2001),
         ]);
-        let (wanted, left_out) = plan(&snap, EventTopic::KvMetrics, 2);
+        let Plan { wanted, left_out } = plan(&snap, EventTopic::KvMetrics, 2, &BTreeMap::new());
         let ids: Vec<u64> = wanted.values().map(|t| t.publisher_id.0).collect();
         assert_eq!(ids, vec![10, 20]);
-        assert_eq!(left_out, 1);
+        assert_eq!(left_out, vec!["kv_metrics:dyn:30".to_string()]);
         assert_eq!(wanted["kv_metrics:dyn:10"].endpoint, "tcp://127.0.0.1:1000");
-        let (kv, _) = plan(&snap, EventTopic::KvEvents, MAX_SUBSCRIPTIONS);
-        assert_eq!(kv.len(), 1);
+        let kv = plan(
+            &snap,
+            EventTopic::KvEvents,
+            MAX_SUBSCRIPTIONS,
+            &BTreeMap::new(),
+        );
+        assert_eq!(kv.wanted.len(), 1);
     }
 
     #[test]
@@ -148,8 +239,9 @@ mod tests {
             ]),
             EventTopic::KvMetrics,
             MAX_SUBSCRIPTIONS,
+            &BTreeMap::new(),
         )
-        .0;
+        .wanted;
         let after = plan(
             &snapshot(&[
                 channel("dyn", "kv_metrics", 2, 2999),
@@ -157,8 +249,9 @@ mod tests {
             ]),
             EventTopic::KvMetrics,
             MAX_SUBSCRIPTIONS,
+            &before,
         )
-        .0;
+        .wanted;
         let (stop, start) = diff(&before, &after);
         assert_eq!(
             stop,
@@ -171,5 +264,86 @@ mod tests {
         assert_eq!(started, vec![2, 3]);
         let (stop, start) = diff(&after, &after);
         assert!(stop.is_empty() && start.is_empty());
+    }
+
+    #[test]
+    fn newcomers_with_lower_ids_never_push_out_running_subscriptions_at_the_cap() {
+        // 1,100 live publishers at the 1,024 cap: the first plan takes the lowest ids.
+        let fleet: Vec<(String, Vec<u8>)> = (10_000..11_100).flat_map(live_worker).collect();
+        let first = plan(
+            &snapshot(&fleet),
+            EventTopic::KvMetrics,
+            MAX_SUBSCRIPTIONS,
+            &BTreeMap::new(),
+        );
+        assert_eq!(first.wanted.len(), MAX_SUBSCRIPTIONS);
+        assert_eq!(first.left_out.len(), 1_100 - MAX_SUBSCRIPTIONS);
+        // 100 newcomers with lower ids join: every running subscription stays, they wait.
+        let mut grown = fleet.clone();
+        grown.extend((1..=100).flat_map(live_worker));
+        let second = plan(
+            &snapshot(&grown),
+            EventTopic::KvMetrics,
+            MAX_SUBSCRIPTIONS,
+            &first.wanted,
+        );
+        let (stop, start) = diff(&first.wanted, &second.wanted);
+        assert!(
+            stop.is_empty(),
+            "{} running subscriptions pushed out",
+            stop.len()
+        );
+        assert!(start.is_empty());
+        assert_eq!(second.left_out.len(), 1_200 - MAX_SUBSCRIPTIONS);
+        assert!(second.left_out.contains(&"kv_metrics:dyn:1".to_string()));
+        // A departure frees a slot: the lowest id left out takes it.
+        let shrunk: Vec<(String, Vec<u8>)> = grown
+            .iter()
+            .filter(|(k, _)| !k.ends_with(&format!("/{:x}", 10_000)))
+            .cloned()
+            .collect();
+        let third = plan(
+            &snapshot(&shrunk),
+            EventTopic::KvMetrics,
+            MAX_SUBSCRIPTIONS,
+            &second.wanted,
+        );
+        let (stop, start) = diff(&second.wanted, &third.wanted);
+        assert_eq!(stop, vec![format!("kv_metrics:dyn:{}", 10_000)]);
+        let started: Vec<u64> = start.iter().map(|t| t.publisher_id.0).collect();
+        assert_eq!(started, vec![1]);
+    }
+
+    #[test]
+    fn hostile_channels_with_low_ids_never_push_out_live_workers_publishers() {
+        // 1,500 channels no worker stands behind, with ids below every real one.
+        let mut records: Vec<(String, Vec<u8>)> = (1..=1_500)
+            .map(|id| channel_in("dyn", "ghost", "kv_metrics", id, 7000))
+            .collect();
+        records.extend((50_000..50_010).flat_map(live_worker));
+        let fresh = plan(
+            &snapshot(&records),
+            EventTopic::KvMetrics,
+            MAX_SUBSCRIPTIONS,
+            &BTreeMap::new(),
+        );
+        for id in 50_000..50_010u64 {
+            assert!(
+                fresh.wanted.contains_key(&format!("kv_metrics:dyn:{id}")),
+                "live worker {id} subscribed"
+            );
+        }
+        assert_eq!(fresh.wanted.len(), MAX_SUBSCRIPTIONS);
+        assert_eq!(fresh.left_out.len(), 1_510 - MAX_SUBSCRIPTIONS);
+        // Deterministic: the same inputs give the same plan.
+        assert_eq!(
+            fresh,
+            plan(
+                &snapshot(&records),
+                EventTopic::KvMetrics,
+                MAX_SUBSCRIPTIONS,
+                &BTreeMap::new()
+            )
+        );
     }
 }

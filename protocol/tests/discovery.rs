@@ -2,6 +2,7 @@
 //! dumps, the wire-spec vectors, one focused test per rule, and convergence properties.
 
 mod discovery {
+    pub mod admission;
     pub mod golden;
     pub mod props;
     pub mod rules;

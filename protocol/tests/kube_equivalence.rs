@@ -21,7 +21,7 @@ const NS: &str = "dyntest";
 
 /// (key, value) of the dump with worker ids replaced by hash_pod_name ids; also the Pod names.
 fn reidentified(dump: &str) -> (Vec<(String, Value)>, BTreeMap<u64, String>) {
-    let decoded = support::read_json(&format!("fixtures/dynamo-1.6.1/etcd/{dump}.decoded.json"));
+    let decoded = support::read_json(&format!("dynamo-1.6.1/etcd/{dump}.decoded.json"));
     let kvs = decoded["kvs"].as_array().expect("kvs");
     // One Pod per worker lease, named by role.
     let mut pods: BTreeMap<u64, String> = BTreeMap::new();

@@ -181,6 +181,7 @@ fn classify(path: &str, old: &Config, new: &Config, discovery_acts: bool) -> Rel
                 DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {
                     "dynamo.discovery.kubernetes"
                 }
+                DiscoverySource::File => "dynamo.discovery.file",
             };
             let model_key = under("dynamo.discovery.kubernetes.model")
                 || under("dynamo.discovery.kubernetes.models");
@@ -263,6 +264,9 @@ fn watcher_change(old: &DiscoveryConfig, new: &DiscoveryConfig) -> Option<Discov
     if source == DiscoverySource::Etcd && etcd_connection_changed(old, new) {
         return Some(restart(RestartReason::Connection));
     }
+    if source == DiscoverySource::File && old.file.root != new.file.root {
+        return Some(restart(RestartReason::Connection));
+    }
     let models_changed = |only: Option<&BTreeSet<&String>>| {
         source == DiscoverySource::KubernetesPods
             && (old.kubernetes.model != new.kubernetes.model
@@ -291,6 +295,17 @@ fn watcher_change(old: &DiscoveryConfig, new: &DiscoveryConfig) -> Option<Discov
     if old_ns != new_ns || models_changed(None) {
         // Same set in a new order changes the primary namespace.
         return Some(restart(RestartReason::Other));
+    }
+    if source == DiscoverySource::File
+        && (old.file.ttl != new.file.ttl || old.file.rescan_interval != new.file.rescan_interval)
+    {
+        // The replacement rescans at once: keep serving the current snapshot until then.
+        return Some(DiscoveryAction::Restart {
+            reason: RestartReason::Other,
+            keep_snapshot: true,
+            removed_namespaces: Vec::new(),
+            added_namespaces: Vec::new(),
+        });
     }
     if old.watch_reconnect_backoff() != new.watch_reconnect_backoff() {
         return Some(DiscoveryAction::Restart {

@@ -105,12 +105,26 @@ impl Config {
 pub struct ServerConfig {
     /// TCP address the front door (and `/admin/*`, `/metrics`) listens on.
     pub bind_address: SocketAddr,
+    /// An HTTP/1.1 connection waiting for a request (new or kept alive) must deliver the whole
+    /// request head within this time or it is closed.
+    pub header_read_timeout: HumanDuration,
+    /// A request body must arrive whole within this time after its head (else 408).
+    pub body_read_timeout: HumanDuration,
+    /// A connection with no request in flight is closed after this long (HTTP/1.1 and h2c).
+    pub idle_timeout: HumanDuration,
+    /// Client connections open at once; beyond it the oldest idle connection is closed to make
+    /// room, or the new one is refused when every connection has a request in flight.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             bind_address: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            header_read_timeout: HumanDuration::from_secs(10),
+            body_read_timeout: HumanDuration::from_secs(60),
+            idle_timeout: HumanDuration::from_secs(60),
+            max_connections: 4096,
         }
     }
 }
@@ -282,6 +296,8 @@ pub enum DiscoverySource {
     Etcd,
     Kubernetes,
     KubernetesPods,
+    /// Dynamo's file store (`--discovery-backend file`, single node): the `file` section.
+    File,
     /// etcd-shaped records held in process: only `continuum-router demo` feeds it (its simulated
     /// fleet); namespaces come from the `etcd` section, no etcd is dialled.
     Simulated,
@@ -293,6 +309,7 @@ impl DiscoverySource {
             Self::Etcd => "etcd",
             Self::Kubernetes => "kubernetes",
             Self::KubernetesPods => "kubernetes_pods",
+            Self::File => "file",
             Self::Simulated => "simulated",
         }
     }
@@ -309,6 +326,7 @@ pub struct DiscoveryConfig {
     pub source: DiscoverySource,
     pub etcd: EtcdConfig,
     pub kubernetes: KubernetesConfig,
+    pub file: FileStoreConfig,
 }
 
 impl DiscoveryConfig {
@@ -322,6 +340,7 @@ impl DiscoveryConfig {
                 &self.kubernetes.dynamo_namespace,
                 &self.kubernetes.dynamo_namespaces,
             ),
+            DiscoverySource::File => (&self.file.namespace, &self.file.namespaces),
         };
         if list.is_empty() {
             vec![scalar.clone()]
@@ -345,6 +364,8 @@ impl DiscoveryConfig {
             DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {
                 self.kubernetes.watch_reconnect_backoff
             }
+            // Scans never "reconnect": a failed scan is retried at the next rescan.
+            DiscoverySource::File => BackoffConfig::default(),
         }
     }
 }
@@ -401,6 +422,35 @@ impl EtcdConfig {
             .iter()
             .map(|endpoint| crate::config::validate::normalize_endpoint(endpoint))
             .collect()
+    }
+}
+
+/// `dynamo.discovery.file`: Dynamo's file store (dynamo-wire §16), read-only.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FileStoreConfig {
+    /// The store root the workers write (their `DYN_FILE_KV`); unset means Dynamo's default,
+    /// `$DYN_FILE_KV` of the router's environment, else `$TMPDIR/dynamo_store_kv`.
+    pub root: Option<PathBuf>,
+    /// The workers' `DYN_NAMESPACE`.
+    pub namespace: String,
+    /// Several namespaces instead of `namespace` (each needs a shim pool).
+    pub namespaces: Vec<String>,
+    /// Time between full scans (inotify wakes a scan earlier on file changes).
+    pub rescan_interval: HumanDuration,
+    /// A file not touched for longer than this belongs to a dead worker (Dynamo 1.6.1: 10 s).
+    pub ttl: HumanDuration,
+}
+
+impl Default for FileStoreConfig {
+    fn default() -> Self {
+        Self {
+            root: None,
+            namespace: DEFAULT_DYNAMO_NAMESPACE.to_owned(),
+            namespaces: Vec::new(),
+            rescan_interval: HumanDuration::from_secs(1),
+            ttl: HumanDuration::from_secs(10),
+        }
     }
 }
 
@@ -625,13 +675,15 @@ impl EventBusConfig {
     /// Per-direction buffer of one data stream: `max_session_buffer_bytes / (4 *
     /// max_streams_per_session)` clamped to 16 KiB..=1 MiB (16 KiB at defaults).
     pub fn stream_buffer_bytes(&self) -> u64 {
-        let reservations = 4 * u64::from(self.max_streams_per_session.max(1));
-        (self.max_session_buffer_bytes / reservations).clamp(16 * 1024, 1024 * 1024)
+        continuum_protocol::event_bus::bounds::stream_buffer_bytes(
+            self.max_session_buffer_bytes,
+            self.max_streams_per_session,
+        )
     }
 
     /// Concurrent TCP connections the listener accepts: `4 * max_sessions`, at least 16.
     pub fn max_connections(&self) -> u64 {
-        (4 * u64::from(self.max_sessions)).max(16)
+        continuum_protocol::event_bus::bounds::max_connections(self.max_sessions)
     }
 }
 

@@ -606,3 +606,49 @@ proptest::proptest! {
         let _ = validate(&config);
     }
 }
+
+#[test]
+fn a_type_error_echoes_the_offending_value() {
+    let error = parse("server: {bind_address: \"localhost:8080\"}\n").unwrap_err();
+    let diagnostic = &error.diagnostics()[0];
+    assert_eq!(diagnostic.path, "server.bind_address");
+    assert!(
+        diagnostic.message.contains("(got \"localhost:8080\")"),
+        "{error}"
+    );
+    // A value serde already quotes is not repeated.
+    let error = parse("dynamo:\n  discovery:\n    source: consul\n").unwrap_err();
+    assert_eq!(error.to_string().matches("consul").count(), 1, "{error}");
+}
+
+#[test]
+fn secrets_and_long_values_are_not_echoed_whole() {
+    let token = [PathSeg::Key("admin".into()), PathSeg::Key("token".into())];
+    assert_eq!(echo_value(&token, &Value::from("hunter2")), None);
+    let password = [PathSeg::Key("auth".into()), PathSeg::Key("password".into())];
+    assert_eq!(echo_value(&password, &Value::from(1234)), None);
+    let bind = [PathSeg::Key("bind_address".into())];
+    let long = echo_value(&bind, &Value::from("x".repeat(500))).expect("echoed");
+    assert!(long.len() < 100, "{long}");
+    assert_eq!(echo_value(&bind, &Value::Array(vec![])), None);
+}
+
+#[test]
+fn a_syntax_error_found_late_names_the_line_of_the_mistake() {
+    let error = parse("a: 1\nb: [1, 2\n\n# note\nc: 3\n").unwrap_err();
+    let text = error.to_string();
+    assert!(
+        text.contains("the mistake is likely at the end of line 2: \"b: [1, 2\""),
+        "{text}"
+    );
+    let error = parse("server: {bind_address: x\nadmin: {}\n").unwrap_err();
+    assert!(text_of(&error).contains("end of line 1"), "{error}");
+    // Errors found where they are get no hint.
+    let error = parse("server:\n  bind_address: \"127.0.0.1:8080\nadmin: {}\n").unwrap_err();
+    assert!(text_of(&error).contains("line 2"), "{error}");
+    assert!(!text_of(&error).contains("hint:"), "{error}");
+}
+
+fn text_of(error: &ConfigError) -> String {
+    error.to_string()
+}

@@ -14,6 +14,8 @@ use super::{Diagnostic, Severity};
 
 /// Most etcd endpoints accepted.
 pub const MAX_ETCD_ENDPOINTS: usize = 16;
+/// Shortest `dynamo.discovery.file.rescan_interval` accepted.
+pub const MIN_FILE_RESCAN: Duration = Duration::from_millis(10);
 /// Most Dynamo namespaces one router watches (`MAX_DYNAMO_NAMESPACES`).
 pub const MAX_DYNAMO_NAMESPACES: usize = 16;
 /// Most shim replicas in `shim.backends` (and in one pool).
@@ -103,6 +105,25 @@ impl Validator {
                     );
                 }
             }
+        }
+        let server = &config.server;
+        for (key, value) in [
+            ("header_read_timeout", server.header_read_timeout),
+            ("body_read_timeout", server.body_read_timeout),
+            ("idle_timeout", server.idle_timeout),
+        ] {
+            if value.get() < Duration::from_millis(100) || value.get() > Duration::from_secs(3600) {
+                self.err(
+                    format!("server.{key}"),
+                    format!("{key} must be between 100ms and 1h (got {value})"),
+                );
+            }
+        }
+        if !(1..=1_000_000).contains(&server.max_connections) {
+            self.err(
+                "server.max_connections",
+                "max_connections must be between 1 and 1000000",
+            );
         }
         if config.api_keys.is_empty() && !config.server.bind_address.ip().is_loopback() {
             self.warn(
@@ -357,8 +378,45 @@ impl Validator {
                 true,
             );
         }
+        let file = &discovery.file;
+        let fbase = "dynamo.discovery.file";
+        if file
+            .root
+            .as_ref()
+            .is_some_and(|root| root.as_os_str().is_empty())
+        {
+            self.err(format!("{fbase}.root"), "path must not be empty");
+        }
+        if file.ttl.get().is_zero() {
+            self.err(format!("{fbase}.ttl"), "ttl must be greater than 0");
+        }
+        if file.rescan_interval.get() < MIN_FILE_RESCAN {
+            self.err(
+                format!("{fbase}.rescan_interval"),
+                format!(
+                    "rescan_interval must be at least {}",
+                    humantime::format_duration(MIN_FILE_RESCAN)
+                ),
+            );
+        } else if source == DiscoverySource::File && file.rescan_interval > file.ttl {
+            self.warn(
+                format!("{fbase}.rescan_interval"),
+                "rescan_interval is longer than ttl; inotify still reports new and removed \
+                 files at once, and expiry is scheduled from mtimes",
+            );
+        }
+        if source == DiscoverySource::File {
+            self.namespaces(
+                fbase,
+                "namespace",
+                &file.namespace,
+                "namespaces",
+                &file.namespaces,
+                false,
+            );
+        }
         match source {
-            DiscoverySource::Etcd => {}
+            DiscoverySource::Etcd | DiscoverySource::File => {}
             DiscoverySource::Simulated => self.warn(
                 "dynamo.discovery.source",
                 "source simulated discovers only the fleet `continuum-router demo` simulates; \
@@ -896,6 +954,15 @@ impl Validator {
                 format!(
                     "must be at least max_streams_per_session * 64 KiB = {floor} bytes \
                      (16 KiB per direction-reservation per stream)"
+                ),
+            );
+        }
+        if bus.max_session_buffer_bytes > continuum_protocol::event_bus::bounds::MAX_HTTP2_WINDOW {
+            self.err(
+                format!("{base}.max_session_buffer_bytes"),
+                format!(
+                    "must be at most {} bytes: it is the HTTP/2 connection window",
+                    continuum_protocol::event_bus::bounds::MAX_HTTP2_WINDOW
                 ),
             );
         }

@@ -31,7 +31,7 @@ use continuum_protocol::ids::{DpRank, InstanceId};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use tracing::{debug, error, info};
+use tracing::{debug, error};
 
 use super::fleet::{Booking, Fleet, RankLoad, SimWorker};
 
@@ -39,9 +39,11 @@ use super::fleet::{Booking, Fleet, RankLoad, SimWorker};
 pub const MAX_JOURNAL: usize = 4096;
 /// Largest request body read.
 const MAX_BODY: usize = 1024 * 1024;
-/// Completion tokens when the request names none, and the most a request may ask for.
+/// Completion tokens when the request names none.
 const DEFAULT_MAX_TOKENS: u64 = 8;
-const MAX_TOKENS: u64 = 64;
+/// The most tokens a simulated answer has: a larger `max_tokens` is capped (the demo's banner
+/// says so, and the capped request is logged at debug).
+pub const MAX_TOKENS: u64 = 64;
 
 /// 1.6.1's header names and aliases (dynamo-wire §14.1).
 const WORKER_HEADERS: [&str; 2] = ["x-dynamo-worker-instance-id", "x-worker-instance-id"];
@@ -275,8 +277,15 @@ fn parse(body: &[u8], route: Route) -> Option<(String, Ask)> {
         .get("max_tokens")
         .or_else(|| value.get("max_completion_tokens"))
         .and_then(Value::as_u64)
-        .unwrap_or(DEFAULT_MAX_TOKENS)
-        .clamp(1, MAX_TOKENS);
+        .unwrap_or(DEFAULT_MAX_TOKENS);
+    if max_tokens > MAX_TOKENS {
+        debug!(
+            asked = max_tokens,
+            cap = MAX_TOKENS,
+            "Simulated frontend caps max_tokens."
+        );
+    }
+    let max_tokens = max_tokens.clamp(1, MAX_TOKENS);
     let prompt = match route {
         Route::ChatCompletions => value.get("messages")?.to_string(),
         Route::Completions => value.get("prompt")?.to_string(),
@@ -409,7 +418,8 @@ async fn generate(
     entry.decode = Some((decode_id, decode_rank));
     entry.status = 200;
     let decode_load = decode.load(decode_rank);
-    info!(
+    // Debug: one line per request would scroll the demo's banner away (RUST_LOG shows it).
+    debug!(
         namespace = %state.namespace,
         request = %response_id,
         prefill_worker_id = entry.prefill.map(|(id, _)| id.0),

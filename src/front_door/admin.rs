@@ -24,6 +24,8 @@ pub fn routes(state: AppState) -> Router<AppState> {
         .route("/admin/subsystems/{*rest}", post(restart_subsystem))
         .route("/admin/config/reload", post(reload_config))
         .route("/admin/dynamo/workers", get(dynamo_workers))
+        .merge(super::admin_config::routes())
+        .route("/admin/fleet/summary", get(fleet_summary))
         .layer(middleware::from_fn_with_state(state, admin_auth))
 }
 
@@ -111,4 +113,8 @@ async fn reload_config(State(state): State<AppState>) -> Result<Response, ApiErr
 
 async fn dynamo_workers(State(state): State<AppState>) -> impl IntoResponse {
     axum::Json((state.dynamo_workers)())
+}
+
+async fn fleet_summary(State(state): State<AppState>) -> impl IntoResponse {
+    axum::Json((state.fleet_summary)())
 }

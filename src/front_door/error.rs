@@ -28,6 +28,9 @@ pub enum ApiError {
     /// The shim failed and `fallback_to_unified` is off.
     #[error("{0}")]
     DisaggregatedDecodeFailed(String),
+    /// The request body did not arrive within `server.body_read_timeout`.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The request body exceeds the front door's bound.
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -51,6 +54,7 @@ impl ApiError {
             ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "conflict"),
             ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
+            ApiError::RequestTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "request_timeout"),
             ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
             ApiError::PrefillDecodeUnavailable(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::front_door::error::ApiError;
 
@@ -55,6 +56,9 @@ pub async fn read_bounded(
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(too_large(limit)),
+        Err(error) if crate::front_door::serve::is_body_read_timeout(error.as_ref()) => {
+            Err(ApiError::RequestTimeout(error.to_string()))
+        }
         Err(error) => Err(ApiError::BadRequest(format!(
             "could not read the request body: {error}"
         ))),
@@ -71,14 +75,23 @@ pub const MAX_JSON_DEPTH: usize = 128;
 
 /// Parses an OpenAI chat/completions body: a JSON object with a non-empty string `model`.
 ///
-/// The fast path reads only the top level: `model`, `stream`, and the key names of `nvext`; every
+/// The whole body must be UTF-8 and every `\u` escape a valid code point (no lone surrogates),
+/// including in values the router never reads: they are refused with 400 like any malformed JSON.
+/// The parse reads only the top level: `model`, `stream`, and the key names of `nvext`; every
 /// other value is validated as JSON and skipped without building a DOM, and the client's bytes
-/// are forwarded untouched. Only a body whose `nvext` holds a pin field is parsed whole and
-/// re-encoded without it (clients that send pins are rare). A repeated `model`, `stream` or
-/// `nvext` key is refused: parsers disagree on which copy wins, so a forwarded body could
-/// otherwise carry a pin the router never saw.
+/// are forwarded untouched. A body whose `nvext` holds a pin field is forwarded with those
+/// members cut out of the client's bytes (and `nvext` itself when nothing else is left in it):
+/// one copy of the body, never a DOM of it. A repeated `model`, `stream` or `nvext` key is
+/// refused: parsers disagree on which copy wins, so a forwarded body could otherwise carry a pin
+/// the router never saw.
 pub fn parse(bytes: Bytes) -> Result<ParsedBody, ApiError> {
-    check_depth(&bytes)?;
+    if let Err(error) = std::str::from_utf8(&bytes) {
+        return Err(ApiError::BadRequest(format!(
+            "the request body is not valid JSON: invalid UTF-8 at byte {}",
+            error.valid_up_to()
+        )));
+    }
+    check_structure(&bytes)?;
     let head = scan_head(&bytes)?;
     let model = match head.model {
         Some(Scalar::Str(m)) if !m.trim().is_empty() => m,
@@ -94,7 +107,7 @@ pub fn parse(bytes: Bytes) -> Result<ParsedBody, ApiError> {
         Some(Scalar::Bool(b)) => b,
         Some(_) => return Err(ApiError::BadRequest("`stream` must be a boolean".into())),
     };
-    if !head.nvext_pins {
+    let Some(edit) = head.nvext.filter(|edit| edit.stripped > 0) else {
         // Untouched bodies are forwarded byte for byte.
         return Ok(ParsedBody {
             model,
@@ -102,16 +115,13 @@ pub fn parse(bytes: Bytes) -> Result<ParsedBody, ApiError> {
             outbound: bytes,
             stripped: 0,
         });
-    }
-    let mut value: Value = serde_json::from_slice(&bytes).map_err(invalid_json)?;
-    let stripped = strip_nvext_pins(&mut value);
-    let outbound =
-        Bytes::from(serde_json::to_vec(&value).map_err(|e| ApiError::Internal(e.to_string()))?);
+    };
+    let outbound = Bytes::from(edit.apply(&bytes));
     Ok(ParsedBody {
         model,
         stream,
         outbound,
-        stripped,
+        stripped: edit.stripped,
     })
 }
 
@@ -119,21 +129,29 @@ fn invalid_json(error: serde_json::Error) -> ApiError {
     ApiError::BadRequest(format!("the request body is not valid JSON: {error}"))
 }
 
-/// Refuses nesting deeper than [`MAX_JSON_DEPTH`]. The fast path skips values iteratively (no
-/// recursion limit of its own), so the bound the DOM parse used to give is kept here: one pass
-/// over the bytes, brackets inside strings ignored.
-fn check_depth(bytes: &[u8]) -> Result<(), ApiError> {
+/// One pass over the bytes: refuses nesting deeper than [`MAX_JSON_DEPTH`] and `\u` escapes that
+/// are lone surrogates.
+///
+/// The top-level scan skips values iteratively (no recursion limit of its own) and never decodes
+/// the strings it skips, so both bounds a DOM parse would give are kept here. Brackets inside
+/// strings are ignored; anything else malformed is left to the JSON parser to report.
+fn check_structure(bytes: &[u8]) -> Result<(), ApiError> {
     let mut depth = 0usize;
     let mut in_string = false;
-    let mut escaped = false;
-    for &b in bytes {
+    let mut i = 0usize;
+    while let Some(&b) = bytes.get(i) {
         if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
+            match b {
+                b'\\' if bytes.get(i + 1) == Some(&b'u') => {
+                    i += escape_len(bytes, i)?;
+                    continue;
+                }
+                // Any other escape is two bytes; the parser judges which letters are allowed.
+                b'\\' => i += 1,
+                b'"' => in_string = false,
                 _ => {}
             }
+            i += 1;
             continue;
         }
         match b {
@@ -150,8 +168,44 @@ fn check_depth(bytes: &[u8]) -> Result<(), ApiError> {
             b']' | b'}' => depth = depth.saturating_sub(1),
             _ => {}
         }
+        i += 1;
     }
     Ok(())
+}
+
+/// The length of the `\uXXXX` escape (or surrogate pair) at `at`, refusing lone surrogates the
+/// way serde_json does when it decodes a string. Malformed hex is left to the parser.
+fn escape_len(bytes: &[u8], at: usize) -> Result<usize, ApiError> {
+    let Some(unit) = hex4(bytes, at + 2) else {
+        return Ok(2);
+    };
+    let lone = || {
+        ApiError::BadRequest(format!(
+            "the request body is not valid JSON: lone surrogate in a \\u escape at byte {at}"
+        ))
+    };
+    match unit {
+        0xD800..=0xDBFF => {
+            let low = (bytes.get(at + 6..at + 8) == Some(b"\\u".as_slice()))
+                .then(|| hex4(bytes, at + 8))
+                .flatten();
+            match low {
+                Some(0xDC00..=0xDFFF) => Ok(12),
+                _ => Err(lone()),
+            }
+        }
+        0xDC00..=0xDFFF => Err(lone()),
+        _ => Ok(6),
+    }
+}
+
+/// Four hex digits at `at` as a UTF-16 code unit.
+fn hex4(bytes: &[u8], at: usize) -> Option<u16> {
+    let digits = bytes.get(at..at + 4)?;
+    digits.iter().try_fold(0u16, |acc, &d| {
+        let v = (d as char).to_digit(16)?;
+        Some(acc << 4 | v as u16)
+    })
 }
 
 /// What the router reads of a body's top level.
@@ -159,8 +213,8 @@ fn check_depth(bytes: &[u8]) -> Result<(), ApiError> {
 struct Head {
     model: Option<Scalar>,
     stream: Option<Scalar>,
-    /// `nvext` is an object holding at least one of [`NVEXT_PIN_FIELDS`].
-    nvext_pins: bool,
+    /// Where `nvext` sits and which of its members are pins, when it is an object.
+    nvext: Option<NvextEdit>,
 }
 
 /// A top-level value reduced to what validation needs.
@@ -171,63 +225,233 @@ enum Scalar {
     Other,
 }
 
+/// The byte ranges of a top-level `nvext` object, enough to cut its pin members out of the
+/// client's bytes without decoding anything else.
+struct NvextEdit {
+    /// Where the previous top-level member's value ends (or just past the body's `{` when `nvext`
+    /// is the first member).
+    before: usize,
+    /// Whether a top-level member precedes `nvext`.
+    has_previous: bool,
+    /// The `nvext` value (`{` to `}`).
+    value: std::ops::Range<usize>,
+    /// Each `nvext` member in order: its value's range and whether its key is a pin field.
+    members: Vec<(std::ops::Range<usize>, bool)>,
+    /// How many distinct pin fields the object holds (a repeated key counts once, as a DOM sees it).
+    stripped: usize,
+}
+
+impl NvextEdit {
+    /// The client's bytes with the pin members removed, and `nvext` with them when it holds
+    /// nothing else. One allocation of at most the body's size.
+    fn apply(&self, body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(body.len());
+        if self.members.iter().all(|(_, pin)| *pin) {
+            if self.has_previous {
+                // `, "nvext": {...}` goes: from the previous value's end to nvext's end.
+                out.extend_from_slice(&body[..self.before]);
+                out.extend_from_slice(&body[self.value.end..]);
+            } else {
+                // First member: `"nvext": {...} ,` goes, up to the next key (or the closing `}`).
+                let key = key_start(body, self.before);
+                let mut next = self.value.end;
+                let rest = skip_ws(body, next);
+                if body.get(rest) == Some(&b',') {
+                    next = skip_ws(body, rest + 1);
+                }
+                out.extend_from_slice(&body[..key]);
+                out.extend_from_slice(&body[next..]);
+            }
+            return out;
+        }
+        out.extend_from_slice(&body[..self.value.start]);
+        out.push(b'{');
+        // Each member's text runs from its key's opening quote to its value's end; the bytes
+        // between one value's end and the next key are whitespace and a comma only.
+        let mut boundary = self.value.start + 1;
+        let mut first = true;
+        for (value, pin) in &self.members {
+            if !pin {
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                out.extend_from_slice(&body[key_start(body, boundary)..value.end]);
+            }
+            boundary = value.end;
+        }
+        out.push(b'}');
+        out.extend_from_slice(&body[self.value.end..]);
+        out
+    }
+}
+
+/// The opening quote of the key that follows `from` (only whitespace and a comma lie between).
+fn key_start(body: &[u8], from: usize) -> usize {
+    body[from..]
+        .iter()
+        .position(|&b| b == b'"')
+        .map_or(body.len(), |p| from + p)
+}
+
+fn skip_ws(body: &[u8], from: usize) -> usize {
+    body[from.min(body.len())..]
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .map_or(body.len(), |p| from + p)
+}
+
 fn scan_head(bytes: &[u8]) -> Result<Head, ApiError> {
     // A struct visitor would also accept a JSON array in field order: demand an object.
-    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+    let open = bytes
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(bytes.len());
+    if bytes.get(open) != Some(&b'{') {
         // Invalid JSON keeps its parser message; valid non-objects get the shape message.
         serde_json::from_slice::<IgnoredAny>(bytes).map_err(invalid_json)?;
         return Err(ApiError::BadRequest(
             "the request body must be a JSON object".into(),
         ));
     }
-    serde_json::from_slice::<HeadSeed>(bytes)
-        .map(|seed| seed.0)
-        .map_err(invalid_json)
+    let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+    let head = (&mut deserializer)
+        .deserialize_map(HeadVisitor {
+            base: bytes.as_ptr() as usize,
+            len: bytes.len(),
+            open,
+        })
+        .map_err(invalid_json)?;
+    deserializer.end().map_err(invalid_json)?;
+    Ok(head)
 }
 
-/// Deserializes the top-level object into a [`Head`].
-struct HeadSeed(Head);
+/// Reads the top-level object into a [`Head`], noting where each value ends (values borrow
+/// from the body, so their offsets are pointer differences from its start).
+struct HeadVisitor {
+    base: usize,
+    len: usize,
+    /// Offset of the body's `{`.
+    open: usize,
+}
 
-impl<'de> Deserialize<'de> for HeadSeed {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_map(HeadVisitor)
+impl HeadVisitor {
+    fn range<E: de::Error>(&self, raw: &RawValue) -> Result<std::ops::Range<usize>, E> {
+        range_in(self.base, self.len, raw)
     }
 }
 
-struct HeadVisitor;
+/// Where `raw` (borrowed from the body at `base`, `len` bytes) sits in the body.
+fn range_in<E: de::Error>(
+    base: usize,
+    len: usize,
+    raw: &RawValue,
+) -> Result<std::ops::Range<usize>, E> {
+    let text = raw.get();
+    (text.as_ptr() as usize)
+        .checked_sub(base)
+        .map(|start| start..start + text.len())
+        .filter(|range| range.end <= len)
+        .ok_or_else(|| E::custom("a value outside the body"))
+}
 
 impl<'de> Visitor<'de> for HeadVisitor {
-    type Value = HeadSeed;
+    type Value = Head;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a JSON object")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<HeadSeed, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Head, A::Error> {
         let mut head = Head::default();
         let mut seen_nvext = false;
+        let mut previous_end = None;
         while let Some(key) = map.next_key::<TopKey>()? {
+            let raw: &'de RawValue = map.next_value()?;
+            let range = self.range(raw)?;
             match key {
                 TopKey::Model if head.model.is_some() => return Err(duplicate("model")),
-                TopKey::Model => head.model = Some(map.next_value::<ScalarValue>()?.0),
+                TopKey::Model => head.model = Some(scalar(raw)?),
                 TopKey::Stream if head.stream.is_some() => return Err(duplicate("stream")),
-                TopKey::Stream => head.stream = Some(map.next_value::<ScalarValue>()?.0),
+                TopKey::Stream => head.stream = Some(scalar(raw)?),
                 TopKey::Nvext if seen_nvext => return Err(duplicate("nvext")),
                 TopKey::Nvext => {
                     seen_nvext = true;
-                    head.nvext_pins = map.next_value::<NvextPins>()?.0;
+                    head.nvext = nvext_members(self.base, self.len, raw)?.map(|members| {
+                        let stripped = NVEXT_PIN_FIELDS
+                            .iter()
+                            .enumerate()
+                            .filter(|(i, _)| members.iter().any(|(_, pin)| *pin == Some(*i)))
+                            .count();
+                        NvextEdit {
+                            before: previous_end.unwrap_or(self.open + 1),
+                            has_previous: previous_end.is_some(),
+                            value: range.clone(),
+                            members: members
+                                .into_iter()
+                                .map(|(value, pin)| (value, pin.is_some()))
+                                .collect(),
+                            stripped,
+                        }
+                    });
                 }
-                TopKey::Other => {
-                    map.next_value::<IgnoredAny>()?;
-                }
+                TopKey::Other => {}
             }
+            previous_end = Some(range.end);
         }
-        Ok(HeadSeed(head))
+        Ok(head)
     }
 }
 
 fn duplicate<E: de::Error>(key: &str) -> E {
     E::custom(format_args!("the key `{key}` appears more than once"))
+}
+
+fn scalar<E: de::Error>(raw: &RawValue) -> Result<Scalar, E> {
+    serde_json::from_str::<ScalarValue>(raw.get())
+        .map(|v| v.0)
+        .map_err(E::custom)
+}
+
+/// The members of an `nvext` object (value range, index of the pin field its key names), or
+/// `None` when `nvext` is not an object (then it carries no pin and is forwarded as sent).
+#[allow(clippy::type_complexity)]
+fn nvext_members<E: de::Error>(
+    base: usize,
+    len: usize,
+    raw: &RawValue,
+) -> Result<Option<Vec<(std::ops::Range<usize>, Option<usize>)>>, E> {
+    if !raw.get().starts_with('{') {
+        return Ok(None);
+    }
+    struct Members<'a> {
+        base: usize,
+        len: usize,
+        marker: std::marker::PhantomData<&'a ()>,
+    }
+    impl<'de> Visitor<'de> for Members<'de> {
+        type Value = Vec<(std::ops::Range<usize>, Option<usize>)>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut members = Vec::new();
+            while let Some(PinKey(pin)) = map.next_key()? {
+                let value: &'de RawValue = map.next_value()?;
+                members.push((range_in(self.base, self.len, value)?, pin));
+            }
+            Ok(members)
+        }
+    }
+    let mut deserializer = serde_json::Deserializer::from_str(raw.get());
+    (&mut deserializer)
+        .deserialize_map(Members {
+            base,
+            len,
+            marker: std::marker::PhantomData,
+        })
+        .map(Some)
+        .map_err(E::custom)
 }
 
 /// A top-level key, compared after JSON unescaping (`"nv\u0065xt"` is `nvext`).
@@ -304,55 +528,8 @@ impl<'de> Deserialize<'de> for ScalarValue {
     }
 }
 
-/// Whether a top-level `nvext` value is an object with a pin field among its (unescaped) keys.
-struct NvextPins(bool);
-
-impl<'de> Deserialize<'de> for NvextPins {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct NvextVisitor;
-        impl<'de> Visitor<'de> for NvextVisitor {
-            type Value = NvextPins;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("any JSON value")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NvextPins, A::Error> {
-                let mut pins = false;
-                while let Some(PinKey(pin)) = map.next_key()? {
-                    pins |= pin;
-                    map.next_value::<IgnoredAny>()?;
-                }
-                Ok(NvextPins(pins))
-            }
-            // Anything but an object carries no pin (and is forwarded as the client sent it).
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NvextPins, A::Error> {
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(NvextPins(false))
-            }
-            fn visit_str<E: de::Error>(self, _: &str) -> Result<NvextPins, E> {
-                Ok(NvextPins(false))
-            }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<NvextPins, E> {
-                Ok(NvextPins(false))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<NvextPins, E> {
-                Ok(NvextPins(false))
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<NvextPins, E> {
-                Ok(NvextPins(false))
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<NvextPins, E> {
-                Ok(NvextPins(false))
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<NvextPins, E> {
-                Ok(NvextPins(false))
-            }
-        }
-        deserializer.deserialize_any(NvextVisitor)
-    }
-}
-
-/// An `nvext` key: whether it names a pin field (after unescaping).
-struct PinKey(bool);
+/// An `nvext` key: the index of the pin field it names (after unescaping), if any.
+struct PinKey(Option<usize>);
 
 impl<'de> Deserialize<'de> for PinKey {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -363,7 +540,9 @@ impl<'de> Deserialize<'de> for PinKey {
                 f.write_str("an object key")
             }
             fn visit_str<E: de::Error>(self, key: &str) -> Result<PinKey, E> {
-                Ok(PinKey(NVEXT_PIN_FIELDS.contains(&key)))
+                Ok(PinKey(
+                    NVEXT_PIN_FIELDS.iter().position(|field| *field == key),
+                ))
             }
         }
         deserializer.deserialize_str(PinKeyVisitor)
@@ -555,11 +734,160 @@ mod tests {
     }
 
     #[test]
-    fn skipped_strings_are_checked_for_syntax_not_for_lone_surrogates() {
-        // serde_json skips an unread string without decoding its escapes; the upstream decodes
-        // (and judges) it. Keys the router reads are always decoded.
-        let body = r#"{"model":"m","x":"\ud800"}"#;
-        assert_eq!(parse(Bytes::from(body)).expect("passes").outbound, body);
+    fn skipped_strings_are_refused_for_invalid_utf8_and_lone_surrogates() {
+        // serde_json skips an unread string without decoding it: the router checks it instead.
+        let mut bad = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
+        bad.extend_from_slice(b"\xff\xfe\xc0\x80");
+        bad.extend_from_slice(br#""}]}"#);
+        assert!(matches!(
+            parse(Bytes::from(bad)),
+            Err(ApiError::BadRequest(_))
+        ));
+        for bad in [
+            r#"{"model":"m","x":"\ud800"}"#,
+            r#"{"model":"m","x":"\udc00"}"#,
+            r#"{"model":"m","x":"\ud800\u0041"}"#,
+            r#"{"model":"m","x":"\ud800\\udc00"}"#,
+            r#"{"model":"m","x":"a\uD83D"}"#,
+            r#"{"model":"m","nvext":{"token_data":1,"y":"\udfff"}}"#,
+        ] {
+            let serde: Result<Value, _> = serde_json::from_str(bad);
+            assert!(serde.is_err(), "serde refuses {bad}");
+            assert!(
+                matches!(parse(Bytes::from(bad)), Err(ApiError::BadRequest(_))),
+                "{bad}"
+            );
+        }
+        // Pairs, escaped backslashes and plain escapes pass.
+        for good in [
+            r#"{"model":"m","x":"\ud83d\ude00"}"#,
+            r#"{"model":"m","x":"\\ud800"}"#,
+            r#"{"model":"m","x":"\u00e9\n\"\\"}"#,
+        ] {
+            assert_eq!(parse(Bytes::from(good)).expect(good).outbound, good);
+        }
+    }
+
+    mod splice {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Any small JSON value, nested, sometimes holding pin-named keys of its own.
+        fn json_value() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                any::<i32>().prop_map(|n| json!(n)),
+                "[a-z{}\\[\\]\",:\\\\ é😀]{0,8}".prop_map(Value::String),
+            ];
+            leaf.prop_recursive(3, 24, 4, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                    prop::collection::vec((key_name(), inner), 0..4)
+                        .prop_map(|members| Value::Object(members.into_iter().collect())),
+                ]
+            })
+        }
+
+        fn key_name() -> impl Strategy<Value = String> {
+            prop_oneof![
+                prop::sample::select(NVEXT_PIN_FIELDS.to_vec()).prop_map(str::to_owned),
+                prop::sample::select(vec!["greed_sampling", "annotations", "a", "nvext"])
+                    .prop_map(str::to_owned),
+            ]
+        }
+
+        /// A key as the client may spell it: plain, or with one character `\u`-escaped.
+        fn spelled(key: String) -> impl Strategy<Value = String> {
+            let len = key.len();
+            (any::<bool>(), 0..len.max(1)).prop_map(move |(escape, at)| {
+                if !escape || key.is_empty() {
+                    return format!("\"{key}\"");
+                }
+                let (head, tail) = key.split_at(at);
+                let mut chars = tail.chars();
+                let c = chars.next().unwrap_or('a');
+                format!("\"{head}\\u{:04x}{}\"", c as u32, chars.as_str())
+            })
+        }
+
+        fn ws() -> impl Strategy<Value = &'static str> {
+            prop::sample::select(vec!["", " ", "\n  ", "\t"])
+        }
+
+        fn object(members: Vec<(String, String)>) -> impl Strategy<Value = String> {
+            let n = members.len();
+            prop::collection::vec((ws(), ws(), ws(), ws()), n + 1).prop_map(move |spaces| {
+                let mut out = String::from("{");
+                for (i, (key, value)) in members.iter().enumerate() {
+                    let (a, b, c, d) = spaces[i];
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push_str(&format!("{a}{key}{b}:{c}{value}{d}"));
+                }
+                out.push_str(spaces[n].0);
+                out.push('}');
+                out
+            })
+        }
+
+        fn member() -> impl Strategy<Value = (String, String)> {
+            (key_name().prop_flat_map(spelled), json_value())
+                .prop_map(|(key, value)| (key, value.to_string()))
+        }
+
+        fn nvext() -> impl Strategy<Value = String> {
+            prop_oneof![
+                4 => prop::collection::vec(member(), 0..6).prop_flat_map(object),
+                1 => json_value().prop_map(|v| v.to_string()),
+            ]
+        }
+
+        fn body() -> impl Strategy<Value = String> {
+            let others = prop::collection::vec(
+                (
+                    prop::sample::select(vec!["messages", "max_tokens", "x", "nvext_extra"]),
+                    json_value(),
+                ),
+                0..4,
+            );
+            (
+                spelled("nvext".into()),
+                nvext(),
+                any::<Option<bool>>(),
+                others,
+            )
+                .prop_flat_map(|(key, nvext, stream, others)| {
+                    let mut members =
+                        vec![("\"model\"".to_owned(), "\"m\"".to_owned()), (key, nvext)];
+                    if let Some(stream) = stream {
+                        members.push(("\"stream\"".into(), stream.to_string()));
+                    }
+                    for (key, value) in others {
+                        members.push((format!("\"{key}\""), value.to_string()));
+                    }
+                    Just(members).prop_shuffle().prop_flat_map(object)
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+
+            /// Cutting pins out of the bytes gives what the DOM rewrite gives.
+            #[test]
+            fn the_splice_agrees_with_the_dom_rewrite(body in body()) {
+                let mut dom: Value = serde_json::from_str(&body).expect("generated JSON");
+                let removed = strip_nvext_pins(&mut dom);
+                let parsed = parse(Bytes::from(body.clone())).expect("valid");
+                prop_assert_eq!(parsed.stripped, removed);
+                let out: Value = serde_json::from_slice(&parsed.outbound).expect("spliced JSON");
+                prop_assert_eq!(&out, &dom);
+                if removed == 0 {
+                    prop_assert_eq!(&parsed.outbound[..], body.as_bytes());
+                }
+            }
+        }
     }
 
     #[tokio::test]

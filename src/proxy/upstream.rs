@@ -9,7 +9,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 /// Why an upstream exchange failed before a response head arrived.
 #[derive(Debug, thiserror::Error)]
@@ -125,13 +125,29 @@ pub struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
+/// How long an idle pooled backend connection is kept before it is closed (the pool's reaper
+/// runs at this interval, so an idle connection lives up to twice this long).
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Idle pooled connections kept per backend host; more are closed when they go idle.
+pub const POOL_MAX_IDLE_PER_HOST: usize = 64;
+
 impl Upstream {
     pub fn new(connect_timeout: Duration) -> Self {
+        Self::with_pool(connect_timeout, POOL_IDLE_TIMEOUT, POOL_MAX_IDLE_PER_HOST)
+    }
+
+    /// A client whose idle backend connections close after `idle_timeout`, at most `max_idle`
+    /// of them kept per host. The pool needs a timer for the idle timeout to take effect:
+    /// without one hyper-util never closes an idle connection.
+    pub fn with_pool(connect_timeout: Duration, idle_timeout: Duration, max_idle: usize) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(connect_timeout));
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(idle_timeout)
+            .pool_max_idle_per_host(max_idle)
             .build(connector);
         Self { client }
     }
@@ -193,5 +209,98 @@ mod tests {
         ));
         assert!(Target::parse("ftp://h").is_err());
         assert!(Target::parse("not a url").is_err());
+    }
+
+    /// A keep-alive HTTP/1.1 backend on a real socket that answers once `together` requests are
+    /// in flight (so the client must open that many connections) and reports each closed
+    /// connection.
+    async fn backend(together: usize) -> (std::net::SocketAddr, tokio::sync::mpsc::Receiver<()>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (closed_tx, closed_rx) = tokio::sync::mpsc::channel(64);
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(together));
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let (closed_tx, barrier) = (closed_tx.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    let mut first = true;
+                    loop {
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            if std::mem::take(&mut first) {
+                                barrier.wait().await;
+                            }
+                            let reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if socket.write_all(reply).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    let _ = closed_tx.send(()).await;
+                });
+            }
+        });
+        (addr, closed_rx)
+    }
+
+    /// Sends `n` concurrent requests and reads every response to its end.
+    async fn burst(upstream: &Upstream, addr: std::net::SocketAddr, n: usize) {
+        use http_body_util::BodyExt;
+        let requests = (0..n).map(|_| {
+            let req = Request::get(format!("http://{addr}/"))
+                .body(Full::new(Bytes::new()))
+                .expect("request");
+            async move {
+                let resp = upstream
+                    .send(req, Duration::from_secs(10))
+                    .await
+                    .expect("response");
+                resp.into_body().collect().await.expect("body");
+            }
+        });
+        futures::future::join_all(requests).await;
+    }
+
+    async fn closed_within(rx: &mut tokio::sync::mpsc::Receiver<()>, n: usize) {
+        let wait = async {
+            for _ in 0..n {
+                rx.recv().await.expect("backend running");
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), wait)
+            .await
+            .unwrap_or_else(|_| panic!("{n} idle backend connections were not closed"));
+    }
+
+    #[tokio::test]
+    async fn idle_backend_connections_close_after_the_idle_timeout() {
+        let (addr, mut closed) = backend(8).await;
+        let upstream = Upstream::with_pool(Duration::from_secs(5), Duration::from_millis(200), 64);
+        burst(&upstream, addr, 8).await;
+        // The client (and its pool) stay alive: only the pool's idle timeout can close these.
+        closed_within(&mut closed, 8).await;
+        drop(upstream);
+    }
+
+    #[tokio::test]
+    async fn idle_backend_connections_beyond_the_per_host_cap_close_at_once() {
+        let (addr, mut closed) = backend(8).await;
+        let upstream = Upstream::with_pool(Duration::from_secs(5), Duration::from_secs(3600), 2);
+        burst(&upstream, addr, 8).await;
+        closed_within(&mut closed, 6).await;
+        assert!(
+            closed.try_recv().is_err(),
+            "the 2 kept idle connections stay open"
+        );
+        drop(upstream);
     }
 }

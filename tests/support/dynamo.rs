@@ -2,6 +2,12 @@
 //! `dynamo.mocker` workers and a `dynamo.frontend --router-mode direct`, all child processes on
 //! loopback with free ports and a namespace of their own.
 //!
+//! With [`Discovery::File`] there is no etcd at all: every process runs with
+//! `--discovery-backend file` and `DYN_FILE_KV` pointing at a directory of the stack, and
+//! readiness is read from that directory (polled every 100 ms; files carry no lease, so a worker
+//! counts as registered once its instance and card are there and its component has one
+//! `kv_metrics` channel file per running worker).
+//!
 //! Use it from a test crate with `mod support { pub mod etcd; pub mod dynamo; }`. It needs the
 //! venv python that `scripts/setup-dynamo-venv.sh` prints, in `CONTINUUM_DYNAMO_PYTHON`, and the
 //! `etcd` binary (see `support::etcd`). `kill` (procps) sends SIGTERM, since std has no signal
@@ -24,6 +30,7 @@ use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use continuum_protocol::discovery::file_store::{BUCKETS, TMP_PREFIX, decode_file_name};
 use etcd_client::{Client, GetOptions, WatchOptions};
 use tokio::process::{Child, Command};
 use tokio::time::Instant;
@@ -38,6 +45,9 @@ pub const TOTAL_KV_BLOCKS: u64 = 1024;
 pub const BLOCK_SIZE: u32 = 16;
 /// The lease TTL Dynamo 1.6.1 workers grant themselves: a SIGKILLed worker's keys live this long.
 pub const LEASE_TTL: Duration = Duration::from_secs(30);
+/// The file store's TTL in Dynamo 1.6.1: a SIGKILLed worker's files stop being live this long
+/// after its last touch.
+pub const FILE_TTL: Duration = Duration::from_secs(10);
 /// The environment variable naming the venv python with ai-dynamo.
 pub const PYTHON_ENV: &str = "CONTINUUM_DYNAMO_PYTHON";
 
@@ -118,10 +128,30 @@ pub enum Signal {
     Kill,
 }
 
+/// Where the stack's processes register (`--discovery-backend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// A private etcd (the default).
+    Etcd,
+    /// Dynamo's file store in a directory of the stack; no etcd process is started.
+    File,
+}
+
+impl Discovery {
+    fn backend(self) -> &'static str {
+        match self {
+            Discovery::Etcd => "etcd",
+            Discovery::File => "file",
+        }
+    }
+}
+
 /// Knobs for [`DynamoStack::start_with`].
 #[derive(Clone, Debug)]
 pub struct StackOptions {
     pub topology: Topology,
+    /// The discovery backend of every process (default etcd).
+    pub discovery: Discovery,
     /// Start `dynamo.frontend --router-mode direct` (default true).
     pub frontend: bool,
     /// Extra `dynamo.mocker` arguments (default: speedup 10, 1024 blocks of 16 tokens).
@@ -132,6 +162,7 @@ impl StackOptions {
     pub fn new(topology: Topology) -> Self {
         Self {
             topology,
+            discovery: Discovery::Etcd,
             frontend: true,
             mocker_args: MOCKER_ARGS.iter().map(|s| (*s).to_owned()).collect(),
         }
@@ -175,9 +206,11 @@ pub struct DynamoStack {
     workers: Vec<DynamoWorker>,
     frontend: Option<Child>,
     frontend_port: u16,
-    etcd_client: Client,
-    /// Last: dropped after the Dynamo processes are killed.
-    etcd: EtcdServer,
+    /// The file store root (`DYN_FILE_KV`) under [`Discovery::File`].
+    file_root: Option<PathBuf>,
+    etcd_client: Option<Client>,
+    /// Last: dropped after the Dynamo processes are killed. `None` under [`Discovery::File`].
+    etcd: Option<EtcdServer>,
 }
 
 impl DynamoStack {
@@ -194,8 +227,14 @@ impl DynamoStack {
             .prefix("dynamo-stack-")
             .tempdir()
             .expect("create a temporary directory for the stack");
-        let etcd = EtcdServer::start().await;
-        let etcd_client = etcd.client().await;
+        let (etcd, etcd_client, file_root) = match options.discovery {
+            Discovery::Etcd => {
+                let etcd = EtcdServer::start().await;
+                let client = etcd.client().await;
+                (Some(etcd), Some(client), None)
+            }
+            Discovery::File => (None, None, Some(dir.path().join("dynamo_store_kv"))),
+        };
         let model_dir = dir.path().join("tiny-model");
         make_tiny_model(&python, &model_dir).await;
         let mut stack = Self {
@@ -206,6 +245,7 @@ impl DynamoStack {
             workers: Vec::new(),
             frontend: None,
             frontend_port: free_port(),
+            file_root,
             etcd_client,
             etcd,
             dir: Some(dir),
@@ -238,11 +278,25 @@ impl DynamoStack {
 
     /// etcd's client URL (`http://127.0.0.1:<port>`).
     pub fn etcd_endpoint(&self) -> String {
-        self.etcd.endpoint()
+        self.etcd().endpoint()
     }
 
     pub fn etcd(&self) -> &EtcdServer {
-        &self.etcd
+        self.etcd
+            .as_ref()
+            .expect("this stack runs with the file discovery backend: there is no etcd")
+    }
+
+    /// Whether an etcd process belongs to this stack.
+    pub fn has_etcd(&self) -> bool {
+        self.etcd.is_some()
+    }
+
+    /// The file store root (`DYN_FILE_KV`) the processes share under [`Discovery::File`].
+    pub fn file_root(&self) -> &Path {
+        self.file_root
+            .as_deref()
+            .expect("this stack runs with the etcd discovery backend: there is no file store")
     }
 
     /// `http://127.0.0.1:<port>` of the direct-mode frontend.
@@ -335,7 +389,12 @@ impl DynamoStack {
                 .arg(&self.model_dir)
                 .args(["--model-name", MODEL, "--endpoint", &endpoint])
                 .args(["--disaggregation-mode", role.mode()])
-                .args(["--discovery-backend", "etcd", "--event-plane", "zmq"])
+                .args([
+                    "--discovery-backend",
+                    self.backend(),
+                    "--event-plane",
+                    "zmq",
+                ])
                 .args(["--request-plane", "tcp"])
                 .args(&self.mocker_args);
             let (child, log) = self.spawn(&name, command);
@@ -350,13 +409,27 @@ impl DynamoStack {
                 log.display()
             );
             let component = role.component();
-            let id = wait_etcd(
-                &mut self.etcd_client,
-                &what,
-                std::slice::from_mut(child),
-                |kvs| registered_worker(kvs, &namespace, component, &known),
-            )
-            .await;
+            let id = match (&mut self.etcd_client, &self.file_root) {
+                (Some(client), _) => {
+                    wait_etcd(client, &what, std::slice::from_mut(child), |kvs| {
+                        registered_worker(kvs, &namespace, component, &known)
+                    })
+                    .await
+                }
+                (None, Some(root)) => {
+                    // Every running worker of the component plus this one owns a channel.
+                    let channels = 1 + self
+                        .workers
+                        .iter()
+                        .filter(|w| w.is_running() && w.role.component() == component)
+                        .count();
+                    wait_files(root, &what, std::slice::from_mut(child), |kvs| {
+                        registered_file_worker(kvs, &namespace, component, &known, channels)
+                    })
+                    .await
+                }
+                (None, None) => unreachable!("a stack has etcd or a file store"),
+            };
             ids.push(id);
         }
         for ((role, child, log), instance_id) in spawned.into_iter().zip(ids) {
@@ -375,7 +448,12 @@ impl DynamoStack {
             .args(["--router-mode", "direct", "--http-host", "127.0.0.1"])
             .args(["--http-port", &self.frontend_port.to_string()])
             .args(["--namespace", &self.namespace])
-            .args(["--discovery-backend", "etcd", "--event-plane", "zmq"])
+            .args([
+                "--discovery-backend",
+                self.backend(),
+                "--event-plane",
+                "zmq",
+            ])
             .args(["--request-plane", "tcp"]);
         let (mut child, log) = self.spawn("frontend", command);
         let url = format!("{}/v1/models", self.frontend_url());
@@ -412,9 +490,18 @@ impl DynamoStack {
                 command.env_remove(key);
             }
         }
+        command.env_remove("ETCD_ENDPOINTS");
+        match (&self.etcd, &self.file_root) {
+            (Some(etcd), _) => {
+                command.env("ETCD_ENDPOINTS", etcd.endpoint());
+            }
+            (None, Some(root)) => {
+                command.env("DYN_FILE_KV", root);
+            }
+            (None, None) => unreachable!("a stack has etcd or a file store"),
+        }
         command
-            .env("ETCD_ENDPOINTS", self.etcd.endpoint())
-            .env("DYN_DISCOVERY_BACKEND", "etcd")
+            .env("DYN_DISCOVERY_BACKEND", self.backend())
             .env("DYN_EVENT_PLANE", "zmq")
             .env("DYN_REQUEST_PLANE", "tcp")
             // Without these, Dynamo advertises the first non-loopback interface address.
@@ -429,6 +516,14 @@ impl DynamoStack {
             .env("TRANSFORMERS_OFFLINE", "1")
             .env("NO_COLOR", "1");
         command
+    }
+
+    fn backend(&self) -> &'static str {
+        if self.etcd.is_some() {
+            Discovery::Etcd.backend()
+        } else {
+            Discovery::File.backend()
+        }
     }
 
     fn spawn(&self, name: &str, mut command: Command) -> (Child, PathBuf) {
@@ -563,6 +658,91 @@ fn registered_worker(
                 .any(|kv| kv.key.starts_with(&channels) && u64::try_from(kv.lease) == Ok(*id));
             card && channel
         })
+}
+
+/// Like [`registered_worker`] for the file store, whose keys carry no lease: a new worker of
+/// `component` with its instance and card, once the component has `channels` `kv_metrics`
+/// channel files.
+fn registered_file_worker(
+    kvs: &[Kv],
+    namespace: &str,
+    component: &str,
+    known: &BTreeSet<u64>,
+    channels: usize,
+) -> Option<u64> {
+    let channel_prefix = format!(
+        "v1/event_channels/namespace/{namespace}/component/{component}/endpoint/generate/topic/kv_metrics/"
+    );
+    let present = kvs
+        .iter()
+        .filter(|kv| kv.key.starts_with(&channel_prefix))
+        .count();
+    if present < channels {
+        return None;
+    }
+    let instances = format!("v1/instances/{namespace}/{component}/generate/");
+    let cards = format!("v1/mdc/{namespace}/{component}/generate/");
+    kvs.iter()
+        .filter(|kv| kv.key.starts_with(&instances))
+        .filter_map(|kv| {
+            let value: serde_json::Value = serde_json::from_slice(&kv.value).ok()?;
+            value["instance_id"].as_u64()
+        })
+        .filter(|id| !known.contains(id))
+        .find(|id| kvs.iter().any(|kv| kv.key == format!("{cards}{id:x}")))
+}
+
+/// The file store under `root` as keys and values (file names decoded, `.tmp_` files skipped;
+/// lease 0: files have none).
+fn read_file_store(root: &Path) -> Vec<Kv> {
+    let mut out = Vec::new();
+    for bucket in BUCKETS {
+        let Ok(entries) = std::fs::read_dir(root.join(bucket)) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(TMP_PREFIX) {
+                continue;
+            }
+            let Ok(relative) = decode_file_name(&name) else {
+                continue;
+            };
+            let Ok(value) = std::fs::read(entry.path()) else {
+                continue;
+            };
+            out.push(Kv {
+                key: format!("{bucket}/{relative}"),
+                value,
+                lease: 0,
+            });
+        }
+    }
+    out
+}
+
+/// Re-reads the file store every 100 ms until `found` returns a value; fails early when one of
+/// `children` exits.
+async fn wait_files<T>(
+    root: &Path,
+    what: &str,
+    children: &mut [Child],
+    found: impl Fn(&[Kv]) -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + START_TIMEOUT;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tick.tick().await;
+        if let Some(value) = found(&read_file_store(root)) {
+            return value;
+        }
+        for child in children.iter_mut() {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("a Dynamo process exited ({status}) while waiting for: {what}");
+            }
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+    }
 }
 
 /// Re-reads `v1/` on every etcd change until `found` returns a value; fails early when one of

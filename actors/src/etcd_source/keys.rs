@@ -30,6 +30,12 @@ impl WatchedPrefix {
 
 /// The three prefixes of `namespace`, in the order the pass reads them.
 ///
+/// Model cards come first, then endpoints, then event channels: a resync at a keyspace's
+/// capacity admits records that join a partner already seen before orphans (the reducer's
+/// bounded admission), so an endpoint whose card was read first outranks a flood of
+/// endpoint-only keys with lower ids, and a channel whose worker was read first outranks a flood
+/// of channels without one.
+///
 /// Endpoint and model keys carry the namespace raw; event-plane keys percent-encode every scope
 /// segment (dynamo-wire §4.4), so a namespace such as `my.ns` lives under
 /// `v1/event_channels/namespace/my%2Ens/`.
@@ -42,12 +48,12 @@ pub fn watched_prefixes(namespace: &Namespace) -> [WatchedPrefix; 3] {
     let encoded = encode_segment(raw);
     [
         WatchedPrefix {
-            kind: "instances",
-            prefix: format!("v1/instances/{raw}/"),
-        },
-        WatchedPrefix {
             kind: "mdc",
             prefix: format!("v1/mdc/{raw}/"),
+        },
+        WatchedPrefix {
+            kind: "instances",
+            prefix: format!("v1/instances/{raw}/"),
         },
         WatchedPrefix {
             kind: "event_channels",
@@ -99,8 +105,8 @@ mod tests {
         assert_eq!(
             prefixes,
             [
-                "v1/instances/dyntest/",
                 "v1/mdc/dyntest/",
+                "v1/instances/dyntest/",
                 "v1/event_channels/namespace/dyntest/",
             ]
         );
@@ -110,7 +116,7 @@ mod tests {
                 .starts_with(prefixes[2])
         );
         let dotted = watched_prefixes(&Namespace::new("my.ns"));
-        assert_eq!(dotted[0].prefix, "v1/instances/my.ns/");
+        assert_eq!(dotted[1].prefix, "v1/instances/my.ns/");
         assert_eq!(dotted[2].prefix, "v1/event_channels/namespace/my%2Ens/");
     }
 

@@ -1,6 +1,6 @@
 //! Same-process comparison of continuum-protocol's bounded `KvIndex` with dynamo-kv-router
 //! 1.6.1's `RadixTree` (the single-threaded backend of upstream's `KvIndexer`) on the Mooncake
-//! reference workload of `fixtures/mooncake/README.md`.
+//! reference workload of `benches/fixtures/mooncake/README.md`.
 //!
 //! The workload is generated once (16 workers, exact LRU of 16,384 blocks each, one Stored and
 //! one Removed event per request, `find_matches` on every request's full sequence) into an op
@@ -107,7 +107,7 @@ struct Workload {
 }
 
 fn load(path: &str, limit: usize) -> Option<Workload> {
-    let text = std::fs::read_to_string(path).ok()?;
+    let text = mooncake::read_trace(std::path::Path::new(path))?;
     let mut requests = Vec::new();
     let mut ops = Vec::new();
     let mut lrus: Vec<Lru> = (0..WORKERS).map(|_| mooncake::lru()).collect();
@@ -416,9 +416,13 @@ fn print(r: &Report, w: &Workload) -> f64 {
 
 fn main() {
     let mut args = std::env::args().skip(1);
-    let path = args
-        .next()
-        .unwrap_or_else(|| "/work/shared/fixtures/mooncake/conversation_trace.jsonl".into());
+    let path = args.next().unwrap_or_else(|| {
+        format!(
+            "{}/../fixtures/mooncake/{}",
+            env!("CARGO_MANIFEST_DIR"),
+            mooncake::CONVERSATION_TRACE
+        )
+    });
     let limit = args
         .next()
         .and_then(|l| l.parse().ok())

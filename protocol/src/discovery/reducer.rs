@@ -100,7 +100,7 @@ impl DiscoveryReducer {
                 if self.staging.is_some() {
                     debug!(namespace = %self.namespace, "Restarted an unfinished discovery resync.");
                 }
-                self.staging = Some(Staging::default());
+                self.staging = Some(Staging::new(&self.view));
                 false
             }
             SourceEvent::InitApply { key, value } => {
@@ -192,6 +192,7 @@ impl DiscoveryReducer {
             return false;
         };
         self.held = staging.held;
+        self.held.admission = None;
         let mut dirty = Dirty::default();
         dirty.workers.extend(self.view.workers.keys().copied());
         dirty.workers.extend(self.held.endpoint_ids.keys().copied());
@@ -502,6 +503,8 @@ struct Dirty {
 
 #[derive(Debug, Default)]
 struct Held {
+    /// Set on a resync's staging set only: its capacity evicts by [`Rank`] instead of refusing.
+    admission: Option<Box<Admission>>,
     endpoints: BTreeMap<String, Slot<EndpointRecord>>,
     cards: BTreeMap<String, Slot<CardRecord>>,
     channels: BTreeMap<String, Slot<ChannelRecord>>,
@@ -620,6 +623,9 @@ impl Held {
     fn remove(&mut self, keyspace: Keyspace, key: &str, dirty: &mut Dirty) -> bool {
         let identity = match keyspace {
             Keyspace::Instances => self.endpoints.remove(key).map(|s| {
+                if let Some(admission) = self.admission.as_mut() {
+                    admission.scope_changed(&s.rec, false);
+                }
                 index_remove(&mut self.endpoint_ids, &s.rec.instance_id, key);
                 Identity::Generate(s.rec.instance_id)
             }),
@@ -645,6 +651,7 @@ impl Held {
         };
         match identity {
             Some(identity) => {
+                self.after_change(keyspace, key, &identity);
                 identity.mark(dirty);
                 true
             }
@@ -663,6 +670,9 @@ impl Held {
         self.remove(keyspace, key, dirty);
         let identity = match rec {
             HeldRecord::Endpoint(rec) => {
+                if let Some(admission) = self.admission.as_mut() {
+                    admission.scope_changed(&rec, true);
+                }
                 index_add(&mut self.endpoint_ids, rec.instance_id, key);
                 let identity = Identity::Generate(rec.instance_id);
                 self.endpoints.insert(key.to_owned(), Slot { digest, rec });
@@ -693,6 +703,7 @@ impl Held {
                 identity
             }
         };
+        self.after_change(keyspace, key, &identity);
         identity.mark(dirty);
     }
 }
@@ -702,6 +713,229 @@ struct Staging {
     held: Held,
     /// Digests of keys found bad during this resync, so log-once state can forget the others.
     bad_keys: BTreeSet<Digest>,
+}
+
+impl Staging {
+    /// A fresh staging set whose admission remembers what `live` publishes.
+    fn new(live: &NamespaceView) -> Self {
+        let admission = Admission {
+            workers: live.workers.keys().copied().collect(),
+            publishers: live.publishers.keys().copied().collect(),
+            order: Default::default(),
+            scopes: BTreeMap::new(),
+        };
+        Self {
+            held: Held {
+                admission: Some(Box::new(admission)),
+                ..Held::default()
+            },
+            bad_keys: BTreeSet::new(),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounded admission during a resync.
+//
+// The range get of a resync arrives in key order, which the fleet controls: filled first come
+// first served, low-id junk keys would push out every real worker. While staging, a keyspace at
+// `MAX_RECORDS_PER_KEYSPACE` therefore keeps the best records by `(Rank, key)` instead: a
+// newcomer that ranks better than the worst held record evicts it, and either way exactly one
+// record is left out and counted `over_capacity`. Ranks are re-evaluated whenever a partner
+// record (the card of an endpoint, the endpoint of a card) arrives or leaves; a channel joins
+// when a held endpoint lies in its scope.
+
+/// How much a held record is worth keeping; lower is better.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Rank {
+    /// Joins no partner: an endpoint without a card, a card or channel without an endpoint.
+    orphan: bool,
+    /// Not part of what the live view publishes (a worker or publisher admitted before).
+    new: bool,
+}
+
+impl Rank {
+    const ALL: [Rank; 4] = [
+        Rank {
+            orphan: false,
+            new: false,
+        },
+        Rank {
+            orphan: false,
+            new: true,
+        },
+        Rank {
+            orphan: true,
+            new: false,
+        },
+        Rank {
+            orphan: true,
+            new: true,
+        },
+    ];
+}
+
+#[derive(Debug)]
+struct Admission {
+    /// Workers of the live view when the resync started.
+    workers: BTreeSet<InstanceId>,
+    /// Publishers of the live view when the resync started.
+    publishers: BTreeSet<PublisherId>,
+    /// Held keys per keyspace, best first.
+    order: [BTreeSet<(Rank, String)>; 4],
+    /// Held generate endpoints per (component, endpoint) scope, for channels to join.
+    scopes: BTreeMap<(String, String), usize>,
+}
+
+impl Admission {
+    fn scope_changed(&mut self, rec: &EndpointRecord, added: bool) {
+        let scope = (rec.component.clone(), rec.endpoint.clone());
+        let n = self.scopes.entry(scope.clone()).or_default();
+        if added {
+            *n += 1;
+        } else {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.scopes.remove(&scope);
+            }
+        }
+    }
+
+    /// Whether a held endpoint lies in a channel's scope (an EventChannel's id is a publisher
+    /// id, not a worker id: its scope is what ties it to workers).
+    fn scope_has_endpoint(&self, component: Option<&str>, endpoint: Option<&str>) -> bool {
+        match (component, endpoint) {
+            (Some(c), Some(e)) => self.scopes.contains_key(&(c.to_owned(), e.to_owned())),
+            (Some(c), None) => self
+                .scopes
+                .range((c.to_owned(), String::new())..)
+                .next()
+                .is_some_and(|((held, _), _)| held == c),
+            (None, _) => !self.scopes.is_empty(),
+        }
+    }
+
+    fn forget(&mut self, keyspace: Keyspace, key: &str) {
+        let set = &mut self.order[keyspace_slot(keyspace)];
+        let mut probe = (Rank::ALL[0], key.to_owned());
+        for rank in Rank::ALL {
+            probe.0 = rank;
+            if set.remove(&probe) {
+                return;
+            }
+        }
+    }
+}
+
+fn keyspace_slot(keyspace: Keyspace) -> usize {
+    match keyspace {
+        Keyspace::Instances => 0,
+        Keyspace::Cards => 1,
+        Keyspace::Channels => 2,
+        Keyspace::Sources => 3,
+    }
+}
+
+impl Held {
+    fn has_card(&self, id: InstanceId) -> bool {
+        self.legacy_cards.contains_key(&id)
+            || self
+                .scoped_cards
+                .range((id, String::new(), String::new())..)
+                .next()
+                .is_some_and(|((card_id, _, _), _)| *card_id == id)
+    }
+
+    fn rank(&self, admission: &Admission, rec: &HeldRecord) -> Rank {
+        let (orphan, admitted) = match rec {
+            HeldRecord::Endpoint(r) => (
+                !self.has_card(r.instance_id),
+                admission.workers.contains(&r.instance_id),
+            ),
+            HeldRecord::Card(r) => (
+                !self.endpoint_ids.contains_key(&r.instance_id),
+                admission.workers.contains(&r.instance_id),
+            ),
+            HeldRecord::Channel(r) => (
+                !admission.scope_has_endpoint(r.component.as_deref(), r.endpoint.as_deref()),
+                admission.publishers.contains(&r.publisher_id),
+            ),
+            HeldRecord::Source(r) => (
+                !self.endpoint_ids.contains_key(&r.worker_id),
+                admission.publishers.contains(&r.publisher_id),
+            ),
+        };
+        Rank {
+            orphan,
+            new: !admitted,
+        }
+    }
+
+    /// Re-files one held key under its current rank (no-op outside a resync).
+    fn rerank(&mut self, keyspace: Keyspace, key: &str) {
+        let Some(mut admission) = self.admission.take() else {
+            return;
+        };
+        admission.forget(keyspace, key);
+        if let Some(rec) = self.record(keyspace, key) {
+            let rank = self.rank(&admission, &rec);
+            admission.order[keyspace_slot(keyspace)].insert((rank, key.to_owned()));
+        }
+        self.admission = Some(admission);
+    }
+
+    /// Re-files every held record that joins worker `id`: its endpoints and cards. A channel's
+    /// rank is taken when it arrives (the etcd source reads channels after endpoints).
+    fn rerank_worker(&mut self, id: InstanceId) {
+        if self.admission.is_none() {
+            return;
+        }
+        let mut keys: Vec<(Keyspace, String)> = Vec::new();
+        for key in self.endpoint_ids.get(&id).into_iter().flatten() {
+            keys.push((Keyspace::Instances, key.clone()));
+        }
+        let scoped = self
+            .scoped_cards
+            .range((id, String::new(), String::new())..)
+            .take_while(|((card_id, _, _), _)| *card_id == id)
+            .flat_map(|(_, keys)| keys);
+        for key in scoped.chain(self.legacy_cards.get(&id).into_iter().flatten()) {
+            keys.push((Keyspace::Cards, key.clone()));
+        }
+        for (keyspace, key) in keys {
+            self.rerank(keyspace, &key);
+        }
+    }
+
+    /// At capacity during a resync: the held key `rec` (under `key`) would evict, if it ranks
+    /// better than the worst one held. `None` outside a resync or when the newcomer is worst.
+    fn eviction_candidate(
+        &self,
+        keyspace: Keyspace,
+        key: &str,
+        rec: &HeldRecord,
+    ) -> Option<String> {
+        let admission = self.admission.as_ref()?;
+        let rank = self.rank(admission, rec);
+        let (worst_rank, worst_key) = admission.order[keyspace_slot(keyspace)].last()?;
+        ((rank, key) < (*worst_rank, worst_key.as_str())).then(|| worst_key.clone())
+    }
+
+    /// Keeps the admission order in step after `identity` gained or lost `key`.
+    fn after_change(&mut self, keyspace: Keyspace, key: &str, identity: &Identity) {
+        if self.admission.is_none() {
+            return;
+        }
+        if let Some(admission) = self.admission.as_mut() {
+            admission.forget(keyspace, key);
+        }
+        match identity {
+            Identity::Generate(id) | Identity::ScopedCard(id, ..) | Identity::LegacyCard(id) => {
+                self.rerank_worker(*id)
+            }
+            Identity::Channel(_) | Identity::Source(_) => self.rerank(keyspace, key),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -729,6 +963,11 @@ enum Outcome {
         reason: String,
     },
     OverCapacity(Keyspace),
+    /// Held at capacity by evicting a worse-ranked key of a resync (which is left out instead).
+    HeldEvicting {
+        keyspace: Keyspace,
+        trimmed: bool,
+    },
 }
 
 /// Folds one put into `held`. `reuse` is the live set during a resync: an unchanged value reuses
@@ -799,10 +1038,17 @@ fn ingest(
             }
         },
     };
-    if !held.contains(keyspace, key) && held.len(keyspace) >= MAX_RECORDS_PER_KEYSPACE {
-        return Outcome::OverCapacity(keyspace);
-    }
     let trimmed = record.card_trimmed();
+    if !held.contains(keyspace, key) && held.len(keyspace) >= MAX_RECORDS_PER_KEYSPACE {
+        let Some(worst) = held.eviction_candidate(keyspace, key, &record) else {
+            return Outcome::OverCapacity(keyspace);
+        };
+        debug!(namespace, kept = %clip(key), left_out = %clip(&worst),
+            "Resync at keyspace capacity: a better-ranked record replaced a worse one.");
+        held.remove(keyspace, &worst, dirty);
+        held.insert(keyspace, key, digest, record, dirty);
+        return Outcome::HeldEvicting { keyspace, trimmed };
+    }
     held.insert(keyspace, key, digest, record, dirty);
     if trimmed {
         Outcome::HeldTrimmed
@@ -833,15 +1079,17 @@ fn note(
             return;
         }
         Outcome::OverCapacity(keyspace) => {
-            counts.add(DiscoveryEventKind::OverCapacity, 1);
-            if logs.capacity_logged.insert(keyspace) {
-                warn!(
-                    keyspace = keyspace.as_str(),
-                    limit = MAX_RECORDS_PER_KEYSPACE,
-                    "Refused new discovery keys: the keyspace is at capacity."
-                );
-            }
+            note_over_capacity(counts, logs, keyspace);
             return;
+        }
+        Outcome::HeldEvicting { keyspace, trimmed } => {
+            note_over_capacity(counts, logs, keyspace);
+            let held = if trimmed {
+                Outcome::HeldTrimmed
+            } else {
+                Outcome::Held
+            };
+            return note(counts, logs, staging_bad, key, held);
         }
         Outcome::HeldTrimmed => (
             DiscoveryEventKind::Oversized,
@@ -863,6 +1111,18 @@ fn note(
     }
     warn!(key = %clip(key), kind = kind.as_label(), %reason, "Dropped a discovery record.");
     logs.bad_keys.insert(digest, reason_hash);
+}
+
+/// One key left out of a keyspace at capacity: counted, and logged once per keyspace.
+fn note_over_capacity(counts: &mut DiscoveryCounts, logs: &mut LogState, keyspace: Keyspace) {
+    counts.add(DiscoveryEventKind::OverCapacity, 1);
+    if logs.capacity_logged.insert(keyspace) {
+        warn!(
+            keyspace = keyspace.as_str(),
+            limit = MAX_RECORDS_PER_KEYSPACE,
+            "Refused new discovery keys: the keyspace is at capacity."
+        );
+    }
 }
 
 fn key_digest(key: &str) -> Digest {

@@ -16,15 +16,21 @@ pub enum SourceKind {
     Etcd,
     Kubernetes,
     KubernetesPods,
+    /// `continuum-router demo`'s in-process fleet: etcd-shaped records, fed without etcd.
+    Simulated,
+    /// Dynamo's file store: the same records as etcd, read from a directory.
+    File,
 }
 
 impl SourceKind {
-    /// The config / admin spelling (`etcd`, `kubernetes`, `kubernetes_pods`).
+    /// The config / admin spelling (`etcd`, `kubernetes`, `kubernetes_pods`, `simulated`, `file`).
     pub fn as_str(self) -> &'static str {
         match self {
             SourceKind::Etcd => "etcd",
             SourceKind::Kubernetes => "kubernetes",
             SourceKind::KubernetesPods => "kubernetes_pods",
+            SourceKind::Simulated => "simulated",
+            SourceKind::File => "file",
         }
     }
 

@@ -623,6 +623,19 @@ impl KvIndex {
         }
     }
 
+    /// Blocks indexed per rank, sorted by (worker, dp_rank); ranks without blocks included.
+    /// O(ranks): reads each rank's table length, never walks the tree.
+    pub fn rank_blocks(&self) -> Vec<(InstanceId, DpRank, usize)> {
+        let mut out: Vec<(InstanceId, DpRank, usize)> = self
+            .ranks
+            .iter()
+            .flatten()
+            .map(|r| (r.worker, r.dp_rank, r.blocks.len()))
+            .collect();
+        out.sort_unstable_by_key(|&(worker, rank, _)| (worker, rank));
+        out
+    }
+
     /// The index's content as ownership paths (see [`OwnershipPaths`]); ranks without blocks
     /// are omitted. For tests and debugging: it walks every block.
     pub fn ownership_paths(&self) -> OwnershipPaths {

@@ -12,7 +12,7 @@ use continuum_protocol::discovery::{
 use continuum_protocol::ids::{InstanceId, PublisherId, WorkerKey};
 use continuum_protocol::time::UnixMillis;
 
-use super::support::{dump_kvs, ns, resync, shared_dir};
+use super::support::{dump_kvs, fixtures_dir, ns, resync};
 
 const NOW: UnixMillis = UnixMillis(1_790_136_662_000);
 
@@ -171,7 +171,7 @@ fn replaying_a_dump_twice_is_an_idempotent_resync() {
 fn graceful_shutdown_deletes_empty_the_fleet() {
     let mut reducer = DiscoveryReducer::new(ns("dyntest"));
     resync(&mut reducer, &dump_kvs("disagg-workers-only"), NOW);
-    let path = shared_dir().join("fixtures/dynamo-1.6.1/etcd/watch-during-shutdown.txt");
+    let path = fixtures_dir().join("dynamo-1.6.1/etcd/watch-during-shutdown.txt");
     let text = std::fs::read_to_string(&path).expect("watch transcript");
     let mut lines = text.lines();
     let mut deletes = 0;

@@ -1,4 +1,4 @@
-//! Shared helpers: locating `shared/`, decoding etcd dumps, building records.
+//! Shared helpers: locating the in-repo fixtures, decoding etcd dumps, building records.
 
 use std::path::PathBuf;
 
@@ -6,27 +6,15 @@ use continuum_protocol::discovery::{DiscoveryReducer, SourceEvent};
 use continuum_protocol::ids::Namespace;
 use continuum_protocol::time::UnixMillis;
 
-/// The reference material directory: `$CONTINUUM_SHARED_DIR`, else `<repo root>/../shared`
-/// (CI clones the repo with `shared/` beside it), else one level further up (a git worktree
-/// under a sibling folder).
-pub fn shared_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("CONTINUUM_SHARED_DIR") {
-        return PathBuf::from(dir);
-    }
-    let repo_root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("protocol/ has a parent")
-        .to_path_buf();
-    let candidates = [repo_root.join("../shared"), repo_root.join("../../shared")];
-    candidates
-        .iter()
-        .find(|c| c.join("spec").is_dir())
-        .cloned()
-        .unwrap_or_else(|| panic!("shared/ not found at {candidates:?}; set CONTINUUM_SHARED_DIR"))
+/// The repository's fixture directory, `<repo root>/tests/fixtures` (see its READMEs for where
+/// each capture came from and how to regenerate it).
+pub fn fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
+/// A JSON fixture by its path under [`fixtures_dir`].
 pub fn read_json(relative: &str) -> serde_json::Value {
-    let path = shared_dir().join(relative);
+    let path = fixtures_dir().join(relative);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path:?}: {e}"))
 }
@@ -60,7 +48,7 @@ pub fn base64_decode(text: &str) -> Vec<u8> {
 
 /// The (key, value) pairs of an etcd range-get dump (`*.raw.json`), in dump order.
 pub fn dump_kvs(name: &str) -> Vec<(String, Vec<u8>)> {
-    let raw = read_json(&format!("fixtures/dynamo-1.6.1/etcd/{name}.raw.json"));
+    let raw = read_json(&format!("dynamo-1.6.1/etcd/{name}.raw.json"));
     raw["kvs"]
         .as_array()
         .expect("kvs")

@@ -1,5 +1,5 @@
-//! The etcd-record and percent-encoding cases of `spec/vectors/discovery_examples.json`, and the
-//! discovery records of one live 1.6.1 mocker (`mocker_observed.json`).
+//! The etcd-record and percent-encoding cases of `tests/fixtures/vectors/discovery_examples.json`,
+//! and the discovery records of one live 1.6.1 mocker (`mocker_observed.json`).
 
 use continuum_protocol::discovery::keys::{ParsedKey, classify};
 use continuum_protocol::discovery::{
@@ -12,7 +12,7 @@ use continuum_protocol::time::UnixMillis;
 use super::support::{ns, put, read_json};
 
 fn examples() -> serde_json::Value {
-    read_json("spec/vectors/discovery_examples.json")
+    read_json("vectors/discovery_examples.json")
 }
 
 #[test]
@@ -236,7 +236,7 @@ fn kubernetes_metadata_records_reduce_like_etcd_records() {
 
 #[test]
 fn live_mocker_records_give_one_aggregated_worker() {
-    let observed = read_json("spec/vectors/mocker_observed.json");
+    let observed = read_json("vectors/mocker_observed.json");
     let mut reducer = DiscoveryReducer::new(ns("dynamo"));
     for r in observed["file_backend_records_of_one_mocker"]["records"]
         .as_array()

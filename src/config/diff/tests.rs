@@ -343,3 +343,54 @@ fn reason_labels_match_the_metric_values() {
         ]
     );
 }
+
+fn file_store() -> Config {
+    let mut c = base();
+    c.dynamo.discovery.source = DiscoverySource::File;
+    c.dynamo.discovery.file.namespaces = vec!["prod".into(), "canary".into()];
+    c
+}
+
+#[test]
+fn file_store_edits_restart_by_what_changed() {
+    let mut new = file_store();
+    new.dynamo.discovery.file.root = Some("/var/lib/dynamo_store_kv".into());
+    assert_eq!(
+        reason(&diff(&file_store(), &new)),
+        Some(RestartReason::Connection)
+    );
+    let mut new = file_store();
+    new.dynamo.discovery.file.ttl = HumanDuration::from_secs(20);
+    let plan = diff(&file_store(), &new);
+    assert_eq!(
+        plan.discovery,
+        Some(DiscoveryAction::Restart {
+            reason: RestartReason::Other,
+            keep_snapshot: true,
+            removed_namespaces: Vec::new(),
+            added_namespaces: Vec::new(),
+        })
+    );
+    assert_eq!(
+        plan.paths(ReloadClass::Discovery),
+        vec!["dynamo.discovery.file.ttl"]
+    );
+    let mut new = file_store();
+    new.dynamo.discovery.file.namespaces = vec!["prod".into()];
+    assert_eq!(
+        reason(&diff(&file_store(), &new)),
+        Some(RestartReason::Namespaces)
+    );
+}
+
+#[test]
+fn file_store_edits_under_another_source_have_no_effect() {
+    let mut new = base();
+    new.dynamo.discovery.file.root = Some("/elsewhere".into());
+    let plan = diff(&base(), &new);
+    assert_eq!(plan.discovery, None);
+    assert_eq!(
+        plan.paths(ReloadClass::NoEffect),
+        vec!["dynamo.discovery.file.root"]
+    );
+}

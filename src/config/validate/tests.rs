@@ -160,6 +160,30 @@ fn public_bind_without_api_keys_warns() {
 }
 
 #[test]
+fn server_timeouts_and_connection_cap_are_bounded() {
+    let c = base();
+    for key in [
+        "server.header_read_timeout",
+        "server.body_read_timeout",
+        "server.idle_timeout",
+        "server.max_connections",
+    ] {
+        expect_clean_at(&c, key);
+    }
+    let mut c = base();
+    c.server.header_read_timeout = HumanDuration::from_millis(0);
+    c.server.body_read_timeout = HumanDuration::from_millis(99);
+    c.server.idle_timeout = HumanDuration::from_secs(3601);
+    c.server.max_connections = 0;
+    expect_error(&c, "server.header_read_timeout", "between 100ms and 1h");
+    expect_error(&c, "server.body_read_timeout", "between 100ms and 1h");
+    expect_error(&c, "server.idle_timeout", "between 100ms and 1h");
+    expect_error(&c, "server.max_connections", "between 1 and 1000000");
+    c.server.max_connections = 1_000_001;
+    expect_error(&c, "server.max_connections", "between 1 and 1000000");
+}
+
+#[test]
 fn backend_name_must_be_valid_and_unique() {
     let mut c = base();
     c.backends[1].name = "bad name".into();
@@ -1235,6 +1259,16 @@ fn session_buffer_at_least_streams_times_64_kib() {
     expect_error(&c, "dynamo.event_bus.max_session_buffer_bytes", "64 KiB");
     c.dynamo.event_bus.max_session_buffer_bytes = 1024 * 64 * 1024;
     expect_clean_at(&c, "dynamo.event_bus.max_session_buffer_bytes");
+    // The session budget is the HTTP/2 connection window: at most 2^31 - 1.
+    c.dynamo.event_bus.max_streams_per_session = 1;
+    c.dynamo.event_bus.max_session_buffer_bytes = (1 << 31) - 1;
+    expect_clean_at(&c, "dynamo.event_bus.max_session_buffer_bytes");
+    c.dynamo.event_bus.max_session_buffer_bytes = 1 << 31;
+    expect_error(
+        &c,
+        "dynamo.event_bus.max_session_buffer_bytes",
+        "HTTP/2 connection window",
+    );
 }
 
 #[test]
@@ -1288,4 +1322,60 @@ fn errors_sort_before_warnings() {
     let diagnostics = validate(&c);
     assert!(diagnostics[0].is_error());
     assert!(!diagnostics.last().unwrap().is_error());
+}
+
+const FILE_YAML: &str = r#"
+disaggregated_serving: {enabled: true}
+backends:
+  - {name: shim-a, url: "http://shim-a:8000"}
+dynamo:
+  enabled: true
+  discovery:
+    source: file
+    file: {root: /tmp/dynamo_store_kv, namespace: dyntest}
+  load: {direct_allow_cidrs: ["127.0.0.0/8"]}
+  shim: {backends: [shim-a]}
+"#;
+
+fn file_store() -> Config {
+    Config::from_yaml_str(FILE_YAML, &BTreeMap::new()).unwrap()
+}
+
+#[test]
+fn file_source_needs_no_etcd_and_reads_its_own_namespace() {
+    let c = file_store();
+    assert_eq!(
+        validate(&c)
+            .iter()
+            .filter(|d| d.severity == Severity::Error)
+            .count(),
+        0,
+        "{:#?}",
+        validate(&c)
+    );
+    assert_eq!(c.dynamo.discovery.namespace_names(), ["dyntest"]);
+    let mut bad = file_store();
+    bad.dynamo.discovery.file.namespace = "a/b".into();
+    expect_error(&bad, "dynamo.discovery.file.namespace", "");
+}
+
+#[test]
+fn file_source_bounds_root_ttl_and_rescan() {
+    let mut c = file_store();
+    c.dynamo.discovery.file.root = Some(PathBuf::new());
+    expect_error(&c, "dynamo.discovery.file.root", "must not be empty");
+    let mut c = file_store();
+    c.dynamo.discovery.file.ttl = HumanDuration::from_secs(0);
+    expect_error(&c, "dynamo.discovery.file.ttl", "greater than 0");
+    let mut c = file_store();
+    c.dynamo.discovery.file.rescan_interval = HumanDuration::from_millis(1);
+    expect_error(&c, "dynamo.discovery.file.rescan_interval", "at least 10ms");
+    let mut c = file_store();
+    c.dynamo.discovery.file.rescan_interval = HumanDuration::from_secs(30);
+    expect_warning(
+        &c,
+        "dynamo.discovery.file.rescan_interval",
+        "longer than ttl",
+    );
+    expect_clean_at(&file_store(), "dynamo.discovery.file.rescan_interval");
 }

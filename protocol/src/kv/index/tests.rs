@@ -678,3 +678,24 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn rank_blocks_counts_each_ranks_blocks_in_order() {
+    let mut f = Fixture::new(KvIndexLimits::default());
+    f.apply(W2, R0, stored(None, &[(201, 1), (202, 2)]));
+    f.apply(W1, R0, stored(None, &[(101, 1), (102, 2), (103, 3)]));
+    f.apply(W1, R1, stored(None, &[(111, 1)]));
+    f.apply(W1, R0, removed(&[103]));
+    assert_eq!(
+        f.index.rank_blocks(),
+        vec![(W1, R0, 2), (W1, R1, 1), (W2, R0, 2)]
+    );
+    f.index.clear_worker(W1);
+    let left: Vec<_> = f
+        .index
+        .rank_blocks()
+        .into_iter()
+        .filter(|&(_, _, n)| n > 0)
+        .collect();
+    assert_eq!(left, vec![(W2, R0, 2)]);
+}

@@ -1,0 +1,563 @@
+//! The front door's connection layer: accepts TCP connections and serves the router over
+//! HTTP/1.1 or h2c (hyper-util's auto builder, as `axum::serve` did) with a timer, so that no
+//! client can hold a connection, and with it a file descriptor, for free.
+//!
+//! - **Header-read timeout** (HTTP/1.1): a connection waiting for a request must deliver the whole
+//!   head within `server.header_read_timeout` (hyper's timer).
+//! - **Body-read timeout**: a request body must arrive whole within `server.body_read_timeout` of
+//!   its head; a late body fails the read and the handler answers 408.
+//! - **Idle timeout**: a connection with no request in flight (nothing sent yet, a stalled head,
+//!   an h2c connection without streams, a kept-alive connection) is closed after
+//!   `server.idle_timeout`. A request is in flight from its head until its response body ends,
+//!   so a streamed (SSE) response is never cut by either timeout.
+//! - **Connection cap**: at most `server.max_connections` (lowered to what the process's
+//!   open-file limit can carry) are open; a new connection beyond it closes the oldest idle one,
+//!   or is itself refused when every open connection has a request in flight. Both count in
+//!   `continuum_http_connections_shed_total{reason}`.
+//!
+//! Every accepted socket gets `TCP_NODELAY` (see [`super::listener`]).
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::Request;
+use bytes::Bytes;
+use continuum_actors::metrics::Metrics;
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use prometheus::{IntCounterVec, IntGauge, Opts};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, mpsc, watch};
+use tokio::time::{Instant, Sleep};
+use tower_service::Service as _;
+use tracing::{debug, info, warn};
+
+use crate::config::ServerConfig;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// File descriptors kept free of client connections (listener, logs, etcd, ZMQ, artifacts).
+pub const FD_RESERVE: u64 = 64;
+
+/// How long the accept loop backs off after an accept error (e.g. out of file descriptors).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(20);
+
+/// Accept errors are logged at most this often (with a running count).
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(5);
+
+/// The front door's connection settings (`server.*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServeOptions {
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_connections: usize,
+}
+
+impl ServeOptions {
+    pub fn from_config(server: &ServerConfig) -> Self {
+        Self {
+            header_read_timeout: server.header_read_timeout.get(),
+            body_read_timeout: server.body_read_timeout.get(),
+            idle_timeout: server.idle_timeout.get(),
+            max_connections: server.max_connections,
+        }
+    }
+}
+
+/// The connection cap the process can carry: `configured`, lowered when the soft open-file limit
+/// `nofile` cannot hold that many client sockets plus one backend socket each and
+/// [`FD_RESERVE`].
+pub fn effective_max_connections(configured: usize, nofile: Option<u64>) -> usize {
+    let Some(nofile) = nofile else {
+        return configured;
+    };
+    let carried = usize::try_from(nofile.saturating_sub(FD_RESERVE) / 2).unwrap_or(usize::MAX);
+    configured.min(carried.max(1))
+}
+
+/// The soft `RLIMIT_NOFILE` of this process, from `/proc/self/limits` (Linux); `None` elsewhere
+/// or when unlimited.
+pub fn soft_nofile_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits
+        .lines()
+        .find(|line| line.starts_with("Max open files"))?;
+    line.trim_start_matches("Max open files")
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Why a connection was shed at the cap (`continuum_http_connections_shed_total{reason}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShedReason {
+    /// The oldest connection with no request in flight was closed to make room.
+    EvictedIdle,
+    /// Every open connection had a request in flight: the new one was closed unserved.
+    Refused,
+}
+
+impl ShedReason {
+    pub const ALL: [ShedReason; 2] = [ShedReason::EvictedIdle, ShedReason::Refused];
+
+    pub const fn as_label(self) -> &'static str {
+        match self {
+            ShedReason::EvictedIdle => "evicted_idle",
+            ShedReason::Refused => "refused",
+        }
+    }
+}
+
+/// `continuum_http_connections`, `continuum_http_connections_limit` and
+/// `continuum_http_connections_shed_total{reason}`.
+#[derive(Clone)]
+struct ConnMetrics {
+    open: IntGauge,
+    limit: IntGauge,
+    shed: IntCounterVec,
+}
+
+impl ConnMetrics {
+    fn new(metrics: Option<&Metrics>) -> Self {
+        let open = IntGauge::new(
+            "continuum_http_connections",
+            "Client connections the front door holds open.",
+        )
+        .expect("a valid metric name");
+        let limit = IntGauge::new(
+            "continuum_http_connections_limit",
+            "The front door's effective connection cap.",
+        )
+        .expect("a valid metric name");
+        let shed = IntCounterVec::new(
+            Opts::new(
+                "continuum_http_connections_shed_total",
+                "Client connections closed at the connection cap.",
+            ),
+            &["reason"],
+        )
+        .expect("a valid metric name");
+        for reason in ShedReason::ALL {
+            shed.with_label_values(&[reason.as_label()]);
+        }
+        if let Some(metrics) = metrics {
+            let registry = metrics.registry();
+            for collector in [
+                Box::new(open.clone()) as Box<dyn prometheus::core::Collector>,
+                Box::new(limit.clone()),
+                Box::new(shed.clone()),
+            ] {
+                if let Err(error) = registry.register(collector) {
+                    debug!(%error, "The front door's connection metrics are already registered.");
+                }
+            }
+        }
+        Self { open, limit, shed }
+    }
+
+    fn shed(&self, reason: ShedReason) {
+        self.shed.with_label_values(&[reason.as_label()]).inc();
+    }
+}
+
+/// One open connection's activity, shared by its task, its requests and the table.
+struct Conn {
+    /// Requests whose response body has not ended.
+    in_flight: AtomicUsize,
+    /// When `in_flight` last dropped to 0 (or the connection opened).
+    idle_since: Mutex<Instant>,
+    /// Signalled on every request start and end.
+    activity: Notify,
+    /// Signalled to close the connection now (evicted at the cap).
+    evict: Notify,
+}
+
+impl Conn {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            in_flight: AtomicUsize::new(0),
+            idle_since: Mutex::new(Instant::now()),
+            activity: Notify::new(),
+            evict: Notify::new(),
+        })
+    }
+
+    fn idle_since(&self) -> Instant {
+        *self
+            .idle_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Resolves once the connection has had no request in flight for `timeout`.
+    async fn idle_for(&self, timeout: Duration) {
+        loop {
+            if self.in_flight.load(Ordering::Acquire) > 0 {
+                self.activity.notified().await;
+                continue;
+            }
+            let deadline = self.idle_since() + timeout;
+            if Instant::now() >= deadline {
+                return;
+            }
+            tokio::select! {
+                () = tokio::time::sleep_until(deadline) => {}
+                () = self.activity.notified() => {}
+            }
+        }
+    }
+}
+
+/// Marks a request in flight until dropped (with the response body, or with the handler's
+/// future when the client goes away first).
+struct InFlight(Arc<Conn>);
+
+impl InFlight {
+    fn start(conn: Arc<Conn>) -> Self {
+        conn.in_flight.fetch_add(1, Ordering::AcqRel);
+        conn.activity.notify_one();
+        Self(conn)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            *self
+                .0
+                .idle_since
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        }
+        self.0.activity.notify_one();
+    }
+}
+
+/// Open connections by accept order (oldest first), for eviction at the cap.
+#[derive(Default)]
+struct Table {
+    next: u64,
+    open: BTreeMap<u64, Arc<Conn>>,
+}
+
+impl Table {
+    fn insert(&mut self, conn: Arc<Conn>) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        self.open.insert(id, conn);
+        id
+    }
+
+    /// Removes and returns the oldest connection with no request in flight.
+    fn evict_oldest_idle(&mut self) -> Option<Arc<Conn>> {
+        let id = self
+            .open
+            .iter()
+            .find(|(_, conn)| conn.in_flight.load(Ordering::Acquire) == 0)
+            .map(|(id, _)| *id)?;
+        self.open.remove(&id)
+    }
+}
+
+type SharedTable = Arc<Mutex<Table>>;
+
+fn lock(table: &SharedTable) -> std::sync::MutexGuard<'_, Table> {
+    table.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The request body failed to arrive within `server.body_read_timeout`.
+#[derive(Debug, thiserror::Error)]
+#[error("the request body did not arrive within {0:?}")]
+pub struct BodyReadTimeout(pub Duration);
+
+/// Whether `error` (or one of its sources) is a [`BodyReadTimeout`].
+pub fn is_body_read_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(e) = current {
+        if e.is::<BodyReadTimeout>() {
+            return true;
+        }
+        current = e.source();
+    }
+    false
+}
+
+/// A request body that fails with [`BodyReadTimeout`] once its deadline passes.
+struct TimedBody {
+    inner: Incoming,
+    deadline: Instant,
+    timeout: Duration,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl hyper::body::Body for TimedBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(frame.map(|f| f.map_err(BoxError::from))),
+            Poll::Pending => {
+                let deadline = this.deadline;
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        Poll::Ready(Some(Err(Box::new(BodyReadTimeout(this.timeout)))))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        hyper::body::Body::is_end_stream(&self.inner)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        hyper::body::Body::size_hint(&self.inner)
+    }
+}
+
+/// A response body that keeps its request in flight until it ends or is dropped.
+struct TrackedBody {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl hyper::body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        hyper::body::Body::is_end_stream(&self.inner)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        hyper::body::Body::size_hint(&self.inner)
+    }
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves, then stops accepting, lets every
+/// connection finish its in-flight requests (graceful), and returns when all are closed.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    options: ServeOptions,
+    metrics: Option<&Metrics>,
+    shutdown: impl Future<Output = ()> + Send,
+) {
+    let conn_metrics = ConnMetrics::new(metrics);
+    let nofile = soft_nofile_limit();
+    let cap = effective_max_connections(options.max_connections, nofile);
+    if cap < options.max_connections {
+        warn!(
+            configured = options.max_connections,
+            effective = cap,
+            soft_nofile_limit = nofile,
+            "The open-file limit cannot carry server.max_connections client connections (each \
+             may need a backend socket too); capping connections lower. Raise the limit \
+             (ulimit -n, LimitNOFILE=) to use the configured cap."
+        );
+    } else {
+        info!(
+            max_connections = cap,
+            soft_nofile_limit = nofile,
+            "Front door connection cap."
+        );
+    }
+    conn_metrics
+        .limit
+        .set(i64::try_from(cap).unwrap_or(i64::MAX));
+
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(options.header_read_timeout);
+    builder.http2().timer(TokioTimer::new());
+    let builder = Arc::new(builder);
+    let table = SharedTable::default();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // Every connection task holds a clone; `recv()` returns `None` once all have ended.
+    let (alive_tx, mut alive_rx) = mpsc::channel::<Infallible>(1);
+
+    let (mut accept_errors, mut last_warned) = (0u64, None);
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _peer)) => stream,
+            Err(error) => {
+                // Out of descriptors (or another transient failure): free one idle connection
+                // if there is one, and back off so the loop does not spin.
+                if let Some(victim) = lock(&table).evict_oldest_idle() {
+                    victim.evict.notify_one();
+                    conn_metrics.shed(ShedReason::EvictedIdle);
+                }
+                accept_errors += 1;
+                if last_warned.is_none_or(|at: Instant| at.elapsed() >= ACCEPT_WARN_EVERY) {
+                    warn!(%error, accept_errors, "accept error");
+                    last_warned = Some(Instant::now());
+                }
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+                continue;
+            }
+        };
+        super::configure_accepted(&stream);
+        let conn = Conn::new();
+        let id = {
+            let mut table = lock(&table);
+            if table.open.len() >= cap {
+                match table.evict_oldest_idle() {
+                    Some(victim) => {
+                        victim.evict.notify_one();
+                        conn_metrics.shed(ShedReason::EvictedIdle);
+                    }
+                    None => {
+                        conn_metrics.shed(ShedReason::Refused);
+                        drop(table);
+                        drop(stream);
+                        continue;
+                    }
+                }
+            }
+            table.insert(conn.clone())
+        };
+        conn_metrics.open.inc();
+        let task = Connection {
+            router: router.clone(),
+            conn,
+            id,
+            table: table.clone(),
+            options,
+            builder: builder.clone(),
+            stop: stop_rx.clone(),
+            metrics: conn_metrics.clone(),
+            _alive: alive_tx.clone(),
+        };
+        tokio::spawn(task.run(stream));
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    drop(alive_tx);
+    let _ = alive_rx.recv().await;
+}
+
+/// One client connection's task.
+struct Connection {
+    router: Router,
+    conn: Arc<Conn>,
+    id: u64,
+    table: SharedTable,
+    options: ServeOptions,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    stop: watch::Receiver<bool>,
+    metrics: ConnMetrics,
+    _alive: mpsc::Sender<Infallible>,
+}
+
+impl Connection {
+    async fn run(mut self, stream: TcpStream) {
+        let service = {
+            let (router, conn) = (self.router.clone(), self.conn.clone());
+            let body_timeout = self.options.body_read_timeout;
+            hyper::service::service_fn(move |req: Request<Incoming>| {
+                let in_flight = InFlight::start(conn.clone());
+                let req = req.map(|inner| {
+                    Body::new(TimedBody {
+                        inner,
+                        deadline: Instant::now() + body_timeout,
+                        timeout: body_timeout,
+                        timer: None,
+                    })
+                });
+                let mut router = router.clone();
+                async move {
+                    let response = router.call(req).await?;
+                    Ok::<_, Infallible>(response.map(|inner| {
+                        Body::new(TrackedBody {
+                            inner,
+                            _in_flight: in_flight,
+                        })
+                    }))
+                }
+            })
+        };
+        let connection = self.builder.serve_connection(TokioIo::new(stream), service);
+        tokio::pin!(connection);
+        let mut draining = false;
+        loop {
+            tokio::select! {
+                result = connection.as_mut() => {
+                    if let Err(error) = result {
+                        debug!(error = %error, "A client connection ended with an error.");
+                    }
+                    break;
+                }
+                () = self.conn.evict.notified() => {
+                    debug!("Closing an idle client connection at the connection cap.");
+                    break;
+                }
+                () = self.conn.idle_for(self.options.idle_timeout) => {
+                    debug!("Closing a client connection idle for server.idle_timeout.");
+                    break;
+                }
+                _ = self.stop.wait_for(|stop| *stop), if !draining => {
+                    connection.as_mut().graceful_shutdown();
+                    draining = true;
+                }
+            }
+        }
+        lock(&self.table).open.remove(&self.id);
+        self.metrics.open.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cap_is_lowered_to_what_the_fd_limit_carries() {
+        assert_eq!(effective_max_connections(4096, None), 4096);
+        assert_eq!(effective_max_connections(4096, Some(1024)), 480);
+        assert_eq!(effective_max_connections(100, Some(1024)), 100);
+        assert_eq!(effective_max_connections(4096, Some(10)), 1);
+        assert_eq!(effective_max_connections(4096, Some(1_048_576)), 4096);
+    }
+
+    #[test]
+    fn the_soft_limit_is_read_on_linux() {
+        if cfg!(target_os = "linux") {
+            assert!(soft_nofile_limit().is_some_and(|n| n > 0));
+        }
+    }
+}
