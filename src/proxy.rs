@@ -120,10 +120,9 @@ pub struct ClientRequest {
     pub authenticated: bool,
 }
 
-/// The proxy: a backend pool, the upstream client and the reloadable routing switches.
+/// The proxy: a backend pool (which owns the upstream clients) and the reloadable routing switches.
 pub struct Proxy {
     pool: BackendPool,
-    upstream: Upstream,
     options: ProxyOptions,
     disaggregated: AtomicBool,
     fallback_to_unified: AtomicBool,
@@ -137,8 +136,7 @@ impl Proxy {
     pub fn new(options: ProxyOptions, metrics: Option<Metrics>) -> Self {
         let upstream = Upstream::new(options.connect_timeout);
         Self {
-            pool: BackendPool::new(upstream.clone(), options.clock.clone(), options.breaker),
-            upstream,
+            pool: BackendPool::new(upstream, options.clock.clone(), options.breaker),
             options,
             disaggregated: AtomicBool::new(false),
             fallback_to_unified: AtomicBool::new(true),
@@ -451,8 +449,8 @@ impl Proxy {
             } else {
                 outbound_headers.clone()
             };
-            match self
-                .upstream
+            match backend
+                .upstream()
                 .send(req, self.options.response_head_timeout)
                 .await
             {

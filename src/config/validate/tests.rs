@@ -722,10 +722,12 @@ fn shim_replica_internal_or_disabled_warns() {
 }
 
 #[test]
-fn shim_replica_with_non_unified_role_warns() {
-    let mut c = base();
-    c.backends[0].role = BackendRole::Decode;
-    expect_warning(&c, "dynamo.shim.backends[0]", "role unified");
+fn backend_roles_other_than_unified_are_rejected() {
+    for role in [BackendRole::Prefill, BackendRole::Decode] {
+        let mut c = base();
+        c.backends[0].role = role;
+        expect_error(&c, "backends[0].role", "only role unified is routed");
+    }
 }
 
 #[test]
