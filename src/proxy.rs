@@ -6,7 +6,7 @@
 //! | [`body`] | bounded body reading, JSON validation, `nvext` pin stripping |
 //! | [`headers`] | hop-by-hop and pin header hygiene, [`Dispatch`] (worker pins) |
 //! | [`backends`] | the backend pool: selection, health-check tasks, circuit breakers |
-//! | [`upstream`] | the pooled hyper-util client and backend URLs |
+//! | [`upstream`] | the pooled hyper-util client (plain HTTP or rustls TLS, ALPN h2) and backend URLs |
 //! | [`relay`] | buffered and streamed (SSE) response relay |
 //!
 //! Flow per request: authenticate → read ≤ 8 MiB → parse the top level only (`model` required;

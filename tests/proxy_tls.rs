@@ -1,5 +1,5 @@
 //! HTTPS backends through the real `front_door::router` against a local TLS upstream (tokio-rustls
-//! + hyper, HTTP/2 or HTTP/1.1 by ALPN) whose certificate is signed by a CA generated at test time
+//! and hyper, HTTP/2 or HTTP/1.1 by ALPN) whose certificate is signed by a CA generated at test time
 //! with the openssl CLI: the CA configured in `backends[].tls.ca_cert` is trusted, the webpki roots
 //! alone are not, a certificate for another host name is refused, and h2 is used when offered.
 
@@ -76,15 +76,38 @@ fn server_cert(dir: &Path, name: &str, san: &str) -> (PathBuf, PathBuf) {
     openssl(
         dir,
         &[
-            "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", &key, "-out", &csr, "-subj", "/CN=continuum-test-server",
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            "/CN=continuum-test-server",
         ],
     );
     openssl(
         dir,
         &[
-            "x509", "-req", "-in", &csr, "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", &pem, "-days", "2", "-extfile", &ext,
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &pem,
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
         ],
     );
     (dir.join(pem), dir.join(key))
@@ -95,8 +118,20 @@ fn pki() -> Pki {
     openssl(
         dir.path(),
         &[
-            "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-            "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
             "/CN=continuum-test-ca",
         ],
     );
@@ -172,7 +207,11 @@ async fn answer(
     seen: mpsc::UnboundedSender<Seen>,
 ) -> Result<Response<Body>, Infallible> {
     let (parts, body) = req.into_parts();
-    let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    let body = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
     let _ = seen.send(Seen {
         version: parts.version,
         path: parts.uri.path().to_owned(),
@@ -274,7 +313,10 @@ async fn relays_over_tls(alpn: &[&[u8]]) -> Vec<Version> {
     let pki = pki();
     let mut up = tls_upstream(&pki.good, alpn).await;
     let url = format!("https://localhost:{}/v1", up.addr.port());
-    let (state, _proxy) = harness(backend(&url, Some(&pki.ca), false), BreakerConfig::default());
+    let (state, _proxy) = harness(
+        backend(&url, Some(&pki.ca), false),
+        BreakerConfig::default(),
+    );
 
     let resp = chat(&state, false).await;
     assert_eq!(resp.status(), StatusCode::OK);
@@ -359,4 +401,28 @@ async fn health_checks_of_an_https_backend_use_its_ca() {
     // backend's CA succeeded (an IP-address host name, checked against the IP SAN).
     let probe = next_seen(&mut up).await;
     assert_eq!(probe.path, "/health");
+}
+
+#[tokio::test]
+async fn a_reload_that_adds_the_ca_makes_the_backend_reachable() {
+    let pki = pki();
+    let mut up = tls_upstream(&pki.good, &[b"h2", b"http/1.1"]).await;
+    let url = format!("https://localhost:{}", up.addr.port());
+    let (state, proxy) = harness(backend(&url, None, false), BreakerConfig::default());
+    assert_eq!(chat(&state, false).await.status(), StatusCode::BAD_GATEWAY);
+
+    proxy.set_backends(
+        &[backend(&url, Some(&pki.ca), false)],
+        &DisaggregatedServingConfig::default(),
+    );
+    let resp = chat(&state, false).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(next_seen(&mut up).await.path, "/v1/chat/completions");
+
+    // And removing it again distrusts the upstream (a fresh handshake on the shared client).
+    proxy.set_backends(
+        &[backend(&url, None, false)],
+        &DisaggregatedServingConfig::default(),
+    );
+    assert_eq!(chat(&state, false).await.status(), StatusCode::BAD_GATEWAY);
 }

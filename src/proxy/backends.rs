@@ -132,8 +132,9 @@ pub struct Scope<'a> {
 }
 
 struct Checker {
-    /// The settings the task was started with; a change restarts it.
-    key: (String, HealthCheckConfig),
+    /// The settings the task was started with (URL, health check, trusted CA certificates); a
+    /// change restarts it, so the task always probes with the backend's current client.
+    key: (String, HealthCheckConfig, Vec<CertificateDer<'static>>),
     task: JoinHandle<()>,
 }
 
@@ -224,7 +225,12 @@ impl BackendPool {
             .collect();
         checkers.retain(|name, checker| {
             let keep = wanted.get(name.as_str()).is_some_and(|b| {
-                checker.key == (b.config.url.clone(), b.config.health_check.clone())
+                checker.key
+                    == (
+                        b.config.url.clone(),
+                        b.config.health_check.clone(),
+                        b.trusted.clone(),
+                    )
                     && same_state(&old, &next, name)
             });
             if !keep {
@@ -243,6 +249,7 @@ impl BackendPool {
                     key: (
                         backend.config.url.clone(),
                         backend.config.health_check.clone(),
+                        backend.trusted.clone(),
                     ),
                     task,
                 },

@@ -8,8 +8,8 @@ use axum::http::{Request, Response, Uri, uri};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
 use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
+use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::CertificateDer;
@@ -143,9 +143,7 @@ pub fn read_ca_file(path: &std::path::Path) -> Result<Vec<CertificateDer<'static
         .read_to_end(&mut pem)
         .map_err(|e| format!("cannot read {shown}: {e}"))?;
     if pem.len() as u64 > MAX_CA_FILE_BYTES {
-        return Err(format!(
-            "{shown} is larger than {MAX_CA_FILE_BYTES} bytes"
-        ));
+        return Err(format!("{shown} is larger than {MAX_CA_FILE_BYTES} bytes"));
     }
     let certs = CertificateDer::pem_slice_iter(&pem)
         .collect::<Result<Vec<_>, _>>()
