@@ -136,6 +136,7 @@ async fn router(upstream: SocketAddr) -> SocketAddr {
                 enabled: false,
                 ..HealthCheckConfig::default()
             },
+            tls: Default::default(),
         }],
         &DisaggregatedServingConfig::default(),
     );

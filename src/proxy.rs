@@ -6,7 +6,7 @@
 //! | [`body`] | bounded body reading, JSON validation, `nvext` pin stripping |
 //! | [`headers`] | hop-by-hop and pin header hygiene, [`Dispatch`] (worker pins) |
 //! | [`backends`] | the backend pool: selection, health-check tasks, circuit breakers |
-//! | [`upstream`] | the pooled hyper-util client and backend URLs |
+//! | [`upstream`] | the pooled hyper-util client (plain HTTP or rustls TLS, ALPN h2) and backend URLs |
 //! | [`relay`] | buffered and streamed (SSE) response relay |
 //!
 //! Flow per request: authenticate → read ≤ 8 MiB → parse the top level only (`model` required;
@@ -120,10 +120,9 @@ pub struct ClientRequest {
     pub authenticated: bool,
 }
 
-/// The proxy: a backend pool, the upstream client and the reloadable routing switches.
+/// The proxy: a backend pool (which owns the upstream clients) and the reloadable routing switches.
 pub struct Proxy {
     pool: BackendPool,
-    upstream: Upstream,
     options: ProxyOptions,
     disaggregated: AtomicBool,
     fallback_to_unified: AtomicBool,
@@ -137,8 +136,7 @@ impl Proxy {
     pub fn new(options: ProxyOptions, metrics: Option<Metrics>) -> Self {
         let upstream = Upstream::new(options.connect_timeout);
         Self {
-            pool: BackendPool::new(upstream.clone(), options.clock.clone(), options.breaker),
-            upstream,
+            pool: BackendPool::new(upstream, options.clock.clone(), options.breaker),
             options,
             disaggregated: AtomicBool::new(false),
             fallback_to_unified: AtomicBool::new(true),
@@ -451,8 +449,8 @@ impl Proxy {
             } else {
                 outbound_headers.clone()
             };
-            match self
-                .upstream
+            match backend
+                .upstream()
                 .send(req, self.options.response_head_timeout)
                 .await
             {

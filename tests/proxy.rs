@@ -43,6 +43,7 @@ fn backend(name: &str, url: &str, models: &[&str]) -> BackendConfig {
             enabled: false,
             ..HealthCheckConfig::default()
         },
+        tls: Default::default(),
     }
 }
 

@@ -189,6 +189,17 @@ pub struct BackendConfig {
     pub enabled: bool,
     #[serde(default)]
     pub health_check: HealthCheckConfig,
+    /// TLS settings of an `https://` backend.
+    #[serde(default)]
+    pub tls: BackendTlsConfig,
+}
+
+/// `backends[].tls`: trust for an `https://` backend beyond the built-in webpki roots.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendTlsConfig {
+    /// PEM file of extra CA certificates trusted for this backend (besides the webpki roots).
+    pub ca_cert: Option<PathBuf>,
 }
 
 /// `backends[].health_check`.

@@ -155,6 +155,25 @@ impl Validator {
             if let Err(message) = check_http_url(&backend.url, false) {
                 self.err(format!("{path}.url"), message);
             }
+            if backend.role != BackendRole::Unified {
+                self.err(
+                    format!("{path}.role"),
+                    "only role unified is routed: standard routing sends requests to unified \
+                     backends, and prefill/decode phases run behind a unified Dynamo shim \
+                     replica (dynamo.shim); set role: unified",
+                );
+            }
+            if let Some(ca) = &backend.tls.ca_cert {
+                if !backend.url.starts_with("https://") {
+                    self.err(
+                        format!("{path}.tls.ca_cert"),
+                        "tls.ca_cert applies to https:// backends only",
+                    );
+                }
+                if let Err(message) = crate::proxy::upstream::read_ca_file(ca) {
+                    self.err(format!("{path}.tls.ca_cert"), message);
+                }
+            }
             let mut models = BTreeSet::new();
             for (j, model) in backend.models.iter().enumerate() {
                 if model.trim().is_empty() {
@@ -792,15 +811,6 @@ impl Validator {
                                 } else {
                                     "enabled: false"
                                 }
-                            ),
-                        );
-                    }
-                    if backend.role != BackendRole::Unified {
-                        self.warn(
-                            item,
-                            format!(
-                                "shim replica {name:?} should have role unified (the shim runs \
-                                 both phases itself)"
                             ),
                         );
                     }

@@ -19,6 +19,7 @@ use continuum_protocol::breaker::{
 };
 use continuum_protocol::time::Tick;
 use http_body_util::{BodyExt, Full, Limited};
+use rustls::pki_types::CertificateDer;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
@@ -53,6 +54,11 @@ pub struct Backend {
     config: BackendConfig,
     target: Result<Target, String>,
     state: Arc<BackendState>,
+    /// The client that dials this backend: the pool's shared one, or one of its own that also
+    /// trusts the backend's `tls.ca_cert`. Health checks use it too.
+    upstream: Upstream,
+    /// The certificates of `tls.ca_cert` as read at the last reload (empty without one).
+    trusted: Vec<CertificateDer<'static>>,
 }
 
 impl Backend {
@@ -66,6 +72,11 @@ impl Backend {
 
     pub fn target(&self) -> Result<&Target, &str> {
         self.target.as_ref().map_err(String::as_str)
+    }
+
+    /// The client that dials this backend (and runs its health checks).
+    pub fn upstream(&self) -> &Upstream {
+        &self.upstream
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -121,8 +132,9 @@ pub struct Scope<'a> {
 }
 
 struct Checker {
-    /// The settings the task was started with; a change restarts it.
-    key: (String, HealthCheckConfig),
+    /// The settings the task was started with (URL, health check, trusted CA certificates); a
+    /// change restarts it, so the task always probes with the backend's current client.
+    key: (String, HealthCheckConfig, Vec<CertificateDer<'static>>),
     task: JoinHandle<()>,
 }
 
@@ -186,7 +198,14 @@ impl BackendPool {
                     breaker: Mutex::new(Breaker::new(self.breaker)),
                 }),
             };
-            let target = Target::parse(&config.url).map_err(|e| e.to_string());
+            let (target, upstream, trusted) = match self.client_for(config, &old) {
+                Ok((upstream, trusted)) => (
+                    Target::parse(&config.url).map_err(|e| e.to_string()),
+                    upstream,
+                    trusted,
+                ),
+                Err(error) => (Err(error), self.upstream.clone(), Vec::new()),
+            };
             if let Err(error) = &target {
                 warn!(backend = %config.name, %error, "A backend cannot be dialled; it is never selected.");
             }
@@ -194,6 +213,8 @@ impl BackendPool {
                 config: config.clone(),
                 target,
                 state,
+                upstream,
+                trusted,
             }));
         }
         // Probe tasks follow the new set.
@@ -204,7 +225,12 @@ impl BackendPool {
             .collect();
         checkers.retain(|name, checker| {
             let keep = wanted.get(name.as_str()).is_some_and(|b| {
-                checker.key == (b.config.url.clone(), b.config.health_check.clone())
+                checker.key
+                    == (
+                        b.config.url.clone(),
+                        b.config.health_check.clone(),
+                        b.trusted.clone(),
+                    )
                     && same_state(&old, &next, name)
             });
             if !keep {
@@ -216,19 +242,46 @@ impl BackendPool {
             if checkers.contains_key(name) {
                 continue;
             }
-            let task = tokio::spawn(probe_loop(self.upstream.clone(), backend.clone()));
+            let task = tokio::spawn(probe_loop(backend.upstream.clone(), backend.clone()));
             checkers.insert(
                 name.to_owned(),
                 Checker {
                     key: (
                         backend.config.url.clone(),
                         backend.config.health_check.clone(),
+                        backend.trusted.clone(),
                     ),
                     task,
                 },
             );
         }
         self.backends.store(Arc::new(next));
+    }
+
+    /// The client for `config`: the shared one, or (with `tls.ca_cert`) one that also trusts that
+    /// CA, kept from `old` when the backend's URL and TLS settings are unchanged (so its pooled
+    /// connections survive a reload). The CA file is read again here, so a reload picks up a
+    /// rotated file.
+    fn client_for(
+        &self,
+        config: &BackendConfig,
+        old: &[Arc<Backend>],
+    ) -> Result<(Upstream, Vec<CertificateDer<'static>>), String> {
+        let Some(ca) = &config.tls.ca_cert else {
+            return Ok((self.upstream.clone(), Vec::new()));
+        };
+        let roots = super::upstream::read_ca_file(ca)?;
+        if let Some(kept) = old.iter().find(|b| {
+            b.config.name == config.name
+                && b.config.url == config.url
+                && b.config.tls == config.tls
+                && b.target.is_ok()
+                && b.trusted == roots
+        }) {
+            return Ok((kept.upstream.clone(), roots));
+        }
+        let upstream = self.upstream.trusting(&roots)?;
+        Ok((upstream, roots))
     }
 
     /// Usable replicas for `model` within `scope`, rotated by the pool's round-robin cursor.

@@ -1,15 +1,19 @@
-//! The pooled upstream HTTP client (hyper-util legacy client over plain HTTP) and backend
-//! base-URL handling.
+//! The pooled upstream HTTP client (hyper-util legacy client over plain HTTP or rustls TLS, with
+//! ALPN offering h2 and http/1.1) and backend base-URL handling.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{Request, Response, Uri, uri};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
 
 /// Why an upstream exchange failed before a response head arrived.
 #[derive(Debug, thiserror::Error)]
@@ -40,13 +44,12 @@ const COMPLETIONS: &str = "/v1/completions";
 pub enum TargetError {
     #[error("invalid backend URL {url:?}: {reason}")]
     Invalid { url: String, reason: String },
-    #[error("backend URL {0:?} uses https, which this build's proxy does not dial yet")]
-    Https(String),
 }
 
 /// A parsed `backends[].url`: scheme, authority and an optional base path.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Target {
+    https: bool,
     authority: uri::Authority,
     base_path: String,
     /// The OpenAI routes' URIs, built once: every request needs one.
@@ -63,17 +66,18 @@ impl Target {
         let parsed: Uri = url
             .parse()
             .map_err(|e: uri::InvalidUri| invalid(&e.to_string()))?;
-        match parsed.scheme_str() {
-            Some("http") => {}
-            Some("https") => return Err(TargetError::Https(url.to_owned())),
-            _ => return Err(invalid("the scheme must be http")),
-        }
+        let https = match parsed.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => return Err(invalid("the scheme must be http or https")),
+        };
         let authority = parsed
             .authority()
             .cloned()
             .ok_or_else(|| invalid("no host"))?;
         let base_path = parsed.path().trim_end_matches('/').to_owned();
         let mut target = Self {
+            https,
             authority,
             base_path,
             chat_completions: None,
@@ -103,13 +107,14 @@ impl Target {
             (true, Some(rest)) => format!("{}/{rest}", self.base_path),
             _ => format!("{}{path}", self.base_path),
         };
+        let scheme = if self.https { "https" } else { "http" };
         Uri::builder()
-            .scheme("http")
+            .scheme(scheme)
             .authority(self.authority.clone())
             .path_and_query(path.as_str())
             .build()
             .map_err(|e| TargetError::Invalid {
-                url: format!("http://{}{path}", self.authority),
+                url: format!("{scheme}://{}{path}", self.authority),
                 reason: e.to_string(),
             })
     }
@@ -117,12 +122,78 @@ impl Target {
     pub fn authority(&self) -> &uri::Authority {
         &self.authority
     }
+
+    /// Whether the backend is dialled over TLS.
+    pub fn is_https(&self) -> bool {
+        self.https
+    }
+}
+
+/// Largest CA file read (`backends[].tls.ca_file`).
+pub const MAX_CA_FILE_BYTES: u64 = 1024 * 1024;
+
+/// Reads the PEM certificates of a CA file: an unreadable file, one larger than
+/// [`MAX_CA_FILE_BYTES`], or one holding no parsable `CERTIFICATE` block is an error.
+pub fn read_ca_file(path: &std::path::Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    use std::io::Read;
+    let shown = path.display();
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
+    let mut pem = Vec::new();
+    file.take(MAX_CA_FILE_BYTES + 1)
+        .read_to_end(&mut pem)
+        .map_err(|e| format!("cannot read {shown}: {e}"))?;
+    if pem.len() as u64 > MAX_CA_FILE_BYTES {
+        return Err(format!("{shown} is larger than {MAX_CA_FILE_BYTES} bytes"));
+    }
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{shown} is not valid PEM: {e}"))?;
+    if certs.is_empty() {
+        return Err(format!("{shown} holds no PEM CERTIFICATE block"));
+    }
+    // Each certificate must also be usable as a trust anchor.
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in &certs {
+        roots
+            .add(cert.clone())
+            .map_err(|e| format!("{shown} holds a certificate that is not a usable CA: {e}"))?;
+    }
+    Ok(certs)
+}
+
+/// The TLS settings of an upstream client: the webpki roots plus `extra_roots` (a backend's CA
+/// file), ring provider, TLS 1.2 and 1.3. ALPN (h2, http/1.1) is set by the connector.
+pub fn tls_config(extra_roots: &[CertificateDer<'static>]) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add_parsable_certificates(webpki_root_certs::TLS_SERVER_ROOT_CERTS.iter().cloned());
+    for cert in extra_roots {
+        roots.add(cert.clone()).map_err(|e| e.to_string())?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 /// The shared, pooled client. Cheap to clone.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    max_idle: usize,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("connect_timeout", &self.connect_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_idle", &self.max_idle)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How long an idle pooled backend connection is kept before it is closed (the pool's reaper
@@ -141,15 +212,60 @@ impl Upstream {
     /// of them kept per host. The pool needs a timer for the idle timeout to take effect:
     /// without one hyper-util never closes an idle connection.
     pub fn with_pool(connect_timeout: Duration, idle_timeout: Duration, max_idle: usize) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(connect_timeout));
-        connector.set_nodelay(true);
+        // The webpki roots alone always make a valid configuration.
+        let tls = tls_config(&[]).unwrap_or_else(|_| {
+            rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .expect("ring supports the default protocol versions")
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth()
+        });
+        Self::build(tls, connect_timeout, idle_timeout, max_idle)
+    }
+
+    /// A client with the same connect timeout and pool settings that also trusts `extra_roots`
+    /// (a backend's `tls.ca_file`). It has its own connection pool.
+    pub fn trusting(&self, extra_roots: &[CertificateDer<'static>]) -> Result<Self, String> {
+        let tls = tls_config(extra_roots)?;
+        Ok(Self::build(
+            tls,
+            self.connect_timeout,
+            self.idle_timeout,
+            self.max_idle,
+        ))
+    }
+
+    fn build(
+        tls: rustls::ClientConfig,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+        max_idle: usize,
+    ) -> Self {
+        let mut http = HttpConnector::new();
+        http.set_connect_timeout(Some(connect_timeout));
+        http.set_nodelay(true);
+        // `https_or_http` leaves the URI scheme check to the connector; the SNI name is the URL
+        // host. Offering h2 first: when the server picks it, the client speaks HTTP/2.
+        http.enforce_http(false);
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(http);
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(idle_timeout)
             .pool_max_idle_per_host(max_idle)
             .build(connector);
-        Self { client }
+        Self {
+            client,
+            connect_timeout,
+            idle_timeout,
+            max_idle,
+        }
     }
 
     /// Sends `req`, waiting at most `head_timeout` for the response head.
@@ -203,10 +319,12 @@ mod tests {
             t.uri("/health").expect("uri").to_string(),
             "http://h:8000/api/v1/health"
         );
-        assert!(matches!(
-            Target::parse("https://h"),
-            Err(TargetError::Https(_))
-        ));
+        let t = Target::parse("https://h/v1").expect("https is dialled");
+        assert!(t.is_https());
+        assert_eq!(
+            t.uri("/v1/chat/completions").expect("uri").to_string(),
+            "https://h/v1/chat/completions"
+        );
         assert!(Target::parse("ftp://h").is_err());
         assert!(Target::parse("not a url").is_err());
     }

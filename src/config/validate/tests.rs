@@ -206,6 +206,63 @@ fn backend_url_must_be_http_without_credentials_query_or_fragment() {
     expect_clean_at(&ok, "backends[0].url");
 }
 
+/// A PEM file holding one real CA certificate (a webpki root).
+fn ca_pem_file() -> tempfile::NamedTempFile {
+    use base64::Engine as _;
+    use std::io::Write as _;
+    let der = &webpki_root_certs::TLS_SERVER_ROOT_CERTS[0];
+    let b64 = base64::engine::general_purpose::STANDARD.encode(der.as_ref());
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in b64.as_bytes().chunks(64) {
+        pem.push_str(std::str::from_utf8(line).unwrap());
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(pem.as_bytes()).unwrap();
+    file
+}
+
+fn file_with(contents: &str) -> tempfile::NamedTempFile {
+    use std::io::Write as _;
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(contents.as_bytes()).unwrap();
+    file
+}
+
+#[test]
+fn backend_tls_ca_cert_is_read_and_parsed_at_validation() {
+    let ca = ca_pem_file();
+    let mut ok = base();
+    ok.backends[0].url = "https://shim.example.com".into();
+    ok.backends[0].tls.ca_cert = Some(ca.path().to_path_buf());
+    expect_clean_at(&ok, "backends[0].tls.ca_cert");
+
+    let mut c = ok.clone();
+    c.backends[0].tls.ca_cert = Some(PathBuf::from("/nonexistent/continuum-ca.pem"));
+    expect_error(&c, "backends[0].tls.ca_cert", "cannot read");
+
+    let garbage = file_with("not a certificate at all\n");
+    c.backends[0].tls.ca_cert = Some(garbage.path().to_path_buf());
+    expect_error(&c, "backends[0].tls.ca_cert", "no PEM CERTIFICATE");
+
+    let empty = file_with("");
+    c.backends[0].tls.ca_cert = Some(empty.path().to_path_buf());
+    expect_error(&c, "backends[0].tls.ca_cert", "no PEM CERTIFICATE");
+
+    let broken = file_with("-----BEGIN CERTIFICATE-----\n@@@@\n-----END CERTIFICATE-----\n");
+    c.backends[0].tls.ca_cert = Some(broken.path().to_path_buf());
+    expect_error(&c, "backends[0].tls.ca_cert", "not valid PEM");
+
+    let not_a_ca = file_with("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
+    c.backends[0].tls.ca_cert = Some(not_a_ca.path().to_path_buf());
+    expect_error(&c, "backends[0].tls.ca_cert", "not a usable CA");
+
+    let mut plain = ok.clone();
+    plain.backends[0].url = "http://shim:8000".into();
+    expect_error(&plain, "backends[0].tls.ca_cert", "https:// backends only");
+}
+
 #[test]
 fn backend_models_must_be_non_empty_and_unique() {
     let mut c = base();
@@ -722,10 +779,12 @@ fn shim_replica_internal_or_disabled_warns() {
 }
 
 #[test]
-fn shim_replica_with_non_unified_role_warns() {
-    let mut c = base();
-    c.backends[0].role = BackendRole::Decode;
-    expect_warning(&c, "dynamo.shim.backends[0]", "role unified");
+fn backend_roles_other_than_unified_are_rejected() {
+    for role in [BackendRole::Prefill, BackendRole::Decode] {
+        let mut c = base();
+        c.backends[0].role = role;
+        expect_error(&c, "backends[0].role", "only role unified is routed");
+    }
 }
 
 #[test]
