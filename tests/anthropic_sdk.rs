@@ -11,10 +11,10 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 
 use continuum_protocol::ingress::anthropic::{
-    chat_response_to_message, direct_mode_refusal, error_body, messages_to_chat, AnthropicStream,
-    ChatRequest, Limits,
+    AnthropicStream, ChatRequest, Limits, chat_response_to_message, direct_mode_refusal,
+    error_body, messages_to_chat,
 };
-use serde_json::{json, Value};
+use serde_json::{Value, json};
 
 fn request(extra: Value) -> ChatRequest {
     let mut v = json!({
@@ -51,9 +51,21 @@ fn outputs_validate_with_the_real_sdks() {
     let limits = Limits::default();
     let req = request(json!({}));
     let chat_responses = vec![
-        chat_response(json!({ "role": "assistant", "content": "Sunny." }), "stop", Value::Null),
-        chat_response(json!({ "role": "assistant", "content": "Sunny. " }), "stop", json!("END")),
-        chat_response(json!({ "role": "assistant", "content": "Sun" }), "length", Value::Null),
+        chat_response(
+            json!({ "role": "assistant", "content": "Sunny." }),
+            "stop",
+            Value::Null,
+        ),
+        chat_response(
+            json!({ "role": "assistant", "content": "Sunny. " }),
+            "stop",
+            json!("END"),
+        ),
+        chat_response(
+            json!({ "role": "assistant", "content": "Sun" }),
+            "length",
+            Value::Null,
+        ),
         chat_response(
             json!({ "role": "assistant", "content": "Checking.", "tool_calls": [
                 { "id": "call_1", "type": "function",
@@ -61,7 +73,11 @@ fn outputs_validate_with_the_real_sdks() {
             "tool_calls",
             Value::Null,
         ),
-        chat_response(json!({ "role": "assistant", "content": "" }), "content_filter", Value::Null),
+        chat_response(
+            json!({ "role": "assistant", "content": "" }),
+            "content_filter",
+            Value::Null,
+        ),
     ];
     let mut messages = Vec::new();
     for (i, c) in chat_responses.iter().enumerate() {
@@ -72,7 +88,13 @@ fn outputs_validate_with_the_real_sdks() {
     let stops: Vec<&Value> = messages.iter().map(|m| &m["stop_reason"]).collect();
     assert_eq!(
         stops,
-        [&json!("end_turn"), &json!("stop_sequence"), &json!("max_tokens"), &json!("tool_use"), &json!("refusal")]
+        [
+            &json!("end_turn"),
+            &json!("stop_sequence"),
+            &json!("max_tokens"),
+            &json!("tool_use"),
+            &json!("refusal")
+        ]
     );
 
     let chunks = vec![
@@ -84,8 +106,14 @@ fn outputs_validate_with_the_real_sdks() {
                                      "function": { "name": "weather", "arguments": "" } }] }),
             None,
         ),
-        chunk(json!({ "tool_calls": [{ "index": 0, "function": { "arguments": "{\"ci" } }] }), None),
-        chunk(json!({ "tool_calls": [{ "index": 0, "function": { "arguments": "ty\":\"Paris\"}" } }] }), None),
+        chunk(
+            json!({ "tool_calls": [{ "index": 0, "function": { "arguments": "{\"ci" } }] }),
+            None,
+        ),
+        chunk(
+            json!({ "tool_calls": [{ "index": 0, "function": { "arguments": "ty\":\"Paris\"}" } }] }),
+            None,
+        ),
         chunk(json!({}), Some("tool_calls")),
         json!({ "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1_700_000_000,
                 "model": "served", "choices": [],
@@ -101,8 +129,10 @@ fn outputs_validate_with_the_real_sdks() {
     let mut failing = AnthropicStream::new(&req, 10, limits);
     events.extend(failing.push(b"{broken"));
     assert_eq!(events.last().map(|e| e.event), Some("error"));
-    let events: Vec<Value> =
-        events.iter().map(|e| json!({ "event": e.event, "data": e.data })).collect();
+    let events: Vec<Value> = events
+        .iter()
+        .map(|e| json!({ "event": e.event, "data": e.data }))
+        .collect();
 
     let mut errors: Vec<Value> = [400, 401, 403, 404, 413, 429, 500, 502, 503, 529]
         .iter()
@@ -110,7 +140,9 @@ fn outputs_validate_with_the_real_sdks() {
         .collect();
     errors.push(direct_mode_refusal().body());
     errors.push(
-        messages_to_chat(b"{", &limits).expect_err("malformed").body(),
+        messages_to_chat(b"{", &limits)
+            .expect_err("malformed")
+            .body(),
     );
 
     let mut wrong = messages[0].clone();
@@ -126,10 +158,14 @@ fn outputs_validate_with_the_real_sdks() {
         "chat_chunks": chunks,
         "must_fail": [wrong, no_usage],
     });
-    let want = messages.len() + events.len() + errors.len() + chat_responses.len() + chunks.len() + 2;
+    let want =
+        messages.len() + events.len() + errors.len() + chat_responses.len() + chunks.len() + 2;
 
     let python = std::env::var("CONTINUUM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/ingress/validate_anthropic.py");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/ingress/validate_anthropic.py"
+    );
     let mut child = Command::new(&python)
         .arg(script)
         .stdin(Stdio::piped())

@@ -38,7 +38,9 @@
 //! **Stream ([`AnthropicStream`])**: chat SSE `data:` payloads in, Anthropic events out in the
 //! order the Anthropic API uses: `message_start`, `ping`, then per text or tool_use block
 //! `content_block_start`, `content_block_delta`* (`text_delta` / `input_json_delta`),
-//! `content_block_stop`, then `message_delta` (stop_reason, usage) and `message_stop`. A malformed
+//! `content_block_stop`, then `message_delta` (stop_reason, usage) and `message_stop`. Token
+//! counts are only known at the end (the upstream's `include_usage` chunk), so `message_start`
+//! carries zeros and `message_delta.usage` the final input/output counts. A malformed
 //! chunk, an upstream error object, a stream that ends before a `finish_reason`, or a bound
 //! exceeded (blocks, tool-argument bytes, chunk bytes) ends the stream with one `error` event.
 //!

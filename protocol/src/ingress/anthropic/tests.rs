@@ -1,3 +1,6 @@
+//! Tests of the Anthropic ingress converters: per-feature tables, golden round trips, exact SSE
+//! event sequences, bounds, and property tests (arbitrary bodies and chunk sequences never panic).
+
 use proptest::prelude::*;
 use serde_json::{Value, json};
 
