@@ -915,3 +915,117 @@ proptest! {
         }
     }
 }
+
+/// Splits `s` at the (sorted, deduplicated, char-boundary) positions in `cuts`.
+fn split_at(s: &str, cuts: &[usize]) -> Vec<String> {
+    let mut at: Vec<usize> = cuts
+        .iter()
+        .map(|c| c % (s.len() + 1))
+        .filter(|c| s.is_char_boundary(*c))
+        .collect();
+    at.sort_unstable();
+    at.dedup();
+    let mut out = Vec::new();
+    let mut prev = 0;
+    for c in at.into_iter().chain([s.len()]) {
+        out.push(s[prev..c].to_owned());
+        prev = c;
+    }
+    out
+}
+
+proptest! {
+    /// Streaming round trip: however the upstream splits a text answer and a tool call's
+    /// arguments, the text deltas concatenate to the text and the `input_json_delta`s to JSON equal
+    /// to the buffered conversion's `input`.
+    #[test]
+    fn stream_reassembles_to_the_buffered_answer(
+        text in "[a-zA-Z0-9 .,é]{1,40}",
+        city in "[a-zA-Z ]{0,12}",
+        n in any::<i32>(),
+        text_cuts in proptest::collection::vec(any::<usize>(), 0..6),
+        arg_cuts in proptest::collection::vec(any::<usize>(), 0..6),
+    ) {
+        let req = req_with_stops(&[]);
+        let args = json!({ "city": city, "n": n }).to_string();
+        let mut chunks = Vec::new();
+        for t in split_at(&text, &text_cuts) {
+            chunks.push(chunk(json!({ "content": t }), None));
+        }
+        for (i, a) in split_at(&args, &arg_cuts).into_iter().enumerate() {
+            let mut call = json!({ "index": 0, "function": { "arguments": a } });
+            if i == 0 {
+                call["id"] = json!("call_1");
+                call["function"]["name"] = json!("f");
+            }
+            chunks.push(chunk(json!({ "tool_calls": [call] }), None));
+        }
+        chunks.push(chunk(json!({}), Some("tool_calls")));
+        chunks.push(b"[DONE]".to_vec());
+        let mut s = AnthropicStream::new(&req, 1, limits());
+        let events = run(&mut s, &chunks);
+        check_well_formed(&events);
+        prop_assert_eq!(events.last().unwrap().event, "message_stop");
+        let deltas = |ty: &str, field: &str| -> String {
+            events
+                .iter()
+                .filter(|e| e.event == "content_block_delta" && e.data["delta"]["type"] == ty)
+                .map(|e| e.data["delta"][field].as_str().unwrap().to_owned())
+                .collect()
+        };
+        prop_assert_eq!(deltas("text_delta", "text"), text.clone());
+        let streamed: Value = serde_json::from_str(&deltas("input_json_delta", "partial_json")).unwrap();
+
+        let buffered = chat_response(
+            json!({ "role": "assistant", "content": text, "tool_calls": [
+                { "id": "call_1", "type": "function", "function": { "name": "f", "arguments": args } } ] }),
+            "tool_calls",
+            json!({}),
+        );
+        let m = chat_response_to_message(&buffered, &req, 1, &limits()).unwrap();
+        prop_assert_eq!(&m["content"][1]["input"], &streamed);
+        let stop = events.iter().find(|e| e.event == "message_delta").unwrap();
+        prop_assert_eq!(&stop.data["delta"]["stop_reason"], &m["stop_reason"]);
+    }
+
+    /// Request round trip: a well-formed tool conversation converts, every tool_use id reappears
+    /// as a chat tool_call id, every tool_result as a `tool` message with that id, in order.
+    #[test]
+    fn tool_conversations_keep_ids_in_order(
+        turns in proptest::collection::vec(("[a-z]{1,6}", proptest::collection::vec("[a-z]{1,5}", 1..4)), 1..5),
+    ) {
+        let mut messages = Vec::new();
+        let mut want_ids = Vec::new();
+        for (t, (text, calls)) in turns.iter().enumerate() {
+            messages.push(json!({ "role": "user", "content": text }));
+            let ids: Vec<String> = (0..calls.len()).map(|c| format!("toolu_{t}_{c}")).collect();
+            let uses: Vec<Value> = calls
+                .iter()
+                .zip(&ids)
+                .map(|(name, id)| json!({ "type": "tool_use", "id": id, "name": name, "input": { "q": text } }))
+                .collect();
+            messages.push(json!({ "role": "assistant", "content": uses }));
+            let results: Vec<Value> = ids
+                .iter()
+                .map(|id| json!({ "type": "tool_result", "tool_use_id": id, "content": "ok" }))
+                .collect();
+            messages.push(json!({ "role": "user", "content": results }));
+            want_ids.extend(ids);
+        }
+        let b = body(base(json!({ "messages": messages })));
+        let msgs = b["messages"].as_array().unwrap();
+        let call_ids: Vec<&str> = msgs
+            .iter()
+            .filter_map(|m| m.get("tool_calls"))
+            .flat_map(|c| c.as_array().unwrap().iter().map(|c| c["id"].as_str().unwrap()))
+            .collect();
+        let result_ids: Vec<&str> = msgs
+            .iter()
+            .filter(|m| m["role"] == "tool")
+            .map(|m| m["tool_call_id"].as_str().unwrap())
+            .collect();
+        prop_assert_eq!(&call_ids, &want_ids);
+        prop_assert_eq!(&result_ids, &want_ids);
+        prop_assert_eq!(msgs.len(), turns.len() * 2 + want_ids.len());
+    }
+}
