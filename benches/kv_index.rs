@@ -88,7 +88,7 @@ fn main() {
             .map(|w| (InstanceId(w), BTreeSet::from([DpRank(0)])))
             .collect(),
     );
-    let mut lrus: Vec<Lru> = (0..WORKERS).map(|_| Lru::default()).collect();
+    let mut lrus: Vec<Lru> = (0..WORKERS).map(|_| mooncake::lru()).collect();
     let mut next_id = vec![0u64; WORKERS as usize];
     let mut lookups = Vec::with_capacity(requests.len());
     let mut applies = Vec::with_capacity(requests.len() * 2);

@@ -23,8 +23,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub mod diff;
-pub mod guard;
 pub mod example;
+pub mod guard;
 pub mod interpolate;
 pub mod mask;
 pub mod report;

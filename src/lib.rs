@@ -10,6 +10,7 @@
 //! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
 //! | [`proxy`] | the OpenAI-wire serving path: backend pool, health, breakers, relay |
 //! | [`readiness`] | first-pass tracking behind `GET /ready` |
+//! | [`replay`] | `continuum-router replay`: offline policy replay of traces through the real pickers |
 //! | [`shim`] | Dynamo direct-mode shim routing: picks and pins per request |
 //! | [`telemetry`] | logs and OTLP trace export |
 
@@ -22,5 +23,6 @@ pub mod front_door;
 pub mod kv;
 pub mod proxy;
 pub mod readiness;
+pub mod replay;
 pub mod shim;
 pub mod telemetry;

@@ -45,6 +45,8 @@ enum Command {
         #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
         publish_interval: std::time::Duration,
     },
+    /// Replay a trace offline through each routing policy and compare them.
+    Replay(continuum_router::replay::ReplayArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -79,6 +81,16 @@ fn main() -> ExitCode {
             }),
             _,
         ) => run_demo(bind, publish_interval),
+        (Some(Command::Replay(args)), _) => match continuum_router::replay::run(&args) {
+            Ok(summary) => {
+                print!("{}", continuum_router::replay::report::table(&summary));
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("continuum-router replay: {error:#}");
+                ExitCode::FAILURE
+            }
+        },
         (None, None) => {
             eprintln!("continuum-router: give --config FILE, or try `continuum-router demo`");
             ExitCode::from(2)

@@ -11,6 +11,7 @@
 //! | [`hashing`] | XXH3-64 LocalBlockHash / SequenceHash (wire §11) |
 //! | [`prompt`] | render bounds (fuel, caps, permits, deadline) and the per-block-size hash plan |
 //! | [`cost`] | the per-candidate cost, softmax sampling and the zero-temperature argmin |
+//! | [`mooncake`] | Mooncake trace `hash_ids` as blocks, and the exact LRU a simulated worker caches with |
 //! | [`reference`] | a naive HashMap index with the same semantics, for differential tests |
 //! | [`artifacts`] | tokenizer artifacts: card slots, ArtifactKey, URI rules, pinning, fleet agreement, loader bookkeeping |
 //!
@@ -29,6 +30,7 @@ pub mod cursors;
 pub mod events;
 pub mod hashing;
 pub mod index;
+pub mod mooncake;
 pub mod parity;
 pub mod prompt;
 pub mod reference;

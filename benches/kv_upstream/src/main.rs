@@ -110,7 +110,7 @@ fn load(path: &str, limit: usize) -> Option<Workload> {
     let text = mooncake::read_trace(std::path::Path::new(path))?;
     let mut requests = Vec::new();
     let mut ops = Vec::new();
-    let mut lrus: Vec<Lru> = (0..WORKERS).map(|_| Lru::default()).collect();
+    let mut lrus: Vec<Lru> = (0..WORKERS).map(|_| mooncake::lru()).collect();
     let mut next_id = vec![0u64; WORKERS as usize];
     let (mut lookup_blocks, mut stored_blocks, mut removed_blocks) = (0, 0, 0);
     for (r, line) in text.lines().take(limit).enumerate() {

@@ -1,0 +1,662 @@
+//! The fleet simulation: one policy over one trace, in simulated time.
+//!
+//! The fleet is built the way the daemon builds it: etcd-style discovery records (an instance and
+//! a model card per worker, `kv_cache_block_size` = the block size, `total_kv_blocks` = the
+//! capacity) go through the real [`DiscoveryReducer`], [`build_snapshot`] and
+//! [`CandidateIndex::build`], so the pickers see the same candidates the shim would. Each worker
+//! serves one rank of one aggregated (decode-only) model.
+//!
+//! Per request, in arrival order (arrival = `timestamp / speedup`):
+//! 1. worker events due by then (prefill done, request finished) are applied, and every worker's
+//!    periodic load sample (every `load_interval`, the state just before the tick) lands in the
+//!    real [`LoadStore`];
+//! 2. the picker decides as `ShimRouter::decide` does: samples answer the ledger's dispatches
+//!    ([`answer_arrivals`]), the ledger expires, the load view reads the store against
+//!    `max_staleness`; `kv` reads overlaps from the real [`KvIndex`] (`find_matches` over the
+//!    prompt's blocks) and calls [`KvAwarePicker::pick_kv`] with a seeded softmax unit; `load` is
+//!    [`LoadBasedPicker`]; `round_robin` is [`LoadBasedPicker`] on a source without load signals;
+//! 3. the chosen worker's LRU cache serves the prompt's cached prefix, stores the rest and evicts
+//!    past capacity; the same Stored / Removed kv-events a worker would publish are applied to the
+//!    index;
+//! 4. the [`LatencyModel`] gives TTFT and end-to-end latency; the worker's active load (prefill
+//!    tokens until prefill ends, blocks of prompt + output until the request finishes) changes, and
+//!    the ledger entry ends when the request does.
+//!
+//! Caches (and the index) learn a request's blocks when it is dispatched, not when its prefill
+//! ends: a burst of same-prefix requests hits a little more than on a real fleet. Everything is
+//! deterministic: simulated time, the index hasher seeded, softmax units from a seeded counter.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::time::Duration;
+
+use continuum_actors::picker::answer_arrivals;
+use continuum_protocol::discovery::SourceEvent;
+use continuum_protocol::discovery::reducer::DiscoveryReducer;
+use continuum_protocol::discovery::snapshot::{SourceKind, build_snapshot};
+use continuum_protocol::event_plane::ActiveLoad;
+use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
+use continuum_protocol::kv::events::{
+    KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, ResidencyDomain,
+    RouterEvent, StorageTier, StoredBlock,
+};
+use continuum_protocol::kv::hashing::{BlockSize, sequence_hashes};
+use continuum_protocol::kv::mooncake::{BlockLru, splitmix64};
+use continuum_protocol::kv::{ExternalBlockHash, KvEventResult, KvIndex, LocalBlockHash};
+use continuum_protocol::load_store::{LoadSample, LoadStore};
+use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
+use continuum_protocol::picker::{
+    BlockOverlaps, Candidate, DispatchId, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
+    KvPickOutcome, KvPickParams, LoadBasedPicker, LoadView, PickOutcome, PickRequest, PickerState,
+    SampleState,
+};
+use continuum_protocol::time::{Tick, UnixMillis};
+
+use super::latency::LatencyModel;
+use super::trace::TraceRequest;
+
+/// The model every simulated worker serves.
+pub const MODEL: &str = "replay/model";
+const NAMESPACE: &str = "replay";
+/// Instance ids are `FIRST_ID + worker`.
+const FIRST_ID: u64 = 0x7e91_a000;
+/// Upper bound on simulated workers.
+pub const MAX_WORKERS: u32 = 4096;
+
+/// A routing policy to replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Policy {
+    Load,
+    Kv,
+    RoundRobin,
+}
+
+impl Policy {
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Policy::Load => "load",
+            Policy::Kv => "kv",
+            Policy::RoundRobin => "round_robin",
+        }
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "load" => Ok(Policy::Load),
+            "kv" => Ok(Policy::Kv),
+            "round_robin" => Ok(Policy::RoundRobin),
+            other => Err(format!(
+                "unknown policy `{other}` (expected load, kv or round_robin)"
+            )),
+        }
+    }
+}
+
+/// The simulated fleet and its router.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub workers: u32,
+    /// Blocks each worker's prefix cache holds (its card's `total_kv_blocks`).
+    pub capacity_blocks: u64,
+    pub block_size: BlockSize,
+    /// Arrival times are divided by this.
+    pub speedup: f64,
+    pub seed: u64,
+    /// How often each worker publishes its load.
+    pub load_interval: Duration,
+    /// `dynamo.load.max_staleness`.
+    pub max_staleness: Duration,
+    /// `dynamo.kv` tunables of the `kv` policy.
+    pub kv: KvPickParams,
+    pub latency: LatencyModel,
+    /// Time buckets of the over-time series.
+    pub buckets: usize,
+}
+
+impl SimConfig {
+    pub fn new(workers: u32, capacity_blocks: u64, block_size: BlockSize) -> Self {
+        Self {
+            workers,
+            capacity_blocks,
+            block_size,
+            speedup: 1.0,
+            seed: 0,
+            load_interval: Duration::from_millis(50),
+            max_staleness: Duration::from_secs(3),
+            kv: KvPickParams::default(),
+            latency: LatencyModel::default(),
+            buckets: 60,
+        }
+    }
+}
+
+/// One policy's raw results.
+#[derive(Clone, Debug, Default)]
+pub struct PolicyRun {
+    pub policy: Option<Policy>,
+    pub requests: u64,
+    pub unrouted: u64,
+    pub input_tokens: u64,
+    pub cached_tokens: u64,
+    pub prompt_blocks: u64,
+    pub hit_blocks: u64,
+    /// Per request, microseconds (in trace order).
+    pub ttft_us: Vec<u64>,
+    pub e2e_us: Vec<u64>,
+    pub requests_per_worker: Vec<u64>,
+    /// `role/reason` of `continuum_dynamo_selection_total` → count.
+    pub selections: BTreeMap<String, u64>,
+    /// `continuum_dynamo_kv_selection_total{result}` → count (`kv` only).
+    pub kv_results: BTreeMap<String, u64>,
+    /// Kv-events the index did not apply (should be 0).
+    pub events_not_applied: u64,
+    /// Dispatches where the index's overlap for the chosen worker differed from its cache.
+    pub index_disagreements: u64,
+    /// Mean over arrivals (with any load) of max / mean active blocks across workers.
+    pub load_imbalance: f64,
+    /// Bucket start times, seconds of simulated time.
+    pub bucket_starts_s: Vec<f64>,
+    /// Per bucket, block hit rate (`None`: no request in it).
+    pub hit_rate_series: Vec<Option<f64>>,
+    /// Per worker, per bucket: mean active blocks seen at the bucket's arrivals.
+    pub worker_load_series: Vec<Vec<Option<f64>>>,
+}
+
+/// The load store as the picker reads it (the shim's `StoreView`).
+struct StoreView<'a> {
+    store: &'a LoadStore,
+    now: Tick,
+    max_age: Duration,
+}
+
+impl LoadView for StoreView<'_> {
+    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+        sample_state(
+            self.store.latest(worker.instance_id, rank),
+            self.now,
+            self.max_age,
+        )
+    }
+}
+
+fn records(id: u64, cfg: &SimConfig) -> Vec<(String, Vec<u8>)> {
+    let endpoint = serde_json::json!({"type": "Endpoint", "namespace": NAMESPACE,
+        "component": "backend", "endpoint": "generate", "instance_id": id,
+        "transport": {"tcp": "127.0.0.1:1/replay"}});
+    let card = serde_json::json!({"type": "Model", "namespace": NAMESPACE,
+        "component": "backend", "endpoint": "generate", "instance_id": id,
+        "card_json": {"display_name": MODEL, "worker_type": "decode",
+        "kv_cache_block_size": cfg.block_size.get(), "runtime_config": {
+        "total_kv_blocks": cfg.capacity_blocks, "max_num_batched_tokens": 8192,
+        "data_parallel_start_rank": 0, "data_parallel_size": 1}}});
+    [
+        (
+            format!("v1/instances/{NAMESPACE}/backend/generate/{id:x}"),
+            endpoint,
+        ),
+        (format!("v1/mdc/{NAMESPACE}/backend/generate/{id:x}"), card),
+    ]
+    .into_iter()
+    .map(|(key, value)| (key, value.to_string().into_bytes()))
+    .collect()
+}
+
+/// The fleet's candidates, through discovery and the candidate index as the daemon builds them.
+pub fn fleet_candidates(cfg: &SimConfig) -> anyhow::Result<Vec<Candidate>> {
+    if cfg.workers == 0 || cfg.workers > MAX_WORKERS {
+        anyhow::bail!("--workers must be 1..={MAX_WORKERS}");
+    }
+    let namespace = Namespace::new(NAMESPACE);
+    let mut reducer = DiscoveryReducer::new(namespace.clone());
+    reducer.apply(SourceEvent::Init, UnixMillis(0));
+    for w in 0..u64::from(cfg.workers) {
+        for (key, value) in records(FIRST_ID + w, cfg) {
+            reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
+        }
+    }
+    reducer.apply(SourceEvent::InitDone, UnixMillis(0));
+    let snapshot = build_snapshot(SourceKind::Etcd, &[namespace], &[reducer.view().as_ref()]);
+    let candidates = CandidateIndex::build(&snapshot).for_model(MODEL).to_vec();
+    if candidates.len() != cfg.workers as usize {
+        anyhow::bail!(
+            "discovery built {} candidates for {} workers",
+            candidates.len(),
+            cfg.workers
+        );
+    }
+    Ok(candidates)
+}
+
+#[derive(Debug)]
+struct SimWorker {
+    id: InstanceId,
+    lru: BlockLru,
+    event_id: u64,
+    lane_free_us: u64,
+    prefill_tokens: u64,
+    active_blocks: u64,
+    /// Index of the last load tick published.
+    published_tick: Option<u64>,
+    sequence: u64,
+}
+
+#[derive(Debug)]
+enum WorkerEvent {
+    PrefillDone {
+        worker: usize,
+        tokens: u64,
+    },
+    Finished {
+        worker: usize,
+        blocks: u64,
+        dispatch: Option<DispatchId>,
+    },
+}
+
+struct Sim<'a> {
+    cfg: &'a SimConfig,
+    workers: Vec<SimWorker>,
+    store: LoadStore,
+    index: KvIndex,
+    state: PickerState,
+    /// (time µs, order) → index into `events`.
+    due: BinaryHeap<Reverse<(u64, u64)>>,
+    events: Vec<Option<WorkerEvent>>,
+    interval_us: u64,
+    draws: u64,
+}
+
+impl Sim<'_> {
+    /// Publishes `worker`'s load as of the last tick at or before `t_us` (the state before any
+    /// change at `t_us`), if that tick was not published yet.
+    fn flush(&mut self, worker: usize, t_us: u64) {
+        let tick = t_us / self.interval_us;
+        let w = &mut self.workers[worker];
+        if w.published_tick.is_some_and(|p| p >= tick) {
+            return;
+        }
+        w.published_tick = Some(tick);
+        w.sequence += 1;
+        let at_us = tick * self.interval_us;
+        self.store.apply(LoadSample {
+            load: ActiveLoad {
+                worker_id: w.id,
+                dp_rank: DpRank(0),
+                active_decode_blocks: Some(w.active_blocks),
+                active_prefill_tokens: Some(w.prefill_tokens),
+                kv_used_blocks: Some(w.active_blocks),
+            },
+            publisher_id: PublisherId(w.id.0),
+            sequence: w.sequence,
+            published_at: UnixMillis(at_us / 1000),
+            received_at: Tick(Duration::from_micros(at_us)),
+        });
+    }
+
+    fn schedule(&mut self, at_us: u64, event: WorkerEvent) {
+        let order = self.events.len() as u64;
+        self.events.push(Some(event));
+        self.due.push(Reverse((at_us, order)));
+    }
+
+    /// Applies worker events due at or before `t_us`, in time order.
+    fn advance(&mut self, t_us: u64) {
+        while let Some(Reverse((at, order))) = self.due.peek().copied() {
+            if at > t_us {
+                break;
+            }
+            self.due.pop();
+            let Some(event) = self.events.get_mut(order as usize).and_then(Option::take) else {
+                continue;
+            };
+            match event {
+                WorkerEvent::PrefillDone { worker, tokens } => {
+                    self.flush(worker, at);
+                    let w = &mut self.workers[worker];
+                    w.prefill_tokens = w.prefill_tokens.saturating_sub(tokens);
+                }
+                WorkerEvent::Finished {
+                    worker,
+                    blocks,
+                    dispatch,
+                } => {
+                    self.flush(worker, at);
+                    let w = &mut self.workers[worker];
+                    w.active_blocks = w.active_blocks.saturating_sub(blocks);
+                    if let Some(id) = dispatch {
+                        self.state.ledger.request_ended(id);
+                    }
+                }
+            }
+        }
+        for worker in 0..self.workers.len() {
+            self.flush(worker, t_us);
+        }
+    }
+
+    /// A seeded unit in `[0, 1)` for softmax sampling.
+    fn draw_unit(&mut self) -> f64 {
+        self.draws += 1;
+        let bits = splitmix64(self.cfg.seed ^ splitmix64(self.draws));
+        (bits >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Serves `blocks` on `worker`'s cache: returns the cached prefix (blocks) and applies the
+    /// worker's kv-events to the index.
+    fn serve_blocks(
+        &mut self,
+        worker: usize,
+        local: &[LocalBlockHash],
+        run: &mut PolicyRun,
+    ) -> usize {
+        let seq: Vec<u64> = sequence_hashes(local).into_iter().map(|s| s.0).collect();
+        let w = &mut self.workers[worker];
+        let hit = w.lru.prefix(&seq);
+        let mut batch = Vec::new();
+        if hit < seq.len() {
+            let blocks: Vec<StoredBlock> = (hit..seq.len())
+                .map(|i| StoredBlock {
+                    block_hash: ExternalBlockHash(seq[i]),
+                    tokens_hash: local[i],
+                    mm_extra_info: None,
+                })
+                .collect();
+            w.event_id += 1;
+            batch.push(router_event(
+                w.id,
+                w.event_id,
+                KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: hit.checked_sub(1).map(|p| ExternalBlockHash(seq[p])),
+                    start_position: None,
+                    blocks: blocks.into(),
+                }),
+            ));
+        }
+        // Tail first, so the prefix is the most recent and evicted last.
+        for hash in seq.iter().rev() {
+            w.lru.touch(*hash);
+        }
+        let evicted = w.lru.evict();
+        if !evicted.is_empty() {
+            w.event_id += 1;
+            batch.push(router_event(
+                w.id,
+                w.event_id,
+                KvCacheEventData::Removed(KvCacheRemoveData {
+                    block_hashes: evicted
+                        .into_iter()
+                        .map(ExternalBlockHash)
+                        .collect::<Vec<_>>()
+                        .into(),
+                }),
+            ));
+        }
+        for event in &batch {
+            if self.index.apply(event) != KvEventResult::Applied {
+                run.events_not_applied += 1;
+            }
+        }
+        hit
+    }
+}
+
+fn router_event(worker: InstanceId, id: u64, data: KvCacheEventData) -> RouterEvent {
+    RouterEvent {
+        worker_id: worker,
+        storage_tier: StorageTier::Device,
+        residency_domain: Some(ResidencyDomain::Worker),
+        event: KvCacheEvent {
+            event_id: id,
+            data,
+            dp_rank: DpRank(0),
+        },
+        session_id: None,
+    }
+}
+
+fn arrival_us(request: &TraceRequest, speedup: f64) -> u64 {
+    let us = request.timestamp_ms * 1000.0 / speedup;
+    if us.is_finite() && us > 0.0 {
+        us.min(u64::MAX as f64 / 2.0) as u64
+    } else {
+        0
+    }
+}
+
+/// Replays `trace` (sorted by timestamp) under `policy`; `progress` is called with the requests
+/// done so far every few hundred requests.
+pub fn simulate(
+    trace: &[TraceRequest],
+    policy: Policy,
+    cfg: &SimConfig,
+    candidates: &[Candidate],
+    progress: &mut dyn FnMut(u64),
+) -> PolicyRun {
+    let n_workers = candidates.len();
+    let bs = u64::from(cfg.block_size.get());
+    let mut sim = Sim {
+        cfg,
+        workers: candidates
+            .iter()
+            .map(|c| SimWorker {
+                id: c.worker.instance_id,
+                lru: BlockLru::new(usize::try_from(cfg.capacity_blocks).unwrap_or(usize::MAX)),
+                event_id: 0,
+                lane_free_us: 0,
+                prefill_tokens: 0,
+                active_blocks: 0,
+                published_tick: None,
+                sequence: 0,
+            })
+            .collect(),
+        store: LoadStore::new(),
+        index: KvIndex::new(splitmix64(cfg.seed)),
+        state: PickerState::new(),
+        due: BinaryHeap::new(),
+        events: Vec::new(),
+        interval_us: u64::try_from(cfg.load_interval.as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1),
+        draws: 0,
+    };
+    sim.store
+        .set_live_and_retain(sim.workers.iter().map(|w| w.id));
+    sim.index.set_live_and_retain(
+        sim.workers
+            .iter()
+            .map(|w| (w.id, BTreeSet::from([DpRank(0)])))
+            .collect(),
+    );
+    let worker_of = |id: InstanceId| sim_index(candidates, id);
+    let kv_picker = KvAwarePicker::new(cfg.kv);
+    let namespaces = [Namespace::new(NAMESPACE)];
+    let buckets = cfg.buckets.max(1);
+    let span_us = trace
+        .last()
+        .map_or(0, |r| arrival_us(r, cfg.speedup))
+        .max(1);
+    let bucket_of =
+        |t: u64| ((t as u128 * buckets as u128 / (span_us as u128 + 1)) as usize).min(buckets - 1);
+    let mut run = PolicyRun {
+        policy: Some(policy),
+        requests_per_worker: vec![0; n_workers],
+        bucket_starts_s: (0..buckets)
+            .map(|b| (b as f64 * span_us as f64 / buckets as f64) / 1e6)
+            .collect(),
+        ..PolicyRun::default()
+    };
+    let mut bucket_hits = vec![(0u64, 0u64); buckets];
+    let mut bucket_load = vec![vec![(0u64, 0u64); buckets]; n_workers];
+    let (mut imbalance_sum, mut imbalance_n) = (0f64, 0u64);
+
+    for (i, request) in trace.iter().enumerate() {
+        if i % 256 == 0 {
+            progress(i as u64);
+        }
+        let arrival = arrival_us(request, cfg.speedup);
+        sim.advance(arrival);
+        let bucket = bucket_of(arrival);
+        let mut max_load = 0u64;
+        let mut total_load = 0u64;
+        for (w, worker) in sim.workers.iter().enumerate() {
+            let slot = &mut bucket_load[w][bucket];
+            slot.0 += worker.active_blocks;
+            slot.1 += 1;
+            max_load = max_load.max(worker.active_blocks);
+            total_load += worker.active_blocks;
+        }
+        if total_load > 0 {
+            imbalance_sum += max_load as f64 * n_workers as f64 / total_load as f64;
+            imbalance_n += 1;
+        }
+
+        let now = Tick(Duration::from_micros(arrival));
+        let isl = request.input_tokens;
+        answer_arrivals(&mut sim.state.ledger, &sim.store);
+        sim.state.ledger.expire(now);
+        let pick_request = PickRequest {
+            model: MODEL,
+            eligible_namespaces: &namespaces,
+            estimated_prompt_tokens: isl,
+            load_signals: policy != Policy::RoundRobin,
+        };
+        let mut overlaps = Vec::new();
+        let unit = sim.draw_unit();
+        if policy == Policy::Kv {
+            overlaps.push(BlockOverlaps {
+                block_size: cfg.block_size,
+                ranks: sim.index.find_matches(&request.blocks),
+            });
+        }
+        let outcome = {
+            let view = StoreView {
+                store: &sim.store,
+                now,
+                max_age: cfg.max_staleness,
+            };
+            match policy {
+                Policy::Kv => {
+                    let input = KvPickInput {
+                        isl,
+                        overlaps: &overlaps,
+                        unit,
+                    };
+                    kv_picker.pick_kv(
+                        &pick_request,
+                        Ok(&input),
+                        candidates,
+                        &view,
+                        &mut sim.state,
+                        now,
+                    )
+                }
+                Policy::Load | Policy::RoundRobin => KvPickOutcome {
+                    outcome: LoadBasedPicker.pick(
+                        &pick_request,
+                        candidates,
+                        &view,
+                        &mut sim.state,
+                        now,
+                    ),
+                    kv: None,
+                },
+            }
+        };
+        let pick = match outcome.outcome {
+            PickOutcome::Picked(pick) => pick,
+            PickOutcome::NoCandidates(_) => {
+                run.unrouted += 1;
+                continue;
+            }
+        };
+        for (role, reason) in pick.reasons.labels() {
+            *run.selections
+                .entry(format!("{role}/{reason}"))
+                .or_default() += 1;
+        }
+        if let Some(result) = outcome.kv {
+            *run.kv_results
+                .entry(result.as_label().to_owned())
+                .or_default() += 1;
+        }
+        let Some(worker) = worker_of(pick.decode.worker.instance_id) else {
+            run.unrouted += 1;
+            continue;
+        };
+        let hit = sim.serve_blocks(worker, &request.blocks, &mut run);
+        if policy == Policy::Kv {
+            let predicted = overlaps
+                .first()
+                .map_or(0, |o| o.of(sim.workers[worker].id, DpRank(0)));
+            if predicted != hit as u64 {
+                run.index_disagreements += 1;
+            }
+        }
+        let cached_tokens = (hit as u64 * bs).min(isl);
+        let uncached = isl - cached_tokens;
+        let start = arrival.max(sim.workers[worker].lane_free_us);
+        let prefill_done = start.saturating_add(cfg.latency.prefill_us(uncached));
+        let finish = prefill_done.saturating_add(cfg.latency.decode_us(request.output_tokens));
+        let blocks = (isl + request.output_tokens).div_ceil(bs);
+        {
+            let w = &mut sim.workers[worker];
+            w.lane_free_us = prefill_done;
+            w.prefill_tokens += uncached;
+            w.active_blocks += blocks;
+        }
+        sim.schedule(
+            prefill_done,
+            WorkerEvent::PrefillDone {
+                worker,
+                tokens: uncached,
+            },
+        );
+        sim.schedule(
+            finish,
+            WorkerEvent::Finished {
+                worker,
+                blocks,
+                dispatch: pick.dispatch,
+            },
+        );
+
+        run.requests += 1;
+        run.requests_per_worker[worker] += 1;
+        run.input_tokens += isl;
+        run.cached_tokens += cached_tokens;
+        run.prompt_blocks += request.blocks.len() as u64;
+        run.hit_blocks += hit as u64;
+        bucket_hits[bucket].0 += hit as u64;
+        bucket_hits[bucket].1 += request.blocks.len() as u64;
+        run.ttft_us.push(prefill_done - arrival);
+        run.e2e_us.push(finish - arrival);
+    }
+    progress(trace.len() as u64);
+    run.load_imbalance = if imbalance_n == 0 {
+        1.0
+    } else {
+        imbalance_sum / imbalance_n as f64
+    };
+    run.hit_rate_series = bucket_hits
+        .iter()
+        .map(|(hit, total)| (*total > 0).then(|| *hit as f64 / *total as f64))
+        .collect();
+    run.worker_load_series = bucket_load
+        .iter()
+        .map(|per_bucket| {
+            per_bucket
+                .iter()
+                .map(|(sum, n)| (*n > 0).then(|| *sum as f64 / *n as f64))
+                .collect()
+        })
+        .collect();
+    run
+}
+
+fn sim_index(candidates: &[Candidate], id: InstanceId) -> Option<usize> {
+    candidates.iter().position(|c| c.worker.instance_id == id)
+}

@@ -1,0 +1,274 @@
+//! `continuum-router replay`: a synthetic trace whose optimal placement is known gives the hit
+//! rates derived below through the real pickers, index and load store; the binary writes
+//! summary.json and the SVG plots; request logs are rendered and tokenized.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use continuum_router::replay::report::Summary;
+use continuum_router::replay::{Policy, ReplayArgs, run};
+
+/// Four disjoint prefix families of `FAMILY_IDS` Mooncake ids (512 tokens each); every request is
+/// its family's prefix plus `UNIQUE_IDS` ids of its own. Request `r` belongs to family
+/// `(r / 4) % 4`, and requests are 10 s apart, so each finishes (and its worker reports idle)
+/// before the next arrives: no policy ever sees load.
+const FAMILIES: u64 = 4;
+const FAMILY_IDS: u64 = 4;
+const UNIQUE_IDS: u64 = 2;
+const REQUESTS: u64 = 64;
+const OUTPUT: u64 = 10;
+
+fn family_trace() -> String {
+    let mut out = String::new();
+    for r in 0..REQUESTS {
+        let family = (r / 4) % FAMILIES;
+        let ids: Vec<u64> = (0..FAMILY_IDS)
+            .map(|k| 1_000 * (family + 1) + k)
+            .chain((0..UNIQUE_IDS).map(|u| 100_000 + r * UNIQUE_IDS + u))
+            .collect();
+        let line = serde_json::json!({"timestamp": r * 10_000,
+            "input_length": (FAMILY_IDS + UNIQUE_IDS) * 512, "output_length": OUTPUT,
+            "hash_ids": ids});
+        out.push_str(&line.to_string());
+        out.push('\n');
+    }
+    out
+}
+
+fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
+    ReplayArgs {
+        trace: trace.to_owned(),
+        workers: 4,
+        capacity: 100_000,
+        policy: policies.to_vec(),
+        speedup: 1.0,
+        out: out.to_owned(),
+        seed: 7,
+        block_size: 16,
+        overlap_score_weight: 1.0,
+        prefill_load_scale: 1.0,
+        temperature: 0.0,
+        load_interval: std::time::Duration::from_millis(50),
+        max_staleness: std::time::Duration::from_secs(3),
+        prefill_overhead_ms: 5.0,
+        prefill_ms_per_token: 0.1,
+        decode_ms_per_token: 20.0,
+        tokenizer: None,
+        chat_template: None,
+    }
+}
+
+fn policy<'a>(
+    summary: &'a Summary,
+    name: &str,
+) -> &'a continuum_router::replay::report::PolicySummary {
+    summary
+        .policies
+        .iter()
+        .find(|p| p.policy == name)
+        .unwrap_or_else(|| panic!("no {name} in the summary"))
+}
+
+#[test]
+fn known_placement_gives_the_derived_hit_rates_and_latencies() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("families.jsonl");
+    std::fs::write(&trace, family_trace()).unwrap();
+    let summary = run(&args(
+        &trace,
+        &dir.path().join("out"),
+        &[Policy::Kv, Policy::RoundRobin, Policy::Load],
+    ))
+    .unwrap();
+    assert_eq!(summary.requests, REQUESTS as usize);
+
+    // 32 blocks of 16 tokens per id. Each request: 32·F family blocks and 32·U unique ones.
+    let family_blocks = 32 * FAMILY_IDS;
+    let prompt_blocks = REQUESTS * 32 * (FAMILY_IDS + UNIQUE_IDS);
+    // kv: only a family's first request misses its prefix (no worker holds it); every later one
+    // goes to the worker that does. round_robin: 4 consecutive requests of a family land on 4
+    // different workers, so each worker misses each family once: 16 misses. load: every worker
+    // is idle at every pick, the costs tie and the cursor rotates, exactly as round_robin.
+    let kv_hits = (REQUESTS - FAMILIES) * family_blocks;
+    let rr_hits = (REQUESTS - FAMILIES * 4) * family_blocks;
+    let kv = policy(&summary, "kv");
+    let rr = policy(&summary, "round_robin");
+    let load = policy(&summary, "load");
+    assert_eq!(kv.prefix_hit_rate, kv_hits as f64 / prompt_blocks as f64);
+    assert_eq!(kv.prefix_hit_rate, 0.625);
+    assert_eq!(kv.cached_tokens, kv_hits * 16);
+    assert_eq!(rr.prefix_hit_rate, rr_hits as f64 / prompt_blocks as f64);
+    assert_eq!(rr.prefix_hit_rate, 0.5);
+    assert_eq!(load.prefix_hit_rate, rr.prefix_hit_rate);
+
+    // Latency model: a miss prefills 3072 tokens (5 + 307.2 ms), a hit the 1024 unique ones
+    // (5 + 102.4 ms); nothing queues.
+    let (miss, hit) = (312.2, 107.4);
+    assert_eq!(kv.ttft_ms.p50, hit);
+    assert_eq!(kv.ttft_ms.p99, miss);
+    let mean =
+        |misses: u64| (misses as f64 * miss + (REQUESTS - misses) as f64 * hit) / REQUESTS as f64;
+    assert!(
+        (kv.ttft_ms.mean - mean(FAMILIES)).abs() < 1e-9,
+        "{}",
+        kv.ttft_ms.mean
+    );
+    assert!(
+        (rr.ttft_ms.mean - mean(16)).abs() < 1e-9,
+        "{}",
+        rr.ttft_ms.mean
+    );
+    assert_eq!(kv.e2e_ms.p50, hit + OUTPUT as f64 * 20.0);
+
+    // Selection reasons as the daemon's metrics would count them.
+    assert_eq!(kv.selections.get("decode/kv_aware"), Some(&REQUESTS));
+    assert_eq!(kv.kv_results.get("overlap"), Some(&(REQUESTS - FAMILIES)));
+    assert_eq!(kv.kv_results.get("no_overlap"), Some(&FAMILIES));
+    assert_eq!(rr.selections.get("decode/round_robin"), Some(&REQUESTS));
+    assert_eq!(load.selections.get("decode/load"), Some(&REQUESTS));
+    assert_eq!(rr.requests_per_worker, vec![REQUESTS / 4; 4]);
+    for p in [kv, rr, load] {
+        assert_eq!(p.events_not_applied, 0, "{}", p.policy);
+        assert_eq!(p.index_disagreements, 0, "{}", p.policy);
+    }
+}
+
+#[test]
+fn a_small_cache_evicts_the_families_and_kv_loses_its_edge() {
+    // Capacity for one request's blocks (192) plus a little: each new request evicts what the
+    // previous family left, so a family's prefix only survives on a worker that served it last.
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("families.jsonl");
+    std::fs::write(&trace, family_trace()).unwrap();
+    let mut small = args(
+        &trace,
+        &dir.path().join("out"),
+        &[Policy::Kv, Policy::RoundRobin],
+    );
+    small.capacity = 200;
+    let summary = run(&small).unwrap();
+    let kv = policy(&summary, "kv");
+    let rr = policy(&summary, "round_robin");
+    // kv still finds the family on the worker that served its previous request (4 in a row),
+    // unless another family evicted it in between, which needs a request on that worker.
+    assert!(kv.prefix_hit_rate >= rr.prefix_hit_rate, "{kv:?} vs {rr:?}");
+    // round_robin: each worker sees family f for one request in each run of 4, then other
+    // families' blocks evict it: every request misses its prefix.
+    assert_eq!(rr.prefix_hit_rate, 0.0);
+    assert_eq!(kv.index_disagreements, 0);
+    assert_eq!(kv.events_not_applied, 0);
+}
+
+fn gzip(path: &Path, text: &str) {
+    let file = std::fs::File::create(path).unwrap();
+    let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
+    gz.write_all(text.as_bytes()).unwrap();
+    gz.finish().unwrap();
+}
+
+#[test]
+fn the_binary_writes_summary_plots_and_a_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("families.jsonl.gz");
+    gzip(&trace, &(family_trace() + "not json\n"));
+    let out: PathBuf = dir.path().join("report");
+    let output = Command::new(env!("CARGO_BIN_EXE_continuum-router"))
+        .arg("replay")
+        .args(["--trace".as_ref(), trace.as_os_str()])
+        .args(["--workers", "4", "--capacity", "100000"])
+        .args(["--policy", "load,kv,round_robin", "--seed", "3"])
+        .args(["--out".as_ref(), out.as_os_str()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for row in ["policy", "load ", "kv ", "round_robin ", "62.5%", "50.0%"] {
+        assert!(stdout.contains(row), "{row} missing from:\n{stdout}");
+    }
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["requests"], 64);
+    assert_eq!(summary["skipped_lines"], 1);
+    let names: Vec<&str> = summary["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["load", "kv", "round_robin"]);
+    for plot in ["hit_rate.svg", "ttft_cdf.svg", "worker_load.svg"] {
+        let svg = std::fs::read_to_string(out.join(plot)).unwrap();
+        assert!(svg.starts_with("<svg"), "{plot}");
+        assert!(svg.contains("<polyline"), "{plot} draws no line");
+    }
+    let legend = std::fs::read_to_string(out.join("hit_rate.svg")).unwrap();
+    assert!(legend.contains("round_robin"));
+
+    // A bad policy name is refused before anything runs.
+    let refused = Command::new(env!("CARGO_BIN_EXE_continuum-router"))
+        .arg("replay")
+        .args(["--trace".as_ref(), trace.as_os_str()])
+        .args(["--workers", "4", "--capacity", "10", "--policy", "random"])
+        .args(["--out".as_ref(), out.as_os_str()])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("unknown policy"));
+}
+
+fn model_file(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models/TinyLlama_v1.1")
+        .join(name)
+}
+
+#[test]
+fn request_logs_are_rendered_tokenized_and_share_conversation_prefixes() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("log.jsonl");
+    let system = "You are a careful assistant for the continuum router team. ".repeat(30);
+    let mut lines = String::new();
+    // Two conversations of three turns each, interleaved; each turn resends the history.
+    for turn in 0..3u64 {
+        for conv in 0..2u64 {
+            let mut messages = vec![serde_json::json!({"role": "system",
+                "content": format!("{conv}: {system}")})];
+            for t in 0..=turn {
+                messages.push(serde_json::json!({"role": "user",
+                    "content": format!("question {t} of conversation {conv}, please explain")}));
+                if t < turn {
+                    messages.push(serde_json::json!({"role": "assistant",
+                        "content": format!("answer {t} of conversation {conv}")}));
+                }
+            }
+            let line = serde_json::json!({"timestamp": (turn * 2 + conv) * 5_000,
+                "messages": messages, "output_length": 20});
+            lines.push_str(&line.to_string());
+            lines.push('\n');
+        }
+    }
+    std::fs::write(&trace, lines).unwrap();
+    let mut with_files = args(&trace, &dir.path().join("out"), &[Policy::Kv]);
+    with_files.workers = 2;
+    with_files.tokenizer = Some(model_file("tokenizer.json"));
+    with_files.chat_template = Some(model_file("tokenizer_config.json"));
+    let summary = run(&with_files).unwrap();
+    assert_eq!(summary.requests, 6);
+    assert_eq!(summary.skipped_lines, 0);
+    let kv = policy(&summary, "kv");
+    // Turns 2 and 3 of each conversation find the earlier turns' blocks on the same worker.
+    assert_eq!(kv.kv_results.get("overlap"), Some(&4));
+    assert!(kv.cached_token_share > 0.5, "{kv:?}");
+    assert_eq!(kv.index_disagreements, 0);
+
+    // Without a tokenizer the lines are skipped and the replay refuses an empty trace.
+    let mut without = args(&trace, &dir.path().join("out2"), &[Policy::Kv]);
+    without.workers = 2;
+    let error = run(&without).unwrap_err().to_string();
+    assert!(error.contains("needs --tokenizer"), "{error}");
+}
