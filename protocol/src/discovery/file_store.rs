@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::SourceEvent;
-use super::keys::{KeyError, classify};
+use super::keys::{KeyError, classify, percent_decode, percent_encode};
 use super::records::{MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, clip};
 
 /// The environment variable naming the store's root (Dynamo's `DYN_FILE_KV`).
@@ -61,49 +61,18 @@ pub enum FileNameError {
 /// Dynamo's file-name encoding of a key relative to its bucket: ASCII alphanumerics pass, every
 /// other byte becomes `%` and two uppercase hex digits.
 pub fn encode_file_name(relative_key: &str) -> String {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut out = String::with_capacity(relative_key.len());
-    for &b in relative_key.as_bytes() {
-        if b.is_ascii_alphanumeric() {
-            out.push(char::from(b));
-        } else {
-            out.push('%');
-            out.push(char::from(HEX[usize::from(b >> 4)]));
-            out.push(char::from(HEX[usize::from(b & 0x0f)]));
-        }
-    }
-    out
+    percent_encode(relative_key, |b| b.is_ascii_alphanumeric())
 }
 
 /// Reverses [`encode_file_name`]: escapes must be complete (either hex case), the result UTF-8,
 /// and no byte the encoder escapes may appear raw, so one key has exactly one file name.
 pub fn decode_file_name(name: &str) -> Result<String, FileNameError> {
-    let bad = |e: KeyError| FileNameError::Key(clip(name), e);
-    let bytes = name.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hi = bytes.get(i + 1).and_then(|b| char::from(*b).to_digit(16));
-            let lo = bytes.get(i + 2).and_then(|b| char::from(*b).to_digit(16));
-            match (hi, lo) {
-                (Some(hi), Some(lo)) => {
-                    out.push(u8::try_from(hi * 16 + lo).unwrap_or(u8::MAX));
-                    i += 3;
-                }
-                _ => return Err(bad(KeyError::Escape(clip(name)))),
-            }
-        } else if bytes[i].is_ascii_alphanumeric() {
-            out.push(bytes[i]);
-            i += 1;
-        } else {
-            return Err(bad(KeyError::Escape(clip(name))));
-        }
-    }
-    if out.is_empty() {
+    let key = percent_decode(name, |b| b.is_ascii_alphanumeric())
+        .map_err(|e| FileNameError::Key(clip(name), e))?;
+    if key.is_empty() {
         return Err(FileNameError::Empty);
     }
-    String::from_utf8(out).map_err(|_| bad(KeyError::Utf8(clip(name))))
+    Ok(key)
 }
 
 /// What one directory entry of `bucket` means to a reducer watching `namespace`.

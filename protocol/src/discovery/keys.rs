@@ -267,9 +267,29 @@ fn parse_event(
 /// Dynamo's event-key encoding: ASCII alphanumerics, `-` and `_` pass; every other byte becomes
 /// `%` and two uppercase hex digits.
 pub fn encode_segment(text: &str) -> String {
+    percent_encode(text, is_segment_byte)
+}
+
+/// Reverses [`encode_segment`]. Escapes must be complete (`%` + two hex digits, either case), the
+/// result valid UTF-8, and no byte the encoder would have escaped may appear raw: one name has
+/// exactly one key spelling.
+pub fn decode_segment(segment: &str) -> Result<String, KeyError> {
+    percent_decode(segment, is_segment_byte)
+}
+
+fn is_segment_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'-' || b == b'_'
+}
+
+const HEX_UPPER: &[u8; 16] = b"0123456789ABCDEF";
+
+/// Percent-encoding as Dynamo writes it: bytes for which `keep` holds pass, every other byte
+/// becomes `%` and two uppercase hex digits. Event-key segments keep alphanumerics, `-` and `_`;
+/// file-store names keep alphanumerics only.
+pub(crate) fn percent_encode(text: &str, keep: fn(u8) -> bool) -> String {
     let mut out = String::with_capacity(text.len());
     for &b in text.as_bytes() {
-        if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+        if keep(b) {
             out.push(char::from(b));
         } else {
             out.push('%');
@@ -280,13 +300,11 @@ pub fn encode_segment(text: &str) -> String {
     out
 }
 
-const HEX_UPPER: &[u8; 16] = b"0123456789ABCDEF";
-
-/// Reverses [`encode_segment`]. Escapes must be complete (`%` + two hex digits, either case), the
-/// result valid UTF-8, and no byte the encoder would have escaped may appear raw: one name has
-/// exactly one key spelling.
-pub fn decode_segment(segment: &str) -> Result<String, KeyError> {
-    let bytes = segment.as_bytes();
+/// Reverses [`percent_encode`] with the same `keep`: escapes must be complete (either hex case),
+/// the result UTF-8, and no byte outside `keep` may appear raw, so one text has exactly one
+/// spelling.
+pub(crate) fn percent_decode(text: &str, keep: fn(u8) -> bool) -> Result<String, KeyError> {
+    let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
@@ -299,16 +317,16 @@ pub fn decode_segment(segment: &str) -> Result<String, KeyError> {
                     out.push(u8::try_from(hi * 16 + lo).unwrap_or(u8::MAX));
                     i += 3;
                 }
-                _ => return Err(KeyError::Escape(clip(segment))),
+                _ => return Err(KeyError::Escape(clip(text))),
             }
-        } else if bytes[i].is_ascii_alphanumeric() || matches!(bytes[i], b'-' | b'_') {
+        } else if keep(bytes[i]) {
             out.push(bytes[i]);
             i += 1;
         } else {
-            return Err(KeyError::Escape(clip(segment)));
+            return Err(KeyError::Escape(clip(text)));
         }
     }
-    String::from_utf8(out).map_err(|_| KeyError::Utf8(clip(segment)))
+    String::from_utf8(out).map_err(|_| KeyError::Utf8(clip(text)))
 }
 
 #[cfg(test)]
