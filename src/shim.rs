@@ -31,19 +31,16 @@ use continuum_actors::load::DynamoLoadStore;
 use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, RoutingPath};
 use continuum_actors::picker::{DynamoPicker, answer_arrivals};
 use continuum_actors::registry::DynamoRegistry;
-use continuum_protocol::ids::{DpRank, Namespace, WorkerKey};
-use continuum_protocol::load_store::LoadStore;
-use continuum_protocol::picker::candidates::sample_state;
+use continuum_protocol::ids::Namespace;
+use continuum_protocol::picker::candidates::StoreView;
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
 use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::load_based::LoadBasedPicker;
 use continuum_protocol::picker::reachability::reachable_candidates;
 use continuum_protocol::picker::{
     BlockOverlaps, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
-    KvPickParams, KvSelectionResult, KvUnavailable, LoadView, PickOutcome, PickRequest,
-    SampleState,
+    KvPickParams, KvSelectionResult, KvUnavailable, PickOutcome, PickRequest,
 };
-use continuum_protocol::time::Tick;
 use tracing::debug;
 
 use crate::config::Config;
@@ -114,21 +111,6 @@ impl std::fmt::Debug for ShimRouter {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The load store as the picker reads it: fresh while younger than `max_staleness`.
-/// Borrows the store under the one lock a decision takes: no per-rank locking or cloning.
-struct StoreView<'a> {
-    store: &'a LoadStore,
-    now: Tick,
-    max_age: std::time::Duration,
-}
-
-impl LoadView for StoreView<'_> {
-    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
-        let sample = self.store.latest(worker.instance_id, rank);
-        sample_state(sample, self.now, self.max_age)
-    }
 }
 
 impl ShimRouter {

@@ -35,7 +35,7 @@ use continuum_protocol::discovery::SourceEvent;
 use continuum_protocol::discovery::reducer::DiscoveryReducer;
 use continuum_protocol::discovery::snapshot::{SourceKind, build_snapshot};
 use continuum_protocol::event_plane::ActiveLoad;
-use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
+use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
 use continuum_protocol::kv::events::{
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, ResidencyDomain,
     RouterEvent, StorageTier, StoredBlock,
@@ -44,11 +44,10 @@ use continuum_protocol::kv::hashing::{BlockSize, sequence_hashes};
 use continuum_protocol::kv::mooncake::{BlockLru, splitmix64};
 use continuum_protocol::kv::{ExternalBlockHash, KvEventResult, KvIndex, LocalBlockHash};
 use continuum_protocol::load_store::{LoadSample, LoadStore};
-use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
+use continuum_protocol::picker::candidates::{CandidateIndex, StoreView};
 use continuum_protocol::picker::{
     BlockOverlaps, Candidate, DispatchId, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
-    KvPickOutcome, KvPickParams, LoadBasedPicker, LoadView, PickOutcome, PickRequest, PickerState,
-    SampleState,
+    KvPickOutcome, KvPickParams, LoadBasedPicker, PickOutcome, PickRequest, PickerState,
 };
 use continuum_protocol::time::{Tick, UnixMillis};
 
@@ -164,23 +163,6 @@ pub struct PolicyRun {
     pub hit_rate_series: Vec<Option<f64>>,
     /// Per worker, per bucket: mean active blocks seen at the bucket's arrivals.
     pub worker_load_series: Vec<Vec<Option<f64>>>,
-}
-
-/// The load store as the picker reads it (the shim's `StoreView`).
-struct StoreView<'a> {
-    store: &'a LoadStore,
-    now: Tick,
-    max_age: Duration,
-}
-
-impl LoadView for StoreView<'_> {
-    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
-        sample_state(
-            self.store.latest(worker.instance_id, rank),
-            self.now,
-            self.max_age,
-        )
-    }
 }
 
 fn records(id: u64, cfg: &SimConfig) -> Vec<(String, Vec<u8>)> {

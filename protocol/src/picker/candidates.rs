@@ -9,12 +9,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Candidate, CandidateRole, SampleState, dp_ranks};
+use super::{Candidate, CandidateRole, LoadView, SampleState, dp_ranks};
 use crate::discovery::records::Role;
 use crate::discovery::snapshot::DynamoSnapshot;
+use crate::ids::{DpRank, WorkerKey};
 use crate::kv::hashing::BlockSize;
 use crate::kv::prompt::MAX_BLOCK_SIZES;
-use crate::load_store::LoadSample;
+use crate::load_store::{LoadSample, LoadStore};
 use crate::time::Tick;
 
 /// Candidates per Dynamo display name.
@@ -97,6 +98,25 @@ impl CandidateIndex {
     /// Every model with at least one candidate.
     pub fn models(&self) -> impl Iterator<Item = &str> {
         self.by_model.keys().map(|m| m.as_ref())
+    }
+}
+
+/// The load store as the pickers read it: each rank's latest sample, fresh while younger than
+/// `max_age`. Borrows the store under the one lock a decision takes (the shim) or the
+/// simulation's own store (replay): no per-rank locking or cloning.
+pub struct StoreView<'a> {
+    pub store: &'a LoadStore,
+    pub now: Tick,
+    pub max_age: Duration,
+}
+
+impl LoadView for StoreView<'_> {
+    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+        sample_state(
+            self.store.latest(worker.instance_id, rank),
+            self.now,
+            self.max_age,
+        )
     }
 }
 
