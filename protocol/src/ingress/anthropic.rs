@@ -268,19 +268,30 @@ fn image_part(o: &Map<String, Value>, what: &str) -> Result<Value, IngressError>
     Ok(json!({ "type": "image_url", "image_url": { "url": url } }))
 }
 
-fn convert_user(content: &Value, what: &str, out: &mut Vec<Value>) -> Result<(), IngressError> {
-    let blocks = match content {
+/// A message's `content`: a plain string becomes one chat message of `role` at once (`None`),
+/// an array is returned for block-by-block conversion, anything else is refused.
+fn content_blocks<'a>(
+    content: &'a Value,
+    role: &str,
+    what: &str,
+    out: &mut Vec<Value>,
+) -> Result<Option<&'a Vec<Value>>, IngressError> {
+    match content {
         Value::String(s) => {
-            out.push(json!({ "role": "user", "content": s }));
-            return Ok(());
+            out.push(json!({ "role": role, "content": s }));
+            Ok(None)
         }
-        Value::Array(b) => b,
-        other => {
-            return Err(IngressError::invalid(format!(
-                "{what}: expected a string or an array of content blocks, got {}",
-                type_name(other)
-            )));
-        }
+        Value::Array(b) => Ok(Some(b)),
+        other => Err(IngressError::invalid(format!(
+            "{what}: expected a string or an array of content blocks, got {}",
+            type_name(other)
+        ))),
+    }
+}
+
+fn convert_user(content: &Value, what: &str, out: &mut Vec<Value>) -> Result<(), IngressError> {
+    let Some(blocks) = content_blocks(content, "user", what, out)? else {
+        return Ok(());
     };
     let mut parts = Vec::new();
     for (i, b) in blocks.iter().enumerate() {
@@ -332,18 +343,8 @@ fn convert_assistant(
     what: &str,
     out: &mut Vec<Value>,
 ) -> Result<(), IngressError> {
-    let blocks = match content {
-        Value::String(s) => {
-            out.push(json!({ "role": "assistant", "content": s }));
-            return Ok(());
-        }
-        Value::Array(b) => b,
-        other => {
-            return Err(IngressError::invalid(format!(
-                "{what}: expected a string or an array of content blocks, got {}",
-                type_name(other)
-            )));
-        }
+    let Some(blocks) = content_blocks(content, "assistant", what, out)? else {
+        return Ok(());
     };
     let mut texts: Vec<&str> = Vec::new();
     let mut calls = Vec::new();
