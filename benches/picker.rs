@@ -313,7 +313,7 @@ mod e2e {
     };
     use continuum_protocol::time::UnixMillis;
     use continuum_router::config::{Config, ProcessEnv};
-    use continuum_router::shim::ShimRouter;
+    use continuum_router::route::dynamo::ShimRouter;
     use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, call_t};
 
     use super::{FIRST_ID, MODEL, NAMESPACE, OUTSTANDING, black_box};

@@ -50,6 +50,7 @@ use continuum_router::config::schema::{
 };
 use continuum_router::front_door::{self, AppState, LiveSettings};
 use continuum_router::proxy::{Proxy, ProxyOptions};
+use continuum_router::route::Router;
 use continuum_router::readiness::Readiness;
 use http_body_util::{BodyExt, Either, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -151,7 +152,7 @@ async fn router(upstream: SocketAddr) -> SocketAddr {
         dynamo_workers: Arc::new(|| serde_json::json!({})),
         fleet_summary: Arc::new(|| serde_json::json!({})),
         fleet_models: Arc::new(|_: &[String]| Vec::new()),
-        proxy,
+        route: Arc::new(Router::new(proxy)),
     };
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");

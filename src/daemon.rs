@@ -50,6 +50,8 @@ use crate::config::{
 use crate::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
 use crate::kv::ArtifactPromptPrep;
 use crate::proxy::{Proxy, ProxyOptions};
+use crate::route::Router;
+use crate::route::dynamo::ShimRouter;
 use crate::readiness::Readiness;
 use crate::telemetry;
 
@@ -129,6 +131,11 @@ struct Shared {
     picker: DynamoPicker,
     /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
     proxy: Arc<Proxy>,
+    /// The request path's orchestrator over `proxy` (the front door's `AppState::route`).
+    route: Arc<Router>,
+    /// The Dynamo step of the request path, handed to the daemon at construction (its picker and
+    /// KV preparation hook plug in here).
+    dynamo: Arc<ShimRouter>,
     /// Records `source: simulated` discovery reads (the demo's fleet; empty otherwise).
     simulated: MemoryDiscovery,
     /// Pinned tokenizer artifacts, started the first time `dynamo.kv.enabled` is on.
@@ -160,12 +167,10 @@ fn sync_kv_artifacts(shared: &Shared, config: &Config) {
         None if enabled => {
             let registry = ArtifactRegistry::new(artifact_config, Some(shared.metrics.clone()));
             let follow = registry.follow(shared.registry.clone());
-            if let Some(shim) = shared.proxy.shim() {
-                shim.set_kv_prep(Arc::new(ArtifactPromptPrep::new(
-                    registry.clone(),
-                    Some(shared.metrics.clone()),
-                )));
-            }
+            shared.dynamo.set_kv_prep(Arc::new(ArtifactPromptPrep::new(
+                registry.clone(),
+                Some(shared.metrics.clone()),
+            )));
             *slot = Some(KvArtifacts { registry, follow });
         }
         None => {}
@@ -216,30 +221,37 @@ impl Daemon {
         if let Err(error) = load.set_max_staleness(config.dynamo.load.max_staleness.get()) {
             warn!(%error, "Keeping the default load.max_staleness.");
         }
+        let shared_config = Arc::new(ArcSwap::from_pointee(config.clone()));
+        let (kv, picker) = (DynamoKvIndex::new(Some(metrics.clone())), DynamoPicker::new());
+        let dynamo = Arc::new(
+            ShimRouter::with_picker(
+                shared_config.clone(),
+                registry.clone(),
+                load.clone(),
+                picker.clone(),
+                Some(metrics.clone()),
+            )
+            .with_kv_index(kv.clone()),
+        );
+        let proxy = Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone())));
+        let route = Arc::new(Router::new(proxy.clone()));
+        route.set_dynamo(dynamo.clone());
         let shared = Shared {
-            config: Arc::new(ArcSwap::from_pointee(config.clone())),
+            config: shared_config,
             registry,
             mailbox: RegistryMailbox::default(),
-            proxy: Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone()))),
+            proxy,
+            route,
+            dynamo,
             readiness,
-            kv: DynamoKvIndex::new(Some(metrics.clone())),
+            kv,
             artifacts: Arc::default(),
-            picker: DynamoPicker::new(),
+            picker,
             metrics,
             load,
             simulated: feed,
         };
         shared.proxy.reconfigure(&config);
-        shared.proxy.set_shim(Arc::new(
-            crate::shim::ShimRouter::with_picker(
-                shared.config.clone(),
-                shared.registry.clone(),
-                shared.load.clone(),
-                shared.picker.clone(),
-                Some(shared.metrics.clone()),
-            )
-            .with_kv_index(shared.kv.clone()),
-        ));
         sync_kv_artifacts(&shared, &config);
         let tree = ActorTree::default();
         let (root, root_task) = spawn_root(
@@ -338,8 +350,8 @@ impl Daemon {
     }
 
     /// The Dynamo shim router (its picker and KV preparation hook plug in here).
-    pub fn shim(&self) -> Option<Arc<crate::shim::ShimRouter>> {
-        self.shared.proxy.shim()
+    pub fn shim(&self) -> Option<Arc<ShimRouter>> {
+        Some(self.shared.dynamo.clone())
     }
 
     /// The latest load samples (`registry.load_store()` in the seed).
@@ -423,7 +435,7 @@ fn app_state(
         fleet_summary: Arc::new(move || {
             crate::dynamo_admin::fleet_summary(&summary_kv, &summary_metrics)
         }),
-        proxy: shared.proxy.clone(),
+        route: shared.route.clone(),
         fleet_models: Arc::new(move |allowed: &[String]| {
             let snapshot = models_registry.snapshot();
             let config = models_config.load();

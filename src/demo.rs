@@ -208,7 +208,7 @@ impl Demo {
         ));
         out.push_str(
             "  Logs         warnings only unless RUST_LOG is set \
-             (RUST_LOG=info,continuum_router::shim=debug logs every pick)\n\n",
+             (RUST_LOG=info,continuum_router::route=debug logs every pick)\n\n",
         );
         out.push_str(&format!(
             "  Simulated workers (each publishes kv_metrics over ZMQ every {}):\n",

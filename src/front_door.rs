@@ -2,10 +2,13 @@
 //!
 //! Handlers read immutable snapshots (`LiveSettings`, the fleet registry) through `ArcSwap`
 //! and reach actors only through typed handles; they never see raw actor messages.
+//!
+//! The request path starts here: the global middleware strips pin headers, [`admit`]
+//! authenticates and reads the bounded body, and `crate::route` takes it from there.
 
 pub mod admin;
 pub mod admin_config;
-pub mod error;
+pub use crate::wire::error;
 pub mod serve;
 pub mod strip;
 pub mod ui;
@@ -20,11 +23,15 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use bytes::Bytes;
 use continuum_actors::tree::ActorTree;
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::proxy::OpenAiRoute;
+use crate::proxy::body::read_bounded;
 use crate::readiness::Readiness;
+use crate::route::Caller;
 use error::ApiError;
 
 /// One API key and the backends it may use (empty = all).
@@ -80,8 +87,9 @@ pub struct AppState {
     /// key's `allowed_backends` (empty = all), which limits the list to namespaces whose shim
     /// replicas the key may use.
     pub fleet_models: FleetModels,
-    /// The OpenAI-wire proxy behind `POST /v1/chat/completions` and `POST /v1/completions`.
-    pub proxy: Arc<crate::proxy::Proxy>,
+    /// The request path behind `POST /v1/chat/completions` and `POST /v1/completions`: the
+    /// orchestrator over the proxy (`route::Router::new(proxy)`).
+    pub route: Arc<crate::route::Router>,
 }
 
 /// The front door's listener: every accepted connection gets `TCP_NODELAY`. Without it a
@@ -190,22 +198,50 @@ async fn models(State(state): State<AppState>, headers: HeaderMap) -> Result<Res
     Ok(axum::Json(json!({"object": "list", "data": data})).into_response())
 }
 
-// The OpenAI-wire proxy routes: everything past the route match lives in `crate::proxy`.
+// The OpenAI-wire routes: the front door admits the request (API key, bounded body) and hands
+// it to `crate::route`, which routes and relays it.
 
 async fn chat_completions(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let live = state.live.load_full();
-    let route = crate::proxy::OpenAiRoute::ChatCompletions;
-    state.proxy.serve(&live, route, headers, body).await
+    openai(&state, OpenAiRoute::ChatCompletions, headers, body).await
 }
 
 async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    let live = state.live.load_full();
-    let route = crate::proxy::OpenAiRoute::Completions;
-    state.proxy.serve(&live, route, headers, body).await
+    openai(&state, OpenAiRoute::Completions, headers, body).await
+}
+
+/// One OpenAI-wire request: [`admit`], then [`crate::route::Router::serve`]; counted in
+/// `continuum_http_requests_total` whatever the answer.
+async fn openai(state: &AppState, route: OpenAiRoute, headers: HeaderMap, body: Body) -> Response {
+    let started = std::time::Instant::now();
+    let response = match admit(state, &headers, body).await {
+        Ok((caller, bytes)) => state.route.serve(route, headers, caller, bytes).await,
+        Err(error) => error.into_response(),
+    };
+    state
+        .route
+        .observe(route, response.status(), started.elapsed());
+    response
+}
+
+/// Admission for the request path: the caller's API key (when keys are configured) and the body,
+/// read within the bound (413 beyond it, 408 when it is late). Other ingress formats admit here,
+/// convert the body to a chat body and call [`crate::route::Router::serve`].
+pub async fn admit(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<(Caller, Bytes), ApiError> {
+    let key = authenticate_client(&state.live.load(), headers)?;
+    let bytes = read_bounded(headers, body, state.route.max_request_body_bytes()).await?;
+    let caller = Caller {
+        authenticated: key.is_some(),
+        allowed_backends: key.map(|k| k.allowed_backends).unwrap_or_default(),
+    };
+    Ok((caller, bytes))
 }
 
 async fn not_found() -> ApiError {

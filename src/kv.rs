@@ -5,12 +5,15 @@
 //! |---|---|
 //! | [`template`] | [`ChatTemplate`]: HF chat templates on minijinja, no loader, bounded fuel |
 //! | [`render`] | [`PromptRenderer`]: permits, deadline, tokenization, block hashes |
-//! | [`prep`] | [`ArtifactPromptPrep`]: the shim's `KvPromptPrep` over pinned fleet artifacts |
+//! | [`hook`] | [`KvPromptPrep`]: the prompt preparation hook `route::dynamo` calls |
+//! | [`prep`] | [`ArtifactPromptPrep`]: the production `KvPromptPrep` over pinned fleet artifacts |
 
+pub mod hook;
 pub mod prep;
 pub mod render;
 pub mod template;
 
+pub use hook::{KvPrepRequest, KvPromptPrep};
 pub use prep::ArtifactPromptPrep;
 pub use render::{PrepareError, PreparedPrompt, PromptRenderer, RenderPermits};
 pub use template::{ChatTemplate, SpecialTokens, TemplateError};

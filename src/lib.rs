@@ -8,11 +8,12 @@
 //! | [`demo`] | `continuum-router demo`: a simulated Dynamo fleet and the router in one process |
 //! | [`front_door`] | the axum router: OpenAI surface, health, metrics, admin |
 //! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
-//! | [`proxy`] | the OpenAI-wire serving path: backend pool, health, breakers, relay |
+//! | [`proxy`] | the request path's transport: backend pool, health, breakers, dispatch, relay |
 //! | [`readiness`] | first-pass tracking behind `GET /ready` |
+//! | [`route`] | the request path's orchestrator: Dynamo pins first, unified fallback; [`route::dynamo`] picks and pins |
 //! | [`replay`] | `continuum-router replay`: offline policy replay of traces through the real pickers |
-//! | [`shim`] | Dynamo direct-mode shim routing: picks and pins per request |
 //! | [`telemetry`] | logs and OTLP trace export |
+//! | [`wire`] | HTTP vocabulary below the request path: `ApiError`, pin headers, the body-read timeout |
 
 pub mod build_info;
 pub mod config;
@@ -24,5 +25,6 @@ pub mod kv;
 pub mod proxy;
 pub mod readiness;
 pub mod replay;
-pub mod shim;
+pub mod route;
 pub mod telemetry;
+pub mod wire;

@@ -1,5 +1,7 @@
-//! The OpenAI-wire serving path: `POST /v1/chat/completions` and `POST /v1/completions` relayed
-//! to `type: openai` backends (Dynamo direct-mode shim replicas among them).
+//! The request path's transport: OpenAI-wire requests relayed to `type: openai` backends (Dynamo
+//! direct-mode shim replicas among them). Which backends and which pins is `crate::route`'s
+//! decision; this module selects the replicas of a scope, dispatches with the given headers and
+//! relays. It never imports the front door or the route.
 //!
 //! | module | what it holds |
 //! |---|---|
@@ -9,11 +11,10 @@
 //! | [`upstream`] | the pooled hyper-util client (plain HTTP or rustls TLS, ALPN h2) and backend URLs |
 //! | [`relay`] | buffered and streamed (SSE) response relay |
 //!
-//! Flow per request: authenticate → read ≤ 8 MiB → parse the top level only (`model` required;
-//! a repeated `model`/`stream`/`nvext` key or nesting deeper than 128 is a 400) → strip pins (the
-//! only case that re-encodes the body) →
-//! select replicas (key policy, health, breaker, round-robin) → dispatch with the `Dispatch`
-//! headers, retrying only connection failures on the next replica with the same headers → relay.
+//! Flow per dispatch (after the front door read ≤ 8 MiB with [`body::read_bounded`] and the route
+//! parsed the top level with [`body::parse`]): select replicas ([`Proxy::candidates`]: key policy,
+//! health, breaker, round-robin) → [`Proxy::dispatch`] with the `Dispatch` headers, retrying only
+//! connection failures on the next replica with the same headers → relay.
 //!
 //! Decisions worth knowing:
 //! - Standard routing considers enabled, non-internal backends of role `unified` that list the
@@ -42,20 +43,17 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
-use axum::response::IntoResponse;
-use continuum_actors::metrics::{DisaggregatedPhase, HttpRoute, Metrics, RoutingPath};
+use continuum_actors::metrics::{HttpRoute, Metrics, RoutingPath};
 use continuum_protocol::breaker::{BreakerConfig, ResponseVerdict, classify_response};
 use http_body_util::Full;
-use tracing::{debug, warn};
+use tracing::warn;
 
 pub use backends::{Backend, BackendPool, Clock, Scope, Selection};
 pub use body::ParsedBody;
 pub use headers::Dispatch;
 
 use crate::config::schema::{BackendConfig, Config, DisaggregatedServingConfig};
-use crate::front_door::error::ApiError;
-use crate::front_door::{ApiKeySetting, LiveSettings, authenticate_client};
-use crate::shim;
+use crate::wire::error::ApiError;
 use upstream::{Upstream, UpstreamError};
 
 /// The OpenAI routes the proxy serves.
@@ -73,7 +71,8 @@ impl OpenAiRoute {
         }
     }
 
-    fn metric(self) -> HttpRoute {
+    /// The `route` label of `continuum_http_requests_total`.
+    pub fn metric(self) -> HttpRoute {
         match self {
             OpenAiRoute::ChatCompletions => HttpRoute::ChatCompletions,
             OpenAiRoute::Completions => HttpRoute::Completions,
@@ -120,15 +119,14 @@ pub struct ClientRequest {
     pub authenticated: bool,
 }
 
-/// The proxy: a backend pool (which owns the upstream clients) and the reloadable routing switches.
+/// The proxy: a backend pool (which owns the upstream clients) and the reloadable routing switches
+/// (`disaggregated_serving.enabled` and `fallback_to_unified`, which `crate::route` reads).
 pub struct Proxy {
     pool: BackendPool,
     options: ProxyOptions,
     disaggregated: AtomicBool,
     fallback_to_unified: AtomicBool,
     metrics: Option<Metrics>,
-    /// The Dynamo shim path, when the daemon runs one.
-    shim: arc_swap::ArcSwapOption<crate::shim::ShimRouter>,
 }
 
 impl Proxy {
@@ -141,18 +139,7 @@ impl Proxy {
             disaggregated: AtomicBool::new(false),
             fallback_to_unified: AtomicBool::new(true),
             metrics,
-            shim: arc_swap::ArcSwapOption::empty(),
         }
-    }
-
-    /// The Dynamo shim path, when installed.
-    pub fn shim(&self) -> Option<Arc<crate::shim::ShimRouter>> {
-        self.shim.load_full()
-    }
-
-    /// Installs the Dynamo shim path (the disaggregated orchestrator runs it first).
-    pub fn set_shim(&self, shim: Arc<crate::shim::ShimRouter>) {
-        self.shim.store(Some(shim));
     }
 
     /// Applies the immediate-class settings: `backends` and `disaggregated_serving`. Unchanged
@@ -177,210 +164,19 @@ impl Proxy {
         self.pool.shutdown();
     }
 
-    /// The whole standard path for one request; always answers (errors as `ApiError` bodies).
-    pub async fn serve(
-        &self,
-        live: &LiveSettings,
-        route: OpenAiRoute,
-        headers: HeaderMap,
-        body: Body,
-    ) -> Response<Body> {
-        let started = std::time::Instant::now();
-        let response = match self.serve_inner(live, route, headers, body).await {
-            Ok(resp) => resp,
-            Err(error) => error.into_response(),
-        };
-        if let Some(metrics) = &self.metrics {
-            metrics.http_request_timed(
-                route.metric(),
-                response.status().as_u16(),
-                started.elapsed(),
-            );
-        }
-        response
+    /// The tuning this proxy was built with.
+    pub fn options(&self) -> &ProxyOptions {
+        &self.options
     }
 
-    async fn serve_inner(
-        &self,
-        live: &LiveSettings,
-        route: OpenAiRoute,
-        headers: HeaderMap,
-        body: Body,
-    ) -> Result<Response<Body>, ApiError> {
-        let (request, key) = self.prepare(live, route, headers, body).await?;
-        let allowed = key
-            .as_ref()
-            .map(|k| k.allowed_backends.as_slice())
-            .unwrap_or(&[]);
-        // The disaggregated orchestrator: the Dynamo path when a permitted shim replica and a
-        // worker for the model exist, else standard routing.
-        if self.disaggregated_enabled()
-            && let Some(shim) = self.shim.load_full()
-        {
-            let usable = |name: &str| {
-                self.pool
-                    .get(name)
-                    .is_some_and(|b| b.is_healthy() && b.config().enabled)
-            };
-            if let Some(mut decision) = shim
-                .decide_async(&request.body.model, &request.body.outbound, allowed, usable)
-                .await
-            {
-                let scope = Scope {
-                    allowed,
-                    only: Some(&decision.pool),
-                };
-                let candidates = self.candidates(&request.body.model, scope)?;
-                self.count_routing_path(decision.path);
-                // The shim copy may carry the rendered tokens; `request` (used by any fallback)
-                // keeps the client's body, which never carries `nvext.token_data`.
-                let shim_request = decision.body.take().map(|outbound| ClientRequest {
-                    body: ParsedBody {
-                        outbound,
-                        ..request.body.clone()
-                    },
-                    ..request.clone()
-                });
-                let outcome = self
-                    .dispatch(
-                        shim_request.as_ref().unwrap_or(&request),
-                        &candidates,
-                        &decision.dispatch,
-                        decision.path,
-                    )
-                    .await;
-                let settled = self
-                    .settle_shim(&request, allowed, &decision.pool, outcome)
-                    .await;
-                // The dispatch ends with the response body (or at once on an error).
-                let guard = decision
-                    .dispatch_id
-                    .map(|id| shim::DispatchGuard::new(shim.clone(), id));
-                return settled.map(|resp| match guard {
-                    Some(guard) => resp.map(|body| {
-                        Body::from_stream(futures::StreamExt::map(
-                            body.into_data_stream(),
-                            move |chunk| {
-                                let _ = &guard;
-                                chunk
-                            },
-                        ))
-                    }),
-                    None => resp,
-                });
-            }
-        }
-        let scope = Scope {
-            allowed,
-            only: None,
-        };
-        let candidates = self.candidates(&request.body.model, scope)?;
-        self.count_routing_path(RoutingPath::Unified);
-        self.dispatch(
-            &request,
-            &candidates,
-            &Dispatch::none(),
-            RoutingPath::Unified,
-        )
-        .await
+    /// The daemon's metrics, when registered.
+    pub fn metrics(&self) -> Option<&Metrics> {
+        self.metrics.as_ref()
     }
 
-    /// The shim's answer under the seed's failure semantics. A success (or, on a stream, an
-    /// ordinary 4xx) is relayed. A buffered direct-mode refusal for lack of a prefill id is a 503
-    /// without retry. Any other failure counts `disaggregated_errors_total{phase="decode"}` and
-    /// falls back to unified routing without pins when `fallback_to_unified`, else answers
-    /// `disaggregated_decode_failed`. Workers are never re-selected for the request.
-    async fn settle_shim(
-        &self,
-        request: &ClientRequest,
-        allowed: &[String],
-        shim_pool: &[String],
-        outcome: Result<Response<Body>, ApiError>,
-    ) -> Result<Response<Body>, ApiError> {
-        let failure = match outcome {
-            Ok(resp) if resp.status().is_success() => return Ok(resp),
-            Ok(resp) if request.body.stream && !shim::falls_back_on_stream(resp.status()) => {
-                return Ok(resp);
-            }
-            Ok(resp) if !request.body.stream => {
-                let status = resp.status();
-                let bytes = http_body_util::BodyExt::collect(resp.into_body())
-                    .await
-                    .map(|c| c.to_bytes())
-                    .unwrap_or_default();
-                if shim::is_prefill_id_refusal(&bytes) {
-                    if let Some(metrics) = &self.metrics {
-                        metrics.disaggregated_error(DisaggregatedPhase::Orchestration);
-                    }
-                    return Err(ApiError::PrefillDecodeUnavailable(
-                        "the direct-mode frontend refused the worker pair: prefill worker id required"
-                            .into(),
-                    ));
-                }
-                format!("shim answered {status}")
-            }
-            Ok(resp) => format!("shim answered {}", resp.status()),
-            Err(error) => error.to_string(),
-        };
-        if let Some(metrics) = &self.metrics {
-            metrics.disaggregated_error(DisaggregatedPhase::Decode);
-        }
-        if !self.fallback_to_unified.load(Ordering::Acquire) {
-            return Err(ApiError::DisaggregatedDecodeFailed(format!(
-                "the Dynamo shim failed ({failure}) and fallback_to_unified is off"
-            )));
-        }
-        warn!(reason = %failure, "Dynamo shim failed; falling back to unified routing without pins.");
-        let scope = Scope {
-            allowed,
-            only: None,
-        };
-        // Shim replicas are direct-mode frontends: without pins they cannot serve the request.
-        let candidates: Vec<_> = self
-            .candidates(&request.body.model, scope)?
-            .into_iter()
-            .filter(|b| !shim_pool.iter().any(|name| name == b.name()))
-            .collect();
-        if candidates.is_empty() {
-            return Err(ApiError::DisaggregatedDecodeFailed(format!(
-                "the Dynamo shim failed ({failure}) and no unified backend serves the model"
-            )));
-        }
-        self.dispatch(
-            request,
-            &candidates,
-            &Dispatch::none(),
-            RoutingPath::Unified,
-        )
-        .await
-    }
-
-    /// Everything before routing: authenticate, read the bounded body, validate it and strip
-    /// its pins. Returns the request and the caller's key policy (`None` when keys are off).
-    pub async fn prepare(
-        &self,
-        live: &LiveSettings,
-        route: OpenAiRoute,
-        headers: HeaderMap,
-        body: Body,
-    ) -> Result<(ClientRequest, Option<ApiKeySetting>), ApiError> {
-        let key = authenticate_client(live, &headers)?;
-        let bytes = body::read_bounded(&headers, body, self.options.max_request_body_bytes).await?;
-        let parsed = body::parse(bytes)?;
-        if parsed.stripped > 0 {
-            debug!(
-                stripped = parsed.stripped,
-                "Stripped client nvext worker pins."
-            );
-        }
-        let request = ClientRequest {
-            route,
-            disclose: headers.contains_key(headers::DISCLOSE_REQUEST_HEADER),
-            authenticated: key.is_some(),
-            headers,
-            body: parsed,
-        };
-        Ok((request, key))
+    /// Whether `disaggregated_serving.fallback_to_unified` is on in the current configuration.
+    pub fn fallback_to_unified(&self) -> bool {
+        self.fallback_to_unified.load(Ordering::Acquire)
     }
 
     /// Whether `disaggregated_serving.enabled` is on in the current configuration.

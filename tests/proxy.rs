@@ -23,6 +23,7 @@ use continuum_router::config::schema::{
 };
 use continuum_router::front_door::{self, ApiKeySetting, AppState, LiveSettings};
 use continuum_router::proxy::{ClientRequest, Dispatch, OpenAiRoute, Proxy, ProxyOptions, body};
+use continuum_router::route::Router;
 use continuum_router::readiness::Readiness;
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
@@ -102,7 +103,7 @@ fn harness_with(
         dynamo_workers: Arc::new(|| json!({})),
         fleet_summary: Arc::new(|| json!({})),
         fleet_models: Arc::new(|_: &[String]| Vec::new()),
-        proxy: proxy.clone(),
+        route: Arc::new(Router::new(proxy.clone())),
     };
     Harness {
         state,

@@ -24,6 +24,7 @@ use continuum_router::config::schema::{
 };
 use continuum_router::front_door::{self, AppState, LiveSettings};
 use continuum_router::proxy::{Proxy, ProxyOptions};
+use continuum_router::route::Router;
 use continuum_router::readiness::Readiness;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -277,7 +278,7 @@ fn harness(backend: BackendConfig, breaker: BreakerConfig) -> (AppState, Arc<Pro
         dynamo_workers: Arc::new(|| json!({})),
         fleet_summary: Arc::new(|| json!({})),
         fleet_models: Arc::new(|_: &[String]| Vec::new()),
-        proxy: proxy.clone(),
+        route: Arc::new(Router::new(proxy.clone())),
     };
     (state, proxy)
 }

@@ -1,7 +1,8 @@
 //! Tidy checks as ordinary tests (rust-analyzer's `tidy.rs`): habits a reviewer would otherwise
 //! repeat. Every Rust file starts with `//!`, there is no `mod.rs`, tests never sleep (test files
-//! and inline `#[cfg(test)]` modules alike), `protocol` stays sans-IO, and nothing reads a path
-//! outside the repository (a fresh clone must pass its own tests).
+//! and inline `#[cfg(test)]` modules alike), `protocol` stays sans-IO, nothing reads a path
+//! outside the repository (a fresh clone must pass its own tests), and `src/`'s top-level modules
+//! import each other without a cycle.
 
 use std::path::{Path, PathBuf};
 
@@ -301,5 +302,143 @@ fn protocol_stays_sans_io() {
                 rel(&f)
             );
         }
+    }
+}
+
+/// The top-level modules of `src/` a Rust source text names through `crate::` (plain paths and
+/// `crate::{a, b::c}` groups); comment lines are skipped. `super::x` in a top-level file names
+/// `x` too.
+fn crate_modules_named(text: &str, top_level_file: bool) -> Vec<String> {
+    fn ident(s: &str) -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    }
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let line = line.trim_start();
+        if line.starts_with("//") {
+            continue;
+        }
+        let mut heads: Vec<&str> = line.split("crate::").skip(1).collect();
+        if top_level_file {
+            heads.extend(line.split("super::").skip(1));
+        }
+        for head in heads {
+            match head.strip_prefix('{') {
+                // A group: the first segment of each item (nested groups are rare and only
+                // repeat a module already named).
+                Some(group) => out.extend(
+                    group
+                        .split(',')
+                        .map(|item| ident(item.trim()))
+                        .filter(|m| !m.is_empty()),
+                ),
+                None => out.push(ident(head)),
+            }
+        }
+    }
+    out.retain(|m| !m.is_empty() && m != "self");
+    out
+}
+
+/// `src/`'s top-level modules and the ones each names (`src/M.rs` and everything under `src/M/`).
+fn src_module_graph() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let src = repo_root().join("src");
+    let mut graph = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+    let mut files = Vec::new();
+    collect(&src, &mut files);
+    for file in files {
+        let relative = file.strip_prefix(&src).expect("under src");
+        let mut parts = relative.components();
+        let first = parts
+            .next()
+            .and_then(|c| c.as_os_str().to_str())
+            .unwrap_or("");
+        let top_level_file = parts.next().is_none();
+        let module = first.trim_end_matches(".rs").to_string();
+        if module == "lib" || module == "main" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        let named = crate_modules_named(&text, top_level_file);
+        let edges = graph.entry(module.clone()).or_default();
+        edges.extend(named.into_iter().filter(|m| *m != module));
+    }
+    graph
+}
+
+/// A cycle in `graph` (as the path that closes it), if any.
+fn find_cycle(
+    graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut std::collections::BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(node.to_string());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_string());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, graph, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_string());
+        None
+    }
+    let mut done = std::collections::BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn module_scan_reads_paths_groups_and_super() {
+    let text = "use crate::proxy::Dispatch;\nuse crate::{config, kv::PreparedPrompt};\n\
+                // crate::front_door in a comment\nlet x = super::route::serve();\n";
+    assert_eq!(
+        crate_modules_named(text, true),
+        vec!["proxy", "config", "kv", "route"]
+    );
+    assert_eq!(
+        crate_modules_named(text, false),
+        vec!["proxy", "config", "kv"]
+    );
+    let graph = |edges: &[(&str, &str)]| {
+        let mut g = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+        for (a, b) in edges {
+            g.entry(a.to_string()).or_default().insert(b.to_string());
+            g.entry(b.to_string()).or_default();
+        }
+        g
+    };
+    assert_eq!(find_cycle(&graph(&[("a", "b"), ("b", "c")])), None);
+    assert_eq!(
+        find_cycle(&graph(&[("a", "b"), ("b", "c"), ("c", "a")])),
+        Some(vec!["a".into(), "b".into(), "c".into(), "a".into()])
+    );
+}
+
+/// The request path reads top-down (front_door → route → proxy, protocol below): no top-level
+/// module of `src/` reaches back up to one that names it.
+#[test]
+fn src_modules_import_without_a_cycle() {
+    let graph = src_module_graph();
+    assert!(
+        graph.contains_key("front_door") && graph.contains_key("proxy"),
+        "the scan found src/'s modules"
+    );
+    if let Some(cycle) = find_cycle(&graph) {
+        panic!("src/ modules import each other in a circle: {}", cycle.join(" -> "));
     }
 }

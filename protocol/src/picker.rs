@@ -8,6 +8,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
+//! | [`decision`] | one request's routing decision (eligibility, reachability, pick, path, parity) |
 //! | [`estimate`] | the tokenizer-free prompt-size heuristic |
 //! | [`ledger`] | unanswered dispatches: backlog until a sample answers, stalled ranks |
 //! | [`load_based`] | the default [`LoadBasedPicker`] (Dynamo's load-only cost formulas) |
@@ -24,6 +25,7 @@ use crate::ids::{DpRank, Namespace, WorkerKey};
 use crate::time::Tick;
 
 pub mod candidates;
+pub mod decision;
 pub mod estimate;
 pub mod kv_aware;
 pub mod ledger;

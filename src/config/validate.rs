@@ -170,7 +170,7 @@ impl Validator {
                         "tls.ca_cert applies to https:// backends only",
                     );
                 }
-                if let Err(message) = crate::proxy::upstream::read_ca_file(ca) {
+                if let Err(message) = crate::wire::tls::read_ca_file(ca) {
                     self.err(format!("{path}.tls.ca_cert"), message);
                 }
             }

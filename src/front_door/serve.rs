@@ -42,6 +42,7 @@ use tower_service::Service as _;
 use tracing::{debug, info, warn};
 
 use crate::config::ServerConfig;
+use crate::wire::BodyReadTimeout;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -274,23 +275,6 @@ type SharedTable = Arc<Mutex<Table>>;
 
 fn lock(table: &SharedTable) -> std::sync::MutexGuard<'_, Table> {
     table.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The request body failed to arrive within `server.body_read_timeout`.
-#[derive(Debug, thiserror::Error)]
-#[error("the request body did not arrive within {0:?}")]
-pub struct BodyReadTimeout(pub Duration);
-
-/// Whether `error` (or one of its sources) is a [`BodyReadTimeout`].
-pub fn is_body_read_timeout(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut current = Some(error);
-    while let Some(e) = current {
-        if e.is::<BodyReadTimeout>() {
-            return true;
-        }
-        current = e.source();
-    }
-    false
 }
 
 /// A request body that fails with [`BodyReadTimeout`] once its deadline passes.

@@ -1,9 +1,10 @@
-//! The KV preparation hook: renders and tokenizes a request's prompt and hashes its blocks, so the
-//! shim can read overlaps from the KV index before the KV-aware picker decides.
+//! The KV preparation hook: renders and tokenizes a request's prompt and hashes its blocks, so
+//! `route::dynamo` can read overlaps from the KV index before the KV-aware picker decides.
 //!
-//! The real implementation (pinned tokenizer artifacts, bounded chat-template rendering) plugs in
-//! through [`KvPromptPrep`] with `ShimRouter::set_kv_prep`. Until one is installed every request
-//! scores without a KV term (`tokenizer_unavailable`).
+//! The real implementation ([`super::ArtifactPromptPrep`]: pinned tokenizer artifacts, bounded
+//! chat-template rendering) plugs in through [`KvPromptPrep`] with `ShimRouter::set_kv_prep`.
+//! Until one is installed every request scores without a KV term (`tokenizer_unavailable`). The
+//! trait lives here, below `route`, so the implementation never imports the request path.
 
 use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::picker::KvUnavailable;
@@ -21,10 +22,10 @@ pub struct KvPrepRequest<'a> {
     pub block_sizes: &'a [BlockSize],
 }
 
-/// The prepared prompt is the renderer's ([`crate::kv::PreparedPrompt`]); why one could not be
-/// prepared is the picker's [`KvUnavailable`] (each value is a `continuum_dynamo_kv_selection_total`
-/// result, and the pick falls back to load-based selection).
-pub use crate::kv::PreparedPrompt;
+// The prepared prompt is the renderer's (`PreparedPrompt`); why one could not be prepared is the
+// picker's `KvUnavailable` (each value is a `continuum_dynamo_kv_selection_total` result, and the
+// pick falls back to load-based selection).
+use super::PreparedPrompt;
 
 /// Renders, tokenizes and hashes a request's prompt for the KV-aware picker. Implementations do
 /// their CPU work off the async threads (the blocking pool) and bound it.

@@ -22,7 +22,7 @@ use crate::kv::render::available_cpus;
 use crate::kv::{ChatTemplate, PrepareError, PromptRenderer, RenderPermits, SpecialTokens};
 use continuum_protocol::picker::KvUnavailable;
 
-use crate::shim::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
+use crate::kv::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 
 /// Compiled renderers kept at once (the loader keeps at most 16 tokenizers too).
 pub const MAX_RENDERERS: usize = 16;

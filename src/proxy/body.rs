@@ -11,7 +11,7 @@ use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAcces
 use serde_json::Value;
 use serde_json::value::RawValue;
 
-use crate::front_door::error::ApiError;
+use crate::wire::error::ApiError;
 
 /// Largest request body the OpenAI surface accepts, checked before any parsing.
 pub const MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
@@ -56,7 +56,7 @@ pub async fn read_bounded(
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(too_large(limit)),
-        Err(error) if crate::front_door::serve::is_body_read_timeout(error.as_ref()) => {
+        Err(error) if crate::wire::is_body_read_timeout(error.as_ref()) => {
             Err(ApiError::RequestTimeout(error.to_string()))
         }
         Err(error) => Err(ApiError::BadRequest(format!(

@@ -3,7 +3,7 @@
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use continuum_protocol::ids::{DpRank, InstanceId};
 
-use crate::front_door::strip::strip_pin_headers;
+use crate::wire::pins::strip_pin_headers;
 
 /// The routing path of every response (`unified`, `aggregated` or `disaggregated`).
 pub const ROUTING_PATH_HEADER: &str = "x-continuum-routing-path";

@@ -11,7 +11,7 @@ use serde_json::json;
 use tracing::warn;
 
 use super::headers;
-use crate::front_door::error::ApiError;
+use crate::wire::error::ApiError;
 
 /// Largest buffered (non-streaming) upstream response relayed.
 pub const MAX_BUFFERED_RESPONSE_BYTES: usize = 64 * 1024 * 1024;

@@ -13,7 +13,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::CertificateDer;
-use rustls::pki_types::pem::PemObject;
 
 /// Why an upstream exchange failed before a response head arrived.
 #[derive(Debug, thiserror::Error)]
@@ -129,37 +128,7 @@ impl Target {
     }
 }
 
-/// Largest CA file read (`backends[].tls.ca_file`).
-pub const MAX_CA_FILE_BYTES: u64 = 1024 * 1024;
-
-/// Reads the PEM certificates of a CA file: an unreadable file, one larger than
-/// [`MAX_CA_FILE_BYTES`], or one holding no parsable `CERTIFICATE` block is an error.
-pub fn read_ca_file(path: &std::path::Path) -> Result<Vec<CertificateDer<'static>>, String> {
-    use std::io::Read;
-    let shown = path.display();
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
-    let mut pem = Vec::new();
-    file.take(MAX_CA_FILE_BYTES + 1)
-        .read_to_end(&mut pem)
-        .map_err(|e| format!("cannot read {shown}: {e}"))?;
-    if pem.len() as u64 > MAX_CA_FILE_BYTES {
-        return Err(format!("{shown} is larger than {MAX_CA_FILE_BYTES} bytes"));
-    }
-    let certs = CertificateDer::pem_slice_iter(&pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{shown} is not valid PEM: {e}"))?;
-    if certs.is_empty() {
-        return Err(format!("{shown} holds no PEM CERTIFICATE block"));
-    }
-    // Each certificate must also be usable as a trust anchor.
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in &certs {
-        roots
-            .add(cert.clone())
-            .map_err(|e| format!("{shown} holds a certificate that is not a usable CA: {e}"))?;
-    }
-    Ok(certs)
-}
+pub use crate::wire::tls::{MAX_CA_FILE_BYTES, read_ca_file};
 
 /// The TLS settings of an upstream client: the webpki roots plus `extra_roots` (a backend's CA
 /// file), ring provider, TLS 1.2 and 1.3. ALPN (h2, http/1.1) is set by the connector.

@@ -1,23 +1,24 @@
-//! Direct-mode shim routing: for one request, pick the (prefill, decode) ranks of a Dynamo fleet
-//! and name the namespace's shim pool to send it to, with the pins as decimal `x-dynamo-*`
-//! headers (`dynamo.frontend --router-mode direct` executes the two-phase handoff).
+//! Direct-mode shim routing (`route`'s Dynamo step): for one request, gather the facts, make the
+//! one call into `continuum_protocol::picker::decision::decide`, and turn its answer into a
+//! dispatch plan ([`ShimDecision`]): the namespace's shim pool and the (prefill, decode) pins as
+//! decimal `x-dynamo-*` headers (`dynamo.frontend --router-mode direct` executes the two-phase
+//! handoff).
 //!
-//! Every decision is `protocol`'s: candidates come from `picker::candidates` (rebuilt once per
-//! registry generation by the `PickerActor`, or by the first request that races ahead of it), load
-//! from the shared store through a `LoadView` adapter, and the pick from the pluggable
-//! `DynamoWorkerPicker` (`picker()` / `set_picker()`).
+//! The inputs: candidates from `picker::candidates` (rebuilt once per registry generation by the
+//! `PickerActor`, or by the first request that races ahead of it), which watched namespaces have a
+//! usable, permitted shim replica, load from the shared store, and the pluggable
+//! `DynamoWorkerPicker` (`picker()` / `set_picker()`). What this module does with the answer:
+//! selection metrics, the KV hash-parity prediction, the pins and the outbound body.
 //!
 //! The decision itself is one synchronous critical section: the load-store lock, then the
 //! picker-state lock of the shared [`DynamoPicker`] handle (the order every holder of both
 //! takes). It does not go through the `PickerActor`'s mailbox: a ractor round trip costs more
 //! than the decision (see docs/runtime-semantics.md, "Picker state").
 //!
-//! Under `dynamo.kv.enabled` the shim installs the `KvAwarePicker` (and the load-based one back
+//! Under `dynamo.kv.enabled` the router installs the `KvAwarePicker` (and the load-based one back
 //! when KV is turned off; every `dynamo.kv` field applies on the next request), prepares the
 //! prompt through the [`KvPromptPrep`] hook, reads the candidates' overlaps from the shared KV
 //! index, and may attach the rendered tokens as `nvext.token_data`.
-
-pub mod kv_prep;
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,21 +33,22 @@ use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, 
 use continuum_actors::picker::{DynamoPicker, answer_arrivals};
 use continuum_actors::registry::DynamoRegistry;
 use continuum_protocol::ids::Namespace;
-use continuum_protocol::picker::candidates::StoreView;
+use continuum_protocol::picker::decision::{
+    Decision, DecisionInput, ParityTarget, PathClass, Routed, decide,
+};
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
 use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::load_based::LoadBasedPicker;
-use continuum_protocol::picker::reachability::reachable_candidates;
 use continuum_protocol::picker::{
     BlockOverlaps, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
-    KvPickParams, KvSelectionResult, KvUnavailable, PickOutcome, PickRequest,
+    KvPickParams, KvSelectionResult, KvUnavailable, Phase,
 };
 use tracing::debug;
 
 use crate::config::Config;
 use crate::config::schema::KvConfig;
+pub use crate::kv::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 use crate::proxy::Dispatch;
-pub use kv_prep::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 
 /// Where and how to send one request through a shim.
 #[derive(Debug)]
@@ -264,7 +266,8 @@ impl ShimRouter {
     }
 
     /// The decision, with the prepared prompt (or why there is none) when KV applies; `parsed`
-    /// is `body` already parsed, when the caller has it.
+    /// is `body` already parsed, when the caller has it. Gathers the inputs, calls
+    /// [`decide`] once inside the locks, then performs its answer.
     fn decide_with(
         &self,
         client_model: &str,
@@ -281,176 +284,110 @@ impl ShimRouter {
         let kv_config = &config.dynamo.kv;
         self.sync_picker(kv_config);
         let prepared = prepared.filter(|_| kv_config.enabled);
-        let shim = &config.dynamo.shim;
-        let permitted = |name: &&String| allowed.is_empty() || allowed.contains(name);
-        let pool_of = |ns: &Namespace| -> Vec<String> {
-            shim.backends_for(ns.as_str())
-                .iter()
-                .filter(permitted)
-                .filter(|name| usable(name))
-                .cloned()
-                .collect()
-        };
-        // Only namespaces with a usable, permitted replica are offered to the picker (checked
-        // without building their pools: only the winner's pool is needed).
-        let mut eligible = config.dynamo.discovery.namespaces();
-        eligible.retain(|ns| {
-            shim.backends_for(ns.as_str())
-                .iter()
-                .filter(permitted)
-                .any(|name| usable(name))
-        });
-        if eligible.is_empty() {
-            return None;
-        }
+        let namespaces = namespace_replicas(&config, allowed, &usable);
         let model = mapped_model(&config, client_model);
         let held = self.picker.index_for(&self.registry);
         let candidates = held.index.for_model(model);
-        if candidates.is_empty() {
-            return None;
-        }
-        let now = now_tick();
-        // Overlaps per block size, read under one guard of the shared index.
-        let overlaps: Vec<BlockOverlaps> = match (&prepared, &self.kv_index) {
-            (Some(Ok(prompt)), Some(kv_index)) => {
-                let queries: Vec<_> = prompt
-                    .hashes
-                    .iter()
-                    .map(|(block_size, hashes)| (*block_size, hashes.as_slice()))
-                    .collect();
-                kv_index
-                    .overlaps_by_block_size(&queries)
-                    .into_iter()
-                    .map(|(block_size, ranks)| BlockOverlaps { block_size, ranks })
-                    .collect()
-            }
-            _ => Vec::new(),
+        let overlaps = self.overlaps(&prepared);
+        let estimate = || match parsed {
+            Some(value) => estimate_value_tokens(value),
+            None => estimate_tokens(body),
         };
-        let kv_input = match &prepared {
-            Some(Ok(prompt)) => Some(Ok(KvPickInput {
-                isl: prompt.tokens.len() as u64,
-                overlaps: &overlaps,
-                unit: self.draw_unit(),
-            })),
-            Some(Err(failure)) => Some(Err(*failure)),
-            None => None,
-        };
-        let estimated_prompt_tokens = match &kv_input {
-            Some(Ok(input)) => input.isl,
-            _ => match parsed {
-                Some(value) => estimate_value_tokens(value),
-                None => estimate_tokens(body),
-            },
-        };
-        let request = PickRequest {
+        let input = DecisionInput {
             model,
-            eligible_namespaces: &eligible,
-            estimated_prompt_tokens,
+            namespaces,
+            candidates,
+            estimate_prompt_tokens: &estimate,
             load_signals: self.registry.snapshot().signals().load,
+            kv: self.kv_input(&prepared, &overlaps),
+            now: now_tick(),
+            max_age: config.dynamo.load.max_staleness.get(),
         };
+        let now = input.now;
         let picker = self.picker.picker();
-        let max_age = config.dynamo.load.max_staleness.get();
         // One load-store lock for the whole decision (order: load store, then picker state).
-        let outcome = self.load.with(|store| {
+        let decision = self.load.with(|store| {
             self.picker.with_state(|state| {
                 // Samples that arrived since earlier dispatches answer them (the PickerActor does
                 // this on every store change; a request racing ahead of it catches up here).
                 answer_arrivals(&mut state.ledger, store);
                 state.ledger.expire(now);
-                // Workers whose load publisher died (SIGKILL within the lease) sit out while a
-                // reachable rank serves the phase; no marks, no filtering work.
-                let kept = (store.unreachable_count() > 0)
-                    .then(|| {
-                        reachable_candidates(candidates, &request, |c| {
-                            store.is_unreachable(c.worker.instance_id)
-                        })
-                    })
-                    .flatten();
-                if let Some(kept) = &kept {
-                    debug!(
-                        model,
-                        left_out = candidates.len() - kept.len(),
-                        "Unreachable workers sit out this selection."
-                    );
-                }
-                let candidates = kept.as_deref().unwrap_or(candidates);
-                let view = StoreView {
-                    store,
-                    now,
-                    max_age,
-                };
-                match &kv_input {
-                    Some(kv) => picker.pick_kv(
-                        &request,
-                        kv.as_ref().map_err(|why| *why),
-                        candidates,
-                        &view,
-                        state,
-                        now,
-                    ),
-                    None => continuum_protocol::picker::KvPickOutcome {
-                        outcome: picker.pick(&request, candidates, &view, state, now),
-                        kv: None,
-                    },
-                }
+                decide(input, &*picker, store, state)
             })
         });
-        let bypass = outcome.is_bypass();
-        let kv_result = outcome.kv;
-        let pick = match outcome.outcome {
-            PickOutcome::Picked(pick) => pick,
-            PickOutcome::NoCandidates(why) => {
-                debug!(
-                    model,
-                    reason = why.as_label(),
-                    "No Dynamo worker for the request; routing normally."
-                );
+        let routed = match decision {
+            Decision::Route(routed) => routed,
+            Decision::Skip(why) => {
+                debug!(model, reason = ?why, "No Dynamo worker for the request; routing normally.");
                 return None;
             }
         };
+        self.record(model, &routed, &prepared);
+        let body = match &prepared {
+            Some(Ok(prompt)) if kv_config.send_token_data => with_token_data(body, &prompt.tokens),
+            _ => None,
+        };
+        let pool = pool_of(&config, &routed.pick.namespace, allowed, &usable);
+        Some(ShimDecision::new(routed, pool, body))
+    }
+
+    /// Overlaps per block size of a prepared prompt, read under one guard of the shared index.
+    fn overlaps(
+        &self,
+        prepared: &Option<Result<PreparedPrompt, KvUnavailable>>,
+    ) -> Vec<BlockOverlaps> {
+        let (Some(Ok(prompt)), Some(kv_index)) = (prepared, &self.kv_index) else {
+            return Vec::new();
+        };
+        let queries: Vec<_> = prompt
+            .hashes
+            .iter()
+            .map(|(block_size, hashes)| (*block_size, hashes.as_slice()))
+            .collect();
+        kv_index
+            .overlaps_by_block_size(&queries)
+            .into_iter()
+            .map(|(block_size, ranks)| BlockOverlaps { block_size, ranks })
+            .collect()
+    }
+
+    /// The picker's KV input: `None` when KV is off, the reason when the prompt is not prepared.
+    fn kv_input<'a>(
+        &self,
+        prepared: &Option<Result<PreparedPrompt, KvUnavailable>>,
+        overlaps: &'a [BlockOverlaps],
+    ) -> Option<Result<KvPickInput<'a>, KvUnavailable>> {
+        match prepared {
+            Some(Ok(prompt)) => Some(Ok(KvPickInput {
+                isl: prompt.tokens.len() as u64,
+                overlaps,
+                unit: self.draw_unit(),
+            })),
+            Some(Err(failure)) => Some(Err(*failure)),
+            None => None,
+        }
+    }
+
+    /// Performs a pick's side effects: selection metrics, the KV hash-parity prediction and the
+    /// debug line.
+    fn record(
+        &self,
+        model: &str,
+        routed: &Routed,
+        prepared: &Option<Result<PreparedPrompt, KvUnavailable>>,
+    ) {
+        let pick = &routed.pick;
         if let Some(metrics) = &self.metrics {
-            metrics.selection(
-                continuum_protocol::picker::Phase::Decode,
-                pick.reasons.decode,
-            );
-            metrics.selection(
-                continuum_protocol::picker::Phase::Prefill,
-                pick.reasons.prefill,
-            );
-            if let Some(result) = kv_result {
+            metrics.selection(Phase::Decode, pick.reasons.decode);
+            metrics.selection(Phase::Prefill, pick.reasons.prefill);
+            if let Some(result) = routed.kv {
                 metrics.kv_selection(kv_label(result));
             }
         }
-        if let (Some(Ok(prompt)), Some(kv_index)) = (&prepared, &self.kv_index) {
-            // Hash parity: the rank that prefills this request should soon store the prompt's
-            // blocks past the overlap it already held.
-            let prefiller = match (&pick.prefill, bypass) {
-                (Some(prefill), false) => prefill,
-                _ => &pick.decode,
-            };
-            let block_size = candidates
-                .iter()
-                .find(|c| c.worker == prefiller.worker && c.dp_rank == prefiller.dp_rank)
-                .and_then(|c| c.block_size);
-            if let Some((_, hashes)) =
-                block_size.and_then(|bs| prompt.hashes.iter().find(|(size, _)| size.get() == bs))
-            {
-                let rank = prefiller.dp_rank.unwrap_or_default();
-                let held = overlaps
-                    .iter()
-                    .find(|o| Some(o.block_size.get()) == block_size)
-                    .map(|o| o.of(prefiller.worker.instance_id, rank))
-                    .unwrap_or(0);
-                let held = usize::try_from(held)
-                    .unwrap_or(usize::MAX)
-                    .min(hashes.len());
-                kv_index.record_prediction(
-                    model,
-                    prefiller.worker.instance_id,
-                    rank,
-                    &hashes[held..],
-                );
-            }
+        if let (Some(Ok(prompt)), Some(kv_index), Some(target)) =
+            (prepared, &self.kv_index, routed.parity)
+        {
+            predict_parity(kv_index, model, prompt, target);
         }
         debug!(
             model,
@@ -463,7 +400,76 @@ impl ShimRouter {
             prefill_reason = pick.reasons.prefill.as_label(),
             "Picked Dynamo workers for a request."
         );
-        let pool = pool_of(&pick.namespace);
+    }
+}
+
+/// Hash parity: the rank that prefills this request should soon store the prompt's blocks past
+/// the overlap it already held.
+fn predict_parity(
+    kv_index: &DynamoKvIndex,
+    model: &str,
+    prompt: &PreparedPrompt,
+    target: ParityTarget,
+) {
+    let Some((_, hashes)) = prompt
+        .hashes
+        .iter()
+        .find(|(size, _)| size.get() == target.block_size)
+    else {
+        return;
+    };
+    let held = usize::try_from(target.held_blocks)
+        .unwrap_or(usize::MAX)
+        .min(hashes.len());
+    kv_index.record_prediction(model, target.worker, target.dp_rank, &hashes[held..]);
+}
+
+/// Every watched namespace, with whether a permitted shim replica is usable there (checked
+/// without building pools: only the winner's pool is needed).
+fn namespace_replicas(
+    config: &Config,
+    allowed: &[String],
+    usable: &impl Fn(&str) -> bool,
+) -> Vec<(Namespace, bool)> {
+    let shim = &config.dynamo.shim;
+    config
+        .dynamo
+        .discovery
+        .namespaces()
+        .into_iter()
+        .map(|ns| {
+            let served = shim
+                .backends_for(ns.as_str())
+                .iter()
+                .filter(|name| allowed.is_empty() || allowed.contains(name))
+                .any(|name| usable(name));
+            (ns, served)
+        })
+        .collect()
+}
+
+/// The namespace's shim replicas the caller may use that are usable now.
+fn pool_of(
+    config: &Config,
+    namespace: &Namespace,
+    allowed: &[String],
+    usable: &impl Fn(&str) -> bool,
+) -> Vec<String> {
+    config
+        .dynamo
+        .shim
+        .backends_for(namespace.as_str())
+        .iter()
+        .filter(|name| allowed.is_empty() || allowed.contains(name))
+        .filter(|name| usable(name))
+        .cloned()
+        .collect()
+}
+
+impl ShimDecision {
+    /// The dispatch plan of a pick: pins as headers, the path label, the ledger entry.
+    fn new(routed: Routed, pool: Vec<String>, body: Option<Bytes>) -> Self {
+        let pick = routed.pick;
         let dispatch = Dispatch::pins(
             pick.decode.worker.instance_id,
             pick.decode.rank_header(),
@@ -471,26 +477,19 @@ impl ShimRouter {
                 .as_ref()
                 .map(|p| (p.worker.instance_id, p.rank_header())),
         );
-        let path = if bypass {
-            // Conditional disaggregation: the decode worker prefills locally.
-            RoutingPath::Unified
-        } else if pick.prefill.is_some() {
-            RoutingPath::Disaggregated
-        } else {
-            RoutingPath::Aggregated
+        let path = match routed.path {
+            PathClass::Unified => RoutingPath::Unified,
+            PathClass::Disaggregated => RoutingPath::Disaggregated,
+            PathClass::Aggregated => RoutingPath::Aggregated,
         };
-        let body = match &prepared {
-            Some(Ok(prompt)) if kv_config.send_token_data => with_token_data(body, &prompt.tokens),
-            _ => None,
-        };
-        Some(ShimDecision {
+        Self {
             pool,
             dispatch,
             path,
             dispatch_id: pick.dispatch,
             body,
-            kv: kv_result,
-        })
+            kv: routed.kv,
+        }
     }
 }
 
@@ -580,51 +579,9 @@ fn estimate_value_tokens(value: &serde_json::Value) -> u64 {
     estimate_prompt_tokens(texts)
 }
 
-/// What a direct-mode frontend says when a disaggregated request lacks a prefill pin
-/// (`DIRECT_MODE_PREFILL_ID_ERROR`). Dynamo 1.6.1 logs it and answers a generic 500, which then
-/// takes the decode-failure arm; a release that puts it in the body gets the 503.
-pub const DIRECT_MODE_PREFILL_ID_ERROR: &str = "Prefill worker ID required in Direct routing mode";
-
-/// Whether a buffered shim answer is the direct-mode prefill refusal.
-pub fn is_prefill_id_refusal(body: &[u8]) -> bool {
-    body.windows(DIRECT_MODE_PREFILL_ID_ERROR.len())
-        .any(|w| w == DIRECT_MODE_PREFILL_ID_ERROR.as_bytes())
-}
-
-/// On a stream, only these heads (and transport failures) fall back; other 4xx are relayed.
-pub fn falls_back_on_stream(status: http::StatusCode) -> bool {
-    status.is_server_error()
-        || status == http::StatusCode::TOO_MANY_REQUESTS
-        || status == http::StatusCode::REQUEST_TIMEOUT
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_prefill_refusal_is_recognised_in_a_body() {
-        let body =
-            br#"{"message":"Prefill worker ID required in Direct routing mode but none found"}"#;
-        assert!(is_prefill_id_refusal(body));
-        assert!(!is_prefill_id_refusal(
-            br#"{"message":"Failed to generate completions"}"#
-        ));
-    }
-
-    #[test]
-    fn streams_fall_back_only_on_5xx_429_408() {
-        for code in [500, 502, 503, 429, 408] {
-            assert!(falls_back_on_stream(
-                http::StatusCode::from_u16(code).expect("code")
-            ));
-        }
-        for code in [400, 401, 404, 422] {
-            assert!(!falls_back_on_stream(
-                http::StatusCode::from_u16(code).expect("code")
-            ));
-        }
-    }
 
     #[test]
     fn token_data_is_set_or_replaced_and_other_nvext_fields_kept() {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use continuum_protocol::kv::LocalBlockHash;
 use continuum_protocol::kv::hashing::{KV_HASH_SEED, local_block_hashes};
 use continuum_protocol::picker::KvUnavailable;
-use continuum_router::shim::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
+use continuum_router::kv::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 use futures::future::BoxFuture;
 use serde_json::Value;
 

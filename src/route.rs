@@ -1,0 +1,361 @@
+//! The request path's orchestrator: where a chat or completions request is routed.
+//!
+//! The front door authenticates the caller and reads the bounded body, then calls
+//! [`Router::serve`], the one entry of the OpenAI chat-completions pipeline (other ingress
+//! formats convert to a chat body and call it too). From there:
+//!
+//! 1. [`Router::serve`] validates the body (top-level scan, `nvext` pins stripped) into a
+//!    [`ClientRequest`].
+//! 2. **Dynamo pinning first**: with `disaggregated_serving.enabled` and a Dynamo router installed,
+//!    [`dynamo::ShimRouter::decide_async`] returns a dispatch plan (shim pool, pins, path) or
+//!    `None` (the Dynamo path does not apply).
+//! 3. The plan is sent through the proxy to the shim pool; [`Router::settle`] applies the seed's
+//!    failure semantics: success (or an ordinary 4xx on a stream) is relayed, a direct-mode
+//!    prefill refusal is a 503 without retry, any other failure falls back to unified routing
+//!    without pins (`fallback_to_unified`) or answers `disaggregated_decode_failed`.
+//! 4. **Unified routing** otherwise: every enabled unified backend that serves the model.
+//!
+//! Retries of a connection failure on the next replica are the proxy's (same headers); workers are
+//! never re-selected for a request. The transport (candidates, dispatch, headers, relay) is
+//! `crate::proxy`'s; this module never touches a socket.
+
+pub mod dynamo;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use axum::body::Body;
+use axum::http::{HeaderMap, Response, StatusCode};
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use continuum_actors::metrics::{DisaggregatedPhase, RoutingPath};
+use tracing::{debug, warn};
+
+use crate::proxy::headers::DISCLOSE_REQUEST_HEADER;
+use crate::proxy::{ClientRequest, Dispatch, OpenAiRoute, ParsedBody, Proxy, Scope, body};
+use crate::wire::error::ApiError;
+use dynamo::{DispatchGuard, ShimDecision, ShimRouter};
+
+/// Who is calling, as the front door authenticated them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Caller {
+    /// The router consumed the `Authorization` header as its own API key (it is not forwarded).
+    pub authenticated: bool,
+    /// The key's `allowed_backends` (empty = all).
+    pub allowed_backends: Vec<String>,
+}
+
+/// The orchestrator: the proxy (transport) and, when the daemon runs one, the Dynamo router.
+pub struct Router {
+    proxy: Arc<Proxy>,
+    dynamo: ArcSwapOption<ShimRouter>,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router").finish_non_exhaustive()
+    }
+}
+
+impl Router {
+    /// A router over `proxy` with no Dynamo path (install one with [`Router::set_dynamo`]).
+    pub fn new(proxy: Arc<Proxy>) -> Self {
+        Self {
+            proxy,
+            dynamo: ArcSwapOption::empty(),
+        }
+    }
+
+    /// The transport.
+    pub fn proxy(&self) -> &Arc<Proxy> {
+        &self.proxy
+    }
+
+    /// The Dynamo shim path, when installed.
+    pub fn dynamo(&self) -> Option<Arc<ShimRouter>> {
+        self.dynamo.load_full()
+    }
+
+    /// Installs the Dynamo shim path (tried first when disaggregated serving is on).
+    pub fn set_dynamo(&self, dynamo: Arc<ShimRouter>) {
+        self.dynamo.store(Some(dynamo));
+    }
+
+    /// The bound the front door reads request bodies within.
+    pub fn max_request_body_bytes(&self) -> usize {
+        self.proxy.options().max_request_body_bytes
+    }
+
+    /// Counts one answered OpenAI request (`continuum_http_requests_total` and its duration).
+    pub fn observe(&self, route: OpenAiRoute, status: StatusCode, elapsed: Duration) {
+        if let Some(metrics) = self.proxy.metrics() {
+            metrics.http_request_timed(route.metric(), status.as_u16(), elapsed);
+        }
+    }
+
+    /// The chat-completions (and completions) pipeline for one request the front door admitted:
+    /// `headers` are the client's (pins already stripped), `body` the bounded body. Validates the
+    /// body, routes (Dynamo pins first, then unified) and relays; always answers, errors as
+    /// `ApiError` bodies.
+    pub async fn serve(
+        &self,
+        route: OpenAiRoute,
+        headers: HeaderMap,
+        caller: Caller,
+        body: Bytes,
+    ) -> Response<Body> {
+        let request = match parse(route, headers, &caller, body) {
+            Ok(request) => request,
+            Err(error) => return error.into_response(),
+        };
+        match self.route(&request, &caller.allowed_backends).await {
+            Ok(resp) => resp,
+            Err(error) => error.into_response(),
+        }
+    }
+
+    /// Dynamo pinning first when it applies, else unified routing.
+    async fn route(
+        &self,
+        request: &ClientRequest,
+        allowed: &[String],
+    ) -> Result<Response<Body>, ApiError> {
+        if self.proxy.disaggregated_enabled()
+            && let Some(dynamo) = self.dynamo.load_full()
+        {
+            let usable = |name: &str| {
+                self.proxy
+                    .pool()
+                    .get(name)
+                    .is_some_and(|b| b.is_healthy() && b.config().enabled)
+            };
+            let plan = dynamo
+                .decide_async(&request.body.model, &request.body.outbound, allowed, usable)
+                .await;
+            if let Some(plan) = plan {
+                return self.pinned(&dynamo, request, allowed, plan).await;
+            }
+        }
+        let scope = Scope {
+            allowed,
+            only: None,
+        };
+        let candidates = self.proxy.candidates(&request.body.model, scope)?;
+        self.proxy.count_routing_path(RoutingPath::Unified);
+        self.proxy
+            .dispatch(
+                request,
+                &candidates,
+                &Dispatch::none(),
+                RoutingPath::Unified,
+            )
+            .await
+    }
+
+    /// Sends the request to the plan's shim pool with its pins, settles the answer, and ends the
+    /// plan's ledger entry with the response body (or at once on an error).
+    async fn pinned(
+        &self,
+        dynamo: &Arc<ShimRouter>,
+        request: &ClientRequest,
+        allowed: &[String],
+        mut plan: ShimDecision,
+    ) -> Result<Response<Body>, ApiError> {
+        let scope = Scope {
+            allowed,
+            only: Some(&plan.pool),
+        };
+        let candidates = self.proxy.candidates(&request.body.model, scope)?;
+        self.proxy.count_routing_path(plan.path);
+        // The shim copy may carry the rendered tokens; `request` (used by any fallback) keeps the
+        // client's body, which never carries `nvext.token_data`.
+        let shim_request = plan.body.take().map(|outbound| ClientRequest {
+            body: ParsedBody {
+                outbound,
+                ..request.body.clone()
+            },
+            ..request.clone()
+        });
+        let outcome = self
+            .proxy
+            .dispatch(
+                shim_request.as_ref().unwrap_or(request),
+                &candidates,
+                &plan.dispatch,
+                plan.path,
+            )
+            .await;
+        let settled = self.settle(request, allowed, &plan.pool, outcome).await;
+        let guard = plan
+            .dispatch_id
+            .map(|id| DispatchGuard::new(dynamo.clone(), id));
+        settled.map(|resp| match guard {
+            Some(guard) => resp.map(|body| {
+                Body::from_stream(futures::StreamExt::map(
+                    body.into_data_stream(),
+                    move |chunk| {
+                        let _ = &guard;
+                        chunk
+                    },
+                ))
+            }),
+            None => resp,
+        })
+    }
+
+    /// The shim's answer under the seed's failure semantics. A success (or, on a stream, an
+    /// ordinary 4xx) is relayed. A buffered direct-mode refusal for lack of a prefill id is a 503
+    /// without retry. Any other failure counts `disaggregated_errors_total{phase="decode"}` and
+    /// falls back to unified routing without pins when `fallback_to_unified`, else answers
+    /// `disaggregated_decode_failed`. Workers are never re-selected for the request.
+    async fn settle(
+        &self,
+        request: &ClientRequest,
+        allowed: &[String],
+        shim_pool: &[String],
+        outcome: Result<Response<Body>, ApiError>,
+    ) -> Result<Response<Body>, ApiError> {
+        let failure = match outcome {
+            Ok(resp) if resp.status().is_success() => return Ok(resp),
+            Ok(resp) if request.body.stream && !falls_back_on_stream(resp.status()) => {
+                return Ok(resp);
+            }
+            Ok(resp) if !request.body.stream => {
+                let status = resp.status();
+                let bytes = http_body_util::BodyExt::collect(resp.into_body())
+                    .await
+                    .map(|c| c.to_bytes())
+                    .unwrap_or_default();
+                if is_prefill_id_refusal(&bytes) {
+                    if let Some(metrics) = self.proxy.metrics() {
+                        metrics.disaggregated_error(DisaggregatedPhase::Orchestration);
+                    }
+                    return Err(ApiError::PrefillDecodeUnavailable(
+                        "the direct-mode frontend refused the worker pair: prefill worker id required"
+                            .into(),
+                    ));
+                }
+                format!("shim answered {status}")
+            }
+            Ok(resp) => format!("shim answered {}", resp.status()),
+            Err(error) => error.to_string(),
+        };
+        if let Some(metrics) = self.proxy.metrics() {
+            metrics.disaggregated_error(DisaggregatedPhase::Decode);
+        }
+        if !self.proxy.fallback_to_unified() {
+            return Err(ApiError::DisaggregatedDecodeFailed(format!(
+                "the Dynamo shim failed ({failure}) and fallback_to_unified is off"
+            )));
+        }
+        warn!(reason = %failure, "Dynamo shim failed; falling back to unified routing without pins.");
+        self.unified_fallback(request, allowed, shim_pool, &failure)
+            .await
+    }
+
+    /// Unified routing without pins after a shim failure, skipping the shim replicas.
+    async fn unified_fallback(
+        &self,
+        request: &ClientRequest,
+        allowed: &[String],
+        shim_pool: &[String],
+        failure: &str,
+    ) -> Result<Response<Body>, ApiError> {
+        let scope = Scope {
+            allowed,
+            only: None,
+        };
+        // Shim replicas are direct-mode frontends: without pins they cannot serve the request.
+        let candidates: Vec<_> = self
+            .proxy
+            .candidates(&request.body.model, scope)?
+            .into_iter()
+            .filter(|b| !shim_pool.iter().any(|name| name == b.name()))
+            .collect();
+        if candidates.is_empty() {
+            return Err(ApiError::DisaggregatedDecodeFailed(format!(
+                "the Dynamo shim failed ({failure}) and no unified backend serves the model"
+            )));
+        }
+        self.proxy
+            .dispatch(
+                request,
+                &candidates,
+                &Dispatch::none(),
+                RoutingPath::Unified,
+            )
+            .await
+    }
+}
+
+/// Validates the bounded body (`model` required; a repeated `model`/`stream`/`nvext` key or
+/// nesting deeper than 128 is a 400) and strips its pins (the only case that re-encodes it).
+fn parse(
+    route: OpenAiRoute,
+    headers: HeaderMap,
+    caller: &Caller,
+    body: Bytes,
+) -> Result<ClientRequest, ApiError> {
+    let parsed = body::parse(body)?;
+    if parsed.stripped > 0 {
+        debug!(
+            stripped = parsed.stripped,
+            "Stripped client nvext worker pins."
+        );
+    }
+    Ok(ClientRequest {
+        route,
+        disclose: headers.contains_key(DISCLOSE_REQUEST_HEADER),
+        authenticated: caller.authenticated,
+        headers,
+        body: parsed,
+    })
+}
+
+/// What a direct-mode frontend says when a disaggregated request lacks a prefill pin
+/// (`DIRECT_MODE_PREFILL_ID_ERROR`). Dynamo 1.6.1 logs it and answers a generic 500, which then
+/// takes the decode-failure arm; a release that puts it in the body gets the 503.
+pub const DIRECT_MODE_PREFILL_ID_ERROR: &str = "Prefill worker ID required in Direct routing mode";
+
+/// Whether a buffered shim answer is the direct-mode prefill refusal.
+pub fn is_prefill_id_refusal(body: &[u8]) -> bool {
+    body.windows(DIRECT_MODE_PREFILL_ID_ERROR.len())
+        .any(|w| w == DIRECT_MODE_PREFILL_ID_ERROR.as_bytes())
+}
+
+/// On a stream, only these heads (and transport failures) fall back; other 4xx are relayed.
+pub fn falls_back_on_stream(status: StatusCode) -> bool {
+    status.is_server_error()
+        || status == StatusCode::TOO_MANY_REQUESTS
+        || status == StatusCode::REQUEST_TIMEOUT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_prefill_refusal_is_recognised_in_a_body() {
+        let body =
+            br#"{"message":"Prefill worker ID required in Direct routing mode but none found"}"#;
+        assert!(is_prefill_id_refusal(body));
+        assert!(!is_prefill_id_refusal(
+            br#"{"message":"Failed to generate completions"}"#
+        ));
+    }
+
+    #[test]
+    fn streams_fall_back_only_on_5xx_429_408() {
+        for code in [500, 502, 503, 429, 408] {
+            assert!(falls_back_on_stream(
+                StatusCode::from_u16(code).expect("code")
+            ));
+        }
+        for code in [400, 401, 404, 422] {
+            assert!(!falls_back_on_stream(
+                StatusCode::from_u16(code).expect("code")
+            ));
+        }
+    }
+}
