@@ -50,8 +50,8 @@ use continuum_router::config::schema::{
 };
 use continuum_router::front_door::{self, AppState, LiveSettings};
 use continuum_router::proxy::{Proxy, ProxyOptions};
-use continuum_router::route::Router;
 use continuum_router::readiness::Readiness;
+use continuum_router::route::Router;
 use http_body_util::{BodyExt, Either, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;

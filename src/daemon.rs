@@ -50,9 +50,9 @@ use crate::config::{
 use crate::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
 use crate::kv::ArtifactPromptPrep;
 use crate::proxy::{Proxy, ProxyOptions};
+use crate::readiness::Readiness;
 use crate::route::Router;
 use crate::route::dynamo::ShimRouter;
-use crate::readiness::Readiness;
 use crate::telemetry;
 
 mod import;
@@ -222,7 +222,10 @@ impl Daemon {
             warn!(%error, "Keeping the default load.max_staleness.");
         }
         let shared_config = Arc::new(ArcSwap::from_pointee(config.clone()));
-        let (kv, picker) = (DynamoKvIndex::new(Some(metrics.clone())), DynamoPicker::new());
+        let (kv, picker) = (
+            DynamoKvIndex::new(Some(metrics.clone())),
+            DynamoPicker::new(),
+        );
         let dynamo = Arc::new(
             ShimRouter::with_picker(
                 shared_config.clone(),

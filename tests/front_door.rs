@@ -17,8 +17,8 @@ use continuum_actors::supervisor::{ChildContext, ChildSpec, spawn_root};
 use continuum_actors::tree::ActorTree;
 use continuum_router::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
 use continuum_router::proxy::{Proxy, ProxyOptions};
-use continuum_router::route::Router;
 use continuum_router::readiness::Readiness;
+use continuum_router::route::Router;
 use http_body_util::BodyExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use serde_json::Value;
@@ -36,7 +36,10 @@ fn state_with(live: LiveSettings) -> (AppState, mpsc::Receiver<ControlCommand>) 
         dynamo_workers: Arc::new(|| serde_json::json!({"enabled": false})),
         fleet_summary: Arc::new(|| serde_json::json!({})),
         fleet_models: Arc::new(|_: &[String]| vec!["fleet-model".to_string()]),
-        route: Arc::new(Router::new(Arc::new(Proxy::new(ProxyOptions::default(), None)))),
+        route: Arc::new(Router::new(Arc::new(Proxy::new(
+            ProxyOptions::default(),
+            None,
+        )))),
     };
     (state, rx)
 }

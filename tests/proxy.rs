@@ -23,8 +23,8 @@ use continuum_router::config::schema::{
 };
 use continuum_router::front_door::{self, ApiKeySetting, AppState, LiveSettings};
 use continuum_router::proxy::{ClientRequest, Dispatch, OpenAiRoute, Proxy, ProxyOptions, body};
-use continuum_router::route::Router;
 use continuum_router::readiness::Readiness;
+use continuum_router::route::Router;
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;

@@ -439,6 +439,9 @@ fn src_modules_import_without_a_cycle() {
         "the scan found src/'s modules"
     );
     if let Some(cycle) = find_cycle(&graph) {
-        panic!("src/ modules import each other in a circle: {}", cycle.join(" -> "));
+        panic!(
+            "src/ modules import each other in a circle: {}",
+            cycle.join(" -> ")
+        );
     }
 }

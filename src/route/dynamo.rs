@@ -50,7 +50,7 @@ use crate::config::schema::KvConfig;
 pub use crate::kv::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 use crate::proxy::Dispatch;
 
-/// Where and how to send one request through a shim.
+/// The dispatch plan: where and how to send one request through a shim.
 #[derive(Debug)]
 pub struct ShimDecision {
     /// The namespace's shim replicas (backend names), already filtered by key policy and health.

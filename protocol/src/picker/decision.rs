@@ -108,13 +108,12 @@ pub enum Decision {
 /// Decides one request (the steps in the module doc). `state` is the picker's mutable state; the
 /// caller has already brought its ledger up to date with `store`.
 pub fn decide(
-    input: DecisionInput<'_>,
+    mut input: DecisionInput<'_>,
     picker: &dyn DynamoWorkerPicker,
     store: &LoadStore,
     state: &mut PickerState,
 ) -> Decision {
-    let eligible: Vec<Namespace> = input
-        .namespaces
+    let eligible: Vec<Namespace> = std::mem::take(&mut input.namespaces)
         .into_iter()
         .filter_map(|(namespace, usable)| usable.then_some(namespace))
         .collect();
@@ -135,40 +134,7 @@ pub fn decide(
         estimated_prompt_tokens,
         load_signals: input.load_signals,
     };
-    let kept = (store.unreachable_count() > 0)
-        .then(|| {
-            reachable_candidates(all, &request, |c| {
-                store.is_unreachable(c.worker.instance_id)
-            })
-        })
-        .flatten();
-    if let Some(kept) = &kept {
-        debug!(
-            model = input.model,
-            left_out = all.len() - kept.len(),
-            "Unreachable workers sit out this selection."
-        );
-    }
-    let candidates = kept.as_deref().unwrap_or(all);
-    let view = StoreView {
-        store,
-        now: input.now,
-        max_age: input.max_age,
-    };
-    let outcome = match &input.kv {
-        Some(kv) => picker.pick_kv(
-            &request,
-            kv.as_ref().map_err(|why| *why),
-            candidates,
-            &view,
-            state,
-            input.now,
-        ),
-        None => KvPickOutcome {
-            outcome: picker.pick(&request, candidates, &view, state, input.now),
-            kv: None,
-        },
-    };
+    let outcome = gated_pick(&request, all, &input, picker, store, state);
     let bypass = outcome.is_bypass();
     let pick = match outcome.outcome {
         PickOutcome::Picked(pick) => pick,
@@ -191,6 +157,48 @@ pub fn decide(
         kv: outcome.kv,
         parity,
     })
+}
+
+/// Steps 3 and 4: the reachability gate, then the installed picker (with the KV input when
+/// KV-aware selection applies).
+fn gated_pick(
+    request: &PickRequest<'_>,
+    all: &[Candidate],
+    input: &DecisionInput<'_>,
+    picker: &dyn DynamoWorkerPicker,
+    store: &LoadStore,
+    state: &mut PickerState,
+) -> KvPickOutcome {
+    let kept = (store.unreachable_count() > 0)
+        .then(|| reachable_candidates(all, request, |c| store.is_unreachable(c.worker.instance_id)))
+        .flatten();
+    if let Some(kept) = &kept {
+        debug!(
+            model = input.model,
+            left_out = all.len() - kept.len(),
+            "Unreachable workers sit out this selection."
+        );
+    }
+    let candidates = kept.as_deref().unwrap_or(all);
+    let view = StoreView {
+        store,
+        now: input.now,
+        max_age: input.max_age,
+    };
+    match &input.kv {
+        Some(kv) => picker.pick_kv(
+            request,
+            kv.as_ref().map_err(|why| *why),
+            candidates,
+            &view,
+            state,
+            input.now,
+        ),
+        None => KvPickOutcome {
+            outcome: picker.pick(request, candidates, &view, state, input.now),
+            kv: None,
+        },
+    }
 }
 
 /// The prefilling rank of `pick`, at its declared block size, with the overlap it held.

@@ -9,7 +9,8 @@ use crate::ids::{PublisherId, WorkerKey};
 use crate::kv::hashing::BlockSize;
 use crate::kv::index::RankOverlap;
 use crate::picker::{
-    BlockOverlaps, CandidateRole, ConditionalDisaggregation, KvAwarePicker, KvPickParams, LoadBasedPicker,
+    BlockOverlaps, CandidateRole, ConditionalDisaggregation, KvAwarePicker, KvPickParams,
+    LoadBasedPicker,
 };
 
 const MODEL: &str = "m";
@@ -61,7 +62,6 @@ fn overlaps(list: &[(u64, u32)]) -> Vec<BlockOverlaps> {
         ranks,
     }]
 }
-
 
 /// One row: the fleet, which namespaces have a usable replica, the KV input, unreachable workers.
 struct Row<'a> {
@@ -126,7 +126,13 @@ fn routed(decision: Decision) -> Routed {
     }
 }
 
-fn pins(routed: &Routed) -> (u64, Option<u64>) {
+/// (decode worker, prefill worker) ids.
+type Pins = (u64, Option<u64>);
+
+/// A KV row's input.
+type KvRowInput = Result<(u64, Vec<BlockOverlaps>), KvUnavailable>;
+
+fn pins(routed: &Routed) -> Pins {
     (
         routed.pick.decode.worker.instance_id.0,
         routed.pick.prefill.as_ref().map(|p| p.worker.instance_id.0),
@@ -230,8 +236,12 @@ fn only_namespaces_with_a_usable_replica_are_offered_to_the_picker() {
 #[test]
 fn the_path_class_follows_the_pins() {
     let load = LoadBasedPicker::new();
-    let rows: [(Vec<Candidate>, PathClass, (u64, Option<u64>)); 3] = [
-        (vec![dec(10), pre(1)], PathClass::Disaggregated, (10, Some(1))),
+    let rows: [(Vec<Candidate>, PathClass, Pins); 3] = [
+        (
+            vec![dec(10), pre(1)],
+            PathClass::Disaggregated,
+            (10, Some(1)),
+        ),
         (vec![dec(10)], PathClass::Aggregated, (10, None)),
         (vec![agg(30)], PathClass::Aggregated, (30, None)),
     ];
@@ -275,31 +285,55 @@ fn kv_outcomes_and_the_parity_target() {
     let plain = kv_aware(false);
     let bypassing = kv_aware(true);
     // (picker, kv input, path, pins, kv result, parity (worker, held), estimate asked)
-    type Expected = (PathClass, (u64, Option<u64>), KvSelectionResult, Option<(u64, u64)>, u32);
-    let rows: [(&dyn DynamoWorkerPicker, Result<(u64, Vec<BlockOverlaps>), KvUnavailable>, Expected); 4] = [
+    type Expected = (PathClass, Pins, KvSelectionResult, Option<(u64, u64)>, u32);
+    let rows: [(&dyn DynamoWorkerPicker, KvRowInput, Expected); 4] = [
         // The prefill rank is the parity target, with the blocks it already held.
         (
             &plain,
             Ok((64, overlaps(&[(10, 4), (1, 2)]))),
-            (PathClass::Disaggregated, (10, Some(1)), KvSelectionResult::Overlap, Some((1, 2)), 0),
+            (
+                PathClass::Disaggregated,
+                (10, Some(1)),
+                KvSelectionResult::Overlap,
+                Some((1, 2)),
+                0,
+            ),
         ),
         // Nothing held anywhere: the target holds 0.
         (
             &plain,
             Ok((64, overlaps(&[]))),
-            (PathClass::Disaggregated, (10, Some(1)), KvSelectionResult::NoOverlap, Some((1, 0)), 0),
+            (
+                PathClass::Disaggregated,
+                (10, Some(1)),
+                KvSelectionResult::NoOverlap,
+                Some((1, 0)),
+                0,
+            ),
         ),
         // Conditional bypass: unified path, the decode rank prefills and is the target.
         (
             &bypassing,
             Ok((64, overlaps(&[(10, 4), (1, 2)]))),
-            (PathClass::Unified, (10, None), KvSelectionResult::Bypass, Some((10, 4)), 0),
+            (
+                PathClass::Unified,
+                (10, None),
+                KvSelectionResult::Bypass,
+                Some((10, 4)),
+                0,
+            ),
         ),
         // No prepared prompt: scored on the estimate, no parity target.
         (
             &plain,
             Err(KvUnavailable::TokenizerUnavailable),
-            (PathClass::Disaggregated, (10, Some(1)), KvSelectionResult::TokenizerUnavailable, None, 1),
+            (
+                PathClass::Disaggregated,
+                (10, Some(1)),
+                KvSelectionResult::TokenizerUnavailable,
+                None,
+                1,
+            ),
         ),
     ];
     for (picker, kv, (path, expected_pins, result, parity, asked)) in rows {
@@ -315,10 +349,7 @@ fn kv_outcomes_and_the_parity_target() {
         assert_eq!(routed.path, path);
         assert_eq!(pins(&routed), expected_pins);
         assert_eq!(routed.kv, Some(result));
-        assert_eq!(
-            routed.parity.map(|p| (p.worker.0, p.held_blocks)),
-            parity
-        );
+        assert_eq!(routed.parity.map(|p| (p.worker.0, p.held_blocks)), parity);
         if let Some(target) = routed.parity {
             assert_eq!((target.dp_rank, target.block_size), (DpRank(0), 16));
         }
