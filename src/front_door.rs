@@ -223,7 +223,7 @@ async fn openai(state: &AppState, route: OpenAiRoute, headers: HeaderMap, body: 
     };
     state
         .route
-        .observe(route, response.status(), started.elapsed());
+        .observe(route.metric(), response.status(), started.elapsed());
     response
 }
 

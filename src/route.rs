@@ -29,7 +29,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, Response, StatusCode};
 use axum::response::IntoResponse;
 use bytes::Bytes;
-use continuum_actors::metrics::{DisaggregatedPhase, RoutingPath};
+use continuum_actors::metrics::{DisaggregatedPhase, HttpRoute, RoutingPath};
 use tracing::{debug, warn};
 
 use crate::proxy::headers::DISCLOSE_REQUEST_HEADER;
@@ -87,10 +87,11 @@ impl Router {
         self.proxy.options().max_request_body_bytes
     }
 
-    /// Counts one answered OpenAI request (`continuum_http_requests_total` and its duration).
-    pub fn observe(&self, route: OpenAiRoute, status: StatusCode, elapsed: Duration) {
+    /// Counts one answered request of the surface `route` (`continuum_http_requests_total` and
+    /// its duration); an OpenAI route's label is `OpenAiRoute::metric`.
+    pub fn observe(&self, route: HttpRoute, status: StatusCode, elapsed: Duration) {
         if let Some(metrics) = self.proxy.metrics() {
-            metrics.http_request_timed(route.metric(), status.as_u16(), elapsed);
+            metrics.http_request_timed(route, status.as_u16(), elapsed);
         }
     }
 
