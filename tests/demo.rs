@@ -4,15 +4,20 @@
 //! that answers as Dynamo 1.6.1 does. Waits are on registry generations and load-store changes,
 //! each under a deadline; nothing sleeps.
 
+mod support {
+    pub mod demo;
+}
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use continuum_protocol::discovery::registration::WorkerType;
 use continuum_protocol::ids::{DpRank, InstanceId};
-use continuum_router::demo::shim::{Pace, Route, ServedRequest};
-use continuum_router::demo::{Demo, DemoOptions};
+use continuum_demo::DemoOptions;
+use continuum_demo::shim::{Pace, Route, ServedRequest};
 use futures::future::join_all;
 use serde_json::{Value, json};
+use support::demo::Demo;
 use tokio::net::TcpListener;
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -436,7 +441,7 @@ async fn a_pyzmq_sub_receives_the_simulated_publishers_messages() {
     use continuum_protocol::event_plane::encode::encode_kv_metrics;
     use continuum_protocol::ids::PublisherId;
     use continuum_protocol::time::UnixMillis;
-    use continuum_router::demo::zmq_pub::PubSocket;
+    use continuum_demo::zmq_pub::PubSocket;
     use tokio::io::{AsyncBufReadExt, BufReader};
 
     const SUB: &str = "import sys, zmq\n\

@@ -11,7 +11,9 @@ fn repo_root() -> PathBuf {
 
 fn rust_files() -> Vec<PathBuf> {
     let mut out = Vec::new();
-    for top in ["src", "protocol", "actors", "tests", "benches", "build.rs"] {
+    for top in [
+        "src", "protocol", "actors", "demo", "tests", "benches", "build.rs",
+    ] {
         collect(&repo_root().join(top), &mut out);
     }
     out
@@ -143,7 +145,7 @@ fn tests_never_sleep() {
     // Inline test modules of the library crates. A module on tokio's paused clock
     // (`start_paused = true`) sleeps in virtual time: that is scripted, not waited.
     let mut sources = Vec::new();
-    for top in ["src", "actors/src", "protocol/src"] {
+    for top in ["src", "actors/src", "protocol/src", "demo/src"] {
         collect(&repo_root().join(top), &mut sources);
     }
     let virtual_clock = |module: &str| {
@@ -223,6 +225,7 @@ fn nothing_reads_a_path_outside_the_repository() {
         "src",
         "actors",
         "protocol",
+        "demo",
         "tests",
         "benches",
         "scripts",

@@ -6,16 +6,21 @@
 //! Waits are in-page promises or replies under deadlines; nothing sleeps.
 #![cfg(feature = "real-peers")]
 
+mod support {
+    pub mod demo;
+}
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use continuum_router::demo::shim::Pace;
-use continuum_router::demo::{Demo, DemoOptions};
+use continuum_demo::DemoOptions;
+use continuum_demo::shim::Pace;
 use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
+use support::demo::Demo;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
 use tokio::process::{Child, Command};

@@ -21,7 +21,7 @@ use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
 use tokio::task::JoinHandle;
 use tracing::info;
 
-use super::zmq_pub::PubSocket;
+use crate::zmq_pub::PubSocket;
 
 /// What one simulated worker is.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,4 +1,5 @@
-//! `continuum-router demo`: a simulated Dynamo 1.6.1 fleet and the router, in one process.
+//! continuum-demo: the simulated Dynamo 1.6.1 fleet behind `continuum-router demo`. Not part of
+//! the router library: the root crate's binary (and the tests) compose it with the daemon.
 //!
 //! | module | what it holds |
 //! |---|---|
@@ -7,10 +8,11 @@
 //! | [`shim`] | a simulated `dynamo.frontend --router-mode direct` per namespace |
 //!
 //! Nothing in the router is special-cased: the workers' records reach it through
-//! `dynamo.discovery.source: simulated` (an in-memory feed of etcd-shaped records, then the
-//! normal reducer and registry), their load through the normal subscription actors dialling the
-//! `tcp://127.0.0.1:…` addresses the records advertise, and requests through the normal shim
-//! path to the simulated frontends named in the embedded config (`src/config/demo.yaml`).
+//! `dynamo.discovery.source: simulated` (the in-memory feed of etcd-shaped records of
+//! [`Simulation::feed`], then the normal reducer and registry), their load through the normal
+//! subscription actors dialling the `tcp://127.0.0.1:…` addresses the records advertise, and
+//! requests through the normal shim path to the simulated frontends the router's embedded demo
+//! config names ([`Simulation::frontend_addrs`] fills in their URLs).
 
 pub mod fleet;
 pub mod shim;
@@ -22,16 +24,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use continuum_actors::memory_source::MemoryDiscovery;
 use tokio::net::TcpListener;
-use tracing::{info, warn};
 
-use crate::config::Config;
-use crate::daemon::{Daemon, RunOptions};
-use crate::telemetry;
 use fleet::{Fleet, WorkerSpec};
 use shim::{Pace, ServedRequest, ShimServer};
 
-/// How the demo runs.
+/// How the simulation runs.
 #[derive(Clone, Debug)]
 pub struct DemoOptions {
     /// The fleet to simulate (namespaces must match the embedded config's shim pools).
@@ -52,27 +51,24 @@ impl Default for DemoOptions {
     }
 }
 
-/// A running demo: the fleet, its frontends and the router.
-pub struct Demo {
-    daemon: Daemon,
+/// A running simulation: the fleet and one simulated direct-mode frontend per namespace.
+pub struct Simulation {
     fleet: Arc<Fleet>,
     frontends: BTreeMap<String, ShimServer>,
-    config: Config,
     publish_interval: Duration,
 }
 
-impl std::fmt::Debug for Demo {
+impl std::fmt::Debug for Simulation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Demo")
-            .field("router", &self.daemon.local_addr())
+        f.debug_struct("Simulation")
+            .field("frontends", &self.frontend_addrs())
             .finish_non_exhaustive()
     }
 }
 
-impl Demo {
-    /// Starts the fleet, one simulated frontend per namespace (free loopback ports) and the
-    /// router on `listener`, configured by the embedded demo config.
-    pub async fn start(options: DemoOptions, listener: TcpListener) -> anyhow::Result<Demo> {
+impl Simulation {
+    /// Starts the fleet and one simulated frontend per namespace on free loopback ports.
+    pub async fn start(options: DemoOptions) -> anyhow::Result<Simulation> {
         let mut models: BTreeMap<String, String> = BTreeMap::new();
         for spec in &options.fleet {
             models
@@ -106,65 +102,33 @@ impl Demo {
                 ShimServer::start(frontend, &namespace, &model, fleet.clone(), options.pace)?;
             frontends.insert(namespace, server);
         }
-        let config = demo_config(&addrs)?;
-        let daemon = Daemon::start_with_feed(
-            RunOptions {
-                config: config.clone(),
-                config_path: None,
-                demo: true,
-            },
-            listener,
-            fleet.feed(),
-        )
-        .await?;
-        Ok(Demo {
-            daemon,
+        Ok(Simulation {
             fleet,
             frontends,
-            config,
             publish_interval: options.publish_interval,
         })
-    }
-
-    pub fn daemon(&self) -> &Daemon {
-        &self.daemon
     }
 
     pub fn fleet(&self) -> &Arc<Fleet> {
         &self.fleet
     }
 
-    /// The effective router config (frontend URLs filled in).
-    pub fn config(&self) -> &Config {
-        &self.config
-    }
-
-    /// The router's front door.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.daemon.local_addr())
-    }
-
-    /// Waits (on registry generations) until the router has discovered every simulated worker;
-    /// false when `limit` passed first.
-    pub async fn wait_discovered(&self, limit: Duration) -> bool {
-        let registry = self.daemon.registry();
-        let mut generations = registry.subscribe();
-        let all = self.fleet.workers().len();
-        tokio::time::timeout(limit, async {
-            while registry.snapshot().workers().len() < all {
-                if generations.changed().await.is_err() {
-                    return false;
-                }
-            }
-            true
-        })
-        .await
-        .unwrap_or(false)
+    /// The in-memory discovery feed the router's `source: simulated` reads.
+    pub fn feed(&self) -> MemoryDiscovery {
+        self.fleet.feed()
     }
 
     /// The simulated frontend of a namespace.
     pub fn frontend(&self, namespace: &str) -> Option<&ShimServer> {
         self.frontends.get(namespace)
+    }
+
+    /// Each namespace's simulated frontend address.
+    pub fn frontend_addrs(&self) -> BTreeMap<String, SocketAddr> {
+        self.frontends
+            .iter()
+            .map(|(ns, f)| (ns.clone(), f.local_addr()))
+            .collect()
     }
 
     /// Every request the simulated frontends answered, namespace by namespace.
@@ -175,15 +139,10 @@ impl Demo {
             .collect()
     }
 
-    /// What to print on startup: where to send requests and where to watch.
-    pub fn banner(&self) -> String {
-        let url = self.url();
-        let token = self
-            .config
-            .admin
-            .token
-            .as_deref()
-            .unwrap_or("(admin disabled)");
+    /// What to print on startup: where to send requests (the router at `url`, admin `token`)
+    /// and what is simulated.
+    pub fn banner(&self, url: &str, token: Option<&str>) -> String {
+        let token = token.unwrap_or("(admin disabled)");
         let mut out = String::new();
         out.push_str("continuum-router demo: a simulated Dynamo 1.6.1 fleet and the router, in this process.\n\n");
         out.push_str(&format!("  Front door   {url}\n"));
@@ -235,69 +194,9 @@ impl Demo {
         out
     }
 
-    /// Stops the router (bounded), then the frontends and the fleet.
-    pub async fn shutdown(self) {
-        self.daemon.shutdown().await;
+    /// Stops the frontends, then the fleet.
+    pub fn shutdown(self) {
         drop(self.frontends);
         drop(self.fleet);
     }
-}
-
-/// The embedded demo config with each shim pool's backends pointed at its namespace's simulated
-/// frontend.
-pub fn demo_config(frontends: &BTreeMap<String, SocketAddr>) -> anyhow::Result<Config> {
-    let mut config = Config::demo();
-    let pools = config.dynamo.shim.pools.clone();
-    for pool in pools {
-        let addr = frontends
-            .get(&pool.namespace)
-            .with_context(|| format!("no simulated frontend for namespace {}", pool.namespace))?;
-        for name in &pool.backends {
-            let backend = config
-                .backends
-                .iter_mut()
-                .find(|b| &b.name == name)
-                .with_context(|| format!("the demo config has no backend {name}"))?;
-            backend.url = format!("http://{addr}");
-        }
-    }
-    Ok(config)
-}
-
-/// `continuum-router demo`: runs until SIGTERM or SIGINT.
-pub async fn run_until_signal(
-    bind: Option<SocketAddr>,
-    options: DemoOptions,
-) -> anyhow::Result<()> {
-    let mut config = Config::demo();
-    if let Some(bind) = bind {
-        config.server.bind_address = bind;
-    }
-    // The embedded config logs warnings only; `RUST_LOG` asks for more (a bad filter is refused
-    // by telemetry::init with the filter's own error).
-    if let Some(filter) = std::env::var("RUST_LOG")
-        .ok()
-        .filter(|f| !f.trim().is_empty())
-    {
-        config.telemetry.log_level = filter;
-    }
-    let guard =
-        telemetry::init(&(&config.telemetry).into()).context("cannot initialise telemetry")?;
-    let addr = config.server.bind_address;
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr} (try --bind 127.0.0.1:0)"))?;
-    let demo = Demo::start(options, listener).await?;
-    if !demo.wait_discovered(Duration::from_secs(10)).await {
-        warn!("The router has not discovered every simulated worker yet.");
-    }
-    info!(router = %demo.url(), "continuum-router demo is serving.");
-    println!("{}", demo.banner());
-    crate::daemon::shutdown_signal().await;
-    info!("Shutting down the demo.");
-    demo.shutdown().await;
-    if let Err(error) = guard.shutdown().await {
-        warn!(%error, "Telemetry did not flush cleanly.");
-    }
-    Ok(())
 }

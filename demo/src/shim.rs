@@ -33,7 +33,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tracing::{debug, error};
 
-use super::fleet::{Booking, Fleet, RankLoad, SimWorker};
+use crate::fleet::{Booking, Fleet, RankLoad, SimWorker};
 
 /// Journal entries kept per frontend (oldest dropped first).
 pub const MAX_JOURNAL: usize = 4096;
