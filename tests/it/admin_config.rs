@@ -3,9 +3,7 @@
 //! the same file, and an import of that masked readback (edited) keeps the live secrets, goes
 //! through the reload path, and rewrites the file atomically; refused imports change nothing.
 
-mod support {
-    pub mod daemon;
-}
+use crate::support;
 
 use std::path::Path;
 use std::process::Command;

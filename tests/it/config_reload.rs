@@ -4,10 +4,7 @@
 //! `continuum_config_reload_refusals_total{reason}`; and SIGHUP reloads the real binary's config
 //! while a streamed request is in flight, instead of killing the process.
 
-mod support {
-    pub mod daemon;
-    pub mod upstream;
-}
+use crate::support;
 
 use std::path::Path;
 use std::time::Duration;

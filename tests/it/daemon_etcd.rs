@@ -3,9 +3,7 @@
 //! preserved), `/ready` flips after the first pass, and a config reload replaces the watcher.
 #![cfg(feature = "real-peers")]
 
-mod support {
-    pub mod etcd;
-}
+use crate::support;
 
 use std::time::Duration;
 

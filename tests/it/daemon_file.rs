@@ -4,9 +4,7 @@
 //! worker (the file stays: the router never deletes), and removed files are followed through
 //! inotify. No external process is needed.
 
-mod support {
-    pub mod daemon;
-}
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};

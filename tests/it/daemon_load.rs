@@ -7,11 +7,7 @@
 //! gauges.
 #![cfg(feature = "real-peers")]
 
-mod support {
-    pub mod daemon;
-    pub mod etcd;
-    pub mod zmq;
-}
+use crate::support;
 
 use std::time::Duration;
 

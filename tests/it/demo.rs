@@ -4,9 +4,7 @@
 //! that answers as Dynamo 1.6.1 does. Waits are on registry generations and load-store changes,
 //! each under a deadline; nothing sleeps.
 
-mod support {
-    pub mod demo;
-}
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

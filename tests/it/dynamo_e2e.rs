@@ -7,10 +7,7 @@
 //! and `etcd` on PATH (or `ETCD_BIN`).
 #![cfg(feature = "dynamo-e2e")]
 
-mod support {
-    pub mod dynamo;
-    pub mod etcd;
-}
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;

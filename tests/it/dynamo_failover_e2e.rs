@@ -16,11 +16,7 @@
 //!    requests sent after the view updated go to the aggregated workers, without client errors.
 #![cfg(feature = "dynamo-e2e")]
 
-mod support {
-    pub mod daemon;
-    pub mod dynamo;
-    pub mod etcd;
-}
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -241,6 +237,10 @@ async fn a_sigkilled_worker_is_left_out_until_its_lease_expires() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregated_workers_take_over_only_after_the_disaggregated_pool_drains() {
+    // Captures warnings through the global subscriber: in a process of its own.
+    if !support::process::own_process(module_path!(), "aggregated_workers_take_over_only_after_the_disaggregated_pool_drains") {
+        return;
+    }
     capture_warnings();
     let mut stack = DynamoStack::start(Topology::Disagg).await;
     let daemon = support::daemon::start(&config_yaml(&stack)).await;

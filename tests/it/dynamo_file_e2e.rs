@@ -10,11 +10,7 @@
 //! 10 s TTL, after which every request is served by the rest.
 #![cfg(feature = "dynamo-e2e")]
 
-mod support {
-    pub mod daemon;
-    pub mod dynamo;
-    pub mod etcd;
-}
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

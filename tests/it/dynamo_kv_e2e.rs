@@ -32,11 +32,7 @@
 //!   the same 0.74 and 20/20, and the frontend tokenized none of those requests itself.
 #![cfg(feature = "dynamo-e2e")]
 
-mod support {
-    pub mod daemon;
-    pub mod dynamo;
-    pub mod etcd;
-}
+use crate::support;
 
 use std::path::Path;
 use std::time::Duration;

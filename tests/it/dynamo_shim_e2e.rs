@@ -6,11 +6,7 @@
 //! reaches the frontend.
 #![cfg(feature = "dynamo-e2e")]
 
-mod support {
-    pub mod daemon;
-    pub mod dynamo;
-    pub mod etcd;
-}
+use crate::support;
 
 use std::time::Duration;
 

@@ -4,9 +4,7 @@
 //! Needs `etcd` (Debian `etcd-server`) and, for the TLS test, the `openssl` CLI.
 #![cfg(feature = "real-peers")]
 
-mod support {
-    pub mod etcd;
-}
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::io::Write;

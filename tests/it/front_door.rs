@@ -2,9 +2,7 @@
 //! pin stripping, and an operator restart of one subsystem through the admin API. `/v1/models`
 //! per API key also runs through a real daemon over a socket.
 
-mod support {
-    pub mod daemon;
-}
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,10 +2,7 @@
 //! file-descriptor limit (the daemon binary under `prlimit`), the header-read, body-read and idle
 //! timeouts, a long SSE stream that outlives them, h2c, and the memory a pinned body costs.
 
-mod support {
-    pub mod daemon;
-    pub mod upstream;
-}
+use crate::support;
 
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};

@@ -3,8 +3,7 @@
 //! etcd yields; readiness flaps of the EndpointSlice add and remove the worker. `kubernetes_pods`:
 //! ready labelled Pods become card-less workers with no load or capacity signals.
 
-#[path = "support/fake_kube.rs"]
-mod fake_kube;
+use crate::support::fake_kube;
 
 use std::sync::Arc;
 use std::time::Duration;

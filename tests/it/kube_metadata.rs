@@ -2,8 +2,7 @@
 //! EndpointSlice join as etcd-style reducer events, pagination in pages of 32, a 410 on one
 //! watch relisting both, and a stalled slice watch caught by its own idle deadline.
 
-#[path = "support/fake_kube.rs"]
-mod fake_kube;
+use crate::support::fake_kube;
 
 use std::time::Duration;
 

@@ -2,8 +2,7 @@
 //! flaps, 410 during a watch, a stalled watch hitting the idle deadline, routine closes and
 //! container-mode refusals.
 
-#[path = "support/fake_kube.rs"]
-mod fake_kube;
+use crate::support::fake_kube;
 
 use std::time::Duration;
 

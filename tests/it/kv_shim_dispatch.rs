@@ -6,11 +6,7 @@
 //! conditional-disaggregation bypass sends only the worker pin on the unified path.
 #![cfg(feature = "real-peers")]
 
-mod support {
-    pub mod etcd;
-    pub mod kv_prep;
-    pub mod upstream;
-}
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

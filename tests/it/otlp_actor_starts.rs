@@ -6,10 +6,7 @@
 //!
 //! Its own test binary: it installs the global subscriber.
 
-mod support {
-    pub mod daemon;
-    pub mod otlp;
-}
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -19,6 +16,10 @@ use support::otlp::OtlpReceiver;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_actor_start_is_exported_while_the_tree_runs() {
+    // Installs the global subscriber: in a process of its own.
+    if !support::process::own_process(module_path!(), "every_actor_start_is_exported_while_the_tree_runs") {
+        return;
+    }
     let receiver = OtlpReceiver::start().await.expect("bind loopback");
     let guard = telemetry::init(&TelemetryOptions {
         log_format: LogFormat::Text,

@@ -6,9 +6,7 @@
 //! Multi-thread runtime: the SDK's batch processor blocks its own thread on the tonic channel,
 //! whose connection task must keep running on the runtime meanwhile.
 
-mod support {
-    pub mod otlp;
-}
+use crate::support;
 
 use std::time::{Duration, Instant};
 
@@ -188,6 +186,10 @@ async fn a_malformed_endpoint_is_a_config_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn init_installs_the_global_subscriber_once() {
+    // Installs the global subscriber: in a process of its own.
+    if !support::process::own_process(module_path!(), "init_installs_the_global_subscriber_once") {
+        return;
+    }
     // The only test here that touches the global subscriber; the others scope theirs.
     let options = TelemetryOptions::default();
     let guard = telemetry::init_with_writer(&options, TestWriter::new()).expect("first install");

@@ -5,9 +5,7 @@
 //! Its own test binary: it installs the global subscriber (ractor actors run on worker threads,
 //! which a thread-local default would not see).
 
-mod support {
-    pub mod otlp;
-}
+use crate::support;
 
 use std::time::Duration;
 
@@ -68,6 +66,10 @@ async fn next(rx: &mut mpsc::UnboundedReceiver<ActorRef<()>>) -> ActorRef<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarts_of_the_real_tree_arrive_with_parent_links() {
+    // Installs the global subscriber: in a process of its own.
+    if !support::process::own_process(module_path!(), "restarts_of_the_real_tree_arrive_with_parent_links") {
+        return;
+    }
     let receiver = OtlpReceiver::start().await.expect("bind loopback");
     // TestWriter: the log stays captured unless the test fails.
     let guard = telemetry::init_with_writer(

@@ -2,9 +2,7 @@
 //! can restart it, and the installed picker survives the restart. No real peers: Dynamo
 //! discovery is off, the picker still runs (the shim path is installed regardless).
 
-mod support {
-    pub mod daemon;
-}
+use crate::support;
 
 use std::sync::Arc;
 

@@ -1,8 +1,7 @@
 //! The OpenAI-wire proxy through the real `front_door::router` (oneshot, no router socket) against
 //! loopback fake upstreams: relay, streaming, retries, breaker, health checks, pin hygiene, policy.
 
-#[path = "support/upstream.rs"]
-mod upstream;
+use crate::support::upstream;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

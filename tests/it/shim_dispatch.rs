@@ -7,11 +7,7 @@
 //! body) leave the shim replica's breaker closed; gateway errors open it.
 #![cfg(feature = "real-peers")]
 
-mod support {
-    pub mod daemon;
-    pub mod etcd;
-    pub mod upstream;
-}
+use crate::support;
 
 use continuum_router::daemon::Daemon;
 use etcd_client::PutOptions;

@@ -6,9 +6,7 @@
 //! Waits are in-page promises or replies under deadlines; nothing sleeps.
 #![cfg(feature = "real-peers")]
 
-mod support {
-    pub mod demo;
-}
+use crate::support;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,14 +1,12 @@
 //! The bounded ZMTP SUB connection against real libzmq publishers (pyzmq, `real-peers`).
 //!
-//! A Python helper (`tests/support/zmq_publisher.py`, interpreter from `CONTINUUM_PYTHON`,
+//! A Python helper (`tests/it/support/zmq_publisher.py`, interpreter from `CONTINUUM_PYTHON`,
 //! default `python3`, which needs pyzmq) binds XPUB/PUB/SUB sockets and replays captured Dynamo
 //! 1.6.1 `kv_metrics` frames, sequence gaps, late sequences, foreign publisher ids and restarts.
 //! XPUB reports each subscription, so tests wait for it instead of sleeping (slow joiners).
 #![cfg(feature = "real-peers")]
 
-mod support {
-    pub mod zmq;
-}
+use crate::support;
 
 use std::path::Path;
 use std::time::Duration;

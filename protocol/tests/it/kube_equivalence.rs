@@ -3,9 +3,7 @@
 //! as etcd records and once wrapped as DynamoWorkerMetadata resources made ready by an
 //! EndpointSlice; both go through the same reducer and must materialise identical views.
 
-#[path = "discovery/support.rs"]
-#[allow(dead_code)]
-mod support;
+use crate::discovery::support;
 
 use std::collections::BTreeMap;
 

@@ -1,4 +1,4 @@
-//! A real libzmq publisher for tests: a pyzmq process (tests/support/zmq_publisher.py) driven
+//! A real libzmq publisher for tests: a pyzmq process (tests/it/support/zmq_publisher.py) driven
 //! over stdin/stdout, and builders for kv_metrics messages as Dynamo 1.6.1 frames them.
 #![allow(dead_code)]
 
@@ -13,7 +13,7 @@ use tokio::time::timeout;
 
 const SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/tests/support/zmq_publisher.py"
+    "/tests/it/support/zmq_publisher.py"
 );
 /// Upper bound on any single wait; a hang fails the test instead of stalling CI.
 const WAIT: Duration = Duration::from_secs(20);
