@@ -1,7 +1,7 @@
 //! The shipped observability and image assets, checked offline: the Grafana dashboard's
 //! structure, every metric the dashboard and the alert rules read being a documented family,
 //! the Dockerfile's runtime stage; and with `real-peers` (CI installs the tools) `promtool check
-//! rules`, `promtool test rules` and `hadolint`. `tests/observability_prometheus.rs` runs every
+//! rules`, `promtool test rules` and `hadolint`. `tests/it/observability_prometheus.rs` runs every
 //! expression against a real Prometheus scraping the demo.
 
 use std::collections::BTreeSet;

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Scripted libzmq publisher for tests/zmq_subscription.rs (feature `real-peers`).
+"""Scripted libzmq publisher for tests/it/zmq_subscription.rs (feature `real-peers`).
 
 Reads one JSON command per line on stdin and answers each with one JSON line on stdout:
   {"op": "bind", "type": "xpub"|"pub"|"sub", "port": 0}  -> {"port": N}   (0 = ephemeral)
