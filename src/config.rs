@@ -216,9 +216,9 @@ impl Config {
     ) -> Result<Config, String> {
         let mut config = Config::demo();
         for pool in config.dynamo.shim.pools.clone() {
-            let addr = frontends.get(&pool.namespace).ok_or_else(|| {
-                format!("no simulated frontend for namespace {}", pool.namespace)
-            })?;
+            let addr = frontends
+                .get(&pool.namespace)
+                .ok_or_else(|| format!("no simulated frontend for namespace {}", pool.namespace))?;
             for name in &pool.backends {
                 let backend = config
                     .backends

@@ -186,8 +186,8 @@ async fn demo_until_signal(bind: Option<SocketAddr>, options: DemoOptions) -> an
         .await
         .with_context(|| format!("cannot listen on {addr} (try --bind 127.0.0.1:0)"))?;
     let simulation = Simulation::start(options).await?;
-    let router = Config::demo_with_frontends(&simulation.frontend_addrs())
-        .map_err(anyhow::Error::msg)?;
+    let router =
+        Config::demo_with_frontends(&simulation.frontend_addrs()).map_err(anyhow::Error::msg)?;
     let token = router.admin.token.clone();
     let daemon = Daemon::start_with_feed(
         RunOptions {

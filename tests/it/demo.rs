@@ -9,10 +9,10 @@ use crate::support;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use continuum_protocol::discovery::registration::WorkerType;
-use continuum_protocol::ids::{DpRank, InstanceId};
 use continuum_demo::DemoOptions;
 use continuum_demo::shim::{Pace, Route, ServedRequest};
+use continuum_protocol::discovery::registration::WorkerType;
+use continuum_protocol::ids::{DpRank, InstanceId};
 use futures::future::join_all;
 use serde_json::{Value, json};
 use support::demo::Demo;
@@ -435,11 +435,11 @@ async fn the_simulated_frontend_refuses_like_1_6_1() {
 #[cfg(feature = "real-peers")]
 #[tokio::test]
 async fn a_pyzmq_sub_receives_the_simulated_publishers_messages() {
+    use continuum_demo::zmq_pub::PubSocket;
     use continuum_protocol::event_plane::ActiveLoad;
     use continuum_protocol::event_plane::encode::encode_kv_metrics;
     use continuum_protocol::ids::PublisherId;
     use continuum_protocol::time::UnixMillis;
-    use continuum_demo::zmq_pub::PubSocket;
     use tokio::io::{AsyncBufReadExt, BufReader};
 
     const SUB: &str = "import sys, zmq\n\

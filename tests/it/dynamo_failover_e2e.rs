@@ -238,7 +238,10 @@ async fn a_sigkilled_worker_is_left_out_until_its_lease_expires() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregated_workers_take_over_only_after_the_disaggregated_pool_drains() {
     // Captures warnings through the global subscriber: in a process of its own.
-    if !support::process::own_process(module_path!(), "aggregated_workers_take_over_only_after_the_disaggregated_pool_drains") {
+    if !support::process::own_process(
+        module_path!(),
+        "aggregated_workers_take_over_only_after_the_disaggregated_pool_drains",
+    ) {
         return;
     }
     capture_warnings();

@@ -17,7 +17,10 @@ use support::otlp::OtlpReceiver;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_actor_start_is_exported_while_the_tree_runs() {
     // Installs the global subscriber: in a process of its own.
-    if !support::process::own_process(module_path!(), "every_actor_start_is_exported_while_the_tree_runs") {
+    if !support::process::own_process(
+        module_path!(),
+        "every_actor_start_is_exported_while_the_tree_runs",
+    ) {
         return;
     }
     let receiver = OtlpReceiver::start().await.expect("bind loopback");

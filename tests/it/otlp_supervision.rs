@@ -67,7 +67,10 @@ async fn next(rx: &mut mpsc::UnboundedReceiver<ActorRef<()>>) -> ActorRef<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarts_of_the_real_tree_arrive_with_parent_links() {
     // Installs the global subscriber: in a process of its own.
-    if !support::process::own_process(module_path!(), "restarts_of_the_real_tree_arrive_with_parent_links") {
+    if !support::process::own_process(
+        module_path!(),
+        "restarts_of_the_real_tree_arrive_with_parent_links",
+    ) {
         return;
     }
     let receiver = OtlpReceiver::start().await.expect("bind loopback");
