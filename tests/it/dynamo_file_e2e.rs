@@ -31,7 +31,7 @@ const BEFORE: usize = 100;
 const AFTER: usize = 50;
 
 /// The single-node example config, its `${...}` variables filled from the stack.
-const EXAMPLE: &str = include_str!("../deploy/examples/single-node-file/router.yaml");
+const EXAMPLE: &str = include_str!("../../deploy/examples/single-node-file/router.yaml");
 const ADMIN_TOKEN: &str = "file-e2e-admin-token";
 const CLIENT_KEY: &str = "sk-file-e2e-client";
 

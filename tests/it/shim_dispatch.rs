@@ -161,7 +161,7 @@ async fn pins_reach_the_shim_and_failures_follow_the_seed() {
 
 /// The response body of a real 1.6.1 refusal (a pin without its prefill id), from the transcript.
 fn refusal_body() -> Value {
-    let transcript = include_str!("fixtures/dynamo-1.6.1/transcripts/02-decode-only-dec.txt");
+    let transcript = include_str!("../fixtures/dynamo-1.6.1/transcripts/02-decode-only-dec.txt");
     let line = transcript
         .lines()
         .find(|l| l.starts_with("{\"message\""))

@@ -1,6 +1,6 @@
 //! A real etcd for tests: a child process on free loopback ports with its own data directory.
 //!
-//! Use it from a test crate with `mod support { pub mod etcd; }` (or `#[path]` from a bench).
+//! Use it from a test module as `crate::support::etcd` (or through `#[path]` from a bench).
 //! It needs the `etcd` binary (Debian `etcd-server`; `ETCD_BIN` overrides the PATH lookup) and,
 //! for [`EtcdServer::start_tls`], the `openssl` CLI to mint a throwaway CA at test time.
 //!

@@ -560,7 +560,7 @@ fn watch_response(
 // -- object builders ---------------------------------------------------------------------------
 
 const EXAMPLES: &str =
-    include_str!("../../protocol/src/kube/testdata/discovery_examples_kube.json");
+    include_str!("../../../protocol/src/kube/testdata/discovery_examples_kube.json");
 
 /// The wire spec's worker-0 DynamoWorkerMetadata, with the etcd example's card in place of the
 /// placeholder string.
