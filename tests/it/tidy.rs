@@ -84,6 +84,60 @@ fn no_mod_rs() {
     );
 }
 
+/// With `autotests = false` cargo no longer builds a `tests/NAME.rs` on its own: a test file
+/// dropped there, or a module file under `tests/it/` that `main.rs` does not declare, would
+/// silently never run. Every crate's integration tests are modules of its one `tests/it/main.rs`
+/// (docs/ARCHITECTURE.md, "Test layout").
+#[test]
+fn every_integration_test_file_is_a_module_of_the_one_test_binary() {
+    let mut offenders = Vec::new();
+    for krate in [".", "protocol", "actors", "demo"] {
+        let tests = repo_root().join(krate).join("tests");
+        let entries = std::fs::read_dir(&tests).into_iter().flatten().flatten();
+        for entry in entries {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "rs") {
+                offenders.push(format!("{} (move it to tests/it/)", rel(&path)));
+            }
+        }
+        // main.rs declares the files of it/, X.rs those of it/X/ (support.rs, discovery.rs).
+        let it = tests.join("it");
+        let mut parents = vec![(it.join("main.rs"), it.clone())];
+        for entry in std::fs::read_dir(&it).into_iter().flatten().flatten() {
+            if entry.path().is_dir() {
+                parents.push((entry.path().with_extension("rs"), entry.path()));
+            }
+        }
+        for (root, dir) in parents {
+            let Ok(declared) = std::fs::read_to_string(&root) else {
+                continue;
+            };
+            let files = std::fs::read_dir(&dir).into_iter().flatten().flatten();
+            for path in files.map(|e| e.path()) {
+                let Some(name) = path.file_stem().and_then(|n| n.to_str()) else {
+                    continue;
+                };
+                let is_module = path.extension().is_some_and(|e| e == "rs") && name != "main";
+                let listed = declared.lines().any(|l| {
+                    let l = l.trim_start().trim_start_matches("pub ");
+                    l == format!("mod {name};")
+                });
+                if is_module && !listed {
+                    offenders.push(format!(
+                        "{} (no `mod {name};` in {})",
+                        rel(&path),
+                        rel(&root)
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "integration-test files outside the one test binary: {offenders:?}"
+    );
+}
+
 /// The inline `#[cfg(test)] mod name { ... }` modules of a source file, as text (braces counted
 /// naively, which is enough for this codebase: a miscount only widens or narrows the scan).
 fn inline_test_modules(text: &str) -> Vec<&str> {
