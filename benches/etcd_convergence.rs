@@ -5,7 +5,7 @@
 //! `ETCD_BIN`). Prints percentiles; a measurement script, not a criterion bench, because each
 //! sample is one round trip through an external process.
 
-#[path = "../tests/support/etcd.rs"]
+#[path = "../tests/it/support/etcd.rs"]
 mod etcd_harness;
 
 use std::time::{Duration, Instant};

@@ -17,7 +17,7 @@ command -v kill >/dev/null 2>&1 || need_apt+=(procps)
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 # kubectl renders the Kustomize overlays offline (`kubectl kustomize`).
 command -v kubectl >/dev/null 2>&1 || need_apt+=(kubectl)
-# Headless Chromium for the fleet page's browser test (tests/ui_browser.rs).
+# Headless Chromium for the fleet page's browser test (tests/it/ui_browser.rs).
 [ -x /usr/bin/chromium ] || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
@@ -42,7 +42,7 @@ if [ ! -x "$VENV/bin/hadolint" ]; then
 fi
 export CONTINUUM_HADOLINT="$VENV/bin/hadolint"
 # The Anthropic / OpenAI SDKs whose pydantic types validate the Anthropic ingress converters'
-# outputs (tests/anthropic_sdk.rs, tests/fixtures/ingress/validate_anthropic.py).
+# outputs (tests/it/anthropic_sdk.rs, tests/fixtures/ingress/validate_anthropic.py).
 if ! "$VENV/bin/python" -c 'import anthropic, openai' 2>/dev/null; then
   log "anthropic + openai SDKs into $VENV"
   PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/pip" install -q anthropic==2.15.0 openai==3.57.0
@@ -72,7 +72,7 @@ passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed' target/test-output.tx
 failed=$(grep -Eo '[0-9]+ failed' target/test-output.txt | awk '{s+=$1} END {print s+0}')
 echo
 echo "tests: $passed passed, $failed failed"
-# CI artifacts: the fleet page's screenshots from tests/ui_browser.rs.
+# CI artifacts: the fleet page's screenshots from tests/it/ui_browser.rs.
 shots="${CARGO_TARGET_DIR:-target}/ui-artifacts"
 [ -f "$shots/fleet.png" ] && echo "artifacts: $shots/fleet.png, $shots/fleet-1000.png (fleet page screenshots)"
 exit "$status"

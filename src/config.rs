@@ -208,6 +208,28 @@ impl Config {
     pub fn demo_yaml() -> &'static str {
         DEMO_YAML
     }
+
+    /// [`Config::demo`] with each shim pool's backends pointed at its namespace's simulated
+    /// frontend (`continuum-router demo` starts them on free loopback ports).
+    pub fn demo_with_frontends(
+        frontends: &std::collections::BTreeMap<String, std::net::SocketAddr>,
+    ) -> Result<Config, String> {
+        let mut config = Config::demo();
+        for pool in config.dynamo.shim.pools.clone() {
+            let addr = frontends
+                .get(&pool.namespace)
+                .ok_or_else(|| format!("no simulated frontend for namespace {}", pool.namespace))?;
+            for name in &pool.backends {
+                let backend = config
+                    .backends
+                    .iter_mut()
+                    .find(|b| &b.name == name)
+                    .ok_or_else(|| format!("the demo config has no backend {name}"))?;
+                backend.url = format!("http://{addr}");
+            }
+        }
+        Ok(config)
+    }
 }
 
 /// YAML 1.2 core reading of untyped scalars: `no`, `on`, `y` stay strings (a namespace called

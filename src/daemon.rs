@@ -95,7 +95,7 @@ pub async fn run_until_signal(options: RunOptions) -> anyhow::Result<()> {
 }
 
 /// Resolves on SIGINT or SIGTERM.
-pub(crate) async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

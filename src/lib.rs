@@ -5,7 +5,6 @@
 //! | [`build_info`] | version and compiled features (`--version`, `continuum_router_build_info`) |
 //! | [`config`] | the typed YAML schema, validation, masking and the reload diff |
 //! | [`daemon`] | startup, the reload control loop (and the config readback/import) and bounded shutdown |
-//! | [`demo`] | `continuum-router demo`: a simulated Dynamo fleet and the router in one process |
 //! | [`front_door`] | the axum router: OpenAI surface, health, metrics, admin |
 //! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
 //! | [`proxy`] | the request path's transport: backend pool, health, breakers, dispatch, relay |
@@ -18,7 +17,6 @@
 pub mod build_info;
 pub mod config;
 pub mod daemon;
-pub mod demo;
 pub mod dynamo_admin;
 pub mod front_door;
 pub mod kv;

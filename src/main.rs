@@ -1,12 +1,20 @@
-//! The `continuum-router` binary: parse the command line, then hand over to the library.
+//! The `continuum-router` binary: parse the command line, then hand over to the library. The
+//! `demo` subcommand composes the daemon with the simulated fleet of the `continuum-demo` crate,
+//! which the library does not contain.
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use continuum_demo::{DemoOptions, Simulation};
 use continuum_router::config::{self, Config};
-use continuum_router::daemon::{self, RunOptions};
-use continuum_router::demo;
+use continuum_router::daemon::{self, Daemon, RunOptions};
+use continuum_router::telemetry;
+use tokio::net::TcpListener;
+use tracing::{info, warn};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -140,8 +148,8 @@ fn run_file(path: PathBuf) -> ExitCode {
     }))
 }
 
-fn run_demo(bind: Option<String>, publish_interval: std::time::Duration) -> ExitCode {
-    let bind = match bind.map(|b| b.parse::<std::net::SocketAddr>().map_err(|e| (b, e))) {
+fn run_demo(bind: Option<String>, publish_interval: Duration) -> ExitCode {
+    let bind = match bind.map(|b| b.parse::<SocketAddr>().map_err(|e| (b, e))) {
         None => None,
         Some(Ok(addr)) => Some(addr),
         Some(Err((bind, error))) => {
@@ -149,11 +157,79 @@ fn run_demo(bind: Option<String>, publish_interval: std::time::Duration) -> Exit
             return ExitCode::from(2);
         }
     };
-    let options = demo::DemoOptions {
-        publish_interval: publish_interval.max(std::time::Duration::from_millis(10)),
-        ..demo::DemoOptions::default()
+    let options = DemoOptions {
+        publish_interval: publish_interval.max(Duration::from_millis(10)),
+        ..DemoOptions::default()
     };
-    block_on(demo::run_until_signal(bind, options))
+    block_on(demo_until_signal(bind, options))
+}
+
+/// `continuum-router demo`: the simulated fleet and the router on the embedded demo config (each
+/// shim pool pointed at its namespace's simulated frontend), until SIGTERM or SIGINT.
+async fn demo_until_signal(bind: Option<SocketAddr>, options: DemoOptions) -> anyhow::Result<()> {
+    let mut config = Config::demo();
+    if let Some(bind) = bind {
+        config.server.bind_address = bind;
+    }
+    // The embedded config logs warnings only; `RUST_LOG` asks for more (a bad filter is refused
+    // by telemetry::init with the filter's own error).
+    if let Some(filter) = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|f| !f.trim().is_empty())
+    {
+        config.telemetry.log_level = filter;
+    }
+    let guard =
+        telemetry::init(&(&config.telemetry).into()).context("cannot initialise telemetry")?;
+    let addr = config.server.bind_address;
+    let listener = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr} (try --bind 127.0.0.1:0)"))?;
+    let simulation = Simulation::start(options).await?;
+    let router =
+        Config::demo_with_frontends(&simulation.frontend_addrs()).map_err(anyhow::Error::msg)?;
+    let token = router.admin.token.clone();
+    let daemon = Daemon::start_with_feed(
+        RunOptions {
+            config: router,
+            config_path: None,
+            demo: true,
+        },
+        listener,
+        simulation.feed(),
+    )
+    .await?;
+    let url = format!("http://{}", daemon.local_addr());
+    if !all_discovered(&daemon, simulation.fleet().workers().len()).await {
+        warn!("The router has not discovered every simulated worker yet.");
+    }
+    info!(router = %url, "continuum-router demo is serving.");
+    println!("{}", simulation.banner(&url, token.as_deref()));
+    daemon::shutdown_signal().await;
+    info!("Shutting down the demo.");
+    daemon.shutdown().await;
+    simulation.shutdown();
+    if let Err(error) = guard.shutdown().await {
+        warn!(%error, "Telemetry did not flush cleanly.");
+    }
+    Ok(())
+}
+
+/// Waits (on registry generations, at most 10 s) until the router has discovered `workers`
+/// simulated workers.
+async fn all_discovered(daemon: &Daemon, workers: usize) -> bool {
+    let registry = daemon.registry();
+    let mut generations = registry.subscribe();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while registry.snapshot().workers().len() < workers {
+            if generations.changed().await.is_err() {
+                return false;
+            }
+        }
+        true
+    })
+    .await
+    .unwrap_or(false)
 }
 
 fn block_on(work: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {

@@ -13,7 +13,7 @@
 //! `backoff.max` (`Backoff::session_ended`).
 //!
 //! The read-only contract: this module issues range gets and watches and nothing else. It never
-//! takes or renews a lease and never writes or removes a key. `tests/tidy_readonly.rs` greps
+//! takes or renews a lease and never writes or removes a key. `tests/it/tidy_readonly.rs` greps
 //! these files for the client calls that would break that promise.
 //!
 //! Entry points: [`run_etcd_source`] (a future the caller drives) or [`EtcdSource::spawn`]

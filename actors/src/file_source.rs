@@ -21,7 +21,7 @@
 //!
 //! The read-only contract: this module lists directories, stats and reads files, and nothing
 //! else. Expired files are treated as absent and left for Dynamo's own sweepers to delete.
-//! `tests/tidy_readonly.rs` greps this file for calls that would break that promise.
+//! `tests/it/tidy_readonly.rs` greps this file for calls that would break that promise.
 
 use std::collections::BTreeMap;
 use std::io::Read;

@@ -1,5 +1,5 @@
 //! Connection tests against scripted loopback peers (hostile and well-behaved). Real libzmq
-//! publishers are exercised in the root package's `tests/zmq_subscription.rs` (`real-peers`).
+//! publishers are exercised in the root package's `tests/it/zmq_subscription.rs` (`real-peers`).
 
 use continuum_protocol::event_plane::decode_kv_metrics;
 use continuum_protocol::zmtp::{Discard, GREETING};

@@ -1,0 +1,464 @@
+//! The front door under hostile clients, over real sockets: stalled connections under a 1,024
+//! file-descriptor limit (the daemon binary under `prlimit`), the header-read, body-read and idle
+//! timeouts, a long SSE stream that outlives them, h2c, and the memory a pinned body costs.
+
+use crate::support;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use support::upstream::{FakeUpstream, Reply};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+const BIN: &str = env!("CARGO_BIN_EXE_continuum-router");
+
+/// A free loopback port (bound then released; the daemon binds it next).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// The daemon binary on `addr` with `server_extra` under `server:`, optionally under
+/// `prlimit --nofile=N`. Killed on drop.
+struct Router {
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Router {
+    async fn spawn(server_extra: &str, nofile: Option<u32>) -> Router {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let config = dir.path().join("router.yaml");
+        std::fs::write(
+            &config,
+            format!("server:\n  bind_address: \"{addr}\"\n{server_extra}"),
+        )
+        .expect("write config");
+        let mut command = match nofile {
+            Some(n) => {
+                let mut c = Command::new("prlimit");
+                c.arg(format!("--nofile={n}")).arg("--").arg(BIN);
+                c
+            }
+            None => Command::new(BIN),
+        };
+        let child = command
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn the router");
+        let router = Router {
+            child,
+            addr,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok((status, _)) = get(addr, "/health").await
+                && status.contains("200")
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the router did not start");
+            tokio::task::yield_now().await;
+        }
+        router
+    }
+
+    /// A field of `/proc/<pid>/status` in kB (`VmRSS`, `VmHWM`).
+    fn status_kb(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .expect("the router is running");
+        status
+            .lines()
+            .find(|l| l.starts_with(field))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .expect("a status field")
+    }
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request on its own connection; the status line and the whole response.
+async fn exchange(addr: SocketAddr, request: &[u8]) -> std::io::Result<(String, Vec<u8>)> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream.write_all(request).await?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await?;
+    let status =
+        String::from_utf8_lossy(response.split(|b| *b == b'\r').next().unwrap_or(&[])).into_owned();
+    Ok((status, response))
+}
+
+async fn get(addr: SocketAddr, path: &str) -> std::io::Result<(String, Vec<u8>)> {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n");
+    tokio::time::timeout(Duration::from_secs(10), exchange(addr, request.as_bytes()))
+        .await
+        .map_err(|_| std::io::Error::other("no answer within 10 s"))?
+}
+
+fn post(path: &str, body: &[u8]) -> Vec<u8> {
+    let mut request = format!(
+        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Connection: close\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(body);
+    request
+}
+
+/// A metric sample's value from `/metrics`.
+fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Waits until the server closes `stream` (EOF or reset), reading whatever it sends first.
+async fn closed_by_server(mut stream: TcpStream) {
+    let mut sink = [0u8; 1024];
+    loop {
+        match stream.read(&mut sink).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+}
+
+/// Lets this test process hold `n` sockets (its own soft limit may be 1,024).
+fn raise_own_nofile(n: u64) {
+    let soft = continuum_router::front_door::serve::soft_nofile_limit();
+    if soft.is_some_and(|soft| soft >= n) {
+        return;
+    }
+    let status = Command::new("prlimit")
+        .arg("--pid")
+        .arg(std::process::id().to_string())
+        .arg(format!("--nofile={n}:"))
+        .status()
+        .expect("run prlimit");
+    assert!(
+        status.success(),
+        "cannot raise this test's open-file limit to {n}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_connections_under_an_fd_limit_neither_starve_health_nor_stay_open() {
+    const STALLED: usize = 1_100;
+    raise_own_nofile(4_096);
+    let router = Router::spawn(
+        // Long enough that all 1,100 are open before the first times out, so the cap is reached.
+        "  header_read_timeout: 10s\n  idle_timeout: 10s\n  max_connections: 4096\n",
+        Some(1_024),
+    )
+    .await;
+
+    // 1,100 connections that send half a request head and stop.
+    let mut stalled = Vec::with_capacity(STALLED);
+    for _ in 0..STALLED {
+        let mut stream = TcpStream::connect(router.addr).await.expect("connect");
+        stream
+            .write_all(b"GET /health HTTP/1.1\r\nHost: router\r\n")
+            .await
+            .expect("write half a head");
+        stalled.push(stream);
+    }
+
+    let started = Instant::now();
+    let (status, _) = get(router.addr, "/health").await.expect("/health answers");
+    let latency = started.elapsed();
+    println!("/health with {STALLED} stalled connections open: {latency:?}");
+    assert!(status.contains("200"), "{status}");
+    assert!(latency < Duration::from_secs(1), "/health took {latency:?}");
+
+    // Every stalled connection is closed: the oldest at the cap, the rest by the header timeout.
+    let started = Instant::now();
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        futures::future::join_all(stalled.into_iter().map(closed_by_server)),
+    )
+    .await
+    .expect("every stalled connection is closed by the router");
+    println!(
+        "all {STALLED} stalled connections closed after {:?}",
+        started.elapsed()
+    );
+
+    let (_, metrics) = get(router.addr, "/metrics").await.expect("/metrics");
+    let metrics = String::from_utf8_lossy(&metrics);
+    let evicted = sample(
+        &metrics,
+        "continuum_http_connections_shed_total{reason=\"evicted_idle\"}",
+    )
+    .expect("the shed counter is exported");
+    let limit = sample(&metrics, "continuum_http_connections_limit").expect("the limit gauge");
+    println!("connection cap {limit}, evicted at the cap: {evicted}");
+    assert_eq!(limit, 480.0, "the cap follows the 1,024 fd limit");
+    assert!(
+        evicted > 0.0,
+        "the cap was reached and idle connections evicted"
+    );
+}
+
+/// A daemon in-process with 1 s timeouts in front of a fake upstream serving model `m`.
+async fn short_timeouts(up: &FakeUpstream) -> continuum_router::daemon::Daemon {
+    let yaml = format!(
+        "server:\n  header_read_timeout: 1s\n  body_read_timeout: 1s\n  idle_timeout: 1s\n\
+         backends:\n  - name: b1\n    url: \"{}\"\n    models: [m]\n    health_check:\n      \
+         enabled: false\n",
+        up.url()
+    );
+    support::daemon::start(&yaml).await
+}
+
+#[tokio::test]
+async fn silent_stalled_and_slow_body_clients_are_cut_by_the_timeouts() {
+    let up = FakeUpstream::start().await;
+    let daemon = short_timeouts(&up).await;
+    let addr = daemon.local_addr();
+
+    // Connected, nothing sent: the idle timeout closes it.
+    let silent = TcpStream::connect(addr).await.expect("connect");
+    // Half a head: the header-read timeout closes it.
+    let mut half_head = TcpStream::connect(addr).await.expect("connect");
+    half_head
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r")
+        .await
+        .expect("write");
+    // A whole head, then 10 of 1,000 body bytes: 408.
+    let mut request = post("/v1/chat/completions", &[b' '; 1_000]);
+    request.truncate(request.len() - 990);
+    let slow_body = exchange(addr, &request);
+
+    let (status, _) = tokio::time::timeout(Duration::from_secs(30), slow_body)
+        .await
+        .expect("the slow body is answered")
+        .expect("exchange");
+    assert!(status.contains("408"), "{status}");
+    tokio::time::timeout(Duration::from_secs(30), async {
+        closed_by_server(silent).await;
+        closed_by_server(half_head).await;
+    })
+    .await
+    .expect("silent and half-head connections are closed");
+    daemon.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_sse_stream_outlives_the_idle_and_body_timeouts() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = short_timeouts(&up).await;
+    let addr = daemon.local_addr();
+    let (tx, rx) = mpsc::unbounded_channel();
+    up.push(Reply::Sse(rx));
+
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    stream
+        .write_all(&post("/v1/chat/completions", body))
+        .await
+        .expect("send");
+    up.next_request().await;
+    tx.send(Bytes::from_static(b"data: {\"n\":1}\n\n"))
+        .expect("send 1");
+    let mut seen = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"n\":1") {
+        let n = stream.read(&mut chunk).await.expect("read");
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&chunk[..n]);
+    }
+
+    // A connection opened now, idle, is closed once idle_timeout (= body_read_timeout) passed:
+    // the stream has been open longer than both by then.
+    let witness = TcpStream::connect(addr).await.expect("connect");
+    tokio::time::timeout(Duration::from_secs(30), closed_by_server(witness))
+        .await
+        .expect("the idle witness is closed");
+
+    tx.send(Bytes::from_static(b"data: [DONE]\n\n"))
+        .expect("send 2");
+    drop(tx);
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut seen))
+        .await
+        .expect("the stream ends")
+        .expect("read");
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("data: [DONE]"), "{text}");
+    assert!(
+        text.ends_with("0\r\n\r\n"),
+        "a complete chunked body: {text}"
+    );
+    daemon.shutdown().await;
+}
+
+#[tokio::test]
+async fn h2c_and_keep_alive_still_work() {
+    let up = FakeUpstream::start().await;
+    let daemon = short_timeouts(&up).await;
+    let url = format!("http://{}/health", daemon.local_addr());
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .expect("client");
+    let resp = h2.get(&url).send().await.expect("h2c");
+    assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    let h1 = reqwest::Client::new();
+    for _ in 0..3 {
+        let resp = h1.get(&url).send().await.expect("http/1.1");
+        assert_eq!(resp.version(), reqwest::Version::HTTP_11);
+        assert_eq!(resp.status(), 200);
+    }
+    daemon.shutdown().await;
+}
+
+/// A 7.7 MB chat body of small JSON values (a DOM of it is ~40x larger), with or without a pin.
+fn big_body(pinned: bool) -> Vec<u8> {
+    let mut body =
+        br#"{"model":"no-such-model","messages":[{"role":"user","content":"hi"}],"x":["#.to_vec();
+    body.extend_from_slice(&b"1,".repeat(3_850_000));
+    body.extend_from_slice(b"1],\"nvext\":{");
+    if pinned {
+        body.extend_from_slice(b"\"backend_instance_id\":1,");
+    }
+    body.extend_from_slice(b"\"greed_sampling\":true}}");
+    body
+}
+
+/// Peak RSS growth (kB) of a fresh router while 8 such bodies arrive at once.
+async fn peak_growth(pinned: bool) -> (u64, u64) {
+    let router = Router::spawn("", None).await;
+    let base = router.status_kb("VmRSS");
+    let request = post("/v1/chat/completions", &big_body(pinned));
+    let answers = futures::future::join_all((0..8).map(|_| exchange(router.addr, &request))).await;
+    for answer in answers {
+        let (status, _) = answer.expect("answered");
+        // Parsed (the pin removed) and then refused: no backend serves the model.
+        assert!(status.contains("404"), "{status}");
+    }
+    (base, router.status_kb("VmHWM"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_body_costs_at_most_twice_an_unpinned_one() {
+    let (base, unpinned) = peak_growth(false).await;
+    println!("8 x 7.7 MB unpinned: VmRSS {base} kB before, VmHWM {unpinned} kB");
+    let (pbase, pinned) = peak_growth(true).await;
+    println!("8 x 7.7 MB pinned:   VmRSS {pbase} kB before, VmHWM {pinned} kB");
+    let growth = |base: u64, peak: u64| peak.saturating_sub(base);
+    assert!(
+        growth(pbase, pinned) <= 2 * growth(base, unpinned).max(1),
+        "pinned peak growth {} kB vs unpinned {} kB",
+        growth(pbase, pinned),
+        growth(base, unpinned)
+    );
+}
+
+#[tokio::test]
+async fn invalid_utf8_in_a_skipped_value_is_refused_and_never_forwarded() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = short_timeouts(&up).await;
+    let addr = daemon.local_addr();
+    let mut bad = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
+    bad.extend_from_slice(b"\xff\xfe\xc0\x80");
+    bad.extend_from_slice(br#""}]}"#);
+    let lone = br#"{"model":"m","messages":[{"role":"user","content":"\ud800"}]}"#;
+    for body in [&bad[..], &lone[..]] {
+        let (status, response) = exchange(addr, &post("/v1/chat/completions", body))
+            .await
+            .expect("exchange");
+        let text = String::from_utf8_lossy(&response);
+        assert!(status.contains("400"), "{text}");
+        assert!(text.contains("\"invalid_request\""), "{text}");
+    }
+    // The next request the upstream sees is this valid one: the refused ones never left.
+    let good = br#"{"model":"m","messages":[{"role":"user","content":"ok"}]}"#;
+    let (status, _) = exchange(addr, &post("/v1/chat/completions", good))
+        .await
+        .expect("exchange");
+    assert!(status.contains("200"), "{status}");
+    assert_eq!(up.next_request().await.body, Bytes::from_static(good));
+    daemon.shutdown().await;
+}
+
+#[tokio::test]
+async fn at_the_cap_idle_connections_are_evicted_and_new_ones_refused_when_all_are_busy() {
+    let mut up = FakeUpstream::start().await;
+    let yaml = format!(
+        "server:\n  max_connections: 1\nbackends:\n  - name: b1\n    url: \"{}\"\n    \
+         models: [m]\n    health_check:\n      enabled: false\n",
+        up.url()
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    let addr = daemon.local_addr();
+    let shed = |reason: &str| {
+        daemon
+            .metrics()
+            .value(
+                "continuum_http_connections_shed_total",
+                &[("reason", reason)],
+            )
+            .unwrap_or(0.0)
+    };
+
+    // An idle connection holds the one slot; a new client takes it over.
+    let idle = TcpStream::connect(addr).await.expect("connect");
+    let (status, _) = get(addr, "/health").await.expect("/health");
+    assert!(status.contains("200"), "{status}");
+    tokio::time::timeout(Duration::from_secs(30), closed_by_server(idle))
+        .await
+        .expect("the idle connection was evicted");
+    assert!(shed("evicted_idle") >= 1.0);
+
+    // A streaming request holds the slot: a new connection is refused unserved.
+    let (tx, rx) = mpsc::unbounded_channel();
+    up.push(Reply::Sse(rx));
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    stream
+        .write_all(&post("/v1/chat/completions", body))
+        .await
+        .expect("send");
+    up.next_request().await;
+    let mut refused = TcpStream::connect(addr).await.expect("connect");
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), refused.read_to_end(&mut buf))
+        .await
+        .expect("the refused connection is closed");
+    assert!(read.is_err() || buf.is_empty(), "refused without an answer");
+    assert_eq!(shed("refused"), 1.0);
+
+    tx.send(Bytes::from_static(b"data: [DONE]\n\n"))
+        .expect("send");
+    drop(tx);
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut seen))
+        .await
+        .expect("the stream ends")
+        .expect("read");
+    assert!(String::from_utf8_lossy(&seen).contains("data: [DONE]"));
+    daemon.shutdown().await;
+}

@@ -1,0 +1,13 @@
+//! The harnesses every integration-test module shares (one copy in the one test binary). Each
+//! file says what it starts; everything runs on loopback, on free ports, under deadlines.
+
+pub mod daemon;
+pub mod demo;
+pub mod dynamo;
+pub mod etcd;
+pub mod fake_kube;
+pub mod kv_prep;
+pub mod otlp;
+pub mod process;
+pub mod upstream;
+pub mod zmq;
