@@ -298,7 +298,7 @@ mod e2e {
     use continuum_actors::load::DynamoLoadStore;
     use continuum_actors::picker::{DynamoPicker, answer_arrivals};
     use continuum_actors::registry::{
-        DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg,
+        DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg, RegistryParts,
     };
     use continuum_protocol::discovery::SourceEvent;
     use continuum_protocol::discovery::reducer::DiscoveryReducer;
@@ -386,16 +386,17 @@ mod e2e {
         );
         let config = Config::from_yaml_str(&yaml, &ProcessEnv).expect("bench config");
         let namespace = Namespace::new(NAMESPACE);
-        let registry = DynamoRegistry::new(RegistryConfig {
+        let parts = RegistryParts::new(RegistryConfig {
             enabled: true,
             source: SourceKind::Etcd,
             namespaces: vec![namespace.clone()],
         });
+        let registry = parts.reader.clone();
         let (registry_actor, _) = Actor::spawn(
             None,
             RegistryActor,
             RegistryArgs {
-                registry: registry.clone(),
+                writer: parts.writer,
                 metrics: None,
             },
         )
@@ -409,10 +410,7 @@ mod e2e {
             }
         }
         reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-        registry.stage_view(reducer.view().clone());
-        registry_actor
-            .cast(RegistryMsg::Rebuild)
-            .expect("registry alive");
+        parts.inbox.stage_view(reducer.view().clone());
         registry
             .subscribe()
             .wait_for(|g| *g >= 1)

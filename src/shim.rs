@@ -352,7 +352,7 @@ impl ShimRouter {
         let max_age = config.dynamo.load.max_staleness.get();
         // One load-store lock for the whole decision (order: load store, then picker state).
         let outcome = self.load.with(|store| {
-            self.picker.with_state(|state| {
+            self.picker.with_state(store, |state| {
                 // Samples that arrived since earlier dispatches answer them (the PickerActor does
                 // this on every store change; a request racing ahead of it catches up here).
                 answer_arrivals(&mut state.ledger, store);

@@ -13,7 +13,7 @@ use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::lifecycle::{ActorKind, ActorSpan};
 use continuum_actors::registry::{
-    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox,
+    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryParts,
 };
 use continuum_protocol::backoff::{BackoffPolicy, Jitter};
 use continuum_protocol::discovery::records::Role;
@@ -63,23 +63,25 @@ async fn spawn_discovery(
     ractor::ActorRef<continuum_actors::discovery::DiscoveryMsg>,
 ) {
     let namespace = source.namespace().clone();
-    let registry = DynamoRegistry::new(RegistryConfig {
+    let RegistryParts {
+        writer,
+        inbox: mailbox,
+        reader: registry,
+    } = RegistryParts::new(RegistryConfig {
         enabled: true,
         source: kind,
         namespaces: vec![namespace.clone()],
     });
-    let mailbox = RegistryMailbox::default();
     let (registry_actor, _) = Actor::spawn(
         None,
         RegistryActor,
         RegistryArgs {
-            registry: registry.clone(),
+            writer,
             metrics: None,
         },
     )
     .await
     .expect("registry");
-    mailbox.set(registry_actor.clone());
     let span = ActorSpan::start(
         &format!("{}:{namespace}", kind.as_str()),
         ActorKind::Discovery,
@@ -91,7 +93,6 @@ async fn spawn_discovery(
         DiscoveryArgs {
             source,
             registry_actor: mailbox,
-            registry: registry.clone(),
             metrics: None,
             on_first_pass,
             span,

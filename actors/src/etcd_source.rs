@@ -219,7 +219,9 @@ impl Drop for EtcdSource {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
+
+    use crate::lock::Mutex;
 
     use super::*;
 
@@ -249,7 +251,7 @@ mod tests {
             },
             &connected,
             move || {
-                recorded.lock().unwrap().push(origin.elapsed());
+                recorded.lock().push(origin.elapsed());
                 let step = script.next();
                 if step.is_none()
                     && let Some(stop) = stop_tx.take()
@@ -271,7 +273,7 @@ mod tests {
             },
         )
         .await;
-        starts.lock().unwrap().clone()
+        starts.lock().clone()
     }
 
     #[tokio::test(start_paused = true)]

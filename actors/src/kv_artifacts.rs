@@ -19,7 +19,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
+
+use crate::lock::{Mutex, MutexGuard};
 
 use continuum_protocol::discovery::records::Role;
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
@@ -602,7 +604,7 @@ impl ArtifactRegistry {
 
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock()
     }
 }
 

@@ -20,11 +20,12 @@
 //! | [`supervisor`] | the generic restarting supervisor and child specs |
 //! | [`tree`] | the status table behind `GET /admin/subsystems` |
 //! | [`store`] | the lock-free snapshot store (ArcSwap + generation watch) |
+//! | [`lock`] | the only `std::sync` locks (poisoning handled once) and the single-writer lease |
 //! | [`clock`] | monotonic ticks and wall-clock time for `protocol` |
 //! | [`metrics`] | every Prometheus family, closed label sets |
 //! | [`lifecycle`] | actor lifecycle spans (start, stop, failure, restart) |
-//! | [`registry`] | RegistryActor and the `DynamoRegistry` reader handle |
-//! | [`kv_index`] | KvIndexActor and the shared `DynamoKvIndex` (reads, parity, subscription cursors) |
+//! | [`registry`] | RegistryActor (claims the `RegistryWriter`), the `RegistryMailbox` inputs and the `DynamoRegistry` reader |
+//! | [`kv_index`] | KvIndexActor (claims the `KvIndexWriter`) and the `DynamoKvIndex` reader/feeder (reads, parity, subscription cursors) |
 //! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
 //! | [`etcd_source`] | the read-only etcd get-then-watch source |
 //! | [`file_source`] | the read-only Dynamo file-store source (directory scans, inotify, mtime TTL) |
@@ -44,6 +45,7 @@ pub mod kv_artifacts;
 pub mod kv_index;
 pub mod lifecycle;
 pub mod load;
+pub mod lock;
 pub mod memory_source;
 pub mod metrics;
 pub mod picker;

@@ -25,8 +25,8 @@
 //! docs/runtime-semantics.md, "Picker state"). The actor and the request path share the state
 //! through the handle; neither holds the lock across an await.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -46,7 +46,8 @@ use tracing::warn;
 
 use crate::clock::now_tick;
 use crate::lifecycle::ActorKind;
-use crate::load::DynamoLoadStore;
+use crate::load::{DynamoLoadStore, LoadGuard};
+use crate::lock::{Mutex, MutexGuard};
 use crate::registry::DynamoRegistry;
 use crate::supervisor::{ChildContext, ChildSpec};
 
@@ -172,7 +173,7 @@ impl DynamoPicker {
 
     /// Rebuilds the index for `generation` unless it is already held.
     pub fn rebuild(&self, generation: u64, snapshot: &DynamoSnapshot) -> Arc<IndexedGeneration> {
-        let _building = lock(&self.inner.rebuilding);
+        let _building = self.inner.rebuilding.lock();
         let held = self.inner.index.load_full();
         // Generations only grow: a caller that read an older one (the actor, racing a request
         // that already built a newer index) must not replace the newer index.
@@ -200,29 +201,40 @@ impl DynamoPicker {
 
     /// Runs `f` on the picker's mutable state (cursors, ledger, scratch) under its lock. The
     /// request path's whole decision is one such section; keep it free of IO and awaits.
-    pub fn with_state<R>(&self, f: impl FnOnce(&mut PickerState) -> R) -> R {
-        f(&mut lock(&self.inner.state))
+    ///
+    /// Lock order: the load store, then the picker's state. `held` proves the caller holds the
+    /// load store's lock, so no section can take them the other way round. The methods below
+    /// that lock the state alone run no caller code under it.
+    pub fn with_state<R>(&self, held: &LoadGuard<'_>, f: impl FnOnce(&mut PickerState) -> R) -> R {
+        let _ = held;
+        f(&mut self.state())
+    }
+
+    fn state(&self) -> MutexGuard<'_, PickerState> {
+        self.inner.state.lock()
     }
 
     /// A dispatch ended (its response finished or failed): it no longer marks a stall.
     pub fn request_ended(&self, id: DispatchId) {
-        self.with_state(|s| s.ledger.request_ended(id));
+        self.state().ledger.request_ended(id);
     }
 
     /// A dispatch was never sent: forget it.
     pub fn withdraw(&self, id: DispatchId) {
-        self.with_state(|s| s.ledger.withdraw(id));
+        self.state().ledger.withdraw(id);
     }
 
     /// Samples that arrived answer the dispatches pinned to their workers before them.
-    pub fn feed_arrivals(&self, store: &LoadStore) {
-        self.with_state(|s| answer_arrivals(&mut s.ledger, store));
+    pub fn feed_arrivals(&self, load: &DynamoLoadStore) {
+        load.with(|store| {
+            self.with_state(store, |s| answer_arrivals(&mut s.ledger, store));
+        });
         self.inner.arrival_feeds.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Drops dispatches older than `DISPATCH_MAX_AGE` (30 s).
     pub fn expire(&self, now: Tick) {
-        self.with_state(|s| s.ledger.expire(now));
+        self.state().ledger.expire(now);
         self.inner.expiries.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -238,8 +250,10 @@ impl DynamoPicker {
     /// The admin view of the picker.
     pub fn status(&self) -> PickerStatus {
         let held = self.index();
-        let (ledger_dispatches, unanswered_legs, cursor_models) =
-            self.with_state(|s| (s.ledger.len(), s.ledger.unanswered(), s.cursor_models()));
+        let (ledger_dispatches, unanswered_legs, cursor_models) = {
+            let s = self.state();
+            (s.ledger.len(), s.ledger.unanswered(), s.cursor_models())
+        };
         PickerStatus {
             name: self.picker().name(),
             index_generation: (held.generation != u64::MAX).then_some(held.generation),
@@ -262,10 +276,6 @@ pub fn answer_arrivals(ledger: &mut DispatchLedger, store: &LoadStore) {
     if !ledger.is_empty() {
         ledger.answer_arrivals(|instance| store.last_arrival(instance));
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 pub struct PickerActor;
@@ -376,9 +386,7 @@ impl PickerActorState {
     }
 
     fn feed_arrivals(&self) {
-        self.args
-            .load
-            .with(|store| self.args.picker.feed_arrivals(store));
+        self.args.picker.feed_arrivals(&self.args.load);
         self.args.picker.pass_done();
     }
 

@@ -507,7 +507,8 @@ impl FollowerState {
         }
         self.args.store.notify();
         if self.policy.kv_events {
-            self.args.kv.set_live(&snapshot);
+            // The KV index's writer applies the same gate before any new subscription delivers.
+            self.args.kv.reconcile().await;
         }
         let plan = subscriptions::plan(
             &snapshot,

@@ -15,7 +15,7 @@ use continuum_protocol::kv::events::{
 use continuum_protocol::time::UnixMillis;
 
 use super::*;
-use crate::registry::{RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg};
+use crate::registry::{RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg, RegistryParts};
 
 const W1: InstanceId = InstanceId(0x11);
 const W2: InstanceId = InstanceId(0x22);
@@ -43,7 +43,7 @@ fn worker(id: u64, model: &str, dp_size: u32) -> Vec<(String, Vec<u8>)> {
 /// A registry publishing W1 (dp 4096) and W2 (dp 4096), both serving model "m".
 async fn registry() -> (DynamoRegistry, ActorRef<RegistryMsg>) {
     let ns = Namespace::new("ns");
-    let registry = DynamoRegistry::new(RegistryConfig {
+    let parts = RegistryParts::new(RegistryConfig {
         enabled: true,
         source: SourceKind::Etcd,
         namespaces: vec![ns.clone()],
@@ -57,13 +57,14 @@ async fn registry() -> (DynamoRegistry, ActorRef<RegistryMsg>) {
         reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
     }
     reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-    registry.stage_view(reducer.view().clone());
+    parts.inbox.stage_view(reducer.view().clone());
+    let registry = parts.reader;
     let mut generations = registry.subscribe();
     let (actor, _) = Actor::spawn(
         None,
         RegistryActor,
         RegistryArgs {
-            registry: registry.clone(),
+            writer: parts.writer,
             metrics: None,
         },
     )
