@@ -20,7 +20,6 @@
 //! (a task with a `stop`). `connected` is true while the watches of a pass are open.
 
 mod config;
-mod keys;
 mod pass;
 
 use std::future::Future;
@@ -39,7 +38,8 @@ pub use config::{
     EtcdAuth, EtcdConfigError, EtcdConfigWarning, EtcdRestartReason, EtcdSourceConfig, EtcdTls,
     MAX_ENDPOINTS,
 };
-pub use keys::{WatchedPrefix, encode_segment, watched_prefixes};
+/// The watched key layout lives in `protocol` (the one place that knows Dynamo's keys).
+pub use continuum_protocol::discovery::keys::{WatchedPrefix, encode_segment, watched_prefixes};
 pub use pass::SEED_TIMEOUT;
 
 use pass::PassOutcome;
