@@ -18,15 +18,15 @@ use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_actors::file_source::{FileSourceConfig, default_root as default_file_root};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::kv_artifacts::{ArtifactConfig, ArtifactRegistry};
-use continuum_actors::kv_index::{DynamoKvIndex, kv_index_spec};
+use continuum_actors::kv_index::{SharedKvIndex, kv_index_spec};
 use continuum_actors::lifecycle::ActorKind;
-use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::load::SharedLoadStore;
 use continuum_actors::memory_source::MemoryDiscovery;
 use continuum_actors::metrics::SubscriptionTransport;
 use continuum_actors::metrics::{DiscoveryEventKind, Metrics, ReloadRefusal};
-use continuum_actors::picker::{DynamoPicker, picker_spec};
+use continuum_actors::picker::{SharedPicker, picker_spec};
 use continuum_actors::registry::{
-    DynamoRegistry, RegistryConfig, RegistryMailbox, RegistryMsg, RegistryParts, registry_spec,
+    RegistryConfig, RegistryInbox, RegistryMsg, RegistryParts, RegistryReader, registry_spec,
 };
 use continuum_actors::subscription::{DialPolicy, follower_spec};
 use continuum_actors::supervisor::{ChildContext, ChildSpec, SupervisorMsg, spawn_root};
@@ -119,15 +119,15 @@ pub(crate) async fn shutdown_signal() {
 #[derive(Clone)]
 struct Shared {
     config: Arc<ArcSwap<Config>>,
-    registry: DynamoRegistry,
-    mailbox: RegistryMailbox,
+    registry: RegistryReader,
+    mailbox: RegistryInbox,
     readiness: Readiness,
     metrics: Metrics,
-    load: DynamoLoadStore,
+    load: SharedLoadStore,
     /// The bounded KV index fed by kv-events subscriptions (`dynamo.kv.enabled`).
-    kv: DynamoKvIndex,
+    kv: SharedKvIndex,
     /// Installed picker, candidate index and dispatch ledger, maintained by the PickerActor.
-    picker: DynamoPicker,
+    picker: SharedPicker,
     /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
     proxy: Arc<Proxy>,
     /// Records `source: simulated` discovery reads (the demo's fleet; empty otherwise).
@@ -216,16 +216,16 @@ impl Daemon {
         let registry = RegistryParts::new(registry_config(&empty));
         let readiness = Readiness::new();
         readiness.require_exactly(required_sources(&empty));
-        let load = DynamoLoadStore::new(Some(metrics.clone()));
+        let load = SharedLoadStore::new(Some(metrics.clone()));
         let shared = Shared {
             config: Arc::new(ArcSwap::from_pointee(empty.clone())),
             registry: registry.reader,
             mailbox: registry.inbox,
             proxy: Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone()))),
             readiness,
-            kv: DynamoKvIndex::new(Some(metrics.clone())),
+            kv: SharedKvIndex::new(Some(metrics.clone())),
             artifacts: Arc::default(),
-            picker: DynamoPicker::new(),
+            picker: SharedPicker::new(),
             metrics,
             load,
             simulated: feed,
@@ -318,7 +318,7 @@ impl Daemon {
         self.local_addr
     }
 
-    pub fn registry(&self) -> &DynamoRegistry {
+    pub fn registry(&self) -> &RegistryReader {
         &self.shared.registry
     }
 
@@ -335,7 +335,7 @@ impl Daemon {
     }
 
     /// The KV index kv-events subscriptions feed.
-    pub fn kv_index(&self) -> &DynamoKvIndex {
+    pub fn kv_index(&self) -> &SharedKvIndex {
         &self.shared.kv
     }
 
@@ -345,12 +345,12 @@ impl Daemon {
     }
 
     /// The latest load samples (`registry.load_store()` in the seed).
-    pub fn load_store(&self) -> &DynamoLoadStore {
+    pub fn load_store(&self) -> &SharedLoadStore {
         &self.shared.load
     }
 
     /// The picker state the PickerActor maintains (`registry.picker()` / `set_picker()`).
-    pub fn picker(&self) -> &DynamoPicker {
+    pub fn picker(&self) -> &SharedPicker {
         &self.shared.picker
     }
 

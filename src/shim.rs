@@ -8,7 +8,7 @@
 //! `DynamoWorkerPicker` (`picker()` / `set_picker()`).
 //!
 //! The decision itself is one synchronous critical section: the load-store lock, then the
-//! picker-state lock of the shared [`DynamoPicker`] handle (the order every holder of both
+//! picker-state lock of the shared [`SharedPicker`] handle (the order every holder of both
 //! takes). It does not go through the `PickerActor`'s mailbox: a ractor round trip costs more
 //! than the decision (see docs/runtime-semantics.md, "Picker state").
 //!
@@ -26,11 +26,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use continuum_actors::clock::now_tick;
-use continuum_actors::kv_index::DynamoKvIndex;
-use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::kv_index::SharedKvIndex;
+use continuum_actors::load::SharedLoadStore;
 use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, RoutingPath};
-use continuum_actors::picker::{DynamoPicker, answer_arrivals};
-use continuum_actors::registry::DynamoRegistry;
+use continuum_actors::picker::{SharedPicker, answer_arrivals};
+use continuum_actors::registry::RegistryReader;
 use continuum_protocol::ids::Namespace;
 use continuum_protocol::picker::candidates::StoreView;
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
@@ -87,13 +87,13 @@ impl Drop for DispatchGuard {
 /// The Dynamo routing state shared by every request.
 pub struct ShimRouter {
     config: Arc<ArcSwap<Config>>,
-    registry: DynamoRegistry,
-    load: DynamoLoadStore,
+    registry: RegistryReader,
+    load: SharedLoadStore,
     /// Installed picker, candidate index, ledger and cursors, shared with the `PickerActor`.
-    picker: DynamoPicker,
+    picker: SharedPicker,
     metrics: Option<Metrics>,
     /// The shared KV index overlaps are read from (`None`: no overlaps).
-    kv_index: Option<DynamoKvIndex>,
+    kv_index: Option<SharedKvIndex>,
     /// The prompt preparation hook (`None`: `tokenizer_unavailable`).
     kv_prep: Mutex<Option<Arc<dyn KvPromptPrep>>>,
     /// The KV parameters the installed picker was built from (`None`: KV off, the picker is not
@@ -116,19 +116,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl ShimRouter {
     pub fn new(
         config: Arc<ArcSwap<Config>>,
-        registry: DynamoRegistry,
-        load: DynamoLoadStore,
+        registry: RegistryReader,
+        load: SharedLoadStore,
         metrics: Option<Metrics>,
     ) -> Self {
-        Self::with_picker(config, registry, load, DynamoPicker::new(), metrics)
+        Self::with_picker(config, registry, load, SharedPicker::new(), metrics)
     }
 
     /// A router over the picker state a `PickerActor` maintains (the daemon's wiring).
     pub fn with_picker(
         config: Arc<ArcSwap<Config>>,
-        registry: DynamoRegistry,
-        load: DynamoLoadStore,
-        picker: DynamoPicker,
+        registry: RegistryReader,
+        load: SharedLoadStore,
+        picker: SharedPicker,
         metrics: Option<Metrics>,
     ) -> Self {
         Self {
@@ -145,7 +145,7 @@ impl ShimRouter {
     }
 
     /// Reads overlaps from `index` when `dynamo.kv.enabled`.
-    pub fn with_kv_index(mut self, index: DynamoKvIndex) -> Self {
+    pub fn with_kv_index(mut self, index: SharedKvIndex) -> Self {
         self.kv_index = Some(index);
         self
     }
@@ -242,7 +242,7 @@ impl ShimRouter {
     }
 
     /// The shared picker state (admin view, the `PickerActor`).
-    pub fn picker_state(&self) -> &DynamoPicker {
+    pub fn picker_state(&self) -> &SharedPicker {
         &self.picker
     }
 

@@ -13,7 +13,7 @@ use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::lifecycle::{ActorKind, ActorSpan};
 use continuum_actors::registry::{
-    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryParts,
+    RegistryActor, RegistryArgs, RegistryConfig, RegistryParts, RegistryReader,
 };
 use continuum_protocol::backoff::{BackoffPolicy, Jitter};
 use continuum_protocol::discovery::records::Role;
@@ -24,7 +24,7 @@ use continuum_protocol::kube::pods::{ModelMapping, PodSourceConfig};
 use fake_kube::{EXAMPLE_POD_UID, FakeKube, Kind, endpoint_slice, example_metadata, worker_pod};
 use ractor::Actor;
 
-async fn wait_for(registry: &DynamoRegistry, what: &str, done: impl Fn(&DynamoSnapshot) -> bool) {
+async fn wait_for(registry: &RegistryReader, what: &str, done: impl Fn(&DynamoSnapshot) -> bool) {
     let mut generations = registry.subscribe();
     tokio::time::timeout(Duration::from_secs(20), async {
         while !done(&registry.snapshot()) {
@@ -58,7 +58,7 @@ async fn spawn_discovery(
     source: SourceSpec,
     on_first_pass: Arc<dyn Fn(&Namespace) + Send + Sync>,
 ) -> (
-    DynamoRegistry,
+    RegistryReader,
     ractor::ActorRef<continuum_actors::registry::RegistryMsg>,
     ractor::ActorRef<continuum_actors::discovery::DiscoveryMsg>,
 ) {

@@ -31,7 +31,7 @@ use crate::lifecycle::ActorSpan;
 use crate::memory_source::{MemoryDiscovery, run_memory_source};
 use crate::metrics::DiscoveryEventKind;
 use crate::metrics::Metrics;
-use crate::registry::RegistryMailbox;
+use crate::registry::RegistryInbox;
 use continuum_protocol::discovery::view::NamespaceView;
 use continuum_protocol::kube::metadata::MetadataConfig;
 use continuum_protocol::kube::pod_view::pod_view;
@@ -96,7 +96,7 @@ enum RunningSource {
 
 pub struct DiscoveryArgs {
     pub source: SourceSpec,
-    pub registry_actor: RegistryMailbox,
+    pub registry_actor: RegistryInbox,
     pub metrics: Option<Metrics>,
     pub on_first_pass: FirstPass,
     pub span: ActorSpan,
@@ -116,7 +116,7 @@ pub enum DiscoveryMsg {
 pub struct DiscoveryState {
     namespace: Namespace,
     reducer: DiscoveryReducer,
-    registry_actor: RegistryMailbox,
+    registry_actor: RegistryInbox,
     metrics: Option<Metrics>,
     on_first_pass: FirstPass,
     first_pass_done: bool,

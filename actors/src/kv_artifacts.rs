@@ -36,7 +36,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::metrics::{KvArtifactResult, Metrics};
-use crate::registry::DynamoRegistry;
+use crate::registry::RegistryReader;
 
 pub mod cache;
 pub mod fetch;
@@ -288,7 +288,7 @@ impl ArtifactRegistry {
     }
 
     /// Re-plans on every registry generation until the registry is dropped.
-    pub fn follow(&self, registry: DynamoRegistry) -> tokio::task::JoinHandle<()> {
+    pub fn follow(&self, registry: RegistryReader) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
         tokio::spawn(async move {
             let mut generations = registry.subscribe();

@@ -1,7 +1,7 @@
-//! KvIndexActor and the shared KV index it writes ([`DynamoKvIndex`]).
+//! KvIndexActor and the shared KV index it writes ([`SharedKvIndex`]).
 //!
 //! Role: the single writer of the bounded device-tier KV index. kv-events SubscriptionActors
-//! decode their deliveries and hand each batch to the actor ([`DynamoKvIndex::deliver`]); the
+//! decode their deliveries and hand each batch to the actor ([`SharedKvIndex::deliver`]); the
 //! actor applies it through the subscription's own bounded `CursorTable` (4,096 (worker, dp_rank)
 //! cursors: replays skipped, forward jumps clear the rank and count `gap`, new ranks past the
 //! bound refused as `over_capacity`), feeds admitted `Stored` events to the hash-parity tracker,
@@ -13,13 +13,13 @@
 //! Parent: root. Children: none. Messages in: [`KvIndexMsg`] (batches from subscriptions, their
 //! connection state, registry generations, timers). Out: `continuum_dynamo_kv_events_total`,
 //! `continuum_dynamo_kv_hash_parity_total`. Restart: transient. The index, the cursor tables and
-//! the parity tracker live in [`DynamoKvIndex`], outside the actor, so a restart (failure or
+//! the parity tracker live in [`SharedKvIndex`], outside the actor, so a restart (failure or
 //! `POST /admin/subsystems/kv_index/restart`) loses nothing: the new incarnation re-attaches,
 //! re-reads the registry and re-arms the clear timers of subscriptions that are down. Batches a
 //! subscription delivers while no actor runs are refused and counted `over_capacity`; the next
 //! batch of that rank then jumps its cursor, which clears and rebuilds the rank.
 //!
-//! Reads: the request path reads through [`DynamoKvIndex::overlaps`] under a `RwLock` read guard
+//! Reads: the request path reads through [`SharedKvIndex::overlaps`] under a `RwLock` read guard
 //! (no mailbox round trip): `find_matches` takes microseconds, a mailbox call would add a task
 //! hop and serialise every reader behind the writer's queue (see docs/runtime-semantics.md for
 //! the numbers).
@@ -49,7 +49,7 @@ use crate::lock::{
     CLAIM_TIMEOUT, Claim, Exclusive, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
 use crate::metrics::{KvParityResult, Metrics};
-use crate::registry::DynamoRegistry;
+use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec};
 
 /// A subscription disconnected or pending this long loses the ranks it fed.
@@ -103,13 +103,13 @@ struct Shared {
 /// for the request path; batches, subscription states and parity predictions go in, and only
 /// the [`KvIndexActor`]'s [`KvIndexWriter`] changes the index, the cursors and the owners.
 #[derive(Clone)]
-pub struct DynamoKvIndex {
+pub struct SharedKvIndex {
     shared: Arc<Shared>,
 }
 
-impl std::fmt::Debug for DynamoKvIndex {
+impl std::fmt::Debug for SharedKvIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DynamoKvIndex").finish_non_exhaustive()
+        f.debug_struct("SharedKvIndex").finish_non_exhaustive()
     }
 }
 
@@ -120,7 +120,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The one writer of the KV index (not `Clone`): claimed by each [`KvIndexActor`] incarnation,
 /// released when its state is dropped.
 pub struct KvIndexWriter {
-    kv: DynamoKvIndex,
+    kv: SharedKvIndex,
     _claim: Claim<()>,
 }
 
@@ -130,7 +130,7 @@ impl std::fmt::Debug for KvIndexWriter {
     }
 }
 
-impl DynamoKvIndex {
+impl SharedKvIndex {
     pub fn new(metrics: Option<Metrics>) -> Self {
         // Keys the index's hash tables so fleet-authored hashes cannot aim at collisions.
         let seed = std::time::SystemTime::now()
@@ -494,8 +494,8 @@ fn live_ranks(snapshot: &DynamoSnapshot) -> BTreeMap<InstanceId, BTreeSet<DpRank
 pub struct KvIndexActor;
 
 pub struct KvIndexArgs {
-    pub kv: DynamoKvIndex,
-    pub registry: DynamoRegistry,
+    pub kv: SharedKvIndex,
+    pub registry: RegistryReader,
 }
 
 pub enum KvIndexMsg {
@@ -524,7 +524,7 @@ pub enum KvIndexMsg {
 
 pub struct KvIndexState {
     kv: KvIndexWriter,
-    registry: DynamoRegistry,
+    registry: RegistryReader,
     watcher: JoinHandle<()>,
     expiry: JoinHandle<()>,
 }
@@ -651,7 +651,7 @@ impl KvIndexState {
 }
 
 /// The actor's child spec under root.
-pub fn kv_index_spec(kv: DynamoKvIndex, registry: DynamoRegistry) -> ChildSpec {
+pub fn kv_index_spec(kv: SharedKvIndex, registry: RegistryReader) -> ChildSpec {
     ChildSpec::new(
         KV_INDEX_NAME,
         ActorKind::KvIndex,

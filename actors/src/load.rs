@@ -41,7 +41,7 @@ struct Inner {
 }
 
 /// The load store's lock, held. The lock order is "load store, then picker state": the picker's
-/// state can only be locked by presenting this guard (`DynamoPicker::with_state`), so a section
+/// state can only be locked by presenting this guard (`SharedPicker::with_state`), so a section
 /// that holds the picker's lock cannot have been entered before the load store's.
 pub struct LoadGuard<'a>(MutexGuard<'a, LoadStore>);
 
@@ -61,17 +61,17 @@ impl DerefMut for LoadGuard<'_> {
 
 /// The process-wide load store handle (`registry.load_store()` in the seed).
 #[derive(Clone)]
-pub struct DynamoLoadStore {
+pub struct SharedLoadStore {
     inner: Arc<Inner>,
 }
 
-impl std::fmt::Debug for DynamoLoadStore {
+impl std::fmt::Debug for SharedLoadStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DynamoLoadStore").finish_non_exhaustive()
+        f.debug_struct("SharedLoadStore").finish_non_exhaustive()
     }
 }
 
-impl DynamoLoadStore {
+impl SharedLoadStore {
     pub fn new(metrics: Option<Metrics>) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -93,7 +93,7 @@ impl DynamoLoadStore {
 
     /// Runs `f` on the store under its lock (writers: subscriptions and the follower; the
     /// request path, which also takes the picker's state through the guard). Writers call
-    /// [`DynamoLoadStore::notify`] once their whole update (store and gauges) is done.
+    /// [`SharedLoadStore::notify`] once their whole update (store and gauges) is done.
     pub fn with<R>(&self, f: impl FnOnce(&mut LoadGuard<'_>) -> R) -> R {
         f(&mut LoadGuard(self.store()))
     }

@@ -1,4 +1,4 @@
-//! PickerActor: owns the worker picker's lifecycle; [`DynamoPicker`] is the state it maintains.
+//! PickerActor: owns the worker picker's lifecycle; [`SharedPicker`] is the state it maintains.
 //!
 //! Role: keeps the picker's inputs current between requests. On every registry generation it
 //! rebuilds the [`CandidateIndex`] (one `Candidate` per dp rank, grouped by model); on every
@@ -10,10 +10,10 @@
 //!
 //! Parent: root. Children: none. Messages in: `GenerationChanged`, `SamplesArrived`, `Expire`
 //! (from the watcher task it spawns in `pre_start` and aborts in `post_stop`), `Status` (query).
-//! Out: the index, the ledger and the installed picker through [`DynamoPicker`].
+//! Out: the index, the ledger and the installed picker through [`SharedPicker`].
 //!
 //! Restart: transient. Every piece of state the routing needs (installed picker, candidate index,
-//! ledger, round-robin cursors) lives in [`DynamoPicker`], outside the actor, exactly as the
+//! ledger, round-robin cursors) lives in [`SharedPicker`], outside the actor, exactly as the
 //! registry keeps its snapshot outside the `RegistryActor`: a restart loses nothing, requests keep
 //! being decided while the actor is down, and the restarted actor catches up in `pre_start`
 //! (rebuild for the current generation, feed arrivals, expire). Only the maintenance cadence
@@ -46,9 +46,9 @@ use tracing::warn;
 
 use crate::clock::now_tick;
 use crate::lifecycle::ActorKind;
-use crate::load::{DynamoLoadStore, LoadGuard};
+use crate::load::{LoadGuard, SharedLoadStore};
 use crate::lock::{Mutex, MutexGuard};
-use crate::registry::DynamoRegistry;
+use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec};
 
 /// How often the actor drops dispatches past `DISPATCH_MAX_AGE` (a pick also expires first, so
@@ -83,20 +83,20 @@ struct Inner {
 
 /// The picker state shared by the request path and the [`PickerActor`]: cheap to clone.
 #[derive(Clone)]
-pub struct DynamoPicker {
+pub struct SharedPicker {
     inner: Arc<Inner>,
 }
 
-impl std::fmt::Debug for DynamoPicker {
+impl std::fmt::Debug for SharedPicker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DynamoPicker")
+        f.debug_struct("SharedPicker")
             .field("picker", &self.picker().name())
             .field("generation", &self.index().generation)
             .finish_non_exhaustive()
     }
 }
 
-impl Default for DynamoPicker {
+impl Default for SharedPicker {
     fn default() -> Self {
         Self::new()
     }
@@ -123,7 +123,7 @@ pub struct PickerStatus {
     pub arrival_feeds: u64,
 }
 
-impl DynamoPicker {
+impl SharedPicker {
     /// The default `LoadBasedPicker`, an empty index (generation unknown) and an empty ledger.
     pub fn new() -> Self {
         Self {
@@ -162,7 +162,7 @@ impl DynamoPicker {
     /// The index of the registry's current generation: the actor rebuilds it when a generation is
     /// published, and a request that races ahead of the actor rebuilds it itself, so no decision
     /// ever reads an index older than the snapshot it was published with.
-    pub fn index_for(&self, registry: &DynamoRegistry) -> Arc<IndexedGeneration> {
+    pub fn index_for(&self, registry: &RegistryReader) -> Arc<IndexedGeneration> {
         let generation = registry.generation();
         let held = self.inner.index.load_full();
         if held.generation == generation {
@@ -225,7 +225,7 @@ impl DynamoPicker {
     }
 
     /// Samples that arrived answer the dispatches pinned to their workers before them.
-    pub fn feed_arrivals(&self, load: &DynamoLoadStore) {
+    pub fn feed_arrivals(&self, load: &SharedLoadStore) {
         load.with(|store| {
             self.with_state(store, |s| answer_arrivals(&mut s.ledger, store));
         });
@@ -281,9 +281,9 @@ pub fn answer_arrivals(ledger: &mut DispatchLedger, store: &LoadStore) {
 pub struct PickerActor;
 
 pub struct PickerArgs {
-    pub picker: DynamoPicker,
-    pub registry: DynamoRegistry,
-    pub load: DynamoLoadStore,
+    pub picker: SharedPicker,
+    pub registry: RegistryReader,
+    pub load: SharedLoadStore,
 }
 
 pub enum PickerMsg {
@@ -398,9 +398,9 @@ impl PickerActorState {
 
 /// The picker's child spec under root.
 pub fn picker_spec(
-    picker: DynamoPicker,
-    registry: DynamoRegistry,
-    load: DynamoLoadStore,
+    picker: SharedPicker,
+    registry: RegistryReader,
+    load: SharedLoadStore,
 ) -> ChildSpec {
     ChildSpec::new(PICKER_NAME, ActorKind::Picker, move |ctx: ChildContext| {
         let args = PickerArgs {

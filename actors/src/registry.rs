@@ -7,11 +7,11 @@
 //!
 //! Handles ([`RegistryParts`]): the actor claims the one [`RegistryWriter`] (not `Clone`;
 //! released when the incarnation's state is dropped, claimed again by the next one); discovery
-//! actors and the daemon stage inputs through the [`RegistryMailbox`]; readers hold a
-//! [`DynamoRegistry`] (lock-free snapshot, generation watch).
+//! actors and the daemon stage inputs through the [`RegistryInbox`]; readers hold a
+//! [`RegistryReader`] (lock-free snapshot, generation watch).
 //!
 //! Parent: root. Children: none. Messages in: `Rebuild` (after a DiscoveryActor staged a view, or
-//! the daemon staged a reconfiguration). Out: snapshots via [`DynamoRegistry`]. Restart:
+//! the daemon staged a reconfiguration). Out: snapshots via [`RegistryReader`]. Restart:
 //! transient; the staged views and the snapshot live in the shared state, outside the actor, so a
 //! restart loses nothing and readers never stop reading.
 
@@ -68,9 +68,9 @@ pub struct RegistryParts {
     /// Claimed by the [`RegistryActor`] (one incarnation at a time): the only snapshot writer.
     pub writer: RegistryWriterSlot,
     /// Staged views, connection states and configuration; pokes the actor.
-    pub inbox: RegistryMailbox,
+    pub inbox: RegistryInbox,
     /// Lock-free snapshot reads.
-    pub reader: DynamoRegistry,
+    pub reader: RegistryReader,
 }
 
 impl RegistryParts {
@@ -87,27 +87,27 @@ impl RegistryParts {
         });
         Self {
             writer: RegistryWriterSlot(Exclusive::new(shared.clone())),
-            inbox: RegistryMailbox(shared.clone()),
-            reader: DynamoRegistry { shared },
+            inbox: RegistryInbox(shared.clone()),
+            reader: RegistryReader { shared },
         }
     }
 }
 
 /// The registry as readers see it: cheap to clone, lock-free snapshot reads.
 #[derive(Clone)]
-pub struct DynamoRegistry {
+pub struct RegistryReader {
     shared: Arc<Shared>,
 }
 
-impl std::fmt::Debug for DynamoRegistry {
+impl std::fmt::Debug for RegistryReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DynamoRegistry")
+        f.debug_struct("RegistryReader")
             .field("generation", &self.generation())
             .finish_non_exhaustive()
     }
 }
 
-impl DynamoRegistry {
+impl RegistryReader {
     /// The current fleet, lock-free.
     pub fn snapshot(&self) -> Arc<DynamoSnapshot> {
         self.shared.store.snapshot()
@@ -151,15 +151,15 @@ fn connected(held: &Held) -> bool {
 /// sent while the registry restarts is dropped, which is safe because the restarted actor
 /// rebuilds from the staged state.
 #[derive(Clone)]
-pub struct RegistryMailbox(Arc<Shared>);
+pub struct RegistryInbox(Arc<Shared>);
 
-impl std::fmt::Debug for RegistryMailbox {
+impl std::fmt::Debug for RegistryInbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RegistryMailbox").finish_non_exhaustive()
+        f.debug_struct("RegistryInbox").finish_non_exhaustive()
     }
 }
 
-impl RegistryMailbox {
+impl RegistryInbox {
     /// Best effort: dropped while no registry actor runs (see above).
     pub fn cast(&self, msg: RegistryMsg) {
         if let Some(actor) = self.0.actor.load_full() {

@@ -46,14 +46,14 @@ use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::clock::now_tick;
-use crate::kv_index::{DynamoKvIndex, SubscriptionName};
+use crate::kv_index::{SharedKvIndex, SubscriptionName};
 use crate::lifecycle::ActorKind;
-use crate::load::{DynamoLoadStore, SubscriptionStatus};
+use crate::load::{SharedLoadStore, SubscriptionStatus};
 use crate::lock::Mutex;
 use crate::metrics::{
     LoadEventResult, Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges,
 };
-use crate::registry::DynamoRegistry;
+use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec, SupervisorMsg};
 use crate::zmtp_conn::{CONNECT_TIMEOUT, ConnEvent, ZmtpConnConfig, ZmtpConnError, run_session};
 use continuum_protocol::event_plane::{StreamExpectation, decode_delivery};
@@ -84,8 +84,8 @@ pub struct SubscriptionArgs {
     pub name: String,
     pub target: SubscriptionTarget,
     pub policy: DialPolicy,
-    pub store: DynamoLoadStore,
-    pub kv: DynamoKvIndex,
+    pub store: SharedLoadStore,
+    pub kv: SharedKvIndex,
     pub metrics: Option<Metrics>,
     pub span: tracing::Span,
 }
@@ -105,9 +105,9 @@ pub struct SubscriptionActorState {
     target: SubscriptionTarget,
     /// Hands a new target to the connection task.
     redial: watch::Sender<SubscriptionTarget>,
-    store: DynamoLoadStore,
+    store: SharedLoadStore,
     /// Set for a kv-events subscription: told when this subscription stops.
-    kv: Option<DynamoKvIndex>,
+    kv: Option<SharedKvIndex>,
     /// Set for a kv_metrics subscription: whose samples and gauges go when it stops.
     load: Option<(PublisherId, Namespace, Option<Metrics>)>,
     task: JoinHandle<()>,
@@ -201,7 +201,7 @@ impl Actor for SubscriptionActor {
 /// Reports a subscription's state into the status table.
 struct Reporter {
     name: String,
-    store: DynamoLoadStore,
+    store: SharedLoadStore,
     template: SubscriptionStatus,
 }
 
@@ -415,7 +415,7 @@ async fn run_subscription(
 fn note_reachability(
     name: &str,
     stream: &mut LoadStream,
-    store: &DynamoLoadStore,
+    store: &SharedLoadStore,
     metrics: &Option<Metrics>,
     established: bool,
     outcome: &Result<Result<(), ZmtpConnError>, tokio::task::JoinError>,
@@ -490,9 +490,9 @@ pub type Mailboxes = Arc<Mutex<BTreeMap<String, ActorRef<SubscriptionMsg>>>>;
 pub struct FollowerArgs {
     pub supervisor: ActorRef<SupervisorMsg>,
     pub mailboxes: Mailboxes,
-    pub registry: DynamoRegistry,
-    pub store: DynamoLoadStore,
-    pub kv: DynamoKvIndex,
+    pub registry: RegistryReader,
+    pub store: SharedLoadStore,
+    pub kv: SharedKvIndex,
     pub policy: DialPolicySource,
     pub metrics: Option<Metrics>,
 }
@@ -779,9 +779,9 @@ impl FollowerState {
 
 /// The follower's child spec; its parent supervisor is the one whose children it manages.
 pub fn follower_spec(
-    registry: DynamoRegistry,
-    store: DynamoLoadStore,
-    kv: DynamoKvIndex,
+    registry: RegistryReader,
+    store: SharedLoadStore,
+    kv: SharedKvIndex,
     policy: DialPolicySource,
 ) -> ChildSpec {
     let mailboxes = Mailboxes::default();

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use continuum_actors::clock::now_tick;
-use continuum_actors::load::DynamoLoadStore;
-use continuum_actors::picker::{DynamoPicker, PickerActor, PickerArgs, PickerMsg, picker_spec};
-use continuum_actors::registry::{DynamoRegistry, RegistryConfig, RegistryParts, registry_spec};
+use continuum_actors::load::SharedLoadStore;
+use continuum_actors::picker::{PickerActor, PickerArgs, PickerMsg, SharedPicker, picker_spec};
+use continuum_actors::registry::{RegistryConfig, RegistryParts, RegistryReader, registry_spec};
 use continuum_actors::supervisor::spawn_root;
 use continuum_actors::tree::{ActorState, ActorTree};
 use continuum_protocol::discovery::SourceEvent;
@@ -33,7 +33,7 @@ fn worker(id: u64) -> WorkerKey {
     }
 }
 
-fn dispatch(picker: &DynamoPicker, load: &DynamoLoadStore, id: u64, at: Tick) {
+fn dispatch(picker: &SharedPicker, load: &SharedLoadStore, id: u64, at: Tick) {
     let leg = DispatchLeg {
         worker: worker(id),
         rank: DpRank(0),
@@ -55,12 +55,12 @@ fn registry_parts() -> RegistryParts {
 }
 
 /// A reader of a registry no actor writes (it stays at generation 0).
-fn registry() -> DynamoRegistry {
+fn registry() -> RegistryReader {
     registry_parts().reader
 }
 
 /// Waits (on the picker's pass counter, never on a timer) until `done` holds.
-async fn until(picker: &DynamoPicker, done: impl Fn(&DynamoPicker) -> bool) {
+async fn until(picker: &SharedPicker, done: impl Fn(&SharedPicker) -> bool) {
     let mut passes = picker.subscribe_passes();
     tokio::time::timeout(Duration::from_secs(120), passes.wait_for(|_| done(picker)))
         .await
@@ -90,8 +90,8 @@ impl DynamoWorkerPicker for Named {
 
 #[tokio::test(start_paused = true)]
 async fn the_actor_expires_the_ledger_on_its_own_timer() {
-    let picker = DynamoPicker::new();
-    let load = DynamoLoadStore::new(None);
+    let picker = SharedPicker::new();
+    let load = SharedLoadStore::new(None);
     let args = PickerArgs {
         picker: picker.clone(),
         registry: registry(),
@@ -124,8 +124,8 @@ async fn the_actor_expires_the_ledger_on_its_own_timer() {
 
 #[tokio::test(start_paused = true)]
 async fn load_store_notifications_answer_dispatches() {
-    let picker = DynamoPicker::new();
-    let load = DynamoLoadStore::new(None);
+    let picker = SharedPicker::new();
+    let load = SharedLoadStore::new(None);
     load.with(|store| store.set_live_and_retain([InstanceId(1), InstanceId(2)]));
     let args = PickerArgs {
         picker: picker.clone(),
@@ -197,8 +197,8 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
         inbox,
         reader: registry,
     } = registry_parts();
-    let load = DynamoLoadStore::new(None);
-    let picker = DynamoPicker::new();
+    let load = SharedLoadStore::new(None);
+    let picker = SharedPicker::new();
     let tree = ActorTree::default();
     let (root, handle) = spawn_root(
         vec![

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use continuum_actors::kv_index::DynamoKvIndex;
-use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::kv_index::SharedKvIndex;
+use continuum_actors::load::SharedLoadStore;
 use continuum_actors::metrics::SubscriptionTransport;
 use continuum_actors::subscription::{
     DialPolicy, SubscriptionActor, SubscriptionArgs, SubscriptionMsg,
@@ -45,7 +45,7 @@ async fn redial_moves_to_the_new_endpoint_and_status_reports_it() {
         first.local_addr().expect("addr").port(),
         second.local_addr().expect("addr").port(),
     );
-    let store = DynamoLoadStore::new(None);
+    let store = SharedLoadStore::new(None);
     let old = target(a, "backend");
     let args = SubscriptionArgs {
         name: old.child_name(),
@@ -56,7 +56,7 @@ async fn redial_moves_to_the_new_endpoint_and_status_reports_it() {
             kv_events: false,
         },
         store: store.clone(),
-        kv: DynamoKvIndex::new(None),
+        kv: SharedKvIndex::new(None),
         metrics: None,
         span: tracing::Span::none(),
     };
