@@ -20,7 +20,7 @@
 //!
 //! SubscriptionFollower — role: on every registry generation, applies the live-worker gate to
 //! the store (evicting samples and gauges of departed workers), plans the wanted subscriptions
-//! (`protocol::subscriptions::plan`: ≤ 1,024; publishers of registered workers first, then
+//! (`protocol::subscription_plan::plan`: ≤ 1,024; publishers of registered workers first, then
 //! running ones, then ascending publisher id), redials running subscriptions whose publisher
 //! moved (`Redial`), and tells its supervisor to stop departed ones (concurrently) and start new
 //! ones. A restarted follower asks its running siblings for their targets (`Status`) and adopts
@@ -38,7 +38,7 @@ use continuum_protocol::backoff::{Backoff, BackoffPolicy};
 use continuum_protocol::discovery::records::EventTopic;
 use continuum_protocol::ids::{InstanceId, Namespace, PublisherId, WorkerKey};
 use continuum_protocol::load_store::{LoadStream, WorkerRank};
-use continuum_protocol::subscriptions::{self, MAX_SUBSCRIPTIONS, SubscriptionTarget};
+use continuum_protocol::subscription_plan::{self, MAX_SUBSCRIPTIONS, SubscriptionTarget};
 use ipnet::IpNet;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, call_t};
 use tokio::sync::{mpsc, watch};
@@ -594,7 +594,7 @@ impl FollowerState {
             // The KV index's writer applies the same gate before any new subscription delivers.
             self.args.kv.reconcile().await;
         }
-        let plan = subscriptions::plan(
+        let plan = subscription_plan::plan(
             &snapshot,
             EventTopic::KvMetrics,
             MAX_SUBSCRIPTIONS,
@@ -603,7 +603,7 @@ impl FollowerState {
         let mut wanted = plan.wanted;
         let mut left_out: BTreeSet<String> = plan.left_out.into_iter().collect();
         if self.policy.kv_events {
-            let kv = subscriptions::plan(
+            let kv = subscription_plan::plan(
                 &snapshot,
                 EventTopic::KvEvents,
                 MAX_SUBSCRIPTIONS,
@@ -613,7 +613,7 @@ impl FollowerState {
             left_out.extend(kv.left_out);
         }
         self.note_left_out(left_out);
-        let (mut stop, mut start) = subscriptions::diff(&self.running, &wanted);
+        let (mut stop, mut start) = subscription_plan::diff(&self.running, &wanted);
         // A target whose child name stays (same publisher, new endpoint or component) is
         // redialed in place rather than stopped and started.
         start.retain(|target| {

@@ -13,7 +13,7 @@ use continuum_actors::subscription::{
 };
 use continuum_protocol::discovery::records::EventTopic;
 use continuum_protocol::ids::{Namespace, PublisherId};
-use continuum_protocol::subscriptions::SubscriptionTarget;
+use continuum_protocol::subscription_plan::SubscriptionTarget;
 use ractor::{Actor, call_t};
 use tokio::net::TcpListener;
 
