@@ -282,14 +282,10 @@ impl SharedKvIndex {
                 subscription: subscription.clone(),
                 up,
             });
-        } else if let Some(claim) = self.shared.writer.try_claim() {
-            // No actor runs, so no one holds the writer: record the state through it; the next
-            // incarnation arms the timer.
-            let writer = KvIndexWriter {
-                kv: self.clone(),
-                _claim: claim,
-            };
-            writer.set_state(subscription, up);
+        } else {
+            // No actor runs: record the state (an input, like a batch) for the next
+            // incarnation, which arms the timer as it starts.
+            record_state(&self.shared, subscription, up);
         }
     }
 
@@ -469,15 +465,20 @@ impl KvIndexWriter {
 
     /// Records a state change; returns the epoch a clear timer must match when `up` is false.
     fn set_state(&self, subscription: &SubscriptionName, up: bool) -> u64 {
-        let mut streams = lock(&self.shared().streams);
-        let stream = streams
-            .by_name
-            .entry(subscription.clone())
-            .or_insert_with(Stream::new);
-        stream.up = up;
-        stream.epoch += 1;
-        stream.epoch
+        record_state(self.shared(), subscription, up)
     }
+}
+
+/// Records a subscription's connection state; returns the epoch a clear timer must match.
+fn record_state(shared: &Shared, subscription: &SubscriptionName, up: bool) -> u64 {
+    let mut streams = lock(&shared.streams);
+    let stream = streams
+        .by_name
+        .entry(subscription.clone())
+        .or_insert_with(Stream::new);
+    stream.up = up;
+    stream.epoch += 1;
+    stream.epoch
 }
 
 fn live_ranks(snapshot: &DynamoSnapshot) -> BTreeMap<InstanceId, BTreeSet<DpRank>> {
