@@ -286,7 +286,7 @@ fn main() {
 
 /// Everything `ShimRouter::decide` reads, built once: a registry snapshot of 500 decode workers ×
 /// 2 dp ranks published by a real `RegistryActor`, a load store holding a fresh sample per rank,
-/// and a router over a `DynamoPicker` (no `PickerActor`: the request path maintains the index and
+/// and a router over a `SharedPicker` (no `PickerActor`: the request path maintains the index and
 /// the ledger itself, as it does when it races ahead of the actor).
 mod e2e {
     use std::collections::{HashMap, VecDeque};
@@ -295,10 +295,10 @@ mod e2e {
 
     use arc_swap::ArcSwap;
     use continuum_actors::clock::now_tick;
-    use continuum_actors::load::DynamoLoadStore;
-    use continuum_actors::picker::{DynamoPicker, answer_arrivals};
+    use continuum_actors::load::SharedLoadStore;
+    use continuum_actors::picker::{SharedPicker, answer_arrivals};
     use continuum_actors::registry::{
-        DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg,
+        RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg, RegistryParts, RegistryReader,
     };
     use continuum_protocol::discovery::SourceEvent;
     use continuum_protocol::discovery::reducer::DiscoveryReducer;
@@ -360,7 +360,7 @@ mod e2e {
     }
 
     /// (Re)publishes a fresh sample for every rank (outside the timed region).
-    fn refresh(load: &DynamoLoadStore, sequence: u64) {
+    fn refresh(load: &SharedLoadStore, sequence: u64) {
         load.with(|store| {
             for w in 0..WORKERS {
                 for rank in 0..2 {
@@ -372,8 +372,8 @@ mod e2e {
 
     async fn fixture() -> (
         ShimRouter,
-        DynamoLoadStore,
-        DynamoRegistry,
+        SharedLoadStore,
+        RegistryReader,
         ActorRef<RegistryMsg>,
     ) {
         let yaml = format!(
@@ -386,16 +386,17 @@ mod e2e {
         );
         let config = Config::from_yaml_str(&yaml, &ProcessEnv).expect("bench config");
         let namespace = Namespace::new(NAMESPACE);
-        let registry = DynamoRegistry::new(RegistryConfig {
+        let parts = RegistryParts::new(RegistryConfig {
             enabled: true,
             source: SourceKind::Etcd,
             namespaces: vec![namespace.clone()],
         });
+        let registry = parts.reader.clone();
         let (registry_actor, _) = Actor::spawn(
             None,
             RegistryActor,
             RegistryArgs {
-                registry: registry.clone(),
+                writer: parts.writer,
                 metrics: None,
             },
         )
@@ -409,17 +410,14 @@ mod e2e {
             }
         }
         reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-        registry.stage_view(reducer.view().clone());
-        registry_actor
-            .cast(RegistryMsg::Rebuild)
-            .expect("registry alive");
+        parts.inbox.stage_view(reducer.view().clone());
         registry
             .subscribe()
             .wait_for(|g| *g >= 1)
             .await
             .expect("published");
         assert_eq!(registry.snapshot().workers().len() as u64, WORKERS);
-        let load = DynamoLoadStore::new(None);
+        let load = SharedLoadStore::new(None);
         load.with(|store| {
             store.set_live_and_retain((0..WORKERS).map(|w| InstanceId(FIRST_ID + w)))
         });
@@ -428,7 +426,7 @@ mod e2e {
             Arc::new(ArcSwap::from_pointee(config)),
             registry.clone(),
             load.clone(),
-            DynamoPicker::new(),
+            SharedPicker::new(),
             None,
         );
         (router, load, registry, registry_actor)
@@ -454,7 +452,7 @@ mod e2e {
     /// the same sample feed: before, a std (SipHash) map of samples keyed by (worker, rank) and
     /// one `sample_arrived` per candidate rank; after, the id-hashed `LoadStore` and one pass over
     /// the workers holding dispatches. Both then expire and pick.
-    fn sections(registry: &DynamoRegistry, picks: usize) {
+    fn sections(registry: &RegistryReader, picks: usize) {
         let index = CandidateIndex::build(&registry.snapshot());
         let candidates = index.for_model(MODEL);
         let namespaces = [Namespace::new(NAMESPACE)];

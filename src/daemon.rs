@@ -18,15 +18,15 @@ use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_actors::file_source::{FileSourceConfig, default_root as default_file_root};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::kv_artifacts::{ArtifactConfig, ArtifactRegistry};
-use continuum_actors::kv_index::{DynamoKvIndex, kv_index_spec};
+use continuum_actors::kv_index::{SharedKvIndex, kv_index_spec};
 use continuum_actors::lifecycle::ActorKind;
-use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::load::SharedLoadStore;
 use continuum_actors::memory_source::MemoryDiscovery;
 use continuum_actors::metrics::SubscriptionTransport;
 use continuum_actors::metrics::{DiscoveryEventKind, Metrics, ReloadRefusal};
-use continuum_actors::picker::{DynamoPicker, picker_spec};
+use continuum_actors::picker::{SharedPicker, picker_spec};
 use continuum_actors::registry::{
-    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox, RegistryMsg,
+    RegistryConfig, RegistryInbox, RegistryMsg, RegistryParts, RegistryReader, registry_spec,
 };
 use continuum_actors::subscription::{DialPolicy, follower_spec};
 use continuum_actors::supervisor::{ChildContext, ChildSpec, SupervisorMsg, spawn_root};
@@ -38,6 +38,7 @@ use continuum_protocol::kube::pods::{
     ComponentModel as PodComponentModel, ModelMapping, PodSourceConfig,
 };
 use ractor::{Actor, ActorRef};
+
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -120,15 +121,15 @@ pub async fn shutdown_signal() {
 #[derive(Clone)]
 struct Shared {
     config: Arc<ArcSwap<Config>>,
-    registry: DynamoRegistry,
-    mailbox: RegistryMailbox,
+    registry: RegistryReader,
+    mailbox: RegistryInbox,
     readiness: Readiness,
     metrics: Metrics,
-    load: DynamoLoadStore,
+    load: SharedLoadStore,
     /// The bounded KV index fed by kv-events subscriptions (`dynamo.kv.enabled`).
-    kv: DynamoKvIndex,
+    kv: SharedKvIndex,
     /// Installed picker, candidate index and dispatch ledger, maintained by the PickerActor.
-    picker: DynamoPicker,
+    picker: SharedPicker,
     /// The OpenAI-wire proxy; its backend set follows reloads (immediate class).
     proxy: Arc<Proxy>,
     /// The request path's orchestrator over `proxy` (the front door's `AppState::route`).
@@ -214,22 +215,19 @@ impl Daemon {
         let metrics = Metrics::new(&config.telemetry.service_name)
             .map_err(|e| anyhow::anyhow!("cannot build metrics: {e}"))?;
         metrics.set_build_info(crate::build_info::VERSION, crate::build_info::FEATURES);
-        let registry = DynamoRegistry::new(registry_config(&config));
+        // Every handle starts from the empty config; startup is then the same
+        // `apply(diff(empty, config))` as a reload (`apply(diff(old, new))`).
+        let empty = Config::default();
+        let registry = RegistryParts::new(registry_config(&empty));
         let readiness = Readiness::new();
-        readiness.require_exactly(required_sources(&config));
-        let load = DynamoLoadStore::new(Some(metrics.clone()));
-        if let Err(error) = load.set_max_staleness(config.dynamo.load.max_staleness.get()) {
-            warn!(%error, "Keeping the default load.max_staleness.");
-        }
-        let shared_config = Arc::new(ArcSwap::from_pointee(config.clone()));
-        let (kv, picker) = (
-            DynamoKvIndex::new(Some(metrics.clone())),
-            DynamoPicker::new(),
-        );
+        readiness.require_exactly(required_sources(&empty));
+        let load = SharedLoadStore::new(Some(metrics.clone()));
+        let shared_config = Arc::new(ArcSwap::from_pointee(empty.clone()));
+        let (kv, picker) = (SharedKvIndex::new(Some(metrics.clone())), SharedPicker::new());
         let dynamo = Arc::new(
             ShimRouter::with_picker(
                 shared_config.clone(),
-                registry.clone(),
+                registry.reader.clone(),
                 load.clone(),
                 picker.clone(),
                 Some(metrics.clone()),
@@ -241,8 +239,8 @@ impl Daemon {
         route.set_dynamo(dynamo.clone());
         let shared = Shared {
             config: shared_config,
-            registry,
-            mailbox: RegistryMailbox::default(),
+            registry: registry.reader,
+            mailbox: registry.inbox,
             proxy,
             route,
             dynamo,
@@ -254,12 +252,23 @@ impl Daemon {
             load,
             simulated: feed,
         };
-        shared.proxy.reconfigure(&config);
-        sync_kv_artifacts(&shared, &config);
+        shared.proxy.reconfigure(&empty);
         let tree = ActorTree::default();
+        let live = Arc::new(ArcSwap::from_pointee(live_settings(&empty)));
+        let mut control = ControlLoop {
+            shared: shared.clone(),
+            tree: tree.clone(),
+            live: live.clone(),
+            path: options.config_path.clone(),
+            current: empty,
+            running: false,
+        };
+        // The tree is not running yet: its specs read the config this applies when they spawn.
+        control.apply(config.clone(), "startup").await;
+        control.running = true;
         let (root, root_task) = spawn_root(
             vec![
-                registry_spec(&shared),
+                registry_spec(registry.writer),
                 kv_index_spec(shared.kv.clone(), shared.registry.clone()),
                 picker_spec(
                     shared.picker.clone(),
@@ -275,7 +284,6 @@ impl Daemon {
         .await
         .context("the supervision tree did not start")?;
 
-        let live = Arc::new(ArcSwap::from_pointee(live_settings(&config)));
         let (control_tx, control_rx) = mpsc::channel(8);
         let state = app_state(&shared, &tree, live.clone(), control_tx.clone());
         let local_addr = listener.local_addr()?;
@@ -304,16 +312,7 @@ impl Daemon {
             .config_path
             .as_deref()
             .and_then(|p| watch_file(p, file_tx));
-        let control = tokio::spawn(
-            ControlLoop {
-                shared: shared.clone(),
-                tree: tree.clone(),
-                live,
-                path: options.config_path,
-                current: config,
-            }
-            .run(control_rx, hangup, (watcher, file_rx)),
-        );
+        let control = tokio::spawn(control.run(control_rx, hangup, (watcher, file_rx)));
         Ok(Daemon {
             local_addr,
             shared,
@@ -331,7 +330,7 @@ impl Daemon {
         self.local_addr
     }
 
-    pub fn registry(&self) -> &DynamoRegistry {
+    pub fn registry(&self) -> &RegistryReader {
         &self.shared.registry
     }
 
@@ -348,7 +347,7 @@ impl Daemon {
     }
 
     /// The KV index kv-events subscriptions feed.
-    pub fn kv_index(&self) -> &DynamoKvIndex {
+    pub fn kv_index(&self) -> &SharedKvIndex {
         &self.shared.kv
     }
 
@@ -358,12 +357,12 @@ impl Daemon {
     }
 
     /// The latest load samples (`registry.load_store()` in the seed).
-    pub fn load_store(&self) -> &DynamoLoadStore {
+    pub fn load_store(&self) -> &SharedLoadStore {
         &self.shared.load
     }
 
     /// The picker state the PickerActor maintains (`registry.picker()` / `set_picker()`).
-    pub fn picker(&self) -> &DynamoPicker {
+    pub fn picker(&self) -> &SharedPicker {
         &self.shared.picker
     }
 
@@ -544,22 +543,6 @@ fn source_prefix(source: DiscoverySource) -> &'static str {
     }
 }
 
-fn registry_spec(shared: &Shared) -> ChildSpec {
-    let shared = shared.clone();
-    ChildSpec::new("registry", ActorKind::Registry, move |ctx: ChildContext| {
-        let args = RegistryArgs {
-            registry: shared.registry.clone(),
-            metrics: ctx.metrics.clone(),
-        };
-        let mailbox = shared.mailbox.clone();
-        async move {
-            let (actor, _) = Actor::spawn_linked(None, RegistryActor, args, ctx.supervisor).await?;
-            mailbox.set(actor.clone());
-            Ok(actor.get_cell())
-        }
-    })
-}
-
 /// The discovery subtree; its children are computed from the live config at every spawn, so
 /// restarting it is the live watcher replacement.
 fn discovery_spec(shared: &Shared) -> ChildSpec {
@@ -640,7 +623,6 @@ fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
                     let args = DiscoveryArgs {
                         source: source.clone(),
                         registry_actor: shared.mailbox.clone(),
-                        registry: shared.registry.clone(),
                         metrics: ctx.metrics.clone(),
                         on_first_pass: Arc::new(move |ns: &Namespace| {
                             readiness.mark_ready(&source_name(kind, ns))
@@ -738,6 +720,9 @@ struct ControlLoop {
     live: Arc<ArcSwap<LiveSettings>>,
     path: Option<PathBuf>,
     current: Config,
+    /// False while `Daemon::start` applies the first config: the tree is not spawned yet, so
+    /// its subtrees need no replacement (they spawn from the config being applied).
+    running: bool,
 }
 
 impl ControlLoop {
@@ -808,13 +793,17 @@ impl ControlLoop {
             );
             return Err(refusal.explain().to_string());
         }
-        Ok(self.apply(loaded).await)
+        Ok(self.apply_loaded(loaded).await)
     }
 
-    /// Applies a validated config by reload class.
-    async fn apply(&mut self, loaded: LoadedConfig) -> String {
+    async fn apply_loaded(&mut self, loaded: LoadedConfig) -> String {
         config::log_diagnostics(&loaded.diagnostics);
-        let new = loaded.config;
+        self.apply(loaded.config, "reload").await
+    }
+
+    /// The one path for startup (`current` is the empty config) and reload: applies a validated
+    /// config by reload class, as `config::diff(current, new)` says.
+    async fn apply(&mut self, new: Config, what: &'static str) -> String {
         let plan = config::diff(&self.current, &new);
         if plan.is_empty() {
             return "no changes".into();
@@ -823,7 +812,9 @@ impl ControlLoop {
         self.shared.config.store(Arc::new(new.clone()));
         self.live.store(Arc::new(live_settings(&new)));
         self.shared.proxy.reconfigure(&new);
-        sync_kv_artifacts(&self.shared, &new);
+        if plan.kv_artifacts {
+            sync_kv_artifacts(&self.shared, &new);
+        }
         if let Err(error) = self
             .shared
             .load
@@ -835,9 +826,7 @@ impl ControlLoop {
         match &plan.discovery {
             Some(DiscoveryAction::Stop) => {
                 info!("Dynamo discovery stopped.");
-                self.shared
-                    .registry
-                    .reconfigure(registry_config(&new), true);
+                self.shared.mailbox.reconfigure(registry_config(&new), true);
                 self.shared.readiness.require_exactly(Vec::new());
                 self.replace_discovery().await;
                 summary.push("discovery stopped".into());
@@ -848,15 +837,17 @@ impl ControlLoop {
                 added_namespaces,
                 ..
             }) => {
-                info!(reason = reason.as_str(), "Replacing the discovery watcher.");
-                self.shared
-                    .metrics
-                    .discovery_event(DiscoveryEventKind::Restart);
+                if self.running {
+                    info!(reason = reason.as_str(), "Replacing the discovery watcher.");
+                    self.shared
+                        .metrics
+                        .discovery_event(DiscoveryEventKind::Restart);
+                }
                 // A backoff-only change keeps the snapshot until the replacement's first
                 // resync; a namespaces change prunes only removed namespaces.
                 let reset = !*keep_snapshot && *reason != RestartReason::Namespaces;
                 self.shared
-                    .registry
+                    .mailbox
                     .reconfigure(registry_config(&new), reset);
                 let newly_required: Vec<String> = if reset {
                     required_sources(&new)
@@ -875,12 +866,18 @@ impl ControlLoop {
                 self.replace_discovery().await;
                 summary.push(format!("discovery replaced ({})", reason.as_str()));
             }
-            None => {}
+            None => {
+                // No watcher change: the registry's configuration can still differ where it
+                // does not matter to a watcher (a disabled source's namespaces); keep it true.
+                self.shared
+                    .mailbox
+                    .reconfigure(registry_config(&new), false);
+            }
         }
         self.shared.mailbox.cast(RegistryMsg::Rebuild);
-        // Turning KV indexing on or off starts or stops the kv-events subscriptions.
-        let kv_toggled = self.current.dynamo.kv.enabled != new.dynamo.kv.enabled;
-        if plan.restart_subscriptions || kv_toggled {
+        // `restart_subscriptions` covers the dial policy and turning KV indexing on or off (the
+        // kv-events subscriptions start or stop).
+        if plan.restart_subscriptions && self.running {
             // Only the subscriptions restart; discovery, the load store and the KV index stay.
             if let Err(error) = self
                 .tree
@@ -891,17 +888,20 @@ impl ControlLoop {
             }
             summary.push("load subscriptions restarted under the new dial policy".into());
         }
-        if !plan.needs_restart.is_empty() {
+        if !plan.needs_restart.is_empty() && self.running {
             warn!(keys = ?plan.needs_restart, "These settings take effect after a process restart.");
             summary.push(format!("needs restart: {}", plan.needs_restart.join(", ")));
         }
         self.current = new;
         let summary = summary.join("; ");
-        info!(%summary, "Configuration reloaded.");
+        info!(%summary, what, "Configuration applied.");
         summary
     }
 
     async fn replace_discovery(&self) {
+        if !self.running {
+            return;
+        }
         if let Err(error) = self.tree.restart("root/discovery", REPLACE_TIMEOUT).await {
             error!(%error, "Could not replace the discovery watcher.");
         }

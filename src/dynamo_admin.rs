@@ -1,19 +1,19 @@
 //! `GET /admin/dynamo/workers`: the discovered fleet as operators read it. Built from the
 //! registry snapshot; never exposes transport addresses, Pod IPs or raw model cards.
 
-use continuum_actors::kv_index::DynamoKvIndex;
-use continuum_actors::load::DynamoLoadStore;
-use continuum_actors::picker::DynamoPicker;
-use continuum_actors::registry::DynamoRegistry;
+use continuum_actors::kv_index::SharedKvIndex;
+use continuum_actors::load::SharedLoadStore;
+use continuum_actors::picker::SharedPicker;
+use continuum_actors::registry::RegistryReader;
 use serde_json::{Value, json};
 
 /// The response body; `enabled: false` (still 200) when discovery is off in the live config.
 /// `picker` adds the PickerActor's state (installed picker, index generation, ledger size).
 pub fn workers_view(
-    registry: &DynamoRegistry,
-    load: &DynamoLoadStore,
-    kv: &DynamoKvIndex,
-    picker: Option<&DynamoPicker>,
+    registry: &RegistryReader,
+    load: &SharedLoadStore,
+    kv: &SharedKvIndex,
+    picker: Option<&SharedPicker>,
 ) -> Value {
     if !registry.is_enabled() {
         return json!({"enabled": false});
@@ -61,7 +61,7 @@ pub fn workers_view(
 }
 
 /// The latest ActiveLoad sample per (worker, dp_rank), with its age: what the picker reads.
-fn load_samples(load: &DynamoLoadStore) -> Vec<Value> {
+fn load_samples(load: &SharedLoadStore) -> Vec<Value> {
     let now = continuum_actors::clock::now_tick();
     let mut samples: Vec<Value> = load.with(|store| {
         store
@@ -88,7 +88,7 @@ fn load_samples(load: &DynamoLoadStore) -> Vec<Value> {
 
 /// Per model: predictions decided, matched, and the match ratio over the last 100 (`null`
 /// before the first). Models appear after their first KV-aware pick and leave with the fleet.
-fn kv_hash_parity(kv: &DynamoKvIndex) -> Value {
+fn kv_hash_parity(kv: &SharedKvIndex) -> Value {
     let models: serde_json::Map<String, Value> = kv
         .parity_all()
         .into_iter()
@@ -108,7 +108,7 @@ fn kv_hash_parity(kv: &DynamoKvIndex) -> Value {
 /// Counters are cumulative since start (the page plots their per-second deltas); KV blocks are
 /// per rank, read from the index in O(ranks). Built from the metrics registry's families, so it
 /// always agrees with `/metrics`.
-pub fn fleet_summary(kv: &DynamoKvIndex, metrics: &continuum_actors::metrics::Metrics) -> Value {
+pub fn fleet_summary(kv: &SharedKvIndex, metrics: &continuum_actors::metrics::Metrics) -> Value {
     let families = metrics.registry().gather();
     // Per counter family, its series as (labels, value).
     let series = |name: &str| -> Vec<(Vec<(String, String)>, f64)> {

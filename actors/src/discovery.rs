@@ -31,7 +31,7 @@ use crate::lifecycle::ActorSpan;
 use crate::memory_source::{MemoryDiscovery, run_memory_source};
 use crate::metrics::DiscoveryEventKind;
 use crate::metrics::Metrics;
-use crate::registry::{DynamoRegistry, RegistryMailbox, RegistryMsg};
+use crate::registry::RegistryInbox;
 use continuum_protocol::discovery::view::NamespaceView;
 use continuum_protocol::kube::metadata::MetadataConfig;
 use continuum_protocol::kube::pod_view::pod_view;
@@ -96,8 +96,7 @@ enum RunningSource {
 
 pub struct DiscoveryArgs {
     pub source: SourceSpec,
-    pub registry_actor: RegistryMailbox,
-    pub registry: DynamoRegistry,
+    pub registry_actor: RegistryInbox,
     pub metrics: Option<Metrics>,
     pub on_first_pass: FirstPass,
     pub span: ActorSpan,
@@ -117,8 +116,7 @@ pub enum DiscoveryMsg {
 pub struct DiscoveryState {
     namespace: Namespace,
     reducer: DiscoveryReducer,
-    registry_actor: RegistryMailbox,
-    registry: DynamoRegistry,
+    registry_actor: RegistryInbox,
     metrics: Option<Metrics>,
     on_first_pass: FirstPass,
     first_pass_done: bool,
@@ -195,7 +193,6 @@ impl Actor for DiscoveryActor {
             pods_view: Arc::new(NamespaceView::new(namespace.clone())),
             namespace,
             registry_actor: args.registry_actor,
-            registry: args.registry,
             metrics: args.metrics,
             on_first_pass: args.on_first_pass,
             first_pass_done: false,
@@ -247,8 +244,7 @@ impl DiscoveryState {
         }
         // A view mid-resync is staged, not published: readers see whole passes only.
         if (changed || (completed_pass && !self.first_pass_done)) && !self.reducer.is_resyncing() {
-            self.registry.stage_view(self.reducer.view().clone());
-            self.registry_actor.cast(RegistryMsg::Rebuild);
+            self.registry_actor.stage_view(self.reducer.view().clone());
         }
         if completed_pass && !self.first_pass_done {
             self.first_pass_done = true;
@@ -264,8 +260,7 @@ impl DiscoveryState {
         if !previous.same_content(&next) || !self.first_pass_done {
             let next = Arc::new(next);
             self.pods_view = next.clone();
-            self.registry.stage_view(next);
-            self.registry_actor.cast(RegistryMsg::Rebuild);
+            self.registry_actor.stage_view(next);
         }
         if !self.first_pass_done {
             self.first_pass_done = true;
@@ -281,9 +276,11 @@ impl DiscoveryState {
     }
 
     fn set_connected(&mut self, connected: bool) {
-        self.registry.set_connected(&self.namespace, connected);
+        let all = self
+            .registry_actor
+            .set_connected(&self.namespace, connected);
         if let Some(metrics) = &self.metrics {
-            metrics.set_discovery_connected(self.registry.connected());
+            metrics.set_discovery_connected(all);
         }
     }
 
@@ -306,9 +303,9 @@ impl DiscoveryState {
         if !stopped {
             warn!(namespace = %self.namespace, "Discovery source did not stop within its grace period.");
         }
-        self.registry.set_connected(&self.namespace, false);
+        let all = self.registry_actor.set_connected(&self.namespace, false);
         if let Some(metrics) = &self.metrics {
-            metrics.set_discovery_connected(self.registry.connected());
+            metrics.set_discovery_connected(all);
         }
     }
 }

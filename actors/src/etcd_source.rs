@@ -20,7 +20,6 @@
 //! (a task with a `stop`). `connected` is true while the watches of a pass are open.
 
 mod config;
-mod keys;
 mod pass;
 
 use std::future::Future;
@@ -39,7 +38,8 @@ pub use config::{
     EtcdAuth, EtcdConfigError, EtcdConfigWarning, EtcdRestartReason, EtcdSourceConfig, EtcdTls,
     MAX_ENDPOINTS,
 };
-pub use keys::{WatchedPrefix, encode_segment, watched_prefixes};
+/// The watched key layout lives in `protocol` (the one place that knows Dynamo's keys).
+pub use continuum_protocol::discovery::keys::{WatchedPrefix, encode_segment, watched_prefixes};
 pub use pass::SEED_TIMEOUT;
 
 use pass::PassOutcome;
@@ -219,7 +219,9 @@ impl Drop for EtcdSource {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
+
+    use crate::lock::Mutex;
 
     use super::*;
 
@@ -249,7 +251,7 @@ mod tests {
             },
             &connected,
             move || {
-                recorded.lock().unwrap().push(origin.elapsed());
+                recorded.lock().push(origin.elapsed());
                 let step = script.next();
                 if step.is_none()
                     && let Some(stop) = stop_tx.take()
@@ -271,7 +273,7 @@ mod tests {
             },
         )
         .await;
-        starts.lock().unwrap().clone()
+        starts.lock().clone()
     }
 
     #[tokio::test(start_paused = true)]

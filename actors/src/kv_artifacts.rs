@@ -19,7 +19,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
+
+use crate::lock::{Mutex, MutexGuard};
 
 use continuum_protocol::discovery::records::Role;
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
@@ -34,7 +36,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::metrics::{KvArtifactResult, Metrics};
-use crate::registry::DynamoRegistry;
+use crate::registry::RegistryReader;
 
 pub mod cache;
 pub mod fetch;
@@ -286,7 +288,7 @@ impl ArtifactRegistry {
     }
 
     /// Re-plans on every registry generation until the registry is dropped.
-    pub fn follow(&self, registry: DynamoRegistry) -> tokio::task::JoinHandle<()> {
+    pub fn follow(&self, registry: RegistryReader) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
         tokio::spawn(async move {
             let mut generations = registry.subscribe();
@@ -602,7 +604,7 @@ impl ArtifactRegistry {
 
 impl Inner {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock()
     }
 }
 

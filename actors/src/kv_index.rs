@@ -1,7 +1,7 @@
-//! KvIndexActor and the shared KV index it writes ([`DynamoKvIndex`]).
+//! KvIndexActor and the shared KV index it writes ([`SharedKvIndex`]).
 //!
 //! Role: the single writer of the bounded device-tier KV index. kv-events SubscriptionActors
-//! decode their deliveries and hand each batch to the actor ([`DynamoKvIndex::deliver`]); the
+//! decode their deliveries and hand each batch to the actor ([`SharedKvIndex::deliver`]); the
 //! actor applies it through the subscription's own bounded `CursorTable` (4,096 (worker, dp_rank)
 //! cursors: replays skipped, forward jumps clear the rank and count `gap`, new ranks past the
 //! bound refused as `over_capacity`), feeds admitted `Stored` events to the hash-parity tracker,
@@ -13,19 +13,19 @@
 //! Parent: root. Children: none. Messages in: [`KvIndexMsg`] (batches from subscriptions, their
 //! connection state, registry generations, timers). Out: `continuum_dynamo_kv_events_total`,
 //! `continuum_dynamo_kv_hash_parity_total`. Restart: transient. The index, the cursor tables and
-//! the parity tracker live in [`DynamoKvIndex`], outside the actor, so a restart (failure or
+//! the parity tracker live in [`SharedKvIndex`], outside the actor, so a restart (failure or
 //! `POST /admin/subsystems/kv_index/restart`) loses nothing: the new incarnation re-attaches,
 //! re-reads the registry and re-arms the clear timers of subscriptions that are down. Batches a
 //! subscription delivers while no actor runs are refused and counted `over_capacity`; the next
 //! batch of that rank then jumps its cursor, which clears and rebuilds the rank.
 //!
-//! Reads: the request path reads through [`DynamoKvIndex::overlaps`] under a `RwLock` read guard
+//! Reads: the request path reads through [`SharedKvIndex::overlaps`] under a `RwLock` read guard
 //! (no mailbox round trip): `find_matches` takes microseconds, a mailbox call would add a task
 //! hop and serialise every reader behind the writer's queue (see docs/runtime-semantics.md for
 //! the numbers).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
@@ -45,8 +45,11 @@ use tracing::{debug, warn};
 
 use crate::clock::now_tick;
 use crate::lifecycle::ActorKind;
+use crate::lock::{
+    CLAIM_TIMEOUT, Claim, Exclusive, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
 use crate::metrics::{KvParityResult, Metrics};
-use crate::registry::DynamoRegistry;
+use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec};
 
 /// A subscription disconnected or pending this long loses the ranks it fed.
@@ -92,26 +95,42 @@ struct Shared {
     parity: Mutex<ParityTracker>,
     mailbox: ArcSwapOption<ActorRef<KvIndexMsg>>,
     metrics: Option<Metrics>,
+    /// The one [`KvIndexWriter`] at a time (the running actor's).
+    writer: Exclusive<()>,
 }
 
-/// The process-wide KV index: cheap to clone; lock-guarded reads for the request path, writes
-/// through the [`KvIndexActor`].
+/// The process-wide KV index as readers and feeders see it: cheap to clone; lock-guarded reads
+/// for the request path; batches, subscription states and parity predictions go in, and only
+/// the [`KvIndexActor`]'s [`KvIndexWriter`] changes the index, the cursors and the owners.
 #[derive(Clone)]
-pub struct DynamoKvIndex {
+pub struct SharedKvIndex {
     shared: Arc<Shared>,
 }
 
-impl std::fmt::Debug for DynamoKvIndex {
+impl std::fmt::Debug for SharedKvIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DynamoKvIndex").finish_non_exhaustive()
+        f.debug_struct("SharedKvIndex").finish_non_exhaustive()
     }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+    m.lock()
 }
 
-impl DynamoKvIndex {
+/// The one writer of the KV index (not `Clone`): claimed by each [`KvIndexActor`] incarnation,
+/// released when its state is dropped.
+pub struct KvIndexWriter {
+    kv: SharedKvIndex,
+    _claim: Claim<()>,
+}
+
+impl std::fmt::Debug for KvIndexWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvIndexWriter").finish_non_exhaustive()
+    }
+}
+
+impl SharedKvIndex {
     pub fn new(metrics: Option<Metrics>) -> Self {
         // Keys the index's hash tables so fleet-authored hashes cannot aim at collisions.
         let seed = std::time::SystemTime::now()
@@ -130,16 +149,22 @@ impl DynamoKvIndex {
                 parity: Mutex::new(ParityTracker::new()),
                 mailbox: ArcSwapOption::empty(),
                 metrics,
+                writer: Exclusive::new(()),
             }),
         }
     }
 
     fn read(&self) -> RwLockReadGuard<'_, KvIndex> {
-        self.shared.index.read().unwrap_or_else(|p| p.into_inner())
+        self.shared.index.read()
     }
 
-    fn write(&self) -> RwLockWriteGuard<'_, KvIndex> {
-        self.shared.index.write().unwrap_or_else(|p| p.into_inner())
+    /// The writer, waiting for a previous incarnation's to be dropped.
+    async fn claim_writer(&self) -> Result<KvIndexWriter, crate::lock::ClaimTimeout> {
+        let claim = self.shared.writer.claim(CLAIM_TIMEOUT).await?;
+        Ok(KvIndexWriter {
+            kv: self.clone(),
+            _claim: claim,
+        })
     }
 
     // ----- reads (request path) --------------------------------------------------------------
@@ -258,39 +283,71 @@ impl DynamoKvIndex {
                 up,
             });
         } else {
-            // No actor to arm a timer: record the state; the next incarnation arms it.
-            let mut streams = lock(&self.shared.streams);
-            let stream = streams
-                .by_name
-                .entry(subscription.clone())
-                .or_insert_with(Stream::new);
-            stream.up = up;
-            stream.epoch += 1;
+            // No actor runs: record the state (an input, like a batch) for the next
+            // incarnation, which arms the timer as it starts.
+            record_state(&self.shared, subscription, up);
         }
+    }
+
+    /// Has the actor apply the registry's current generation (the live-worker gate) now, and
+    /// waits for it; the subscription follower calls this before it starts subscriptions for
+    /// new workers, so their first batches pass the gate. Without a running actor this does
+    /// nothing: the next incarnation reconciles as it starts.
+    pub async fn reconcile(&self) {
+        let Some(actor) = self.shared.mailbox.load_full() else {
+            return;
+        };
+        if let Err(error) = actor
+            .call(
+                |reply| KvIndexMsg::Reconcile(Some(reply)),
+                Some(DELIVER_TIMEOUT),
+            )
+            .await
+        {
+            warn!(%error, "The KV index did not apply the current fleet in time.");
+        }
+    }
+
+    /// How many cursors `subscription` holds (tests, admin).
+    pub fn cursors(&self, subscription: &str) -> usize {
+        lock(&self.shared.streams)
+            .by_name
+            .get(subscription)
+            .map_or(0, |s| s.cursors.len())
+    }
+}
+
+impl KvIndexWriter {
+    fn shared(&self) -> &Shared {
+        &self.kv.shared
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, KvIndex> {
+        self.shared().index.write()
     }
 
     /// The live-worker gate: only live workers and the dp ranks their cards declare. Departed
     /// ranks lose their blocks, every subscription's cursors for them and their pending parity
     /// predictions.
-    pub fn set_live(&self, snapshot: &DynamoSnapshot) {
+    fn set_live(&self, snapshot: &DynamoSnapshot) {
         let live = live_ranks(snapshot);
         let keep = |w: InstanceId, r: DpRank| live.get(&w).is_some_and(|s| s.contains(&r));
         {
-            let mut streams = lock(&self.shared.streams);
+            let mut streams = lock(&self.shared().streams);
             for stream in streams.by_name.values_mut() {
                 stream.cursors.retain(keep);
             }
             streams.owner.retain(|(w, r), _| keep(*w, *r));
         }
-        lock(&self.shared.parity).retain_ranks(keep);
+        lock(&self.shared().parity).retain_ranks(keep);
         self.write().set_live_and_retain(live);
     }
 
     /// Keeps parity only for the fleet's models; removes departed models' series.
     fn retain_models(&self, snapshot: &DynamoSnapshot) {
         let models: BTreeSet<&str> = snapshot.models().map(|(_, m)| m).collect();
-        let gone = lock(&self.shared.parity).retain_models(|m| models.contains(m));
-        if let Some(metrics) = &self.shared.metrics {
+        let gone = lock(&self.shared().parity).retain_models(|m| models.contains(m));
+        if let Some(metrics) = &self.shared().metrics {
             for model in gone {
                 metrics.remove_kv_hash_parity_model(&model);
             }
@@ -306,13 +363,13 @@ impl DynamoKvIndex {
         let mut counts = KvEventCounts::default();
         let mut outcomes = Vec::new();
         {
-            let mut streams = lock(&self.shared.streams);
+            let mut streams = lock(&self.shared().streams);
             let Streams { by_name, owner } = &mut *streams;
             let stream = by_name
                 .entry(subscription.clone())
                 .or_insert_with(Stream::new);
             let mut index = self.write();
-            let mut parity = lock(&self.shared.parity);
+            let mut parity = lock(&self.shared().parity);
             for event in events {
                 let result = index.apply_from(&mut stream.cursors, event);
                 counts.add(result);
@@ -336,7 +393,7 @@ impl DynamoKvIndex {
                 }
             }
         }
-        if let Some(metrics) = &self.shared.metrics {
+        if let Some(metrics) = &self.shared().metrics {
             for (result, n) in counts.iter() {
                 metrics.kv_events(result, n);
             }
@@ -347,7 +404,7 @@ impl DynamoKvIndex {
 
     fn report_parity(&self, outcomes: Vec<ParityOutcome>) {
         for outcome in outcomes {
-            if let Some(metrics) = &self.shared.metrics {
+            if let Some(metrics) = &self.shared().metrics {
                 let result = if outcome.matched {
                     KvParityResult::Match
                 } else {
@@ -366,7 +423,7 @@ impl DynamoKvIndex {
     }
 
     fn expire_parity(&self) {
-        let outcomes = lock(&self.shared.parity).expire(now_tick());
+        let outcomes = lock(&self.shared().parity).expire(now_tick());
         self.report_parity(outcomes);
     }
 
@@ -374,7 +431,7 @@ impl DynamoKvIndex {
     /// blocks) dropped.
     fn clear_if_down(&self, subscription: &SubscriptionName, epoch: u64) -> Option<(usize, usize)> {
         let ranks: Vec<(InstanceId, DpRank)> = {
-            let mut streams = lock(&self.shared.streams);
+            let mut streams = lock(&self.shared().streams);
             let stream = streams.by_name.get(subscription)?;
             if stream.up || stream.epoch != epoch {
                 return None;
@@ -392,13 +449,13 @@ impl DynamoKvIndex {
             ranks
         };
         let blocks = self.write().clear_ranks(&ranks);
-        lock(&self.shared.parity).retain_ranks(|w, r| !ranks.contains(&(w, r)));
+        lock(&self.shared().parity).retain_ranks(|w, r| !ranks.contains(&(w, r)));
         Some((ranks.len(), blocks))
     }
 
     /// Subscriptions currently down and their epochs (a new actor re-arms their timers).
     fn down_streams(&self) -> Vec<(SubscriptionName, u64)> {
-        lock(&self.shared.streams)
+        lock(&self.shared().streams)
             .by_name
             .iter()
             .filter(|(_, s)| !s.up)
@@ -408,23 +465,20 @@ impl DynamoKvIndex {
 
     /// Records a state change; returns the epoch a clear timer must match when `up` is false.
     fn set_state(&self, subscription: &SubscriptionName, up: bool) -> u64 {
-        let mut streams = lock(&self.shared.streams);
-        let stream = streams
-            .by_name
-            .entry(subscription.clone())
-            .or_insert_with(Stream::new);
-        stream.up = up;
-        stream.epoch += 1;
-        stream.epoch
+        record_state(self.shared(), subscription, up)
     }
+}
 
-    /// How many cursors `subscription` holds (tests, admin).
-    pub fn cursors(&self, subscription: &str) -> usize {
-        lock(&self.shared.streams)
-            .by_name
-            .get(subscription)
-            .map_or(0, |s| s.cursors.len())
-    }
+/// Records a subscription's connection state; returns the epoch a clear timer must match.
+fn record_state(shared: &Shared, subscription: &SubscriptionName, up: bool) -> u64 {
+    let mut streams = lock(&shared.streams);
+    let stream = streams
+        .by_name
+        .entry(subscription.clone())
+        .or_insert_with(Stream::new);
+    stream.up = up;
+    stream.epoch += 1;
+    stream.epoch
 }
 
 fn live_ranks(snapshot: &DynamoSnapshot) -> BTreeMap<InstanceId, BTreeSet<DpRank>> {
@@ -441,8 +495,8 @@ fn live_ranks(snapshot: &DynamoSnapshot) -> BTreeMap<InstanceId, BTreeSet<DpRank
 pub struct KvIndexActor;
 
 pub struct KvIndexArgs {
-    pub kv: DynamoKvIndex,
-    pub registry: DynamoRegistry,
+    pub kv: SharedKvIndex,
+    pub registry: RegistryReader,
 }
 
 pub enum KvIndexMsg {
@@ -462,15 +516,16 @@ pub enum KvIndexMsg {
         subscription: SubscriptionName,
         epoch: u64,
     },
-    /// The registry published a new generation.
-    Reconcile,
+    /// The registry published a new generation (from the watcher), or the follower asks for the
+    /// current one to be applied before it starts subscriptions (replies when done).
+    Reconcile(Option<RpcReplyPort<()>>),
     /// Age undecided parity predictions.
     ExpireParity,
 }
 
 pub struct KvIndexState {
-    kv: DynamoKvIndex,
-    registry: DynamoRegistry,
+    kv: KvIndexWriter,
+    registry: RegistryReader,
     watcher: JoinHandle<()>,
     expiry: JoinHandle<()>,
 }
@@ -485,12 +540,13 @@ impl Actor for KvIndexActor {
         myself: ActorRef<KvIndexMsg>,
         args: KvIndexArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
+        let writer = args.kv.claim_writer().await?;
         let mut generations = args.registry.subscribe();
         let me = myself.clone();
         let watcher = tokio::spawn(async move {
             loop {
                 generations.borrow_and_update();
-                if me.cast(KvIndexMsg::Reconcile).is_err() {
+                if me.cast(KvIndexMsg::Reconcile(None)).is_err() {
                     return;
                 }
                 if generations.changed().await.is_err() {
@@ -500,12 +556,12 @@ impl Actor for KvIndexActor {
         });
         let expiry = myself.send_interval(PARITY_EXPIRY_EVERY, || KvIndexMsg::ExpireParity);
         // Re-attach: subscriptions that are down keep their deadline from now.
-        for (subscription, epoch) in args.kv.down_streams() {
+        for (subscription, epoch) in writer.down_streams() {
             arm_clear(&myself, subscription, epoch);
         }
         args.kv.shared.mailbox.store(Some(Arc::new(myself)));
         Ok(KvIndexState {
-            kv: args.kv,
+            kv: writer,
             registry: args.registry,
             watcher,
             expiry,
@@ -517,7 +573,7 @@ impl Actor for KvIndexActor {
         _myself: ActorRef<KvIndexMsg>,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
-        state.kv.shared.mailbox.store(None);
+        state.kv.shared().mailbox.store(None);
         state.watcher.abort();
         state.expiry.abort();
         Ok(())
@@ -544,7 +600,12 @@ impl Actor for KvIndexActor {
                 subscription,
                 epoch,
             } => state.clear_if_down(&subscription, epoch),
-            KvIndexMsg::Reconcile => state.reconcile(),
+            KvIndexMsg::Reconcile(reply) => {
+                state.reconcile();
+                if let Some(reply) = reply {
+                    let _ = reply.send(());
+                }
+            }
             KvIndexMsg::ExpireParity => state.kv.expire_parity(),
         }
         Ok(())
@@ -591,7 +652,7 @@ impl KvIndexState {
 }
 
 /// The actor's child spec under root.
-pub fn kv_index_spec(kv: DynamoKvIndex, registry: DynamoRegistry) -> ChildSpec {
+pub fn kv_index_spec(kv: SharedKvIndex, registry: RegistryReader) -> ChildSpec {
     ChildSpec::new(
         KV_INDEX_NAME,
         ActorKind::KvIndex,

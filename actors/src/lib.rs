@@ -7,7 +7,7 @@
 //! ```text
 //! root (Supervisor)
 //! ├── registry            RegistryActor: single writer of the immutable fleet snapshot
-//! ├── kv_index            KvIndexActor: single writer of the bounded KV index (state in DynamoKvIndex)
+//! ├── kv_index            KvIndexActor: single writer of the bounded KV index (state in SharedKvIndex)
 //! ├── discovery           Supervisor
 //! │   └── etcd:<ns>       DiscoveryActor per Dynamo namespace
 //! ├── subscriptions       SubscriptionSupervisor
@@ -20,11 +20,12 @@
 //! | [`supervisor`] | the generic restarting supervisor and child specs |
 //! | [`tree`] | the status table behind `GET /admin/subsystems` |
 //! | [`store`] | the lock-free snapshot store (ArcSwap + generation watch) |
+//! | [`lock`] | the only `std::sync` locks (poisoning handled once) and the single-writer lease |
 //! | [`clock`] | monotonic ticks and wall-clock time for `protocol` |
 //! | [`metrics`] | every Prometheus family, closed label sets |
 //! | [`lifecycle`] | actor lifecycle spans (start, stop, failure, restart) |
-//! | [`registry`] | RegistryActor and the `DynamoRegistry` reader handle |
-//! | [`kv_index`] | KvIndexActor and the shared `DynamoKvIndex` (reads, parity, subscription cursors) |
+//! | [`registry`] | RegistryActor (claims the `RegistryWriter`), the `RegistryInbox` inputs and the `RegistryReader` reader |
+//! | [`kv_index`] | KvIndexActor (claims the `KvIndexWriter`) and the `SharedKvIndex` reader/feeder (reads, parity, subscription cursors) |
 //! | [`discovery`] | DiscoveryActor: one per namespace, source → reducer → registry |
 //! | [`etcd_source`] | the read-only etcd get-then-watch source |
 //! | [`file_source`] | the read-only Dynamo file-store source (directory scans, inotify, mtime TTL) |
@@ -33,7 +34,7 @@
 //! | [`subscription`] | SubscriptionActor per publisher and the follower of registry generations |
 //! | [`load`] | the shared load store and the subscription status table |
 //! | [`kv_artifacts`] | tokenizer artifacts: card slots → pinned, verified, cached, loaded tokenizers |
-//! | [`picker`] | PickerActor and the `DynamoPicker` handle (installed picker, index, ledger) |
+//! | [`picker`] | PickerActor and the `SharedPicker` handle (installed picker, index, ledger) |
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
 pub mod discovery;
@@ -44,6 +45,7 @@ pub mod kv_artifacts;
 pub mod kv_index;
 pub mod lifecycle;
 pub mod load;
+pub mod lock;
 pub mod memory_source;
 pub mod metrics;
 pub mod picker;

@@ -4,7 +4,8 @@
 //! per request. Critical sections are a few map operations and never span an await.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 use std::time::Duration;
 
 use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
@@ -12,6 +13,7 @@ use continuum_protocol::load_store::{LoadSample, LoadStore, LoadStoreError, Unre
 use continuum_protocol::time::Tick;
 use serde::Serialize;
 
+use crate::lock::{Mutex, MutexGuard};
 use crate::metrics::{Metrics, SubscriptionState, SubscriptionTransport};
 
 /// One row of `subscriptions` in `GET /admin/dynamo/workers` (no addresses).
@@ -38,19 +40,38 @@ struct Inner {
     metrics: Option<Metrics>,
 }
 
-/// The process-wide load store handle (`registry.load_store()` in the seed).
-#[derive(Clone)]
-pub struct DynamoLoadStore {
-    inner: Arc<Inner>,
-}
+/// The load store's lock, held. The lock order is "load store, then picker state": the picker's
+/// state can only be locked by presenting this guard (`SharedPicker::with_state`), so a section
+/// that holds the picker's lock cannot have been entered before the load store's.
+pub struct LoadGuard<'a>(MutexGuard<'a, LoadStore>);
 
-impl std::fmt::Debug for DynamoLoadStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DynamoLoadStore").finish_non_exhaustive()
+impl Deref for LoadGuard<'_> {
+    type Target = LoadStore;
+
+    fn deref(&self) -> &LoadStore {
+        &self.0
     }
 }
 
-impl DynamoLoadStore {
+impl DerefMut for LoadGuard<'_> {
+    fn deref_mut(&mut self) -> &mut LoadStore {
+        &mut self.0
+    }
+}
+
+/// The process-wide load store handle (`registry.load_store()` in the seed).
+#[derive(Clone)]
+pub struct SharedLoadStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for SharedLoadStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedLoadStore").finish_non_exhaustive()
+    }
+}
+
+impl SharedLoadStore {
     pub fn new(metrics: Option<Metrics>) -> Self {
         Self {
             inner: Arc::new(Inner {
@@ -63,20 +84,18 @@ impl DynamoLoadStore {
     }
 
     fn store(&self) -> MutexGuard<'_, LoadStore> {
-        self.inner.store.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.store.lock()
     }
 
     fn subs(&self) -> MutexGuard<'_, BTreeMap<String, SubscriptionStatus>> {
-        self.inner
-            .subscriptions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.inner.subscriptions.lock()
     }
 
-    /// Runs `f` on the store under its lock (writers: subscriptions and the follower). Writers
-    /// call [`DynamoLoadStore::notify`] once their whole update (store and gauges) is done.
-    pub fn with<R>(&self, f: impl FnOnce(&mut LoadStore) -> R) -> R {
-        f(&mut self.store())
+    /// Runs `f` on the store under its lock (writers: subscriptions and the follower; the
+    /// request path, which also takes the picker's state through the guard). Writers call
+    /// [`SharedLoadStore::notify`] once their whole update (store and gauges) is done.
+    pub fn with<R>(&self, f: impl FnOnce(&mut LoadGuard<'_>) -> R) -> R {
+        f(&mut LoadGuard(self.store()))
     }
 
     /// Bumps the change counter: an update is complete and visible.

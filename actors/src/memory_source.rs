@@ -13,7 +13,9 @@
 //! watch whose start revision was compacted would.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use crate::lock::{Mutex, MutexGuard};
 
 use continuum_protocol::discovery::SourceEvent;
 use continuum_protocol::ids::Namespace;
@@ -76,7 +78,7 @@ impl MemoryDiscovery {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.lock()
     }
 
     /// Registers (or replaces) one record, as a worker's etcd put would.

@@ -14,7 +14,9 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
+
+use crate::lock::Mutex;
 
 pub use continuum_protocol::discovery::DiscoveryEventKind;
 pub use continuum_protocol::event_plane::LoadEventResult;
@@ -663,7 +665,6 @@ impl Metrics {
         self.inner
             .worker_ranks
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
             .entry(worker.clone())
             .or_default()
             .insert(dp_rank);
@@ -671,12 +672,7 @@ impl Metrics {
 
     /// Removes every gauge series of a departed worker, all ranks.
     pub fn remove_worker(&self, worker: &WorkerKey) {
-        let ranks = self
-            .inner
-            .worker_ranks
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(worker);
+        let ranks = self.inner.worker_ranks.lock().remove(worker);
         if let Some(ranks) = ranks {
             self.inner.remove_worker_series(worker, &ranks);
         }
@@ -686,11 +682,7 @@ impl Metrics {
     /// metrics half of the load store's `set_live_and_retain`).
     pub fn retain_workers(&self, mut live: impl FnMut(&WorkerKey) -> bool) {
         let departed: Vec<(WorkerKey, BTreeSet<DpRank>)> = {
-            let mut ranks = self
-                .inner
-                .worker_ranks
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut ranks = self.inner.worker_ranks.lock();
             let gone: Vec<WorkerKey> = ranks.keys().filter(|k| !live(k)).cloned().collect();
             gone.into_iter()
                 .filter_map(|key| ranks.remove_entry(&key))

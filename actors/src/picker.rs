@@ -1,4 +1,4 @@
-//! PickerActor: owns the worker picker's lifecycle; [`DynamoPicker`] is the state it maintains.
+//! PickerActor: owns the worker picker's lifecycle; [`SharedPicker`] is the state it maintains.
 //!
 //! Role: keeps the picker's inputs current between requests. On every registry generation it
 //! rebuilds the [`CandidateIndex`] (one `Candidate` per dp rank, grouped by model); on every
@@ -10,10 +10,10 @@
 //!
 //! Parent: root. Children: none. Messages in: `GenerationChanged`, `SamplesArrived`, `Expire`
 //! (from the watcher task it spawns in `pre_start` and aborts in `post_stop`), `Status` (query).
-//! Out: the index, the ledger and the installed picker through [`DynamoPicker`].
+//! Out: the index, the ledger and the installed picker through [`SharedPicker`].
 //!
 //! Restart: transient. Every piece of state the routing needs (installed picker, candidate index,
-//! ledger, round-robin cursors) lives in [`DynamoPicker`], outside the actor, exactly as the
+//! ledger, round-robin cursors) lives in [`SharedPicker`], outside the actor, exactly as the
 //! registry keeps its snapshot outside the `RegistryActor`: a restart loses nothing, requests keep
 //! being decided while the actor is down, and the restarted actor catches up in `pre_start`
 //! (rebuild for the current generation, feed arrivals, expire). Only the maintenance cadence
@@ -25,8 +25,8 @@
 //! docs/runtime-semantics.md, "Picker state"). The actor and the request path share the state
 //! through the handle; neither holds the lock across an await.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -46,8 +46,9 @@ use tracing::warn;
 
 use crate::clock::now_tick;
 use crate::lifecycle::ActorKind;
-use crate::load::DynamoLoadStore;
-use crate::registry::DynamoRegistry;
+use crate::load::{LoadGuard, SharedLoadStore};
+use crate::lock::{Mutex, MutexGuard};
+use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec};
 
 /// How often the actor drops dispatches past `DISPATCH_MAX_AGE` (a pick also expires first, so
@@ -82,20 +83,20 @@ struct Inner {
 
 /// The picker state shared by the request path and the [`PickerActor`]: cheap to clone.
 #[derive(Clone)]
-pub struct DynamoPicker {
+pub struct SharedPicker {
     inner: Arc<Inner>,
 }
 
-impl std::fmt::Debug for DynamoPicker {
+impl std::fmt::Debug for SharedPicker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DynamoPicker")
+        f.debug_struct("SharedPicker")
             .field("picker", &self.picker().name())
             .field("generation", &self.index().generation)
             .finish_non_exhaustive()
     }
 }
 
-impl Default for DynamoPicker {
+impl Default for SharedPicker {
     fn default() -> Self {
         Self::new()
     }
@@ -122,7 +123,7 @@ pub struct PickerStatus {
     pub arrival_feeds: u64,
 }
 
-impl DynamoPicker {
+impl SharedPicker {
     /// The default `LoadBasedPicker`, an empty index (generation unknown) and an empty ledger.
     pub fn new() -> Self {
         Self {
@@ -161,7 +162,7 @@ impl DynamoPicker {
     /// The index of the registry's current generation: the actor rebuilds it when a generation is
     /// published, and a request that races ahead of the actor rebuilds it itself, so no decision
     /// ever reads an index older than the snapshot it was published with.
-    pub fn index_for(&self, registry: &DynamoRegistry) -> Arc<IndexedGeneration> {
+    pub fn index_for(&self, registry: &RegistryReader) -> Arc<IndexedGeneration> {
         let generation = registry.generation();
         let held = self.inner.index.load_full();
         if held.generation == generation {
@@ -172,7 +173,7 @@ impl DynamoPicker {
 
     /// Rebuilds the index for `generation` unless it is already held.
     pub fn rebuild(&self, generation: u64, snapshot: &DynamoSnapshot) -> Arc<IndexedGeneration> {
-        let _building = lock(&self.inner.rebuilding);
+        let _building = self.inner.rebuilding.lock();
         let held = self.inner.index.load_full();
         // Generations only grow: a caller that read an older one (the actor, racing a request
         // that already built a newer index) must not replace the newer index.
@@ -200,29 +201,40 @@ impl DynamoPicker {
 
     /// Runs `f` on the picker's mutable state (cursors, ledger, scratch) under its lock. The
     /// request path's whole decision is one such section; keep it free of IO and awaits.
-    pub fn with_state<R>(&self, f: impl FnOnce(&mut PickerState) -> R) -> R {
-        f(&mut lock(&self.inner.state))
+    ///
+    /// Lock order: the load store, then the picker's state. `held` proves the caller holds the
+    /// load store's lock, so no section can take them the other way round. The methods below
+    /// that lock the state alone run no caller code under it.
+    pub fn with_state<R>(&self, held: &LoadGuard<'_>, f: impl FnOnce(&mut PickerState) -> R) -> R {
+        let _ = held;
+        f(&mut self.state())
+    }
+
+    fn state(&self) -> MutexGuard<'_, PickerState> {
+        self.inner.state.lock()
     }
 
     /// A dispatch ended (its response finished or failed): it no longer marks a stall.
     pub fn request_ended(&self, id: DispatchId) {
-        self.with_state(|s| s.ledger.request_ended(id));
+        self.state().ledger.request_ended(id);
     }
 
     /// A dispatch was never sent: forget it.
     pub fn withdraw(&self, id: DispatchId) {
-        self.with_state(|s| s.ledger.withdraw(id));
+        self.state().ledger.withdraw(id);
     }
 
     /// Samples that arrived answer the dispatches pinned to their workers before them.
-    pub fn feed_arrivals(&self, store: &LoadStore) {
-        self.with_state(|s| answer_arrivals(&mut s.ledger, store));
+    pub fn feed_arrivals(&self, load: &SharedLoadStore) {
+        load.with(|store| {
+            self.with_state(store, |s| answer_arrivals(&mut s.ledger, store));
+        });
         self.inner.arrival_feeds.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Drops dispatches older than `DISPATCH_MAX_AGE` (30 s).
     pub fn expire(&self, now: Tick) {
-        self.with_state(|s| s.ledger.expire(now));
+        self.state().ledger.expire(now);
         self.inner.expiries.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -238,8 +250,10 @@ impl DynamoPicker {
     /// The admin view of the picker.
     pub fn status(&self) -> PickerStatus {
         let held = self.index();
-        let (ledger_dispatches, unanswered_legs, cursor_models) =
-            self.with_state(|s| (s.ledger.len(), s.ledger.unanswered(), s.cursor_models()));
+        let (ledger_dispatches, unanswered_legs, cursor_models) = {
+            let s = self.state();
+            (s.ledger.len(), s.ledger.unanswered(), s.cursor_models())
+        };
         PickerStatus {
             name: self.picker().name(),
             index_generation: (held.generation != u64::MAX).then_some(held.generation),
@@ -264,16 +278,12 @@ pub fn answer_arrivals(ledger: &mut DispatchLedger, store: &LoadStore) {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 pub struct PickerActor;
 
 pub struct PickerArgs {
-    pub picker: DynamoPicker,
-    pub registry: DynamoRegistry,
-    pub load: DynamoLoadStore,
+    pub picker: SharedPicker,
+    pub registry: RegistryReader,
+    pub load: SharedLoadStore,
 }
 
 pub enum PickerMsg {
@@ -376,9 +386,7 @@ impl PickerActorState {
     }
 
     fn feed_arrivals(&self) {
-        self.args
-            .load
-            .with(|store| self.args.picker.feed_arrivals(store));
+        self.args.picker.feed_arrivals(&self.args.load);
         self.args.picker.pass_done();
     }
 
@@ -390,9 +398,9 @@ impl PickerActorState {
 
 /// The picker's child spec under root.
 pub fn picker_spec(
-    picker: DynamoPicker,
-    registry: DynamoRegistry,
-    load: DynamoLoadStore,
+    picker: SharedPicker,
+    registry: RegistryReader,
+    load: SharedLoadStore,
 ) -> ChildSpec {
     ChildSpec::new(PICKER_NAME, ActorKind::Picker, move |ctx: ChildContext| {
         let args = PickerArgs {

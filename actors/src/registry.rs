@@ -5,13 +5,20 @@
 //! before bumping the generation; an equal fleet is not republished. It also logs newly mixed
 //! namespaces and keeps the `continuum_dynamo_workers` gauges.
 //!
+//! Handles ([`RegistryParts`]): the actor claims the one [`RegistryWriter`] (not `Clone`;
+//! released when the incarnation's state is dropped, claimed again by the next one); discovery
+//! actors and the daemon stage inputs through the [`RegistryInbox`]; readers hold a
+//! [`RegistryReader`] (lock-free snapshot, generation watch).
+//!
 //! Parent: root. Children: none. Messages in: `Rebuild` (after a DiscoveryActor staged a view, or
-//! the daemon staged a reconfiguration). Out: snapshots via [`DynamoRegistry`]. Restart: transient; the views and the snapshot live in [`DynamoRegistry`],
-//! outside the actor, so a restart loses nothing and readers never stop reading.
+//! the daemon staged a reconfiguration). Out: snapshots via [`RegistryReader`]. Restart:
+//! transient; the staged views and the snapshot live in the shared state, outside the actor, so a
+//! restart loses nothing and readers never stop reading.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
+use arc_swap::ArcSwapOption;
 use continuum_protocol::discovery::records::Role;
 use continuum_protocol::discovery::snapshot::{
     DynamoSnapshot, SourceKind, build_snapshot, newly_mixed,
@@ -22,8 +29,11 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
+use crate::lifecycle::ActorKind;
+use crate::lock::{CLAIM_TIMEOUT, Claim, Exclusive, Mutex, MutexGuard};
 use crate::metrics::{Metrics, WorkerRole};
 use crate::store::SnapshotStore;
+use crate::supervisor::{ChildContext, ChildSpec};
 
 /// What the registry is configured to publish.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,41 +52,62 @@ struct Held {
 struct Shared {
     store: Arc<SnapshotStore<DynamoSnapshot>>,
     held: Mutex<Held>,
+    /// The running registry actor, set by each incarnation (so senders never hold a stale ref).
+    actor: ArcSwapOption<ActorRef<RegistryMsg>>,
+}
+
+impl Shared {
+    fn held(&self) -> MutexGuard<'_, Held> {
+        self.held.lock()
+    }
+}
+
+/// The three handles of one registry: one writer, its inputs, its readers.
+#[derive(Debug)]
+pub struct RegistryParts {
+    /// Claimed by the [`RegistryActor`] (one incarnation at a time): the only snapshot writer.
+    pub writer: RegistryWriterSlot,
+    /// Staged views, connection states and configuration; pokes the actor.
+    pub inbox: RegistryInbox,
+    /// Lock-free snapshot reads.
+    pub reader: RegistryReader,
+}
+
+impl RegistryParts {
+    pub fn new(config: RegistryConfig) -> Self {
+        let empty = DynamoSnapshot::empty(config.source, &config.namespaces);
+        let shared = Arc::new(Shared {
+            store: SnapshotStore::new(empty),
+            held: Mutex::new(Held {
+                config,
+                views: BTreeMap::new(),
+                connected: BTreeMap::new(),
+            }),
+            actor: ArcSwapOption::empty(),
+        });
+        Self {
+            writer: RegistryWriterSlot(Exclusive::new(shared.clone())),
+            inbox: RegistryInbox(shared.clone()),
+            reader: RegistryReader { shared },
+        }
+    }
 }
 
 /// The registry as readers see it: cheap to clone, lock-free snapshot reads.
 #[derive(Clone)]
-pub struct DynamoRegistry {
+pub struct RegistryReader {
     shared: Arc<Shared>,
 }
 
-impl std::fmt::Debug for DynamoRegistry {
+impl std::fmt::Debug for RegistryReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DynamoRegistry")
+        f.debug_struct("RegistryReader")
             .field("generation", &self.generation())
             .finish_non_exhaustive()
     }
 }
 
-impl DynamoRegistry {
-    pub fn new(config: RegistryConfig) -> Self {
-        let empty = DynamoSnapshot::empty(config.source, &config.namespaces);
-        Self {
-            shared: Arc::new(Shared {
-                store: SnapshotStore::new(empty),
-                held: Mutex::new(Held {
-                    config,
-                    views: BTreeMap::new(),
-                    connected: BTreeMap::new(),
-                }),
-            }),
-        }
-    }
-
-    fn held(&self) -> MutexGuard<'_, Held> {
-        self.shared.held.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
+impl RegistryReader {
     /// The current fleet, lock-free.
     pub fn snapshot(&self) -> Arc<DynamoSnapshot> {
         self.shared.store.snapshot()
@@ -93,29 +124,54 @@ impl DynamoRegistry {
 
     /// Whether discovery is enabled in the live config.
     pub fn is_enabled(&self) -> bool {
-        self.held().config.enabled
+        self.shared.held().config.enabled
     }
 
     pub fn config(&self) -> RegistryConfig {
-        self.held().config.clone()
+        self.shared.held().config.clone()
     }
 
     /// True when every configured namespace's source has its watches open.
     pub fn connected(&self) -> bool {
-        let held = self.held();
-        !held.config.namespaces.is_empty()
-            && held
-                .config
-                .namespaces
-                .iter()
-                .all(|ns| held.connected.get(ns).copied().unwrap_or(false))
+        connected(&self.shared.held())
+    }
+}
+
+fn connected(held: &Held) -> bool {
+    !held.config.namespaces.is_empty()
+        && held
+            .config
+            .namespaces
+            .iter()
+            .all(|ns| held.connected.get(ns).copied().unwrap_or(false))
+}
+
+/// The registry's inputs: discovery actors stage views and connection states, the daemon stages
+/// configurations; each then pokes the registry actor, the one writer of the snapshot. A poke
+/// sent while the registry restarts is dropped, which is safe because the restarted actor
+/// rebuilds from the staged state.
+#[derive(Clone)]
+pub struct RegistryInbox(Arc<Shared>);
+
+impl std::fmt::Debug for RegistryInbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryInbox").finish_non_exhaustive()
+    }
+}
+
+impl RegistryInbox {
+    /// Best effort: dropped while no registry actor runs (see above).
+    pub fn cast(&self, msg: RegistryMsg) {
+        if let Some(actor) = self.0.actor.load_full() {
+            let _ = actor.cast(msg);
+        }
     }
 
     /// Stages a new configuration (startup and reload) for the next rebuild. `reset` drops every
     /// held view (source, namespace or connection change); otherwise only views of namespaces no
     /// longer configured are pruned. Returns the namespaces whose views were dropped.
     pub fn reconfigure(&self, config: RegistryConfig, reset: bool) -> Vec<Namespace> {
-        let mut held = self.held();
+        let mut held = self.0.held();
         let keep: BTreeSet<&Namespace> = config.namespaces.iter().collect();
         let removed: Vec<Namespace> = held
             .views
@@ -131,51 +187,44 @@ impl DynamoRegistry {
         removed
     }
 
-    /// Stages a namespace's new view for the next rebuild. Discovery actors stage, then poke the
-    /// registry actor with [`RegistryMsg::Rebuild`]; a poke lost while the registry restarts
-    /// loses nothing, since the restarted actor rebuilds from the staged views.
+    /// Stages a namespace's new view and pokes the registry actor to rebuild.
     pub fn stage_view(&self, view: Arc<NamespaceView>) {
-        let mut held = self.held();
-        if held.config.namespaces.contains(view.namespace()) {
-            held.views.insert(view.namespace().clone(), view);
+        {
+            let mut held = self.0.held();
+            if held.config.namespaces.contains(view.namespace()) {
+                held.views.insert(view.namespace().clone(), view);
+            }
         }
+        self.cast(RegistryMsg::Rebuild);
     }
 
-    /// A discovery source reports its connection state (not part of the snapshot).
-    pub fn set_connected(&self, namespace: &Namespace, connected: bool) {
-        self.held().connected.insert(namespace.clone(), connected);
+    /// A discovery source reports its connection state (not part of the snapshot); returns
+    /// whether every configured namespace is connected now.
+    pub fn set_connected(&self, namespace: &Namespace, up: bool) -> bool {
+        let mut held = self.0.held();
+        held.connected.insert(namespace.clone(), up);
+        connected(&held)
     }
 }
 
-/// Where to reach the current registry actor: updated at every (re)spawn, so senders never
-/// hold a stale `ActorRef` across a registry restart.
-#[derive(Clone, Default)]
-pub struct RegistryMailbox(Arc<arc_swap::ArcSwapOption<ActorRef<RegistryMsg>>>);
+/// Hands the registry's writer to one [`RegistryActor`] incarnation at a time.
+#[derive(Clone, Debug)]
+pub struct RegistryWriterSlot(Exclusive<Arc<Shared>>);
 
-impl std::fmt::Debug for RegistryMailbox {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RegistryMailbox").finish_non_exhaustive()
-    }
-}
+/// The one writer of the fleet snapshot (not `Clone`; owned by the running [`RegistryActor`]).
+#[derive(Debug)]
+pub struct RegistryWriter(Claim<Arc<Shared>>);
 
-impl RegistryMailbox {
-    pub fn set(&self, actor: ActorRef<RegistryMsg>) {
-        self.0.store(Some(Arc::new(actor)));
-    }
-
-    /// Best effort: a message sent while the registry restarts is dropped, which is safe
-    /// because the restarted actor rebuilds from the staged state.
-    pub fn cast(&self, msg: RegistryMsg) {
-        if let Some(actor) = self.0.load_full() {
-            let _ = actor.cast(msg);
-        }
+impl RegistryWriter {
+    fn shared(&self) -> &Shared {
+        &self.0
     }
 }
 
 pub struct RegistryActor;
 
 pub struct RegistryArgs {
-    pub registry: DynamoRegistry,
+    pub writer: RegistryWriterSlot,
     pub metrics: Option<Metrics>,
 }
 
@@ -185,7 +234,7 @@ pub enum RegistryMsg {
 }
 
 pub struct RegistryState {
-    registry: DynamoRegistry,
+    writer: RegistryWriter,
     metrics: Option<Metrics>,
 }
 
@@ -196,16 +245,27 @@ impl Actor for RegistryActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<Self::Msg>,
+        myself: ActorRef<Self::Msg>,
         args: RegistryArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
+        let writer = RegistryWriter(args.writer.0.claim(CLAIM_TIMEOUT).await?);
+        writer.shared().actor.store(Some(Arc::new(myself)));
         let mut state = RegistryState {
-            registry: args.registry,
+            writer,
             metrics: args.metrics,
         };
         // A restarted registry catches up with whatever was staged while it was down.
         state.publish();
         Ok(state)
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        state.writer.shared().actor.store(None);
+        Ok(())
     }
 
     async fn handle(
@@ -224,12 +284,13 @@ impl Actor for RegistryActor {
 impl RegistryState {
     /// Rebuilds the snapshot from the held views and publishes it if the fleet changed.
     fn publish(&mut self) {
+        let shared = self.writer.shared();
         let next = {
-            let held = self.registry.held();
+            let held = shared.held();
             let views: Vec<&NamespaceView> = held.views.values().map(|v| v.as_ref()).collect();
             build_snapshot(held.config.source, &held.config.namespaces, &views)
         };
-        let previous = self.registry.snapshot();
+        let previous = shared.store.snapshot();
         let report = newly_mixed(&previous, &next);
         let gauges = role_counts(&next);
         let gone: Vec<Namespace> = previous
@@ -238,9 +299,7 @@ impl RegistryState {
             .filter(|ns| !next.namespaces().contains(ns))
             .cloned()
             .collect();
-        let changed = self
-            .registry
-            .shared
+        let changed = shared
             .store
             .publish_unless(next, |current, next| current.same_fleet(next));
         if !changed {
@@ -249,7 +308,7 @@ impl RegistryState {
         // Debug, not info: a fleet under churn (leases renewed, workers restarting) publishes on
         // every etcd change, which would drown the log; the admin API shows the current fleet.
         debug!(
-            generation = self.registry.generation(),
+            generation = shared.store.generation(),
             workers = gauges.values().sum::<u64>(),
             "Published a new fleet snapshot."
         );
@@ -305,4 +364,18 @@ fn role_counts(snapshot: &DynamoSnapshot) -> BTreeMap<(Namespace, WorkerRole), u
             .or_insert(0) += 1;
     }
     counts
+}
+
+/// The registry actor's child spec under root: every incarnation claims the one writer.
+pub fn registry_spec(writer: RegistryWriterSlot) -> ChildSpec {
+    ChildSpec::new("registry", ActorKind::Registry, move |ctx: ChildContext| {
+        let args = RegistryArgs {
+            writer: writer.clone(),
+            metrics: ctx.metrics.clone(),
+        };
+        async move {
+            let (actor, _) = Actor::spawn_linked(None, RegistryActor, args, ctx.supervisor).await?;
+            Ok(actor.get_cell())
+        }
+    })
 }

@@ -4,8 +4,10 @@
 //! SubscriptionActor — role: owns one publisher's bounded ZMTP SUB connection task: dial (under
 //! the dial policy), fold every delivery through `protocol::load_store::LoadStream` into the
 //! shared store, reconnect with full-jitter backoff 500 ms → 30 s whose floor resets only after a
-//! 30 s session. Parent: the `subscriptions` supervisor. Messages in: none but Stop (the task owns
-//! the socket and reports through the store's status table). Restart: on failure, by its
+//! 30 s session. Parent: the `subscriptions` supervisor. Messages in (from the follower):
+//! `Redial(target)` (same publisher, new endpoint or component: end the session or backoff wait
+//! and dial it now) and `Status` (the target it dials); the connection task owns the socket and
+//! reports through the store's status table. Restart: on failure, by its
 //! supervisor; the next connection drops the publisher's samples first (missed-messages rule).
 //! Unreachable rule: when an established session ends and the next attempt is refused, reset or
 //! times out, the workers this publisher delivered samples for are marked unreachable in the
@@ -18,9 +20,11 @@
 //!
 //! SubscriptionFollower — role: on every registry generation, applies the live-worker gate to
 //! the store (evicting samples and gauges of departed workers), plans the wanted subscriptions
-//! (`protocol::subscriptions::plan`: ≤ 1,024; publishers of registered workers first, then
-//! running ones, then ascending publisher id) and tells its supervisor to stop departed or
-//! modified ones (concurrently) and start new ones. Publishers newly left out by the cap are
+//! (`protocol::subscription_plan::plan`: ≤ 1,024; publishers of registered workers first, then
+//! running ones, then ascending publisher id), redials running subscriptions whose publisher
+//! moved (`Redial`), and tells its supervisor to stop departed ones (concurrently) and start new
+//! ones. A restarted follower asks its running siblings for their targets (`Status`) and adopts
+//! those that answer. Publishers newly left out by the cap are
 //! counted `over_capacity` (`load_events_total` for kv_metrics, `kv_events_total` for
 //! kv-events), and a warning follows the number left out whenever it changes. Parent: the same
 //! supervisor, whose dynamic children it manages. Messages in: `Reconcile` (from its generation
@@ -34,21 +38,22 @@ use continuum_protocol::backoff::{Backoff, BackoffPolicy};
 use continuum_protocol::discovery::records::EventTopic;
 use continuum_protocol::ids::{InstanceId, Namespace, PublisherId, WorkerKey};
 use continuum_protocol::load_store::{LoadStream, WorkerRank};
-use continuum_protocol::subscriptions::{self, MAX_SUBSCRIPTIONS, SubscriptionTarget};
+use continuum_protocol::subscription_plan::{self, MAX_SUBSCRIPTIONS, SubscriptionTarget};
 use ipnet::IpNet;
-use ractor::{Actor, ActorProcessingErr, ActorRef, call_t};
-use tokio::sync::mpsc;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, call_t};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::clock::now_tick;
-use crate::kv_index::{DynamoKvIndex, SubscriptionName};
+use crate::kv_index::{SharedKvIndex, SubscriptionName};
 use crate::lifecycle::ActorKind;
-use crate::load::{DynamoLoadStore, SubscriptionStatus};
+use crate::load::{SharedLoadStore, SubscriptionStatus};
+use crate::lock::Mutex;
 use crate::metrics::{
     LoadEventResult, Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges,
 };
-use crate::registry::DynamoRegistry;
+use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec, SupervisorMsg};
 use crate::zmtp_conn::{CONNECT_TIMEOUT, ConnEvent, ZmtpConnConfig, ZmtpConnError, run_session};
 use continuum_protocol::event_plane::{StreamExpectation, decode_delivery};
@@ -79,33 +84,48 @@ pub struct SubscriptionArgs {
     pub name: String,
     pub target: SubscriptionTarget,
     pub policy: DialPolicy,
-    pub store: DynamoLoadStore,
-    pub kv: DynamoKvIndex,
+    pub store: SharedLoadStore,
+    pub kv: SharedKvIndex,
     pub metrics: Option<Metrics>,
     pub span: tracing::Span,
 }
 
+/// What a SubscriptionActor is told by its follower.
+pub enum SubscriptionMsg {
+    /// Dial `target` now: it has this subscription's child name (topic, namespace, publisher)
+    /// with a new endpoint or component. Ends the current session or backoff wait; the new
+    /// session drops the publisher's samples first, as every new session does.
+    Redial(SubscriptionTarget),
+    /// The target this subscription dials (a restarted follower adopts running subscriptions).
+    Status(RpcReplyPort<SubscriptionTarget>),
+}
+
 pub struct SubscriptionActorState {
     name: String,
-    store: DynamoLoadStore,
+    target: SubscriptionTarget,
+    /// Hands a new target to the connection task.
+    redial: watch::Sender<SubscriptionTarget>,
+    store: SharedLoadStore,
     /// Set for a kv-events subscription: told when this subscription stops.
-    kv: Option<DynamoKvIndex>,
+    kv: Option<SharedKvIndex>,
     /// Set for a kv_metrics subscription: whose samples and gauges go when it stops.
     load: Option<(PublisherId, Namespace, Option<Metrics>)>,
     task: JoinHandle<()>,
 }
 
 impl Actor for SubscriptionActor {
-    type Msg = ();
+    type Msg = SubscriptionMsg;
     type State = SubscriptionActorState;
     type Arguments = SubscriptionArgs;
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<()>,
+        _myself: ActorRef<SubscriptionMsg>,
         args: SubscriptionArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
         let name = args.name.clone();
+        let target = args.target.clone();
+        let (redial, redials) = watch::channel(target.clone());
         let store = args.store.clone();
         let span = args.span.clone();
         let kv = (args.target.topic == EventTopic::KvEvents).then(|| args.kv.clone());
@@ -116,9 +136,11 @@ impl Actor for SubscriptionActor {
                 args.metrics.clone(),
             )
         });
-        let task = tokio::spawn(run_subscription(args).instrument(span));
+        let task = tokio::spawn(run_subscription(args, redials).instrument(span));
         Ok(SubscriptionActorState {
             name,
+            target,
+            redial,
             store,
             kv,
             load,
@@ -126,9 +148,34 @@ impl Actor for SubscriptionActor {
         })
     }
 
+    async fn handle(
+        &self,
+        _myself: ActorRef<SubscriptionMsg>,
+        msg: SubscriptionMsg,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SubscriptionMsg::Redial(target) => {
+                if target.child_name() == state.name {
+                    info!(subscription = %state.name, "Redialing the publisher's new endpoint.");
+                    state.target = target.clone();
+                    // `send` marks the value changed even when equal: a redial of the same
+                    // target is a reconnect now.
+                    let _ = state.redial.send(target);
+                } else {
+                    warn!(subscription = %state.name, other = %target.child_name(), "Refused a redial to another publisher.");
+                }
+            }
+            SubscriptionMsg::Status(reply) => {
+                let _ = reply.send(state.target.clone());
+            }
+        }
+        Ok(())
+    }
+
     async fn post_stop(
         &self,
-        _myself: ActorRef<()>,
+        _myself: ActorRef<SubscriptionMsg>,
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         state.task.abort();
@@ -154,7 +201,7 @@ impl Actor for SubscriptionActor {
 /// Reports a subscription's state into the status table.
 struct Reporter {
     name: String,
-    store: DynamoLoadStore,
+    store: SharedLoadStore,
     template: SubscriptionStatus,
 }
 
@@ -167,11 +214,35 @@ impl Reporter {
     }
 }
 
-/// The connection loop of one subscription: connect, fold, back off, repeat.
-async fn run_subscription(args: SubscriptionArgs) {
+/// The connection settings of one target.
+fn conn_config(target: &SubscriptionTarget, policy: &DialPolicy) -> ZmtpConnConfig {
+    if target.topic == EventTopic::KvEvents {
+        ZmtpConnConfig {
+            publisher_id: target.publisher_id,
+            endpoint: target.endpoint.clone(),
+            topic: b"kv-events".to_vec(),
+            limits: ZmtpLimits::KV_EVENTS,
+            allow_cidrs: policy.allow_cidrs.clone(),
+            connect_timeout: CONNECT_TIMEOUT,
+        }
+    } else {
+        ZmtpConnConfig::kv_metrics(
+            target.publisher_id,
+            target.endpoint.clone(),
+            policy.allow_cidrs.clone(),
+        )
+    }
+}
+
+/// The connection loop of one subscription: connect, fold, back off, repeat; a redial (a new
+/// target from the actor) ends the session or the backoff wait and dials the new target now.
+async fn run_subscription(
+    args: SubscriptionArgs,
+    mut redials: watch::Receiver<SubscriptionTarget>,
+) {
     let SubscriptionArgs {
         name,
-        target,
+        mut target,
         policy,
         store,
         kv,
@@ -180,7 +251,7 @@ async fn run_subscription(args: SubscriptionArgs) {
     } = args;
     let kv_events = target.topic == EventTopic::KvEvents;
     let kv_name = SubscriptionName::from(name.as_str());
-    let reporter = Reporter {
+    let mut reporter = Reporter {
         name: name.clone(),
         store: store.clone(),
         template: SubscriptionStatus {
@@ -205,22 +276,6 @@ async fn run_subscription(args: SubscriptionArgs) {
         std::future::pending::<()>().await;
         return;
     }
-    let config = if kv_events {
-        ZmtpConnConfig {
-            publisher_id: target.publisher_id,
-            endpoint: target.endpoint.clone(),
-            topic: b"kv-events".to_vec(),
-            limits: ZmtpLimits::KV_EVENTS,
-            allow_cidrs: policy.allow_cidrs.clone(),
-            connect_timeout: CONNECT_TIMEOUT,
-        }
-    } else {
-        ZmtpConnConfig::kv_metrics(
-            target.publisher_id,
-            target.endpoint.clone(),
-            policy.allow_cidrs.clone(),
-        )
-    };
     let mut backoff = Backoff::new(BackoffPolicy::SUBSCRIPTION);
     let mut stream = LoadStream::new(target.publisher_id);
     let mut jitter = Jitter::seeded(target.publisher_id.0);
@@ -228,10 +283,27 @@ async fn run_subscription(args: SubscriptionArgs) {
         reporter.report(SubscriptionState::Connecting);
         let started = tokio::time::Instant::now();
         let (tx, mut rx) = mpsc::channel::<ConnEvent>(64);
-        let cfg = config.clone();
-        let session = tokio::spawn(async move { run_session(&cfg, &tx).await });
+        let cfg = conn_config(&target, &policy);
+        let mut session = tokio::spawn(async move { run_session(&cfg, &tx).await });
         let mut established = false;
-        while let Some(event) = rx.recv().await {
+        let mut redialed = false;
+        loop {
+            let event = tokio::select! {
+                event = rx.recv() => match event {
+                    Some(event) => event,
+                    None => break,
+                },
+                changed = redials.changed() => {
+                    if changed.is_err() {
+                        // The actor is gone (it aborts this task as it stops).
+                        session.abort();
+                        return;
+                    }
+                    redialed = true;
+                    session.abort();
+                    break;
+                }
+            };
             established |= matches!(event, ConnEvent::Connected { .. });
             match event {
                 ConnEvent::Connected { .. } if kv_events => {
@@ -296,7 +368,7 @@ async fn run_subscription(args: SubscriptionArgs) {
                 }
             }
         }
-        let outcome = session.await;
+        let outcome = (&mut session).await;
         if !kv_events {
             note_reachability(&name, &mut stream, &store, &metrics, established, &outcome);
         }
@@ -317,10 +389,23 @@ async fn run_subscription(args: SubscriptionArgs) {
         if kv_events {
             kv.subscription_state(&kv_name, false);
         }
-        let delay = backoff.session_ended(started.elapsed(), SESSION_RESET_AFTER, jitter.unit());
-        reporter.report(SubscriptionState::Backoff);
-        debug!(subscription = %name, reason = %ended, delay_ms = delay.as_millis() as u64, "Subscription session ended; reconnecting after backoff.");
-        tokio::time::sleep(delay).await;
+        if !redialed {
+            let delay =
+                backoff.session_ended(started.elapsed(), SESSION_RESET_AFTER, jitter.unit());
+            reporter.report(SubscriptionState::Backoff);
+            debug!(subscription = %name, reason = %ended, delay_ms = delay.as_millis() as u64, "Subscription session ended; reconnecting after backoff.");
+            tokio::select! {
+                () = tokio::time::sleep(delay) => continue,
+                changed = redials.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        // Redialed: dial the new target now.
+        target = redials.borrow_and_update().clone();
+        reporter.template.component = target.component.clone();
     }
 }
 
@@ -330,7 +415,7 @@ async fn run_subscription(args: SubscriptionArgs) {
 fn note_reachability(
     name: &str,
     stream: &mut LoadStream,
-    store: &DynamoLoadStore,
+    store: &SharedLoadStore,
     metrics: &Option<Metrics>,
     established: bool,
     outcome: &Result<Result<(), ZmtpConnError>, tokio::task::JoinError>,
@@ -398,11 +483,16 @@ impl Jitter {
 
 pub struct SubscriptionFollower;
 
+/// The running subscriptions' mailboxes by child name: each incarnation registers itself as it
+/// spawns. Shared by every follower incarnation, so a restarted follower can ask its siblings.
+pub type Mailboxes = Arc<Mutex<BTreeMap<String, ActorRef<SubscriptionMsg>>>>;
+
 pub struct FollowerArgs {
     pub supervisor: ActorRef<SupervisorMsg>,
-    pub registry: DynamoRegistry,
-    pub store: DynamoLoadStore,
-    pub kv: DynamoKvIndex,
+    pub mailboxes: Mailboxes,
+    pub registry: RegistryReader,
+    pub store: SharedLoadStore,
+    pub kv: SharedKvIndex,
     pub policy: DialPolicySource,
     pub metrics: Option<Metrics>,
 }
@@ -481,14 +571,8 @@ impl Actor for SubscriptionFollower {
 impl FollowerState {
     async fn reconcile(&mut self) {
         if !self.adopted {
-            // A restarted follower does not know its siblings' targets: stop them and start over
-            // (their next connection drops possibly missed samples anyway).
             self.adopted = true;
-            if let Ok(names) = call_t!(self.args.supervisor, SupervisorMsg::ListChildren, 5_000) {
-                let orphans: Vec<String> =
-                    names.into_iter().filter(|n| n != FOLLOWER_NAME).collect();
-                self.stop_all(&orphans).await;
-            }
+            self.adopt().await;
         }
         let snapshot = self.args.registry.snapshot();
         // The live-worker gate and eviction, atomically with respect to writers.
@@ -507,9 +591,10 @@ impl FollowerState {
         }
         self.args.store.notify();
         if self.policy.kv_events {
-            self.args.kv.set_live(&snapshot);
+            // The KV index's writer applies the same gate before any new subscription delivers.
+            self.args.kv.reconcile().await;
         }
-        let plan = subscriptions::plan(
+        let plan = subscription_plan::plan(
             &snapshot,
             EventTopic::KvMetrics,
             MAX_SUBSCRIPTIONS,
@@ -518,7 +603,7 @@ impl FollowerState {
         let mut wanted = plan.wanted;
         let mut left_out: BTreeSet<String> = plan.left_out.into_iter().collect();
         if self.policy.kv_events {
-            let kv = subscriptions::plan(
+            let kv = subscription_plan::plan(
                 &snapshot,
                 EventTopic::KvEvents,
                 MAX_SUBSCRIPTIONS,
@@ -528,7 +613,18 @@ impl FollowerState {
             left_out.extend(kv.left_out);
         }
         self.note_left_out(left_out);
-        let (stop, start) = subscriptions::diff(&self.running, &wanted);
+        let (mut stop, mut start) = subscription_plan::diff(&self.running, &wanted);
+        // A target whose child name stays (same publisher, new endpoint or component) is
+        // redialed in place rather than stopped and started.
+        start.retain(|target| {
+            let name = target.child_name();
+            if !stop.contains(&name) || !self.redial(&name, target) {
+                return true;
+            }
+            stop.retain(|n| *n != name);
+            self.running.insert(name, target.clone());
+            false
+        });
         self.stop_all(&stop).await;
         for target in start {
             let name = target.child_name();
@@ -589,6 +685,43 @@ impl FollowerState {
         self.left_out = left_out;
     }
 
+    /// Tells a running subscription to dial `target`; false if it cannot be reached.
+    fn redial(&self, name: &str, target: &SubscriptionTarget) -> bool {
+        let Some(actor) = self.args.mailboxes.lock().get(name).cloned() else {
+            return false;
+        };
+        actor.cast(SubscriptionMsg::Redial(target.clone())).is_ok()
+    }
+
+    /// A restarted follower asks each running sibling for its target and adopts those that
+    /// answer; the others are stopped (the next reconcile starts what is still wanted).
+    async fn adopt(&mut self) {
+        let Ok(names) = call_t!(self.args.supervisor, SupervisorMsg::ListChildren, 5_000) else {
+            return;
+        };
+        let mut orphans = Vec::new();
+        for name in names.into_iter().filter(|n| n != FOLLOWER_NAME) {
+            let actor = self.args.mailboxes.lock().get(&name).cloned();
+            let answer = match actor {
+                Some(actor) => call_t!(actor, SubscriptionMsg::Status, 1_000).ok(),
+                None => None,
+            };
+            match answer {
+                Some(target) if target.child_name() == name => {
+                    self.running.insert(name, target);
+                }
+                _ => orphans.push(name),
+            }
+        }
+        if !self.running.is_empty() {
+            info!(
+                adopted = self.running.len(),
+                "The subscription follower adopted the running subscriptions."
+            );
+        }
+        self.stop_all(&orphans).await;
+    }
+
     /// Stops subscriptions concurrently, each within [`STOP_GRACE`].
     async fn stop_all(&mut self, names: &[String]) {
         let stops = names.iter().map(|name| {
@@ -603,6 +736,7 @@ impl FollowerState {
             }
         });
         for name in futures::future::join_all(stops).await {
+            self.args.mailboxes.lock().remove(&name);
             if let Some(target) = self.running.remove(&name) {
                 info!(subscription = %name, publisher_id = target.publisher_id.0, "Stopped a subscription.");
             }
@@ -614,6 +748,7 @@ impl FollowerState {
         let store = self.args.store.clone();
         let kv = self.args.kv.clone();
         let metrics = self.args.metrics.clone();
+        let mailboxes = self.args.mailboxes.clone();
         let name = name.to_string();
         ChildSpec::new(
             name.clone(),
@@ -628,10 +763,14 @@ impl FollowerState {
                     metrics: metrics.clone(),
                     span: ctx.span.span().clone(),
                 };
+                let mailboxes = mailboxes.clone();
+                let name = name.clone();
                 async move {
                     let (actor, _) =
                         Actor::spawn_linked(None, SubscriptionActor, args, ctx.supervisor).await?;
-                    Ok(actor.get_cell())
+                    let cell = actor.get_cell();
+                    mailboxes.lock().insert(name, actor);
+                    Ok(cell)
                 }
             },
         )
@@ -640,17 +779,19 @@ impl FollowerState {
 
 /// The follower's child spec; its parent supervisor is the one whose children it manages.
 pub fn follower_spec(
-    registry: DynamoRegistry,
-    store: DynamoLoadStore,
-    kv: DynamoKvIndex,
+    registry: RegistryReader,
+    store: SharedLoadStore,
+    kv: SharedKvIndex,
     policy: DialPolicySource,
 ) -> ChildSpec {
+    let mailboxes = Mailboxes::default();
     ChildSpec::new(
         FOLLOWER_NAME,
         ActorKind::SubscriptionFollower,
         move |ctx: ChildContext| {
             let args = FollowerArgs {
                 supervisor: ActorRef::from(ctx.supervisor.clone()),
+                mailboxes: mailboxes.clone(),
                 registry: registry.clone(),
                 store: store.clone(),
                 kv: kv.clone(),

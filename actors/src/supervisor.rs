@@ -273,7 +273,10 @@ impl Actor for Supervisor {
             SupervisionEvent::ActorFailed(cell, err) => {
                 state.child_failed(&myself, &cell, &err.to_string()).await
             }
-            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+            SupervisionEvent::ActorTerminated(cell, child_state, reason) => {
+                // Drop the stopped incarnation's state before a successor can start, so the
+                // writer it claimed (`lock::Claim`) is free for the next incarnation.
+                drop(child_state);
                 state.child_terminated(&myself, &cell, reason).await;
                 Ok(())
             }

@@ -4,7 +4,9 @@
 //! children here. Readers get a consistent copy; the lock is never held across an await.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use crate::lock::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use ractor::{ActorRef, call_t};
@@ -73,7 +75,7 @@ impl std::fmt::Debug for ActorTree {
 impl ActorTree {
     fn lock(&self) -> MutexGuard<'_, BTreeMap<ActorPath, Entry>> {
         // A poisoned table only means a writer panicked mid-update; the rows stay usable.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.lock()
     }
 
     /// Records that `id` is (re)starting under `supervisor`; restart counts survive.

@@ -12,7 +12,6 @@
 //! | [`objects`] | tolerant serde views of Pod, EndpointSlice, DynamoWorkerMetadata |
 //! | [`pods`] | `kubernetes_pods` classification and the bounded `PodSet` |
 //! | [`metadata`] | the metadata source's held resources, readiness join and incremental diffs |
-//! | [`settings`] | validation and reload decisions for `dynamo.discovery.kubernetes` |
 
 pub mod hash;
 pub mod labels;
@@ -20,7 +19,6 @@ pub mod metadata;
 pub mod objects;
 pub mod pod_view;
 pub mod pods;
-pub mod settings;
 
 pub use hash::{hash_container_name, hash_pod_name};
 

@@ -15,7 +15,7 @@
 //! | [`event_bus`] | event-bus wire contract: NDJSON control messages, hello validation, credentials, rendezvous, byte bounds, session state machines of both ends |
 //! | [`event_plane`] | 4-frame event-plane messages, EventEnvelope, ActiveLoad, drop results |
 //! | [`load_store`] | latest ActiveLoad per (worker, dp_rank), staleness, missed-message rule |
-//! | [`subscriptions`] | which publishers to subscribe to (cap, order, diff) |
+//! | [`subscription_plan`] | which publishers to subscribe to (cap, order, diff) |
 //! | [`kube`] | Kubernetes discovery: `hash_pod_name`, Pod membership, metadata ⋈ EndpointSlice |
 //! | [`kv`] | kv-events decoding, the bounded radix index, block hashing, the KV cost function |
 //! | [`ingress`] | Anthropic Messages API ⇄ OpenAI chat-completions converters (requests, responses, SSE streams, error objects) |
@@ -33,6 +33,6 @@ pub mod kube;
 pub mod kv;
 pub mod load_store;
 pub mod picker;
-pub mod subscriptions;
+pub mod subscription_plan;
 pub mod time;
 pub mod zmtp;

@@ -4,8 +4,9 @@
 //! the reference's reload rules:
 //! - immediate: `dynamo.load.max_staleness`, `dynamo.shim.*`, `dynamo.kv.*`, `api_keys`,
 //!   `backends`, `admin`, `disaggregated_serving` — read on the next request or freshness check;
-//! - restart subscriptions: `dynamo.load.transport`, `dynamo.load.direct_allow_cidrs` — only the
-//!   load and KV subscription tasks restart, under the new dial policy;
+//! - restart subscriptions: `dynamo.load.transport`, `dynamo.load.direct_allow_cidrs`,
+//!   `dynamo.kv.enabled` — only the load and KV subscription tasks restart, under the new dial
+//!   policy (turning KV indexing on or off starts or stops the kv-events subscriptions);
 //! - discovery: `dynamo.enabled` and the active source's `dynamo.discovery.*` settings — the
 //!   watcher is replaced with a reason (see [`RestartReason`]) or stopped;
 //! - event bus: `dynamo.event_bus.*` — the listener supervisor applies it;
@@ -96,8 +97,12 @@ pub struct ReloadPlan {
     pub changes: Vec<Change>,
     /// `None` when the discovery watcher is untouched.
     pub discovery: Option<DiscoveryAction>,
-    /// `dynamo.load.transport` or `dynamo.load.direct_allow_cidrs` changed.
+    /// The dial policy changed: `dynamo.load.transport`, `dynamo.load.direct_allow_cidrs`, or
+    /// whether kv-events are subscribed (`dynamo.kv.enabled`, or `dynamo.enabled` under it).
     pub restart_subscriptions: bool,
+    /// The tokenizer-artifact loader's inputs changed (`dynamo.enabled`, `dynamo.kv.enabled`,
+    /// `pinned_artifacts`, `allow_http_artifacts`, `allow_hf_artifacts`, `artifact_cache_dir`).
+    pub kv_artifacts: bool,
     /// Something under `dynamo.event_bus` changed.
     pub event_bus: bool,
     /// Changed keys that apply only after a process restart (`server.*`, `telemetry.*`).
@@ -142,6 +147,8 @@ pub fn diff(old: &Config, new: &Config) -> ReloadPlan {
 
     let mut plan = ReloadPlan {
         discovery,
+        restart_subscriptions: kv_events(old) != kv_events(new),
+        kv_artifacts: artifact_inputs(old) != artifact_inputs(new),
         ..ReloadPlan::default()
     };
     for path in paths {
@@ -157,6 +164,23 @@ pub fn diff(old: &Config, new: &Config) -> ReloadPlan {
     plan
 }
 
+/// Whether kv-events publishers are subscribed (part of the dial policy).
+fn kv_events(config: &Config) -> bool {
+    config.dynamo.enabled && config.dynamo.kv.enabled
+}
+
+/// What the tokenizer-artifact loader is configured from.
+fn artifact_inputs(config: &Config) -> (bool, &[String], bool, bool, &std::path::Path) {
+    let kv = &config.dynamo.kv;
+    (
+        kv_events(config),
+        &kv.pinned_artifacts,
+        kv.allow_http_artifacts,
+        kv.allow_hf_artifacts,
+        &kv.artifact_cache_dir,
+    )
+}
+
 fn classify(path: &str, old: &Config, new: &Config, discovery_acts: bool) -> ReloadClass {
     let under = |prefix: &str| {
         path == prefix
@@ -167,7 +191,10 @@ fn classify(path: &str, old: &Config, new: &Config, discovery_acts: bool) -> Rel
     if under("server") || under("telemetry") {
         return ReloadClass::NeedsRestart;
     }
-    if under("dynamo.load.transport") || under("dynamo.load.direct_allow_cidrs") {
+    if under("dynamo.load.transport")
+        || under("dynamo.load.direct_allow_cidrs")
+        || under("dynamo.kv.enabled")
+    {
         return ReloadClass::RestartSubscriptions;
     }
     if under("dynamo.event_bus") {

@@ -1233,29 +1233,8 @@ pub fn check_namespace(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// RFC 1123 label: 1-63 of `[a-z0-9-]`, alphanumeric at both ends.
-pub fn is_dns1123_label(name: &str) -> bool {
-    let bytes = name.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 63
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
-        && bytes[0] != b'-'
-        && bytes[bytes.len() - 1] != b'-'
-}
-
-/// Non-empty Kubernetes label value: at most 63 of `[A-Za-z0-9._-]`, alphanumeric at both ends.
-pub fn is_label_value(value: &str) -> bool {
-    let bytes = value.as_bytes();
-    !bytes.is_empty()
-        && bytes.len() <= 63
-        && bytes
-            .iter()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-        && bytes[0].is_ascii_alphanumeric()
-        && bytes[bytes.len() - 1].is_ascii_alphanumeric()
-}
+/// Kubernetes name rules live once, in `continuum_protocol::kube::labels`.
+pub use continuum_protocol::kube::labels::{is_dns1123_label, is_label_value};
 
 fn is_model_name(model: &str) -> bool {
     !model.is_empty() && !model.chars().any(|c| c.is_whitespace() || c.is_control())

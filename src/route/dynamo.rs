@@ -11,7 +11,7 @@
 //! selection metrics, the KV hash-parity prediction, the pins and the outbound body.
 //!
 //! The decision itself is one synchronous critical section: the load-store lock, then the
-//! picker-state lock of the shared [`DynamoPicker`] handle (the order every holder of both
+//! picker-state lock of the shared [`SharedPicker`] handle (the order every holder of both
 //! takes). It does not go through the `PickerActor`'s mailbox: a ractor round trip costs more
 //! than the decision (see docs/runtime-semantics.md, "Picker state").
 //!
@@ -27,11 +27,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use continuum_actors::clock::now_tick;
-use continuum_actors::kv_index::DynamoKvIndex;
-use continuum_actors::load::DynamoLoadStore;
+use continuum_actors::kv_index::SharedKvIndex;
+use continuum_actors::load::SharedLoadStore;
 use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, RoutingPath};
-use continuum_actors::picker::{DynamoPicker, answer_arrivals};
-use continuum_actors::registry::DynamoRegistry;
+use continuum_actors::picker::{SharedPicker, answer_arrivals};
+use continuum_actors::registry::RegistryReader;
 use continuum_protocol::ids::Namespace;
 use continuum_protocol::picker::decision::{
     Decision, DecisionInput, ParityTarget, PathClass, Routed, decide,
@@ -89,13 +89,13 @@ impl Drop for DispatchGuard {
 /// The Dynamo routing state shared by every request.
 pub struct ShimRouter {
     config: Arc<ArcSwap<Config>>,
-    registry: DynamoRegistry,
-    load: DynamoLoadStore,
+    registry: RegistryReader,
+    load: SharedLoadStore,
     /// Installed picker, candidate index, ledger and cursors, shared with the `PickerActor`.
-    picker: DynamoPicker,
+    picker: SharedPicker,
     metrics: Option<Metrics>,
     /// The shared KV index overlaps are read from (`None`: no overlaps).
-    kv_index: Option<DynamoKvIndex>,
+    kv_index: Option<SharedKvIndex>,
     /// The prompt preparation hook (`None`: `tokenizer_unavailable`).
     kv_prep: Mutex<Option<Arc<dyn KvPromptPrep>>>,
     /// The KV parameters the installed picker was built from (`None`: KV off, the picker is not
@@ -118,19 +118,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl ShimRouter {
     pub fn new(
         config: Arc<ArcSwap<Config>>,
-        registry: DynamoRegistry,
-        load: DynamoLoadStore,
+        registry: RegistryReader,
+        load: SharedLoadStore,
         metrics: Option<Metrics>,
     ) -> Self {
-        Self::with_picker(config, registry, load, DynamoPicker::new(), metrics)
+        Self::with_picker(config, registry, load, SharedPicker::new(), metrics)
     }
 
     /// A router over the picker state a `PickerActor` maintains (the daemon's wiring).
     pub fn with_picker(
         config: Arc<ArcSwap<Config>>,
-        registry: DynamoRegistry,
-        load: DynamoLoadStore,
-        picker: DynamoPicker,
+        registry: RegistryReader,
+        load: SharedLoadStore,
+        picker: SharedPicker,
         metrics: Option<Metrics>,
     ) -> Self {
         Self {
@@ -147,7 +147,7 @@ impl ShimRouter {
     }
 
     /// Reads overlaps from `index` when `dynamo.kv.enabled`.
-    pub fn with_kv_index(mut self, index: DynamoKvIndex) -> Self {
+    pub fn with_kv_index(mut self, index: SharedKvIndex) -> Self {
         self.kv_index = Some(index);
         self
     }
@@ -244,7 +244,7 @@ impl ShimRouter {
     }
 
     /// The shared picker state (admin view, the `PickerActor`).
-    pub fn picker_state(&self) -> &DynamoPicker {
+    pub fn picker_state(&self) -> &SharedPicker {
         &self.picker
     }
 
@@ -307,7 +307,7 @@ impl ShimRouter {
         let picker = self.picker.picker();
         // One load-store lock for the whole decision (order: load store, then picker state).
         let decision = self.load.with(|store| {
-            self.picker.with_state(|state| {
+            self.picker.with_state(store, |state| {
                 // Samples that arrived since earlier dispatches answer them (the PickerActor does
                 // this on every store change; a request racing ahead of it catches up here).
                 answer_arrivals(&mut state.ledger, store);
@@ -406,7 +406,7 @@ impl ShimRouter {
 /// Hash parity: the rank that prefills this request should soon store the prompt's blocks past
 /// the overlap it already held.
 fn predict_parity(
-    kv_index: &DynamoKvIndex,
+    kv_index: &SharedKvIndex,
     model: &str,
     prompt: &PreparedPrompt,
     target: ParityTarget,

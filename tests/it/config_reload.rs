@@ -183,6 +183,9 @@ async fn the_file_watch_refuses_a_partial_file_and_applies_the_complete_one() {
 #[cfg(unix)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_binary_without_losing_an_in_flight_stream() {
+    // This test builds its own client; it must not rely on a sibling test having installed the
+    // process's rustls provider first.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let upstream = FakeUpstream::start().await;
     let (chunks, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
     upstream.push(Reply::Sse(rx));

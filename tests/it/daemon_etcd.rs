@@ -7,7 +7,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use continuum_actors::registry::DynamoRegistry;
+use continuum_actors::registry::RegistryReader;
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
 use continuum_router::config::Config;
 use continuum_router::daemon::{Daemon, RunOptions};
@@ -42,7 +42,7 @@ async fn write_like_dynamo(client: &mut Client, kvs: &[CapturedKv]) {
     }
 }
 
-async fn wait_for(registry: &DynamoRegistry, done: impl Fn(&DynamoSnapshot) -> bool) {
+async fn wait_for(registry: &RegistryReader, done: impl Fn(&DynamoSnapshot) -> bool) {
     let mut generations = registry.subscribe();
     tokio::time::timeout(WAIT, async {
         loop {

@@ -296,7 +296,7 @@ async fn load_rises_and_falls_with_a_request_in_flight() {
         .expect("the frontend recorded the request");
     let (worker, rank) = record.decode.expect("a pinned worker");
     let load = demo.daemon().load_store();
-    let blocks = |load: &continuum_actors::load::DynamoLoadStore| {
+    let blocks = |load: &continuum_actors::load::SharedLoadStore| {
         load.latest(worker, rank)
             .and_then(|s| s.load.active_decode_blocks)
             .unwrap_or(0)

@@ -12,7 +12,7 @@ use crate::support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use continuum_actors::registry::DynamoRegistry;
+use continuum_actors::registry::RegistryReader;
 use continuum_protocol::discovery::records::{EventTopic, Role};
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
 use continuum_router::config::Config;
@@ -66,7 +66,7 @@ async fn start_daemon(stack: &DynamoStack, dir: &tempfile::TempDir) -> Daemon {
 
 /// Waits on registry generations (no polling) until `done` holds; returns the time it took.
 async fn wait_for(
-    registry: &DynamoRegistry,
+    registry: &RegistryReader,
     limit: Duration,
     what: &str,
     done: impl Fn(&DynamoSnapshot) -> bool,

@@ -12,7 +12,7 @@ use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
 use continuum_actors::lifecycle::{ActorKind, ActorSpan};
 use continuum_actors::registry::{
-    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMailbox,
+    RegistryActor, RegistryArgs, RegistryConfig, RegistryParts, RegistryReader,
 };
 use continuum_protocol::backoff::{BackoffPolicy, Jitter};
 use continuum_protocol::discovery::records::Role;
@@ -23,7 +23,7 @@ use continuum_protocol::kube::pods::{ModelMapping, PodSourceConfig};
 use fake_kube::{EXAMPLE_POD_UID, FakeKube, Kind, endpoint_slice, example_metadata, worker_pod};
 use ractor::Actor;
 
-async fn wait_for(registry: &DynamoRegistry, what: &str, done: impl Fn(&DynamoSnapshot) -> bool) {
+async fn wait_for(registry: &RegistryReader, what: &str, done: impl Fn(&DynamoSnapshot) -> bool) {
     let mut generations = registry.subscribe();
     tokio::time::timeout(Duration::from_secs(20), async {
         while !done(&registry.snapshot()) {
@@ -57,28 +57,30 @@ async fn spawn_discovery(
     source: SourceSpec,
     on_first_pass: Arc<dyn Fn(&Namespace) + Send + Sync>,
 ) -> (
-    DynamoRegistry,
+    RegistryReader,
     ractor::ActorRef<continuum_actors::registry::RegistryMsg>,
     ractor::ActorRef<continuum_actors::discovery::DiscoveryMsg>,
 ) {
     let namespace = source.namespace().clone();
-    let registry = DynamoRegistry::new(RegistryConfig {
+    let RegistryParts {
+        writer,
+        inbox: mailbox,
+        reader: registry,
+    } = RegistryParts::new(RegistryConfig {
         enabled: true,
         source: kind,
         namespaces: vec![namespace.clone()],
     });
-    let mailbox = RegistryMailbox::default();
     let (registry_actor, _) = Actor::spawn(
         None,
         RegistryActor,
         RegistryArgs {
-            registry: registry.clone(),
+            writer,
             metrics: None,
         },
     )
     .await
     .expect("registry");
-    mailbox.set(registry_actor.clone());
     let span = ActorSpan::start(
         &format!("{}:{namespace}", kind.as_str()),
         ActorKind::Discovery,
@@ -90,7 +92,6 @@ async fn spawn_discovery(
         DiscoveryArgs {
             source,
             registry_actor: mailbox,
-            registry: registry.clone(),
             metrics: None,
             on_first_pass,
             span,

@@ -119,7 +119,7 @@ async fn wait_for_workers(daemon: &Daemon, n: usize) {
 /// Stores `hashes` as one root-anchored chain on `worker`, after opening the live-worker gate for
 /// the current fleet (the subscription follower does the same on its next generation).
 async fn index_blocks(daemon: &Daemon, worker: u64, hashes: &[LocalBlockHash]) {
-    daemon.kv_index().set_live(&daemon.registry().snapshot());
+    daemon.kv_index().reconcile().await;
     let blocks = hashes
         .iter()
         .enumerate()

@@ -19,7 +19,7 @@ use tracing::{debug, info, warn};
 
 use super::EtcdSourceError;
 use super::config::{EtcdAuth, EtcdSourceConfig, EtcdTls};
-use super::keys::WatchedPrefix;
+use continuum_protocol::discovery::keys::WatchedPrefix;
 
 /// Dial, optional Authenticate and the range gets share this bound; so does opening the watches.
 /// The watch streams themselves are unbounded.

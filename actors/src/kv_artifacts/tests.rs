@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use crate::lock::Mutex;
 use std::time::Duration;
 
 use continuum_protocol::discovery::records::Role;
@@ -393,9 +395,9 @@ impl Loopback {
                     }
                     let head = String::from_utf8_lossy(&head).into_owned();
                     let path = head.split(' ').nth(1).unwrap_or_default().to_owned();
-                    this.seen.lock().expect("seen").push(head);
-                    let body = this.routes.lock().expect("routes").get(&path).cloned();
-                    let huge = this.huge.lock().expect("huge").contains(&path);
+                    this.seen.lock().push(head);
+                    let body = this.routes.lock().get(&path).cloned();
+                    let huge = this.huge.lock().contains(&path);
                     let response = match body {
                         _ if huge => format!(
                             "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
@@ -421,14 +423,14 @@ impl Loopback {
     }
 
     fn serve_fixture(&self, prefix: &str) {
-        let mut routes = self.routes.lock().expect("routes");
+        let mut routes = self.routes.lock();
         for file in ["tokenizer.json", "tokenizer_config.json"] {
             routes.insert(format!("{prefix}/{file}"), bytes_of(file));
         }
     }
 
     fn requests(&self) -> Vec<String> {
-        self.seen.lock().expect("seen").clone()
+        self.seen.lock().clone()
     }
 }
 
@@ -479,7 +481,6 @@ async fn wrong_bytes_from_a_source_are_refused_as_a_checksum_mismatch() {
     server
         .routes
         .lock()
-        .expect("routes")
         .insert("/m/tokenizer.json".into(), b"{}".to_vec());
     let url = server.clone().start().await;
     let mut http_card = card(&format!("{url}/m"));
@@ -542,11 +543,7 @@ async fn hf_sources_need_allow_hf_and_send_the_token_to_the_hub_only() {
 async fn an_announced_body_past_the_bound_is_refused_before_reading() {
     let server = Loopback::default();
     server.serve_fixture("/m");
-    server
-        .huge
-        .lock()
-        .expect("huge")
-        .push("/m/tokenizer.json".into());
+    server.huge.lock().push("/m/tokenizer.json".into());
     let url = server.clone().start().await;
     let mut legacy = card(&format!("{url}/m"));
     if let Some(TokenizerSlot::HfTokenizerJson(f)) = &mut legacy.tokenizer {

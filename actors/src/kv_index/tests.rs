@@ -15,7 +15,7 @@ use continuum_protocol::kv::events::{
 use continuum_protocol::time::UnixMillis;
 
 use super::*;
-use crate::registry::{RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg};
+use crate::registry::{RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg, RegistryParts};
 
 const W1: InstanceId = InstanceId(0x11);
 const W2: InstanceId = InstanceId(0x22);
@@ -41,9 +41,9 @@ fn worker(id: u64, model: &str, dp_size: u32) -> Vec<(String, Vec<u8>)> {
 }
 
 /// A registry publishing W1 (dp 4096) and W2 (dp 4096), both serving model "m".
-async fn registry() -> (DynamoRegistry, ActorRef<RegistryMsg>) {
+async fn registry() -> (RegistryReader, ActorRef<RegistryMsg>) {
     let ns = Namespace::new("ns");
-    let registry = DynamoRegistry::new(RegistryConfig {
+    let parts = RegistryParts::new(RegistryConfig {
         enabled: true,
         source: SourceKind::Etcd,
         namespaces: vec![ns.clone()],
@@ -57,13 +57,14 @@ async fn registry() -> (DynamoRegistry, ActorRef<RegistryMsg>) {
         reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
     }
     reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-    registry.stage_view(reducer.view().clone());
+    parts.inbox.stage_view(reducer.view().clone());
+    let registry = parts.reader;
     let mut generations = registry.subscribe();
     let (actor, _) = Actor::spawn(
         None,
         RegistryActor,
         RegistryArgs {
-            registry: registry.clone(),
+            writer: parts.writer,
             metrics: None,
         },
     )
@@ -77,7 +78,7 @@ async fn registry() -> (DynamoRegistry, ActorRef<RegistryMsg>) {
     (registry, actor)
 }
 
-async fn spawn(kv: &DynamoKvIndex, registry: &DynamoRegistry) -> ActorRef<KvIndexMsg> {
+async fn spawn(kv: &SharedKvIndex, registry: &RegistryReader) -> ActorRef<KvIndexMsg> {
     let (actor, _) = Actor::spawn(
         None,
         KvIndexActor,
@@ -154,7 +155,7 @@ fn metric(metrics: &Metrics, result: &str) -> f64 {
 async fn batches_apply_through_the_actor_and_reads_see_them() {
     let (registry, _reg) = registry().await;
     let metrics = Metrics::new("kv-test").expect("metrics");
-    let kv = DynamoKvIndex::new(Some(metrics.clone()));
+    let kv = SharedKvIndex::new(Some(metrics.clone()));
     let actor = spawn(&kv, &registry).await;
     barrier(&actor).await;
     let a = name("kv_events:ns:11");
@@ -208,7 +209,7 @@ async fn batches_apply_through_the_actor_and_reads_see_them() {
 async fn a_subscriptions_cursor_table_is_bounded_at_4096_ranks() {
     let (registry, _reg) = registry().await;
     let metrics = Metrics::new("kv-test").expect("metrics");
-    let kv = DynamoKvIndex::new(Some(metrics.clone()));
+    let kv = SharedKvIndex::new(Some(metrics.clone()));
     let actor = spawn(&kv, &registry).await;
     barrier(&actor).await;
     let a = name("a");
@@ -234,7 +235,7 @@ async fn a_subscriptions_cursor_table_is_bounded_at_4096_ranks() {
 #[tokio::test(start_paused = true)]
 async fn a_subscription_down_for_60_s_loses_its_ranks_and_one_back_in_time_keeps_them() {
     let (registry, _reg) = registry().await;
-    let kv = DynamoKvIndex::new(None);
+    let kv = SharedKvIndex::new(None);
     let actor = spawn(&kv, &registry).await;
     barrier(&actor).await;
     let (a, b) = (name("a"), name("b"));
@@ -281,7 +282,7 @@ async fn a_subscription_down_for_60_s_loses_its_ranks_and_one_back_in_time_keeps
 async fn a_restarted_actor_reattaches_to_the_index_and_refusals_while_down_are_counted() {
     let (registry, _reg) = registry().await;
     let metrics = Metrics::new("kv-test").expect("metrics");
-    let kv = DynamoKvIndex::new(Some(metrics.clone()));
+    let kv = SharedKvIndex::new(Some(metrics.clone()));
     let actor = spawn(&kv, &registry).await;
     barrier(&actor).await;
     let a = name("a");
@@ -317,7 +318,7 @@ async fn a_restarted_actor_reattaches_to_the_index_and_refusals_while_down_are_c
 async fn hash_parity_is_decided_by_the_ranks_stores_and_counted_per_model() {
     let (registry, _reg) = registry().await;
     let metrics = Metrics::new("kv-test").expect("metrics");
-    let kv = DynamoKvIndex::new(Some(metrics.clone()));
+    let kv = SharedKvIndex::new(Some(metrics.clone()));
     let actor = spawn(&kv, &registry).await;
     barrier(&actor).await;
     kv.record_prediction("m", W1, DpRank(0), &q(&[5, 6]));

@@ -3,4 +3,5 @@
 //! `mod NAME;` here (the rule of tests/it/README.md at the repository root).
 
 mod picker_actor;
+mod subscription_messages;
 mod supervision;

@@ -6,13 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use continuum_actors::clock::now_tick;
-use continuum_actors::lifecycle::ActorKind;
-use continuum_actors::load::DynamoLoadStore;
-use continuum_actors::picker::{DynamoPicker, PickerActor, PickerArgs, PickerMsg, picker_spec};
-use continuum_actors::registry::{
-    DynamoRegistry, RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg,
-};
-use continuum_actors::supervisor::{ChildContext, ChildSpec, spawn_root};
+use continuum_actors::load::SharedLoadStore;
+use continuum_actors::picker::{PickerActor, PickerArgs, PickerMsg, SharedPicker, picker_spec};
+use continuum_actors::registry::{RegistryConfig, RegistryParts, RegistryReader, registry_spec};
+use continuum_actors::supervisor::spawn_root;
 use continuum_actors::tree::{ActorState, ActorTree};
 use continuum_protocol::discovery::SourceEvent;
 use continuum_protocol::discovery::reducer::DiscoveryReducer;
@@ -25,7 +22,7 @@ use continuum_protocol::picker::{
     PickRequest, PickerState,
 };
 use continuum_protocol::time::{Tick, UnixMillis};
-use ractor::{Actor, ActorRef, call_t};
+use ractor::{Actor, call_t};
 
 const NS: &str = "ns";
 
@@ -36,7 +33,7 @@ fn worker(id: u64) -> WorkerKey {
     }
 }
 
-fn dispatch(picker: &DynamoPicker, id: u64, at: Tick) {
+fn dispatch(picker: &SharedPicker, load: &SharedLoadStore, id: u64, at: Tick) {
     let leg = DispatchLeg {
         worker: worker(id),
         rank: DpRank(0),
@@ -45,19 +42,25 @@ fn dispatch(picker: &DynamoPicker, id: u64, at: Tick) {
         request_blocks: 4,
         stall_exempt: false,
     };
-    picker.with_state(|s| s.ledger.record_dispatch(&[leg], at));
+    // The lock order: the load store's guard, then the picker's state.
+    load.with(|held| picker.with_state(held, |s| s.ledger.record_dispatch(&[leg], at)));
 }
 
-fn registry() -> DynamoRegistry {
-    DynamoRegistry::new(RegistryConfig {
+fn registry_parts() -> RegistryParts {
+    RegistryParts::new(RegistryConfig {
         enabled: true,
         source: SourceKind::Etcd,
         namespaces: vec![Namespace::new(NS)],
     })
 }
 
+/// A reader of a registry no actor writes (it stays at generation 0).
+fn registry() -> RegistryReader {
+    registry_parts().reader
+}
+
 /// Waits (on the picker's pass counter, never on a timer) until `done` holds.
-async fn until(picker: &DynamoPicker, done: impl Fn(&DynamoPicker) -> bool) {
+async fn until(picker: &SharedPicker, done: impl Fn(&SharedPicker) -> bool) {
     let mut passes = picker.subscribe_passes();
     tokio::time::timeout(Duration::from_secs(120), passes.wait_for(|_| done(picker)))
         .await
@@ -87,15 +90,16 @@ impl DynamoWorkerPicker for Named {
 
 #[tokio::test(start_paused = true)]
 async fn the_actor_expires_the_ledger_on_its_own_timer() {
-    let picker = DynamoPicker::new();
+    let picker = SharedPicker::new();
+    let load = SharedLoadStore::new(None);
     let args = PickerArgs {
         picker: picker.clone(),
         registry: registry(),
-        load: DynamoLoadStore::new(None),
+        load: load.clone(),
     };
     let (actor, handle) = Actor::spawn(None, PickerActor, args).await.expect("spawn");
     let start = now_tick();
-    dispatch(&picker, 1, start);
+    dispatch(&picker, &load, 1, start);
 
     // No pick runs in this test: only the actor's timer can expire the dispatch.
     tokio::time::advance(DISPATCH_MAX_AGE - Duration::from_secs(1)).await;
@@ -120,8 +124,8 @@ async fn the_actor_expires_the_ledger_on_its_own_timer() {
 
 #[tokio::test(start_paused = true)]
 async fn load_store_notifications_answer_dispatches() {
-    let picker = DynamoPicker::new();
-    let load = DynamoLoadStore::new(None);
+    let picker = SharedPicker::new();
+    let load = SharedLoadStore::new(None);
     load.with(|store| store.set_live_and_retain([InstanceId(1), InstanceId(2)]));
     let args = PickerArgs {
         picker: picker.clone(),
@@ -130,8 +134,8 @@ async fn load_store_notifications_answer_dispatches() {
     };
     let (actor, handle) = Actor::spawn(None, PickerActor, args).await.expect("spawn");
     let at = now_tick();
-    dispatch(&picker, 1, at);
-    dispatch(&picker, 2, at);
+    dispatch(&picker, &load, 1, at);
+    dispatch(&picker, &load, 2, at);
     assert_eq!(picker.status().unanswered_legs, 2);
 
     tokio::time::advance(Duration::from_millis(10)).await;
@@ -155,7 +159,11 @@ async fn load_store_notifications_answer_dispatches() {
     load.notify();
     // Worker 1's sample answers its dispatch; worker 2 sent nothing, so its dispatch stays.
     until(&picker, |p| p.status().unanswered_legs == 1).await;
-    let backlog = picker.with_state(|s| s.ledger.backlog(&worker(2), DpRank(0), now_tick()));
+    let backlog = load.with(|held| {
+        picker.with_state(held, |s| {
+            s.ledger.backlog(&worker(2), DpRank(0), now_tick())
+        })
+    });
     assert_eq!(backlog.decode_blocks, 4);
 
     actor.stop(None);
@@ -182,34 +190,19 @@ fn records(id: u64) -> Vec<(String, Vec<u8>)> {
     ]
 }
 
-fn registry_spec(
-    registry: DynamoRegistry,
-    mailbox: tokio::sync::mpsc::UnboundedSender<ActorRef<RegistryMsg>>,
-) -> ChildSpec {
-    ChildSpec::new("registry", ActorKind::Registry, move |ctx: ChildContext| {
-        let args = RegistryArgs {
-            registry: registry.clone(),
-            metrics: None,
-        };
-        let mailbox = mailbox.clone();
-        async move {
-            let (actor, _) = Actor::spawn_linked(None, RegistryActor, args, ctx.supervisor).await?;
-            let _ = mailbox.send(actor.clone());
-            Ok(actor.get_cell())
-        }
-    })
-}
-
 #[tokio::test(start_paused = true)]
 async fn a_restart_under_root_loses_nothing_the_routing_needs() {
-    let registry = registry();
-    let load = DynamoLoadStore::new(None);
-    let picker = DynamoPicker::new();
-    let (registry_tx, mut registry_rx) = tokio::sync::mpsc::unbounded_channel();
+    let RegistryParts {
+        writer,
+        inbox,
+        reader: registry,
+    } = registry_parts();
+    let load = SharedLoadStore::new(None);
+    let picker = SharedPicker::new();
     let tree = ActorTree::default();
     let (root, handle) = spawn_root(
         vec![
-            registry_spec(registry.clone(), registry_tx),
+            registry_spec(writer),
             picker_spec(picker.clone(), registry.clone(), load.clone()),
         ],
         tree.clone(),
@@ -217,7 +210,6 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
     )
     .await
     .expect("root starts");
-    let registry_actor = registry_rx.recv().await.expect("registry started");
 
     // A fleet of one worker with two dp ranks: the actor indexes the published generation.
     let mut reducer = DiscoveryReducer::new(Namespace::new(NS));
@@ -226,10 +218,7 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
         reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
     }
     reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-    registry.stage_view(reducer.view().clone());
-    registry_actor
-        .cast(RegistryMsg::Rebuild)
-        .expect("registry alive");
+    inbox.stage_view(reducer.view().clone());
     let mut generations = registry.subscribe();
     generations
         .wait_for(|g| *g >= 1)
@@ -242,7 +231,7 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
 
     // State the routing needs: the installed picker, the ledger, the index.
     picker.set_picker(Arc::new(Named));
-    dispatch(&picker, 7, now_tick());
+    dispatch(&picker, &load, 7, now_tick());
     let before = picker.status();
     let row = tree.get("root/picker").expect("the picker is in the tree");
     assert_eq!((row.kind, row.state), ("picker", ActorState::Running));

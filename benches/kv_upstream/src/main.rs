@@ -11,7 +11,7 @@
 //! between the two indexes on every 97th request.
 //!
 //! Last, the read path: the same lookups through a `RwLock` read guard (what
-//! `DynamoKvIndex::overlaps` does) and through an actor-style call (a task owning the index,
+//! `SharedKvIndex::overlaps` does) and through an actor-style call (a task owning the index,
 //! reached by an unbounded mpsc with a oneshot reply, which is what a ractor `call` is), each
 //! timed from another task on a 2-thread tokio runtime.
 //!

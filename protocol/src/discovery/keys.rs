@@ -16,6 +16,66 @@ pub const EVENT_CHANNELS_BUCKET: &str = "v1/event_channels/";
 /// Bucket prefix of EventSource records.
 pub const EVENT_SOURCES_BUCKET: &str = "v1/event_sources/";
 
+/// One watched keyspace of a namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WatchedPrefix {
+    /// Short name for logs: `instances`, `mdc`, `event_channels`.
+    pub kind: &'static str,
+    /// The full key prefix, ending in `/` so `dyn` never matches `dyn2`.
+    pub prefix: String,
+}
+
+impl WatchedPrefix {
+    /// The first key past every key that starts with `prefix` (etcd's `range_end` for a prefix).
+    /// Prefixes here always end in `/` (0x2f), so incrementing the last byte cannot overflow.
+    pub fn range_end(&self) -> Vec<u8> {
+        let mut end = self.prefix.as_bytes().to_vec();
+        for i in (0..end.len()).rev() {
+            if end[i] < 0xff {
+                end[i] += 1;
+                end.truncate(i + 1);
+                return end;
+            }
+        }
+        // All 0xff (never for our prefixes): etcd reads "\0" as "to the end of the keyspace".
+        vec![0]
+    }
+}
+
+/// The three prefixes of `namespace`, in the order the pass reads them.
+///
+/// Model cards come first, then endpoints, then event channels: a resync at a keyspace's
+/// capacity admits records that join a partner already seen before orphans (the reducer's
+/// bounded admission), so an endpoint whose card was read first outranks a flood of
+/// endpoint-only keys with lower ids, and a channel whose worker was read first outranks a flood
+/// of channels without one.
+///
+/// Endpoint and model keys carry the namespace raw; event-plane keys percent-encode every scope
+/// segment (dynamo-wire §4.4), so a namespace such as `my.ns` lives under
+/// `v1/event_channels/namespace/my%2Ens/`.
+///
+/// `v1/event_sources/` is deliberately not read: every kv-events record already names its
+/// `worker_id` and `dp_rank` (dynamo-live §5), and an operator's read-only role granting the
+/// seed's three prefixes must be enough for discovery to work.
+pub fn watched_prefixes(namespace: &crate::ids::Namespace) -> [WatchedPrefix; 3] {
+    let raw = namespace.as_str();
+    let encoded = encode_segment(raw);
+    [
+        WatchedPrefix {
+            kind: "mdc",
+            prefix: format!("{MDC_BUCKET}{raw}/"),
+        },
+        WatchedPrefix {
+            kind: "instances",
+            prefix: format!("{INSTANCES_BUCKET}{raw}/"),
+        },
+        WatchedPrefix {
+            kind: "event_channels",
+            prefix: format!("{EVENT_CHANNELS_BUCKET}namespace/{encoded}/"),
+        },
+    ]
+}
+
 /// Why a key under a watched namespace could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
@@ -422,5 +482,38 @@ mod tests {
             Keyspace::Channels.prefix("a.b"),
             "v1/event_channels/namespace/a%2Eb/"
         );
+    }
+
+    #[test]
+    fn prefixes_match_the_keys_dynamo_writes() {
+        let got = watched_prefixes(&crate::ids::Namespace::new("dyntest"));
+        let prefixes: Vec<&str> = got.iter().map(|p| p.prefix.as_str()).collect();
+        assert_eq!(
+            prefixes,
+            [
+                "v1/mdc/dyntest/",
+                "v1/instances/dyntest/",
+                "v1/event_channels/namespace/dyntest/",
+            ]
+        );
+        // A captured 1.6.1 key falls under its prefix.
+        assert!(
+            "v1/event_channels/namespace/dyntest/component/prefill/endpoint/generate/topic/kv-events/8520bd755cfc6"
+                .starts_with(prefixes[2])
+        );
+        let dotted = watched_prefixes(&crate::ids::Namespace::new("my.ns"));
+        assert_eq!(dotted[1].prefix, "v1/instances/my.ns/");
+        assert_eq!(dotted[2].prefix, "v1/event_channels/namespace/my%2Ens/");
+    }
+
+    #[test]
+    fn range_end_is_the_prefix_with_its_last_byte_incremented() {
+        let p = WatchedPrefix {
+            kind: "instances",
+            prefix: "v1/instances/dyn/".into(),
+        };
+        assert_eq!(p.range_end(), b"v1/instances/dyn0".to_vec());
+        assert!(b"v1/instances/dyn/zzz".as_slice() < p.range_end().as_slice());
+        assert!(b"v1/instances/dyn2/a".as_slice() > p.range_end().as_slice());
     }
 }

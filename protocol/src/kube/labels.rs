@@ -3,6 +3,29 @@
 
 use crate::ids::Namespace;
 
+/// RFC 1123 label (a Kubernetes namespace name): 1–63 of `[a-z0-9-]`, alphanumeric at both ends.
+/// The one copy of this rule: config validation uses it too.
+pub fn is_dns1123_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+}
+
+/// A non-empty Kubernetes label value: 1–63 of `[A-Za-z0-9-_.]`, alphanumeric at both ends.
+pub fn is_label_value(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && b.iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+}
+
 pub const DISCOVERY_BACKEND: &str = "nvidia.com/dynamo-discovery-backend";
 pub const DISCOVERY_ENABLED: &str = "nvidia.com/dynamo-discovery-enabled";
 pub const DYNAMO_NAMESPACE: &str = "nvidia.com/dynamo-namespace";
@@ -40,6 +63,19 @@ pub fn endpoint_slice_selector() -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kubernetes_name_rules() {
+        for bad in ["", "Dynamo", "-x", "x-", "a_b", &"a".repeat(64)] {
+            assert!(!is_dns1123_label(bad), "{bad:?}");
+        }
+        assert!(is_dns1123_label("kbm-g-np-kt-a"));
+        assert!(is_dns1123_label(&"a".repeat(63)));
+        for bad in ["", "with space", "-x", "x.", &"a".repeat(64)] {
+            assert!(!is_label_value(bad), "{bad:?}");
+        }
+        assert!(is_label_value("Dyn.ns_1"));
+    }
 
     #[test]
     fn one_namespace_uses_equality() {

@@ -394,3 +394,72 @@ fn file_store_edits_under_another_source_have_no_effect() {
         vec!["dynamo.discovery.file.root"]
     );
 }
+
+/// Startup is `apply(diff(empty, config))`: from the empty config, every start action of the
+/// daemon is in the plan (discovery starts with reason `enabled`, the kv-events subscriptions and
+/// the artifact loader start, every set key is listed), and the empty config diffs to nothing.
+#[test]
+fn the_empty_config_diffs_to_every_start_action() {
+    let empty = Config::default();
+    assert!(diff(&empty, &Config::default()).is_empty());
+
+    let mut config = base();
+    config.dynamo.kv.enabled = true;
+    config.dynamo.kv.pinned_artifacts = vec!["m".into()];
+    config.dynamo.load.transport = LoadTransport::Broker;
+    config.server.max_connections = config.server.max_connections.saturating_add(1);
+    let plan = diff(&empty, &config);
+    assert_eq!(
+        plan.discovery,
+        Some(DiscoveryAction::Restart {
+            reason: RestartReason::Enabled,
+            keep_snapshot: false,
+            removed_namespaces: Vec::new(),
+            added_namespaces: Vec::new(),
+        }),
+        "discovery starts"
+    );
+    assert!(
+        plan.restart_subscriptions,
+        "the dial policy is the config's"
+    );
+    assert!(plan.kv_artifacts, "the artifact loader starts");
+    for key in [
+        "dynamo.enabled",
+        "dynamo.kv.enabled",
+        "dynamo.kv.pinned_artifacts",
+        "dynamo.load.transport",
+        "backends",
+        "disaggregated_serving.enabled",
+        "dynamo.discovery.etcd.namespaces",
+    ] {
+        assert!(
+            plan.changes.iter().any(|c| c.path == key),
+            "{key} in {:?}",
+            plan.changes
+        );
+    }
+    assert!(
+        plan.needs_restart
+            .iter()
+            .any(|k| k == "server.max_connections")
+    );
+
+    // KV indexing alone: the kv-events subscriptions follow `dynamo.enabled` and `kv.enabled`.
+    let mut kv_only = Config::default();
+    kv_only.dynamo.kv.enabled = true;
+    let plan = diff(&empty, &kv_only);
+    assert!(
+        plan.restart_subscriptions,
+        "kv.enabled is a dial-policy key"
+    );
+    assert!(!plan.kv_artifacts, "no loader while dynamo is off");
+    let mut on = kv_only.clone();
+    on.dynamo.enabled = true;
+    let plan = diff(&kv_only, &on);
+    assert!(plan.restart_subscriptions && plan.kv_artifacts);
+    assert_eq!(
+        plan.paths(ReloadClass::RestartSubscriptions),
+        Vec::<&str>::new()
+    );
+}

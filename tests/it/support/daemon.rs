@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use continuum_actors::registry::DynamoRegistry;
+use continuum_actors::registry::RegistryReader;
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
 use continuum_router::config::{Config, ProcessEnv};
 use continuum_router::daemon::{Daemon, RunOptions};
@@ -30,7 +30,7 @@ pub async fn start(yaml: &str) -> Daemon {
 
 /// Waits on registry generations (never on time) until `done` holds.
 pub async fn wait_for(
-    registry: &DynamoRegistry,
+    registry: &RegistryReader,
     limit: Duration,
     what: &str,
     done: impl Fn(&DynamoSnapshot) -> bool,
