@@ -39,7 +39,7 @@ use continuum_protocol::picker::load_based::LoadBasedPicker;
 use continuum_protocol::picker::reachability::reachable_candidates;
 use continuum_protocol::picker::{
     BlockOverlaps, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
-    KvPickParams, KvSelectionResult, KvUnavailable, PickOutcome, PickRequest,
+    KvPickParams, KvSelectionResult, KvUnavailable, PickContext, PickOutcome, PickRequest,
 };
 use tracing::debug;
 
@@ -309,6 +309,7 @@ impl ShimRouter {
         if candidates.is_empty() {
             return None;
         }
+        let layout = held.index.layout_for(model);
         let now = now_tick();
         // Overlaps per block size, read under one guard of the shared index.
         let overlaps: Vec<BlockOverlaps> = match (&prepared, &self.kv_index) {
@@ -373,23 +374,24 @@ impl ShimRouter {
                         "Unreachable workers sit out this selection."
                     );
                 }
-                let candidates = kept.as_deref().unwrap_or(candidates);
                 let view = StoreView {
                     store,
                     now,
                     max_age,
                 };
+                let mut ctx = match &kept {
+                    Some(kept) => PickContext::new(&request, kept, &view, state, now),
+                    None => match layout {
+                        Some(l) => {
+                            PickContext::new(&request, candidates, &view, state, now).with_layout(l)
+                        }
+                        None => PickContext::new(&request, candidates, &view, state, now),
+                    },
+                };
                 match &kv_input {
-                    Some(kv) => picker.pick_kv(
-                        &request,
-                        kv.as_ref().map_err(|why| *why),
-                        candidates,
-                        &view,
-                        state,
-                        now,
-                    ),
+                    Some(kv) => picker.pick_kv(&mut ctx, kv.as_ref().map_err(|why| *why)),
                     None => continuum_protocol::picker::KvPickOutcome {
-                        outcome: picker.pick(&request, candidates, &view, state, now),
+                        outcome: picker.pick(&mut ctx),
                         kv: None,
                     },
                 }

@@ -21,8 +21,7 @@ use continuum_protocol::event_plane::{ActiveLoad, LoadEventResult};
 use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
 use continuum_protocol::load_store::LoadSample;
 use continuum_protocol::picker::{
-    Candidate, DISPATCH_MAX_AGE, DispatchLeg, DynamoWorkerPicker, LoadView, PickOutcome,
-    PickRequest, PickerState,
+    DISPATCH_MAX_AGE, DispatchLeg, DynamoWorkerPicker, PickContext, PickOutcome,
 };
 use continuum_protocol::time::{Tick, UnixMillis};
 use ractor::{Actor, ActorRef, call_t};
@@ -73,14 +72,7 @@ impl DynamoWorkerPicker for Named {
         "named"
     }
 
-    fn pick(
-        &self,
-        _req: &PickRequest<'_>,
-        _candidates: &[Candidate],
-        _load: &dyn LoadView,
-        _state: &mut PickerState,
-        _now: Tick,
-    ) -> PickOutcome {
+    fn pick(&self, _ctx: &mut PickContext<'_>) -> PickOutcome {
         PickOutcome::NoCandidates(continuum_protocol::picker::NoCandidates::NoWorkerForModel)
     }
 }
