@@ -6,11 +6,14 @@
 //! | [`template`] | [`ChatTemplate`]: HF chat templates on minijinja, no loader, bounded fuel |
 //! | [`render`] | [`PromptRenderer`]: permits, deadline, tokenization, block hashes |
 //! | [`prep`] | [`ArtifactPromptPrep`]: the shim's `KvPromptPrep` over pinned fleet artifacts |
+//! | [`token_cache`] | [`PromptTokenizer`]: exact, bounded prefix cache so follow-up turns tokenize only what is new |
 
 pub mod prep;
 pub mod render;
 pub mod template;
+pub mod token_cache;
 
 pub use prep::ArtifactPromptPrep;
 pub use render::{PrepareError, PreparedPrompt, PromptRenderer, RenderPermits};
 pub use template::{ChatTemplate, SpecialTokens, TemplateError};
+pub use token_cache::{CacheLimits, CacheStats, PromptTokenizer};
