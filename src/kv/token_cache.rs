@@ -286,7 +286,7 @@ impl PrefixCache {
         // The last checkpoint inside the common prefix whose suffix is non-empty and starts
         // with no added token.
         let usable = |p: usize| {
-            p + 1 <= common
+            p < common
                 && p + 1 < text.len()
                 && text.is_char_boundary(p + 1)
                 && !added.iter().any(|a| text[p + 1..].starts_with(a.as_str()))

@@ -99,6 +99,11 @@ impl CandidateIndex {
         self.dense.get(model)
     }
 
+    /// Every model's dense layout.
+    pub fn layouts(&self) -> impl Iterator<Item = &DenseRanks> {
+        self.dense.values()
+    }
+
     /// Candidate ranks across every model.
     pub fn len(&self) -> usize {
         self.by_model.values().map(Vec::len).sum()

@@ -225,7 +225,7 @@ struct SlotEntry {
 }
 
 /// Layouts whose slots are kept at once (one per model picked recently).
-const SLOT_CACHE_LAYOUTS: usize = 8;
+pub const SLOT_CACHE_LAYOUTS: usize = 8;
 
 impl SlotCache {
     /// The slots of `dense`'s ranks in `store`, resolving them if the layout or epoch changed.
