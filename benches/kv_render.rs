@@ -168,6 +168,11 @@ fn main() {
         times[runs - 1]
     );
 
+    // Multi-turn chats: a follow-up turn whose previous turn is in the tokenization cache, and
+    // a first turn (a conversation the cache has never seen), against the uncached path
+    // (render, `encode_fast` of the whole text, hash) measured in the same run.
+    multi_turn(&runtime, &renderer, &tokenizer, &request, &sizes, measuring);
+
     // The mocker's tiny model: a byte-level BPE with a regex pre-tokenizer (as Llama 3 / Qwen
     // tokenizers are), where TinyLlama's SentencePiece-style BPE merges the whole prompt as one
     // word. Its own template and its own ~8k-token chat.
@@ -207,4 +212,93 @@ fn main() {
         percentile(&times, 0.99),
         times[runs - 1]
     );
+}
+
+/// `request` with its system prompt made unique by `k` (a different conversation).
+fn conversation(request: &serde_json::Value, k: usize) -> serde_json::Value {
+    let mut request = request.clone();
+    if let Some(first) = request["messages"].get_mut(0) {
+        first["content"] =
+            format!("Conversation {k}. You are a careful assistant for a routing team.").into();
+    }
+    request
+}
+
+/// `request` without its last `n` messages (an earlier turn of the same conversation).
+fn earlier_turn(request: &serde_json::Value, n: usize) -> serde_json::Value {
+    let mut request = request.clone();
+    if let Some(messages) = request["messages"].as_array_mut() {
+        let keep = messages.len().saturating_sub(n);
+        messages.truncate(keep);
+    }
+    request
+}
+
+fn multi_turn(
+    runtime: &tokio::runtime::Runtime,
+    renderer: &PromptRenderer,
+    tokenizer: &tokenizers::Tokenizer,
+    request: &serde_json::Value,
+    sizes: &[u32],
+    measuring: bool,
+) {
+    let batches = if measuring { 10 } else { 1 };
+    // Fewer conversations per batch than the cache holds, so every previous turn is cached.
+    let per_batch = 24;
+    let plan = block_plan(sizes).unwrap();
+    let (mut uncached, mut first, mut follow_up) = (Vec::new(), Vec::new(), Vec::new());
+    let mut k = 0;
+    for _ in 0..batches {
+        let chats: Vec<_> = (0..per_batch)
+            .map(|_| {
+                k += 1;
+                conversation(request, k)
+            })
+            .collect();
+        for chat in &chats {
+            // Uncached: render, tokenize the whole text, hash.
+            let start = Instant::now();
+            let text = runtime
+                .block_on(renderer.render_text(chat))
+                .unwrap()
+                .unwrap();
+            let ids = tokenizer.encode_fast(text.as_str(), false).unwrap();
+            black_box(prompt_block_hashes(ids.get_ids(), &plan, None, None));
+            uncached.push(start.elapsed());
+            // First turn: the conversation's previous turn, never seen by the cache.
+            let previous = earlier_turn(chat, 1);
+            let start = Instant::now();
+            black_box(
+                runtime
+                    .block_on(renderer.prepare(&previous, sizes, None, None))
+                    .unwrap(),
+            );
+            first.push(start.elapsed());
+        }
+        for chat in &chats {
+            // Follow-up: the next turn, its previous turn cached.
+            let start = Instant::now();
+            black_box(
+                runtime
+                    .block_on(renderer.prepare(chat, sizes, None, None))
+                    .unwrap(),
+            );
+            follow_up.push(start.elapsed());
+        }
+    }
+    for (name, mut times) in [
+        ("uncached_8k_chat (render + encode_fast + hash)", uncached),
+        ("first_turn_8k_chat (cache miss)", first),
+        ("follow_up_turn_8k_chat (previous turn cached)", follow_up),
+    ] {
+        times.sort_unstable();
+        println!(
+            "{name}: n={} p50={:?} p99={:?} max={:?}",
+            times.len(),
+            percentile(&times, 0.5),
+            percentile(&times, 0.99),
+            times[times.len() - 1]
+        );
+    }
+    println!("token cache: {:?}", renderer.token_cache_stats());
 }

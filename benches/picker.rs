@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use continuum_protocol::ids::{DpRank, InstanceId, Namespace, WorkerKey};
 use continuum_protocol::picker::{
-    Candidate, CandidateRole, DynamoWorkerPicker, LoadBasedPicker, LoadView, PickOutcome,
-    PickRequest, PickerState, SampleState,
+    Candidate, CandidateRole, DenseRanks, DynamoWorkerPicker, LoadBasedPicker, LoadView,
+    PickContext, PickOutcome, PickRequest, PickerState, SampleState,
 };
 use continuum_protocol::time::Tick;
 use criterion::Criterion;
@@ -122,6 +122,8 @@ fn dense_load(fleet: &Fleet) -> DenseLoad {
 /// Picks in a loop, answering each dispatch `OUTSTANDING` picks later, 100 µs apart.
 struct Driver<'a> {
     fleet: &'a Fleet,
+    /// Built once, as the candidate index does per generation.
+    layout: DenseRanks,
     load: &'a dyn LoadView,
     namespaces: Vec<Namespace>,
     state: PickerState,
@@ -133,6 +135,7 @@ impl<'a> Driver<'a> {
     fn new(fleet: &'a Fleet, load: &'a dyn LoadView) -> Self {
         Self {
             fleet,
+            layout: DenseRanks::build(&fleet.candidates),
             load,
             namespaces: vec![Namespace::new(NAMESPACE)],
             state: PickerState::new(),
@@ -149,11 +152,14 @@ impl<'a> Driver<'a> {
             load_signals: true,
         };
         LoadBasedPicker.pick(
-            &req,
-            &self.fleet.candidates,
-            self.load,
-            &mut self.state,
-            self.now,
+            &mut PickContext::new(
+                &req,
+                &self.fleet.candidates,
+                self.load,
+                &mut self.state,
+                self.now,
+            )
+            .with_layout(&self.layout),
         )
     }
 
@@ -233,6 +239,74 @@ fn view_floor(fleet: &Fleet, view: &str, load: &dyn LoadView, rounds: usize) {
     );
 }
 
+/// The production read path: a `LoadStore` holding a fresh sample per rank, read through
+/// `StoreView` (samples by slot) with the layout built once. Run at 10 / 100 / 1,000 / 10,000
+/// decode ranks for the scaling curve.
+fn store_percentiles(ranks: u64, picks: usize) {
+    use continuum_protocol::event_plane::ActiveLoad;
+    use continuum_protocol::ids::PublisherId;
+    use continuum_protocol::load_store::{LoadSample, LoadStore};
+    use continuum_protocol::picker::candidates::StoreView;
+    use continuum_protocol::time::UnixMillis;
+
+    let workers = ranks / 2;
+    let fleet = fleet("store", workers, 0);
+    let mut store = LoadStore::new();
+    store.set_live_and_retain((0..workers).map(|w| InstanceId(FIRST_ID + w)));
+    for c in &fleet.candidates {
+        let w = c.worker.instance_id.0 - FIRST_ID;
+        let SampleState::Fresh {
+            active_decode_blocks,
+            active_prefill_tokens,
+            kv_used_blocks,
+        } = sample_for(w, c.rank().0)
+        else {
+            continue;
+        };
+        store.apply(LoadSample {
+            load: ActiveLoad {
+                worker_id: c.worker.instance_id,
+                dp_rank: c.rank(),
+                active_decode_blocks,
+                active_prefill_tokens,
+                kv_used_blocks,
+            },
+            publisher_id: PublisherId(c.worker.instance_id.0),
+            sequence: 1,
+            published_at: UnixMillis(0),
+            received_at: Tick::ZERO,
+        });
+    }
+    let view = StoreView {
+        store: &store,
+        now: Tick::ZERO,
+        max_age: Duration::from_secs(3),
+    };
+    let mut driver = Driver::new(&fleet, &view);
+    for _ in 0..1_000.min(picks) {
+        driver.step();
+    }
+    let mut nanos = Vec::with_capacity(picks);
+    for _ in 0..picks {
+        let start = Instant::now();
+        let outcome = driver.pick();
+        let elapsed = start.elapsed();
+        driver.settle(black_box(outcome));
+        nanos.push(elapsed.as_nanos() as u64);
+    }
+    nanos.sort_unstable();
+    let at = |q: f64| nanos[((nanos.len() - 1) as f64 * q) as usize];
+    println!(
+        "scaling/decode_{ranks}_ranks/store_slots: n={} p50={:.2}µs p99={:.2}µs max={:.2}µs ns_per_rank_p50={:.2} (slot resolutions {})",
+        nanos.len(),
+        at(0.50) as f64 / 1e3,
+        at(0.99) as f64 / 1e3,
+        at(1.0) as f64 / 1e3,
+        at(0.50) as f64 / ranks as f64,
+        driver.state.slots.resolutions(),
+    );
+}
+
 fn main() {
     let fleets = [
         fleet("decode_1000_ranks", 500, 0),
@@ -268,6 +342,9 @@ fn main() {
         if view != "hashmap" {
             percentiles(fleet, "dense_view", &dense_load(fleet), picks);
         }
+    }
+    for ranks in [10, 100, 1_000, 10_000] {
+        store_percentiles(ranks, picks);
     }
     let floor = &fleets[0];
     if view != "dense" {
@@ -308,8 +385,8 @@ mod e2e {
     use continuum_protocol::load_store::{LoadSample, LoadStore, WorkerRank};
     use continuum_protocol::picker::candidates::{CandidateIndex, sample_state};
     use continuum_protocol::picker::{
-        DynamoWorkerPicker, LoadBasedPicker, LoadView, PickOutcome, PickRequest, PickerState,
-        SampleState,
+        DynamoWorkerPicker, LoadBasedPicker, LoadView, PickContext, PickOutcome, PickRequest,
+        PickerState, SampleState,
     };
     use continuum_protocol::time::UnixMillis;
     use continuum_router::config::{Config, ProcessEnv};
@@ -491,7 +568,13 @@ mod e2e {
                 latest: |w, r| legacy.get(&WorkerRank::new(w, r)),
                 now,
             };
-            let old = LoadBasedPicker.pick(&request, candidates, &view, &mut old_state, now);
+            let old = LoadBasedPicker.pick(&mut PickContext::new(
+                &request,
+                candidates,
+                &view,
+                &mut old_state,
+                now,
+            ));
             let old_elapsed = start.elapsed();
 
             let start = Instant::now();
@@ -501,7 +584,13 @@ mod e2e {
                 latest: |w, r| store.latest(w, r),
                 now,
             };
-            let new = LoadBasedPicker.pick(&request, candidates, &view, &mut new_state, now);
+            let new = LoadBasedPicker.pick(&mut PickContext::new(
+                &request,
+                candidates,
+                &view,
+                &mut new_state,
+                now,
+            ));
             let new_elapsed = start.elapsed();
 
             for (outcome, queue) in [(old, &mut old_unanswered), (new, &mut new_unanswered)] {

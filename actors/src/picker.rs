@@ -1,12 +1,13 @@
 //! PickerActor: owns the worker picker's lifecycle; [`SharedPicker`] is the state it maintains.
 //!
 //! Role: keeps the picker's inputs current between requests. On every registry generation it
-//! rebuilds the [`CandidateIndex`] (one `Candidate` per dp rank, grouped by model); on every
-//! load-store change it feeds sample arrivals into the [`DispatchLedger`] (a sample answers the
-//! dispatches pinned to its worker before it arrived); every [`EXPIRE_EVERY`] it drops dispatches
-//! older than `DISPATCH_MAX_AGE`; and it reports its state to the admin view (`Status`). Which
-//! picker is installed (`picker()` / `set_picker()`, the seed's pluggable `DynamoWorkerPicker`)
-//! lives in the same handle.
+//! rebuilds the [`CandidateIndex`] (one `Candidate` per dp rank, grouped by model, with each
+//! model's dense layout the pickers scan); on every load-store change it feeds sample arrivals
+//! into the [`DispatchLedger`] (a sample answers the dispatches pinned to its worker before it
+//! arrived) and re-resolves the layouts' load-store slots if a rank gained or lost its sample;
+//! every [`EXPIRE_EVERY`] it drops dispatches older than `DISPATCH_MAX_AGE`; and it reports its
+//! state to the admin view (`Status`). Which picker is installed (`picker()` / `set_picker()`,
+//! the seed's pluggable `DynamoWorkerPicker`) lives in the same handle.
 //!
 //! Parent: root. Children: none. Messages in: `GenerationChanged`, `SamplesArrived`, `Expire`
 //! (from the watcher task it spawns in `pre_start` and aborts in `post_stop`), `Status` (query).
@@ -33,6 +34,7 @@ use arc_swap::ArcSwap;
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
 use continuum_protocol::load_store::LoadStore;
 use continuum_protocol::picker::candidates::CandidateIndex;
+use continuum_protocol::picker::dense::SLOT_CACHE_LAYOUTS;
 use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::{
     DispatchLedger, DynamoWorkerPicker, LoadBasedPicker, PickerState,
@@ -224,10 +226,20 @@ impl SharedPicker {
         self.state().ledger.withdraw(id);
     }
 
-    /// Samples that arrived answer the dispatches pinned to their workers before them.
+    /// Samples that arrived answer the dispatches pinned to their workers before them, and the
+    /// layouts' load-store slots are re-resolved if a rank gained or lost its sample, so the
+    /// request path finds them current (for up to `SLOT_CACHE_LAYOUTS` models).
     pub fn feed_arrivals(&self, load: &SharedLoadStore) {
+        let held = self.index();
         load.with(|store| {
-            self.with_state(store, |s| answer_arrivals(&mut s.ledger, store));
+            self.with_state(store, |s| {
+                answer_arrivals(&mut s.ledger, store);
+                if held.index.layouts().count() <= SLOT_CACHE_LAYOUTS {
+                    for layout in held.index.layouts() {
+                        s.slots.slots(layout, store);
+                    }
+                }
+            });
         });
         self.inner.arrival_feeds.fetch_add(1, Ordering::Relaxed);
     }

@@ -136,12 +136,26 @@ pub struct Unreachable {
     pub since: Tick,
 }
 
+/// A fresh, process-unique [`LoadStore::slot_epoch`] value (a counter, not a clock).
+fn next_slot_epoch() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Latest load sample per (worker, dp_rank).
 #[derive(Debug)]
 pub struct LoadStore {
-    /// Hashed cheaply (see [`crate::id_hash`]): a pick looks up one key per candidate rank, and
-    /// only live workers are admitted.
-    samples: IdMap<WorkerRank, LoadSample>,
+    /// The slot of each held sample, hashed cheaply (see [`crate::id_hash`]); only live workers
+    /// are admitted.
+    samples: IdMap<WorkerRank, u32>,
+    /// Held samples by slot. A key keeps its slot while its sample is held, so a picker resolves
+    /// its candidates' slots once per [`Self::slot_epoch`] and then reads samples by index
+    /// instead of hashing one key per rank per pick.
+    slots: Vec<Option<LoadSample>>,
+    /// Slots emptied by removals, reused first (so `slots` never outgrows the capacity).
+    free_slots: Vec<u32>,
+    /// Changes whenever a key gains or loses its slot; unique across stores.
+    slot_epoch: u64,
     /// When each live worker's last applied sample (any rank) arrived, kept even after the
     /// sample itself is dropped: a sample answers the picker's earlier dispatches when it
     /// arrives ([`LoadStore::last_arrival`]).
@@ -172,6 +186,9 @@ impl LoadStore {
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
             samples: IdMap::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            slot_epoch: next_slot_epoch(),
             arrivals: IdMap::default(),
             unreachable: HashMap::new(),
             by_publisher: HashMap::new(),
@@ -227,7 +244,12 @@ impl LoadStore {
             return LoadEventResult::IdentityMismatch;
         }
         let full = self.samples.len() >= self.capacity;
-        match self.samples.get_mut(&key) {
+        let held = self
+            .samples
+            .get(&key)
+            .and_then(|&slot| self.slots.get_mut(slot as usize))
+            .and_then(Option::as_mut);
+        match held {
             Some(held)
                 if held.publisher_id == sample.publisher_id && sample.sequence <= held.sequence =>
             {
@@ -245,12 +267,57 @@ impl LoadStore {
             }
             None if full => LoadEventResult::OverCapacity,
             None => {
-                self.samples.insert(key, sample);
+                let slot = self.take_slot(sample);
+                self.samples.insert(key, slot);
                 self.index(sample.publisher_id, key);
                 self.arrived(key.worker_id, sample.received_at);
                 LoadEventResult::Applied
             }
         }
+    }
+
+    /// Stores `sample` in a free slot (or a new one) and returns it.
+    fn take_slot(&mut self, sample: LoadSample) -> u32 {
+        self.slot_epoch = next_slot_epoch();
+        if let Some(slot) = self.free_slots.pop()
+            && let Some(entry) = self.slots.get_mut(slot as usize)
+        {
+            *entry = Some(sample);
+            return slot;
+        }
+        // At most `capacity` (≤ 65,536) keys are held, so the slot count fits u32.
+        let slot = self.slots.len() as u32;
+        self.slots.push(Some(sample));
+        slot
+    }
+
+    /// Removes `key`'s sample and frees its slot.
+    fn remove_sample(&mut self, key: &WorkerRank) -> Option<LoadSample> {
+        let slot = self.samples.remove(key)?;
+        self.slot_epoch = next_slot_epoch();
+        let sample = self.slots.get_mut(slot as usize).and_then(Option::take);
+        self.free_slots.push(slot);
+        sample
+    }
+
+    /// Changes whenever a key gains or loses its slot (never when a held sample is replaced);
+    /// two stores never share a value. Slots resolved by [`Self::slot`] stay valid while it is
+    /// unchanged.
+    pub fn slot_epoch(&self) -> u64 {
+        self.slot_epoch
+    }
+
+    /// The slot of `(worker_id, dp_rank)`'s held sample.
+    pub fn slot(&self, worker_id: InstanceId, dp_rank: DpRank) -> Option<u32> {
+        self.samples
+            .get(&WorkerRank::new(worker_id, dp_rank))
+            .copied()
+    }
+
+    /// The sample held in `slot` (`None` for a free or unknown slot).
+    #[inline]
+    pub fn at_slot(&self, slot: u32) -> Option<&LoadSample> {
+        self.slots.get(slot as usize).and_then(Option::as_ref)
     }
 
     fn arrived(&mut self, worker_id: InstanceId, at: Tick) {
@@ -283,7 +350,8 @@ impl LoadStore {
 
     /// The held sample, whatever its age.
     pub fn latest(&self, worker_id: InstanceId, dp_rank: DpRank) -> Option<&LoadSample> {
-        self.samples.get(&WorkerRank::new(worker_id, dp_rank))
+        self.slot(worker_id, dp_rank)
+            .and_then(|slot| self.at_slot(slot))
     }
 
     /// The held sample while its receipt age is within `max_age`.
@@ -316,7 +384,9 @@ impl LoadStore {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&WorkerRank, &LoadSample)> {
-        self.samples.iter()
+        self.samples
+            .iter()
+            .filter_map(|(key, &slot)| Some((key, self.at_slot(slot)?)))
     }
 
     /// Forgets every sample received from `publisher_id`; returns their keys, sorted (so the
@@ -329,7 +399,7 @@ impl LoadStore {
             .flatten()
             .collect();
         for key in &dropped {
-            self.samples.remove(key);
+            self.remove_sample(key);
         }
         dropped.sort_unstable();
         dropped
@@ -409,7 +479,7 @@ impl LoadStore {
             .copied()
             .collect();
         for key in &evicted {
-            if let Some(sample) = self.samples.remove(key) {
+            if let Some(sample) = self.remove_sample(key) {
                 self.unindex(sample.publisher_id, *key);
             }
         }

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | [`decision`] | one request's routing decision (eligibility, reachability, pick, path, parity) |
 //! | [`estimate`] | the tokenizer-free prompt-size heuristic |
+//! | [`dense`] | the per-generation struct-of-arrays layout the pickers scan, samples by slot |
 //! | [`ledger`] | unanswered dispatches: backlog until a sample answers, stalled ranks |
 //! | [`load_based`] | the default [`LoadBasedPicker`] (Dynamo's load-only cost formulas) |
 //! | [`kv_aware`] | the [`KvAwarePicker`] (upstream's KV cost formula over index overlaps) |
@@ -26,6 +27,7 @@ use crate::time::Tick;
 
 pub mod candidates;
 pub mod decision;
+pub mod dense;
 pub mod estimate;
 pub mod kv_aware;
 pub mod ledger;
@@ -35,6 +37,7 @@ pub mod reachability;
 #[cfg(test)]
 mod tests;
 
+pub use dense::{DenseRanks, LoadSlots, SlotCache};
 pub use estimate::{estimate_prompt_tokens, estimate_text_tokens};
 pub use kv_aware::{
     BlockOverlaps, ConditionalDisaggregation, KvAwarePicker, KvPickInput, KvPickOutcome,
@@ -255,6 +258,13 @@ impl SampleState {
 /// Read access to the load store, implemented by the caller.
 pub trait LoadView {
     fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState;
+
+    /// The store read by slot, when the view is a [`LoadStore`](crate::load_store::LoadStore):
+    /// the pickers then read each rank's sample by index instead of calling [`Self::sample`]
+    /// per rank. Must agree with [`Self::sample`].
+    fn slots(&self) -> Option<LoadSlots<'_>> {
+        None
+    }
 }
 
 /// A [`LoadView`] that holds nothing: every rank reads as [`SampleState::Never`].
@@ -362,35 +372,76 @@ pub enum PickOutcome {
     NoCandidates(NoCandidates),
 }
 
+/// Everything one pick reads and mutates, in one value instead of six parameters: the request,
+/// the candidate ranks (with their dense layout when the caller holds one per generation), the
+/// load view, the mutable [`PickerState`] and the caller's `now`.
+pub struct PickContext<'a> {
+    pub request: &'a PickRequest<'a>,
+    /// In a stable order (snapshot order): round-robin cursors index into it.
+    pub candidates: &'a [Candidate],
+    /// `candidates`' layout, built once per generation ([`candidates::CandidateIndex`]). `None`:
+    /// the pick lays them out itself into reused scratch (same result, O(n) more work).
+    pub dense: Option<&'a DenseRanks>,
+    pub load: &'a dyn LoadView,
+    pub state: &'a mut PickerState,
+    pub now: Tick,
+}
+
+impl<'a> PickContext<'a> {
+    /// A context without a prebuilt layout.
+    pub fn new(
+        request: &'a PickRequest<'a>,
+        candidates: &'a [Candidate],
+        load: &'a dyn LoadView,
+        state: &'a mut PickerState,
+        now: Tick,
+    ) -> Self {
+        Self {
+            request,
+            candidates,
+            dense: None,
+            load,
+            state,
+            now,
+        }
+    }
+
+    /// Uses `dense`, the layout of exactly `candidates` (ignored if its length differs).
+    pub fn with_layout(mut self, dense: &'a DenseRanks) -> Self {
+        self.dense = (dense.len() == self.candidates.len()).then_some(dense);
+        self
+    }
+}
+
+impl std::fmt::Debug for PickContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PickContext")
+            .field("request", self.request)
+            .field("candidates", &self.candidates.len())
+            .field("dense", &self.dense.map(DenseRanks::id))
+            .field("now", &self.now)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A worker picker, replaceable at runtime (`registry.picker()` / `set_picker()` hold an
 /// `Arc<dyn DynamoWorkerPicker>`).
 pub trait DynamoWorkerPicker: Send + Sync {
     /// A short name for logs and the admin API.
     fn name(&self) -> &'static str;
 
-    fn pick(
-        &self,
-        req: &PickRequest<'_>,
-        candidates: &[Candidate],
-        load: &dyn LoadView,
-        state: &mut PickerState,
-        now: Tick,
-    ) -> PickOutcome;
+    fn pick(&self, ctx: &mut PickContext<'_>) -> PickOutcome;
 
     /// A pick that may use the request's KV input (`Err` says why there is none). Pickers that
     /// ignore KV keep this default: their plain pick, with no KV result.
     fn pick_kv(
         &self,
-        req: &PickRequest<'_>,
+        ctx: &mut PickContext<'_>,
         kv: Result<&KvPickInput<'_>, KvUnavailable>,
-        candidates: &[Candidate],
-        load: &dyn LoadView,
-        state: &mut PickerState,
-        now: Tick,
     ) -> KvPickOutcome {
         let _ = kv;
         KvPickOutcome {
-            outcome: self.pick(req, candidates, load, state, now),
+            outcome: self.pick(ctx),
             kv: None,
         }
     }
@@ -403,6 +454,8 @@ pub struct PickerState {
     pub ledger: DispatchLedger,
     cursors: CursorTable,
     scratch: load_based::Scratch,
+    /// Load-store slots per layout, resolved when the layout or the store's slot epoch changes.
+    pub slots: SlotCache,
 }
 
 impl PickerState {

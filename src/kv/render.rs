@@ -21,6 +21,7 @@ use continuum_protocol::kv::prompt::{
 };
 
 use super::template::{ChatTemplate, RenderFailure, TemplateInput};
+use super::token_cache::{CacheLimits, CacheStats, DEFAULT_CACHE_LIMITS, PromptTokenizer};
 
 /// Messages in one chat request beyond this are not rendered (a 1 MiB prompt cap makes more
 /// than this many turns meaningless, and it bounds the context built before fuel counts).
@@ -120,7 +121,8 @@ pub fn available_cpus() -> usize {
 /// One model's tokenizer and chat template, and the bounds to run them under.
 #[derive(Clone, Debug)]
 pub struct PromptRenderer {
-    tokenizer: Arc<tokenizers::Tokenizer>,
+    /// The tokenizer behind its exact prefix cache (follow-up turns tokenize only what is new).
+    tokenizer: Arc<PromptTokenizer>,
     template: Option<Arc<ChatTemplate>>,
     limits: RenderLimits,
     permits: RenderPermits,
@@ -136,7 +138,7 @@ impl PromptRenderer {
     ) -> Self {
         let permits = RenderPermits::new(limits.permits);
         Self {
-            tokenizer,
+            tokenizer: Arc::new(PromptTokenizer::new(tokenizer, DEFAULT_CACHE_LIMITS)),
             template,
             limits,
             permits,
@@ -150,6 +152,23 @@ impl PromptRenderer {
 
     pub fn limits(&self) -> RenderLimits {
         self.limits
+    }
+
+    /// Replaces the tokenization cache with an empty one of `limits` (tests, benches).
+    pub fn with_cache_limits(mut self, limits: CacheLimits) -> Self {
+        let tokenizer = Arc::clone(self.tokenizer.tokenizer());
+        self.tokenizer = Arc::new(PromptTokenizer::new(tokenizer, limits));
+        self
+    }
+
+    /// The tokenizer and its cache.
+    pub fn prompt_tokenizer(&self) -> &Arc<PromptTokenizer> {
+        &self.tokenizer
+    }
+
+    /// The tokenization cache's counters.
+    pub fn token_cache_stats(&self) -> CacheStats {
+        self.tokenizer.stats()
     }
 
     /// Renders (chat) or reads (completions) the request's prompt, tokenizes it and hashes it
@@ -285,17 +304,15 @@ impl Job {
 
     fn tokens(
         self,
-        tokenizer: &tokenizers::Tokenizer,
+        tokenizer: &PromptTokenizer,
         template: Option<&ChatTemplate>,
         limits: &RenderLimits,
     ) -> Result<Vec<u32>, PrepareError> {
         let tokens = match self.render(template, limits)? {
             Rendered::Tokens(tokens) => tokens,
             Rendered::Text(text) => tokenizer
-                .encode_fast(text.as_str(), false)
-                .map_err(|e| PrepareError::Tokenizer(e.to_string()))?
-                .get_ids()
-                .to_vec(),
+                .tokenize(text.as_str())
+                .map_err(PrepareError::Tokenizer)?,
         };
         cap_tokens(tokens, limits.max_tokens)
     }

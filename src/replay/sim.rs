@@ -46,8 +46,9 @@ use continuum_protocol::kv::{ExternalBlockHash, KvEventResult, KvIndex, LocalBlo
 use continuum_protocol::load_store::{LoadSample, LoadStore};
 use continuum_protocol::picker::candidates::{CandidateIndex, StoreView};
 use continuum_protocol::picker::{
-    BlockOverlaps, Candidate, DispatchId, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
-    KvPickOutcome, KvPickParams, LoadBasedPicker, PickOutcome, PickRequest, PickerState,
+    BlockOverlaps, Candidate, DenseRanks, DispatchId, DynamoWorkerPicker, KvAwarePicker,
+    KvPickInput, KvPickOutcome, KvPickParams, LoadBasedPicker, PickContext, PickOutcome,
+    PickRequest, PickerState,
 };
 use continuum_protocol::time::{Tick, UnixMillis};
 
@@ -419,6 +420,7 @@ pub fn simulate(
     progress: &mut dyn FnMut(u64),
 ) -> PolicyRun {
     let n_workers = candidates.len();
+    let layout = DenseRanks::build(candidates);
     let bs = u64::from(cfg.block_size.get());
     let mut sim = Sim {
         cfg,
@@ -527,22 +529,21 @@ pub fn simulate(
                         overlaps: &overlaps,
                         unit,
                     };
-                    kv_picker.pick_kv(
-                        &pick_request,
-                        Ok(&input),
-                        candidates,
-                        &view,
-                        &mut sim.state,
-                        now,
-                    )
+                    let mut ctx =
+                        PickContext::new(&pick_request, candidates, &view, &mut sim.state, now)
+                            .with_layout(&layout);
+                    kv_picker.pick_kv(&mut ctx, Ok(&input))
                 }
                 Policy::Load | Policy::RoundRobin => KvPickOutcome {
                     outcome: LoadBasedPicker.pick(
-                        &pick_request,
-                        candidates,
-                        &view,
-                        &mut sim.state,
-                        now,
+                        &mut PickContext::new(
+                            &pick_request,
+                            candidates,
+                            &view,
+                            &mut sim.state,
+                            now,
+                        )
+                        .with_layout(&layout),
                     ),
                     kv: None,
                 },

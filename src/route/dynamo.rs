@@ -297,6 +297,7 @@ impl ShimRouter {
             model,
             namespaces,
             candidates,
+            layout: held.index.layout_for(model),
             estimate_prompt_tokens: &estimate,
             load_signals: self.registry.snapshot().signals().load,
             kv: self.kv_input(&prepared, &overlaps),

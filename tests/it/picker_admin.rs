@@ -6,10 +6,7 @@ use crate::support;
 
 use std::sync::Arc;
 
-use continuum_protocol::picker::{
-    Candidate, DynamoWorkerPicker, LoadView, NoCandidates, PickOutcome, PickRequest, PickerState,
-};
-use continuum_protocol::time::Tick;
+use continuum_protocol::picker::{DynamoWorkerPicker, NoCandidates, PickContext, PickOutcome};
 use serde_json::Value;
 
 const TOKEN: &str = "picker-admin-token";
@@ -22,14 +19,7 @@ impl DynamoWorkerPicker for Named {
         "named"
     }
 
-    fn pick(
-        &self,
-        _req: &PickRequest<'_>,
-        _candidates: &[Candidate],
-        _load: &dyn LoadView,
-        _state: &mut PickerState,
-        _now: Tick,
-    ) -> PickOutcome {
+    fn pick(&self, _ctx: &mut PickContext<'_>) -> PickOutcome {
         PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel)
     }
 }

@@ -18,8 +18,7 @@ use continuum_protocol::event_plane::{ActiveLoad, LoadEventResult};
 use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
 use continuum_protocol::load_store::LoadSample;
 use continuum_protocol::picker::{
-    Candidate, DISPATCH_MAX_AGE, DispatchLeg, DynamoWorkerPicker, LoadView, PickOutcome,
-    PickRequest, PickerState,
+    DISPATCH_MAX_AGE, DispatchLeg, DynamoWorkerPicker, PickContext, PickOutcome,
 };
 use continuum_protocol::time::{Tick, UnixMillis};
 use ractor::{Actor, call_t};
@@ -76,14 +75,7 @@ impl DynamoWorkerPicker for Named {
         "named"
     }
 
-    fn pick(
-        &self,
-        _req: &PickRequest<'_>,
-        _candidates: &[Candidate],
-        _load: &dyn LoadView,
-        _state: &mut PickerState,
-        _now: Tick,
-    ) -> PickOutcome {
+    fn pick(&self, _ctx: &mut PickContext<'_>) -> PickOutcome {
         PickOutcome::NoCandidates(continuum_protocol::picker::NoCandidates::NoWorkerForModel)
     }
 }
@@ -254,4 +246,65 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
 
     root.stop(None);
     handle.await.expect("root stops");
+}
+
+/// Feeding arrivals keeps each model layout's load-store slots current, so a decision finds them
+/// resolved: slots move only when a rank gains or loses its sample.
+#[test]
+fn feeding_arrivals_resolves_the_layouts_slots_when_a_rank_gains_a_sample() {
+    use continuum_protocol::load_store::LoadStore;
+
+    let ns = Namespace::new(NS);
+    let mut reducer = DiscoveryReducer::new(ns.clone());
+    reducer.apply(SourceEvent::Init, UnixMillis(0));
+    for (key, value) in records(1) {
+        reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
+    }
+    reducer.apply(SourceEvent::InitDone, UnixMillis(0));
+    let snapshot = continuum_protocol::discovery::snapshot::build_snapshot(
+        SourceKind::Etcd,
+        &[ns],
+        &[reducer.view().as_ref()],
+    );
+    let picker = DynamoPicker::new();
+    let held = picker.rebuild(1, &snapshot);
+    let layout = held.index.layout_for("m").expect("a layout per model");
+    assert_eq!(layout.len(), 2, "one row per dp rank");
+
+    let mut store = LoadStore::new();
+    store.set_live_and_retain([InstanceId(1)]);
+    let sample = |rank: u32, sequence: u64| LoadSample {
+        load: ActiveLoad {
+            worker_id: InstanceId(1),
+            dp_rank: DpRank(rank),
+            active_decode_blocks: Some(3),
+            active_prefill_tokens: None,
+            kv_used_blocks: None,
+        },
+        publisher_id: PublisherId(9),
+        sequence,
+        published_at: UnixMillis(0),
+        received_at: now_tick(),
+    };
+    let resolutions = |picker: &DynamoPicker| picker.with_state(|s| s.slots.resolutions());
+    store.apply(sample(0, 1));
+    picker.feed_arrivals(&store);
+    assert_eq!(resolutions(&picker), 1);
+    // A replaced sample keeps its slot: nothing to resolve.
+    store.apply(sample(0, 2));
+    picker.feed_arrivals(&store);
+    assert_eq!(resolutions(&picker), 1);
+    // Rank 1's first sample gives it a slot: resolved on the next feed, not by the decision.
+    store.apply(sample(1, 3));
+    picker.feed_arrivals(&store);
+    assert_eq!(resolutions(&picker), 2);
+    let slots = picker.with_state(|s| s.slots.slots(layout, &store).to_vec());
+    assert_eq!(
+        slots,
+        vec![
+            store.slot(InstanceId(1), DpRank(0)).expect("held"),
+            store.slot(InstanceId(1), DpRank(1)).expect("held"),
+        ]
+    );
+    assert_eq!(resolutions(&picker), 2, "the decision found them current");
 }

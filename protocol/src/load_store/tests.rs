@@ -702,3 +702,40 @@ fn kv_metrics_frames(publisher: PublisherId, sequence: u64, worker: InstanceId) 
         frame,
     ]
 }
+
+#[test]
+fn slots_are_stable_while_held_reused_when_freed_and_the_epoch_says_when_they_move() {
+    let mut store = store_with_live(&[W1, W2]);
+    let epoch = store.slot_epoch();
+    assert_eq!(store.slot(W1, R0), None);
+    store.apply(sample(W1, R0, P1, 1, 0));
+    let first = store.slot_epoch();
+    assert_ne!(first, epoch, "a key gained a slot");
+    let slot = store.slot(W1, R0).expect("held");
+    // Replacing the held sample keeps its slot and the epoch.
+    store.apply(sample(W1, R0, P1, 2, 5));
+    assert_eq!(store.slot_epoch(), first);
+    assert_eq!(store.slot(W1, R0), Some(slot));
+    assert_eq!(store.at_slot(slot).map(|s| s.sequence), Some(2));
+    assert_eq!(store.latest(W1, R0).map(|s| s.sequence), Some(2));
+    store.apply(sample(W2, R1, P2, 1, 0));
+    let w2 = store.slot(W2, R1).expect("held");
+    assert_ne!(w2, slot);
+    // Dropping a publisher frees its slots (the epoch moves) and a new key reuses one.
+    let before = store.slot_epoch();
+    store.drop_publisher(P1);
+    assert_ne!(store.slot_epoch(), before);
+    assert_eq!(store.at_slot(slot), None, "a freed slot reads as empty");
+    assert_eq!(store.slot(W1, R0), None);
+    store.apply(sample(W1, R1, P1, 3, 10));
+    assert_eq!(store.slot(W1, R1), Some(slot), "the freed slot is reused");
+    assert_eq!(store.iter().count(), 2);
+    // Evicting a worker frees its slot too.
+    let before = store.slot_epoch();
+    store.set_live_and_retain([W1]);
+    assert_ne!(store.slot_epoch(), before);
+    assert_eq!(store.at_slot(w2), None);
+    assert_eq!(store.len(), 1);
+    // Two stores never share an epoch.
+    assert_ne!(LoadStore::new().slot_epoch(), LoadStore::new().slot_epoch());
+}

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::dense::{DenseRanks, LoadSlots};
 use super::{Candidate, CandidateRole, LoadView, SampleState, dp_ranks};
 use crate::discovery::records::Role;
 use crate::discovery::snapshot::DynamoSnapshot;
@@ -24,6 +25,8 @@ pub struct CandidateIndex {
     by_model: BTreeMap<Arc<str>, Vec<Candidate>>,
     /// Per model, the block sizes a KV-aware request is hashed for ([`hashed_block_sizes`]).
     block_sizes: BTreeMap<Arc<str>, Vec<BlockSize>>,
+    /// Per model, the dense layout of its candidates the pickers scan.
+    dense: BTreeMap<Arc<str>, DenseRanks>,
     /// Workers left out because their card declared an impossible rank range.
     pub refused_workers: usize,
 }
@@ -70,6 +73,11 @@ impl CandidateIndex {
             .iter()
             .map(|(model, list)| (model.clone(), hashed_block_sizes(list)))
             .collect();
+        index.dense = index
+            .by_model
+            .iter()
+            .map(|(model, list)| (model.clone(), DenseRanks::build(list)))
+            .collect();
         index
     }
 
@@ -84,6 +92,16 @@ impl CandidateIndex {
     /// The candidates serving `model` (a Dynamo display name), in snapshot order.
     pub fn for_model(&self, model: &str) -> &[Candidate] {
         self.by_model.get(model).map(Vec::as_slice).unwrap_or(&[])
+    }
+
+    /// The dense layout of [`Self::for_model`]'s candidates (built with the index).
+    pub fn layout_for(&self, model: &str) -> Option<&DenseRanks> {
+        self.dense.get(model)
+    }
+
+    /// Every model's dense layout.
+    pub fn layouts(&self) -> impl Iterator<Item = &DenseRanks> {
+        self.dense.values()
     }
 
     /// Candidate ranks across every model.
@@ -117,6 +135,14 @@ impl LoadView for StoreView<'_> {
             self.now,
             self.max_age,
         )
+    }
+
+    fn slots(&self) -> Option<LoadSlots<'_>> {
+        Some(LoadSlots {
+            store: self.store,
+            now: self.now,
+            max_age: self.max_age,
+        })
     }
 }
 

@@ -24,10 +24,11 @@ use std::time::Duration;
 use tracing::debug;
 
 use super::candidates::StoreView;
+use super::dense::DenseRanks;
 use super::reachability::reachable_candidates;
 use super::{
     Candidate, DynamoWorkerPicker, KvPickInput, KvPickOutcome, KvSelectionResult, KvUnavailable,
-    NoCandidates, Pick, PickOutcome, PickRequest, PickerState,
+    NoCandidates, Pick, PickContext, PickOutcome, PickRequest, PickerState,
 };
 use crate::ids::{DpRank, InstanceId, Namespace};
 use crate::load_store::LoadStore;
@@ -42,6 +43,9 @@ pub struct DecisionInput<'a> {
     pub namespaces: Vec<(Namespace, bool)>,
     /// The model's candidate ranks (snapshot order).
     pub candidates: &'a [Candidate],
+    /// `candidates`' dense layout when the caller holds one for this generation; used when the
+    /// reachability gate keeps every rank.
+    pub layout: Option<&'a DenseRanks>,
     /// The tokenizer-free prompt-size estimate; called only when a pick runs without a rendered
     /// prompt length.
     pub estimate_prompt_tokens: &'a dyn Fn() -> u64,
@@ -179,23 +183,22 @@ fn gated_pick(
             "Unreachable workers sit out this selection."
         );
     }
-    let candidates = kept.as_deref().unwrap_or(all);
     let view = StoreView {
         store,
         now: input.now,
         max_age: input.max_age,
     };
+    let mut ctx = match (&kept, input.layout) {
+        (Some(kept), _) => PickContext::new(request, kept, &view, state, input.now),
+        (None, Some(layout)) => {
+            PickContext::new(request, all, &view, state, input.now).with_layout(layout)
+        }
+        (None, None) => PickContext::new(request, all, &view, state, input.now),
+    };
     match &input.kv {
-        Some(kv) => picker.pick_kv(
-            request,
-            kv.as_ref().map_err(|why| *why),
-            candidates,
-            &view,
-            state,
-            input.now,
-        ),
+        Some(kv) => picker.pick_kv(&mut ctx, kv.as_ref().map_err(|why| *why)),
         None => KvPickOutcome {
-            outcome: picker.pick(request, candidates, &view, state, input.now),
+            outcome: picker.pick(&mut ctx),
             kv: None,
         },
     }

@@ -27,11 +27,12 @@
 //! Without a KV input (no tokenizer, prompt too large, render failed, artifact unpinned) the whole
 //! pick is the load-based one and the outcome reports why.
 
+use super::dense::NOT_ELIGIBLE;
 use super::ledger::NamespaceBacklog;
-use super::load_based::{self, LoadBasedPicker, RequestSize, Scored};
+use super::load_based::{self, LoadBasedPicker, RequestSize, Samples, Scored};
 use super::{
-    Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickOutcome,
-    PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
+    Candidate, CandidateRole, DynamoWorkerPicker, NoCandidates, Phase, Pick, PickContext,
+    PickOutcome, PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
 };
 use crate::ids::{DpRank, InstanceId};
 use crate::kv::cost::{
@@ -264,18 +265,16 @@ struct Ctx<'r, 'a> {
     req: &'r PickRequest<'a>,
     kv: &'r KvPickInput<'r>,
     candidates: &'r [Candidate],
-    load: &'r dyn LoadView,
+    /// Each rank's sample by candidate index (by load-store slot on the production path).
+    samples: Samples<'r>,
     ledgers: Vec<Option<NamespaceBacklog<'r>>>,
     now: Tick,
 }
 
 impl Ctx<'_, '_> {
-    fn sample(&self, c: &Candidate) -> SampleState {
-        if self.req.load_signals {
-            self.load.sample(&c.worker, c.rank())
-        } else {
-            SampleState::Never
-        }
+    /// The sample of candidate `index` (never sampled when load signals are off).
+    fn sample(&self, index: usize) -> SampleState {
+        self.samples.get(index)
     }
 
     fn ledger(&self, ns: usize) -> Option<NamespaceBacklog<'_>> {
@@ -304,7 +303,7 @@ impl KvAwarePicker {
     /// full formula, its backlog (sample plus the ledger's unanswered dispatches).
     fn rank(&self, ctx: &Ctx<'_, '_>, m: Matched, scoring: Scoring) -> KvRank {
         let c = &ctx.candidates[m.index];
-        let sample = ctx.sample(c);
+        let sample = ctx.sample(m.index);
         let backlog = ctx
             .ledger(m.namespace)
             .map(|l| l.backlog(c.worker.instance_id, c.rank(), ctx.now))
@@ -440,7 +439,7 @@ impl KvAwarePicker {
                 load_based::score(
                     phase,
                     c,
-                    ctx.sample(c),
+                    ctx.sample(m.index),
                     ctx.ledger(m.namespace),
                     &mut size,
                     ctx.now,
@@ -511,37 +510,39 @@ impl KvAwarePicker {
     /// The pick with a KV input (or the reason there is none).
     pub fn pick_with(
         &self,
-        req: &PickRequest<'_>,
+        ctx: &mut PickContext<'_>,
         kv: Result<&KvPickInput<'_>, KvUnavailable>,
-        candidates: &[Candidate],
-        load: &dyn LoadView,
-        state: &mut PickerState,
-        now: Tick,
     ) -> KvPickOutcome {
         let kv = match kv {
             Ok(kv) => kv,
             Err(why) => {
-                let outcome = LoadBasedPicker.pick(req, candidates, load, state, now);
+                let outcome = LoadBasedPicker.pick(ctx);
                 let kv = matches!(outcome, PickOutcome::Picked(_)).then(|| why.into());
                 return KvPickOutcome { outcome, kv };
             }
         };
+        let (req, candidates, load, now) = (ctx.request, ctx.candidates, ctx.load, ctx.now);
         let PickerState {
-            ledger, cursors, ..
-        } = state;
+            ledger,
+            cursors,
+            scratch,
+            slots,
+        } = &mut *ctx.state;
         ledger.expire(now);
-        let namespaces = req.eligible_namespaces;
+        let namespaces = &req.eligible_namespaces
+            [..req.eligible_namespaces.len().min(usize::from(NOT_ELIGIBLE))];
+        let (dense, eligible) = scratch.layout(ctx.dense, candidates);
+        dense.eligibility(req.model, namespaces, eligible);
 
         let mut matched: Vec<Matched> = Vec::new();
         let mut roles = vec![Roles::default(); namespaces.len()];
-        for (index, c) in candidates.iter().enumerate() {
-            if &*c.model != req.model {
+        for index in 0..dense.len() {
+            let namespace = eligible[dense.group[index] as usize];
+            if namespace == NOT_ELIGIBLE {
                 continue;
             }
-            let Some(namespace) = namespaces.iter().position(|n| *n == c.worker.namespace) else {
-                continue;
-            };
-            match c.role {
+            let namespace = usize::from(namespace);
+            match dense.role[index] {
                 CandidateRole::Prefill => roles[namespace].prefill = true,
                 CandidateRole::Decode => roles[namespace].decode = true,
                 CandidateRole::Aggregated => {}
@@ -578,7 +579,7 @@ impl KvAwarePicker {
             req,
             kv,
             candidates,
-            load,
+            samples: Samples::new(req.load_signals, load, candidates, dense, slots),
             ledgers: if req.load_signals && !ledger.is_empty() {
                 namespaces.iter().map(|n| ledger.namespace(n)).collect()
             } else {
@@ -635,7 +636,7 @@ impl KvAwarePicker {
                         decode,
                         ctx.overlap_of(decode),
                         ctx.overlap_of(p),
-                        ctx.sample(decode),
+                        ctx.sample(won.index),
                         ledger_decode,
                         kv.isl,
                     );
@@ -683,26 +684,15 @@ impl DynamoWorkerPicker for KvAwarePicker {
     }
 
     /// Without a KV input the pick is the load-based one.
-    fn pick(
-        &self,
-        req: &PickRequest<'_>,
-        candidates: &[Candidate],
-        load: &dyn LoadView,
-        state: &mut PickerState,
-        now: Tick,
-    ) -> PickOutcome {
-        LoadBasedPicker.pick(req, candidates, load, state, now)
+    fn pick(&self, ctx: &mut PickContext<'_>) -> PickOutcome {
+        LoadBasedPicker.pick(ctx)
     }
 
     fn pick_kv(
         &self,
-        req: &PickRequest<'_>,
+        ctx: &mut PickContext<'_>,
         kv: Result<&KvPickInput<'_>, KvUnavailable>,
-        candidates: &[Candidate],
-        load: &dyn LoadView,
-        state: &mut PickerState,
-        now: Tick,
     ) -> KvPickOutcome {
-        self.pick_with(req, kv, candidates, load, state, now)
+        self.pick_with(ctx, kv)
     }
 }

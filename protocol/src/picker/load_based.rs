@@ -25,11 +25,13 @@
 
 use std::cmp::Ordering;
 
+use super::dense::{DenseRanks, LoadSlots, NO_SLOT, NOT_ELIGIBLE};
 use super::ledger::{DispatchLeg, NamespaceBacklog};
 use super::{
-    Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickOutcome,
-    PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
+    Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickContext,
+    PickOutcome, PickReasons, PickerState, Pinned, SampleState, SelectionReason,
 };
+use crate::ids::{DpRank, InstanceId};
 use crate::time::Tick;
 
 /// A load cost `num / den` (`den > 0`), compared exactly: equality is equality of the ratios
@@ -114,11 +116,64 @@ impl RequestSize {
     }
 }
 
+/// A rank's capacity as the cost formulas read it; 0 means "not declared" (a zero capacity
+/// scores as undeclared).
+#[derive(Clone, Copy, Debug)]
+pub struct Capacity {
+    pub block_size: u32,
+    pub total_kv_blocks: u64,
+    pub max_num_batched_tokens: u64,
+}
+
+impl Capacity {
+    pub fn of(candidate: &Candidate) -> Self {
+        Self {
+            block_size: candidate.block_size.unwrap_or(0),
+            total_kv_blocks: candidate.total_kv_blocks.unwrap_or(0),
+            max_num_batched_tokens: candidate.max_num_batched_tokens.unwrap_or(0),
+        }
+    }
+
+    #[inline]
+    fn at(dense: &DenseRanks, i: usize) -> Self {
+        Self {
+            block_size: dense.block_size[i],
+            total_kv_blocks: dense.total_kv_blocks[i],
+            max_num_batched_tokens: dense.max_num_batched_tokens[i],
+        }
+    }
+}
+
 /// Scores `candidate` for `phase`: the sample's backlog (zero when quiet) plus the ledger's,
 /// over the card's capacity.
 pub fn score(
     phase: Phase,
     candidate: &Candidate,
+    sample: SampleState,
+    ledger: Option<NamespaceBacklog<'_>>,
+    size: &mut RequestSize,
+    now: Tick,
+) -> Scored {
+    score_rank(
+        phase,
+        Capacity::of(candidate),
+        candidate.worker.instance_id,
+        candidate.rank(),
+        sample,
+        ledger,
+        size,
+        now,
+    )
+}
+
+/// [`score`] of one rank given by its capacity, instance and rank.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn score_rank(
+    phase: Phase,
+    capacity: Capacity,
+    instance: InstanceId,
+    rank: DpRank,
     sample: SampleState,
     ledger: Option<NamespaceBacklog<'_>>,
     size: &mut RequestSize,
@@ -136,19 +191,19 @@ pub fn score(
         } => None,
     };
     let backlog = ledger
-        .map(|l| l.backlog(candidate.worker.instance_id, candidate.rank(), now))
+        .map(|l| l.backlog(instance, rank, now))
         .unwrap_or_default();
     let cost = base.and_then(|base| match phase {
         Phase::Prefill => {
-            let den = candidate.max_num_batched_tokens.filter(|&d| d > 0)?;
+            let den = Some(capacity.max_num_batched_tokens).filter(|&d| d > 0)?;
             Some(Cost {
                 num: base.saturating_add(backlog.prefill_tokens),
                 den,
             })
         }
         Phase::Decode => {
-            let block_size = candidate.block_size.filter(|&b| b > 0)?;
-            let den = candidate.total_kv_blocks.filter(|&d| d > 0)?;
+            let block_size = Some(capacity.block_size).filter(|&b| b > 0)?;
+            let den = Some(capacity.total_kv_blocks).filter(|&d| d > 0)?;
             let request_blocks = size.blocks(block_size);
             Some(Cost {
                 num: base
@@ -295,6 +350,85 @@ pub(super) struct Scratch {
     roles: Vec<Roles>,
     positions: Vec<Matched>,
     scored: Vec<Scored>,
+    /// The layout of a caller's candidates when it passes none.
+    dense: DenseRanks,
+    /// Per layout group, its eligible-namespace position ([`NOT_ELIGIBLE`] when it does not
+    /// serve the request).
+    eligible: Vec<u16>,
+}
+
+impl Scratch {
+    /// `given` when it lays out `candidates`, else `candidates` laid out into the scratch
+    /// layout; with the per-group eligibility buffer.
+    pub(super) fn layout<'s>(
+        &'s mut self,
+        given: Option<&'s DenseRanks>,
+        candidates: &[Candidate],
+    ) -> (&'s DenseRanks, &'s mut Vec<u16>) {
+        let dense = match given {
+            Some(dense) if dense.len() == candidates.len() => dense,
+            _ => {
+                self.dense.rebuild(candidates);
+                &self.dense
+            }
+        };
+        (dense, &mut self.eligible)
+    }
+}
+
+/// Where one pick reads its ranks' samples.
+#[derive(Clone, Copy)]
+pub(super) enum Samples<'v> {
+    /// Load signals are off: nothing is read.
+    Off,
+    /// By load-store slot (the production path).
+    Slots {
+        load: LoadSlots<'v>,
+        slots: &'v [u32],
+    },
+    /// Through the view, one call per rank (views that are not a load store).
+    View {
+        load: &'v dyn LoadView,
+        candidates: &'v [Candidate],
+    },
+}
+
+impl<'v> Samples<'v> {
+    /// By load-store slot when the view is the store (slots resolved once per layout and slot
+    /// epoch), else through the view; nothing when load signals are off.
+    pub(super) fn new(
+        load_signals: bool,
+        load: &'v dyn LoadView,
+        candidates: &'v [Candidate],
+        dense: &DenseRanks,
+        cache: &'v mut super::dense::SlotCache,
+    ) -> Self {
+        if !load_signals {
+            Samples::Off
+        } else if let Some(load) = load.slots() {
+            Samples::Slots {
+                load,
+                slots: cache.slots(dense, load.store),
+            }
+        } else {
+            Samples::View { load, candidates }
+        }
+    }
+
+    #[inline]
+    pub(super) fn get(&self, i: usize) -> SampleState {
+        match *self {
+            Samples::Off => SampleState::Never,
+            Samples::Slots { load, slots } => match slots.get(i) {
+                Some(&slot) if slot != NO_SLOT => load.state_at(slot),
+                _ => SampleState::Never,
+            },
+            Samples::View { load, candidates } => match candidates.get(i) {
+                Some(c) => load.sample(&c.worker, c.rank()),
+                None => SampleState::Never,
+            },
+        }
+    }
 }
 
 /// The default picker. Stateless: everything it mutates lives in [`PickerState`].
@@ -312,31 +446,39 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         "load_based"
     }
 
-    fn pick(
-        &self,
-        req: &PickRequest<'_>,
-        candidates: &[Candidate],
-        load: &dyn LoadView,
-        state: &mut PickerState,
-        now: Tick,
-    ) -> PickOutcome {
+    fn pick(&self, ctx: &mut PickContext<'_>) -> PickOutcome {
+        let req = ctx.request;
+        let candidates = ctx.candidates;
+        let now = ctx.now;
         let PickerState {
             ledger,
             cursors,
             scratch,
-        } = state;
+            slots: slot_cache,
+        } = &mut *ctx.state;
         ledger.expire(now);
         let Scratch {
             matched,
             roles,
             positions,
             scored,
+            dense: own_dense,
+            eligible,
         } = scratch;
+        let dense: &DenseRanks = match ctx.dense {
+            Some(dense) if dense.len() == candidates.len() => dense,
+            _ => {
+                own_dense.rebuild(candidates);
+                &*own_dense
+            }
+        };
         matched.clear();
         roles.clear();
-        // More than u16::MAX namespaces cannot be configured (at most 16); ignore any beyond.
-        let namespaces = &req.eligible_namespaces[..req.eligible_namespaces.len().min(1 << 15)];
+        // At most 16 namespaces can be configured; positions past u16 range are ignored.
+        let namespaces = &req.eligible_namespaces
+            [..req.eligible_namespaces.len().min(usize::from(NOT_ELIGIBLE))];
         roles.resize(namespaces.len(), Roles::default());
+        dense.eligibility(req.model, namespaces, eligible);
 
         // The ledger per eligible namespace, resolved once so each rank hashes only its id. At
         // most 16 namespaces can be configured: those fit on the stack.
@@ -354,46 +496,32 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             spilled = namespaces.iter().map(|n| ledger.namespace(n)).collect();
             &spilled
         };
+        // Samples by load-store slot when the view is the store (slots resolved once per layout
+        // and slot epoch), else through the view.
+        let samples = Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
         let tokens = req.estimated_prompt_tokens;
         let mut size = RequestSize::new(tokens);
 
-        // One pass over the candidates (the fat, cache-unfriendly input): those serving the model
-        // in an eligible namespace, each namespace's roles, and a decode score for every decode
-        // and aggregated rank. Prefill ranks are only remembered; they are scored in the winner's
-        // namespace alone. Candidates usually come grouped by namespace, so the previous one's
-        // namespace is tried first.
+        // One pass over the dense layout: the ranks serving the model in an eligible namespace,
+        // each namespace's roles, and a decode score for every decode and aggregated rank.
+        // Prefill ranks are only remembered; they are scored in the winner's namespace alone.
         positions.clear();
         scored.clear();
         let mut any_served = false;
         let mut decode_tally = Tally::default();
-        let mut last_ns: Option<usize> = None;
-        // (address, length) of a candidate model already found equal to the request's.
-        let mut known_model: (*const u8, usize) = (std::ptr::null(), 0);
-        for (index, c) in candidates.iter().enumerate() {
-            let model = (c.model.as_ptr(), c.model.len());
-            if model != known_model {
-                if !str_eq(&c.model, req.model) {
-                    continue;
-                }
-                known_model = model;
+        let n = dense.len().min(u32::MAX as usize);
+        for i in 0..n {
+            let ns = eligible[dense.group[i] as usize];
+            if ns == NOT_ELIGIBLE {
+                continue;
             }
-            let ns = match last_ns {
-                Some(ns) if str_eq(namespaces[ns].as_str(), c.worker.namespace.as_str()) => ns,
-                _ => match namespaces.iter().position(|n| *n == c.worker.namespace) {
-                    Some(ns) => ns,
-                    None => continue,
-                },
-            };
-            last_ns = Some(ns);
             any_served = true;
-            let Ok(index) = u32::try_from(index) else {
-                break;
-            };
             let m = Matched {
-                index,
-                namespace: ns as u16,
+                index: i as u32,
+                namespace: ns,
             };
-            match c.role {
+            let ns = usize::from(ns);
+            match dense.role[i] {
                 CandidateRole::Prefill => {
                     roles[ns].prefill = true;
                     matched.push(m);
@@ -402,7 +530,16 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 CandidateRole::Decode => roles[ns].decode = true,
                 CandidateRole::Aggregated => roles[ns].aggregated = true,
             }
-            let s = score_one(Phase::Decode, c, req, load, ledgers, ns, &mut size, now);
+            let s = score_at(
+                Phase::Decode,
+                dense,
+                i,
+                samples,
+                ledgers,
+                ns,
+                &mut size,
+                now,
+            );
             decode_tally.add(scored.len(), &s);
             positions.push(m);
             scored.push(s);
@@ -419,7 +556,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 let r = roles[usize::from(m.namespace)];
                 let sits_out = r.prefill
                     && r.decode
-                    && candidates[m.index as usize].role == CandidateRole::Aggregated;
+                    && dense.role[m.index as usize] == CandidateRole::Aggregated;
                 if !sits_out {
                     positions[kept] = m;
                     scored[kept] = scored[i];
@@ -447,7 +584,9 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         let Some(&won) = positions.get(pos) else {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
         };
-        let decode = &candidates[won.index as usize];
+        let Some(decode) = candidates.get(won.index as usize) else {
+            return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
+        };
         let decode_ns = usize::from(won.namespace);
 
         // Then prefill within the decode winner's namespace, for a decode worker only.
@@ -458,12 +597,21 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             scored.clear();
             let mut prefill_tally = Tally::default();
             for m in matched.iter() {
-                let c = &candidates[m.index as usize];
-                if usize::from(m.namespace) != decode_ns || c.role != CandidateRole::Prefill {
+                let i = m.index as usize;
+                if usize::from(m.namespace) != decode_ns || dense.role[i] != CandidateRole::Prefill
+                {
                     continue;
                 }
-                let ns = usize::from(m.namespace);
-                let s = score_one(Phase::Prefill, c, req, load, ledgers, ns, &mut size, now);
+                let s = score_at(
+                    Phase::Prefill,
+                    dense,
+                    i,
+                    samples,
+                    ledgers,
+                    decode_ns,
+                    &mut size,
+                    now,
+                );
                 prefill_tally.add(scored.len(), &s);
                 positions.push(*m);
                 scored.push(s);
@@ -473,7 +621,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 select_tallied(scored, &prefill_tally, req.load_signals, cursor)
                 && let Some(won) = positions.get(pos)
             {
-                prefill = Some(&candidates[won.index as usize]);
+                prefill = candidates.get(won.index as usize);
                 prefill_reason = reason;
             }
         }
@@ -495,18 +643,20 @@ impl DynamoWorkerPicker for LoadBasedPicker {
     }
 }
 
+/// Scores rank `i` of the layout for `phase` (no lookups when load signals are off).
 #[allow(clippy::too_many_arguments)]
-fn score_one(
+#[inline]
+fn score_at(
     phase: Phase,
-    c: &Candidate,
-    req: &PickRequest<'_>,
-    load: &dyn LoadView,
+    dense: &DenseRanks,
+    i: usize,
+    samples: Samples<'_>,
     ledgers: &[Option<NamespaceBacklog<'_>>],
     ns: usize,
     size: &mut RequestSize,
     now: Tick,
 ) -> Scored {
-    if !req.load_signals {
+    if let Samples::Off = samples {
         // Rotation only: skip the load lookups.
         return Scored {
             cost: None,
@@ -514,37 +664,16 @@ fn score_one(
             stalled: false,
         };
     }
-    let sample = load.sample(&c.worker, c.rank());
-    let ledger = ledgers.get(ns).copied().flatten();
-    score(phase, c, sample, ledger, size, now)
-}
-
-/// String equality without a `memcmp` call for the short strings (namespaces, most model names)
-/// compared once per candidate.
-#[inline]
-fn str_eq(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    let len = a.len();
-    if len != b.len() {
-        return false;
-    }
-    let word = |s: &[u8], at: usize| {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&s[at..at + 8]);
-        u64::from_ne_bytes(w)
-    };
-    let half = |s: &[u8], at: usize| {
-        let mut w = [0u8; 4];
-        w.copy_from_slice(&s[at..at + 4]);
-        u32::from_ne_bytes(w)
-    };
-    match len {
-        // Two overlapping loads cover 4..=7 and 8..=16 bytes.
-        8..=16 => word(a, 0) == word(b, 0) && word(a, len - 8) == word(b, len - 8),
-        4..=7 => half(a, 0) == half(b, 0) && half(a, len - 4) == half(b, len - 4),
-        0..=3 => a.iter().zip(b).all(|(x, y)| x == y),
-        _ => a == b,
-    }
+    score_rank(
+        phase,
+        Capacity::at(dense, i),
+        dense.instance[i],
+        dense.rank[i],
+        samples.get(i),
+        ledgers.get(ns).copied().flatten(),
+        size,
+        now,
+    )
 }
 
 /// The request's size in blocks of `block_size` (0 when the card declares none).
@@ -585,26 +714,4 @@ pub(crate) fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {
     block_size
         .filter(|&b| b > 0)
         .map_or(0, |b| tokens.div_ceil(u64::from(b)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn str_eq_matches_slice_equality_at_every_length() {
-        let text = "namespace-prod-graph-0123456789";
-        for len in 0..text.len() {
-            let a = &text[..len];
-            let same = a.to_owned();
-            assert!(str_eq(a, &same), "{a:?}");
-            for at in 0..len {
-                let mut other = same.clone().into_bytes();
-                other[at] ^= 1;
-                let other = String::from_utf8(other).expect("ascii stays utf-8");
-                assert!(!str_eq(a, &other), "{a:?} vs {other:?}");
-            }
-            assert!(!str_eq(a, &text[..len + 1]));
-        }
-    }
 }

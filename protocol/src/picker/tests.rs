@@ -117,7 +117,13 @@ impl Harness {
             estimated_prompt_tokens: self.tokens,
             load_signals: self.load_signals,
         };
-        LoadBasedPicker.pick(&req, &self.candidates, &self.load, &mut self.state, now)
+        LoadBasedPicker.pick(&mut PickContext::new(
+            &req,
+            &self.candidates,
+            &self.load,
+            &mut self.state,
+            now,
+        ))
     }
 
     fn pick(&mut self, now: Tick) -> Pick {
@@ -808,7 +814,13 @@ fn cursors_are_kept_per_model() {
             estimated_prompt_tokens: TOKENS,
             load_signals: true,
         };
-        match LoadBasedPicker.pick(&req, &h.candidates, &h.load, &mut h.state, secs(0)) {
+        match LoadBasedPicker.pick(&mut PickContext::new(
+            &req,
+            &h.candidates,
+            &h.load,
+            &mut h.state,
+            secs(0),
+        )) {
             PickOutcome::Picked(pick) => seen.push(pick.decode.worker.instance_id.0),
             PickOutcome::NoCandidates(why) => panic!("{why:?}"),
         }
@@ -847,7 +859,13 @@ fn the_picker_is_object_safe_and_shareable() {
         estimated_prompt_tokens: estimate_prompt_tokens(["hello"]),
         load_signals: true,
     };
-    let outcome = picker.pick(&req, &[decode(1)], &NoLoad, &mut state, secs(0));
+    let outcome = picker.pick(&mut PickContext::new(
+        &req,
+        &[decode(1)],
+        &NoLoad,
+        &mut state,
+        secs(0),
+    ));
     assert!(matches!(outcome, PickOutcome::Picked(_)));
 }
 
@@ -1032,7 +1050,7 @@ proptest! {
                 .iter()
                 .map(|c| ((*c).clone(), ledger_now(c, &state, Phase::Decode)))
                 .collect();
-            let outcome = LoadBasedPicker.pick(&req, &candidates, &load, &mut state, now);
+            let outcome = LoadBasedPicker.pick(&mut PickContext::new(&req, &candidates, &load, &mut state, now));
             let pick = match outcome {
                 PickOutcome::NoCandidates(why) => {
                     prop_assert!(!decodable, "fell through with decodable candidates: {why:?}");
@@ -1407,7 +1425,7 @@ proptest! {
                 estimated_prompt_tokens: tokens,
                 load_signals,
             };
-            let fast = LoadBasedPicker.pick(&req, &candidates, &load, &mut state, now);
+            let fast = LoadBasedPicker.pick(&mut PickContext::new(&req, &candidates, &load, &mut state, now));
             let naive = reference.pick(&req, &candidates, &load, now);
             prop_assert_eq!(&fast, &naive);
             if let PickOutcome::Picked(Pick { dispatch: Some(id), .. }) = fast {
@@ -1415,4 +1433,219 @@ proptest! {
             }
         }
     }
+}
+
+/// The load store read through `StoreView::sample` only: the per-rank view path.
+struct NoSlots<'a>(super::candidates::StoreView<'a>);
+
+impl LoadView for NoSlots<'_> {
+    fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
+        self.0.sample(worker, rank)
+    }
+}
+
+fn stored(id: u64, rank: u32, sample: SampleState, sequence: u64) -> Option<LoadSample> {
+    let (fields, at) = match sample {
+        SampleState::Never => return None,
+        SampleState::Stale { last_had_backlog } => (
+            (Some(u64::from(last_had_backlog) * 5), None, None),
+            Tick::ZERO,
+        ),
+        SampleState::Fresh {
+            active_decode_blocks,
+            active_prefill_tokens,
+            kv_used_blocks,
+        } => (
+            (active_decode_blocks, active_prefill_tokens, kv_used_blocks),
+            secs(100),
+        ),
+    };
+    Some(LoadSample {
+        load: crate::event_plane::ActiveLoad {
+            worker_id: InstanceId(id),
+            dp_rank: DpRank(rank),
+            active_decode_blocks: fields.0,
+            active_prefill_tokens: fields.1,
+            kv_used_blocks: fields.2,
+        },
+        publisher_id: crate::ids::PublisherId(id),
+        sequence,
+        published_at: crate::time::UnixMillis(0),
+        received_at: at,
+    })
+}
+
+use crate::load_store::{LoadSample, LoadStore};
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// The production path (the layout built once, samples read by load-store slot, slots
+    /// re-resolved when a key gains or loses its sample) picks exactly what the per-rank view
+    /// path picks, while samples are replaced, publishers dropped and workers evicted.
+    #[test]
+    fn the_slot_path_matches_the_view_path(
+        arb in proptest::collection::vec(arb_candidate(), 0..40),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        eligible_mask in 1usize..8,
+        steps in proptest::collection::vec(arb_step(), 1..40),
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        let mut candidates = Vec::new();
+        let mut store = LoadStore::new();
+        store.set_live_and_retain((1..6).map(InstanceId));
+        let mut sequence = 1;
+        let models: [std::sync::Arc<str>; 2] = [MODELS[0].into(), MODELS[1].into()];
+        for (i, a) in arb.iter().enumerate() {
+            if !seen.insert((a.ns, a.id)) {
+                continue;
+            }
+            for (offset, (dp_rank, rank_declared)) in
+                dp_ranks(0, Some(a.ranks)).expect("small").enumerate()
+            {
+                candidates.push(Candidate {
+                    worker: key(NAMESPACES[a.ns], a.id),
+                    role: a.role,
+                    model: models[a.model].clone(),
+                    dp_rank,
+                    rank_declared,
+                    block_size: a.capacity.then_some(16),
+                    total_kv_blocks: a.capacity.then_some(if a.id % 3 == 0 { 50 } else { 100 }),
+                    max_num_batched_tokens: a.capacity.then_some(1000),
+                });
+                if let Some(s) = stored(a.id, offset as u32, samples[(i * 3 + offset) % samples.len()], sequence) {
+                    store.apply(s);
+                    sequence += 1;
+                }
+            }
+        }
+        let layout = DenseRanks::build(&candidates);
+        let namespaces: Vec<Namespace> = (0..3)
+            .filter(|i| eligible_mask & (1 << i) != 0)
+            .map(|i| Namespace::new(NAMESPACES[i]))
+            .collect();
+        let (mut slotted, mut viewed) = (PickerState::new(), PickerState::new());
+        let mut now = secs(100);
+        for (n, step) in steps.into_iter().enumerate() {
+            match step {
+                Step::Pick { model, tokens, .. } => {
+                    let req = PickRequest {
+                        model: MODELS[model],
+                        eligible_namespaces: &namespaces,
+                        estimated_prompt_tokens: tokens,
+                        load_signals: true,
+                    };
+                    let view = super::candidates::StoreView { store: &store, now, max_age: Duration::from_secs(3) };
+                    let fast = LoadBasedPicker.pick(
+                        &mut PickContext::new(&req, &candidates, &view, &mut slotted, now).with_layout(&layout),
+                    );
+                    let plain = NoSlots(super::candidates::StoreView { store: &store, now, max_age: Duration::from_secs(3) });
+                    let slow = LoadBasedPicker.pick(&mut PickContext::new(&req, &candidates, &plain, &mut viewed, now));
+                    prop_assert_eq!(fast, slow);
+                }
+                Step::Sample { id, .. } => {
+                    // A new sample for rank 0 (a slot gained or replaced), every other one after
+                    // dropping the worker's samples (slots freed and reused).
+                    if n % 2 == 0 {
+                        store.drop_publisher(crate::ids::PublisherId(id));
+                    }
+                    let fresh = SampleState::Fresh {
+                        active_decode_blocks: Some(id * 7 % 50),
+                        active_prefill_tokens: Some(id * 11 % 300),
+                        kv_used_blocks: None,
+                    };
+                    if let Some(s) = stored(id, 0, fresh, sequence) {
+                        store.apply(s);
+                        sequence += 1;
+                    }
+                    now = now.plus(Duration::from_millis(500));
+                }
+                Step::End { nth } => {
+                    // A worker leaves the live set: its samples are evicted.
+                    let gone = (nth % 5) as u64 + 1;
+                    store.set_live_and_retain((1..6).filter(|&i| i != gone).map(InstanceId));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn slots_are_resolved_once_per_layout_and_store_epoch() {
+    let candidates = vec![decode(1), decode(2)];
+    let layout = DenseRanks::build(&candidates);
+    let mut store = LoadStore::new();
+    store.set_live_and_retain([InstanceId(1), InstanceId(2)]);
+    let fresh = SampleState::Fresh {
+        active_decode_blocks: Some(10),
+        active_prefill_tokens: None,
+        kv_used_blocks: None,
+    };
+    store.apply(stored(1, 0, fresh, 1).expect("a sample"));
+    let namespaces = [Namespace::new("ns")];
+    let req = PickRequest {
+        model: MODEL,
+        eligible_namespaces: &namespaces,
+        estimated_prompt_tokens: TOKENS,
+        load_signals: true,
+    };
+    let mut state = PickerState::new();
+    let pick = |store: &LoadStore, state: &mut PickerState| {
+        let view = super::candidates::StoreView {
+            store,
+            now: secs(100),
+            max_age: Duration::from_secs(3),
+        };
+        match LoadBasedPicker.pick(
+            &mut PickContext::new(&req, &candidates, &view, state, secs(100)).with_layout(&layout),
+        ) {
+            PickOutcome::Picked(pick) => pick.decode.worker.instance_id.0,
+            PickOutcome::NoCandidates(why) => panic!("{why:?}"),
+        }
+    };
+    // Worker 2 was never sampled (quiet, cost 2/100) and beats worker 1 (12/100).
+    assert_eq!(pick(&store, &mut state), 2);
+    assert_eq!(pick(&store, &mut state), 2);
+    assert_eq!(
+        state.slots.resolutions(),
+        1,
+        "same layout and epoch: no re-resolution"
+    );
+    // Replacing a held sample keeps the epoch; its new value is read through the same slot.
+    store.apply(
+        stored(
+            1,
+            0,
+            SampleState::Fresh {
+                active_decode_blocks: Some(0),
+                active_prefill_tokens: None,
+                kv_used_blocks: None,
+            },
+            2,
+        )
+        .expect("a sample"),
+    );
+    state.ledger = DispatchLedger::new();
+    assert_eq!(
+        pick(&store, &mut state),
+        1,
+        "1 now costs 2/100 and wins the tie on the cursor"
+    );
+    assert_eq!(state.slots.resolutions(), 1);
+    // Worker 2's first sample gives it a slot: the epoch changes and slots are resolved again.
+    store.apply(
+        stored(
+            2,
+            0,
+            SampleState::Fresh {
+                active_decode_blocks: Some(90),
+                active_prefill_tokens: None,
+                kv_used_blocks: None,
+            },
+            3,
+        )
+        .expect("a sample"),
+    );
+    state.ledger = DispatchLedger::new();
+    assert_eq!(pick(&store, &mut state), 1);
+    assert_eq!(state.slots.resolutions(), 2);
 }

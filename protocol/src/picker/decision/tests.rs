@@ -108,6 +108,7 @@ impl Row<'_> {
                 .map(|(ns, usable)| (Namespace::new(*ns), *usable))
                 .collect(),
             candidates: &self.candidates,
+            layout: None,
             estimate_prompt_tokens: &estimate,
             load_signals: true,
             kv,

@@ -113,12 +113,8 @@ impl Harness {
         };
         let picker = KvAwarePicker::new(self.params);
         picker.pick_kv(
-            &req,
+            &mut PickContext::new(&req, &self.candidates, &self.load, &mut self.state, now()),
             kv.map(|()| &input),
-            &self.candidates,
-            &self.load,
-            &mut self.state,
-            now(),
         )
     }
 
@@ -431,7 +427,13 @@ fn without_kv_input_the_pick_is_load_based_and_says_why() {
             estimated_prompt_tokens: 64,
             load_signals: true,
         };
-        let plain = KvAwarePicker::default().pick(&req, &candidates, &h.load, &mut state, now());
+        let plain = KvAwarePicker::default().pick(&mut PickContext::new(
+            &req,
+            &candidates,
+            &h.load,
+            &mut state,
+            now(),
+        ));
         let PickOutcome::Picked(plain) = plain else {
             panic!("picked")
         };
@@ -449,13 +451,11 @@ fn the_load_based_picker_reports_no_kv_result() {
         estimated_prompt_tokens: 64,
         load_signals: true,
     };
+    let candidates = [agg(1)];
+    let load = FakeLoad::default();
     let out = LoadBasedPicker.pick_kv(
-        &req,
+        &mut PickContext::new(&req, &candidates, &load, &mut state, now()),
         Err(KvUnavailable::TokenizerUnavailable),
-        &[agg(1)],
-        &FakeLoad::default(),
-        &mut state,
-        now(),
     );
     assert_eq!(out.kv, None);
     assert!(matches!(out.outcome, PickOutcome::Picked(_)));

@@ -1,0 +1,276 @@
+//! The cache is exact (property tests against `encode_fast` over random texts and random
+//! conversations rendered through both tokenizer fixtures' templates) and bounded.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+use proptest::prelude::*;
+use serde_json::json;
+use tokenizers::Tokenizer;
+
+use super::*;
+use crate::kv::render::PromptRenderer;
+use crate::kv::template::{ChatTemplate, SpecialTokens};
+use continuum_protocol::kv::prompt::RenderLimits;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// Loaded once per test binary (parsing the 32,000-token vocabulary is slow unoptimised).
+fn tinyllama_tokenizer() -> Arc<Tokenizer> {
+    static LOADED: OnceLock<Arc<Tokenizer>> = OnceLock::new();
+    Arc::clone(LOADED.get_or_init(|| {
+        Arc::new(
+            Tokenizer::from_file(fixtures().join("models/TinyLlama_v1.1/tokenizer.json")).unwrap(),
+        )
+    }))
+}
+
+fn byte_level_tokenizer() -> Arc<Tokenizer> {
+    static LOADED: OnceLock<Arc<Tokenizer>> = OnceLock::new();
+    Arc::clone(LOADED.get_or_init(|| {
+        Arc::new(Tokenizer::from_file(fixtures().join("render/tiny-model/tokenizer.json")).unwrap())
+    }))
+}
+
+fn full(tokenizer: &Tokenizer, text: &str) -> Vec<u32> {
+    tokenizer
+        .encode_fast(text, false)
+        .unwrap()
+        .get_ids()
+        .to_vec()
+}
+
+/// Fragments that stress the cut rule: spaces in runs and at piece edges, the literal `▁`,
+/// added tokens and their halves, newlines, multi-byte and unknown characters.
+const FRAGMENTS: &[&str] = &[
+    "a",
+    "the",
+    "router",
+    "Hello",
+    " ",
+    "  ",
+    "   ",
+    "\n",
+    "\n\n",
+    "\t",
+    "▁",
+    "x▁",
+    "▁▁",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<",
+    "s>",
+    "</",
+    ".",
+    ",",
+    "'",
+    "!",
+    "?",
+    "0",
+    "42",
+    "ü",
+    "Überprüfung",
+    "世界",
+    "🙂",
+    "\u{2028}",
+    "-",
+    "—",
+    ":",
+    "{\"a\": 1}",
+];
+
+fn text_strategy() -> impl Strategy<Value = String> {
+    prop::collection::vec(prop::sample::select(FRAGMENTS), 0..40).prop_map(|parts| parts.concat())
+}
+
+/// The three renderers of the fixtures: TinyLlama's own template and the Qwen-style rich
+/// template over TinyLlama's tokenizer, and the byte-level tiny model with its template.
+fn renderers() -> Vec<PromptRenderer> {
+    let tinyllama = fixtures().join("models/TinyLlama_v1.1");
+    let config = std::fs::read(tinyllama.join("tokenizer_config.json")).unwrap();
+    let own = ChatTemplate::from_tokenizer_config_json(&config).unwrap();
+    let config: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&config).unwrap();
+    let rich = ChatTemplate::from_jinja(
+        &std::fs::read_to_string(fixtures().join("render/rich.jinja")).unwrap(),
+        SpecialTokens::from_config(&config),
+    )
+    .unwrap();
+    let tiny = fixtures().join("render/tiny-model");
+    let tiny_template = ChatTemplate::from_tokenizer_config_json(
+        &std::fs::read(tiny.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    vec![
+        PromptRenderer::new(
+            tinyllama_tokenizer(),
+            Some(Arc::new(own)),
+            RenderLimits::default(),
+        ),
+        PromptRenderer::new(
+            tinyllama_tokenizer(),
+            Some(Arc::new(rich)),
+            RenderLimits::default(),
+        ),
+        PromptRenderer::new(
+            byte_level_tokenizer(),
+            Some(Arc::new(tiny_template)),
+            RenderLimits::default(),
+        ),
+    ]
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn the_sentencepiece_fixture_is_supported_and_the_byte_level_one_falls_back() {
+    let tinyllama = PromptTokenizer::new(tinyllama_tokenizer(), DEFAULT_CACHE_LIMITS);
+    assert_eq!(tinyllama.supported(), Ok(()));
+    let byte_level = PromptTokenizer::new(byte_level_tokenizer(), DEFAULT_CACHE_LIMITS);
+    assert_eq!(
+        byte_level.supported(),
+        Err("normalizer is not SentencePiece's Prepend + Replace")
+    );
+    let text = "Hello  world <s> again";
+    assert_eq!(
+        byte_level.tokenize(text).unwrap(),
+        full(&byte_level_tokenizer(), text)
+    );
+    assert_eq!(
+        byte_level.stats().entries,
+        0,
+        "an unsupported tokenizer caches nothing"
+    );
+}
+
+#[test]
+fn a_follow_up_turn_reuses_the_previous_turn_and_equals_full_tokenization() {
+    let tokenizer = tinyllama_tokenizer();
+    let cache = PromptTokenizer::new(Arc::clone(&tokenizer), DEFAULT_CACHE_LIMITS);
+    let mut text = String::from("<|system|>\nYou are a careful assistant.</s>\n");
+    for turn in 0..8 {
+        text.push_str(&format!(
+            "<|user|>\nTurn {turn}: the router credits cached prefix blocks. </s>\n<|assistant|>\n"
+        ));
+        assert_eq!(
+            cache.tokenize(&text).unwrap(),
+            full(&tokenizer, &text),
+            "turn {turn}"
+        );
+        text.push_str("Noted, the index is bounded.</s>\n");
+    }
+    let stats = cache.stats();
+    assert_eq!((stats.hits, stats.misses), (7, 1), "{stats:?}");
+}
+
+#[test]
+fn entries_and_bytes_stay_within_the_limits_least_recently_used_first() {
+    let tokenizer = tinyllama_tokenizer();
+    let limits = CacheLimits {
+        max_entries: 3,
+        max_bytes: 64 * 1024,
+    };
+    let cache = PromptTokenizer::new(Arc::clone(&tokenizer), limits);
+    let prompt = |i: usize| format!("conversation {i:04} says hello to the router again and again");
+    for i in 0..10 {
+        cache.tokenize(&prompt(i)).unwrap();
+        let stats = cache.stats();
+        assert!(
+            stats.entries <= 3 && stats.bytes <= limits.max_bytes,
+            "{stats:?}"
+        );
+    }
+    // The three most recent are held: a follow-up of #9 hits, one of #0 does not.
+    let before = cache.stats();
+    cache.tokenize(&format!("{} more", prompt(9))).unwrap();
+    assert_eq!(cache.stats().hits, before.hits + 1);
+    cache.tokenize(&format!("{} more", prompt(0))).unwrap();
+    assert_eq!(cache.stats().hits, before.hits + 1, "#0 was evicted");
+
+    // A prompt over a quarter of the byte budget is tokenized exactly but never held.
+    let huge = "word ".repeat(limits.max_bytes / 16);
+    let before = cache.stats();
+    assert_eq!(cache.tokenize(&huge).unwrap(), full(&tokenizer, &huge));
+    let after = cache.stats();
+    assert_eq!(after.entries, before.entries);
+    assert!(after.bytes <= limits.max_bytes);
+
+    // Byte-bound eviction: prompts of ~10 kB each in a 64 kB budget.
+    for i in 0..8 {
+        let text = format!("{i} {}", "tokens of a long answer ".repeat(300));
+        cache.tokenize(&text).unwrap();
+        assert!(cache.stats().bytes <= limits.max_bytes);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Any text, tokenized from nothing, and then any text sharing an arbitrary prefix with it
+    /// (cut anywhere, even inside a character run or an added token) through the cache.
+    #[test]
+    fn the_cache_equals_full_tokenization_on_random_texts(
+        first in text_strategy(),
+        cut in 0usize..400,
+        rest in text_strategy(),
+    ) {
+        for tokenizer in [tinyllama_tokenizer(), byte_level_tokenizer()] {
+            let cache = PromptTokenizer::new(Arc::clone(&tokenizer), DEFAULT_CACHE_LIMITS);
+            prop_assert_eq!(cache.tokenize(&first).unwrap(), full(&tokenizer, &first));
+            let mut at = cut.min(first.len());
+            while !first.is_char_boundary(at) {
+                at -= 1;
+            }
+            let second = format!("{}{rest}", &first[..at]);
+            prop_assert_eq!(cache.tokenize(&second).unwrap(), full(&tokenizer, &second));
+            let third = format!("{second}{first}");
+            prop_assert_eq!(cache.tokenize(&third).unwrap(), full(&tokenizer, &third));
+        }
+    }
+
+    /// Random conversations, rendered turn by turn through each fixture's template, prepared
+    /// through one renderer (so each turn may reuse the previous): every turn's tokens equal
+    /// the full tokenization of its rendered text.
+    #[test]
+    fn follow_up_turns_equal_full_tokenization(
+        turns in prop::collection::vec(text_strategy(), 1..6),
+        system in prop::option::of(text_strategy()),
+    ) {
+        let runtime = runtime();
+        for renderer in renderers() {
+            let mut messages = Vec::new();
+            if let Some(system) = &system {
+                messages.push(json!({"role": "system", "content": system}));
+            }
+            for (i, content) in turns.iter().enumerate() {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                messages.push(json!({"role": role, "content": content}));
+                let request = json!({"model": "m", "messages": messages});
+                let Ok(Some(text)) = runtime.block_on(renderer.render_text(&request)) else {
+                    continue;
+                };
+                let prepared = runtime.block_on(renderer.prepare(&request, &[16], None, None));
+                let tokenizer = renderer_tokenizer(&renderer);
+                let want = full(&tokenizer, &text);
+                match prepared {
+                    Ok(prepared) => prop_assert_eq!(&*prepared.tokens, want.as_slice()),
+                    Err(error) => prop_assert!(false, "{error}"),
+                }
+            }
+        }
+    }
+}
+
+fn renderer_tokenizer(renderer: &PromptRenderer) -> Arc<Tokenizer> {
+    Arc::clone(renderer.prompt_tokenizer().tokenizer())
+}
