@@ -133,6 +133,8 @@ struct Shared {
     simulated: MemoryDiscovery,
     /// Pinned tokenizer artifacts, started the first time `dynamo.kv.enabled` is on.
     artifacts: Arc<std::sync::Mutex<Option<KvArtifacts>>>,
+    /// The event-bus listener's sessions and command API (`dynamo.event_bus`).
+    event_bus: crate::event_bus::EventBus,
 }
 
 /// The artifact loader and the task that feeds it registry generations.
@@ -216,6 +218,8 @@ impl Daemon {
         if let Err(error) = load.set_max_staleness(config.dynamo.load.max_staleness.get()) {
             warn!(%error, "Keeping the default load.max_staleness.");
         }
+        let bus_settings = crate::event_bus::settings(&config.dynamo.event_bus);
+        let event_bus = crate::event_bus::EventBus::new(bus_settings, Some(&metrics));
         let shared = Shared {
             config: Arc::new(ArcSwap::from_pointee(config.clone())),
             registry,
@@ -228,6 +232,7 @@ impl Daemon {
             metrics,
             load,
             simulated: feed,
+            event_bus,
         };
         shared.proxy.reconfigure(&config);
         shared.proxy.set_shim(Arc::new(
@@ -253,6 +258,7 @@ impl Daemon {
                 ),
                 discovery_spec(&shared),
                 subscriptions_spec(&shared),
+                crate::event_bus::event_bus_spec(shared.event_bus.clone()),
             ],
             tree.clone(),
             Some(shared.metrics.clone()),
@@ -340,6 +346,11 @@ impl Daemon {
     /// The Dynamo shim router (its picker and KV preparation hook plug in here).
     pub fn shim(&self) -> Option<Arc<crate::shim::ShimRouter>> {
         self.shared.proxy.shim()
+    }
+
+    /// The event bus command API (`continuum_router::event_bus`).
+    pub fn event_bus(&self) -> &crate::event_bus::EventBus {
+        &self.shared.event_bus
     }
 
     /// The latest load samples (`registry.load_store()` in the seed).
@@ -875,6 +886,15 @@ impl ControlLoop {
                 error!(%error, "Could not restart the load subscriptions.");
             }
             summary.push("load subscriptions restarted under the new dial policy".into());
+        }
+        // Sessions are regranted or closed in place; a new listen address, TLS files, `enabled`
+        // or byte bounds restart only root/event_bus.
+        let bus = crate::event_bus::settings(&new.dynamo.event_bus);
+        if plan.event_bus && self.shared.event_bus.reload(bus) {
+            if let Err(error) = self.tree.restart("root/event_bus", REPLACE_TIMEOUT).await {
+                error!(%error, "Could not restart the event bus listener.");
+            }
+            summary.push("event bus listener restarted".into());
         }
         if !plan.needs_restart.is_empty() {
             warn!(keys = ?plan.needs_restart, "These settings take effect after a process restart.");

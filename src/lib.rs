@@ -19,6 +19,7 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod dynamo_admin;
+pub mod event_bus;
 pub mod front_door;
 pub mod kv;
 pub mod proxy;
