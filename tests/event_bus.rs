@@ -4,7 +4,14 @@
 //! through the `EventBus` API, a data stream relaying bytes both ways, reloads that revoke or
 //! narrow a credential, and hostile lines that cost only their own session.
 //!
+//! The last test runs the whole daemon: `root/event_bus` under the root supervisor, a config
+//! reload through the daemon's reload path, and an operator restart of the subtree.
+//!
 //! Certificates come from the openssl CLI, as in tests/proxy_tls.rs.
+
+mod support {
+    pub mod daemon;
+}
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -212,12 +219,15 @@ struct Harness {
     tree: ActorTree,
     addr: SocketAddr,
     pki: Pki,
-    root: ActorRef<SupervisorMsg>,
+    /// The test's own root supervisor (none when a daemon runs the bus).
+    root: Option<ActorRef<SupervisorMsg>>,
 }
 
 impl Drop for Harness {
     fn drop(&mut self) {
-        self.root.stop(None);
+        if let Some(root) = &self.root {
+            root.stop(None);
+        }
     }
 }
 
@@ -240,7 +250,7 @@ async fn start(max_sessions: u32) -> Harness {
         tree,
         addr,
         pki,
-        root,
+        root: Some(root),
     }
 }
 
@@ -1107,4 +1117,81 @@ async fn a_kv_listener_serves_announced_streams_and_a_refused_subscribe_is_repor
             continuum_protocol::event_bus::StreamCloseReason::ConnectFailed
         ))
     );
+}
+
+fn daemon_yaml(pki: &Pki, brokers: &[&str]) -> String {
+    let mut yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\nadmin:\n  enabled: true\n  token: bus-admin-token-0123\n\
+         backends:\n  - name: a\n    type: openai\n    url: \"http://127.0.0.1:9\"\n    \
+         models: [m]\n    health_check: {{enabled: false}}\n\
+         dynamo:\n  event_bus:\n    enabled: true\n    listen: \"127.0.0.2:0\"\n    tls:\n      \
+         cert: {:?}\n      key: {:?}\n      client_ca: {:?}\n    brokers:\n",
+        pki.server.0, pki.server.1, pki.ca
+    );
+    for id in brokers {
+        let digest = sha256_hex(token(id).as_bytes());
+        yaml.push_str(&format!(
+            "      - id: {id}\n        token_hash: \"sha256:{digest}\"\n        namespaces: [dynamo]\n"
+        ));
+    }
+    yaml
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(data)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[tokio::test]
+async fn the_daemon_runs_the_bus_under_root_and_reloads_it_in_place() {
+    let pki = pki();
+    let path = pki._dir.path().join("config.yaml");
+    std::fs::write(
+        &path,
+        daemon_yaml(&pki, &["broker-a.dynamo", "broker-b.dynamo"]),
+    )
+    .expect("write config");
+    let daemon = support::daemon::start_file(&path).await;
+    let row = daemon.tree().get("root/event_bus").expect("root/event_bus listed");
+    assert_eq!(row.kind, "broker_supervisor");
+    let bus = daemon.event_bus().clone();
+    let addr = poll("the daemon's listener binds", || bus.local_addr()).await;
+    let mut h = Harness {
+        bus: bus.clone(),
+        metrics: daemon.metrics().clone(),
+        tree: daemon.tree().clone(),
+        addr,
+        pki,
+        root: None,
+    };
+    let mut a = TestBroker::as_broker(&h, "broker-a.dynamo").await;
+    let mut b = TestBroker::as_broker(&h, "broker-b.dynamo").await;
+    h.wait_sessions(2).await;
+
+    // The daemon's reload path: broker-a's entry is gone, broker-b keeps running.
+    std::fs::write(&path, daemon_yaml(&h.pki, &["broker-b.dynamo"])).expect("rewrite config");
+    let summary = daemon.reload().await.expect("reload applies");
+    assert!(!summary.contains("event bus listener restarted"), "{summary}");
+    match a.next_event().await {
+        ClientEvent::Closed { code, .. } => assert_eq!(code, ErrorCode::CredentialRevoked),
+        other => panic!("expected credential_revoked, got {other:?}"),
+    }
+    h.wait_sessions(1).await;
+
+    // An operator restart of root/event_bus ends the sessions with `shutdown` and binds anew.
+    daemon
+        .tree()
+        .restart("root/event_bus", WAIT)
+        .await
+        .expect("restart");
+    match b.next_event().await {
+        ClientEvent::Closed { code, .. } => assert_eq!(code, ErrorCode::Shutdown),
+        other => panic!("expected shutdown, got {other:?}"),
+    }
+    h.addr = poll("the listener binds again", || bus.local_addr()).await;
+    TestBroker::as_broker(&h, "broker-b.dynamo").await;
+    assert_eq!(daemon.tree().get("root/event_bus").expect("row").restarts, 1);
 }
