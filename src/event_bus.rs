@@ -21,8 +21,10 @@ use crate::config::{BrokerRole, EventBusConfig};
 /// configuration whose byte bounds are rejected (validation refuses it first) yields a
 /// disabled listener rather than a guessed one.
 pub fn settings(config: &EventBusConfig) -> BusSettings {
-    let bounds =
-        SessionBounds::new(config.max_session_buffer_bytes, config.max_streams_per_session);
+    let bounds = SessionBounds::new(
+        config.max_session_buffer_bytes,
+        config.max_streams_per_session,
+    );
     let enabled = config.enabled && bounds.is_ok();
     let bounds = bounds.unwrap_or_else(|error| {
         error!(%error, "dynamo.event_bus byte bounds are rejected; the listener stays off.");

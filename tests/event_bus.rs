@@ -34,8 +34,7 @@ use continuum_protocol::event_bus::message::{
     ZmqTcpTarget,
 };
 use continuum_protocol::event_bus::{
-    ClientEvent, ClientSession, Grant, SESSION_HEADER, SESSION_PATH, SessionBounds,
-    VERSION_HEADER,
+    ClientEvent, ClientSession, Grant, SESSION_HEADER, SESSION_PATH, SessionBounds, VERSION_HEADER,
 };
 use continuum_protocol::ids::Namespace;
 use continuum_protocol::time::Tick;
@@ -123,8 +122,21 @@ fn leaf(dir: &Path, name: &str, san: &str, usage: &str) -> (PathBuf, PathBuf) {
     openssl(
         dir,
         &[
-            "x509", "-req", "-in", &csr, "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", &pem, "-days", "2", "-extfile", &ext,
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &pem,
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
         ],
     );
     (dir.join(pem), dir.join(key))
@@ -360,9 +372,10 @@ struct Conn {
 
 async fn h2(h: &Harness, client: Client<'_>) -> Conn {
     let tls = tls_connect(h, client).await.expect("TLS handshake");
-    let (send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
-        .await
-        .expect("HTTP/2 handshake");
+    let (send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .expect("HTTP/2 handshake");
     tokio::spawn(async move {
         let _ = conn.await;
     });
@@ -390,14 +403,14 @@ impl Conn {
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
-        self.send
-            .ready()
-            .await
-            .expect("connection ready");
-        tokio::time::timeout(WAIT, self.send.send_request(request.body(body).expect("request")))
-            .await
-            .expect("response in time")
-            .expect("response")
+        self.send.ready().await.expect("connection ready");
+        tokio::time::timeout(
+            WAIT,
+            self.send.send_request(request.body(body).expect("request")),
+        )
+        .await
+        .expect("response in time")
+        .expect("response")
     }
 
     /// A session request whose body starts with `first` (kept open).
@@ -542,10 +555,7 @@ impl TestBroker {
         &mut self,
         stream_id: StreamId,
         session: Option<String>,
-    ) -> Result<
-        (futures::channel::mpsc::Sender<Bytes>, Incoming),
-        (u16, ErrorCode),
-    > {
+    ) -> Result<(futures::channel::mpsc::Sender<Bytes>, Incoming), (u16, ErrorCode)> {
         let (tx, body) = body_pipe();
         let session = session.unwrap_or_else(|| self.welcome.session_id.to_string());
         let bearer = self.token.as_ref().map(|t| format!("Bearer {t}"));
@@ -555,7 +565,12 @@ impl TestBroker {
         }
         let response = self
             .conn
-            .post("POST", &format!("/bus/v1/streams/{stream_id}"), &headers, body)
+            .post(
+                "POST",
+                &format!("/bus/v1/streams/{stream_id}"),
+                &headers,
+                body,
+            )
             .await;
         if response.status() != 200 {
             return Err(refusal(response).await);
@@ -598,7 +613,10 @@ async fn a_welcomed_session_is_visible_and_a_stream_relays_both_ways() {
     let h = start(64).await;
     assert!(h.bus.is_running());
     assert_eq!(
-        h.bus.open_stream(target(), EventTopic::KvMetrics).await.err(),
+        h.bus
+            .open_stream(target(), EventTopic::KvMetrics)
+            .await
+            .err(),
         Some(BusStreamError::NoSession)
     );
     let mut a = TestBroker::as_broker(&h, "broker-a.dynamo").await;
@@ -614,10 +632,8 @@ async fn a_welcomed_session_is_visible_and_a_stream_relays_both_ways() {
     let status = h.tree.get(&row).unwrap_or_else(|| panic!("{row} listed"));
     assert_eq!(status.kind, "broker_session");
     assert_eq!(
-        h.metrics.value(
-            "continuum_dynamo_event_bus_sessions",
-            &[("role", "broker")]
-        ),
+        h.metrics
+            .value("continuum_dynamo_event_bus_sessions", &[("role", "broker")]),
         Some(1.0)
     );
     let mut bad_port = target();
@@ -632,7 +648,10 @@ async fn a_welcomed_session_is_visible_and_a_stream_relays_both_ways() {
     let consumer =
         tokio::spawn(async move { bus.open_stream(target(), EventTopic::KvMetrics).await });
     let stream_id = match a.next_event().await {
-        ClientEvent::OpenStream { stream_id, target: t } => {
+        ClientEvent::OpenStream {
+            stream_id,
+            target: t,
+        } => {
             assert_eq!(
                 t,
                 StreamTarget::ZmqTcp {
@@ -795,7 +814,9 @@ async fn request_refusals_carry_the_contract_status_and_code() {
             ErrorCode::Unauthenticated,
         ),
         (
-            conn.session(Some("wrong-token"), Some("1"), hello_a()).await.0,
+            conn.session(Some("wrong-token"), Some("1"), hello_a())
+                .await
+                .0,
             401,
             ErrorCode::Unauthenticated,
         ),
@@ -994,7 +1015,8 @@ async fn a_reload_revokes_removed_credentials_and_closes_narrowed_sessions() {
 
     // Remove broker-a; narrow broker-b to another namespace.
     let mut next = settings(&h.pki, 64);
-    next.entries.retain(|e| e.grant.id.as_str() != "broker-a.dynamo");
+    next.entries
+        .retain(|e| e.grant.id.as_str() != "broker-a.dynamo");
     for entry in &mut next.entries {
         if entry.grant.id.as_str() == "broker-b.dynamo" {
             entry.grant.namespaces = [Namespace::new("other")].into_iter().collect();
@@ -1088,8 +1110,7 @@ async fn a_kv_listener_serves_announced_streams_and_a_refused_subscribe_is_repor
         Some(BusStreamError::NoSession)
     );
     let bus = h.bus.clone();
-    let consumer =
-        tokio::spawn(async move { bus.open_announced_stream("vllm-1", Some(42)).await });
+    let consumer = tokio::spawn(async move { bus.open_announced_stream("vllm-1", Some(42)).await });
     let ClientEvent::OpenStream { stream_id, target } = listener.next_event().await else {
         panic!("the kv_listener is commanded");
     };
@@ -1155,7 +1176,10 @@ async fn the_daemon_runs_the_bus_under_root_and_reloads_it_in_place() {
     )
     .expect("write config");
     let daemon = support::daemon::start_file(&path).await;
-    let row = daemon.tree().get("root/event_bus").expect("root/event_bus listed");
+    let row = daemon
+        .tree()
+        .get("root/event_bus")
+        .expect("root/event_bus listed");
     assert_eq!(row.kind, "broker_supervisor");
     let bus = daemon.event_bus().clone();
     let addr = poll("the daemon's listener binds", || bus.local_addr()).await;
@@ -1174,7 +1198,10 @@ async fn the_daemon_runs_the_bus_under_root_and_reloads_it_in_place() {
     // The daemon's reload path: broker-a's entry is gone, broker-b keeps running.
     std::fs::write(&path, daemon_yaml(&h.pki, &["broker-b.dynamo"])).expect("rewrite config");
     let summary = daemon.reload().await.expect("reload applies");
-    assert!(!summary.contains("event bus listener restarted"), "{summary}");
+    assert!(
+        !summary.contains("event bus listener restarted"),
+        "{summary}"
+    );
     match a.next_event().await {
         ClientEvent::Closed { code, .. } => assert_eq!(code, ErrorCode::CredentialRevoked),
         other => panic!("expected credential_revoked, got {other:?}"),
@@ -1193,5 +1220,8 @@ async fn the_daemon_runs_the_bus_under_root_and_reloads_it_in_place() {
     }
     h.addr = poll("the listener binds again", || bus.local_addr()).await;
     TestBroker::as_broker(&h, "broker-b.dynamo").await;
-    assert_eq!(daemon.tree().get("root/event_bus").expect("row").restarts, 1);
+    assert_eq!(
+        daemon.tree().get("root/event_bus").expect("row").restarts,
+        1
+    );
 }

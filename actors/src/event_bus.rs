@@ -40,13 +40,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use continuum_protocol::discovery::EventTopic;
 use continuum_protocol::event_bus::credential::{Credential, RevokedCredentials, TokenHash};
 use continuum_protocol::event_bus::message::{
     AnnouncedSourceTarget, ClientId, ErrorCode, Role, SessionId, StreamCloseReason, StreamTarget,
     ZmqTcpTarget,
 };
 use continuum_protocol::event_bus::{Admission, Coverage, rendezvous};
-use continuum_protocol::discovery::EventTopic;
 use continuum_protocol::ids::Namespace;
 use ractor::ActorRef;
 use thiserror::Error;

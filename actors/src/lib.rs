@@ -40,8 +40,8 @@
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
 pub mod discovery;
-pub mod event_bus;
 pub mod etcd_source;
+pub mod event_bus;
 pub mod file_source;
 pub mod kube_source;
 pub mod kv_artifacts;

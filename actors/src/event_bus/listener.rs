@@ -14,9 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use continuum_protocol::event_bus::bounds::{MAX_FRAME_BYTES, max_connections};
-use continuum_protocol::event_bus::credential::{
-    Presented, TokenHash, authenticate, bearer_token,
-};
+use continuum_protocol::event_bus::credential::{Presented, TokenHash, authenticate, bearer_token};
 use continuum_protocol::event_bus::hello::{Refusal, parse_version_header};
 use continuum_protocol::event_bus::message::{ClientId, ErrorBody, ErrorCode, SessionId};
 use continuum_protocol::event_bus::server::ServerEvent;
@@ -519,9 +517,9 @@ impl RequestCtx {
                     _ => continue,
                 }
             }
-            let wait = session
-                .poll_timeout()
-                .map_or(settings.hello_timeout, |at| at.0.saturating_sub(now_tick().0));
+            let wait = session.poll_timeout().map_or(settings.hello_timeout, |at| {
+                at.0.saturating_sub(now_tick().0)
+            });
             match tokio::time::timeout(wait, body.frame()).await {
                 Err(_) => session.handle_timeout(now_tick()),
                 Ok(Some(Ok(frame))) => {
@@ -559,24 +557,20 @@ impl RequestCtx {
             parent: spawner.path.clone(),
             span,
         };
-        let actor = match Actor::spawn_linked(
-            None,
-            BrokerSessionActor,
-            args,
-            spawner.supervisor.clone(),
-        )
-        .await
-        {
-            Ok((actor, _)) => actor,
-            Err(error) => {
-                bus.lock().admission.ended(&who.client_id, session_id);
-                warn!(%error, "Could not start an event bus session actor.");
-                return Err(Refusal::new(
-                    ErrorCode::Shutdown,
-                    "the event bus is stopping",
-                ));
-            }
-        };
+        let actor =
+            match Actor::spawn_linked(None, BrokerSessionActor, args, spawner.supervisor.clone())
+                .await
+            {
+                Ok((actor, _)) => actor,
+                Err(error) => {
+                    bus.lock().admission.ended(&who.client_id, session_id);
+                    warn!(%error, "Could not start an event bus session actor.");
+                    return Err(Refusal::new(
+                        ErrorCode::Shutdown,
+                        "the event bus is stopping",
+                    ));
+                }
+            };
         if let Some(old) = superseded {
             let old_actor = bus.lock().sessions.get(&old).map(|row| row.actor.clone());
             if let Some(old_actor) = old_actor {
@@ -612,13 +606,9 @@ impl RequestCtx {
             .ok_or_else(unknown)?;
         // A missing or malformed version is refused by the session after the owner check, in
         // the contract's order (0 never matches a negotiated version).
-        let version = parse_version_header(
-            request
-                .headers()
-                .get(VERSION_HEADER)
-                .map(|v| v.as_bytes()),
-        )
-        .unwrap_or(0);
+        let version =
+            parse_version_header(request.headers().get(VERSION_HEADER).map(|v| v.as_bytes()))
+                .unwrap_or(0);
         let actor = self
             .conn
             .bus

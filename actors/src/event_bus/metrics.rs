@@ -202,11 +202,15 @@ impl EventBusMetrics {
     }
 
     pub fn session_closed(&self, code: ErrorCode) {
-        self.sessions_closed.with_label_values(&[code.as_str()]).inc();
+        self.sessions_closed
+            .with_label_values(&[code.as_str()])
+            .inc();
     }
 
     pub fn stream_closed(&self, end: StreamEnd) {
-        self.stream_closes.with_label_values(&[end.as_label()]).inc();
+        self.stream_closes
+            .with_label_values(&[end.as_label()])
+            .inc();
     }
 
     pub fn relayed(&self, direction: Direction, bytes: usize) {
