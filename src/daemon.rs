@@ -574,7 +574,11 @@ fn subscriptions_spec(shared: &Shared) -> ChildSpec {
         ActorKind::SubscriptionSupervisor,
         move || {
             let config = shared.config.clone();
-            let policy = Arc::new(move || dial_policy(&config.load()));
+            let bus = Some(shared.event_bus.clone());
+            let policy = Arc::new(move || DialPolicy {
+                bus: bus.clone(),
+                ..dial_policy(&config.load())
+            });
             vec![follower_spec(
                 shared.registry.clone(),
                 shared.load.clone(),
@@ -593,6 +597,7 @@ fn dial_policy(config: &Config) -> DialPolicy {
         },
         allow_cidrs: config.dynamo.load.allow_cidrs(),
         kv_events: config.dynamo.enabled && config.dynamo.kv.enabled,
+        bus: None,
     }
 }
 

@@ -1225,3 +1225,142 @@ async fn the_daemon_runs_the_bus_under_root_and_reloads_it_in_place() {
         1
     );
 }
+
+impl TestBroker {
+    /// Serves the next subscribe as continuum-event-broker does: dials the ZMQ publisher and
+    /// relays bytes both ways between it and the data stream.
+    async fn relay_next(&mut self) -> StreamId {
+        let ClientEvent::OpenStream { stream_id, target } = self.next_event().await else {
+            panic!("expected a subscribe");
+        };
+        let StreamTarget::ZmqTcp { target, .. } = target else {
+            panic!("a broker gets zmq_tcp targets");
+        };
+        let tcp = TcpStream::connect((target.host.as_str(), target.port))
+            .await
+            .expect("dial the publisher");
+        let (mut to_router, mut from_router) = self
+            .open_data_stream(stream_id, None)
+            .await
+            .expect("commanded stream accepted");
+        let (mut read, mut write) = tcp.into_split();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            while let Ok(n) = read.read(&mut buf).await {
+                if n == 0
+                    || to_router
+                        .send(Bytes::copy_from_slice(&buf[..n]))
+                        .await
+                        .is_err()
+                {
+                    break;
+                }
+            }
+        });
+        tokio::spawn(async move {
+            while let Some(Ok(frame)) = from_router.frame().await {
+                if let Ok(data) = frame.into_data()
+                    && write.write_all(&data).await.is_err()
+                {
+                    break;
+                }
+            }
+        });
+        stream_id
+    }
+}
+
+#[tokio::test]
+async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_then_reads_through_the_bus()
+ {
+    use continuum_actors::kv_index::DynamoKvIndex;
+    use continuum_actors::load::DynamoLoadStore;
+    use continuum_actors::metrics::SubscriptionTransport;
+    use continuum_actors::subscription::{DialPolicy, SubscriptionActor, SubscriptionArgs};
+    use continuum_protocol::event_plane::ActiveLoad;
+    use continuum_protocol::event_plane::encode::encode_kv_metrics;
+    use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
+    use continuum_protocol::subscriptions::SubscriptionTarget;
+    use continuum_protocol::time::UnixMillis;
+    use continuum_router::demo::zmq_pub::PubSocket;
+
+    let h = start(64).await;
+    let socket = PubSocket::bind("127.0.0.1:0".parse().expect("addr"))
+        .await
+        .expect("bind publisher");
+    let publisher = PublisherId(0x5eed);
+    let store = DynamoLoadStore::new(None);
+    // The registry's live-worker gate (the follower sets it from the fleet snapshot).
+    store.with(|s| s.set_live_and_retain([InstanceId(7)]));
+    let target = SubscriptionTarget {
+        topic: EventTopic::KvMetrics,
+        namespace: Namespace::new("dynamo"),
+        publisher_id: publisher,
+        component: None,
+        endpoint: format!("tcp://{}", socket.local_addr()),
+    };
+    let args = SubscriptionArgs {
+        name: target.child_name(),
+        target,
+        policy: DialPolicy {
+            transport: SubscriptionTransport::Broker,
+            allow_cidrs: None,
+            kv_events: false,
+            bus: Some(h.bus.clone()),
+        },
+        store: store.clone(),
+        kv: DynamoKvIndex::new(None),
+        metrics: None,
+        span: tracing::Span::none(),
+    };
+    let (actor, _) = ractor::Actor::spawn(None, SubscriptionActor, args)
+        .await
+        .expect("subscription starts");
+    let state = |store: &DynamoLoadStore| {
+        store
+            .subscriptions()
+            .first()
+            .map(|s| (s.state, s.transport))
+    };
+    poll("the subscription is pending", || {
+        (state(&store) == Some(("pending", "broker"))).then_some(())
+    })
+    .await;
+    assert_eq!(socket.peer_count(), 0, "never dialled directly");
+
+    // A broker covering the namespace connects: the subscription wakes and is relayed.
+    let mut a = TestBroker::as_broker(&h, "broker-a.dynamo").await;
+    a.relay_next().await;
+    let mut subscribed = socket.subscribed();
+    tokio::time::timeout(WAIT, subscribed.wait_for(|n| *n == 1))
+        .await
+        .expect("subscribed through the tunnel in time")
+        .expect("publisher alive");
+    let load = ActiveLoad {
+        worker_id: InstanceId(7),
+        dp_rank: DpRank(0),
+        active_decode_blocks: Some(3),
+        active_prefill_tokens: Some(11),
+        kv_used_blocks: Some(5),
+    };
+    socket.send(&encode_kv_metrics(publisher, 0, UnixMillis(1), &load));
+    let mut generations = store.subscribe();
+    tokio::time::timeout(WAIT, async {
+        while store.latest(InstanceId(7), DpRank(0)).is_none() {
+            generations.changed().await.expect("store alive");
+        }
+    })
+    .await
+    .expect("the sample arrives through the bus");
+    let sample = store.latest(InstanceId(7), DpRank(0)).expect("sample");
+    assert_eq!(sample.load.active_prefill_tokens, Some(11));
+    assert_eq!(state(&store), Some(("connected", "broker")));
+
+    // The broker's session ends: the subscription goes back to pending, never direct.
+    drop(a);
+    poll("pending again after the broker left", || {
+        (state(&store) == Some(("pending", "broker"))).then_some(())
+    })
+    .await;
+    actor.stop(None);
+}
