@@ -1356,9 +1356,27 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
     assert_eq!(sample.load.active_prefill_tokens, Some(11));
     assert_eq!(state(&store), Some(("connected", "broker")));
 
-    // The broker's session ends: the subscription goes back to pending, never direct.
+    // A second broker covers the namespace too; the first one's session ends: the
+    // subscription fails over to it.
+    let mut b = TestBroker::as_broker(&h, "broker-b.dynamo").await;
     drop(a);
-    poll("pending again after the broker left", || {
+    b.relay_next().await;
+    let mut sequence = 1;
+    poll("a sample arrives through the second broker", || {
+        let mut next = load;
+        next.active_prefill_tokens = Some(12);
+        socket.send(&encode_kv_metrics(publisher, sequence, UnixMillis(2), &next));
+        sequence += 1;
+        store
+            .latest(InstanceId(7), DpRank(0))
+            .filter(|s| s.load.active_prefill_tokens == Some(12))
+            .map(|_| ())
+    })
+    .await;
+
+    // The last covering broker leaves: the subscription goes back to pending, never direct.
+    drop(b);
+    poll("pending again after the brokers left", || {
         (state(&store) == Some(("pending", "broker"))).then_some(())
     })
     .await;

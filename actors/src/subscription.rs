@@ -339,6 +339,15 @@ async fn run_subscription(args: SubscriptionArgs) {
             }
         }
         let outcome = session.await;
+        // The broker session carrying this stream ended (the bus cut it): reconnect at the
+        // backoff floor, placed on the next-ranked covering broker (or pending if none).
+        let carrier_lost = bus.is_some()
+            && established
+            && matches!(&outcome, Ok(Err(ZmtpConnError::Io(error)))
+                if error.kind() == std::io::ErrorKind::ConnectionAborted);
+        if carrier_lost {
+            backoff.reset();
+        }
         if !kv_events {
             note_reachability(&name, &mut stream, &store, &metrics, established, &outcome);
         }
