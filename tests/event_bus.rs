@@ -1138,6 +1138,47 @@ async fn a_kv_listener_serves_announced_streams_and_a_refused_subscribe_is_repor
             continuum_protocol::event_bus::StreamCloseReason::ConnectFailed
         ))
     );
+
+    // A stream it serves; then it drains: the router unsubscribes at once (consumers fail
+    // over) and places nothing new there.
+    let bus = h.bus.clone();
+    let consumer = tokio::spawn(async move { bus.open_announced_stream("vllm-1", None).await });
+    let ClientEvent::OpenStream { stream_id, .. } = listener.next_event().await else {
+        panic!("the kv_listener is commanded again");
+    };
+    let (_to_router, _from_router) = listener
+        .open_data_stream(stream_id, None)
+        .await
+        .expect("accepted");
+    let mut stream = tokio::time::timeout(WAIT, consumer)
+        .await
+        .expect("in time")
+        .expect("task")
+        .expect("a BusStream");
+    listener.session.drain();
+    listener.flush().await;
+    match listener.next_event().await {
+        ClientEvent::CloseStream(id) => assert_eq!(id, stream_id),
+        other => panic!("expected an unsubscribe, got {other:?}"),
+    }
+    let mut buf = [0u8; 8];
+    let cut = tokio::time::timeout(WAIT, stream.read(&mut buf))
+        .await
+        .expect("the cut is seen in time");
+    assert_eq!(
+        cut.map_err(|e| e.kind()).err(),
+        Some(std::io::ErrorKind::ConnectionAborted)
+    );
+    poll("the drain reaches the session table", || {
+        let view = h.bus.subscribe_sessions();
+        let draining = view.borrow().sessions.iter().all(|s| s.draining);
+        draining.then_some(())
+    })
+    .await;
+    assert_eq!(
+        h.bus.open_announced_stream("vllm-1", None).await.err(),
+        Some(BusStreamError::Busy)
+    );
 }
 
 fn daemon_yaml(pki: &Pki, brokers: &[&str]) -> String {
