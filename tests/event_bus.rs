@@ -1368,6 +1368,22 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
     })
     .await;
     assert_eq!(socket.peer_count(), 0, "never dialled directly");
+    let coverage = |h: &Harness| {
+        (
+            h.metrics.value(
+                "continuum_dynamo_broker_pending_subscriptions",
+                &[("family", "kv_metrics"), ("namespace", "dynamo")],
+            ),
+            h.metrics.value(
+                "continuum_dynamo_broker_namespace_sessions",
+                &[("namespace", "dynamo")],
+            ),
+        )
+    };
+    poll("the pending subscription is exported", || {
+        (coverage(&h) == (Some(1.0), Some(0.0))).then_some(())
+    })
+    .await;
 
     // A broker covering the namespace connects: the subscription wakes and is relayed.
     let mut a = TestBroker::as_broker(&h, "broker-a.dynamo").await;
@@ -1396,6 +1412,10 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
     let sample = store.latest(InstanceId(7), DpRank(0)).expect("sample");
     assert_eq!(sample.load.active_prefill_tokens, Some(11));
     assert_eq!(state(&store), Some(("connected", "broker")));
+    poll("the covered namespace is exported", || {
+        (coverage(&h) == (Some(0.0), Some(1.0))).then_some(())
+    })
+    .await;
 
     // A second broker covers the namespace too; the first one's session ends: the
     // subscription fails over to it.
@@ -1406,7 +1426,12 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
     poll("a sample arrives through the second broker", || {
         let mut next = load;
         next.active_prefill_tokens = Some(12);
-        socket.send(&encode_kv_metrics(publisher, sequence, UnixMillis(2), &next));
+        socket.send(&encode_kv_metrics(
+            publisher,
+            sequence,
+            UnixMillis(2),
+            &next,
+        ));
         sequence += 1;
         store
             .latest(InstanceId(7), DpRank(0))
@@ -1421,5 +1446,14 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
         (state(&store) == Some(("pending", "broker"))).then_some(())
     })
     .await;
+    poll("pending again in the gauges", || {
+        (coverage(&h) == (Some(1.0), Some(0.0))).then_some(())
+    })
+    .await;
+    // The subscription stops: its series go.
     actor.stop(None);
+    poll("the series are removed", || {
+        (coverage(&h) == (None, None)).then_some(())
+    })
+    .await;
 }

@@ -21,12 +21,14 @@
 //! | [`session`] | `BrokerSessionActor`: one welcomed session |
 //! | [`supervisor`] | `BrokerSupervisor` and its `ChildSpec` under root |
 //! | [`stream`] | `BusStream`: one data stream as `AsyncRead + AsyncWrite` |
-//! | [`metrics`] | the `continuum_dynamo_event_bus_*` families |
+//! | [`metrics`] | the `continuum_dynamo_event_bus_*` and `continuum_dynamo_broker_*` families |
+//! | [`coverage`] | what broker-transport subscriptions want, and the debounced coverage gauges |
 //!
 //! [`EventBus`] is a cheap `Clone` handle over state that outlives restarts of the supervisor:
 //! the session table (the only one; the session actors keep their rows current), the admission
 //! table, the revocation ring and the current settings.
 
+pub mod coverage;
 pub mod listener;
 pub mod metrics;
 pub mod session;
@@ -53,6 +55,7 @@ use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 use tracing::info;
 
+pub use self::coverage::{COVERAGE_DEBOUNCE, CoverageInterest};
 pub use self::metrics::EventBusMetrics;
 pub use self::session::SessionMsg;
 pub use self::settings::{BusEntry, BusSettings, BusTls};
@@ -142,6 +145,7 @@ pub(crate) struct BusShared {
     running: AtomicBool,
     sessions_tx: watch::Sender<SessionsView>,
     pub(crate) metrics: Option<EventBusMetrics>,
+    pub(crate) coverage: coverage::CoverageTable,
 }
 
 /// The command API over the listener's sessions; clone it freely.
@@ -178,6 +182,7 @@ impl EventBus {
                 running: AtomicBool::new(false),
                 sessions_tx,
                 metrics: metrics.map(|m| m.event_bus().clone()),
+                coverage: coverage::CoverageTable::default(),
             }),
         }
     }
@@ -401,6 +406,7 @@ impl EventBus {
             view.generation += 1;
             view.sessions = sessions;
         });
+        self.shared.coverage.changed();
     }
 }
 

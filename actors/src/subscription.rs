@@ -239,6 +239,10 @@ async fn run_subscription(args: SubscriptionArgs) {
     let mut backoff = Backoff::new(BackoffPolicy::SUBSCRIPTION);
     let mut stream = LoadStream::new(target.publisher_id);
     let mut jitter = Jitter::seeded(target.publisher_id.0);
+    // Counted in the broker coverage gauges while this subscription runs.
+    let mut interest = bus
+        .as_ref()
+        .map(|bus| bus.interest(target.topic, target.namespace.clone()));
     loop {
         if let Some(bus) = &bus
             && !bus.covers(&target.namespace)
@@ -246,6 +250,9 @@ async fn run_subscription(args: SubscriptionArgs) {
             // Pending: no live broker session covers the namespace. Wait on the session table
             // (no polling), then spread the wake-up.
             reporter.report(SubscriptionState::Pending);
+            if let Some(interest) = interest.as_mut() {
+                interest.set_pending(true);
+            }
             if kv_events {
                 kv.subscription_state(&kv_name, false);
             }
@@ -254,6 +261,9 @@ async fn run_subscription(args: SubscriptionArgs) {
                 if sessions.changed().await.is_err() {
                     std::future::pending::<()>().await;
                 }
+            }
+            if let Some(interest) = interest.as_mut() {
+                interest.set_pending(false);
             }
             tokio::time::sleep(PENDING_WAKE_JITTER.mul_f64(jitter.unit())).await;
         }
@@ -266,9 +276,9 @@ async fn run_subscription(args: SubscriptionArgs) {
                 let bus = bus.clone();
                 let namespace = target.namespace.clone();
                 let topic = target.topic;
-                tokio::spawn(async move {
-                    run_bus_session(&bus, namespace, topic, &cfg, &tx).await
-                })
+                tokio::spawn(
+                    async move { run_bus_session(&bus, namespace, topic, &cfg, &tx).await },
+                )
             }
             None => tokio::spawn(async move { run_session(&cfg, &tx).await }),
         };

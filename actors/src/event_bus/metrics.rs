@@ -93,6 +93,8 @@ pub struct EventBusMetrics {
     sessions_closed: IntCounterVec,
     stream_closes: IntCounterVec,
     bytes: IntCounterVec,
+    broker_namespace_sessions: IntGaugeVec,
+    broker_pending_subscriptions: IntGaugeVec,
 }
 
 impl EventBusMetrics {
@@ -154,6 +156,24 @@ impl EventBusMetrics {
                 "Data-stream bytes relayed through the event bus, by direction.",
                 "direction",
             )?,
+            broker_namespace_sessions: gauge_vec(
+                "continuum_dynamo_broker_namespace_sessions",
+                "Live, non-draining broker sessions covering a namespace that broker-transport \
+                 subscriptions want (250 ms debounced).",
+                "namespace",
+            )?,
+            broker_pending_subscriptions: {
+                let vec = IntGaugeVec::new(
+                    Opts::new(
+                        "continuum_dynamo_broker_pending_subscriptions",
+                        "Broker-transport subscriptions pending (no covering broker session), \
+                         by family and namespace (250 ms debounced).",
+                    ),
+                    &["family", "namespace"],
+                )?;
+                registry.register(Box::new(vec.clone()))?;
+                vec
+            },
         };
         for role in [Role::Broker, Role::KvListener] {
             metrics.sessions.with_label_values(&[role.as_str()]).set(0);
@@ -211,6 +231,29 @@ impl EventBusMetrics {
         self.stream_closes
             .with_label_values(&[end.as_label()])
             .inc();
+    }
+
+    /// Sets the coverage gauges of one wanted (family, namespace).
+    pub fn set_coverage(&self, family: &str, namespace: &str, sessions: usize, pending: usize) {
+        let clamp = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.broker_namespace_sessions
+            .with_label_values(&[namespace])
+            .set(clamp(sessions));
+        self.broker_pending_subscriptions
+            .with_label_values(&[family, namespace])
+            .set(clamp(pending));
+    }
+
+    /// Removes the series of a (family, namespace) no subscription wants any more.
+    pub fn remove_coverage(&self, family: &str, namespace: &str, namespace_gone: bool) {
+        let _ = self
+            .broker_pending_subscriptions
+            .remove_label_values(&[family, namespace]);
+        if namespace_gone {
+            let _ = self
+                .broker_namespace_sessions
+                .remove_label_values(&[namespace]);
+        }
     }
 
     pub fn relayed(&self, direction: Direction, bytes: usize) {
