@@ -1416,6 +1416,19 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
         (coverage(&h) == (Some(0.0), Some(1.0))).then_some(())
     })
     .await;
+    let carried = |h: &Harness, broker: &str| {
+        h.metrics.value(
+            "continuum_dynamo_broker_subscriptions",
+            &[("family", "kv_metrics"), ("broker", broker)],
+        )
+    };
+    let broker_of =
+        |store: &DynamoLoadStore| store.subscriptions().first().and_then(|s| s.broker.clone());
+    assert_eq!(broker_of(&store).as_deref(), Some("broker-a.dynamo"));
+    poll("the carrying broker is exported", || {
+        (carried(&h, "broker-a.dynamo") == Some(1.0)).then_some(())
+    })
+    .await;
 
     // A second broker covers the namespace too; the first one's session ends: the
     // subscription fails over to it.
@@ -1437,6 +1450,13 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
             .latest(InstanceId(7), DpRank(0))
             .filter(|s| s.load.active_prefill_tokens == Some(12))
             .map(|_| ())
+    })
+    .await;
+
+    assert_eq!(broker_of(&store).as_deref(), Some("broker-b.dynamo"));
+    poll("the carrying broker moves", || {
+        (carried(&h, "broker-b.dynamo") == Some(1.0) && carried(&h, "broker-a.dynamo").is_none())
+            .then_some(())
     })
     .await;
 

@@ -170,6 +170,11 @@ struct Reporter {
 }
 
 impl Reporter {
+    /// Transport broker: which broker carries the connected stream (`None` otherwise).
+    fn set_broker(&mut self, broker: Option<String>) {
+        self.template.broker = broker;
+    }
+
     fn report(&self, state: SubscriptionState) {
         let mut status = self.template.clone();
         status.state = state.as_label();
@@ -191,7 +196,7 @@ async fn run_subscription(args: SubscriptionArgs) {
     } = args;
     let kv_events = target.topic == EventTopic::KvEvents;
     let kv_name = SubscriptionName::from(name.as_str());
-    let reporter = Reporter {
+    let mut reporter = Reporter {
         name: name.clone(),
         store: store.clone(),
         template: SubscriptionStatus {
@@ -201,6 +206,7 @@ async fn run_subscription(args: SubscriptionArgs) {
             component: target.component.clone(),
             state: SubscriptionState::Connecting.as_label(),
             transport: policy.transport.as_label(),
+            broker: None,
             state_kind: SubscriptionState::Connecting,
             transport_kind: policy.transport,
         },
@@ -271,20 +277,26 @@ async fn run_subscription(args: SubscriptionArgs) {
         let started = tokio::time::Instant::now();
         let (tx, mut rx) = mpsc::channel::<ConnEvent>(64);
         let cfg = config.clone();
+        let carrier: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let session = match &bus {
             Some(bus) => {
                 let bus = bus.clone();
                 let namespace = target.namespace.clone();
                 let topic = target.topic;
-                tokio::spawn(
-                    async move { run_bus_session(&bus, namespace, topic, &cfg, &tx).await },
-                )
+                let carrier = carrier.clone();
+                tokio::spawn(async move {
+                    run_bus_session(&bus, namespace, topic, &cfg, &tx, &carrier).await
+                })
             }
             None => tokio::spawn(async move { run_session(&cfg, &tx).await }),
         };
         let mut established = false;
         while let Some(event) = rx.recv().await {
-            established |= matches!(event, ConnEvent::Connected { .. });
+            if matches!(event, ConnEvent::Connected { .. }) {
+                established = true;
+                let broker = carrier.lock().unwrap_or_else(|p| p.into_inner()).take();
+                reporter.set_broker(broker);
+            }
             match event {
                 ConnEvent::Connected { .. } if kv_events => {
                     // kv-events gaps are caught by this subscription's per-rank event_id cursors.
@@ -378,6 +390,7 @@ async fn run_subscription(args: SubscriptionArgs) {
         if kv_events {
             kv.subscription_state(&kv_name, false);
         }
+        reporter.set_broker(None);
         let delay = backoff.session_ended(started.elapsed(), SESSION_RESET_AFTER, jitter.unit());
         reporter.report(SubscriptionState::Backoff);
         debug!(subscription = %name, reason = %ended, delay_ms = delay.as_millis() as u64, "Subscription session ended; reconnecting after backoff.");
@@ -393,6 +406,7 @@ async fn run_bus_session(
     topic: EventTopic,
     config: &ZmtpConnConfig,
     sink: &mpsc::Sender<ConnEvent>,
+    carrier: &std::sync::Mutex<Option<String>>,
 ) -> Result<(), ZmtpConnError> {
     let (host, port) = parse_endpoint(&config.endpoint)
         .ok_or_else(|| ZmtpConnError::BadEndpoint(config.endpoint.clone()))?;
@@ -410,6 +424,7 @@ async fn run_bus_session(
         .open_stream(target, topic)
         .await
         .map_err(|error| ZmtpConnError::Broker(error.to_string()))?;
+    *carrier.lock().unwrap_or_else(|p| p.into_inner()) = Some(stream.broker().to_string());
     run_session_over(stream, peer, config, sink).await
 }
 

@@ -3,15 +3,17 @@
 //! broker session covers the namespace. A reporter task exports, 250 ms after the last change
 //! (of an interest or of the session table),
 //! `continuum_dynamo_broker_namespace_sessions{namespace}` and
-//! `continuum_dynamo_broker_pending_subscriptions{family, namespace}`. Namespaces come from
-//! discovery (configured, at most 16), never from an agent's hello.
+//! `continuum_dynamo_broker_pending_subscriptions{family, namespace}`, and
+//! `continuum_dynamo_broker_subscriptions{family, broker}` (subscription streams each broker
+//! session carries). Namespaces come from discovery (configured, at most 16), never from an
+//! agent's hello; brokers are authenticated `brokers[].id` entries (at most 256).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use continuum_protocol::discovery::EventTopic;
-use continuum_protocol::event_bus::message::Role;
+use continuum_protocol::event_bus::message::{ClientId, Role};
 use continuum_protocol::ids::Namespace;
 use tokio::sync::Notify;
 
@@ -32,6 +34,7 @@ struct Wanted {
 #[derive(Default)]
 pub(crate) struct CoverageTable {
     wanted: Mutex<BTreeMap<Key, Wanted>>,
+    carried: Mutex<BTreeMap<(EventTopic, ClientId), usize>>,
     dirty: Notify,
     reporter: OnceLock<()>,
 }
@@ -43,6 +46,49 @@ impl CoverageTable {
 
     pub(crate) fn changed(&self) {
         self.dirty.notify_one();
+    }
+
+    fn carried(&self) -> MutexGuard<'_, BTreeMap<(EventTopic, ClientId), usize>> {
+        self.carried.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Held by a subscription `BusStream` (a zmq_tcp target): counts it for its broker.
+pub(crate) struct CarriedGuard {
+    bus: EventBus,
+    key: (EventTopic, ClientId),
+}
+
+impl CarriedGuard {
+    pub(crate) fn new(bus: &EventBus, topic: EventTopic, broker: ClientId) -> Self {
+        let key = (topic, broker);
+        bus.start_reporter();
+        *bus.shared
+            .coverage
+            .carried()
+            .entry(key.clone())
+            .or_default() += 1;
+        bus.shared.coverage.changed();
+        Self {
+            bus: bus.clone(),
+            key,
+        }
+    }
+}
+
+impl Drop for CarriedGuard {
+    fn drop(&mut self) {
+        let table = &self.bus.shared.coverage;
+        {
+            let mut carried = table.carried();
+            if let Some(n) = carried.get_mut(&self.key) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    carried.remove(&self.key);
+                }
+            }
+        }
+        table.changed();
     }
 }
 
@@ -70,16 +116,23 @@ impl EventBus {
         let table = &self.shared.coverage;
         let key = (topic, namespace);
         table.lock().entry(key.clone()).or_default().subscriptions += 1;
-        if self.metrics().is_some() {
-            table.reporter.get_or_init(|| {
-                tokio::spawn(report(self.clone()));
-            });
-        }
+        self.start_reporter();
         table.changed();
         CoverageInterest {
             bus: self.clone(),
             key,
             pending: false,
+        }
+    }
+}
+
+impl EventBus {
+    /// Starts the debounced reporter once (only with metrics; needs a tokio runtime).
+    pub(crate) fn start_reporter(&self) {
+        if self.metrics().is_some() {
+            self.shared.coverage.reporter.get_or_init(|| {
+                tokio::spawn(report(self.clone()));
+            });
         }
     }
 }
@@ -124,6 +177,7 @@ impl Drop for CoverageInterest {
 /// Exports the gauges 250 ms after each burst of changes, for as long as the process runs.
 async fn report(bus: EventBus) {
     let mut exported: BTreeSet<Key> = BTreeSet::new();
+    let mut exported_carried: BTreeSet<(EventTopic, ClientId)> = BTreeSet::new();
     loop {
         bus.shared.coverage.dirty.notified().await;
         tokio::time::sleep(COVERAGE_DEBOUNCE).await;
@@ -158,5 +212,13 @@ async fn report(bus: EventBus) {
             metrics.remove_coverage(topic.as_str(), namespace.as_str(), gone);
         }
         exported = wanted.into_keys().collect();
+        let carried = bus.shared.coverage.carried().clone();
+        for ((topic, broker), n) in &carried {
+            metrics.set_carried(topic.as_str(), broker.as_str(), *n);
+        }
+        for (topic, broker) in exported_carried.difference(&carried.keys().cloned().collect()) {
+            metrics.remove_carried(topic.as_str(), broker.as_str());
+        }
+        exported_carried = carried.into_keys().collect();
     }
 }

@@ -95,6 +95,7 @@ pub struct EventBusMetrics {
     bytes: IntCounterVec,
     broker_namespace_sessions: IntGaugeVec,
     broker_pending_subscriptions: IntGaugeVec,
+    broker_subscriptions: IntGaugeVec,
 }
 
 impl EventBusMetrics {
@@ -170,6 +171,18 @@ impl EventBusMetrics {
                          by family and namespace (250 ms debounced).",
                     ),
                     &["family", "namespace"],
+                )?;
+                registry.register(Box::new(vec.clone()))?;
+                vec
+            },
+            broker_subscriptions: {
+                let vec = IntGaugeVec::new(
+                    Opts::new(
+                        "continuum_dynamo_broker_subscriptions",
+                        "Subscription streams (kv_metrics, kv-events) each broker session \
+                         carries, by family and broker id (250 ms debounced).",
+                    ),
+                    &["family", "broker"],
                 )?;
                 registry.register(Box::new(vec.clone()))?;
                 vec
@@ -254,6 +267,19 @@ impl EventBusMetrics {
                 .broker_namespace_sessions
                 .remove_label_values(&[namespace]);
         }
+    }
+
+    /// Sets `continuum_dynamo_broker_subscriptions{family, broker}`.
+    pub fn set_carried(&self, family: &str, broker: &str, streams: usize) {
+        self.broker_subscriptions
+            .with_label_values(&[family, broker])
+            .set(i64::try_from(streams).unwrap_or(i64::MAX));
+    }
+
+    pub fn remove_carried(&self, family: &str, broker: &str) {
+        let _ = self
+            .broker_subscriptions
+            .remove_label_values(&[family, broker]);
     }
 
     pub fn relayed(&self, direction: Direction, bytes: usize) {

@@ -15,6 +15,7 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
+use continuum_protocol::discovery::EventTopic;
 use continuum_protocol::event_bus::hello::Refusal;
 use continuum_protocol::event_bus::message::{
     ClientId, ErrorCode, Role, SessionId, StreamId, StreamTarget,
@@ -29,6 +30,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tracing::{Instrument as _, debug, info};
 
+use super::coverage::CarriedGuard;
 use super::metrics::StreamEnd;
 use super::stream::{BusStream, OutboundPipe, outbound_pipe};
 use super::{AuthBy, BusStreamError, EventBus, SessionRow};
@@ -84,6 +86,8 @@ pub struct SessionArgs {
     pub(crate) span: ActorSpan,
 }
 
+type Opener = oneshot::Sender<Result<BusStream, BusStreamError>>;
+
 pub struct BrokerSessionActor;
 
 pub struct SessionState {
@@ -93,7 +97,8 @@ pub struct SessionState {
     client_id: ClientId,
     control: Option<mpsc::Sender<Bytes>>,
     bounds: SessionBounds,
-    openers: BTreeMap<StreamId, oneshot::Sender<Result<BusStream, BusStreamError>>>,
+    /// Consumers waiting for commanded streams, with the topic of a subscription stream.
+    openers: BTreeMap<StreamId, (Opener, Option<EventTopic>)>,
     cuts: BTreeMap<StreamId, cut_channel::Sender<()>>,
     timer: Option<JoinHandle<Result<(), ractor::MessagingErr<SessionMsg>>>>,
     published: (usize, bool),
@@ -176,19 +181,25 @@ impl Actor for BrokerSessionActor {
                 }
                 SessionMsg::InputEnded => state.session.handle_end_of_input(),
                 SessionMsg::Tick => state.session.handle_timeout(now),
-                SessionMsg::Open { target, reply } => match state.session.subscribe(target, now) {
-                    Ok(stream_id) => {
-                        state.openers.insert(stream_id, reply);
+                SessionMsg::Open { target, reply } => {
+                    let topic = match &target {
+                        StreamTarget::ZmqTcp { topic, .. } => Some(*topic),
+                        StreamTarget::AnnouncedSource(_) => None,
+                    };
+                    match state.session.subscribe(target, now) {
+                        Ok(stream_id) => {
+                            state.openers.insert(stream_id, (reply, topic));
+                        }
+                        Err(error) => {
+                            let _ = reply.send(Err(match error {
+                                SubscribeError::NotLive => BusStreamError::SessionClosed,
+                                SubscribeError::Draining => BusStreamError::Busy,
+                                SubscribeError::TooManyStreams => BusStreamError::TooManyStreams,
+                                SubscribeError::NotCovered => BusStreamError::NoSession,
+                            }));
+                        }
                     }
-                    Err(error) => {
-                        let _ = reply.send(Err(match error {
-                            SubscribeError::NotLive => BusStreamError::SessionClosed,
-                            SubscribeError::Draining => BusStreamError::Busy,
-                            SubscribeError::TooManyStreams => BusStreamError::TooManyStreams,
-                            SubscribeError::NotCovered => BusStreamError::NoSession,
-                        }));
-                    }
-                },
+                }
                 SessionMsg::AcceptStream {
                     stream_id,
                     client_id,
@@ -233,7 +244,7 @@ impl Actor for BrokerSessionActor {
         if let Some(timer) = state.timer.take() {
             timer.abort();
         }
-        for (_, opener) in std::mem::take(&mut state.openers) {
+        for (_, (opener, _)) in std::mem::take(&mut state.openers) {
             let _ = opener.send(Err(BusStreamError::SessionClosed));
         }
         state.cuts.clear();
@@ -269,6 +280,11 @@ impl SessionState {
         let (outbound, pipe) = outbound_pipe(&self.bounds);
         let (cut, cut_rx) = cut_channel::channel();
         self.cuts.insert(stream_id, cut);
+        let opener = self.openers.remove(&stream_id);
+        let carried = opener
+            .as_ref()
+            .and_then(|(_, topic)| *topic)
+            .map(|topic| CarriedGuard::new(&self.bus, topic, self.client_id.clone()));
         let stream = BusStream::new(
             stream_id,
             myself.clone(),
@@ -276,11 +292,13 @@ impl SessionState {
             outbound,
             cut_rx,
             self.bus.metrics().cloned(),
+            self.client_id.clone(),
+            carried,
         );
         let _ = reply.send(Ok(pipe));
-        match self.openers.remove(&stream_id) {
+        match opener {
             // A consumer that gave up drops the stream here, which unsubscribes it.
-            Some(opener) => drop(opener.send(Ok(stream))),
+            Some((opener, _)) => drop(opener.send(Ok(stream))),
             None => drop(stream),
         }
     }
@@ -318,7 +336,7 @@ impl SessionState {
         while let Some(event) = self.session.poll_event() {
             match event {
                 ServerEvent::StreamClosed { stream_id, reason } => {
-                    if let Some(opener) = self.openers.remove(&stream_id) {
+                    if let Some((opener, _)) = self.openers.remove(&stream_id) {
                         let _ = opener.send(Err(BusStreamError::Refused(reason)));
                     }
                     // Dropping the switch cuts an open stream (e.g. a kv_listener draining).
@@ -328,7 +346,7 @@ impl SessionState {
                     }
                 }
                 ServerEvent::StreamOpenTimedOut(stream_id) => {
-                    if let Some(opener) = self.openers.remove(&stream_id) {
+                    if let Some((opener, _)) = self.openers.remove(&stream_id) {
                         let _ = opener.send(Err(BusStreamError::OpenTimeout));
                     }
                     if let Some(metrics) = &metrics {
@@ -351,7 +369,7 @@ impl SessionState {
             }
         }
         if self.session.is_closed() {
-            for (_, opener) in std::mem::take(&mut self.openers) {
+            for (_, (opener, _)) in std::mem::take(&mut self.openers) {
                 let _ = opener.send(Err(BusStreamError::SessionClosed));
             }
             self.cuts.clear();

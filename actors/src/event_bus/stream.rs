@@ -16,7 +16,7 @@ use std::task::{Context, Poll, ready};
 use bytes::{Buf, Bytes};
 use continuum_protocol::event_bus::SessionBounds;
 use continuum_protocol::event_bus::bounds::MAX_FRAME_BYTES;
-use continuum_protocol::event_bus::message::StreamId;
+use continuum_protocol::event_bus::message::{ClientId, StreamId};
 use futures::channel::{mpsc, oneshot};
 use futures::{FutureExt as _, Sink as _};
 use hyper::body::{Body as _, Incoming};
@@ -50,6 +50,9 @@ pub struct BusStream {
     cut: oneshot::Receiver<()>,
     is_cut: bool,
     metrics: Option<EventBusMetrics>,
+    broker: ClientId,
+    /// Counts a subscription stream for its broker while it lives.
+    _carried: Option<super::coverage::CarriedGuard>,
 }
 
 impl std::fmt::Debug for BusStream {
@@ -69,8 +72,12 @@ impl BusStream {
         outbound: mpsc::Sender<Bytes>,
         cut: oneshot::Receiver<()>,
         metrics: Option<EventBusMetrics>,
+        broker: ClientId,
+        carried: Option<super::coverage::CarriedGuard>,
     ) -> Self {
         Self {
+            broker,
+            _carried: carried,
             stream_id,
             session,
             incoming,
@@ -81,6 +88,11 @@ impl BusStream {
             is_cut: false,
             metrics,
         }
+    }
+
+    /// The `brokers[].id` whose session carries this stream.
+    pub fn broker(&self) -> &ClientId {
+        &self.broker
     }
 
     /// The stream id in its session (for logs).
