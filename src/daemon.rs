@@ -422,6 +422,7 @@ fn app_state(
     let summary_metrics = shared.metrics.clone();
     let models_registry = shared.registry.clone();
     let models_config = shared.config.clone();
+    let (bus, bus_config) = (shared.event_bus.clone(), shared.config.clone());
     AppState {
         live,
         readiness: shared.readiness.clone(),
@@ -429,7 +430,9 @@ fn app_state(
         tree: tree.clone(),
         control,
         dynamo_workers: Arc::new(move || {
-            crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker))
+            let mut view = crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker));
+            crate::event_bus::add_broker_coverage(&mut view, &bus, &bus_config.load());
+            view
         }),
         fleet_summary: Arc::new(move || {
             crate::dynamo_admin::fleet_summary(&summary_kv, &summary_metrics)

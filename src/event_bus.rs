@@ -15,7 +15,7 @@ use continuum_protocol::event_bus::{Grant, SessionBounds};
 use continuum_protocol::ids::Namespace;
 use tracing::error;
 
-use crate::config::{BrokerRole, EventBusConfig};
+use crate::config::{BrokerRole, Config, EventBusConfig, LoadTransport};
 
 /// The listener settings for `config` (validated: token hashes parse, bounds hold). A
 /// configuration whose byte bounds are rejected (validation refuses it first) yields a
@@ -70,4 +70,37 @@ pub fn settings(config: &EventBusConfig) -> BusSettings {
         idle_timeout: config.idle_timeout.get(),
         hello_timeout: BusSettings::HELLO_TIMEOUT,
     }
+}
+
+/// Under `dynamo.load.transport: broker`, adds `broker_coverage` to a `GET /admin/dynamo/workers`
+/// body: for every discovered namespace, how many live, non-draining broker sessions cover it.
+/// Uncovered namespaces are where subscriptions stay pending and workers read as stale.
+pub fn add_broker_coverage(view: &mut serde_json::Value, bus: &EventBus, config: &Config) {
+    if config.dynamo.load.transport != LoadTransport::Broker {
+        return;
+    }
+    let Some(fields) = view.as_object_mut() else {
+        return;
+    };
+    let namespaces: Vec<String> = fields
+        .get("namespaces")
+        .and_then(|v| v.as_array())
+        .map(|list| {
+            list.iter()
+                .filter_map(|n| n.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let coverage: Vec<serde_json::Value> = namespaces
+        .into_iter()
+        .map(|namespace| {
+            let sessions = bus.covering_sessions(&Namespace::new(namespace.clone()));
+            serde_json::json!({
+                "namespace": namespace,
+                "sessions": sessions,
+                "covered": sessions > 0,
+            })
+        })
+        .collect();
+    fields.insert("broker_coverage".into(), serde_json::Value::from(coverage));
 }

@@ -1199,6 +1199,18 @@ fn daemon_yaml(pki: &Pki, brokers: &[&str]) -> String {
     yaml
 }
 
+/// [`daemon_yaml`] with file discovery of namespace `dynamo` and `load.transport: broker`.
+fn broker_transport_yaml(pki: &Pki, root: &Path) -> String {
+    daemon_yaml(pki, &["broker-a.dynamo"]).replace(
+        "dynamo:\n",
+        &format!(
+            "dynamo:\n  enabled: true\n  discovery:\n    source: file\n    file:\n      \
+             root: {root:?}\n      namespace: dynamo\n      rescan_interval: 100ms\n      \
+             ttl: 60s\n  load:\n    transport: broker\n"
+        ),
+    )
+}
+
 fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest as _;
     sha2::Sha256::digest(data)
@@ -1476,4 +1488,47 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
         (coverage(&h) == (None, None)).then_some(())
     })
     .await;
+}
+
+#[tokio::test]
+async fn under_broker_transport_the_workers_view_shows_broker_coverage() {
+    let pki = pki();
+    let root = pki._dir.path().join("store");
+    std::fs::create_dir_all(&root).expect("store dir");
+    let path = pki._dir.path().join("config.yaml");
+    std::fs::write(&path, broker_transport_yaml(&pki, &root)).expect("write config");
+    let daemon = support::daemon::start_file(&path).await;
+    let bus = daemon.event_bus().clone();
+    let addr = poll("the daemon's listener binds", || bus.local_addr()).await;
+    let workers_url = format!("http://{}/admin/dynamo/workers", daemon.local_addr());
+    let coverage = || async {
+        let view: serde_json::Value = reqwest::Client::new()
+            .get(&workers_url)
+            .bearer_auth("bus-admin-token-0123")
+            .send()
+            .await
+            .expect("workers view")
+            .json()
+            .await
+            .expect("json");
+        view["broker_coverage"].clone()
+    };
+    assert_eq!(
+        coverage().await,
+        serde_json::json!([{"namespace": "dynamo", "sessions": 0, "covered": false}])
+    );
+    let h = Harness {
+        bus: bus.clone(),
+        metrics: daemon.metrics().clone(),
+        tree: daemon.tree().clone(),
+        addr,
+        pki,
+        root: None,
+    };
+    let _a = TestBroker::as_broker(&h, "broker-a.dynamo").await;
+    h.wait_sessions(1).await;
+    assert_eq!(
+        coverage().await,
+        serde_json::json!([{"namespace": "dynamo", "sessions": 1, "covered": true}])
+    );
 }

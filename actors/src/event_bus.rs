@@ -337,6 +337,19 @@ impl EventBus {
         })
     }
 
+    /// Live, non-draining broker sessions covering `namespace`.
+    pub fn covering_sessions(&self, namespace: &Namespace) -> usize {
+        self.lock()
+            .sessions
+            .values()
+            .filter(|row| {
+                row.role == Role::Broker
+                    && !row.draining
+                    && row.coverage.covers_namespace(namespace)
+            })
+            .count()
+    }
+
     /// Namespaces some live, non-draining broker session covers.
     pub fn covered_namespaces(&self) -> BTreeSet<Namespace> {
         let state = self.lock();
