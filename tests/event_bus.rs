@@ -1532,3 +1532,47 @@ async fn under_broker_transport_the_workers_view_shows_broker_coverage() {
         serde_json::json!([{"namespace": "dynamo", "sessions": 1, "covered": true}])
     );
 }
+
+#[tokio::test]
+async fn rendezvous_placement_is_the_same_on_two_routers() {
+    // Two routers with the same two brokers connected: both command the stream for one target
+    // on the same broker (docs/event-bus.md's test vector: broker-a outweighs broker-b).
+    let first = start(64).await;
+    let second = start(64).await;
+    let mut on_first = Vec::new();
+    let mut on_second = Vec::new();
+    for id in ["broker-b.dynamo", "broker-a.dynamo"] {
+        on_first.push(TestBroker::as_broker(&first, id).await);
+        on_second.push(TestBroker::as_broker(&second, id).await);
+    }
+    for (h, brokers) in [(&first, &mut on_first), (&second, &mut on_second)] {
+        let bus = h.bus.clone();
+        let consumer =
+            tokio::spawn(async move { bus.open_stream(target(), EventTopic::KvMetrics).await });
+        // broker-a (index 1) is commanded.
+        let ClientEvent::OpenStream { stream_id, .. } = brokers[1].next_event().await else {
+            panic!("broker-a is commanded");
+        };
+        let _data = brokers[1]
+            .open_data_stream(stream_id, None)
+            .await
+            .expect("accepted");
+        let stream = tokio::time::timeout(WAIT, consumer)
+            .await
+            .expect("in time")
+            .expect("task")
+            .expect("a BusStream");
+        assert_eq!(stream.broker().as_str(), "broker-a.dynamo");
+        let view = h.bus.subscribe_sessions();
+        let streams: Vec<(String, usize)> = view
+            .borrow()
+            .sessions
+            .iter()
+            .map(|s| (s.client_id.to_string(), s.streams))
+            .collect();
+        assert!(
+            streams.contains(&("broker-b.dynamo".into(), 0)),
+            "broker-b carries nothing: {streams:?}"
+        );
+    }
+}
