@@ -32,7 +32,7 @@ use tracing::{Instrument as _, debug, info};
 
 use super::coverage::CarriedGuard;
 use super::metrics::StreamEnd;
-use super::stream::{BusStream, OutboundPipe, outbound_pipe};
+use super::stream::{BusStream, OutboundPipe, StreamOrigin, outbound_pipe};
 use super::{AuthBy, BusStreamError, EventBus, SessionRow};
 use crate::clock::now_tick;
 use crate::lifecycle::ActorSpan;
@@ -285,16 +285,14 @@ impl SessionState {
             .as_ref()
             .and_then(|(_, topic)| *topic)
             .map(|topic| CarriedGuard::new(&self.bus, topic, self.client_id.clone()));
-        let stream = BusStream::new(
+        let origin = StreamOrigin {
             stream_id,
-            myself.clone(),
-            body,
-            outbound,
-            cut_rx,
-            self.bus.metrics().cloned(),
-            self.client_id.clone(),
+            session: myself.clone(),
+            broker: self.client_id.clone(),
             carried,
-        );
+            metrics: self.bus.metrics().cloned(),
+        };
+        let stream = BusStream::new(origin, body, outbound, cut_rx);
         let _ = reply.send(Ok(pipe));
         match opener {
             // A consumer that gave up drops the stream here, which unsubscribes it.

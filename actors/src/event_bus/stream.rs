@@ -38,6 +38,15 @@ pub(crate) fn outbound_pipe(bounds: &SessionBounds) -> (mpsc::Sender<Bytes>, Out
     mpsc::channel(usize::try_from(buffer).unwrap_or(0))
 }
 
+/// Where a [`BusStream`] comes from: its session, id and broker.
+pub(crate) struct StreamOrigin {
+    pub(crate) stream_id: StreamId,
+    pub(crate) session: ActorRef<SessionMsg>,
+    pub(crate) broker: ClientId,
+    pub(crate) carried: Option<super::coverage::CarriedGuard>,
+    pub(crate) metrics: Option<EventBusMetrics>,
+}
+
 /// One data stream of an event-bus session.
 pub struct BusStream {
     stream_id: StreamId,
@@ -66,27 +75,23 @@ impl std::fmt::Debug for BusStream {
 
 impl BusStream {
     pub(crate) fn new(
-        stream_id: StreamId,
-        session: ActorRef<SessionMsg>,
+        origin: StreamOrigin,
         incoming: Incoming,
         outbound: mpsc::Sender<Bytes>,
         cut: oneshot::Receiver<()>,
-        metrics: Option<EventBusMetrics>,
-        broker: ClientId,
-        carried: Option<super::coverage::CarriedGuard>,
     ) -> Self {
         Self {
-            broker,
-            _carried: carried,
-            stream_id,
-            session,
+            stream_id: origin.stream_id,
+            session: origin.session,
+            broker: origin.broker,
+            _carried: origin.carried,
+            metrics: origin.metrics,
             incoming,
             pending: Bytes::new(),
             read_eof: false,
             outbound,
             cut,
             is_cut: false,
-            metrics,
         }
     }
 
