@@ -141,6 +141,8 @@ struct Shared {
     simulated: MemoryDiscovery,
     /// Pinned tokenizer artifacts, started the first time `dynamo.kv.enabled` is on.
     artifacts: Arc<std::sync::Mutex<Option<KvArtifacts>>>,
+    /// The event-bus listener's sessions and command API (`dynamo.event_bus`).
+    event_bus: crate::event_bus::EventBus,
 }
 
 /// The artifact loader and the task that feeds it registry generations.
@@ -237,6 +239,10 @@ impl Daemon {
         let proxy = Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone())));
         let route = Arc::new(Router::new(proxy.clone()));
         route.set_dynamo(dynamo.clone());
+        // The listener starts from the empty config too; `apply` hands it the real settings before
+        // the tree (and so root/event_bus) spawns.
+        let event_bus =
+            crate::event_bus::EventBus::new(crate::event_bus::settings(&empty.dynamo.event_bus), Some(&metrics));
         let shared = Shared {
             config: shared_config,
             registry: registry.reader,
@@ -251,6 +257,7 @@ impl Daemon {
             metrics,
             load,
             simulated: feed,
+            event_bus,
         };
         shared.proxy.reconfigure(&empty);
         let tree = ActorTree::default();
@@ -277,6 +284,7 @@ impl Daemon {
                 ),
                 discovery_spec(&shared),
                 subscriptions_spec(&shared),
+                crate::event_bus::event_bus_spec(shared.event_bus.clone()),
             ],
             tree.clone(),
             Some(shared.metrics.clone()),
@@ -356,6 +364,11 @@ impl Daemon {
         Some(self.shared.dynamo.clone())
     }
 
+    /// The event bus command API (`continuum_router::event_bus`).
+    pub fn event_bus(&self) -> &crate::event_bus::EventBus {
+        &self.shared.event_bus
+    }
+
     /// The latest load samples (`registry.load_store()` in the seed).
     pub fn load_store(&self) -> &SharedLoadStore {
         &self.shared.load
@@ -425,6 +438,7 @@ fn app_state(
     let summary_metrics = shared.metrics.clone();
     let models_registry = shared.registry.clone();
     let models_config = shared.config.clone();
+    let (bus, bus_config) = (shared.event_bus.clone(), shared.config.clone());
     AppState {
         live,
         readiness: shared.readiness.clone(),
@@ -432,7 +446,9 @@ fn app_state(
         tree: tree.clone(),
         control,
         dynamo_workers: Arc::new(move || {
-            crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker))
+            let mut view = crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker));
+            crate::event_bus::add_broker_coverage(&mut view, &bus, &bus_config.load());
+            view
         }),
         fleet_summary: Arc::new(move || {
             crate::dynamo_admin::fleet_summary(&summary_kv, &summary_metrics)
@@ -561,7 +577,11 @@ fn subscriptions_spec(shared: &Shared) -> ChildSpec {
         ActorKind::SubscriptionSupervisor,
         move || {
             let config = shared.config.clone();
-            let policy = Arc::new(move || dial_policy(&config.load()));
+            let bus = Some(shared.event_bus.clone());
+            let policy = Arc::new(move || DialPolicy {
+                bus: bus.clone(),
+                ..dial_policy(&config.load())
+            });
             vec![follower_spec(
                 shared.registry.clone(),
                 shared.load.clone(),
@@ -580,6 +600,7 @@ fn dial_policy(config: &Config) -> DialPolicy {
         },
         allow_cidrs: config.dynamo.load.allow_cidrs(),
         kv_events: config.dynamo.enabled && config.dynamo.kv.enabled,
+        bus: None,
     }
 }
 
@@ -887,6 +908,15 @@ impl ControlLoop {
                 error!(%error, "Could not restart the load subscriptions.");
             }
             summary.push("load subscriptions restarted under the new dial policy".into());
+        }
+        // Sessions are regranted or closed in place; a new listen address, TLS files, `enabled`
+        // or byte bounds restart only root/event_bus (at startup the tree spawns it afterwards).
+        let bus = crate::event_bus::settings(&new.dynamo.event_bus);
+        if plan.event_bus && self.shared.event_bus.reload(bus) && self.running {
+            if let Err(error) = self.tree.restart("root/event_bus", REPLACE_TIMEOUT).await {
+                error!(%error, "Could not restart the event bus listener.");
+            }
+            summary.push("event bus listener restarted".into());
         }
         if !plan.needs_restart.is_empty() && self.running {
             warn!(keys = ?plan.needs_restart, "These settings take effect after a process restart.");

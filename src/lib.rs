@@ -18,6 +18,7 @@ pub mod build_info;
 pub mod config;
 pub mod daemon;
 pub mod dynamo_admin;
+pub mod event_bus;
 pub mod front_door;
 pub mod kv;
 pub mod proxy;

@@ -12,7 +12,9 @@
 //! │   └── etcd:<ns>       DiscoveryActor per Dynamo namespace
 //! ├── subscriptions       SubscriptionSupervisor
 //! │   └── kv_metrics:<id> SubscriptionActor per publisher (kv-events:<id> too, feeding kv_index)
-//! └── picker              PickerActor: candidate index per generation, ledger arrivals and expiry
+//! ├── picker              PickerActor: candidate index per generation, ledger arrivals and expiry
+//! └── event_bus           BrokerSupervisor: the event-bus listener
+//!     └── session:<sess>  BrokerSessionActor per welcomed session
 //! ```
 //!
 //! | module | what it holds |
@@ -35,10 +37,12 @@
 //! | [`load`] | the shared load store and the subscription status table |
 //! | [`kv_artifacts`] | tokenizer artifacts: card slots → pinned, verified, cached, loaded tokenizers |
 //! | [`picker`] | PickerActor and the `SharedPicker` handle (installed picker, index, ledger) |
+//! | [`event_bus`] | the event-bus listener, BrokerSupervisor, BrokerSessionActor, the `EventBus` command API and `BusStream` |
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
 pub mod discovery;
 pub mod etcd_source;
+pub mod event_bus;
 pub mod file_source;
 pub mod kube_source;
 pub mod kv_artifacts;

@@ -26,6 +26,9 @@ pub struct SubscriptionStatus {
     pub component: Option<String>,
     pub state: &'static str,
     pub transport: &'static str,
+    /// Transport broker: the `brokers[].id` whose session carries the connected stream.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker: Option<String>,
     #[serde(skip)]
     pub state_kind: SubscriptionState,
     #[serde(skip)]

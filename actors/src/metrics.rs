@@ -277,6 +277,8 @@ struct Inner {
     build_info: IntGaugeVec,
     unreachable_workers: IntGauge,
     workers_marked_unreachable: prometheus::IntCounter,
+    /// `continuum_dynamo_event_bus_*` (actors/src/event_bus/metrics.rs).
+    event_bus: crate::event_bus::EventBusMetrics,
     /// Which dp_ranks of a worker have gauge series, so a departed worker's series can all be
     /// removed (the Prometheus client has no "remove by partial labels").
     worker_ranks: Mutex<HashMap<WorkerKey, BTreeSet<DpRank>>>,
@@ -490,6 +492,7 @@ impl Metrics {
                 r.register(Box::new(counter.clone()))?;
                 counter
             },
+            event_bus: crate::event_bus::EventBusMetrics::register(r)?,
             registry,
             meter_provider,
             worker_ranks: Mutex::new(HashMap::new()),
@@ -503,6 +506,11 @@ impl Metrics {
     /// The registry, for a custom scrape handler or extra families.
     pub fn registry(&self) -> &Registry {
         &self.inner.registry
+    }
+
+    /// The event-bus families.
+    pub fn event_bus(&self) -> &crate::event_bus::EventBusMetrics {
+        &self.inner.event_bus
     }
 
     /// The OpenTelemetry meter provider that exports into [`Self::registry`].

@@ -46,6 +46,7 @@ use tokio::task::JoinHandle;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::clock::now_tick;
+use crate::event_bus::EventBus;
 use crate::kv_index::{SharedKvIndex, SubscriptionName};
 use crate::lifecycle::ActorKind;
 use crate::load::{SharedLoadStore, SubscriptionStatus};
@@ -55,7 +56,10 @@ use crate::metrics::{
 };
 use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec, SupervisorMsg};
-use crate::zmtp_conn::{CONNECT_TIMEOUT, ConnEvent, ZmtpConnConfig, ZmtpConnError, run_session};
+use crate::zmtp_conn::{
+    CONNECT_TIMEOUT, ConnEvent, ZmtpConnConfig, ZmtpConnError, parse_endpoint, run_session,
+    run_session_over,
+};
 use continuum_protocol::event_plane::{StreamExpectation, decode_delivery};
 use continuum_protocol::zmtp::ZmtpLimits;
 
@@ -67,13 +71,20 @@ pub const FOLLOWER_NAME: &str = "follower";
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// How subscriptions reach publishers (`dynamo.load.transport`, `direct_allow_cidrs`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct DialPolicy {
     pub transport: SubscriptionTransport,
     pub allow_cidrs: Option<Vec<IpNet>>,
     /// `dynamo.kv.enabled`: also subscribe to kv-events publishers.
     pub kv_events: bool,
+    /// The event bus broker-transport subscriptions open their streams on; `None` keeps them
+    /// pending (never a silent fallback to dialling directly).
+    pub bus: Option<EventBus>,
 }
+
+/// A pending broker-transport subscription waits up to this long (uniformly random) after a
+/// covering session appears, so a reconnecting broker is not hit by every subscription at once.
+pub const PENDING_WAKE_JITTER: Duration = Duration::from_millis(500);
 
 /// Reads the live dial policy (it changes on reload, which restarts the subtree).
 pub type DialPolicySource = Arc<dyn Fn() -> DialPolicy + Send + Sync>;
@@ -206,6 +217,11 @@ struct Reporter {
 }
 
 impl Reporter {
+    /// Transport broker: which broker carries the connected stream (`None` otherwise).
+    fn set_broker(&mut self, broker: Option<String>) {
+        self.template.broker = broker;
+    }
+
     fn report(&self, state: SubscriptionState) {
         let mut status = self.template.clone();
         status.state = state.as_label();
@@ -261,30 +277,74 @@ async fn run_subscription(
             component: target.component.clone(),
             state: SubscriptionState::Connecting.as_label(),
             transport: policy.transport.as_label(),
+            broker: None,
             state_kind: SubscriptionState::Connecting,
             transport_kind: policy.transport,
         },
     };
-    if policy.transport == SubscriptionTransport::Broker {
-        // Broker mode needs the event-bus listener, which this build does not have: stay pending
-        // (workers read as having no fresh sample) and never fall back to dialing directly.
-        reporter.report(SubscriptionState::Pending);
-        if kv_events {
-            kv.subscription_state(&kv_name, false);
+    let bus = match (policy.transport, &policy.bus) {
+        (SubscriptionTransport::Broker, None) => {
+            // Broker mode without an event bus: stay pending (workers read as having no fresh
+            // sample) and never fall back to dialing directly.
+            reporter.report(SubscriptionState::Pending);
+            if kv_events {
+                kv.subscription_state(&kv_name, false);
+            }
+            warn!(subscription = %name, "load.transport is broker but no event bus is available; the subscription stays pending.");
+            std::future::pending::<()>().await;
+            return;
         }
-        warn!(subscription = %name, "load.transport is broker but no event bus is available; the subscription stays pending.");
-        std::future::pending::<()>().await;
-        return;
-    }
+        (SubscriptionTransport::Broker, Some(bus)) => Some(bus.clone()),
+        (SubscriptionTransport::Direct, _) => None,
+    };
     let mut backoff = Backoff::new(BackoffPolicy::SUBSCRIPTION);
     let mut stream = LoadStream::new(target.publisher_id);
     let mut jitter = Jitter::seeded(target.publisher_id.0);
+    // Counted in the broker coverage gauges while this subscription runs.
+    let mut interest = bus
+        .as_ref()
+        .map(|bus| bus.interest(target.topic, target.namespace.clone()));
     loop {
+        if let Some(bus) = &bus
+            && !bus.covers(&target.namespace)
+        {
+            // Pending: no live broker session covers the namespace. Wait on the session table
+            // (no polling), then spread the wake-up.
+            reporter.report(SubscriptionState::Pending);
+            if let Some(interest) = interest.as_mut() {
+                interest.set_pending(true);
+            }
+            if kv_events {
+                kv.subscription_state(&kv_name, false);
+            }
+            let mut sessions = bus.subscribe_sessions();
+            while !bus.covers(&target.namespace) {
+                if sessions.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+            if let Some(interest) = interest.as_mut() {
+                interest.set_pending(false);
+            }
+            tokio::time::sleep(PENDING_WAKE_JITTER.mul_f64(jitter.unit())).await;
+        }
         reporter.report(SubscriptionState::Connecting);
         let started = tokio::time::Instant::now();
         let (tx, mut rx) = mpsc::channel::<ConnEvent>(64);
         let cfg = conn_config(&target, &policy);
-        let mut session = tokio::spawn(async move { run_session(&cfg, &tx).await });
+        let carrier: Arc<Mutex<Option<String>>> = Arc::default();
+        let mut session = match &bus {
+            Some(bus) => {
+                let bus = bus.clone();
+                let namespace = target.namespace.clone();
+                let topic = target.topic;
+                let carrier = carrier.clone();
+                tokio::spawn(async move {
+                    run_bus_session(&bus, namespace, topic, &cfg, &tx, &carrier).await
+                })
+            }
+            None => tokio::spawn(async move { run_session(&cfg, &tx).await }),
+        };
         let mut established = false;
         let mut redialed = false;
         loop {
@@ -304,7 +364,11 @@ async fn run_subscription(
                     break;
                 }
             };
-            established |= matches!(event, ConnEvent::Connected { .. });
+            if matches!(event, ConnEvent::Connected { .. }) {
+                established = true;
+                let broker = carrier.lock().take();
+                reporter.set_broker(broker);
+            }
             match event {
                 ConnEvent::Connected { .. } if kv_events => {
                     // kv-events gaps are caught by this subscription's per-rank event_id cursors.
@@ -369,6 +433,15 @@ async fn run_subscription(
             }
         }
         let outcome = (&mut session).await;
+        // The broker session carrying this stream ended (the bus cut it): reconnect at the
+        // backoff floor, placed on the next-ranked covering broker (or pending if none).
+        let carrier_lost = bus.is_some()
+            && established
+            && matches!(&outcome, Ok(Err(ZmtpConnError::Io(error)))
+                if error.kind() == std::io::ErrorKind::ConnectionAborted);
+        if carrier_lost {
+            backoff.reset();
+        }
         if !kv_events {
             note_reachability(&name, &mut stream, &store, &metrics, established, &outcome);
         }
@@ -389,6 +462,7 @@ async fn run_subscription(
         if kv_events {
             kv.subscription_state(&kv_name, false);
         }
+        reporter.set_broker(None);
         if !redialed {
             let delay =
                 backoff.session_ended(started.elapsed(), SESSION_RESET_AFTER, jitter.unit());
@@ -407,6 +481,36 @@ async fn run_subscription(
         target = redials.borrow_and_update().clone();
         reporter.template.component = target.component.clone();
     }
+}
+
+/// One attempt over the event bus: a data stream from the highest-ranked covering broker
+/// session, then the same ZMTP session as over TCP.
+async fn run_bus_session(
+    bus: &EventBus,
+    namespace: Namespace,
+    topic: EventTopic,
+    config: &ZmtpConnConfig,
+    sink: &mpsc::Sender<ConnEvent>,
+    carrier: &Mutex<Option<String>>,
+) -> Result<(), ZmtpConnError> {
+    let (host, port) = parse_endpoint(&config.endpoint)
+        .ok_or_else(|| ZmtpConnError::BadEndpoint(config.endpoint.clone()))?;
+    // The announced address (unspecified when the endpoint names a host, not an IP).
+    let peer = host.parse::<std::net::IpAddr>().map_or_else(
+        |_| std::net::SocketAddr::from(([0, 0, 0, 0], port)),
+        |ip| std::net::SocketAddr::new(ip, port),
+    );
+    let target = continuum_protocol::event_bus::ZmqTcpTarget {
+        namespace,
+        host,
+        port,
+    };
+    let stream = bus
+        .open_stream(target, topic)
+        .await
+        .map_err(|error| ZmtpConnError::Broker(error.to_string()))?;
+    *carrier.lock() = Some(stream.broker().to_string());
+    run_session_over(stream, peer, config, sink).await
 }
 
 /// Feeds one finished attempt to the unreachable rule: an established session that ended is

@@ -1,5 +1,7 @@
-//! One bounded ZMTP SUB connection over `tokio::net::TcpStream`, driving the sans-IO
-//! [`continuum_protocol::zmtp::ZmtpSub`] state machine.
+//! One bounded ZMTP SUB connection over a byte stream — a `tokio::net::TcpStream` dialled
+//! directly, or an event-bus `BusStream` (`dynamo.load.transport: broker`) — driving the
+//! sans-IO [`continuum_protocol::zmtp::ZmtpSub`] state machine. The same handshake, frame and
+//! message ceilings and decoding run over either.
 //!
 //! Not an actor: the subscription actor (or load supervisor) owns the reconnect loop and backoff,
 //! and runs one [`run_session`] per connection attempt in a task, receiving [`ConnEvent`]s on a
@@ -26,7 +28,7 @@ use continuum_protocol::zmtp::{
 };
 use ipnet::IpNet;
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::{Instant, timeout_at};
@@ -102,6 +104,10 @@ pub enum ZmtpConnError {
     Closed,
     #[error("transport violation: {0}")]
     Protocol(#[from] ZmtpError),
+    /// The event bus gave no stream (no covering session, refused, timed out); the reason is
+    /// the bus's own error text, never the agent's free-text message.
+    #[error("event bus: {0}")]
+    Broker(String),
 }
 
 impl ZmtpConnError {
@@ -148,11 +154,11 @@ pub enum ConnEvent {
     Delivery(Delivery),
 }
 
-/// An established, subscribed connection.
+/// An established, subscribed connection over `S` (TCP unless said otherwise).
 #[derive(Debug)]
-pub struct ZmtpConn {
+pub struct ZmtpConn<S = TcpStream> {
     publisher_id: PublisherId,
-    stream: TcpStream,
+    stream: S,
     peer: SocketAddr,
     sub: ZmtpSub,
     read_buf: Box<[u8]>,
@@ -186,7 +192,7 @@ pub fn allowed_addresses(
         .collect()
 }
 
-impl ZmtpConn {
+impl ZmtpConn<TcpStream> {
     /// Resolves once, dials an allowed address and completes the handshake, all within
     /// `config.connect_timeout`.
     pub async fn connect(config: &ZmtpConnConfig) -> Result<Self, ZmtpConnError> {
@@ -232,6 +238,19 @@ impl ZmtpConn {
             return Err(last_error.unwrap_or(ZmtpConnError::NoAddress { host }));
         };
         stream.set_nodelay(true)?;
+        ZmtpConn::over(stream, peer, config, sub, deadline).await
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpConn<S> {
+    /// Completes the handshake over an already connected `stream` by `deadline`.
+    async fn over(
+        stream: S,
+        peer: SocketAddr,
+        config: &ZmtpConnConfig,
+        sub: ZmtpSub,
+        deadline: Instant,
+    ) -> Result<Self, ZmtpConnError> {
         let mut conn = Self {
             publisher_id: config.publisher_id,
             stream,
@@ -242,9 +261,21 @@ impl ZmtpConn {
         };
         timeout_at(deadline, conn.handshake())
             .await
-            .map_err(|_| ZmtpConnError::HandshakeTimeout(budget))??;
+            .map_err(|_| ZmtpConnError::HandshakeTimeout(config.connect_timeout))??;
         debug!(publisher_id = %conn.publisher_id, %peer, "Subscribed to event-plane publisher.");
         Ok(conn)
+    }
+
+    /// Runs the handshake over an already connected `stream` (an event-bus stream) within
+    /// `config.connect_timeout`; `peer` is the publisher's announced address.
+    pub async fn handshake_over(
+        stream: S,
+        peer: SocketAddr,
+        config: &ZmtpConnConfig,
+    ) -> Result<Self, ZmtpConnError> {
+        let deadline = Instant::now() + config.connect_timeout;
+        let sub = ZmtpSub::new(&config.topic, config.limits)?;
+        Self::over(stream, peer, config, sub, deadline).await
     }
 
     async fn handshake(&mut self) -> Result<(), ZmtpConnError> {
@@ -316,6 +347,25 @@ pub async fn run_session(
     sink: &mpsc::Sender<ConnEvent>,
 ) -> Result<(), ZmtpConnError> {
     let conn = ZmtpConn::connect(config).await?;
+    announce_and_run(conn, config, sink).await
+}
+
+/// [`run_session`] over a stream that is already connected (an event-bus `BusStream`).
+pub async fn run_session_over<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
+    peer: SocketAddr,
+    config: &ZmtpConnConfig,
+    sink: &mpsc::Sender<ConnEvent>,
+) -> Result<(), ZmtpConnError> {
+    let conn = ZmtpConn::handshake_over(stream, peer, config).await?;
+    announce_and_run(conn, config, sink).await
+}
+
+async fn announce_and_run<S: AsyncRead + AsyncWrite + Unpin>(
+    conn: ZmtpConn<S>,
+    config: &ZmtpConnConfig,
+    sink: &mpsc::Sender<ConnEvent>,
+) -> Result<(), ZmtpConnError> {
     let connected = ConnEvent::Connected {
         publisher_id: config.publisher_id,
         peer: conn.peer(),

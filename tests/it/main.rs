@@ -29,6 +29,7 @@ mod dynamo_file_e2e;
 mod dynamo_kv_e2e;
 mod dynamo_shim_e2e;
 mod etcd_source;
+mod event_bus;
 mod front_door;
 mod front_door_hardening;
 mod kube_discovery;
