@@ -41,6 +41,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
+use bytes::Bytes;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
 use axum::response::IntoResponse;
 use continuum_actors::metrics::{DisaggregatedPhase, HttpRoute, Metrics, RoutingPath};
@@ -63,6 +64,11 @@ use upstream::{Upstream, UpstreamError};
 pub enum OpenAiRoute {
     ChatCompletions,
     Completions,
+    /// Native `POST /v1/responses` passthrough (`responses_api: native` backends): the shim path
+    /// pins it by model alone, without KV rendering or `nvext.token_data`.
+    Responses,
+    /// `POST /v1/responses/compact`: passed through without pins.
+    ResponsesCompact,
 }
 
 impl OpenAiRoute {
@@ -70,6 +76,8 @@ impl OpenAiRoute {
         match self {
             OpenAiRoute::ChatCompletions => "/v1/chat/completions",
             OpenAiRoute::Completions => "/v1/completions",
+            OpenAiRoute::Responses => "/v1/responses",
+            OpenAiRoute::ResponsesCompact => "/v1/responses/compact",
         }
     }
 
@@ -77,6 +85,7 @@ impl OpenAiRoute {
         match self {
             OpenAiRoute::ChatCompletions => HttpRoute::ChatCompletions,
             OpenAiRoute::Completions => HttpRoute::Completions,
+            OpenAiRoute::Responses | OpenAiRoute::ResponsesCompact => HttpRoute::Responses,
         }
     }
 }
@@ -185,6 +194,20 @@ impl Proxy {
         headers: HeaderMap,
         body: Body,
     ) -> Response<Body> {
+        self.serve_as(live, route, route.metric(), headers, body)
+            .await
+    }
+
+    /// [`Proxy::serve`] counted under another `route` label: the Anthropic and Responses
+    /// ingresses send their converted chat bodies through the chat path here.
+    pub async fn serve_as(
+        &self,
+        live: &LiveSettings,
+        route: OpenAiRoute,
+        metric: HttpRoute,
+        headers: HeaderMap,
+        body: Body,
+    ) -> Response<Body> {
         let started = std::time::Instant::now();
         let response = match self.serve_inner(live, route, headers, body).await {
             Ok(resp) => resp,
@@ -192,7 +215,7 @@ impl Proxy {
         };
         if let Some(metrics) = &self.metrics {
             metrics.http_request_timed(
-                route.metric(),
+                metric,
                 response.status().as_u16(),
                 started.elapsed(),
             );
@@ -215,6 +238,7 @@ impl Proxy {
         // The disaggregated orchestrator: the Dynamo path when a permitted shim replica and a
         // worker for the model exist, else standard routing.
         if self.disaggregated_enabled()
+            && route != OpenAiRoute::ResponsesCompact
             && let Some(shim) = self.shim.load_full()
         {
             let usable = |name: &str| {
@@ -222,15 +246,19 @@ impl Proxy {
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
             };
-            if let Some(mut decision) = shim
-                .decide_async(&request.body.model, &request.body.outbound, allowed, usable)
-                .await
-            {
+            let decision = if route == OpenAiRoute::Responses {
+                // Native passthrough: pinned by model alone (no rendering, no token data).
+                shim.decide(&request.body.model, &request.body.outbound, allowed, usable)
+            } else {
+                shim.decide_async(&request.body.model, &request.body.outbound, allowed, usable)
+                    .await
+            };
+            if let Some(mut decision) = decision {
                 let scope = Scope {
                     allowed,
                     only: Some(&decision.pool),
                 };
-                let candidates = self.candidates(&request.body.model, scope)?;
+                let candidates = self.candidates_for(request.route, &request.body.model, scope)?;
                 self.count_routing_path(decision.path);
                 // The shim copy may carry the rendered tokens; `request` (used by any fallback)
                 // keeps the client's body, which never carries `nvext.token_data`.
@@ -274,7 +302,7 @@ impl Proxy {
             allowed,
             only: None,
         };
-        let candidates = self.candidates(&request.body.model, scope)?;
+        let candidates = self.candidates_for(request.route, &request.body.model, scope)?;
         self.count_routing_path(RoutingPath::Unified);
         self.dispatch(
             &request,
@@ -337,7 +365,7 @@ impl Proxy {
         };
         // Shim replicas are direct-mode frontends: without pins they cannot serve the request.
         let candidates: Vec<_> = self
-            .candidates(&request.body.model, scope)?
+            .candidates_for(request.route, &request.body.model, scope)?
             .into_iter()
             .filter(|b| !shim_pool.iter().any(|name| name == b.name()))
             .collect();
@@ -383,6 +411,26 @@ impl Proxy {
         Ok((request, key))
     }
 
+    /// The largest client body the proxy reads (`413` above).
+    pub fn max_request_body_bytes(&self) -> usize {
+        self.options.max_request_body_bytes
+    }
+
+    /// Whether `POST /v1/responses` for `model` goes to a backend's own `/v1/responses`: some
+    /// enabled backend the key may use that serves the model is `responses_api: native`.
+    pub fn responses_native(&self, model: &str, allowed: &[String]) -> bool {
+        let scope = Scope {
+            allowed,
+            only: None,
+        };
+        match self.pool.select(model, scope) {
+            Selection::Candidates(c) => c
+                .iter()
+                .any(|b| b.config().responses_api == crate::config::schema::ResponsesApi::Native),
+            _ => false,
+        }
+    }
+
     /// Whether `disaggregated_serving.enabled` is on in the current configuration.
     pub fn disaggregated_enabled(&self) -> bool {
         self.disaggregated.load(Ordering::Acquire)
@@ -401,6 +449,28 @@ impl Proxy {
                 "no healthy backend is available for the model {model:?}"
             ))),
         }
+    }
+
+    /// [`Proxy::candidates`] for a route: native `/v1/responses` goes only to
+    /// `responses_api: native` backends.
+    fn candidates_for(
+        &self,
+        route: OpenAiRoute,
+        model: &str,
+        scope: Scope<'_>,
+    ) -> Result<Vec<Arc<Backend>>, ApiError> {
+        let mut candidates = self.candidates(model, scope)?;
+        if route == OpenAiRoute::Responses {
+            candidates.retain(|b| {
+                b.config().responses_api == crate::config::schema::ResponsesApi::Native
+            });
+            if candidates.is_empty() {
+                return Err(ApiError::Unavailable(format!(
+                    "no healthy backend serves /v1/responses natively for the model {model:?}"
+                )));
+            }
+        }
+        Ok(candidates)
     }
 
     /// Counts `disaggregated_requests_total{routing_path}` when disaggregated serving is on;
@@ -438,10 +508,24 @@ impl Proxy {
             let uri = target
                 .uri(request.route.path())
                 .map_err(|e| ApiError::Internal(e.to_string()))?;
+            // The backend's `global_prompts` / `requires_single_leading_system`, identically
+            // to what KV rendering applied (`shim::first_replica_rewrite`).
+            let config = backend.config();
+            let outbound = if request.route == OpenAiRoute::ChatCompletions
+                && (!config.global_prompts.is_empty() || config.requires_single_leading_system)
+            {
+                config
+                    .prompt_rewrite()
+                    .apply_bytes(&request.body.outbound)
+                    .map(Bytes::from)
+                    .unwrap_or_else(|| request.body.outbound.clone())
+            } else {
+                request.body.outbound.clone()
+            };
             let mut req = Request::builder()
                 .method(Method::POST)
                 .uri(uri)
-                .body(Full::new(request.body.outbound.clone()))
+                .body(Full::new(outbound))
                 .map_err(|e| ApiError::Internal(e.to_string()))?;
             // The last possible attempt takes the headers; earlier ones copy them for a retry.
             *req.headers_mut() = if attempt + 1 == attempts {
