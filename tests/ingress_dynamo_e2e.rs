@@ -1,0 +1,158 @@
+//! The Anthropic Messages and Responses ingresses against real NVIDIA Dynamo 1.6.1
+//! (`dynamo-e2e`): the official `anthropic` and `openai` SDKs (`CONTINUUM_PYTHON`, script
+//! `tests/fixtures/ingress/drive_sdks.py`) send buffered and streamed requests through the router
+//! to a real `dynamo.frontend --router-mode direct` over mocker prefill and decode workers. The
+//! frontend refuses a disaggregated request that lacks either pin, so every parsed answer is a
+//! pin pair it honoured; its log names the workers our picker chose. A client pin naming an
+//! unknown worker (sent by the script) never reaches it. Then `responses_api: native` sends
+//! `/v1/responses` to the frontend's own Responses route, pinned by model alone.
+#![cfg(feature = "dynamo-e2e")]
+
+mod support {
+    pub mod daemon;
+    pub mod dynamo;
+    pub mod etcd;
+}
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use support::dynamo::{DynamoStack, MODEL, Topology};
+
+fn config_yaml(stack: &DynamoStack, native: bool) -> String {
+    format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\n\
+         disaggregated_serving:\n  enabled: true\n  fallback_to_unified: false\n\
+         backends:\n  - name: dynamo-frontend\n    type: openai\n    url: \"{frontend}\"\n    \
+         role: unified\n    models: [\"{MODEL}\"]\n    responses_api: {api}\n    \
+         health_check:\n      enabled: false\n\
+         dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{etcd}\"]\n      \
+         namespace: \"{ns}\"\n  load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n  \
+         shim:\n    backends: [dynamo-frontend]\n",
+        frontend = stack.frontend_url(),
+        etcd = stack.etcd_endpoint(),
+        ns = stack.namespace(),
+        api = if native { "native" } else { "converted" },
+    )
+}
+
+async fn drive(base: &str, scenario: &str) {
+    let python = std::env::var("CONTINUUM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/ingress/drive_sdks.py"
+    );
+    let run = tokio::process::Command::new(&python)
+        .args([script, base, scenario])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(300), run)
+        .await
+        .expect("the SDK script finishes within 300 s")
+        .unwrap_or_else(|e| panic!("starting {python} (set CONTINUUM_PYTHON): {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("OK"),
+        "{scenario} failed (needs anthropic + openai in {python}):\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Worker ids the frontend's log says it selected in direct mode.
+fn selected_in_log(stack: &DynamoStack) -> Vec<u64> {
+    let log = strip_ansi(&std::fs::read_to_string(stack.log_dir().join("frontend.log")).expect("log"));
+    log.lines()
+        .filter(|l| l.contains("Selected worker") && l.contains("router_mode=\"direct\""))
+        .filter_map(|l| {
+            l.split("worker_id=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+fn count(daemon: &continuum_router::daemon::Daemon, family: &str, labels: &[(&str, &str)]) -> f64 {
+    daemon.metrics().value(family, labels).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdks_are_served_by_the_real_frontend_with_our_pins() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let stack = DynamoStack::start(Topology::Disagg).await;
+    let known: BTreeSet<u64> = stack.workers().iter().map(|w| w.instance_id).collect();
+
+    let daemon = support::daemon::start(&config_yaml(&stack, false)).await;
+    support::daemon::wait_for_workers(&daemon, 2).await;
+    let before = selected_in_log(&stack).len();
+    drive(&format!("http://{}", daemon.local_addr()), "dynamo").await;
+    // 3 x (buffered + streamed) on each ingress, all disaggregated with a pin pair.
+    assert_eq!(
+        count(
+            &daemon,
+            "disaggregated_requests_total",
+            &[("routing_path", "disaggregated")]
+        ),
+        12.0
+    );
+    for route in ["messages", "responses"] {
+        assert_eq!(
+            count(
+                &daemon,
+                "continuum_http_requests_total",
+                &[("route", route), ("status_class", "2xx")]
+            ),
+            6.0,
+            "{route}"
+        );
+    }
+    let selected = selected_in_log(&stack);
+    assert!(
+        selected.len() >= before + 12,
+        "the frontend logged a direct-mode selection per request: {} new",
+        selected.len() - before
+    );
+    let distinct: BTreeSet<u64> = selected.iter().copied().collect();
+    assert!(
+        distinct.is_subset(&known),
+        "only real workers: {distinct:?}"
+    );
+    assert_eq!(distinct.len(), 2, "prefill and decode were pinned");
+    daemon.shutdown().await;
+
+    // Native /v1/responses: the frontend's own Responses route, pinned by model alone.
+    let daemon = support::daemon::start(&config_yaml(&stack, true)).await;
+    support::daemon::wait_for_workers(&daemon, 2).await;
+    let before = selected_in_log(&stack).len();
+    drive(&format!("http://{}", daemon.local_addr()), "dynamo-native").await;
+    assert_eq!(
+        count(
+            &daemon,
+            "disaggregated_requests_total",
+            &[("routing_path", "disaggregated")]
+        ),
+        1.0
+    );
+    assert!(selected_in_log(&stack).len() > before);
+    daemon.shutdown().await;
+}
+
+/// The frontend colours its log even with NO_COLOR; drop `ESC [ ... m` sequences.
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for next in chars.by_ref() {
+                if next.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
