@@ -208,10 +208,15 @@ fn main() {
             out
         })
     });
-    let mut r_stream = responses::ResponsesStream::new(&r_req, 1, 0, responses::Limits {
-        max_output_bytes: usize::MAX,
-        ..responses::Limits::default()
-    });
+    let mut r_stream = responses::ResponsesStream::new(
+        &r_req,
+        1,
+        0,
+        responses::Limits {
+            max_output_bytes: usize::MAX,
+            ..responses::Limits::default()
+        },
+    );
     r_stream.push(&chunk[6..chunk.len() - 2]);
     criterion.bench_function("ingress/responses_stream_event", |b| {
         b.iter(|| {
@@ -232,7 +237,11 @@ fn main() {
         black_box(body::parse(Bytes::from(messages_chat.clone())).unwrap());
     });
     for (name, convert, bytes) in [
-        ("messages", anthropic_ingress as fn(&[u8]) -> Vec<u8>, &messages),
+        (
+            "messages",
+            anthropic_ingress as fn(&[u8]) -> Vec<u8>,
+            &messages,
+        ),
         ("responses", responses_ingress, &responses_body),
     ] {
         let added = mean(runs, || {

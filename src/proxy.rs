@@ -41,9 +41,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
-use bytes::Bytes;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
 use axum::response::IntoResponse;
+use bytes::Bytes;
 use continuum_actors::metrics::{DisaggregatedPhase, HttpRoute, Metrics, RoutingPath};
 use continuum_protocol::breaker::{BreakerConfig, ResponseVerdict, classify_response};
 use http_body_util::Full;
@@ -214,11 +214,7 @@ impl Proxy {
             Err(error) => error.into_response(),
         };
         if let Some(metrics) = &self.metrics {
-            metrics.http_request_timed(
-                metric,
-                response.status().as_u16(),
-                started.elapsed(),
-            );
+            metrics.http_request_timed(metric, response.status().as_u16(), started.elapsed());
         }
         response
     }

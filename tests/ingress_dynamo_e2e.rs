@@ -60,7 +60,8 @@ async fn drive(base: &str, scenario: &str) {
 
 /// Worker ids the frontend's log says it selected in direct mode.
 fn selected_in_log(stack: &DynamoStack) -> Vec<u64> {
-    let log = strip_ansi(&std::fs::read_to_string(stack.log_dir().join("frontend.log")).expect("log"));
+    let log =
+        strip_ansi(&std::fs::read_to_string(stack.log_dir().join("frontend.log")).expect("log"));
     log.lines()
         .filter(|l| l.contains("Selected worker") && l.contains("router_mode=\"direct\""))
         .filter_map(|l| {

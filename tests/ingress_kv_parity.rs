@@ -154,7 +154,6 @@ async fn index_blocks(daemon: &Daemon, worker: u64, hashes: &[LocalBlockHash]) {
     assert_eq!(matches[0].blocks as usize, hashes.len());
 }
 
-
 /// The conversation on each ingress: a system prompt and one user turn, with a client pin.
 fn requests() -> [(&'static str, Value); 3] {
     [

@@ -170,7 +170,10 @@ fn assert_unpinned(seen: &Recorded) {
             "client pin {name} reached the upstream"
         );
     }
-    assert!(seen.json().get("nvext").is_none(), "nvext reached the upstream");
+    assert!(
+        seen.json().get("nvext").is_none(),
+        "nvext reached the upstream"
+    );
 }
 
 /// The four chat requests each scenario makes, in order.
@@ -184,7 +187,10 @@ async fn four(up: &mut FakeUpstream) -> [Value; 4] {
         assert_unpinned(&seen);
         *slot = seen.json();
     }
-    assert!(up.try_request().is_none(), "refused requests reached the upstream");
+    assert!(
+        up.try_request().is_none(),
+        "refused requests reached the upstream"
+    );
     out
 }
 

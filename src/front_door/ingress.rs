@@ -175,7 +175,11 @@ pub async fn anthropic_messages(
 }
 
 /// `POST /v1/responses`.
-pub async fn responses(State(state): State<AppState>, mut headers: HeaderMap, body: Body) -> Response {
+pub async fn responses(
+    State(state): State<AppState>,
+    mut headers: HeaderMap,
+    body: Body,
+) -> Response {
     let kind = Kind::Responses;
     let (bytes, allowed) = match read_client(&state, kind, &mut headers, body).await {
         Ok(read) => read,
@@ -346,7 +350,11 @@ fn stream_back(resp: Response, converter: Converter) -> Response {
     parts
         .headers
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    let state = Some((body.into_data_stream(), converter, SseDecoder::new(MAX_SSE_EVENT_BYTES)));
+    let state = Some((
+        body.into_data_stream(),
+        converter,
+        SseDecoder::new(MAX_SSE_EVENT_BYTES),
+    ));
     let stream = futures::stream::unfold(state, |state| async move {
         let (mut frames, mut conv, mut sse) = state?;
         loop {
