@@ -279,3 +279,76 @@ async fn native_responses_pass_through() {
         assert_eq!(seen.json()["previous_response_id"], json!("resp_0"));
     }
 }
+
+/// Malformed bodies are 400s in each ingress's format and never reach the upstream; an upstream
+/// refusal keeps its status and is reshaped (Anthropic `rate_limit_error`, OpenAI error object).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_leave_in_each_ingress_format() {
+    let mut up = FakeUpstream::start().await;
+    let base = serve_router(&[backend(&up.url())]).await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::Client::new();
+    let post = |path: &str, body: &'static str| {
+        client
+            .post(format!("{base}{path}"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    for path in ["/v1/messages", "/anthropic/v1/messages"] {
+        let resp = post(path, "{not json").await.expect("answer");
+        assert_eq!(resp.status(), 400);
+        let v: Value = resp.json().await.expect("json");
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+    }
+    let resp = post("/v1/responses", r#"{"model":"m","input":7}"#)
+        .await
+        .expect("answer");
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.expect("json");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .expect("message")
+            .contains("input")
+    );
+    assert!(
+        up.try_request().is_none(),
+        "a malformed body reached the upstream"
+    );
+
+    up.push(Reply::status(429));
+    let resp = post(
+        "/v1/messages",
+        r#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"x"}]}"#,
+    )
+    .await
+    .expect("answer");
+    assert_eq!(resp.status(), 429);
+    let v: Value = resp.json().await.expect("json");
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    assert_eq!(v["error"]["message"], "scripted");
+    up.next_request().await;
+
+    up.push(Reply::status(429));
+    let resp = post("/v1/responses", r#"{"model":"m","input":"x"}"#)
+        .await
+        .expect("answer");
+    assert_eq!(resp.status(), 429);
+    let v: Value = resp.json().await.expect("json");
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    up.next_request().await;
+
+    // An unknown model: the router's own 404, reshaped.
+    let resp = post(
+        "/v1/messages",
+        r#"{"model":"nope","max_tokens":8,"messages":[{"role":"user","content":"x"}]}"#,
+    )
+    .await
+    .expect("answer");
+    assert_eq!(resp.status(), 404);
+    let v: Value = resp.json().await.expect("json");
+    assert_eq!(v["error"]["type"], "not_found_error");
+}

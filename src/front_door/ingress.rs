@@ -470,7 +470,41 @@ impl SseDecoder {
 
 #[cfg(test)]
 mod tests {
-    use super::SseDecoder;
+    use super::{Kind, SseDecoder};
+    use axum::http::StatusCode;
+    use http_body_util::BodyExt;
+
+    async fn body_of(resp: axum::response::Response) -> (u16, serde_json::Value) {
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&bytes).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_direct_mode_refusal_is_the_seed_503_in_both_formats() {
+        let code = Some(continuum_protocol::ingress::anthropic::DIRECT_MODE_REFUSAL_CODE);
+        let (status, v) =
+            body_of(Kind::Anthropic.error(StatusCode::SERVICE_UNAVAILABLE, "refused", code)).await;
+        assert_eq!(status, 503);
+        assert_eq!(v["error"]["type"], "api_error");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .ends_with("disaggregated_prefill_decode_unavailable")
+        );
+        let (status, v) =
+            body_of(Kind::Responses.error(StatusCode::SERVICE_UNAVAILABLE, "refused", code)).await;
+        assert_eq!(status, 503);
+        assert_eq!(
+            v["error"]["code"],
+            "disaggregated_prefill_decode_unavailable"
+        );
+        let (status, v) =
+            body_of(Kind::Anthropic.error(StatusCode::PAYLOAD_TOO_LARGE, "big", None)).await;
+        assert_eq!(status, 413);
+        assert_eq!(v["error"]["type"], "request_too_large");
+    }
 
     #[test]
     fn sse_events_split_across_chunks_and_lines() {

@@ -1454,7 +1454,11 @@ fn global_prompts_are_bounded_and_replicas_should_rewrite_alike() {
     c.backends[0].requires_single_leading_system = true;
     expect_clean_at(&c, "backends[0].global_prompts");
     c.dynamo.shim.backends = strings(&["shim-a", "shim-b"]);
-    expect_warning(&c, "dynamo.shim.backends", "renders with the first replica's");
+    expect_warning(
+        &c,
+        "dynamo.shim.backends",
+        "renders with the first replica's",
+    );
     c.backends[1].global_prompts = strings(&["be brief"]);
     c.backends[1].requires_single_leading_system = true;
     expect_clean_at(&c, "dynamo.shim.backends");
