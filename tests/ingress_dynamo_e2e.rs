@@ -140,6 +140,173 @@ async fn sdks_are_served_by_the_real_frontend_with_our_pins() {
     daemon.shutdown().await;
 }
 
+const WORDS: [&str; 31] = [
+    "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "what", "is",
+    "capital", "of", "france", "please", "tell", "me", "a", "story", "about", "router", "that",
+    "routes", "requests", "to", "workers", "prefill", "decode", "cache", "block",
+];
+
+/// `n` words the mocker's tiny tokenizer was trained on, from a seeded xorshift.
+fn words(seed: u64, n: usize) -> String {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            WORDS[(state % WORDS.len() as u64) as usize]
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn blake3_pin(path: &std::path::Path) -> String {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    format!("blake3:{}", blake3::hash(&bytes).to_hex())
+}
+
+/// KV-aware selection with `global_prompts` + `requires_single_leading_system` on the replica;
+/// the frontend tokenizes the prompt itself (no `nvext.token_data`), so every parity prediction
+/// compares our rendering of the rewritten conversation with what the worker stored.
+fn kv_yaml(stack: &DynamoStack, cache: &std::path::Path) -> String {
+    let pins = [
+        blake3_pin(&stack.model_dir().join("tokenizer.json")),
+        blake3_pin(&stack.model_dir().join("tokenizer_config.json")),
+    ];
+    format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\n\
+         disaggregated_serving:\n  enabled: true\n  fallback_to_unified: false\n\
+         backends:\n  - name: dynamo-frontend\n    type: openai\n    url: \"{frontend}\"\n    \
+         models: [\"{MODEL}\"]\n    global_prompts: [\"{global}\"]\n    \
+         requires_single_leading_system: true\n    health_check:\n      enabled: false\n\
+         dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{etcd}\"]\n      \
+         namespace: \"{ns}\"\n  load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n  \
+         shim:\n    backends: [dynamo-frontend]\n  kv:\n    enabled: true\n    \
+         pinned_artifacts: [\"{p0}\", \"{p1}\"]\n    artifact_cache_dir: \"{cache}\"\n",
+        frontend = stack.frontend_url(),
+        etcd = stack.etcd_endpoint(),
+        ns = stack.namespace(),
+        global = words(7, 120),
+        p0 = pins[0],
+        p1 = pins[1],
+        cache = cache.display(),
+    )
+}
+
+/// Hash parity on the Messages and Responses paths: multi-turn conversations alternate between
+/// the two ingresses; each prediction of the blocks the chosen worker will store (made from our
+/// rendering of the rewritten prompt) is checked against what the real mocker stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_hash_parity_holds_on_both_ingresses_with_global_prompts() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let stack = DynamoStack::start(Topology::Agg).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let daemon = support::daemon::start(&kv_yaml(&stack, &dir.path().join("artifacts"))).await;
+    support::daemon::wait_for_workers(&daemon, 2).await;
+    let value = |family: &str, labels: &[(&str, &str)]| count(&daemon, family, labels);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    while value(
+        "continuum_dynamo_kv_artifacts_total",
+        &[("result", "loaded")],
+    ) < 1.0
+        || value(
+            "continuum_dynamo_kv_subscriptions",
+            &[("state", "connected"), ("transport", "direct")],
+        ) < 2.0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "tokenizer loaded, kv-events subscribed"
+        );
+        tick.tick().await;
+    }
+    let client = reqwest::Client::new();
+    let base = format!("http://{}", daemon.local_addr());
+    let system = words(11, 60);
+    for conversation in 0..2u64 {
+        let mut history: Vec<serde_json::Value> = Vec::new();
+        for turn in 0..3u64 {
+            let text = words(100 + conversation * 10 + turn, 50);
+            history.push(serde_json::json!({ "role": "user", "content": text }));
+            let (path, body) = if turn % 2 == conversation % 2 {
+                (
+                    "/v1/messages",
+                    serde_json::json!({ "model": MODEL, "max_tokens": 8,
+                    "system": system, "messages": history }),
+                )
+            } else {
+                (
+                    "/v1/responses",
+                    serde_json::json!({ "model": MODEL, "max_output_tokens": 8,
+                    "instructions": system, "input": history }),
+                )
+            };
+            let resp = client
+                .post(format!("{base}{path}"))
+                .json(&body)
+                .send()
+                .await
+                .expect("send");
+            assert_eq!(
+                resp.status(),
+                200,
+                "{path} conversation {conversation} turn {turn}"
+            );
+            let answer: serde_json::Value = resp.json().await.expect("json");
+            let reply = if path == "/v1/messages" {
+                answer["content"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            } else {
+                answer["output"][0]["content"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            history.push(serde_json::json!({ "role": "assistant", "content": reply }));
+            let index = daemon.kv_index();
+            while index.parity_pending() > 0 {
+                assert!(
+                    tokio::time::Instant::now() < deadline + Duration::from_secs(60),
+                    "parity predictions decided"
+                );
+                tick.tick().await;
+            }
+        }
+    }
+    let parity = |result: &str| {
+        value(
+            "continuum_dynamo_kv_hash_parity_total",
+            &[("model", MODEL), ("result", result)],
+        )
+    };
+    println!(
+        "ingress kv parity: match={} mismatch={} overlap selections={}",
+        parity("match"),
+        parity("mismatch"),
+        value(
+            "continuum_dynamo_kv_selection_total",
+            &[("result", "overlap")]
+        )
+    );
+    assert!(parity("match") > 0.0, "parity predictions were checked");
+    assert_eq!(
+        parity("mismatch"),
+        0.0,
+        "our rendering matches what the workers stored"
+    );
+    assert!(
+        value(
+            "continuum_dynamo_kv_selection_total",
+            &[("result", "overlap")]
+        ) > 0.0,
+        "later turns found their history in the index"
+    );
+    daemon.shutdown().await;
+}
+
 /// The frontend colours its log even with NO_COLOR; drop `ESC [ ... m` sequences.
 fn strip_ansi(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
