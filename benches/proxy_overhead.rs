@@ -138,6 +138,9 @@ async fn router(upstream: SocketAddr) -> SocketAddr {
                 ..HealthCheckConfig::default()
             },
             tls: Default::default(),
+            global_prompts: Vec::new(),
+            requires_single_leading_system: false,
+            responses_api: Default::default(),
         }],
         &DisaggregatedServingConfig::default(),
     );

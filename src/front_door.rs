@@ -9,6 +9,7 @@
 pub mod admin;
 pub mod admin_config;
 pub use crate::wire::error;
+pub mod ingress;
 pub mod serve;
 pub mod strip;
 pub mod ui;
@@ -119,6 +120,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(ingress::anthropic_messages))
+        .route("/anthropic/v1/messages", post(ingress::anthropic_messages))
+        .route("/v1/responses", post(ingress::responses))
+        .route("/v1/responses/compact", post(ingress::responses_compact))
         .merge(admin)
         .merge(ui::routes())
         .fallback(not_found)

@@ -43,6 +43,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
+use bytes::Bytes;
 use continuum_actors::metrics::{HttpRoute, Metrics, RoutingPath};
 use continuum_protocol::breaker::{BreakerConfig, ResponseVerdict, classify_response};
 use http_body_util::Full;
@@ -61,6 +62,11 @@ use upstream::{Upstream, UpstreamError};
 pub enum OpenAiRoute {
     ChatCompletions,
     Completions,
+    /// Native `POST /v1/responses` passthrough (`responses_api: native` backends): the shim path
+    /// pins it by model alone, without KV rendering or `nvext.token_data`.
+    Responses,
+    /// `POST /v1/responses/compact`: passed through without pins.
+    ResponsesCompact,
 }
 
 impl OpenAiRoute {
@@ -68,6 +74,8 @@ impl OpenAiRoute {
         match self {
             OpenAiRoute::ChatCompletions => "/v1/chat/completions",
             OpenAiRoute::Completions => "/v1/completions",
+            OpenAiRoute::Responses => "/v1/responses",
+            OpenAiRoute::ResponsesCompact => "/v1/responses/compact",
         }
     }
 
@@ -76,6 +84,7 @@ impl OpenAiRoute {
         match self {
             OpenAiRoute::ChatCompletions => HttpRoute::ChatCompletions,
             OpenAiRoute::Completions => HttpRoute::Completions,
+            OpenAiRoute::Responses | OpenAiRoute::ResponsesCompact => HttpRoute::Responses,
         }
     }
 }
@@ -179,6 +188,21 @@ impl Proxy {
         self.fallback_to_unified.load(Ordering::Acquire)
     }
 
+    /// Whether `POST /v1/responses` for `model` goes to a backend's own `/v1/responses`: some
+    /// enabled backend the key may use that serves the model is `responses_api: native`.
+    pub fn responses_native(&self, model: &str, allowed: &[String]) -> bool {
+        let scope = Scope {
+            allowed,
+            only: None,
+        };
+        match self.pool.select(model, scope) {
+            Selection::Candidates(c) => c
+                .iter()
+                .any(|b| b.config().responses_api == crate::config::schema::ResponsesApi::Native),
+            _ => false,
+        }
+    }
+
     /// Whether `disaggregated_serving.enabled` is on in the current configuration.
     pub fn disaggregated_enabled(&self) -> bool {
         self.disaggregated.load(Ordering::Acquire)
@@ -197,6 +221,28 @@ impl Proxy {
                 "no healthy backend is available for the model {model:?}"
             ))),
         }
+    }
+
+    /// [`Proxy::candidates`] for a route: native `/v1/responses` goes only to
+    /// `responses_api: native` backends.
+    pub fn candidates_for(
+        &self,
+        route: OpenAiRoute,
+        model: &str,
+        scope: Scope<'_>,
+    ) -> Result<Vec<Arc<Backend>>, ApiError> {
+        let mut candidates = self.candidates(model, scope)?;
+        if route == OpenAiRoute::Responses {
+            candidates.retain(|b| {
+                b.config().responses_api == crate::config::schema::ResponsesApi::Native
+            });
+            if candidates.is_empty() {
+                return Err(ApiError::Unavailable(format!(
+                    "no healthy backend serves /v1/responses natively for the model {model:?}"
+                )));
+            }
+        }
+        Ok(candidates)
     }
 
     /// Counts `disaggregated_requests_total{routing_path}` when disaggregated serving is on;
@@ -234,10 +280,24 @@ impl Proxy {
             let uri = target
                 .uri(request.route.path())
                 .map_err(|e| ApiError::Internal(e.to_string()))?;
+            // The backend's `global_prompts` / `requires_single_leading_system`, identically
+            // to what KV rendering applied (`route::dynamo::first_replica_rewrite`).
+            let config = backend.config();
+            let outbound = if request.route == OpenAiRoute::ChatCompletions
+                && (!config.global_prompts.is_empty() || config.requires_single_leading_system)
+            {
+                config
+                    .prompt_rewrite()
+                    .apply_bytes(&request.body.outbound)
+                    .map(Bytes::from)
+                    .unwrap_or_else(|| request.body.outbound.clone())
+            } else {
+                request.body.outbound.clone()
+            };
             let mut req = Request::builder()
                 .method(Method::POST)
                 .uri(uri)
-                .body(Full::new(request.body.outbound.clone()))
+                .body(Full::new(outbound))
                 .map_err(|e| ApiError::Internal(e.to_string()))?;
             // The last possible attempt takes the headers; earlier ones copy them for a retry.
             *req.headers_mut() = if attempt + 1 == attempts {

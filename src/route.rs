@@ -116,13 +116,16 @@ impl Router {
         }
     }
 
-    /// Dynamo pinning first when it applies, else unified routing.
+    /// Dynamo pinning first when it applies, else unified routing. `/v1/responses/compact` is
+    /// never pinned; native `/v1/responses` is pinned by model alone (no KV rendering, no token
+    /// data).
     async fn route(
         &self,
         request: &ClientRequest,
         allowed: &[String],
     ) -> Result<Response<Body>, ApiError> {
         if self.proxy.disaggregated_enabled()
+            && request.route != OpenAiRoute::ResponsesCompact
             && let Some(dynamo) = self.dynamo.load_full()
         {
             let usable = |name: &str| {
@@ -131,9 +134,12 @@ impl Router {
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
             };
-            let plan = dynamo
-                .decide_async(&request.body.model, &request.body.outbound, allowed, usable)
-                .await;
+            let (model, outbound) = (&request.body.model, &request.body.outbound);
+            let plan = if request.route == OpenAiRoute::Responses {
+                dynamo.decide(model, outbound, allowed, usable)
+            } else {
+                dynamo.decide_async(model, outbound, allowed, usable).await
+            };
             if let Some(plan) = plan {
                 return self.pinned(&dynamo, request, allowed, plan).await;
             }
@@ -142,7 +148,9 @@ impl Router {
             allowed,
             only: None,
         };
-        let candidates = self.proxy.candidates(&request.body.model, scope)?;
+        let candidates = self
+            .proxy
+            .candidates_for(request.route, &request.body.model, scope)?;
         self.proxy.count_routing_path(RoutingPath::Unified);
         self.proxy
             .dispatch(
@@ -167,7 +175,7 @@ impl Router {
             allowed,
             only: Some(&plan.pool),
         };
-        let candidates = self.proxy.candidates(&request.body.model, scope)?;
+        let candidates = self.proxy.candidates_for(request.route, &request.body.model, scope)?;
         self.proxy.count_routing_path(plan.path);
         // The shim copy may carry the rendered tokens; `request` (used by any fallback) keeps the
         // client's body, which never carries `nvext.token_data`.
@@ -270,7 +278,7 @@ impl Router {
         // Shim replicas are direct-mode frontends: without pins they cannot serve the request.
         let candidates: Vec<_> = self
             .proxy
-            .candidates(&request.body.model, scope)?
+            .candidates_for(request.route, &request.body.model, scope)?
             .into_iter()
             .filter(|b| !shim_pool.iter().any(|name| name == b.name()))
             .collect();

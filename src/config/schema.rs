@@ -192,6 +192,39 @@ pub struct BackendConfig {
     /// TLS settings of an `https://` backend.
     #[serde(default)]
     pub tls: BackendTlsConfig,
+    /// System prompts put, in order, before every chat conversation sent to this backend (and
+    /// before the prompt the KV-aware picker renders for it).
+    #[serde(default)]
+    pub global_prompts: Vec<String>,
+    /// Merge every system message into one leading system message (chat templates that refuse
+    /// a system message anywhere else, or more than one).
+    #[serde(default)]
+    pub requires_single_leading_system: bool,
+    /// How `POST /v1/responses` reaches this backend: `converted` (default) to chat
+    /// completions, or `native`: passed through to the backend's own `/v1/responses`.
+    #[serde(default)]
+    pub responses_api: ResponsesApi,
+}
+
+impl BackendConfig {
+    /// The backend's prompt rewrites (`global_prompts`, `requires_single_leading_system`).
+    pub fn prompt_rewrite(&self) -> continuum_protocol::ingress::prompts::PromptRewrite {
+        continuum_protocol::ingress::prompts::PromptRewrite {
+            global_prompts: self.global_prompts.clone(),
+            requires_single_leading_system: self.requires_single_leading_system,
+        }
+    }
+}
+
+/// `backends[].responses_api`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResponsesApi {
+    /// `/v1/responses` is converted to chat completions (the shim path, KV hashing, pins).
+    #[default]
+    Converted,
+    /// The backend serves `/v1/responses` itself: bodies pass through, pinned by model alone.
+    Native,
 }
 
 /// `backends[].tls`: trust for an `https://` backend beyond the built-in webpki roots.

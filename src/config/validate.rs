@@ -20,6 +20,10 @@ pub const MIN_FILE_RESCAN: Duration = Duration::from_millis(10);
 pub const MAX_DYNAMO_NAMESPACES: usize = 16;
 /// Most shim replicas in `shim.backends` (and in one pool).
 pub const MAX_SHIM_BACKENDS: usize = 64;
+/// Most `backends[].global_prompts` entries.
+pub const MAX_GLOBAL_PROMPTS: usize = 64;
+/// Largest `backends[].global_prompts` entry.
+pub const MAX_GLOBAL_PROMPT_BYTES: usize = 64 * 1024;
 /// Most `shim.model_map` pairs.
 pub const MAX_MODEL_MAP_ENTRIES: usize = 1024;
 /// Most `load.direct_allow_cidrs` entries.
@@ -173,6 +177,25 @@ impl Validator {
                 if let Err(message) = crate::wire::tls::read_ca_file(ca) {
                     self.err(format!("{path}.tls.ca_cert"), message);
                 }
+            }
+            for (j, prompt) in backend.global_prompts.iter().enumerate() {
+                if prompt.trim().is_empty() {
+                    self.err(
+                        format!("{path}.global_prompts[{j}]"),
+                        "a global prompt must not be empty",
+                    );
+                } else if prompt.len() > MAX_GLOBAL_PROMPT_BYTES {
+                    self.err(
+                        format!("{path}.global_prompts[{j}]"),
+                        format!("a global prompt is at most {MAX_GLOBAL_PROMPT_BYTES} bytes"),
+                    );
+                }
+            }
+            if backend.global_prompts.len() > MAX_GLOBAL_PROMPTS {
+                self.err(
+                    format!("{path}.global_prompts"),
+                    format!("at most {MAX_GLOBAL_PROMPTS} global prompts per backend"),
+                );
             }
             let mut models = BTreeSet::new();
             for (j, model) in backend.models.iter().enumerate() {
@@ -814,6 +837,27 @@ impl Validator {
                             ),
                         );
                     }
+                }
+            }
+        }
+        // KV rendering applies the first replica's rewrites; a replica that rewrites differently
+        // receives prompts whose prefix hashes the picker did not see.
+        let rewrites: Vec<_> = names
+            .iter()
+            .filter_map(|name| config.backend(name))
+            .map(|b| (b.name.as_str(), b.prompt_rewrite()))
+            .collect();
+        if let Some((first, rewrite)) = rewrites.first() {
+            for (name, other) in &rewrites[1..] {
+                if other != rewrite {
+                    self.warn(
+                        path.to_owned(),
+                        format!(
+                            "shim replica {name:?} has other global_prompts or \
+                             requires_single_leading_system than {first:?}; KV-aware selection \
+                             renders with the first replica's"
+                        ),
+                    );
                 }
             }
         }

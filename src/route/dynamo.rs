@@ -206,7 +206,13 @@ impl ShimRouter {
         // Parsed once: the prompt preparation reads it, and so does the size estimate when the
         // preparation fails.
         let parsed = serde_json::from_slice::<serde_json::Value>(body).ok();
-        let prepared = match (prep, &parsed) {
+        // The prompt the frontend will render: the dispatch applies the replica's rewrites.
+        let rewritten = parsed.as_ref().and_then(|value| {
+            let rewrite = first_replica_rewrite(&config)?;
+            let mut value = value.clone();
+            rewrite.apply(&mut value).then_some(value)
+        });
+        let prepared = match (prep, rewritten.as_ref().or(parsed.as_ref())) {
             (Some(prep), Some(value)) => {
                 let request = KvPrepRequest {
                     model,
@@ -492,6 +498,20 @@ impl ShimDecision {
             kv: routed.kv,
         }
     }
+}
+
+/// The prompt rewrites KV rendering applies: the first shim replica's (`shim.backends[0]`, or
+/// the first pool's first replica), `None` when it has none.
+pub fn first_replica_rewrite(
+    config: &Config,
+) -> Option<continuum_protocol::ingress::prompts::PromptRewrite> {
+    let shim = &config.dynamo.shim;
+    let first = shim
+        .backends
+        .first()
+        .or_else(|| shim.pools.first().and_then(|p| p.backends.first()))?;
+    let rewrite = config.backend(first)?.prompt_rewrite();
+    (!rewrite.is_noop()).then_some(rewrite)
 }
 
 /// The client model id as the fleet names it (`shim.model_map`).

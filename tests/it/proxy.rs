@@ -44,6 +44,9 @@ fn backend(name: &str, url: &str, models: &[&str]) -> BackendConfig {
             ..HealthCheckConfig::default()
         },
         tls: Default::default(),
+        global_prompts: Vec::new(),
+        requires_single_leading_system: false,
+        responses_api: Default::default(),
     }
 }
 

@@ -255,6 +255,9 @@ fn backend(url: &str, ca: Option<&Path>, health: bool) -> BackendConfig {
         tls: BackendTlsConfig {
             ca_cert: ca.map(Path::to_path_buf),
         },
+        global_prompts: Vec::new(),
+        requires_single_leading_system: false,
+        responses_api: Default::default(),
     }
 }
 

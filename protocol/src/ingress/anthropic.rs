@@ -94,7 +94,7 @@ impl IngressError {
         }
     }
 
-    fn invalid(message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::new(400, message)
     }
 
@@ -161,7 +161,7 @@ pub struct ChatRequest {
     pub stream: bool,
 }
 
-fn type_name(v: &Value) -> &'static str {
+pub(crate) fn type_name(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "boolean",
@@ -172,25 +172,28 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
-fn want_str<'a>(v: &'a Value, what: &str) -> Result<&'a str, IngressError> {
+pub(crate) fn want_str<'a>(v: &'a Value, what: &str) -> Result<&'a str, IngressError> {
     v.as_str().ok_or_else(|| {
         IngressError::invalid(format!("{what}: expected a string, got {}", type_name(v)))
     })
 }
 
-fn want_obj<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>, IngressError> {
+pub(crate) fn want_obj<'a>(
+    v: &'a Value,
+    what: &str,
+) -> Result<&'a Map<String, Value>, IngressError> {
     v.as_object().ok_or_else(|| {
         IngressError::invalid(format!("{what}: expected an object, got {}", type_name(v)))
     })
 }
 
-fn want_arr<'a>(v: &'a Value, what: &str) -> Result<&'a Vec<Value>, IngressError> {
+pub(crate) fn want_arr<'a>(v: &'a Value, what: &str) -> Result<&'a Vec<Value>, IngressError> {
     v.as_array().ok_or_else(|| {
         IngressError::invalid(format!("{what}: expected an array, got {}", type_name(v)))
     })
 }
 
-fn want_num(v: &Value, what: &str) -> Result<Value, IngressError> {
+pub(crate) fn want_num(v: &Value, what: &str) -> Result<Value, IngressError> {
     if v.is_number() {
         Ok(v.clone())
     } else {
@@ -579,7 +582,7 @@ fn upstream(message: impl Into<String>) -> IngressError {
     IngressError::new(502, message)
 }
 
-fn usage_of(u: Option<&Value>) -> (u64, u64, Option<u64>) {
+pub(crate) fn usage_of(u: Option<&Value>) -> (u64, u64, Option<u64>) {
     let get = |k: &str| {
         u.and_then(|u| u.get(k))
             .and_then(Value::as_u64)

@@ -1438,3 +1438,44 @@ fn file_source_bounds_root_ttl_and_rescan() {
     );
     expect_clean_at(&file_store(), "dynamo.discovery.file.rescan_interval");
 }
+
+#[test]
+fn global_prompts_are_bounded_and_replicas_should_rewrite_alike() {
+    let mut c = base();
+    c.backends[0].global_prompts = strings(&["ok", "  "]);
+    expect_error(&c, "backends[0].global_prompts[1]", "must not be empty");
+    c.backends[0].global_prompts = vec!["x".repeat(MAX_GLOBAL_PROMPT_BYTES + 1)];
+    expect_error(&c, "backends[0].global_prompts[0]", "at most");
+    c.backends[0].global_prompts = vec!["p".to_owned(); MAX_GLOBAL_PROMPTS + 1];
+    expect_error(&c, "backends[0].global_prompts", "at most");
+
+    let mut c = base();
+    c.backends[0].global_prompts = strings(&["be brief"]);
+    c.backends[0].requires_single_leading_system = true;
+    expect_clean_at(&c, "backends[0].global_prompts");
+    c.dynamo.shim.backends = strings(&["shim-a", "shim-b"]);
+    expect_warning(
+        &c,
+        "dynamo.shim.backends",
+        "renders with the first replica's",
+    );
+    c.backends[1].global_prompts = strings(&["be brief"]);
+    c.backends[1].requires_single_leading_system = true;
+    expect_clean_at(&c, "dynamo.shim.backends");
+}
+
+#[test]
+fn responses_api_parses_converted_and_native() {
+    let yaml = BASE_YAML.replace(
+        r#"{name: shim-b, url: "http://shim-b:8000"}"#,
+        r#"{name: shim-b, url: "http://shim-b:8000", responses_api: native}"#,
+    );
+    let c = Config::from_yaml_str(&yaml, &BTreeMap::new()).unwrap();
+    assert_eq!(c.backends[0].responses_api, ResponsesApi::Converted);
+    assert_eq!(c.backends[1].responses_api, ResponsesApi::Native);
+    let bad = BASE_YAML.replace(
+        r#"{name: shim-b, url: "http://shim-b:8000"}"#,
+        r#"{name: shim-b, url: "http://shim-b:8000", responses_api: sometimes}"#,
+    );
+    assert!(Config::from_yaml_str(&bad, &BTreeMap::new()).is_err());
+}
