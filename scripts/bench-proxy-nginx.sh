@@ -13,7 +13,8 @@
 #   NO_BUILD=1 scripts/bench-proxy-nginx.sh   # uses what target/release holds
 #
 # Environment: DURATION (10s per measurement), CONNECTIONS (32), PROXY_CPU (1), GEN_CPU (0),
-# PORT_BASE (18080: upstream, +1 nginx, +2 router), CARGO_PROFILE (release).
+# PORT_BASE (18080: upstream, +1 nginx, +2 router), CARGO_PROFILE (release), ROUTER_BIN (another
+# build of the router, e.g. to compare allocators or profiles).
 # Needs: wrk, nginx (nginx-light), taskset (util-linux). Figures: docs/performance.md,
 # "Proxy vs nginx".
 set -euo pipefail
@@ -35,7 +36,7 @@ done
 if [ -z "${NO_BUILD:-}" ]; then
   cargo build --profile "$PROFILE" --bin continuum-router --example bench_upstream
 fi
-ROUTER_BIN="target/$PROFILE/continuum-router"
+ROUTER_BIN="${ROUTER_BIN:-target/$PROFILE/continuum-router}"
 UPSTREAM_BIN="target/$PROFILE/examples/bench_upstream"
 [ -x "$ROUTER_BIN" ] && [ -x "$UPSTREAM_BIN" ] || { echo "build $ROUTER_BIN and $UPSTREAM_BIN first" >&2; exit 1; }
 
