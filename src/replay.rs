@@ -34,9 +34,20 @@ pub struct ReplayArgs {
     /// Trace file: Mooncake JSONL or an OpenAI-style request log (`.gz` is gunzipped).
     #[arg(long)]
     pub trace: PathBuf,
-    /// Simulated workers (one rank each).
+    /// Simulated decode workers (one rank each); aggregated without --prefill-workers.
     #[arg(long)]
     pub workers: u32,
+    /// Prefill workers beside the decode workers: a disaggregated fleet of prefill/decode pairs.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_workers: u32,
+    /// `dynamo.kv.conditional_disaggregation.enabled` of the kv policy: a decode worker that holds
+    /// the prompt prefills it itself.
+    #[arg(long)]
+    pub conditional_disagg: bool,
+    /// `dynamo.kv.conditional_disaggregation.decode_busy_threshold` (0..=1 of total_kv_blocks);
+    /// needs --conditional-disagg.
+    #[arg(long)]
+    pub decode_busy_threshold: Option<f64>,
     /// Prefix-cache capacity of each worker, in blocks.
     #[arg(long)]
     pub capacity: u64,
@@ -79,6 +90,9 @@ pub struct ReplayArgs {
     /// Latency model: decode cost per output token, ms.
     #[arg(long, default_value_t = 20.0)]
     pub decode_ms_per_token: f64,
+    /// Latency model: prefill -> decode KV transfer cost per prompt token, ms (pairs only).
+    #[arg(long, default_value_t = 0.01)]
+    pub kv_transfer_ms_per_token: f64,
     /// tokenizer.json for request-log traces.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -113,10 +127,24 @@ impl ReplayArgs {
                 bail!("{name} must be a non-negative number");
             }
         }
+        if let Some(threshold) = self.decode_busy_threshold {
+            if !(threshold.is_finite() && (0.0..=1.0).contains(&threshold)) {
+                bail!("--decode-busy-threshold is a fraction of total_kv_blocks in 0.0..=1.0");
+            }
+            if !self.conditional_disagg {
+                bail!("--decode-busy-threshold needs --conditional-disagg");
+            }
+        }
+        if self.conditional_disagg && self.prefill_workers == 0 {
+            bail!(
+                "--conditional-disagg needs --prefill-workers (an aggregated fleet has no pairs)"
+            );
+        }
         if self.load_interval.is_zero() {
             bail!("--load-interval must be above zero");
         }
         let mut cfg = SimConfig::new(self.workers, self.capacity, block_size);
+        cfg.prefill_workers = self.prefill_workers;
         cfg.speedup = self.speedup;
         cfg.seed = self.seed;
         cfg.load_interval = self.load_interval;
@@ -125,12 +153,19 @@ impl ReplayArgs {
             overlap_score_credit: self.overlap_score_weight,
             prefill_load_scale: self.prefill_load_scale,
             router_temperature: self.temperature,
-            conditional_disaggregation: ConditionalDisaggregation::default(),
+            conditional_disaggregation: ConditionalDisaggregation {
+                enabled: self.conditional_disagg,
+                decode_busy_threshold: self.decode_busy_threshold,
+            },
         };
         cfg.latency = latency::LatencyModel {
             prefill_overhead_us: ms(self.prefill_overhead_ms, "--prefill-overhead-ms")? as u64,
             prefill_per_token_us: ms(self.prefill_ms_per_token, "--prefill-ms-per-token")?,
             decode_per_token_us: ms(self.decode_ms_per_token, "--decode-ms-per-token")?,
+            kv_transfer_per_token_us: ms(
+                self.kv_transfer_ms_per_token,
+                "--kv-transfer-ms-per-token",
+            )?,
         };
         Ok(cfg)
     }
@@ -191,6 +226,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<report::Summary> {
         skipped_lines: trace.skipped,
         skip_reasons: trace.skip_reasons,
         workers: cfg.workers,
+        prefill_workers: cfg.prefill_workers,
         capacity_blocks: cfg.capacity_blocks,
         block_size: cfg.block_size.get(),
         speedup: cfg.speedup,
@@ -201,6 +237,8 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<report::Summary> {
             overlap_score_weight: cfg.kv.overlap_score_credit,
             prefill_load_scale: cfg.kv.prefill_load_scale,
             router_temperature: cfg.kv.router_temperature,
+            conditional_disaggregation: cfg.kv.conditional_disaggregation.enabled,
+            decode_busy_threshold: cfg.kv.conditional_disaggregation.decode_busy_threshold,
         },
         latency_model: cfg.latency,
         policies: runs.iter().map(report::PolicySummary::of).collect(),

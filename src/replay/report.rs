@@ -55,7 +55,12 @@ pub struct PolicySummary {
     pub e2e_ms: Percentiles,
     /// Mean over arrivals of max / mean active blocks across workers (1 = even).
     pub load_imbalance: f64,
+    /// Requests each worker took part in: decode workers first, then prefill workers.
     pub requests_per_worker: Vec<u64>,
+    /// Prompt tokens moved from prefill to decode workers (pairs only).
+    pub transferred_tokens: u64,
+    /// Requests a decode worker prefilled itself (conditional disaggregation).
+    pub bypasses: u64,
     pub selections: BTreeMap<String, u64>,
     pub kv_results: BTreeMap<String, u64>,
     pub events_not_applied: u64,
@@ -77,6 +82,8 @@ impl PolicySummary {
             e2e_ms: Percentiles::of_us(&run.e2e_us),
             load_imbalance: run.load_imbalance,
             requests_per_worker: run.requests_per_worker.clone(),
+            transferred_tokens: run.transferred_tokens,
+            bypasses: run.bypasses,
             selections: run.selections.clone(),
             kv_results: run.kv_results.clone(),
             events_not_applied: run.events_not_applied,
@@ -91,6 +98,8 @@ pub struct KvSettings {
     pub overlap_score_weight: f64,
     pub prefill_load_scale: f64,
     pub router_temperature: f64,
+    pub conditional_disaggregation: bool,
+    pub decode_busy_threshold: Option<f64>,
 }
 
 /// `summary.json`.
@@ -100,7 +109,9 @@ pub struct Summary {
     pub requests: usize,
     pub skipped_lines: u64,
     pub skip_reasons: Vec<String>,
+    /// Decode (or aggregated) workers.
     pub workers: u32,
+    pub prefill_workers: u32,
     pub capacity_blocks: u64,
     pub block_size: u32,
     pub speedup: f64,
@@ -118,10 +129,15 @@ pub fn table(summary: &Summary) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "replay of {} ({} requests, {} workers × {} blocks of {} tokens)",
+        "replay of {} ({} requests, {} workers{} × {} blocks of {} tokens)",
         summary.trace,
         summary.requests,
         summary.workers,
+        if summary.prefill_workers > 0 {
+            format!(" + {} prefill workers", summary.prefill_workers)
+        } else {
+            String::new()
+        },
         summary.capacity_blocks,
         summary.block_size
     );

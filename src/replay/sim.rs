@@ -4,7 +4,11 @@
 //! a model card per worker, `kv_cache_block_size` = the block size, `total_kv_blocks` = the
 //! capacity) go through the real [`DiscoveryReducer`], [`build_snapshot`] and
 //! [`CandidateIndex::build`], so the pickers see the same candidates the shim would. Each worker
-//! serves one rank of one aggregated (decode-only) model.
+//! serves one rank of one model. Without prefill workers the `workers` decode workers form an
+//! aggregated fleet (each prefills its own requests); with `prefill_workers` > 0 the fleet is
+//! disaggregated: a request is prefilled on the pair's prefill worker, its KV moves to the decode
+//! worker, which decodes (or, under conditional disaggregation, the decode worker prefills
+//! locally when the picker's `bypasses` rule says so).
 //!
 //! Per request, in arrival order (arrival = `timestamp / speedup`):
 //! 1. worker events due by then (prefill done, request finished) are applied, and every worker's
@@ -15,12 +19,15 @@
 //!    `max_staleness`; `kv` reads overlaps from the real [`KvIndex`] (`find_matches` over the
 //!    prompt's blocks) and calls [`KvAwarePicker::pick_kv`] with a seeded softmax unit; `load` is
 //!    [`LoadBasedPicker`]; `round_robin` is [`LoadBasedPicker`] on a source without load signals;
-//! 3. the chosen worker's LRU cache serves the prompt's cached prefix, stores the rest and evicts
-//!    past capacity; the same Stored / Removed kv-events a worker would publish are applied to the
-//!    index;
-//! 4. the [`LatencyModel`] gives TTFT and end-to-end latency; the worker's active load (prefill
-//!    tokens until prefill ends, blocks of prompt + output until the request finishes) changes, and
-//!    the ledger entry ends when the request does.
+//! 3. the prefilling worker's LRU cache (the pair's prefill worker, else the decode worker)
+//!    serves the prompt's cached prefix, stores the rest and evicts past capacity; the same
+//!    Stored / Removed kv-events a worker would publish are applied to the index. In a pair, the
+//!    decode worker's cache then receives the prompt too (its own prefix cache serves what it
+//!    holds, the rest is transferred), with its own kv-events;
+//! 4. the [`LatencyModel`] gives TTFT and end-to-end latency; the workers' active load (prefill
+//!    tokens until prefill ends, on a prefill worker the prompt's blocks until then, on the decode
+//!    worker blocks of prompt + output until the request finishes) changes, and the ledger entry
+//!    ends when the request does.
 //!
 //! Caches (and the index) learn a request's blocks when it is dispatched, not when its prefill
 //! ends: a burst of same-prefix requests hits a little more than on a real fleet. Everything is
@@ -46,8 +53,9 @@ use continuum_protocol::kv::{ExternalBlockHash, KvEventResult, KvIndex, LocalBlo
 use continuum_protocol::load_store::{LoadSample, LoadStore};
 use continuum_protocol::picker::candidates::{CandidateIndex, StoreView};
 use continuum_protocol::picker::{
-    BlockOverlaps, Candidate, DenseRanks, DispatchId, DynamoWorkerPicker, KvAwarePicker,
-    KvPickInput, KvPickOutcome, KvPickParams, LoadBasedPicker, PickContext, PickOutcome,
+    BlockOverlaps, Candidate, CandidateRole, DenseRanks, DispatchId, DynamoWorkerPicker,
+    KvAwarePicker, KvPickInput, KvPickOutcome, KvPickParams, KvSelectionResult, LoadBasedPicker,
+    PickContext, PickOutcome,
     PickRequest, PickerState,
 };
 use continuum_protocol::time::{Tick, UnixMillis};
@@ -99,7 +107,10 @@ impl std::str::FromStr for Policy {
 /// The simulated fleet and its router.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
+    /// Decode workers (aggregated when `prefill_workers` is 0).
     pub workers: u32,
+    /// Prefill workers beside the decode workers (0: an aggregated fleet).
+    pub prefill_workers: u32,
     /// Blocks each worker's prefix cache holds (its card's `total_kv_blocks`).
     pub capacity_blocks: u64,
     pub block_size: BlockSize,
@@ -121,6 +132,7 @@ impl SimConfig {
     pub fn new(workers: u32, capacity_blocks: u64, block_size: BlockSize) -> Self {
         Self {
             workers,
+            prefill_workers: 0,
             capacity_blocks,
             block_size,
             speedup: 1.0,
@@ -147,7 +159,12 @@ pub struct PolicyRun {
     /// Per request, microseconds (in trace order).
     pub ttft_us: Vec<u64>,
     pub e2e_us: Vec<u64>,
+    /// Requests each worker took part in (prefilled or decoded), in candidate order.
     pub requests_per_worker: Vec<u64>,
+    /// Prompt tokens moved from a prefill worker to its decode worker (pairs only).
+    pub transferred_tokens: u64,
+    /// Requests the decode worker prefilled itself under conditional disaggregation.
+    pub bypasses: u64,
     /// `role/reason` of `continuum_dynamo_selection_total` → count.
     pub selections: BTreeMap<String, u64>,
     /// `continuum_dynamo_kv_selection_total{result}` → count (`kv` only).
@@ -166,13 +183,13 @@ pub struct PolicyRun {
     pub worker_load_series: Vec<Vec<Option<f64>>>,
 }
 
-fn records(id: u64, cfg: &SimConfig) -> Vec<(String, Vec<u8>)> {
+fn records(id: u64, worker_type: &str, cfg: &SimConfig) -> Vec<(String, Vec<u8>)> {
     let endpoint = serde_json::json!({"type": "Endpoint", "namespace": NAMESPACE,
         "component": "backend", "endpoint": "generate", "instance_id": id,
         "transport": {"tcp": "127.0.0.1:1/replay"}});
     let card = serde_json::json!({"type": "Model", "namespace": NAMESPACE,
         "component": "backend", "endpoint": "generate", "instance_id": id,
-        "card_json": {"display_name": MODEL, "worker_type": "decode",
+        "card_json": {"display_name": MODEL, "worker_type": worker_type,
         "kv_cache_block_size": cfg.block_size.get(), "runtime_config": {
         "total_kv_blocks": cfg.capacity_blocks, "max_num_batched_tokens": 8192,
         "data_parallel_start_rank": 0, "data_parallel_size": 1}}});
@@ -193,22 +210,30 @@ pub fn fleet_candidates(cfg: &SimConfig) -> anyhow::Result<Vec<Candidate>> {
     if cfg.workers == 0 || cfg.workers > MAX_WORKERS {
         anyhow::bail!("--workers must be 1..={MAX_WORKERS}");
     }
+    if cfg.prefill_workers > MAX_WORKERS - cfg.workers {
+        anyhow::bail!("--workers + --prefill-workers must be at most {MAX_WORKERS}");
+    }
+    let total = cfg.workers + cfg.prefill_workers;
     let namespace = Namespace::new(NAMESPACE);
     let mut reducer = DiscoveryReducer::new(namespace.clone());
     reducer.apply(SourceEvent::Init, UnixMillis(0));
-    for w in 0..u64::from(cfg.workers) {
-        for (key, value) in records(FIRST_ID + w, cfg) {
+    for w in 0..u64::from(total) {
+        let worker_type = if w < u64::from(cfg.workers) {
+            "decode"
+        } else {
+            "prefill"
+        };
+        for (key, value) in records(FIRST_ID + w, worker_type, cfg) {
             reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
         }
     }
     reducer.apply(SourceEvent::InitDone, UnixMillis(0));
     let snapshot = build_snapshot(SourceKind::Etcd, &[namespace], &[reducer.view().as_ref()]);
     let candidates = CandidateIndex::build(&snapshot).for_model(MODEL).to_vec();
-    if candidates.len() != cfg.workers as usize {
+    if candidates.len() != total as usize {
         anyhow::bail!(
-            "discovery built {} candidates for {} workers",
-            candidates.len(),
-            cfg.workers
+            "discovery built {} candidates for {total} workers",
+            candidates.len()
         );
     }
     Ok(candidates)
@@ -217,6 +242,8 @@ pub fn fleet_candidates(cfg: &SimConfig) -> anyhow::Result<Vec<Candidate>> {
 #[derive(Debug)]
 struct SimWorker {
     id: InstanceId,
+    /// A decode or aggregated worker (not a prefill worker).
+    decodes: bool,
     lru: BlockLru,
     event_id: u64,
     lane_free_us: u64,
@@ -232,6 +259,8 @@ enum WorkerEvent {
     PrefillDone {
         worker: usize,
         tokens: u64,
+        /// Blocks a prefill worker held for the request until its KV left.
+        blocks: u64,
     },
     Finished {
         worker: usize,
@@ -297,10 +326,15 @@ impl Sim<'_> {
                 continue;
             };
             match event {
-                WorkerEvent::PrefillDone { worker, tokens } => {
+                WorkerEvent::PrefillDone {
+                    worker,
+                    tokens,
+                    blocks,
+                } => {
                     self.flush(worker, at);
                     let w = &mut self.workers[worker];
                     w.prefill_tokens = w.prefill_tokens.saturating_sub(tokens);
+                    w.active_blocks = w.active_blocks.saturating_sub(blocks);
                 }
                 WorkerEvent::Finished {
                     worker,
@@ -421,6 +455,11 @@ pub fn simulate(
 ) -> PolicyRun {
     let n_workers = candidates.len();
     let layout = DenseRanks::build(candidates);
+    let n_decoders = candidates
+        .iter()
+        .filter(|c| c.role != CandidateRole::Prefill)
+        .count()
+        .max(1);
     let bs = u64::from(cfg.block_size.get());
     let mut sim = Sim {
         cfg,
@@ -428,6 +467,7 @@ pub fn simulate(
             .iter()
             .map(|c| SimWorker {
                 id: c.worker.instance_id,
+                decodes: c.role != CandidateRole::Prefill,
                 lru: BlockLru::new(usize::try_from(cfg.capacity_blocks).unwrap_or(usize::MAX)),
                 event_id: 0,
                 lane_free_us: 0,
@@ -490,11 +530,13 @@ pub fn simulate(
             let slot = &mut bucket_load[w][bucket];
             slot.0 += worker.active_blocks;
             slot.1 += 1;
-            max_load = max_load.max(worker.active_blocks);
-            total_load += worker.active_blocks;
+            if worker.decodes {
+                max_load = max_load.max(worker.active_blocks);
+                total_load += worker.active_blocks;
+            }
         }
         if total_load > 0 {
-            imbalance_sum += max_load as f64 * n_workers as f64 / total_load as f64;
+            imbalance_sum += max_load as f64 * n_decoders as f64 / total_load as f64;
             imbalance_n += 1;
         }
 
@@ -566,56 +608,89 @@ pub fn simulate(
                 .entry(result.as_label().to_owned())
                 .or_default() += 1;
         }
-        let Some(worker) = worker_of(pick.decode.worker.instance_id) else {
+        let Some(decode) = worker_of(pick.decode.worker.instance_id) else {
             run.unrouted += 1;
             continue;
         };
-        let hit = sim.serve_blocks(worker, &request.blocks, &mut run);
+        let prefill = match &pick.prefill {
+            Some(p) => match worker_of(p.worker.instance_id) {
+                Some(p) => Some(p),
+                None => {
+                    run.unrouted += 1;
+                    continue;
+                }
+            },
+            None => None,
+        };
+        if outcome.kv == Some(KvSelectionResult::Bypass) {
+            run.bypasses += 1;
+        }
+        // The prefilling worker: the pair's prefill worker, else the decode worker itself.
+        let prefiller = prefill.unwrap_or(decode);
+        let hit = sim.serve_blocks(prefiller, &request.blocks, &mut run);
         if policy == Policy::Kv {
             let predicted = overlaps
                 .first()
-                .map_or(0, |o| o.of(sim.workers[worker].id, DpRank(0)));
+                .map_or(0, |o| o.of(sim.workers[prefiller].id, DpRank(0)));
             if predicted != hit as u64 {
                 run.index_disagreements += 1;
             }
         }
         let cached_tokens = (hit as u64 * bs).min(isl);
         let uncached = isl - cached_tokens;
-        let start = arrival.max(sim.workers[worker].lane_free_us);
+        let start = arrival.max(sim.workers[prefiller].lane_free_us);
         let prefill_done = start.saturating_add(cfg.latency.prefill_us(uncached));
-        let finish = prefill_done.saturating_add(cfg.latency.decode_us(request.output_tokens));
         let blocks = (isl + request.output_tokens).div_ceil(bs);
+        let prompt_blocks = isl.div_ceil(bs);
+        // A pair: the decode worker's own prefix cache serves what it holds, the rest of the
+        // prompt's KV is transferred, and decoding starts when it has arrived.
+        let first_token = match prefill {
+            Some(_) => {
+                let held = sim.serve_blocks(decode, &request.blocks, &mut run);
+                let transferred = isl - (held as u64 * bs).min(isl);
+                run.transferred_tokens += transferred;
+                prefill_done.saturating_add(cfg.latency.transfer_us(transferred))
+            }
+            None => prefill_done,
+        };
+        let finish = first_token.saturating_add(cfg.latency.decode_us(request.output_tokens));
+        let held_by_prefiller = if prefill.is_some() { prompt_blocks } else { 0 };
         {
-            let w = &mut sim.workers[worker];
+            let w = &mut sim.workers[prefiller];
             w.lane_free_us = prefill_done;
             w.prefill_tokens += uncached;
-            w.active_blocks += blocks;
+            w.active_blocks += held_by_prefiller;
         }
+        sim.workers[decode].active_blocks += blocks;
         sim.schedule(
             prefill_done,
             WorkerEvent::PrefillDone {
-                worker,
+                worker: prefiller,
                 tokens: uncached,
+                blocks: held_by_prefiller,
             },
         );
         sim.schedule(
             finish,
             WorkerEvent::Finished {
-                worker,
+                worker: decode,
                 blocks,
                 dispatch: pick.dispatch,
             },
         );
 
         run.requests += 1;
-        run.requests_per_worker[worker] += 1;
+        run.requests_per_worker[decode] += 1;
+        if let Some(p) = prefill {
+            run.requests_per_worker[p] += 1;
+        }
         run.input_tokens += isl;
         run.cached_tokens += cached_tokens;
         run.prompt_blocks += request.blocks.len() as u64;
         run.hit_blocks += hit as u64;
         bucket_hits[bucket].0 += hit as u64;
         bucket_hits[bucket].1 += request.blocks.len() as u64;
-        run.ttft_us.push(prefill_done - arrival);
+        run.ttft_us.push(first_token - arrival);
         run.e2e_us.push(finish - arrival);
     }
     progress(trace.len() as u64);

@@ -40,6 +40,9 @@ fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
     ReplayArgs {
         trace: trace.to_owned(),
         workers: 4,
+        prefill_workers: 0,
+        conditional_disagg: false,
+        decode_busy_threshold: None,
         capacity: 100_000,
         policy: policies.to_vec(),
         speedup: 1.0,
@@ -54,6 +57,7 @@ fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
         prefill_overhead_ms: 5.0,
         prefill_ms_per_token: 0.1,
         decode_ms_per_token: 20.0,
+        kv_transfer_ms_per_token: 0.01,
         tokenizer: None,
         chat_template: None,
     }
@@ -160,6 +164,158 @@ fn a_small_cache_evicts_the_families_and_kv_loses_its_edge() {
     assert_eq!(kv.events_not_applied, 0);
 }
 
+// Disaggregated fleets. The family trace again (requests 10 s apart, so every worker is idle and
+// reports so at every pick); a request is 192 blocks (3072 tokens): its family's 128 and 64 of its
+// own. Latency model defaults: prefill 5 ms + 0.1 ms per uncached token, KV transfer 0.01 ms per
+// token the decode worker does not hold.
+const FAMILY_BLOCKS: u64 = 32 * FAMILY_IDS;
+const REQUEST_BLOCKS: u64 = 32 * (FAMILY_IDS + UNIQUE_IDS);
+
+#[test]
+fn prefill_decode_pairs_prefill_where_the_prefix_is_and_transfer_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("families.jsonl");
+    std::fs::write(&trace, family_trace()).unwrap();
+    let mut pairs = args(
+        &trace,
+        &dir.path().join("out"),
+        &[Policy::Kv, Policy::RoundRobin, Policy::Load],
+    );
+    pairs.workers = 2;
+    pairs.prefill_workers = 4;
+    let summary = run(&pairs).unwrap();
+    assert_eq!(summary.prefill_workers, 4);
+    let kv = policy(&summary, "kv");
+    let rr = policy(&summary, "round_robin");
+    let load = policy(&summary, "load");
+
+    // The hit rate is the prefilling rank's: the prefill worker of each pair. kv scores the 4
+    // prefill workers with the formula, so only a family's first request misses (as the
+    // aggregated fleet of 4 does); round_robin rotates the prefill cursor over the 4, so each
+    // prefill worker misses each family once; load sees every prefill worker idle and rotates too.
+    let prompt_blocks = REQUESTS * REQUEST_BLOCKS;
+    assert_eq!(
+        kv.prefix_hit_rate,
+        ((REQUESTS - FAMILIES) * FAMILY_BLOCKS) as f64 / prompt_blocks as f64
+    );
+    assert_eq!(
+        rr.prefix_hit_rate,
+        ((REQUESTS - 4 * FAMILIES) * FAMILY_BLOCKS) as f64 / prompt_blocks as f64
+    );
+    assert_eq!(load.prefix_hit_rate, rr.prefix_hit_rate);
+    assert_eq!(kv.selections.get("prefill/kv_aware"), Some(&REQUESTS));
+    assert_eq!(rr.selections.get("prefill/round_robin"), Some(&REQUESTS));
+    assert_eq!(kv.kv_results.get("overlap"), Some(&(REQUESTS - FAMILIES)));
+    assert_eq!(kv.bypasses, 0);
+
+    // Decode is the load-only rule (no conditional disaggregation) over idle decode workers: it
+    // alternates between the 2. In a family's first run of 4, each decode worker meets the family
+    // once without holding it (all 3072 tokens move) and once holding its prefix (the 1024 unique
+    // tokens move); every later request moves 1024 tokens.
+    let transferred = 2 * FAMILIES * 3072 + (REQUESTS - 2 * FAMILIES) * 1024;
+    for p in [kv, rr, load] {
+        assert_eq!(p.transferred_tokens, transferred, "{}", p.policy);
+        assert_eq!(p.events_not_applied, 0, "{}", p.policy);
+        assert_eq!(p.index_disagreements, 0, "{}", p.policy);
+    }
+    // Decode workers first, then prefill workers; a request counts on both of its pair.
+    assert_eq!(rr.requests_per_worker, vec![32, 32, 16, 16, 16, 16]);
+    assert_eq!(kv.requests_per_worker[..2], [32, 32]);
+    assert_eq!(kv.requests_per_worker[2..].iter().sum::<u64>(), REQUESTS);
+
+    // kv's TTFT: a family's first request misses on the prefill worker and moves everything
+    // (312.2 + 30.72 ms); the second hits (107.4 ms) and moves everything to the other decode
+    // worker (30.72 ms); every other request hits and moves 1024 tokens (107.4 + 10.24 ms).
+    assert_eq!(kv.ttft_ms.p50, 117.64);
+    assert_eq!(kv.ttft_ms.p99, 342.92);
+    let mean = (FAMILIES as f64 * 342.92
+        + FAMILIES as f64 * 138.12
+        + (REQUESTS - 2 * FAMILIES) as f64 * 117.64)
+        / REQUESTS as f64;
+    assert!((kv.ttft_ms.mean - mean).abs() < 1e-9, "{}", kv.ttft_ms.mean);
+}
+
+fn conditional(dir: &Path, threshold: Option<f64>) -> continuum_router::replay::report::Summary {
+    let trace = dir.join("families.jsonl");
+    std::fs::write(&trace, family_trace()).unwrap();
+    let mut a = args(&trace, &dir.join("out"), &[Policy::Kv]);
+    a.workers = 1;
+    a.prefill_workers = 1;
+    // Room for every block of the trace (4 · 128 + 64 · 64 = 4608): nothing is evicted.
+    a.capacity = 6_400;
+    a.conditional_disagg = true;
+    a.decode_busy_threshold = threshold;
+    run(&a).unwrap()
+}
+
+#[test]
+fn decode_busy_threshold_decides_when_the_decode_worker_prefills_itself() {
+    // One decode and one prefill worker, conditional disaggregation on. A family's first request
+    // finds its prefix nowhere: the prefill worker prefills, the decode worker receives all of it.
+    // Every later request of the family finds the prefix on both (128 blocks each), so the decode
+    // worker qualifies to prefill locally; with a threshold it also needs its projected decode
+    // blocks — idle (0) + the request's blocks it lacks (192 - 128 = 64) — at or below
+    // threshold × 6400 total_kv_blocks: 0.01 allows 64, 0.005 (32) does not.
+    let later = REQUESTS - FAMILIES;
+    let dir = tempfile::tempdir().unwrap();
+    for threshold in [None, Some(0.01)] {
+        let summary = conditional(dir.path(), threshold);
+        let kv = policy(&summary, "kv");
+        assert_eq!(kv.bypasses, later, "{threshold:?}");
+        assert_eq!(kv.kv_results.get("bypass"), Some(&later));
+        assert_eq!(kv.kv_results.get("no_overlap"), Some(&FAMILIES));
+        assert_eq!(
+            kv.selections.get("prefill/conditional_bypass"),
+            Some(&later)
+        );
+        assert_eq!(kv.selections.get("decode/kv_aware"), Some(&REQUESTS));
+        // The prefill worker sees only the families' first requests.
+        assert_eq!(kv.requests_per_worker, vec![REQUESTS, FAMILIES]);
+        // Only the first requests move KV (3072 tokens each); a bypass prefills the 1024 unique
+        // tokens on the decode worker: 107.4 ms, no transfer.
+        assert_eq!(kv.transferred_tokens, FAMILIES * 3072);
+        assert_eq!(kv.ttft_ms.p50, 107.4);
+        assert_eq!(kv.prefix_hit_rate, 0.625);
+    }
+    let busy = conditional(dir.path(), Some(0.005));
+    let kv = policy(&busy, "kv");
+    assert_eq!(kv.bypasses, 0);
+    assert_eq!(kv.kv_results.get("bypass"), None);
+    assert_eq!(kv.kv_results.get("overlap"), Some(&later));
+    assert_eq!(kv.requests_per_worker, vec![REQUESTS, REQUESTS]);
+    // Every later request is prefilled remotely (a hit, 107.4 ms) and its 1024 unique tokens move
+    // (10.24 ms); the hit rate is the same, the latency and the transfers are not.
+    assert_eq!(kv.transferred_tokens, FAMILIES * 3072 + later * 1024);
+    assert_eq!(kv.ttft_ms.p50, 117.64);
+    assert_eq!(kv.prefix_hit_rate, 0.625);
+}
+
+#[test]
+fn disaggregation_flags_are_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("families.jsonl");
+    std::fs::write(&trace, family_trace()).unwrap();
+    let base = args(&trace, &dir.path().join("out"), &[Policy::Kv]);
+    let mut no_pairs = base.clone();
+    no_pairs.conditional_disagg = true;
+    let error = run(&no_pairs).unwrap_err().to_string();
+    assert!(error.contains("needs --prefill-workers"), "{error}");
+    let mut no_flag = base.clone();
+    no_flag.prefill_workers = 1;
+    no_flag.decode_busy_threshold = Some(0.5);
+    let error = run(&no_flag).unwrap_err().to_string();
+    assert!(error.contains("needs --conditional-disagg"), "{error}");
+    let mut out_of_range = no_flag.clone();
+    out_of_range.conditional_disagg = true;
+    out_of_range.decode_busy_threshold = Some(1.5);
+    let error = run(&out_of_range).unwrap_err().to_string();
+    assert!(error.contains("0.0..=1.0"), "{error}");
+    let mut too_many = base;
+    too_many.prefill_workers = 4093;
+    let error = run(&too_many).unwrap_err().to_string();
+    assert!(error.contains("at most 4096"), "{error}");
+}
+
 fn gzip(path: &Path, text: &str) {
     let file = std::fs::File::create(path).unwrap();
     let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
@@ -219,6 +375,32 @@ fn the_binary_writes_summary_plots_and_a_table() {
         .unwrap();
     assert!(!refused.status.success());
     assert!(String::from_utf8_lossy(&refused.stderr).contains("unknown policy"));
+
+    // A disaggregated fleet from the command line.
+    let pairs = Command::new(env!("CARGO_BIN_EXE_continuum-router"))
+        .arg("replay")
+        .args(["--trace".as_ref(), trace.as_os_str()])
+        .args([
+            "--workers",
+            "1",
+            "--prefill-workers",
+            "1",
+            "--capacity",
+            "6400",
+        ])
+        .args(["--policy", "kv", "--conditional-disagg"])
+        .args(["--decode-busy-threshold", "0.01"])
+        .args(["--out".as_ref(), out.as_os_str()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&pairs.stdout);
+    assert!(pairs.status.success(), "{stdout}");
+    assert!(stdout.contains("1 workers + 1 prefill workers"), "{stdout}");
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["prefill_workers"], 1);
+    assert_eq!(summary["kv"]["decode_busy_threshold"], 0.01);
+    assert_eq!(summary["policies"][0]["bypasses"], 60);
 }
 
 fn model_file(name: &str) -> PathBuf {
