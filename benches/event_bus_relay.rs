@@ -23,8 +23,7 @@ use continuum_protocol::discovery::EventTopic;
 use continuum_protocol::event_bus::credential::TokenHash;
 use continuum_protocol::event_bus::message::{ClientId, Hello, Role, ZmqTcpTarget};
 use continuum_protocol::event_bus::{
-    ClientEvent, ClientSession, Grant, SESSION_HEADER, SESSION_PATH, SessionBounds,
-    VERSION_HEADER,
+    ClientEvent, ClientSession, Grant, SESSION_HEADER, SESSION_PATH, SessionBounds, VERSION_HEADER,
 };
 use continuum_protocol::event_plane::ActiveLoad;
 use continuum_protocol::event_plane::encode::encode_kv_metrics;
@@ -61,8 +60,21 @@ fn pki(dir: &Path) {
     openssl(
         dir,
         &[
-            "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=bench-ca",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=bench-ca",
         ],
     );
     std::fs::write(
@@ -74,15 +86,38 @@ fn pki(dir: &Path) {
     openssl(
         dir,
         &[
-            "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=server",
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=server",
         ],
     );
     openssl(
         dir,
         &[
-            "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "server.ext",
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
         ],
     );
 }
@@ -183,13 +218,12 @@ async fn bus_pair() -> BusPair {
         .connect(ServerName::try_from("localhost").expect("name"), tcp)
         .await
         .expect("tls");
-    let (mut send, conn) =
-        hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            .initial_stream_window_size(16 * 1024 * 1024)
-            .initial_connection_window_size(64 * 1024 * 1024)
-            .handshake::<_, Body>(TokioIo::new(tls))
-            .await
-            .expect("h2");
+    let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(16 * 1024 * 1024)
+        .initial_connection_window_size(64 * 1024 * 1024)
+        .handshake::<_, Body>(TokioIo::new(tls))
+        .await
+        .expect("h2");
     tokio::spawn(conn);
 
     let hello = Hello {

@@ -225,7 +225,10 @@ impl Daemon {
         readiness.require_exactly(required_sources(&empty));
         let load = SharedLoadStore::new(Some(metrics.clone()));
         let shared_config = Arc::new(ArcSwap::from_pointee(empty.clone()));
-        let (kv, picker) = (SharedKvIndex::new(Some(metrics.clone())), SharedPicker::new());
+        let (kv, picker) = (
+            SharedKvIndex::new(Some(metrics.clone())),
+            SharedPicker::new(),
+        );
         let dynamo = Arc::new(
             ShimRouter::with_picker(
                 shared_config.clone(),
@@ -241,8 +244,10 @@ impl Daemon {
         route.set_dynamo(dynamo.clone());
         // The listener starts from the empty config too; `apply` hands it the real settings before
         // the tree (and so root/event_bus) spawns.
-        let event_bus =
-            crate::event_bus::EventBus::new(crate::event_bus::settings(&empty.dynamo.event_bus), Some(&metrics));
+        let event_bus = crate::event_bus::EventBus::new(
+            crate::event_bus::settings(&empty.dynamo.event_bus),
+            Some(&metrics),
+        );
         let shared = Shared {
             config: shared_config,
             registry: registry.reader,

@@ -175,7 +175,9 @@ impl Router {
             allowed,
             only: Some(&plan.pool),
         };
-        let candidates = self.proxy.candidates_for(request.route, &request.body.model, scope)?;
+        let candidates = self
+            .proxy
+            .candidates_for(request.route, &request.body.model, scope)?;
         self.proxy.count_routing_path(plan.path);
         // The shim copy may carry the rendered tokens; `request` (used by any fallback) keeps the
         // client's body, which never carries `nvext.token_data`.

@@ -38,8 +38,8 @@ pub mod supervisor;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::lock::{Mutex, MutexGuard};
 use std::time::Duration;

@@ -30,8 +30,8 @@ use http_body_util::{BodyExt, Limited};
 use serde_json::Value;
 
 use super::{AppState, admit};
-use crate::route::Caller;
 use crate::proxy::OpenAiRoute;
+use crate::route::Caller;
 
 /// Largest upstream error body read to convert it.
 const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
@@ -147,7 +147,12 @@ pub async fn anthropic_messages(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    observed(&state, Kind::Anthropic.metric(), messages(&state, headers, body)).await
+    observed(
+        &state,
+        Kind::Anthropic.metric(),
+        messages(&state, headers, body),
+    )
+    .await
 }
 
 async fn messages(state: &AppState, mut headers: HeaderMap, body: Body) -> Response {
@@ -185,12 +190,13 @@ async fn messages(state: &AppState, mut headers: HeaderMap, body: Body) -> Respo
 }
 
 /// `POST /v1/responses`.
-pub async fn responses(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Body,
-) -> Response {
-    observed(&state, Kind::Responses.metric(), responses_inner(&state, headers, body)).await
+pub async fn responses(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    observed(
+        &state,
+        Kind::Responses.metric(),
+        responses_inner(&state, headers, body),
+    )
+    .await
 }
 
 async fn responses_inner(state: &AppState, mut headers: HeaderMap, body: Body) -> Response {
@@ -264,7 +270,12 @@ pub async fn responses_compact(
 }
 
 /// The converted body through the chat-completions pipeline ([`crate::route::Router::serve`]).
-async fn send_chat(state: &AppState, mut headers: HeaderMap, caller: Caller, chat: &Value) -> Response {
+async fn send_chat(
+    state: &AppState,
+    mut headers: HeaderMap,
+    caller: Caller,
+    chat: &Value,
+) -> Response {
     headers.remove(header::CONTENT_LENGTH);
     headers.insert(
         header::CONTENT_TYPE,

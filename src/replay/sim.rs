@@ -55,8 +55,7 @@ use continuum_protocol::picker::candidates::{CandidateIndex, StoreView};
 use continuum_protocol::picker::{
     BlockOverlaps, Candidate, CandidateRole, DenseRanks, DispatchId, DynamoWorkerPicker,
     KvAwarePicker, KvPickInput, KvPickOutcome, KvPickParams, KvSelectionResult, LoadBasedPicker,
-    PickContext, PickOutcome,
-    PickRequest, PickerState,
+    PickContext, PickOutcome, PickRequest, PickerState,
 };
 use continuum_protocol::time::{Tick, UnixMillis};
 

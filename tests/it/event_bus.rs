@@ -1322,23 +1322,23 @@ impl TestBroker {
 #[tokio::test]
 async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_then_reads_through_the_bus()
  {
-    use continuum_actors::kv_index::DynamoKvIndex;
-    use continuum_actors::load::DynamoLoadStore;
+    use continuum_actors::kv_index::SharedKvIndex;
+    use continuum_actors::load::SharedLoadStore;
     use continuum_actors::metrics::SubscriptionTransport;
     use continuum_actors::subscription::{DialPolicy, SubscriptionActor, SubscriptionArgs};
+    use continuum_demo::zmq_pub::PubSocket;
     use continuum_protocol::event_plane::ActiveLoad;
     use continuum_protocol::event_plane::encode::encode_kv_metrics;
     use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
-    use continuum_protocol::subscriptions::SubscriptionTarget;
+    use continuum_protocol::subscription_plan::SubscriptionTarget;
     use continuum_protocol::time::UnixMillis;
-    use continuum_router::demo::zmq_pub::PubSocket;
 
     let h = start(64).await;
     let socket = PubSocket::bind("127.0.0.1:0".parse().expect("addr"))
         .await
         .expect("bind publisher");
     let publisher = PublisherId(0x5eed);
-    let store = DynamoLoadStore::new(None);
+    let store = SharedLoadStore::new(None);
     // The registry's live-worker gate (the follower sets it from the fleet snapshot).
     store.with(|s| s.set_live_and_retain([InstanceId(7)]));
     let target = SubscriptionTarget {
@@ -1358,14 +1358,14 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
             bus: Some(h.bus.clone()),
         },
         store: store.clone(),
-        kv: DynamoKvIndex::new(None),
+        kv: SharedKvIndex::new(None),
         metrics: None,
         span: tracing::Span::none(),
     };
     let (actor, _) = ractor::Actor::spawn(None, SubscriptionActor, args)
         .await
         .expect("subscription starts");
-    let state = |store: &DynamoLoadStore| {
+    let state = |store: &SharedLoadStore| {
         store
             .subscriptions()
             .first()
@@ -1431,7 +1431,7 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
         )
     };
     let broker_of =
-        |store: &DynamoLoadStore| store.subscriptions().first().and_then(|s| s.broker.clone());
+        |store: &SharedLoadStore| store.subscriptions().first().and_then(|s| s.broker.clone());
     assert_eq!(broker_of(&store).as_deref(), Some("broker-a.dynamo"));
     poll("the carrying broker is exported", || {
         (carried(&h, "broker-a.dynamo") == Some(1.0)).then_some(())

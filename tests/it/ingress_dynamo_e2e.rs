@@ -8,7 +8,6 @@
 //! `/v1/responses` to the frontend's own Responses route, pinned by model alone.
 #![cfg(feature = "dynamo-e2e")]
 
-
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -196,7 +195,8 @@ async fn kv_hash_parity_holds_on_both_ingresses_with_global_prompts() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let stack = DynamoStack::start(Topology::Agg).await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let daemon = crate::support::daemon::start(&kv_yaml(&stack, &dir.path().join("artifacts"))).await;
+    let daemon =
+        crate::support::daemon::start(&kv_yaml(&stack, &dir.path().join("artifacts"))).await;
     crate::support::daemon::wait_for_workers(&daemon, 2).await;
     let value = |family: &str, labels: &[(&str, &str)]| count(&daemon, family, labels);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);

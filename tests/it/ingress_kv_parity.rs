@@ -7,10 +7,12 @@
 //! worker on all three ingresses, with a fresh pin per request.
 #![cfg(feature = "real-peers")]
 
-
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::etcd::EtcdServer;
+use crate::support::kv_prep::{WhitespacePrep, text_hashes, tokens_of};
+use crate::support::upstream::{FakeUpstream, Reply, completion};
 use continuum_protocol::ids::{DpRank, InstanceId};
 use continuum_protocol::kv::events::{
     Bounded, KvCacheEvent, KvCacheEventData, KvCacheStoreData, RouterEvent, StorageTier,
@@ -21,9 +23,6 @@ use continuum_router::config::Config;
 use continuum_router::daemon::{Daemon, RunOptions};
 use etcd_client::{Client, PutOptions};
 use serde_json::{Value, json};
-use crate::support::etcd::EtcdServer;
-use crate::support::kv_prep::{WhitespacePrep, text_hashes, tokens_of};
-use crate::support::upstream::{FakeUpstream, Reply, completion};
 use tokio::net::TcpListener;
 
 const NS: &str = "kvparity";
@@ -114,7 +113,7 @@ async fn wait_for_workers(daemon: &Daemon, n: usize) {
 /// Stores `hashes` as one root-anchored chain on `worker`, after opening the live-worker gate for
 /// the current fleet (the subscription follower does the same on its next generation).
 async fn index_blocks(daemon: &Daemon, worker: u64, hashes: &[LocalBlockHash]) {
-    daemon.kv_index().set_live(&daemon.registry().snapshot());
+    daemon.kv_index().reconcile().await;
     let blocks = hashes
         .iter()
         .enumerate()

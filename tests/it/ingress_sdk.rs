@@ -6,10 +6,10 @@
 //! it: the converted chat bodies, tool round trips, and no client pin (header or `nvext`).
 #![cfg(feature = "real-peers")]
 
-
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::upstream::{FakeUpstream, Recorded, Reply};
 use arc_swap::ArcSwap;
 use axum::http::StatusCode;
 use bytes::Bytes;
@@ -19,11 +19,10 @@ use continuum_router::config::schema::{
 };
 use continuum_router::front_door::{self, AppState, LiveSettings};
 use continuum_router::proxy::{Proxy, ProxyOptions};
-use continuum_router::route::Router;
 use continuum_router::readiness::Readiness;
+use continuum_router::route::Router;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
-use crate::support::upstream::{FakeUpstream, Recorded, Reply};
 
 /// Small enough that the scripts' oversized requests are refused with 413.
 const BODY_LIMIT: usize = 64 * 1024;

@@ -252,8 +252,6 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
 /// resolved: slots move only when a rank gains or loses its sample.
 #[test]
 fn feeding_arrivals_resolves_the_layouts_slots_when_a_rank_gains_a_sample() {
-    use continuum_protocol::load_store::LoadStore;
-
     let ns = Namespace::new(NS);
     let mut reducer = DiscoveryReducer::new(ns.clone());
     reducer.apply(SourceEvent::Init, UnixMillis(0));
@@ -266,13 +264,13 @@ fn feeding_arrivals_resolves_the_layouts_slots_when_a_rank_gains_a_sample() {
         &[ns],
         &[reducer.view().as_ref()],
     );
-    let picker = DynamoPicker::new();
+    let picker = SharedPicker::new();
     let held = picker.rebuild(1, &snapshot);
     let layout = held.index.layout_for("m").expect("a layout per model");
     assert_eq!(layout.len(), 2, "one row per dp rank");
 
-    let mut store = LoadStore::new();
-    store.set_live_and_retain([InstanceId(1)]);
+    let store = SharedLoadStore::new(None);
+    store.with(|s| s.set_live_and_retain([InstanceId(1)]));
     let sample = |rank: u32, sequence: u64| LoadSample {
         load: ActiveLoad {
             worker_id: InstanceId(1),
@@ -286,25 +284,28 @@ fn feeding_arrivals_resolves_the_layouts_slots_when_a_rank_gains_a_sample() {
         published_at: UnixMillis(0),
         received_at: now_tick(),
     };
-    let resolutions = |picker: &DynamoPicker| picker.with_state(|s| s.slots.resolutions());
-    store.apply(sample(0, 1));
+    let resolutions = |picker: &SharedPicker| {
+        store.with(|held| picker.with_state(held, |s| s.slots.resolutions()))
+    };
+    store.with(|s| s.apply(sample(0, 1)));
     picker.feed_arrivals(&store);
     assert_eq!(resolutions(&picker), 1);
     // A replaced sample keeps its slot: nothing to resolve.
-    store.apply(sample(0, 2));
+    store.with(|s| s.apply(sample(0, 2)));
     picker.feed_arrivals(&store);
     assert_eq!(resolutions(&picker), 1);
     // Rank 1's first sample gives it a slot: resolved on the next feed, not by the decision.
-    store.apply(sample(1, 3));
+    store.with(|s| s.apply(sample(1, 3)));
     picker.feed_arrivals(&store);
     assert_eq!(resolutions(&picker), 2);
-    let slots = picker.with_state(|s| s.slots.slots(layout, &store).to_vec());
-    assert_eq!(
-        slots,
-        vec![
-            store.slot(InstanceId(1), DpRank(0)).expect("held"),
-            store.slot(InstanceId(1), DpRank(1)).expect("held"),
-        ]
-    );
+    let (slots, expected) = store.with(|held| {
+        let slots = picker.with_state(held, |s| s.slots.slots(layout, held).to_vec());
+        let expected = vec![
+            held.slot(InstanceId(1), DpRank(0)).expect("held"),
+            held.slot(InstanceId(1), DpRank(1)).expect("held"),
+        ];
+        (slots, expected)
+    });
+    assert_eq!(slots, expected);
     assert_eq!(resolutions(&picker), 2, "the decision found them current");
 }

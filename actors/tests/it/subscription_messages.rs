@@ -54,6 +54,7 @@ async fn redial_moves_to_the_new_endpoint_and_status_reports_it() {
             transport: SubscriptionTransport::Direct,
             allow_cidrs: None,
             kv_events: false,
+            bus: None,
         },
         store: store.clone(),
         kv: SharedKvIndex::new(None),
