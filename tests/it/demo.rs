@@ -22,7 +22,7 @@ const DEADLINE: Duration = Duration::from_secs(30);
 const BUFFERED: usize = 50;
 const STREAMING: usize = 10;
 
-async fn start_demo() -> Demo {
+pub(crate) async fn start_demo() -> Demo {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     Demo::start(
@@ -42,7 +42,7 @@ async fn start_demo() -> Demo {
 
 /// Waits (on registry generations) until all six workers are discovered, then (on load-store
 /// changes) until every kv_metrics subscription is connected and every rank has a sample.
-async fn wait_until_routable(demo: &Demo) {
+pub(crate) async fn wait_until_routable(demo: &Demo) {
     let daemon = demo.daemon();
     let registry = daemon.registry();
     let mut generations = registry.subscribe();

@@ -16,6 +16,7 @@ mod support;
 
 mod admin_config;
 mod anthropic_sdk;
+mod architecture;
 mod cli;
 mod config_reload;
 mod daemon_etcd;

@@ -362,6 +362,44 @@ fn protocol_stays_sans_io() {
     }
 }
 
+/// Dynamo's msgpack-encoded events are decoded in `protocol` only: no other crate's manifest
+/// depends on the msgpack crates and no other source file names them.
+#[test]
+fn only_protocol_decodes_dynamo_wire_formats() {
+    let wire_crates = ["rmp-serde", "rmpv", "rmp"];
+    for manifest in ["Cargo.toml", "actors/Cargo.toml", "demo/Cargo.toml"] {
+        let text = std::fs::read_to_string(repo_root().join(manifest)).expect("manifest");
+        // The root manifest's [workspace.dependencies] declares versions for protocol to use.
+        let sections = text
+            .split("\n[")
+            .filter(|s| s.contains("dependencies]") && !s.starts_with("workspace.dependencies]"));
+        for section in sections {
+            for line in section.lines().skip(1) {
+                let name = line.split(['=', '.', ' ']).next().unwrap_or("").trim();
+                assert!(
+                    !wire_crates.contains(&name),
+                    "{manifest} depends on {name}: only protocol decodes Dynamo's wire formats"
+                );
+            }
+        }
+    }
+    let mut files = Vec::new();
+    for dir in ["src", "actors/src", "demo/src"] {
+        collect(&repo_root().join(dir), &mut files);
+    }
+    assert!(files.len() > 20, "the scan found the sources");
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap_or_default();
+        for needle in ["rmp_serde::", "rmpv::"] {
+            assert!(
+                !text.contains(needle),
+                "{} uses {needle}: only protocol decodes Dynamo's wire formats",
+                rel(&f)
+            );
+        }
+    }
+}
+
 /// The top-level modules of `src/` a Rust source text names through `crate::` (plain paths and
 /// `crate::{a, b::c}` groups); comment lines are skipped. `super::x` in a top-level file names
 /// `x` too.
