@@ -240,7 +240,9 @@ impl Daemon {
             .with_kv_index(kv.clone()),
         );
         let proxy = Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone())));
-        let route = Arc::new(Router::new(proxy.clone()));
+        let http = crate::http_metrics::HttpMetrics::register(metrics.registry())
+            .map_err(|e| anyhow::anyhow!("cannot register the HTTP metrics: {e}"))?;
+        let route = Arc::new(Router::new(proxy.clone()).with_http_metrics(http));
         route.set_dynamo(dynamo.clone());
         // The listener starts from the empty config too; `apply` hands it the real settings before
         // the tree (and so root/event_bus) spawns.

@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod admin_config;
+use crate::http_metrics::HttpRoute;
 pub use crate::wire::error;
 pub mod ingress;
 pub mod serve;
@@ -127,8 +128,49 @@ pub fn router(state: AppState) -> Router {
         .merge(admin)
         .merge(ui::routes())
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_surface_routes,
+        ))
         .layer(middleware::from_fn(strip::strip_client_pins))
         .with_state(state)
+}
+
+/// The `continuum_http_requests_total` route of a matched path, for the routes that do not count
+/// themselves: the OpenAI and ingress routes count in their handlers (with the time to response
+/// headers), so they are `None` here. No matched path (the fallback's 404) is `Unmatched`.
+pub fn surface_route(matched: Option<&str>) -> Option<HttpRoute> {
+    let Some(path) = matched else {
+        return Some(HttpRoute::Unmatched);
+    };
+    match path {
+        "/health" => Some(HttpRoute::Health),
+        "/ready" => Some(HttpRoute::Ready),
+        "/metrics" => Some(HttpRoute::Metrics),
+        "/v1/models" => Some(HttpRoute::Models),
+        "/admin/dynamo/workers" => Some(HttpRoute::AdminDynamoWorkers),
+        admin if admin.starts_with("/admin") => Some(HttpRoute::Admin),
+        _ => None,
+    }
+}
+
+/// Counts every answer of the routes [`surface_route`] names (health, readiness, metrics,
+/// models, admin, unmatched).
+async fn count_surface_routes(
+    State(state): State<AppState>,
+    req: axum::extract::Request,
+    next: middleware::Next,
+) -> Response {
+    let route = surface_route(
+        req.extensions()
+            .get::<axum::extract::MatchedPath>()
+            .map(axum::extract::MatchedPath::as_str),
+    );
+    let response = next.run(req).await;
+    if let Some(route) = route {
+        state.route.count(route, response.status());
+    }
+    response
 }
 
 async fn health() -> impl IntoResponse {

@@ -20,6 +20,7 @@ pub mod daemon;
 pub mod dynamo_admin;
 pub mod event_bus;
 pub mod front_door;
+pub mod http_metrics;
 pub mod kv;
 pub mod proxy;
 pub mod readiness;

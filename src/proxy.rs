@@ -44,7 +44,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
 use bytes::Bytes;
-use continuum_actors::metrics::{HttpRoute, Metrics, RoutingPath};
+use continuum_actors::metrics::{Metrics, RoutingPath};
 use continuum_protocol::breaker::{BreakerConfig, ResponseVerdict, classify_response};
 use http_body_util::Full;
 use tracing::warn;
@@ -80,7 +80,8 @@ impl OpenAiRoute {
     }
 
     /// The `route` label of `continuum_http_requests_total`.
-    pub fn metric(self) -> HttpRoute {
+    pub fn metric(self) -> crate::http_metrics::HttpRoute {
+        use crate::http_metrics::HttpRoute;
         match self {
             OpenAiRoute::ChatCompletions => HttpRoute::ChatCompletions,
             OpenAiRoute::Completions => HttpRoute::Completions,

@@ -29,9 +29,10 @@ use axum::body::Body;
 use axum::http::{HeaderMap, Response, StatusCode};
 use axum::response::IntoResponse;
 use bytes::Bytes;
-use continuum_actors::metrics::{DisaggregatedPhase, HttpRoute, RoutingPath};
+use continuum_actors::metrics::{DisaggregatedPhase, RoutingPath};
 use tracing::{debug, warn};
 
+use crate::http_metrics::{HttpMetrics, HttpRoute};
 use crate::proxy::headers::DISCLOSE_REQUEST_HEADER;
 use crate::proxy::{ClientRequest, Dispatch, OpenAiRoute, ParsedBody, Proxy, Scope, body};
 use crate::wire::error::ApiError;
@@ -50,6 +51,8 @@ pub struct Caller {
 pub struct Router {
     proxy: Arc<Proxy>,
     dynamo: ArcSwapOption<ShimRouter>,
+    /// `continuum_http_*` (absent in tests that build a router without a registry).
+    http: Option<HttpMetrics>,
 }
 
 impl std::fmt::Debug for Router {
@@ -64,7 +67,14 @@ impl Router {
         Self {
             proxy,
             dynamo: ArcSwapOption::empty(),
+            http: None,
         }
+    }
+
+    /// Counts answered requests in `http` ([`Router::observe`]).
+    pub fn with_http_metrics(mut self, http: HttpMetrics) -> Self {
+        self.http = Some(http);
+        self
     }
 
     /// The transport.
@@ -90,8 +100,16 @@ impl Router {
     /// Counts one answered request of the surface `route` (`continuum_http_requests_total` and
     /// its duration); an OpenAI route's label is `OpenAiRoute::metric`.
     pub fn observe(&self, route: HttpRoute, status: StatusCode, elapsed: Duration) {
-        if let Some(metrics) = self.proxy.metrics() {
-            metrics.http_request_timed(route, status.as_u16(), elapsed);
+        if let Some(http) = &self.http {
+            http.request_timed(route, status.as_u16(), elapsed);
+        }
+    }
+
+    /// Counts one answered request of a surface route that has no duration series (health,
+    /// readiness, metrics, models, admin, unmatched).
+    pub fn count(&self, route: HttpRoute, status: StatusCode) {
+        if let Some(http) = &self.http {
+            http.request(route, status.as_u16());
         }
     }
 

@@ -29,10 +29,7 @@ use opentelemetry::metrics::{Meter, MeterProvider as _};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use prometheus::proto::MetricType;
-use prometheus::{
-    Encoder as _, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
-};
+use prometheus::{Encoder as _, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::lifecycle::ActorKind;
 
@@ -184,52 +181,6 @@ label_enum! {
     }
 }
 
-label_enum! {
-    /// The `route` of `continuum_http_requests_total{route, status_class}`: matched routes only,
-    /// never the raw path.
-    HttpRoute {
-        ChatCompletions => "chat_completions",
-        Completions => "completions",
-        Models => "models",
-        /// `/v1/messages` and `/anthropic/v1/messages`.
-        Messages => "messages",
-        Responses => "responses",
-        Health => "health",
-        Ready => "ready",
-        Metrics => "metrics",
-        AdminDynamoWorkers => "admin_dynamo_workers",
-        /// Any other admin route.
-        Admin => "admin",
-        /// No route matched (404 from the fallback).
-        Unmatched => "unmatched",
-    }
-}
-
-label_enum! {
-    /// The `status_class` of `continuum_http_requests_total{route, status_class}`.
-    StatusClass {
-        Informational => "1xx",
-        Success => "2xx",
-        Redirection => "3xx",
-        ClientError => "4xx",
-        ServerError => "5xx",
-    }
-}
-
-impl StatusClass {
-    /// The class of an HTTP status code. Codes outside 100..=599 (which `http::StatusCode`
-    /// allows up to 999) count as server errors: the router never emits them deliberately.
-    pub const fn from_code(code: u16) -> Self {
-        match code {
-            100..=199 => Self::Informational,
-            200..=299 => Self::Success,
-            300..=399 => Self::Redirection,
-            400..=499 => Self::ClientError,
-            _ => Self::ServerError,
-        }
-    }
-}
-
 /// One load sample's gauge values. `None` (a nil field upstream) exports no series.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerLoadGauges {
@@ -272,8 +223,6 @@ struct Inner {
     actor_restarts: IntCounterVec,
     config_reload_refusals: IntCounterVec,
     restart_budget_exhausted: IntCounterVec,
-    http_requests: IntCounterVec,
-    http_request_duration: HistogramVec,
     build_info: IntGaugeVec,
     unreachable_workers: IntGauge,
     workers_marked_unreachable: prometheus::IntCounter,
@@ -305,11 +254,6 @@ fn gauge_vec(
     registry.register(Box::new(vec.clone()))?;
     Ok(vec)
 }
-
-/// `continuum_http_request_duration_seconds` buckets: 5 ms to 2 min (LLM answers are slow).
-const HTTP_DURATION_BUCKETS: &[f64] = &[
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-];
 
 /// Gauges hold `i64`; load figures are `u64` from the wire and saturate rather than wrap.
 fn gauge_value(value: u64) -> i64 {
@@ -452,24 +396,6 @@ impl Metrics {
                 "Supervisors that spent a child's restart budget and escalated, by actor kind.",
                 &["actor"],
             )?,
-            http_requests: counter_vec(
-                r,
-                "continuum_http_requests_total",
-                "HTTP requests answered, by matched route and status class.",
-                &["route", "status_class"],
-            )?,
-            http_request_duration: {
-                let vec = HistogramVec::new(
-                    HistogramOpts::new(
-                        "continuum_http_request_duration_seconds",
-                        "Time from request to response headers on the OpenAI routes, by route.",
-                    )
-                    .buckets(HTTP_DURATION_BUCKETS.to_vec()),
-                    &["route"],
-                )?;
-                r.register(Box::new(vec.clone()))?;
-                vec
-            },
             build_info: gauge_vec(
                 r,
                 "continuum_router_build_info",
@@ -797,23 +723,6 @@ impl Metrics {
             .inc();
     }
 
-    pub fn http_request(&self, route: HttpRoute, status: u16) {
-        self.inner
-            .http_requests
-            .with_label_values(&[route.as_label(), StatusClass::from_code(status).as_label()])
-            .inc();
-    }
-
-    /// [`Metrics::http_request`] plus the time to response headers in
-    /// `continuum_http_request_duration_seconds{route}`.
-    pub fn http_request_timed(&self, route: HttpRoute, status: u16, elapsed: std::time::Duration) {
-        self.http_request(route, status);
-        self.inner
-            .http_request_duration
-            .with_label_values(&[route.as_label()])
-            .observe(elapsed.as_secs_f64());
-    }
-
     /// A supervisor spent `kind`'s restart budget and escalated (or gave up starting it).
     pub fn restart_budget_exhausted(&self, kind: ActorKind) {
         self.inner
@@ -880,12 +789,6 @@ impl Inner {
         for reason in ReloadRefusal::ALL {
             self.config_reload_refusals
                 .with_label_values(&[reason.as_label()]);
-        }
-        for route in HttpRoute::ALL {
-            for class in StatusClass::ALL {
-                self.http_requests
-                    .with_label_values(&[route.as_label(), class.as_label()]);
-            }
         }
     }
 
@@ -956,8 +859,6 @@ mod tests {
         check_closed(KvArtifactResult::ALL, KvArtifactResult::as_label);
         check_closed(RoutingPath::ALL, RoutingPath::as_label);
         check_closed(DisaggregatedPhase::ALL, DisaggregatedPhase::as_label);
-        check_closed(HttpRoute::ALL, HttpRoute::as_label);
-        check_closed(StatusClass::ALL, StatusClass::as_label);
         check_closed(ActorKind::ALL, ActorKind::as_label);
         check_closed(ReloadRefusal::ALL, ReloadRefusal::as_label);
     }
@@ -1003,40 +904,16 @@ mod tests {
             states,
             labels(&["pending", "connecting", "connected", "backoff"])
         );
-        assert_eq!(StatusClass::from_code(204), StatusClass::Success);
-        assert_eq!(StatusClass::from_code(429), StatusClass::ClientError);
-        assert_eq!(StatusClass::from_code(503), StatusClass::ServerError);
-        assert_eq!(StatusClass::from_code(999), StatusClass::ServerError);
-        assert_eq!(StatusClass::from_code(101), StatusClass::Informational);
     }
 
     #[test]
-    fn build_info_latency_and_budget_families_export() {
+    fn build_info_and_budget_families_export() {
         let metrics = metrics();
         metrics.set_build_info("9.9.9", "real-peers");
         metrics.set_build_info("1.2.3", "none");
         let text = metrics.render();
         assert!(text.contains(r#"continuum_router_build_info{features="none",version="1.2.3"} 1"#));
         assert!(!text.contains("9.9.9"), "one build_info series only");
-        metrics.http_request_timed(
-            HttpRoute::ChatCompletions,
-            200,
-            std::time::Duration::from_millis(30),
-        );
-        let text = metrics.render();
-        assert!(text.contains(
-            r#"continuum_http_request_duration_seconds_bucket{route="chat_completions",le="0.05"} 1"#
-        ));
-        assert!(text.contains(
-            r#"continuum_http_request_duration_seconds_bucket{route="chat_completions",le="0.025"} 0"#
-        ));
-        assert_eq!(
-            metrics.value(
-                "continuum_http_requests_total",
-                &[("route", "chat_completions"), ("status_class", "2xx")]
-            ),
-            Some(1.0)
-        );
         metrics.restart_budget_exhausted(ActorKind::Discovery);
         assert_eq!(
             metrics.value(
@@ -1066,7 +943,6 @@ mod tests {
             "continuum_actor_restarts_total",
             "continuum_config_reload_refusals_total",
             "continuum_actor_restart_budget_exhausted_total",
-            "continuum_http_requests_total",
         ] {
             assert!(text.contains(&format!("# TYPE {family} ")), "{family}");
         }
@@ -1140,7 +1016,6 @@ mod tests {
         metrics.disaggregated_request(RoutingPath::Disaggregated);
         metrics.disaggregated_error(DisaggregatedPhase::Orchestration);
         metrics.actor_restart(ActorKind::Discovery);
-        metrics.http_request(HttpRoute::ChatCompletions, 503);
         metrics.set_load_subscriptions(
             SubscriptionState::Connected,
             SubscriptionTransport::Direct,
@@ -1202,13 +1077,6 @@ mod tests {
         );
         assert_eq!(
             v("continuum_actor_restarts_total", &[("actor", "discovery")]),
-            Some(1.0)
-        );
-        assert_eq!(
-            v(
-                "continuum_http_requests_total",
-                &[("route", "chat_completions"), ("status_class", "5xx")]
-            ),
             Some(1.0)
         );
         assert_eq!(

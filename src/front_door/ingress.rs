@@ -18,12 +18,12 @@
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::http_metrics::HttpRoute;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use continuum_actors::metrics::HttpRoute;
 use continuum_protocol::ingress::{anthropic, responses};
 use futures::StreamExt;
 use http_body_util::{BodyExt, Limited};

@@ -338,3 +338,63 @@ async fn models_follow_the_keys_allowed_backends_over_a_socket() {
     assert_eq!(list("key-only-a").await, ["model-a"]);
     daemon.shutdown().await;
 }
+
+/// Every answer counts once in `continuum_http_requests_total` under its matched route: the
+/// surface routes through the front door's middleware, the OpenAI routes in their handlers
+/// (with a duration), a path no route matches as `unmatched`.
+#[tokio::test]
+async fn every_answer_is_counted_once_under_its_route() {
+    use continuum_router::http_metrics::{HttpMetrics, HttpRoute};
+    use prometheus::{Encoder, Registry, TextEncoder};
+
+    let registry = Registry::new();
+    let http = HttpMetrics::register(&registry).expect("register");
+    let (mut state, _rx) = state_with(LiveSettings::default());
+    state.route = Arc::new(
+        Router::new(Arc::new(Proxy::new(ProxyOptions::default(), None))).with_http_metrics(http),
+    );
+    assert_eq!(send(&state, get("/health")).await.0, StatusCode::OK);
+    assert_eq!(send(&state, get("/health")).await.0, StatusCode::OK);
+    assert_eq!(send(&state, get("/metrics")).await.0, StatusCode::OK);
+    assert_eq!(send(&state, get("/nowhere")).await.0, StatusCode::NOT_FOUND);
+    // Without an admin token the admin API is closed (403), and counted so.
+    assert_eq!(
+        send(&state, get("/admin/subsystems")).await.0,
+        StatusCode::FORBIDDEN
+    );
+    let chat = Request::post("/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"model":"nobody-serves-it","messages":[]}"#))
+        .expect("request");
+    assert_eq!(send(&state, chat).await.0, StatusCode::NOT_FOUND);
+
+    let mut text = Vec::new();
+    TextEncoder::new()
+        .encode(&registry.gather(), &mut text)
+        .expect("encode");
+    let text = String::from_utf8(text).expect("utf-8");
+    let count = |route: HttpRoute, class: &str| {
+        let series = format!(
+            "continuum_http_requests_total{{route=\"{}\",status_class=\"{class}\"}} ",
+            route.as_label()
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .map(|v| v.parse::<f64>().expect("a number"))
+    };
+    assert_eq!(count(HttpRoute::Health, "2xx"), Some(2.0));
+    assert_eq!(count(HttpRoute::Metrics, "2xx"), Some(1.0));
+    assert_eq!(count(HttpRoute::Unmatched, "4xx"), Some(1.0));
+    assert_eq!(count(HttpRoute::Admin, "4xx"), Some(1.0));
+    assert_eq!(
+        count(HttpRoute::ChatCompletions, "4xx"),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            r#"continuum_http_request_duration_seconds_count{route="chat_completions"} 1"#
+        ),
+        "the OpenAI route counts its duration once"
+    );
+}
