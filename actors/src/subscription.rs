@@ -369,68 +369,18 @@ async fn run_subscription(
                 let broker = carrier.lock().take();
                 reporter.set_broker(broker);
             }
-            match event {
-                ConnEvent::Connected { .. } if kv_events => {
-                    // kv-events gaps are caught by this subscription's per-rank event_id cursors.
-                    reporter.report(SubscriptionState::Connected);
-                    kv.subscription_state(&kv_name, true);
-                }
-                ConnEvent::Delivery(delivery) if kv_events => {
-                    match decode_delivery(
-                        &delivery,
-                        StreamExpectation::kv_events(target.publisher_id),
-                    ) {
-                        Ok(envelope) => kv.deliver(&kv_name, envelope.payload).await,
-                        Err(error) => kv.count_envelope(error.result()),
-                    }
-                }
-                ConnEvent::Connected { .. } => {
-                    reporter.report(SubscriptionState::Connected);
-                    let (dropped, unreachable) =
-                        store.with(|s| (stream.on_connected(s), s.unreachable_count()));
-                    clear_gauges(&metrics, &target.namespace, &dropped);
-                    if let Some(metrics) = &metrics {
-                        metrics.set_unreachable_workers(unreachable as u64);
-                    }
-                    store.notify();
-                    debug!(subscription = %name, dropped = dropped.len(), "Subscribed; dropped samples that may have missed changes.");
-                }
-                ConnEvent::Delivery(delivery) => {
-                    let now = now_tick();
-                    let (outcome, sample) = store.with(|s| {
-                        let outcome = stream.on_delivery(&delivery, s, now);
-                        let sample = outcome
-                            .applied
-                            .and_then(|k| s.latest(k.worker_id, k.dp_rank).cloned());
-                        (outcome, sample)
-                    });
-                    // A gap drops the publisher's samples, then the frame that revealed it is
-                    // applied: clear the dropped series first so the one just set stays.
-                    clear_gauges(&metrics, &target.namespace, &outcome.dropped);
-                    if let Some(metrics) = &metrics {
-                        metrics.load_event(outcome.result);
-                        if let Some(sample) = sample {
-                            let key = WorkerKey {
-                                namespace: target.namespace.clone(),
-                                instance_id: sample.load.worker_id,
-                            };
-                            metrics.set_worker_load(
-                                &key,
-                                sample.load.dp_rank,
-                                WorkerLoadGauges {
-                                    active_decode_blocks: sample.load.active_decode_blocks,
-                                    active_prefill_tokens: sample.load.active_prefill_tokens,
-                                    kv_used_blocks: sample.load.kv_used_blocks,
-                                },
-                            );
-                        }
-                    }
-                    if let Some(missed) = outcome.gap {
-                        debug!(subscription = %name, missed, "Sequence gap: dropped this publisher's samples.");
-                    }
-                    store.notify();
-                }
-            }
+            let mut fold = Fold {
+                name: &name,
+                target: &target,
+                kv_events,
+                kv: &kv,
+                kv_name: &kv_name,
+                store: &store,
+                metrics: &metrics,
+                reporter: &reporter,
+                stream: &mut stream,
+            };
+            fold.event(event).await;
         }
         let outcome = (&mut session).await;
         // The broker session carrying this stream ended (the bus cut it): reconnect at the
@@ -480,6 +430,88 @@ async fn run_subscription(
         // Redialed: dial the new target now.
         target = redials.borrow_and_update().clone();
         reporter.template.component = target.component.clone();
+    }
+}
+
+/// What folding one connection event reads and updates: the kv-events stream goes to the KV
+/// index, a kv_metrics stream to the load store (and its gauges).
+struct Fold<'a> {
+    name: &'a str,
+    target: &'a SubscriptionTarget,
+    kv_events: bool,
+    kv: &'a SharedKvIndex,
+    kv_name: &'a SubscriptionName,
+    store: &'a SharedLoadStore,
+    metrics: &'a Option<Metrics>,
+    reporter: &'a Reporter,
+    stream: &'a mut LoadStream,
+}
+
+impl Fold<'_> {
+    async fn event(&mut self, event: ConnEvent) {
+        match event {
+            ConnEvent::Connected { .. } if self.kv_events => {
+                // kv-events gaps are caught by this subscription's per-rank event_id cursors.
+                self.reporter.report(SubscriptionState::Connected);
+                self.kv.subscription_state(self.kv_name, true);
+            }
+            ConnEvent::Delivery(delivery) if self.kv_events => {
+                match decode_delivery(
+                    &delivery,
+                    StreamExpectation::kv_events(self.target.publisher_id),
+                ) {
+                    Ok(envelope) => self.kv.deliver(self.kv_name, envelope.payload).await,
+                    Err(error) => self.kv.count_envelope(error.result()),
+                }
+            }
+            ConnEvent::Connected { .. } => {
+                self.reporter.report(SubscriptionState::Connected);
+                let (dropped, unreachable) = self
+                    .store
+                    .with(|s| (self.stream.on_connected(s), s.unreachable_count()));
+                clear_gauges(self.metrics, &self.target.namespace, &dropped);
+                if let Some(metrics) = self.metrics {
+                    metrics.set_unreachable_workers(unreachable as u64);
+                }
+                self.store.notify();
+                debug!(subscription = %self.name, dropped = dropped.len(), "Subscribed; dropped samples that may have missed changes.");
+            }
+            ConnEvent::Delivery(delivery) => {
+                let now = now_tick();
+                let (outcome, sample) = self.store.with(|s| {
+                    let outcome = self.stream.on_delivery(&delivery, s, now);
+                    let sample = outcome
+                        .applied
+                        .and_then(|k| s.latest(k.worker_id, k.dp_rank).cloned());
+                    (outcome, sample)
+                });
+                // A gap drops the publisher's samples, then the frame that revealed it is
+                // applied: clear the dropped series first so the one just set stays.
+                clear_gauges(self.metrics, &self.target.namespace, &outcome.dropped);
+                if let Some(metrics) = self.metrics {
+                    metrics.load_event(outcome.result);
+                    if let Some(sample) = sample {
+                        let key = WorkerKey {
+                            namespace: self.target.namespace.clone(),
+                            instance_id: sample.load.worker_id,
+                        };
+                        metrics.set_worker_load(
+                            &key,
+                            sample.load.dp_rank,
+                            WorkerLoadGauges {
+                                active_decode_blocks: sample.load.active_decode_blocks,
+                                active_prefill_tokens: sample.load.active_prefill_tokens,
+                                kv_used_blocks: sample.load.kv_used_blocks,
+                            },
+                        );
+                    }
+                }
+                if let Some(missed) = outcome.gap {
+                    debug!(subscription = %self.name, missed, "Sequence gap: dropped this publisher's samples.");
+                }
+                self.store.notify();
+            }
+        }
     }
 }
 
