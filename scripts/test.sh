@@ -83,6 +83,7 @@ done
 cargo build -p continuum-router --quiet --no-default-features --bin continuum-router
 strip -o target/continuum-router-slim target/debug/continuum-router
 echo "smallest binary (--no-default-features, dev profile, stripped): $(stat -c %s target/continuum-router-slim) bytes; --version: $(target/continuum-router-slim --version)"
+cargo test -p continuum-router --quiet --no-default-features --lib
 echo "slim builds took $((SECONDS - slim_started)) s"
 # --- end of slim builds ---
 
