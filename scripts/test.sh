@@ -61,6 +61,32 @@ cargo fmt --all -- --check
 log "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --features "$FEATURES" -- -D warnings
 
+# --- Slim builds (docs/deployment.md, "Cargo features"). After clippy, so the dependencies'
+# metadata is built; before the tests, whose build relinks target/debug/continuum-router with
+# every feature after the slim build below replaced it. ---
+log "slim builds: cargo check of each product-feature combination"
+slim_started=$SECONDS
+for slim in "" "dynamo" "dynamo,dynamo-kv" "dynamo,dynamo-event-bus"; do
+  echo "--no-default-features${slim:+ --features $slim}"
+  cargo check -p continuum-router --quiet --no-default-features ${slim:+--features "$slim"}
+done
+# The slimmest graph has none of the features' optional dependencies (cargo tree fails on a
+# package that is not in the graph).
+for dep in tokenizers minijinja minijinja-contrib plotters indicatif continuum-demo; do
+  if cargo tree -p continuum-router --no-default-features -e normal -i "$dep" >/dev/null 2>&1; then
+    echo "the --no-default-features build depends on $dep"
+    exit 1
+  fi
+done
+# The smallest binary, dev profile (it reuses the test build's dependencies; the release sizes
+# are in docs/deployment.md), its size without debug info, and the slim build's unit tests.
+cargo build -p continuum-router --quiet --no-default-features --bin continuum-router
+strip -o target/continuum-router-slim target/debug/continuum-router
+echo "smallest binary (--no-default-features, dev profile, stripped): $(stat -c %s target/continuum-router-slim) bytes; --version: $(target/continuum-router-slim --version)"
+cargo test -p continuum-router --quiet --no-default-features --lib
+echo "slim builds took $((SECONDS - slim_started)) s"
+# --- end of slim builds ---
+
 log "cargo test (workspace, real peers)"
 mkdir -p target
 set +e

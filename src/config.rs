@@ -5,6 +5,7 @@
 //! | [`schema`] | the typed tree (`Config` and every section) with defaults |
 //! | [`interpolate`] | `${ENV_VAR}` expansion with an injectable environment |
 //! | [`validate`] | every validation rule and warning, as path-addressed [`Diagnostic`]s |
+//! | [`features`] | keys of a Cargo feature this build lacks: "compiled but inactive" warnings, the effective config |
 //! | [`mask`] | `config show`: the effective config as YAML with secrets masked |
 //! | [`diff`] | reload classification of an old/new config pair ([`ReloadPlan`]) |
 //! | [`guard`] | the reload guard: refuses a file that removes every backend or the admin API |
@@ -24,6 +25,7 @@ use serde_json::Value;
 
 pub mod diff;
 pub mod example;
+pub mod features;
 pub mod guard;
 pub mod interpolate;
 pub mod mask;

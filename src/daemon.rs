@@ -17,14 +17,19 @@ use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_actors::file_source::{FileSourceConfig, default_root as default_file_root};
 use continuum_actors::kube_source::{KubeConnect, KubeSourceConfig, WatchTiming};
+#[cfg(feature = "dynamo-kv")]
 use continuum_actors::kv_artifacts::{ArtifactConfig, ArtifactRegistry};
-use continuum_actors::kv_index::{SharedKvIndex, kv_index_spec};
+use continuum_actors::kv_index::SharedKvIndex;
+#[cfg(feature = "dynamo-kv")]
+use continuum_actors::kv_index::kv_index_spec;
 use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::SharedLoadStore;
 use continuum_actors::memory_source::MemoryDiscovery;
 use continuum_actors::metrics::SubscriptionTransport;
 use continuum_actors::metrics::{DiscoveryEventKind, Metrics, ReloadRefusal};
-use continuum_actors::picker::{SharedPicker, picker_spec};
+use continuum_actors::picker::SharedPicker;
+#[cfg(feature = "dynamo")]
+use continuum_actors::picker::picker_spec;
 use continuum_actors::registry::{
     RegistryConfig, RegistryInbox, RegistryMsg, RegistryParts, RegistryReader, registry_spec,
 };
@@ -44,11 +49,13 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tracing::{error, info, warn};
 
+use crate::build_info::Features;
 use crate::config::guard::GuardRefusal;
 use crate::config::{
     self, Config, DiscoveryAction, DiscoverySource, LoadTransport, LoadedConfig, RestartReason,
 };
 use crate::front_door::{self, ApiKeySetting, AppState, ControlCommand, LiveSettings};
+#[cfg(feature = "dynamo-kv")]
 use crate::kv::ArtifactPromptPrep;
 use crate::proxy::{Proxy, ProxyOptions};
 use crate::readiness::Readiness;
@@ -138,15 +145,21 @@ struct Shared {
     /// KV preparation hook plug in here).
     dynamo: Arc<ShimRouter>,
     /// Records `source: simulated` discovery reads (the demo's fleet; empty otherwise).
+    #[cfg_attr(not(feature = "dynamo"), allow(dead_code))]
     simulated: MemoryDiscovery,
     /// Pinned tokenizer artifacts, started the first time `dynamo.kv.enabled` is on.
     artifacts: Arc<std::sync::Mutex<Option<KvArtifacts>>>,
     /// The event-bus listener's sessions and command API (`dynamo.event_bus`).
     event_bus: crate::event_bus::EventBus,
+    /// The product features this daemon runs (the compiled ones, or fewer in a test); the
+    /// composition points below start nothing of a missing one.
+    features: Features,
 }
 
 /// The artifact loader and the task that feeds it registry generations.
+#[cfg_attr(not(feature = "dynamo-kv"), allow(dead_code))]
 struct KvArtifacts {
+    #[cfg(feature = "dynamo-kv")]
     registry: ArtifactRegistry,
     follow: JoinHandle<()>,
 }
@@ -154,6 +167,7 @@ struct KvArtifacts {
 /// Starts the artifact loader and installs the production prompt preparation when KV-aware
 /// selection is on; applies `dynamo.kv`'s artifact keys to a running loader otherwise (turning
 /// KV off unpins everything, which drops loaded tokenizers).
+#[cfg(feature = "dynamo-kv")]
 fn sync_kv_artifacts(shared: &Shared, config: &Config) {
     let enabled = config.dynamo.enabled && config.dynamo.kv.enabled;
     let kv = &config.dynamo.kv;
@@ -179,6 +193,10 @@ fn sync_kv_artifacts(shared: &Shared, config: &Config) {
         None => {}
     }
 }
+
+/// Without `dynamo-kv` there is no artifact loader and no prompt preparation to install.
+#[cfg(not(feature = "dynamo-kv"))]
+fn sync_kv_artifacts(_shared: &Shared, _config: &Config) {}
 
 /// A running daemon.
 pub struct Daemon {
@@ -213,6 +231,18 @@ impl Daemon {
         listener: TcpListener,
         feed: MemoryDiscovery,
     ) -> anyhow::Result<Daemon> {
+        Self::start_with_features(options, listener, feed, Features::COMPILED).await
+    }
+
+    /// [`Daemon::start_with_feed`] running only `features` (at most the compiled ones): what a
+    /// build without the others does, shown without compiling one (tests/it/features.rs).
+    pub async fn start_with_features(
+        options: RunOptions,
+        listener: TcpListener,
+        feed: MemoryDiscovery,
+        features: Features,
+    ) -> anyhow::Result<Daemon> {
+        let features = features.within_compiled();
         let config = options.config;
         let metrics = Metrics::new(&config.telemetry.service_name)
             .map_err(|e| anyhow::anyhow!("cannot build metrics: {e}"))?;
@@ -243,7 +273,10 @@ impl Daemon {
         let http = crate::http_metrics::HttpMetrics::register(metrics.registry())
             .map_err(|e| anyhow::anyhow!("cannot register the HTTP metrics: {e}"))?;
         let route = Arc::new(Router::new(proxy.clone()).with_http_metrics(http));
-        route.set_dynamo(dynamo.clone());
+        // Without `dynamo` the request path has no Dynamo step: every request routes unified.
+        if features.dynamo {
+            route.set_dynamo(dynamo.clone());
+        }
         // The listener starts from the empty config too; `apply` hands it the real settings before
         // the tree (and so root/event_bus) spawns.
         let event_bus = crate::event_bus::EventBus::new(
@@ -265,6 +298,7 @@ impl Daemon {
             load,
             simulated: feed,
             event_bus,
+            features,
         };
         shared.proxy.reconfigure(&empty);
         let tree = ActorTree::default();
@@ -281,18 +315,7 @@ impl Daemon {
         control.apply(config.clone(), "startup").await;
         control.running = true;
         let (root, root_task) = spawn_root(
-            vec![
-                registry_spec(registry.writer),
-                kv_index_spec(shared.kv.clone(), shared.registry.clone()),
-                picker_spec(
-                    shared.picker.clone(),
-                    shared.registry.clone(),
-                    shared.load.clone(),
-                ),
-                discovery_spec(&shared),
-                subscriptions_spec(&shared),
-                crate::event_bus::event_bus_spec(shared.event_bus.clone()),
-            ],
+            root_children(&shared, registry_spec(registry.writer)),
             tree.clone(),
             Some(shared.metrics.clone()),
         )
@@ -303,7 +326,7 @@ impl Daemon {
         let state = app_state(&shared, &tree, live.clone(), control_tx.clone());
         let local_addr = listener.local_addr()?;
         let (stop_server, mut stop_rx) = watch::channel(false);
-        let app = front_door::router(state);
+        let app = front_door::router_for(state, features);
         let serve_options = front_door::serve::ServeOptions::from_config(&config.server);
         let server_metrics = shared.metrics.clone();
         let server = tokio::spawn(async move {
@@ -428,6 +451,34 @@ impl Daemon {
             warn!("Shutdown exceeded its 10 s bound; exiting anyway.");
         }
     }
+}
+
+/// The root's children, dependencies first, for the features the daemon runs. The one place the
+/// product features decide what starts: the registry always (an empty fleet for the request
+/// path), the rest only with its feature. Each `cfg` keeps a slim binary from linking what it
+/// cannot start; each `if` lets a test run fewer features than are compiled.
+#[cfg_attr(not(feature = "dynamo"), allow(unused_mut, unused_variables))]
+fn root_children(shared: &Shared, registry: ChildSpec) -> Vec<ChildSpec> {
+    let mut children = vec![registry];
+    #[cfg(feature = "dynamo-kv")]
+    if shared.features.dynamo_kv {
+        children.push(kv_index_spec(shared.kv.clone(), shared.registry.clone()));
+    }
+    #[cfg(feature = "dynamo")]
+    if shared.features.dynamo {
+        children.push(picker_spec(
+            shared.picker.clone(),
+            shared.registry.clone(),
+            shared.load.clone(),
+        ));
+        children.push(discovery_spec(shared));
+        children.push(subscriptions_spec(shared));
+    }
+    #[cfg(feature = "dynamo-event-bus")]
+    if shared.features.dynamo_event_bus {
+        children.push(crate::event_bus::event_bus_spec(shared.event_bus.clone()));
+    }
+    children
 }
 
 fn app_state(
@@ -567,7 +618,9 @@ fn source_prefix(source: DiscoverySource) -> &'static str {
 }
 
 /// The discovery subtree; its children are computed from the live config at every spawn, so
-/// restarting it is the live watcher replacement.
+/// restarting it is the live watcher replacement. (Without `dynamo` nothing starts it or the
+/// three below: `root_children`; compiled, never linked.)
+#[cfg_attr(not(feature = "dynamo"), allow(dead_code))]
 fn discovery_spec(shared: &Shared) -> ChildSpec {
     let shared = shared.clone();
     ChildSpec::supervisor_with("discovery", ActorKind::DiscoverySupervisor, move || {
@@ -577,6 +630,7 @@ fn discovery_spec(shared: &Shared) -> ChildSpec {
 
 /// The load subscriptions subtree: a follower that keeps one SubscriptionActor per publisher.
 /// Restarting it applies a new dial policy (`load.transport`, `direct_allow_cidrs`).
+#[cfg_attr(not(feature = "dynamo"), allow(dead_code))]
 fn subscriptions_spec(shared: &Shared) -> ChildSpec {
     let shared = shared.clone();
     ChildSpec::supervisor_with(
@@ -599,6 +653,7 @@ fn subscriptions_spec(shared: &Shared) -> ChildSpec {
     )
 }
 
+#[cfg_attr(not(feature = "dynamo"), allow(dead_code))]
 fn dial_policy(config: &Config) -> DialPolicy {
     DialPolicy {
         transport: match config.dynamo.load.transport {
@@ -611,6 +666,7 @@ fn dial_policy(config: &Config) -> DialPolicy {
     }
 }
 
+#[cfg_attr(not(feature = "dynamo"), allow(dead_code))]
 fn discovery_children(shared: &Shared) -> Vec<ChildSpec> {
     let config = shared.config.load();
     let dynamo = &config.dynamo;
@@ -830,10 +886,21 @@ impl ControlLoop {
     }
 
     /// The one path for startup (`current` is the empty config) and reload: applies a validated
-    /// config by reload class, as `config::diff(current, new)` says.
-    async fn apply(&mut self, new: Config, what: &'static str) -> String {
-        let plan = config::diff(&self.current, &new);
+    /// config by reload class, as `config::diff(current, new)` says. The daemon runs the
+    /// effective config (`config::features::effective`: the sections of a missing feature
+    /// switched off); `current` keeps the config as written, for the readback.
+    async fn apply(&mut self, written: Config, what: &'static str) -> String {
+        let features = self.shared.features;
+        if !self.running {
+            // At startup; a reload logs the same warnings with its validation diagnostics.
+            for inactive in config::features::inactive(&written, features) {
+                warn!(path = %inactive.path, "{}.", inactive.message);
+            }
+        }
+        let new = config::features::effective(&written, features);
+        let plan = config::diff(&config::features::effective(&self.current, features), &new);
         if plan.is_empty() {
+            self.current = written;
             return "no changes".into();
         }
         // Immediate class: the next request sees it.
@@ -905,7 +972,7 @@ impl ControlLoop {
         self.shared.mailbox.cast(RegistryMsg::Rebuild);
         // `restart_subscriptions` covers the dial policy and turning KV indexing on or off (the
         // kv-events subscriptions start or stop).
-        if plan.restart_subscriptions && self.running {
+        if plan.restart_subscriptions && self.running && features.dynamo {
             // Only the subscriptions restart; discovery, the load store and the KV index stay.
             if let Err(error) = self
                 .tree
@@ -919,7 +986,11 @@ impl ControlLoop {
         // Sessions are regranted or closed in place; a new listen address, TLS files, `enabled`
         // or byte bounds restart only root/event_bus (at startup the tree spawns it afterwards).
         let bus = crate::event_bus::settings(&new.dynamo.event_bus);
-        if plan.event_bus && self.shared.event_bus.reload(bus) && self.running {
+        if plan.event_bus
+            && self.shared.event_bus.reload(bus)
+            && self.running
+            && features.dynamo_event_bus
+        {
             if let Err(error) = self.tree.restart("root/event_bus", REPLACE_TIMEOUT).await {
                 error!(%error, "Could not restart the event bus listener.");
             }
@@ -929,14 +1000,14 @@ impl ControlLoop {
             warn!(keys = ?plan.needs_restart, "These settings take effect after a process restart.");
             summary.push(format!("needs restart: {}", plan.needs_restart.join(", ")));
         }
-        self.current = new;
+        self.current = written;
         let summary = summary.join("; ");
         info!(%summary, what, "Configuration applied.");
         summary
     }
 
     async fn replace_discovery(&self) {
-        if !self.running {
+        if !self.running || !self.shared.features.dynamo {
             return;
         }
         if let Err(error) = self.tree.restart("root/discovery", REPLACE_TIMEOUT).await {

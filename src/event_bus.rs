@@ -5,9 +5,12 @@
 
 use std::collections::BTreeSet;
 
+/// The listener's subtree (`root/event_bus`): compiled with `dynamo-event-bus` only.
+#[cfg(feature = "dynamo-event-bus")]
+pub use continuum_actors::event_bus::event_bus_spec;
 use continuum_actors::event_bus::{BusEntry, BusTls};
 pub use continuum_actors::event_bus::{
-    BusSettings, BusStream, BusStreamError, EventBus, SessionInfo, SessionsView, event_bus_spec,
+    BusSettings, BusStream, BusStreamError, EventBus, SessionInfo, SessionsView,
 };
 use continuum_protocol::event_bus::credential::TokenHash;
 use continuum_protocol::event_bus::message::{ClientId, Role};

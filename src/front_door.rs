@@ -30,6 +30,7 @@ use continuum_actors::tree::ActorTree;
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::build_info::Features;
 use crate::proxy::OpenAiRoute;
 use crate::proxy::body::read_bounded;
 use crate::readiness::Readiness;
@@ -111,10 +112,17 @@ pub fn configure_accepted(tcp: &tokio::net::TcpStream) {
     }
 }
 
-/// The whole router, with the always-on pin-stripping middleware outermost.
+/// The whole router, with the always-on pin-stripping middleware outermost, for the compiled
+/// features.
 pub fn router(state: AppState) -> Router {
-    let admin = admin::routes(state.clone());
-    Router::new()
+    router_for(state, Features::COMPILED)
+}
+
+/// [`router`] for `features`: without `dynamo` the Dynamo routes (`/admin/dynamo/*`, the fleet
+/// page and its summary) are not registered and answer 404 like any unknown path.
+pub fn router_for(state: AppState, features: Features) -> Router {
+    let admin = admin::routes(state.clone(), features.within_compiled());
+    let router = Router::new()
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
@@ -125,8 +133,13 @@ pub fn router(state: AppState) -> Router {
         .route("/anthropic/v1/messages", post(ingress::anthropic_messages))
         .route("/v1/responses", post(ingress::responses))
         .route("/v1/responses/compact", post(ingress::responses_compact))
-        .merge(admin)
-        .merge(ui::routes())
+        .merge(admin);
+    let router = if features.within_compiled().dynamo {
+        router.merge(ui::routes())
+    } else {
+        router
+    };
+    router
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -315,7 +328,69 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use arc_swap::ArcSwap;
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
     use axum::serve::Listener;
+    use continuum_actors::tree::ActorTree;
+    use tower::ServiceExt as _;
+
+    use super::{AppState, LiveSettings};
+    use crate::build_info::Features;
+    use crate::proxy::{Proxy, ProxyOptions};
+    use crate::readiness::Readiness;
+
+    fn state() -> AppState {
+        let (control, _) = tokio::sync::mpsc::channel(1);
+        AppState {
+            live: Arc::new(ArcSwap::from_pointee(LiveSettings {
+                admin_token: Some("s3cret-admin-token".into()),
+                ..LiveSettings::default()
+            })),
+            readiness: Readiness::new(),
+            metrics: Arc::new(String::new),
+            tree: ActorTree::default(),
+            control,
+            dynamo_workers: Arc::new(|| serde_json::json!({"enabled": false})),
+            fleet_summary: Arc::new(|| serde_json::json!({})),
+            fleet_models: Arc::new(|_: &[String]| Vec::new()),
+            route: Arc::new(crate::route::Router::new(Arc::new(Proxy::new(
+                ProxyOptions::default(),
+                None,
+            )))),
+        }
+    }
+
+    async fn status(app: axum::Router, path: &str) -> StatusCode {
+        let request = Request::get(path)
+            .header("authorization", "Bearer s3cret-admin-token")
+            .body(Body::empty())
+            .expect("request");
+        app.oneshot(request).await.expect("infallible").status()
+    }
+
+    const DYNAMO_ROUTES: [&str; 3] = ["/admin/dynamo/workers", "/admin/fleet/summary", "/admin/ui"];
+
+    /// The Dynamo routes exist exactly when `dynamo` runs; the rest of the admin API stays.
+    /// Under `cargo test --no-default-features` the compiled router is the slim one.
+    #[tokio::test]
+    async fn dynamo_routes_answer_404_without_the_dynamo_feature() {
+        for path in DYNAMO_ROUTES {
+            let slim = super::router_for(state(), Features::NONE);
+            assert_eq!(status(slim, path).await, StatusCode::NOT_FOUND, "{path}");
+            let compiled = status(super::router(state()), path).await;
+            let expected = if Features::COMPILED.dynamo {
+                StatusCode::OK
+            } else {
+                StatusCode::NOT_FOUND
+            };
+            assert_eq!(compiled, expected, "{path}");
+        }
+        let slim = super::router_for(state(), Features::NONE);
+        assert_eq!(status(slim, "/admin/subsystems").await, StatusCode::OK);
+    }
 
     #[tokio::test]
     async fn accepted_connections_have_nodelay() {

@@ -9,14 +9,26 @@
 //! | [`prep`] | [`ArtifactPromptPrep`]: the production `KvPromptPrep` over pinned fleet artifacts |
 //! | [`token_cache`] | [`PromptTokenizer`]: exact, bounded prefix cache so follow-up turns tokenize only what is new |
 
+//!
+//! Only [`hook`] is compiled without the `dynamo-kv` Cargo feature: the rest (and its tokenizers
+//! and minijinja dependencies) is not, and no implementation of the hook is installed.
+
 pub mod hook;
+#[cfg(feature = "dynamo-kv")]
 pub mod prep;
+#[cfg(feature = "dynamo-kv")]
 pub mod render;
+#[cfg(feature = "dynamo-kv")]
 pub mod template;
+#[cfg(feature = "dynamo-kv")]
 pub mod token_cache;
 
-pub use hook::{KvPrepRequest, KvPromptPrep};
+pub use hook::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
+#[cfg(feature = "dynamo-kv")]
 pub use prep::ArtifactPromptPrep;
-pub use render::{PrepareError, PreparedPrompt, PromptRenderer, RenderPermits};
+#[cfg(feature = "dynamo-kv")]
+pub use render::{PrepareError, PromptRenderer, RenderPermits};
+#[cfg(feature = "dynamo-kv")]
 pub use template::{ChatTemplate, SpecialTokens, TemplateError};
+#[cfg(feature = "dynamo-kv")]
 pub use token_cache::{CacheLimits, CacheStats, PromptTokenizer};

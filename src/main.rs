@@ -2,19 +2,12 @@
 //! `demo` subcommand composes the daemon with the simulated fleet of the `continuum-demo` crate,
 //! which the library does not contain.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use continuum_demo::{DemoOptions, Simulation};
 use continuum_router::config::{self, Config};
-use continuum_router::daemon::{self, Daemon, RunOptions};
-use continuum_router::telemetry;
-use tokio::net::TcpListener;
-use tracing::{info, warn};
+use continuum_router::daemon::{self, RunOptions};
 
 /// With the `mimalloc` feature the binary allocates through mimalloc (see docs/performance.md,
 /// "Proxy vs nginx", for what it measured).
@@ -51,6 +44,7 @@ enum Command {
         action: ConfigAction,
     },
     /// Run the daemon on an embedded default: a simulated fleet on this machine.
+    #[cfg(feature = "dynamo")]
     Demo {
         /// Address to serve on [default: 127.0.0.1:8080, from the embedded config].
         #[arg(long, value_name = "ADDR")]
@@ -60,6 +54,7 @@ enum Command {
         publish_interval: std::time::Duration,
     },
     /// Replay a trace offline through each routing policy and compare them.
+    #[cfg(feature = "dynamo-kv")]
     Replay(Box<continuum_router::replay::ReplayArgs>),
 }
 
@@ -88,13 +83,15 @@ fn main() -> ExitCode {
     match (cli.command, cli.config) {
         (Some(Command::Config { action }), _) => config_command(action),
         (Some(Command::Run { config }), _) | (None, Some(config)) => run_file(config),
+        #[cfg(feature = "dynamo")]
         (
             Some(Command::Demo {
                 bind,
                 publish_interval,
             }),
             _,
-        ) => run_demo(bind, publish_interval),
+        ) => demo::run_demo(bind, publish_interval),
+        #[cfg(feature = "dynamo-kv")]
         (Some(Command::Replay(args)), _) => match continuum_router::replay::run(&args) {
             Ok(summary) => {
                 print!("{}", continuum_router::replay::report::table(&summary));
@@ -154,88 +151,110 @@ fn run_file(path: PathBuf) -> ExitCode {
     }))
 }
 
-fn run_demo(bind: Option<String>, publish_interval: Duration) -> ExitCode {
-    let bind = match bind.map(|b| b.parse::<SocketAddr>().map_err(|e| (b, e))) {
-        None => None,
-        Some(Ok(addr)) => Some(addr),
-        Some(Err((bind, error))) => {
-            eprintln!("--bind {bind}: {error}");
-            return ExitCode::from(2);
-        }
-    };
-    let options = DemoOptions {
-        publish_interval: publish_interval.max(Duration::from_millis(10)),
-        ..DemoOptions::default()
-    };
-    block_on(demo_until_signal(bind, options))
-}
+/// `continuum-router demo` (a `dynamo` build only: the simulated fleet is discovered through
+/// the Dynamo path).
+#[cfg(feature = "dynamo")]
+mod demo {
+    use std::net::SocketAddr;
+    use std::process::ExitCode;
+    use std::time::Duration;
 
-/// `continuum-router demo`: the simulated fleet and the router on the embedded demo config (each
-/// shim pool pointed at its namespace's simulated frontend), until SIGTERM or SIGINT.
-async fn demo_until_signal(bind: Option<SocketAddr>, options: DemoOptions) -> anyhow::Result<()> {
-    let mut config = Config::demo();
-    if let Some(bind) = bind {
-        config.server.bind_address = bind;
-    }
-    // The embedded config logs warnings only; `RUST_LOG` asks for more (a bad filter is refused
-    // by telemetry::init with the filter's own error).
-    if let Some(filter) = std::env::var("RUST_LOG")
-        .ok()
-        .filter(|f| !f.trim().is_empty())
-    {
-        config.telemetry.log_level = filter;
-    }
-    let guard =
-        telemetry::init(&(&config.telemetry).into()).context("cannot initialise telemetry")?;
-    let addr = config.server.bind_address;
-    let listener = TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr} (try --bind 127.0.0.1:0)"))?;
-    let simulation = Simulation::start(options).await?;
-    let router =
-        Config::demo_with_frontends(&simulation.frontend_addrs()).map_err(anyhow::Error::msg)?;
-    let token = router.admin.token.clone();
-    let daemon = Daemon::start_with_feed(
-        RunOptions {
-            config: router,
-            config_path: None,
-            demo: true,
-        },
-        listener,
-        simulation.feed(),
-    )
-    .await?;
-    let url = format!("http://{}", daemon.local_addr());
-    if !all_discovered(&daemon, simulation.fleet().workers().len()).await {
-        warn!("The router has not discovered every simulated worker yet.");
-    }
-    info!(router = %url, "continuum-router demo is serving.");
-    println!("{}", simulation.banner(&url, token.as_deref()));
-    daemon::shutdown_signal().await;
-    info!("Shutting down the demo.");
-    daemon.shutdown().await;
-    simulation.shutdown();
-    if let Err(error) = guard.shutdown().await {
-        warn!(%error, "Telemetry did not flush cleanly.");
-    }
-    Ok(())
-}
+    use anyhow::Context as _;
+    use continuum_demo::{DemoOptions, Simulation};
+    use continuum_router::config::Config;
+    use continuum_router::daemon::{self, Daemon, RunOptions};
+    use continuum_router::telemetry;
+    use tokio::net::TcpListener;
+    use tracing::{info, warn};
 
-/// Waits (on registry generations, at most 10 s) until the router has discovered `workers`
-/// simulated workers.
-async fn all_discovered(daemon: &Daemon, workers: usize) -> bool {
-    let registry = daemon.registry();
-    let mut generations = registry.subscribe();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while registry.snapshot().workers().len() < workers {
-            if generations.changed().await.is_err() {
-                return false;
+    use super::block_on;
+
+    pub(crate) fn run_demo(bind: Option<String>, publish_interval: Duration) -> ExitCode {
+        let bind = match bind.map(|b| b.parse::<SocketAddr>().map_err(|e| (b, e))) {
+            None => None,
+            Some(Ok(addr)) => Some(addr),
+            Some(Err((bind, error))) => {
+                eprintln!("--bind {bind}: {error}");
+                return ExitCode::from(2);
             }
+        };
+        let options = DemoOptions {
+            publish_interval: publish_interval.max(Duration::from_millis(10)),
+            ..DemoOptions::default()
+        };
+        block_on(demo_until_signal(bind, options))
+    }
+
+    /// `continuum-router demo`: the simulated fleet and the router on the embedded demo config (each
+    /// shim pool pointed at its namespace's simulated frontend), until SIGTERM or SIGINT.
+    async fn demo_until_signal(
+        bind: Option<SocketAddr>,
+        options: DemoOptions,
+    ) -> anyhow::Result<()> {
+        let mut config = Config::demo();
+        if let Some(bind) = bind {
+            config.server.bind_address = bind;
         }
-        true
-    })
-    .await
-    .unwrap_or(false)
+        // The embedded config logs warnings only; `RUST_LOG` asks for more (a bad filter is refused
+        // by telemetry::init with the filter's own error).
+        if let Some(filter) = std::env::var("RUST_LOG")
+            .ok()
+            .filter(|f| !f.trim().is_empty())
+        {
+            config.telemetry.log_level = filter;
+        }
+        let guard =
+            telemetry::init(&(&config.telemetry).into()).context("cannot initialise telemetry")?;
+        let addr = config.server.bind_address;
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} (try --bind 127.0.0.1:0)"))?;
+        let simulation = Simulation::start(options).await?;
+        let router = Config::demo_with_frontends(&simulation.frontend_addrs())
+            .map_err(anyhow::Error::msg)?;
+        let token = router.admin.token.clone();
+        let daemon = Daemon::start_with_feed(
+            RunOptions {
+                config: router,
+                config_path: None,
+                demo: true,
+            },
+            listener,
+            simulation.feed(),
+        )
+        .await?;
+        let url = format!("http://{}", daemon.local_addr());
+        if !all_discovered(&daemon, simulation.fleet().workers().len()).await {
+            warn!("The router has not discovered every simulated worker yet.");
+        }
+        info!(router = %url, "continuum-router demo is serving.");
+        println!("{}", simulation.banner(&url, token.as_deref()));
+        daemon::shutdown_signal().await;
+        info!("Shutting down the demo.");
+        daemon.shutdown().await;
+        simulation.shutdown();
+        if let Err(error) = guard.shutdown().await {
+            warn!(%error, "Telemetry did not flush cleanly.");
+        }
+        Ok(())
+    }
+
+    /// Waits (on registry generations, at most 10 s) until the router has discovered `workers`
+    /// simulated workers.
+    async fn all_discovered(daemon: &Daemon, workers: usize) -> bool {
+        let registry = daemon.registry();
+        let mut generations = registry.subscribe();
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while registry.snapshot().workers().len() < workers {
+                if generations.changed().await.is_err() {
+                    return false;
+                }
+            }
+            true
+        })
+        .await
+        .unwrap_or(false)
+    }
 }
 
 fn block_on(work: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {

@@ -24,16 +24,26 @@
 //! | [`metrics`] | the `continuum_dynamo_event_bus_*` and `continuum_dynamo_broker_*` families |
 //! | [`coverage`] | what broker-transport subscriptions want, and the debounced coverage gauges |
 //!
+//! `listener` and `supervisor` are compiled with the `event-bus-listener` feature only (the root
+//! package's `dynamo-event-bus`); without it the [`EventBus`] still exists, covers nothing, and
+//! broker-transport subscriptions wait in pending.
+//!
 //! [`EventBus`] is a cheap `Clone` handle over state that outlives restarts of the supervisor:
 //! the session table (the only one; the session actors keep their rows current), the admission
 //! table, the revocation ring and the current settings.
 
+// Without the listener, the parts only it uses (auth kinds, the TLS server config, the running
+// flag) are unused: allowed rather than gated item by item.
+#![cfg_attr(not(feature = "event-bus-listener"), allow(dead_code))]
+
 pub mod coverage;
+#[cfg(feature = "event-bus-listener")]
 pub mod listener;
 pub mod metrics;
 pub mod session;
 pub mod settings;
 pub mod stream;
+#[cfg(feature = "event-bus-listener")]
 pub mod supervisor;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -62,6 +72,7 @@ pub use self::metrics::EventBusMetrics;
 pub use self::session::SessionMsg;
 pub use self::settings::{BusEntry, BusSettings, BusTls};
 pub use self::stream::BusStream;
+#[cfg(feature = "event-bus-listener")]
 pub use self::supervisor::event_bus_spec;
 
 /// How long `open_stream` waits for the agent to open the commanded data stream.

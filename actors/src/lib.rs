@@ -45,6 +45,7 @@ pub mod etcd_source;
 pub mod event_bus;
 pub mod file_source;
 pub mod kube_source;
+#[cfg(feature = "kv-artifacts")]
 pub mod kv_artifacts;
 pub mod kv_index;
 pub mod lifecycle;

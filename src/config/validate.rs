@@ -54,6 +54,11 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     v.kv(config);
     v.event_bus(config);
     let mut out = v.out;
+    // Keys of a feature this build lacks are validated like the others, then flagged.
+    out.extend(super::features::inactive(
+        config,
+        crate::build_info::Features::COMPILED,
+    ));
     out.sort_by_key(|diagnostic| diagnostic.severity == Severity::Warning);
     out
 }

@@ -14,19 +14,27 @@ use tokio::sync::oneshot;
 
 use super::error::ApiError;
 use super::{AppState, ControlCommand, bearer, constant_time_eq};
+use crate::build_info::Features;
 
 /// How long an operator restart may take before the call answers 503.
 const RESTART_TIMEOUT: Duration = Duration::from_secs(30);
 
-pub fn routes(state: AppState) -> Router<AppState> {
-    Router::new()
+/// The admin routes; the Dynamo ones (`/admin/dynamo/*`, `/admin/fleet/summary`) only with the
+/// `dynamo` feature (without it they answer 404, before authentication, like any unknown path).
+pub fn routes(state: AppState, features: Features) -> Router<AppState> {
+    let routes = Router::new()
         .route("/admin/subsystems", get(list_subsystems))
         .route("/admin/subsystems/{*rest}", post(restart_subsystem))
         .route("/admin/config/reload", post(reload_config))
-        .route("/admin/dynamo/workers", get(dynamo_workers))
-        .merge(super::admin_config::routes())
-        .route("/admin/fleet/summary", get(fleet_summary))
-        .layer(middleware::from_fn_with_state(state, admin_auth))
+        .merge(super::admin_config::routes());
+    let routes = if features.dynamo {
+        routes
+            .route("/admin/dynamo/workers", get(dynamo_workers))
+            .route("/admin/fleet/summary", get(fleet_summary))
+    } else {
+        routes
+    };
+    routes.layer(middleware::from_fn_with_state(state, admin_auth))
 }
 
 /// Bearer auth for every `/admin/*` route, and the audit line.

@@ -14,8 +14,6 @@ use minijinja::value::{Serde, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use continuum_protocol::kv::LocalBlockHash;
-use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::kv::prompt::{
     BlockPlanError, PrepareFailureKind, RenderLimits, block_plan, prompt_block_hashes,
 };
@@ -27,25 +25,7 @@ use super::token_cache::{CacheLimits, CacheStats, DEFAULT_CACHE_LIMITS, PromptTo
 /// than this many turns meaningless, and it bounds the context built before fuel counts).
 const MAX_MESSAGES: usize = 65_536;
 
-/// A prompt ready for the index: its token ids and, per block size, its LocalBlockHashes (what
-/// `KvIndex::find_matches` takes).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PreparedPrompt {
-    pub tokens: Arc<[u32]>,
-    /// Input sequence length in tokens (`tokens.len()`), the `isl` of the cost formula.
-    pub isl: usize,
-    pub hashes: Vec<(BlockSize, Vec<LocalBlockHash>)>,
-}
-
-impl PreparedPrompt {
-    /// The hashes for `size`, if it was one of the sizes asked for.
-    pub fn hashes_for(&self, size: BlockSize) -> Option<&[LocalBlockHash]> {
-        self.hashes
-            .iter()
-            .find(|(s, _)| *s == size)
-            .map(|(_, h)| h.as_slice())
-    }
-}
+pub use super::hook::PreparedPrompt;
 
 /// Why a prompt was not prepared; [`PrepareError::kind`] is the metric label.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
