@@ -1,6 +1,6 @@
 //! The bounded device-tier radix index (seed "Index structure and compiled-in bounds").
 //!
-//! Nodes live in an arena (`Vec` + free list, `u32` indices, no pointers) and are keyed by
+//! Nodes live in an arena (`Vec` + free-slot bitset, `u32` indices, no pointers) and are keyed by
 //! `tokens_hash` under their parent, starting from a root that stands for the empty prefix. Each
 //! (worker, dp_rank) maps the engine's `block_hash` to a node; a node counts, per rank, how many
 //! engine hashes name it (two engine hashes may name one `tokens_hash` node). A node lives while
@@ -30,8 +30,10 @@ use super::{ExternalBlockHash, KvEventCounts, KvEventResult, LocalBlockHash};
 use crate::ids::{DpRank, InstanceId};
 
 mod block_table;
+mod free_set;
 mod owners;
 use block_table::BlockTable;
+use free_set::FreeSet;
 use owners::{Owner, Owners, mask_slots};
 
 /// Radix nodes in the whole index (the root not counted).
@@ -172,7 +174,7 @@ struct Node {
 #[derive(Debug)]
 struct Tree {
     nodes: Vec<Node>,
-    free: Vec<NodeIdx>,
+    free: FreeSet,
     live: usize,
     edges: FastMap<(NodeIdx, LocalBlockHash), NodeIdx>,
 }
@@ -188,7 +190,7 @@ impl Tree {
                 edge_mode: true,
                 owners: Owners::default(),
             }],
-            free: Vec::new(),
+            free: FreeSet::default(),
             live: 0,
             edges: HashMap::with_hasher(build),
         }
@@ -228,7 +230,15 @@ impl Tree {
             edge_mode: false,
             owners: Owners::default(),
         };
-        let idx = match self.free.pop() {
+        // Right after the parent when that slot is free, so the chain stays a stream for walks
+        // (see `FreeSet`); else the next free slot; else a new one at the end.
+        let after = parent.wrapping_add(1);
+        let reuse = if self.free.take_exact(after) {
+            Some(after)
+        } else {
+            self.free.take_next()
+        };
+        let idx = match reuse {
             Some(idx) => {
                 self.nodes[idx as usize] = node;
                 idx
@@ -301,7 +311,7 @@ impl Tree {
                 p.edge_mode = false;
             }
             self.nodes[node as usize].parent = FREED;
-            self.free.push(node);
+            self.free.insert(node);
             self.live -= 1;
             node = parent;
         }
@@ -614,7 +624,8 @@ impl KvIndex {
             + self.tree.edges.capacity()
                 * (std::mem::size_of::<((NodeIdx, LocalBlockHash), NodeIdx)>() + 1)
             + rank_entries * BlockTable::SLOT_BYTES
-            + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>();
+            + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
+            + self.tree.free.capacity_words() * 8;
         KvIndexStats {
             nodes: self.tree.live,
             ranks: self.slot_of.len(),
@@ -782,7 +793,19 @@ impl KvIndex {
     /// Structural invariants (for tests): edges, child counts, owner refcounts and the
     /// ownership total all agree with the rank maps; no node is both ownerless and childless.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let free: BTreeSet<NodeIdx> = self.tree.free.iter().copied().collect();
+        let free: BTreeSet<NodeIdx> = self.tree.free.iter().collect();
+        if free.len() != self.tree.free.len()
+            || free
+                .last()
+                .is_some_and(|f| *f as usize >= self.tree.nodes.len())
+        {
+            return Err(format!(
+                "free set of {} holds {} slots, up to {:?}",
+                self.tree.free.len(),
+                free.len(),
+                free.last()
+            ));
+        }
         let mut children = vec![0u32; self.tree.nodes.len()];
         let mut live = 0;
         let mut edged = 0;
@@ -792,6 +815,9 @@ impl KvIndex {
                     return Err(format!("freed node {i} still names parent {}", node.parent));
                 }
                 continue;
+            }
+            if node.parent == FREED {
+                return Err(format!("node {i} names no parent but is not free"));
             }
             live += 1;
             children[node.parent as usize] += 1;
