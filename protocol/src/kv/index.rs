@@ -32,9 +32,11 @@ use crate::ids::{DpRank, InstanceId};
 mod block_table;
 mod free_set;
 mod owners;
+mod runs;
 use block_table::BlockTable;
 use free_set::FreeSet;
 use owners::{Owner, Owners, mask_slots};
+use runs::Runs;
 
 /// Radix nodes in the whole index (the root not counted).
 pub const MAX_INDEX_BLOCKS: usize = 1_048_576;
@@ -153,9 +155,9 @@ impl Hasher for FoldHasher {
 
 type FastMap<K, V> = HashMap<K, V, SeededBuild>;
 
+/// A node of the arena; its `tokens_hash` is in [`Tree::tokens`] at the same index.
 #[derive(Debug)]
 struct Node {
-    tokens_hash: LocalBlockHash,
     parent: NodeIdx,
     children: u32,
     /// The most recently created child still alive, or `ROOT` (none): most nodes form chains,
@@ -174,6 +176,10 @@ struct Node {
 #[derive(Debug)]
 struct Tree {
     nodes: Vec<Node>,
+    /// Each node's `tokens_hash`, a column of its own: walking a run (see [`Runs`]) compares
+    /// the request with this column alone, 8 bytes per block.
+    tokens: Vec<LocalBlockHash>,
+    runs: Runs,
     free: FreeSet,
     live: usize,
     edges: FastMap<(NodeIdx, LocalBlockHash), NodeIdx>,
@@ -183,13 +189,14 @@ impl Tree {
     fn new(build: SeededBuild) -> Self {
         Self {
             nodes: vec![Node {
-                tokens_hash: LocalBlockHash(0),
                 parent: ROOT,
                 children: 0,
                 hint: ROOT,
                 edge_mode: true,
                 owners: Owners::default(),
             }],
+            tokens: vec![LocalBlockHash(0)],
+            runs: Runs::default(),
             free: FreeSet::default(),
             live: 0,
             edges: HashMap::with_hasher(build),
@@ -205,13 +212,13 @@ impl Tree {
         let next = parent.wrapping_add(1);
         if let Some(n) = self.nodes.get(next as usize)
             && n.parent == parent
-            && n.tokens_hash == hash
+            && self.tokens[next as usize] == hash
         {
             return Some(next);
         }
         // The hint is always a live child of `parent`.
         let p = &self.nodes[parent as usize];
-        if p.hint != ROOT && self.nodes[p.hint as usize].tokens_hash == hash {
+        if p.hint != ROOT && self.tokens[p.hint as usize] == hash {
             return Some(p.hint);
         }
         if !p.edge_mode {
@@ -223,7 +230,6 @@ impl Tree {
 
     fn create(&mut self, parent: NodeIdx, hash: LocalBlockHash) -> NodeIdx {
         let node = Node {
-            tokens_hash: hash,
             parent,
             children: 0,
             hint: ROOT,
@@ -241,12 +247,14 @@ impl Tree {
         let idx = match reuse {
             Some(idx) => {
                 self.nodes[idx as usize] = node;
+                self.tokens[idx as usize] = hash;
                 idx
             }
             None => {
                 // The ceiling (≤ 2^20 nodes) keeps this far below u32::MAX.
                 let idx = self.nodes.len() as NodeIdx;
                 self.nodes.push(node);
+                self.tokens.push(hash);
                 idx
             }
         };
@@ -256,7 +264,7 @@ impl Tree {
         } else if p.children == 1 {
             // A second child: register both.
             let only = p.hint;
-            let only_hash = self.nodes[only as usize].tokens_hash;
+            let only_hash = self.tokens[only as usize];
             self.edges.insert((parent, only_hash), only);
             self.edges.insert((parent, hash), idx);
             self.nodes[parent as usize].edge_mode = true;
@@ -265,7 +273,28 @@ impl Tree {
         p.children += 1;
         p.hint = idx;
         self.live += 1;
+        self.update_runs(idx);
         idx
+    }
+
+    /// Recomputes the run bits on both sides of `node` (see [`Runs`]).
+    fn update_runs(&mut self, node: NodeIdx) {
+        if node > ROOT + 1 {
+            self.update_run(node - 1);
+        }
+        self.update_run(node);
+    }
+
+    fn update_run(&mut self, i: NodeIdx) {
+        let on = i != ROOT
+            && self.nodes.get(i as usize + 1).is_some_and(|next| {
+                next.parent == i
+                    && matches!(
+                        (&self.nodes[i as usize].owners, &next.owners),
+                        (Owners::Mask(a), Owners::Mask(b)) if a == b
+                    )
+            });
+        self.runs.set(i, on);
     }
 
     /// Loads these nodes (see [`BlockTable::warm`]). Changes nothing.
@@ -283,10 +312,12 @@ impl Tree {
 
     fn add_owner(&mut self, node: NodeIdx, slot: Slot) {
         self.nodes[node as usize].owners.add(slot);
+        self.update_runs(node);
     }
 
     fn remove_owner(&mut self, node: NodeIdx, slot: Slot) {
         self.nodes[node as usize].owners.remove(slot);
+        self.update_runs(node);
         self.prune(node);
     }
 
@@ -297,7 +328,7 @@ impl Tree {
             if n.children > 0 || !n.owners.is_empty() {
                 return;
             }
-            let (parent, hash) = (n.parent, n.tokens_hash);
+            let (parent, hash) = (n.parent, self.tokens[node as usize]);
             let p = &mut self.nodes[parent as usize];
             if p.edge_mode {
                 self.edges.remove(&(parent, hash));
@@ -311,6 +342,7 @@ impl Tree {
                 p.edge_mode = false;
             }
             self.nodes[node as usize].parent = FREED;
+            self.update_runs(node);
             self.free.insert(node);
             self.live -= 1;
             node = parent;
@@ -320,9 +352,8 @@ impl Tree {
     fn path(&self, mut node: NodeIdx) -> Vec<LocalBlockHash> {
         let mut out = Vec::new();
         while node != ROOT {
-            let n = &self.nodes[node as usize];
-            out.push(n.tokens_hash);
-            node = n.parent;
+            out.push(self.tokens[node as usize]);
+            node = self.nodes[node as usize].parent;
         }
         out.reverse();
         out
@@ -566,21 +597,27 @@ impl KvIndex {
             depth += 1;
             node = child;
             if !list_mode {
-                // Down a chain at consecutive arena indices whose owners stay the same, a step
-                // only compares hashes (nobody leaves; `mask` is non-empty here).
-                while let Some(hash) = hashes.get(i + 1) {
-                    let next = node + 1;
-                    match self.tree.nodes.get(next as usize) {
-                        Some(n)
-                            if n.parent == node
-                                && n.tokens_hash == *hash
-                                && matches!(n.owners, Owners::Mask(m) if m == mask) =>
-                        {
-                            node = next;
-                            depth += 1;
-                            i += 1;
-                        }
-                        _ => break,
+                // Down a run (consecutive arena indices, each the previous one's child with the
+                // same bitset owners, see `Runs`) nobody leaves: `mask` ⊆ this node's owners,
+                // which every node of the run has. A step only compares hashes, in the
+                // `tokens` column.
+                loop {
+                    let rest = hashes.len() - (i + 1);
+                    let run = self.tree.runs.ones_from(node, rest);
+                    if run == 0 {
+                        break;
+                    }
+                    let from = node as usize + 1;
+                    let matched = self.tree.tokens[from..from + run]
+                        .iter()
+                        .zip(&hashes[i + 1..i + 1 + run])
+                        .take_while(|(have, want)| have == want)
+                        .count();
+                    node += matched as NodeIdx;
+                    depth += matched as u32;
+                    i += matched;
+                    if matched < run {
+                        break;
                     }
                 }
             }
@@ -625,7 +662,8 @@ impl KvIndex {
                 * (std::mem::size_of::<((NodeIdx, LocalBlockHash), NodeIdx)>() + 1)
             + rank_entries * BlockTable::SLOT_BYTES
             + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
-            + self.tree.free.capacity_words() * 8;
+            + self.tree.tokens.capacity() * std::mem::size_of::<LocalBlockHash>()
+            + (self.tree.free.capacity_words() + self.tree.runs.capacity_words()) * 8;
         KvIndexStats {
             nodes: self.tree.live,
             ranks: self.slot_of.len(),
@@ -723,7 +761,7 @@ impl KvIndex {
         };
         let block = |hash: ExternalBlockHash, node: NodeIdx| StoredBlock {
             block_hash: hash,
-            tokens_hash: self.tree.nodes[node as usize].tokens_hash,
+            tokens_hash: self.tree.tokens[node as usize],
             mm_extra_info: None,
         };
         for (_, node) in order {
@@ -824,7 +862,8 @@ impl KvIndex {
             let parent = &self.tree.nodes[node.parent as usize];
             if parent.edge_mode {
                 edged += 1;
-                if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx)) {
+                if self.tree.edges.get(&(node.parent, self.tree.tokens[i])) != Some(&(i as NodeIdx))
+                {
                     return Err(format!("node {i} is missing its edge"));
                 }
             } else if parent.hint != i as NodeIdx || parent.children != 1 {
@@ -858,6 +897,27 @@ impl KvIndex {
                 self.tree.live,
                 self.tree.edges.len()
             ));
+        }
+        if self.tree.tokens.len() != self.tree.nodes.len() {
+            return Err(format!(
+                "{} tokens for {} nodes",
+                self.tree.tokens.len(),
+                self.tree.nodes.len()
+            ));
+        }
+        for i in 0..self.tree.nodes.len() + 64 {
+            let i = i as NodeIdx;
+            let want = i != ROOT
+                && self.tree.nodes.get(i as usize + 1).is_some_and(|next| {
+                    next.parent == i
+                        && matches!(
+                            (&self.tree.nodes[i as usize].owners, &next.owners),
+                            (Owners::Mask(a), Owners::Mask(b)) if a == b
+                        )
+                });
+            if self.tree.runs.get(i) != want {
+                return Err(format!("run bit of node {i} is not {want}"));
+            }
         }
         for (i, node) in self.tree.nodes.iter().enumerate() {
             if !free.contains(&(i as NodeIdx)) && node.children != children[i] {

@@ -699,3 +699,9 @@ fn rank_blocks_counts_each_ranks_blocks_in_order() {
         .collect();
     assert_eq!(left, vec![(W2, R0, 2)]);
 }
+
+#[test]
+fn a_node_is_half_a_cache_line() {
+    // Its tokens_hash lives in the `tokens` column; two nodes share a 64-byte line.
+    assert_eq!(std::mem::size_of::<Node>(), 32);
+}
