@@ -155,15 +155,22 @@ impl Hasher for FoldHasher {
 
 type FastMap<K, V> = HashMap<K, V, SeededBuild>;
 
-/// A node of the arena; its `tokens_hash` is in [`Tree::tokens`] at the same index.
+/// A node's walk fields, in a column of their own ([`Tree::links`], same index as the node):
+/// a walk down a run (see [`Runs`]) reads only this column, and where a run ends the next
+/// node's index is in the same stream.
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    tokens_hash: LocalBlockHash,
+    parent: NodeIdx,
+    /// The most recently created child still alive, or `ROOT` (none): most nodes form chains,
+    /// so a walk usually finds its next node here without hashing.
+    hint: NodeIdx,
+}
+
+/// The rest of a node (its [`Link`] is in [`Tree::links`] at the same index).
 #[derive(Debug)]
 struct Node {
-    parent: NodeIdx,
     children: u32,
-    /// The most recently created child still alive, or `ROOT` (none): most nodes form chains,
-    /// so a walk usually finds its next node here without hashing (and the arena keeps a
-    /// stored chain contiguous).
-    hint: NodeIdx,
     /// Whether this node's children are registered in the edge table. A node with at most one
     /// child keeps it in `hint` only (chains, the common case, then cost no edge-table insert
     /// or remove); the second child moves both into the table until the node is childless.
@@ -176,9 +183,9 @@ struct Node {
 #[derive(Debug)]
 struct Tree {
     nodes: Vec<Node>,
-    /// Each node's `tokens_hash`, a column of its own: walking a run (see [`Runs`]) compares
-    /// the request with this column alone, 8 bytes per block.
-    tokens: Vec<LocalBlockHash>,
+    /// Each node's [`Link`], 16 bytes: walking a run compares the request with this column
+    /// alone.
+    links: Vec<Link>,
     runs: Runs,
     free: FreeSet,
     live: usize,
@@ -189,13 +196,15 @@ impl Tree {
     fn new(build: SeededBuild) -> Self {
         Self {
             nodes: vec![Node {
-                parent: ROOT,
                 children: 0,
-                hint: ROOT,
                 edge_mode: true,
                 owners: Owners::default(),
             }],
-            tokens: vec![LocalBlockHash(0)],
+            links: vec![Link {
+                tokens_hash: LocalBlockHash(0),
+                parent: ROOT,
+                hint: ROOT,
+            }],
             runs: Runs::default(),
             free: FreeSet::default(),
             live: 0,
@@ -210,18 +219,18 @@ impl Tree {
         // arena indices: trying the next index first makes a walk down a chain a stream of
         // addresses the CPU computes (and loads) ahead, instead of a chase through `hint`.
         let next = parent.wrapping_add(1);
-        if let Some(n) = self.nodes.get(next as usize)
-            && n.parent == parent
-            && self.tokens[next as usize] == hash
+        if let Some(l) = self.links.get(next as usize)
+            && l.parent == parent
+            && l.tokens_hash == hash
         {
             return Some(next);
         }
         // The hint is always a live child of `parent`.
-        let p = &self.nodes[parent as usize];
-        if p.hint != ROOT && self.tokens[p.hint as usize] == hash {
-            return Some(p.hint);
+        let hint = self.links[parent as usize].hint;
+        if hint != ROOT && self.links[hint as usize].tokens_hash == hash {
+            return Some(hint);
         }
-        if !p.edge_mode {
+        if !self.nodes[parent as usize].edge_mode {
             // Its only child (if any) is the hint.
             return None;
         }
@@ -230,11 +239,14 @@ impl Tree {
 
     fn create(&mut self, parent: NodeIdx, hash: LocalBlockHash) -> NodeIdx {
         let node = Node {
-            parent,
             children: 0,
-            hint: ROOT,
             edge_mode: false,
             owners: Owners::default(),
+        };
+        let link = Link {
+            tokens_hash: hash,
+            parent,
+            hint: ROOT,
         };
         // Right after the parent when that slot is free, so the chain stays a stream for walks
         // (see `FreeSet`); else the next free slot; else a new one at the end.
@@ -247,14 +259,14 @@ impl Tree {
         let idx = match reuse {
             Some(idx) => {
                 self.nodes[idx as usize] = node;
-                self.tokens[idx as usize] = hash;
+                self.links[idx as usize] = link;
                 idx
             }
             None => {
                 // The ceiling (≤ 2^20 nodes) keeps this far below u32::MAX.
                 let idx = self.nodes.len() as NodeIdx;
                 self.nodes.push(node);
-                self.tokens.push(hash);
+                self.links.push(link);
                 idx
             }
         };
@@ -263,15 +275,15 @@ impl Tree {
             self.edges.insert((parent, hash), idx);
         } else if p.children == 1 {
             // A second child: register both.
-            let only = p.hint;
-            let only_hash = self.tokens[only as usize];
+            let only = self.links[parent as usize].hint;
+            let only_hash = self.links[only as usize].tokens_hash;
             self.edges.insert((parent, only_hash), only);
             self.edges.insert((parent, hash), idx);
             self.nodes[parent as usize].edge_mode = true;
         }
         let p = &mut self.nodes[parent as usize];
         p.children += 1;
-        p.hint = idx;
+        self.links[parent as usize].hint = idx;
         self.live += 1;
         self.update_runs(idx);
         idx
@@ -287,10 +299,10 @@ impl Tree {
 
     fn update_run(&mut self, i: NodeIdx) {
         let on = i != ROOT
-            && self.nodes.get(i as usize + 1).is_some_and(|next| {
+            && self.links.get(i as usize + 1).is_some_and(|next| {
                 next.parent == i
                     && matches!(
-                        (&self.nodes[i as usize].owners, &next.owners),
+                        (&self.nodes[i as usize].owners, &self.nodes[i as usize + 1].owners),
                         (Owners::Mask(a), Owners::Mask(b)) if a == b
                     )
             });
@@ -301,7 +313,7 @@ impl Tree {
     fn warm(&self, nodes: &[NodeIdx]) {
         let mut acc = 0u32;
         for node in nodes {
-            acc ^= self.nodes[*node as usize].parent;
+            acc ^= self.nodes[*node as usize].children ^ self.links[*node as usize].parent;
         }
         std::hint::black_box(acc);
     }
@@ -328,20 +340,23 @@ impl Tree {
             if n.children > 0 || !n.owners.is_empty() {
                 return;
             }
-            let (parent, hash) = (n.parent, self.tokens[node as usize]);
-            let p = &mut self.nodes[parent as usize];
-            if p.edge_mode {
+            let Link {
+                tokens_hash: hash,
+                parent,
+                ..
+            } = self.links[node as usize];
+            if self.nodes[parent as usize].edge_mode {
                 self.edges.remove(&(parent, hash));
             }
-            let p = &mut self.nodes[parent as usize];
-            if p.hint == node {
-                p.hint = ROOT;
+            if self.links[parent as usize].hint == node {
+                self.links[parent as usize].hint = ROOT;
             }
+            let p = &mut self.nodes[parent as usize];
             p.children -= 1;
             if p.children == 0 && parent != ROOT {
                 p.edge_mode = false;
             }
-            self.nodes[node as usize].parent = FREED;
+            self.links[node as usize].parent = FREED;
             self.update_runs(node);
             self.free.insert(node);
             self.live -= 1;
@@ -352,8 +367,9 @@ impl Tree {
     fn path(&self, mut node: NodeIdx) -> Vec<LocalBlockHash> {
         let mut out = Vec::new();
         while node != ROOT {
-            out.push(self.tokens[node as usize]);
-            node = self.nodes[node as usize].parent;
+            let link = self.links[node as usize];
+            out.push(link.tokens_hash);
+            node = link.parent;
         }
         out.reverse();
         out
@@ -362,7 +378,7 @@ impl Tree {
     fn depth(&self, mut node: NodeIdx) -> usize {
         let mut d = 0;
         while node != ROOT {
-            node = self.nodes[node as usize].parent;
+            node = self.links[node as usize].parent;
             d += 1;
         }
         d
@@ -545,6 +561,7 @@ impl KvIndex {
         let mut node = ROOT;
         let mut depth = 0u32;
         let mut i = 0;
+        let mut lookahead = 0u64;
         while let Some(hash) = hashes.get(i) {
             let Some(child) = self.tree.child(node, *hash) else {
                 break;
@@ -608,10 +625,17 @@ impl KvIndex {
                         break;
                     }
                     let from = node as usize + 1;
-                    let matched = self.tree.tokens[from..from + run]
+                    // Where the run ends the walk usually goes on at that node's hint, at
+                    // another place in the arena: load it now, so those misses overlap the
+                    // comparisons below instead of following them.
+                    let hint = self.tree.links[from + run - 1].hint as usize;
+                    lookahead ^= self.tree.links[hint].tokens_hash.0
+                        ^ u64::from(self.tree.nodes[hint].children)
+                        ^ u64::from(self.tree.runs.get(hint as NodeIdx));
+                    let matched = self.tree.links[from..from + run]
                         .iter()
                         .zip(&hashes[i + 1..i + 1 + run])
-                        .take_while(|(have, want)| have == want)
+                        .take_while(|(have, want)| have.tokens_hash == **want)
                         .count();
                     node += matched as NodeIdx;
                     depth += matched as u32;
@@ -623,6 +647,7 @@ impl KvIndex {
             }
             i += 1;
         }
+        std::hint::black_box(lookahead);
         if list_mode {
             scores.extend(active.iter().map(|s| (*s, depth)));
         } else {
@@ -662,7 +687,7 @@ impl KvIndex {
                 * (std::mem::size_of::<((NodeIdx, LocalBlockHash), NodeIdx)>() + 1)
             + rank_entries * BlockTable::SLOT_BYTES
             + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
-            + self.tree.tokens.capacity() * std::mem::size_of::<LocalBlockHash>()
+            + self.tree.links.capacity() * std::mem::size_of::<Link>()
             + (self.tree.free.capacity_words() + self.tree.runs.capacity_words()) * 8;
         KvIndexStats {
             nodes: self.tree.live,
@@ -761,11 +786,11 @@ impl KvIndex {
         };
         let block = |hash: ExternalBlockHash, node: NodeIdx| StoredBlock {
             block_hash: hash,
-            tokens_hash: self.tree.tokens[node as usize],
+            tokens_hash: self.tree.links[node as usize].tokens_hash,
             mm_extra_info: None,
         };
         for (_, node) in order {
-            let parent = self.tree.nodes[node as usize].parent;
+            let parent = self.tree.links[node as usize].parent;
             // The engine hash this rank can name the parent by, synthesising missing ancestors.
             let mut missing = Vec::new();
             let mut anchor = parent;
@@ -780,7 +805,7 @@ impl KvIndex {
                     break Some(*hash);
                 }
                 missing.push(anchor);
-                anchor = self.tree.nodes[anchor as usize].parent;
+                anchor = self.tree.links[anchor as usize].parent;
             };
             let mut parent_hash = anchor_hash;
             if !missing.is_empty() {
@@ -847,37 +872,46 @@ impl KvIndex {
         let mut children = vec![0u32; self.tree.nodes.len()];
         let mut live = 0;
         let mut edged = 0;
+        if self.tree.links.len() != self.tree.nodes.len() {
+            return Err(format!(
+                "{} links for {} nodes",
+                self.tree.links.len(),
+                self.tree.nodes.len()
+            ));
+        }
         for (i, node) in self.tree.nodes.iter().enumerate().skip(1) {
+            let link = self.tree.links[i];
             if free.contains(&(i as NodeIdx)) {
-                if node.parent != FREED {
-                    return Err(format!("freed node {i} still names parent {}", node.parent));
+                if link.parent != FREED {
+                    return Err(format!("freed node {i} still names parent {}", link.parent));
                 }
                 continue;
             }
-            if node.parent == FREED {
+            if link.parent == FREED {
                 return Err(format!("node {i} names no parent but is not free"));
             }
             live += 1;
-            children[node.parent as usize] += 1;
-            let parent = &self.tree.nodes[node.parent as usize];
+            children[link.parent as usize] += 1;
+            let parent = &self.tree.nodes[link.parent as usize];
             if parent.edge_mode {
                 edged += 1;
-                if self.tree.edges.get(&(node.parent, self.tree.tokens[i])) != Some(&(i as NodeIdx))
-                {
+                if self.tree.edges.get(&(link.parent, link.tokens_hash)) != Some(&(i as NodeIdx)) {
                     return Err(format!("node {i} is missing its edge"));
                 }
-            } else if parent.hint != i as NodeIdx || parent.children != 1 {
+            } else if self.tree.links[link.parent as usize].hint != i as NodeIdx
+                || parent.children != 1
+            {
                 return Err(format!(
                     "node {i} is neither an edge nor its parent's only child"
                 ));
             }
-            if node.hint != ROOT
-                && (free.contains(&node.hint)
-                    || self.tree.nodes[node.hint as usize].parent != i as NodeIdx)
+            if link.hint != ROOT
+                && (free.contains(&link.hint)
+                    || self.tree.links[link.hint as usize].parent != i as NodeIdx)
             {
                 return Err(format!(
                     "node {i} hints at {} which is not its child",
-                    node.hint
+                    link.hint
                 ));
             }
             if node.children == 0 && node.owners.is_empty() {
@@ -898,20 +932,16 @@ impl KvIndex {
                 self.tree.edges.len()
             ));
         }
-        if self.tree.tokens.len() != self.tree.nodes.len() {
-            return Err(format!(
-                "{} tokens for {} nodes",
-                self.tree.tokens.len(),
-                self.tree.nodes.len()
-            ));
-        }
         for i in 0..self.tree.nodes.len() + 64 {
             let i = i as NodeIdx;
             let want = i != ROOT
-                && self.tree.nodes.get(i as usize + 1).is_some_and(|next| {
+                && self.tree.links.get(i as usize + 1).is_some_and(|next| {
                     next.parent == i
                         && matches!(
-                            (&self.tree.nodes[i as usize].owners, &next.owners),
+                            (
+                                &self.tree.nodes[i as usize].owners,
+                                &self.tree.nodes[i as usize + 1].owners
+                            ),
                             (Owners::Mask(a), Owners::Mask(b)) if a == b
                         )
                 });

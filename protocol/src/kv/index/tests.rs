@@ -701,7 +701,8 @@ fn rank_blocks_counts_each_ranks_blocks_in_order() {
 }
 
 #[test]
-fn a_node_is_half_a_cache_line() {
-    // Its tokens_hash lives in the `tokens` column; two nodes share a 64-byte line.
-    assert_eq!(std::mem::size_of::<Node>(), 32);
+fn a_node_takes_forty_bytes_in_two_columns() {
+    // Four links per 64-byte line: a walk down a run streams 16 bytes per block.
+    assert_eq!(std::mem::size_of::<Link>(), 16);
+    assert_eq!(std::mem::size_of::<Node>(), 24);
 }
