@@ -16,6 +16,9 @@
 //! timed from another task on a 2-thread tokio runtime.
 //!
 //! Run: `cargo run --release --manifest-path benches/kv_upstream/Cargo.toml [-- TRACE [LIMIT]]`.
+//! `KV_WORKERS=N` replays the trace over N workers instead of 16 (request r → worker r mod N,
+//! each with its own 16,384-block LRU): the scaling curve of docs/performance.md uses 16, 64
+//! and 256.
 
 #[path = "../../support/mooncake.rs"]
 mod mooncake;
@@ -106,19 +109,19 @@ struct Workload {
     removed_blocks: u64,
 }
 
-fn load(path: &str, limit: usize) -> Option<Workload> {
+fn load(path: &str, limit: usize, workers: u64) -> Option<Workload> {
     let text = mooncake::read_trace(std::path::Path::new(path))?;
     let mut requests = Vec::new();
     let mut ops = Vec::new();
-    let mut lrus: Vec<Lru> = (0..WORKERS).map(|_| mooncake::lru()).collect();
-    let mut next_id = vec![0u64; WORKERS as usize];
+    let mut lrus: Vec<Lru> = (0..workers).map(|_| mooncake::lru()).collect();
+    let mut next_id = vec![0u64; workers as usize];
     let (mut lookup_blocks, mut stored_blocks, mut removed_blocks) = (0, 0, 0);
     for (r, line) in text.lines().take(limit).enumerate() {
         let TraceRequest { local, seq } = mooncake::expand(line)?;
         let n = local.len();
         lookup_blocks += n as u64;
         ops.push(Op::Lookup(r));
-        let w = r as u64 % WORKERS;
+        let w = r as u64 % workers;
         let lru = &mut lrus[w as usize];
         let k = lru.prefix(&seq);
         if k < seq.len() {
@@ -427,12 +430,17 @@ fn main() {
         .next()
         .and_then(|l| l.parse().ok())
         .unwrap_or(usize::MAX);
-    let Some(workload) = load(&path, limit) else {
+    let workers = std::env::var("KV_WORKERS")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .filter(|w| *w > 0)
+        .unwrap_or(WORKERS);
+    let Some(workload) = load(&path, limit, workers) else {
         eprintln!("kv_upstream: trace {path} not readable");
         std::process::exit(2);
     };
     println!(
-        "Mooncake replay of {path}: {} requests, {WORKERS} workers, {} ops; blocks: lookup {}, stored {}, removed {}",
+        "Mooncake replay of {path}: {} requests, {workers} workers, {} ops; blocks: lookup {}, stored {}, removed {}",
         workload.requests.len(),
         workload.ops.len(),
         workload.lookup_blocks,
@@ -441,7 +449,7 @@ fn main() {
     );
     let mut ours = KvIndex::new(0x5EED);
     ours.set_live_and_retain(
-        (0..WORKERS)
+        (0..workers)
             .map(|w| (InstanceId(w), BTreeSet::from([DpRank(0)])))
             .collect(),
     );
@@ -474,7 +482,7 @@ fn main() {
         .filter(|(x, y)| x == y)
         .count();
     println!("agreement on sampled lookups: {agree}/{}", a.sampled.len());
-    read_path(&workload);
+    read_path(&workload, workers);
     if agree != a.sampled.len() {
         std::process::exit(1);
     }
@@ -483,10 +491,10 @@ fn main() {
 type Query = (Vec<LocalBlockHash>, tokio::sync::oneshot::Sender<usize>);
 
 /// Lookups through a read guard versus through an actor-style call, on the replayed index.
-fn read_path(w: &Workload) {
+fn read_path(w: &Workload, workers: u64) {
     let mut index = KvIndex::new(0x5EED);
     index.set_live_and_retain(
-        (0..WORKERS)
+        (0..workers)
             .map(|w| (InstanceId(w), BTreeSet::from([DpRank(0)])))
             .collect(),
     );

@@ -1,6 +1,6 @@
 //! The bounded device-tier radix index (seed "Index structure and compiled-in bounds").
 //!
-//! Nodes live in an arena (`Vec` + free list, `u32` indices, no pointers) and are keyed by
+//! Nodes live in an arena (`Vec` + free-slot bitset, `u32` indices, no pointers) and are keyed by
 //! `tokens_hash` under their parent, starting from a root that stands for the empty prefix. Each
 //! (worker, dp_rank) maps the engine's `block_hash` to a node; a node counts, per rank, how many
 //! engine hashes name it (two engine hashes may name one `tokens_hash` node). A node lives while
@@ -30,9 +30,13 @@ use super::{ExternalBlockHash, KvEventCounts, KvEventResult, LocalBlockHash};
 use crate::ids::{DpRank, InstanceId};
 
 mod block_table;
+mod free_set;
 mod owners;
+mod runs;
 use block_table::BlockTable;
+use free_set::FreeSet;
 use owners::{Owner, Owners, mask_slots};
+use runs::Runs;
 
 /// Radix nodes in the whole index (the root not counted).
 pub const MAX_INDEX_BLOCKS: usize = 1_048_576;
@@ -151,15 +155,22 @@ impl Hasher for FoldHasher {
 
 type FastMap<K, V> = HashMap<K, V, SeededBuild>;
 
-#[derive(Debug)]
-struct Node {
+/// A node's walk fields, in a column of their own ([`Tree::links`], same index as the node):
+/// a walk down a run (see [`Runs`]) reads only this column, and where a run ends the next
+/// node's index is in the same stream.
+#[derive(Clone, Copy, Debug)]
+struct Link {
     tokens_hash: LocalBlockHash,
     parent: NodeIdx,
-    children: u32,
     /// The most recently created child still alive, or `ROOT` (none): most nodes form chains,
-    /// so a walk usually finds its next node here without hashing (and the arena keeps a
-    /// stored chain contiguous).
+    /// so a walk usually finds its next node here without hashing.
     hint: NodeIdx,
+}
+
+/// The rest of a node (its [`Link`] is in [`Tree::links`] at the same index).
+#[derive(Debug)]
+struct Node {
+    children: u32,
     /// Whether this node's children are registered in the edge table. A node with at most one
     /// child keeps it in `hint` only (chains, the common case, then cost no edge-table insert
     /// or remove); the second child moves both into the table until the node is childless.
@@ -172,7 +183,11 @@ struct Node {
 #[derive(Debug)]
 struct Tree {
     nodes: Vec<Node>,
-    free: Vec<NodeIdx>,
+    /// Each node's [`Link`], 16 bytes: walking a run compares the request with this column
+    /// alone.
+    links: Vec<Link>,
+    runs: Runs,
+    free: FreeSet,
     live: usize,
     edges: FastMap<(NodeIdx, LocalBlockHash), NodeIdx>,
 }
@@ -181,14 +196,17 @@ impl Tree {
     fn new(build: SeededBuild) -> Self {
         Self {
             nodes: vec![Node {
-                tokens_hash: LocalBlockHash(0),
-                parent: ROOT,
                 children: 0,
-                hint: ROOT,
                 edge_mode: true,
                 owners: Owners::default(),
             }],
-            free: Vec::new(),
+            links: vec![Link {
+                tokens_hash: LocalBlockHash(0),
+                parent: ROOT,
+                hint: ROOT,
+            }],
+            runs: Runs::default(),
+            free: FreeSet::default(),
             live: 0,
             edges: HashMap::with_hasher(build),
         }
@@ -201,18 +219,18 @@ impl Tree {
         // arena indices: trying the next index first makes a walk down a chain a stream of
         // addresses the CPU computes (and loads) ahead, instead of a chase through `hint`.
         let next = parent.wrapping_add(1);
-        if let Some(n) = self.nodes.get(next as usize)
-            && n.parent == parent
-            && n.tokens_hash == hash
+        if let Some(l) = self.links.get(next as usize)
+            && l.parent == parent
+            && l.tokens_hash == hash
         {
             return Some(next);
         }
         // The hint is always a live child of `parent`.
-        let p = &self.nodes[parent as usize];
-        if p.hint != ROOT && self.nodes[p.hint as usize].tokens_hash == hash {
-            return Some(p.hint);
+        let hint = self.links[parent as usize].hint;
+        if hint != ROOT && self.links[hint as usize].tokens_hash == hash {
+            return Some(hint);
         }
-        if !p.edge_mode {
+        if !self.nodes[parent as usize].edge_mode {
             // Its only child (if any) is the hint.
             return None;
         }
@@ -221,22 +239,34 @@ impl Tree {
 
     fn create(&mut self, parent: NodeIdx, hash: LocalBlockHash) -> NodeIdx {
         let node = Node {
-            tokens_hash: hash,
-            parent,
             children: 0,
-            hint: ROOT,
             edge_mode: false,
             owners: Owners::default(),
         };
-        let idx = match self.free.pop() {
+        let link = Link {
+            tokens_hash: hash,
+            parent,
+            hint: ROOT,
+        };
+        // Right after the parent when that slot is free, so the chain stays a stream for walks
+        // (see `FreeSet`); else the next free slot; else a new one at the end.
+        let after = parent.wrapping_add(1);
+        let reuse = if self.free.take_exact(after) {
+            Some(after)
+        } else {
+            self.free.take_next()
+        };
+        let idx = match reuse {
             Some(idx) => {
                 self.nodes[idx as usize] = node;
+                self.links[idx as usize] = link;
                 idx
             }
             None => {
                 // The ceiling (≤ 2^20 nodes) keeps this far below u32::MAX.
                 let idx = self.nodes.len() as NodeIdx;
                 self.nodes.push(node);
+                self.links.push(link);
                 idx
             }
         };
@@ -245,24 +275,45 @@ impl Tree {
             self.edges.insert((parent, hash), idx);
         } else if p.children == 1 {
             // A second child: register both.
-            let only = p.hint;
-            let only_hash = self.nodes[only as usize].tokens_hash;
+            let only = self.links[parent as usize].hint;
+            let only_hash = self.links[only as usize].tokens_hash;
             self.edges.insert((parent, only_hash), only);
             self.edges.insert((parent, hash), idx);
             self.nodes[parent as usize].edge_mode = true;
         }
         let p = &mut self.nodes[parent as usize];
         p.children += 1;
-        p.hint = idx;
+        self.links[parent as usize].hint = idx;
         self.live += 1;
+        self.update_runs(idx);
         idx
+    }
+
+    /// Recomputes the run bits on both sides of `node` (see [`Runs`]).
+    fn update_runs(&mut self, node: NodeIdx) {
+        if node > ROOT + 1 {
+            self.update_run(node - 1);
+        }
+        self.update_run(node);
+    }
+
+    fn update_run(&mut self, i: NodeIdx) {
+        let on = i != ROOT
+            && self.links.get(i as usize + 1).is_some_and(|next| {
+                next.parent == i
+                    && matches!(
+                        (&self.nodes[i as usize].owners, &self.nodes[i as usize + 1].owners),
+                        (Owners::Mask(a), Owners::Mask(b)) if a == b
+                    )
+            });
+        self.runs.set(i, on);
     }
 
     /// Loads these nodes (see [`BlockTable::warm`]). Changes nothing.
     fn warm(&self, nodes: &[NodeIdx]) {
         let mut acc = 0u32;
         for node in nodes {
-            acc ^= self.nodes[*node as usize].parent;
+            acc ^= self.nodes[*node as usize].children ^ self.links[*node as usize].parent;
         }
         std::hint::black_box(acc);
     }
@@ -273,10 +324,12 @@ impl Tree {
 
     fn add_owner(&mut self, node: NodeIdx, slot: Slot) {
         self.nodes[node as usize].owners.add(slot);
+        self.update_runs(node);
     }
 
     fn remove_owner(&mut self, node: NodeIdx, slot: Slot) {
         self.nodes[node as usize].owners.remove(slot);
+        self.update_runs(node);
         self.prune(node);
     }
 
@@ -287,21 +340,25 @@ impl Tree {
             if n.children > 0 || !n.owners.is_empty() {
                 return;
             }
-            let (parent, hash) = (n.parent, n.tokens_hash);
-            let p = &mut self.nodes[parent as usize];
-            if p.edge_mode {
+            let Link {
+                tokens_hash: hash,
+                parent,
+                ..
+            } = self.links[node as usize];
+            if self.nodes[parent as usize].edge_mode {
                 self.edges.remove(&(parent, hash));
             }
-            let p = &mut self.nodes[parent as usize];
-            if p.hint == node {
-                p.hint = ROOT;
+            if self.links[parent as usize].hint == node {
+                self.links[parent as usize].hint = ROOT;
             }
+            let p = &mut self.nodes[parent as usize];
             p.children -= 1;
             if p.children == 0 && parent != ROOT {
                 p.edge_mode = false;
             }
-            self.nodes[node as usize].parent = FREED;
-            self.free.push(node);
+            self.links[node as usize].parent = FREED;
+            self.update_runs(node);
+            self.free.insert(node);
             self.live -= 1;
             node = parent;
         }
@@ -310,9 +367,9 @@ impl Tree {
     fn path(&self, mut node: NodeIdx) -> Vec<LocalBlockHash> {
         let mut out = Vec::new();
         while node != ROOT {
-            let n = &self.nodes[node as usize];
-            out.push(n.tokens_hash);
-            node = n.parent;
+            let link = self.links[node as usize];
+            out.push(link.tokens_hash);
+            node = link.parent;
         }
         out.reverse();
         out
@@ -321,7 +378,7 @@ impl Tree {
     fn depth(&self, mut node: NodeIdx) -> usize {
         let mut d = 0;
         while node != ROOT {
-            node = self.nodes[node as usize].parent;
+            node = self.links[node as usize].parent;
             d += 1;
         }
         d
@@ -504,6 +561,7 @@ impl KvIndex {
         let mut node = ROOT;
         let mut depth = 0u32;
         let mut i = 0;
+        let mut lookahead = 0u64;
         while let Some(hash) = hashes.get(i) {
             let Some(child) = self.tree.child(node, *hash) else {
                 break;
@@ -556,26 +614,40 @@ impl KvIndex {
             depth += 1;
             node = child;
             if !list_mode {
-                // Down a chain at consecutive arena indices whose owners stay the same, a step
-                // only compares hashes (nobody leaves; `mask` is non-empty here).
-                while let Some(hash) = hashes.get(i + 1) {
-                    let next = node + 1;
-                    match self.tree.nodes.get(next as usize) {
-                        Some(n)
-                            if n.parent == node
-                                && n.tokens_hash == *hash
-                                && matches!(n.owners, Owners::Mask(m) if m == mask) =>
-                        {
-                            node = next;
-                            depth += 1;
-                            i += 1;
-                        }
-                        _ => break,
+                // Down a run (consecutive arena indices, each the previous one's child with the
+                // same bitset owners, see `Runs`) nobody leaves: `mask` ⊆ this node's owners,
+                // which every node of the run has. A step only compares hashes, in the
+                // `tokens` column.
+                loop {
+                    let rest = hashes.len() - (i + 1);
+                    let run = self.tree.runs.ones_from(node, rest);
+                    if run == 0 {
+                        break;
+                    }
+                    let from = node as usize + 1;
+                    // Where the run ends the walk usually goes on at that node's hint, at
+                    // another place in the arena: load it now, so those misses overlap the
+                    // comparisons below instead of following them.
+                    let hint = self.tree.links[from + run - 1].hint as usize;
+                    lookahead ^= self.tree.links[hint].tokens_hash.0
+                        ^ u64::from(self.tree.nodes[hint].children)
+                        ^ u64::from(self.tree.runs.get(hint as NodeIdx));
+                    let matched = self.tree.links[from..from + run]
+                        .iter()
+                        .zip(&hashes[i + 1..i + 1 + run])
+                        .take_while(|(have, want)| have.tokens_hash == **want)
+                        .count();
+                    node += matched as NodeIdx;
+                    depth += matched as u32;
+                    i += matched;
+                    if matched < run {
+                        break;
                     }
                 }
             }
             i += 1;
         }
+        std::hint::black_box(lookahead);
         if list_mode {
             scores.extend(active.iter().map(|s| (*s, depth)));
         } else {
@@ -614,7 +686,9 @@ impl KvIndex {
             + self.tree.edges.capacity()
                 * (std::mem::size_of::<((NodeIdx, LocalBlockHash), NodeIdx)>() + 1)
             + rank_entries * BlockTable::SLOT_BYTES
-            + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>();
+            + self.ranks.capacity() * std::mem::size_of::<Option<RankState>>()
+            + self.tree.links.capacity() * std::mem::size_of::<Link>()
+            + (self.tree.free.capacity_words() + self.tree.runs.capacity_words()) * 8;
         KvIndexStats {
             nodes: self.tree.live,
             ranks: self.slot_of.len(),
@@ -712,11 +786,11 @@ impl KvIndex {
         };
         let block = |hash: ExternalBlockHash, node: NodeIdx| StoredBlock {
             block_hash: hash,
-            tokens_hash: self.tree.nodes[node as usize].tokens_hash,
+            tokens_hash: self.tree.links[node as usize].tokens_hash,
             mm_extra_info: None,
         };
         for (_, node) in order {
-            let parent = self.tree.nodes[node as usize].parent;
+            let parent = self.tree.links[node as usize].parent;
             // The engine hash this rank can name the parent by, synthesising missing ancestors.
             let mut missing = Vec::new();
             let mut anchor = parent;
@@ -731,7 +805,7 @@ impl KvIndex {
                     break Some(*hash);
                 }
                 missing.push(anchor);
-                anchor = self.tree.nodes[anchor as usize].parent;
+                anchor = self.tree.links[anchor as usize].parent;
             };
             let mut parent_hash = anchor_hash;
             if !missing.is_empty() {
@@ -782,37 +856,62 @@ impl KvIndex {
     /// Structural invariants (for tests): edges, child counts, owner refcounts and the
     /// ownership total all agree with the rank maps; no node is both ownerless and childless.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let free: BTreeSet<NodeIdx> = self.tree.free.iter().copied().collect();
+        let free: BTreeSet<NodeIdx> = self.tree.free.iter().collect();
+        if free.len() != self.tree.free.len()
+            || free
+                .last()
+                .is_some_and(|f| *f as usize >= self.tree.nodes.len())
+        {
+            return Err(format!(
+                "free set of {} holds {} slots, up to {:?}",
+                self.tree.free.len(),
+                free.len(),
+                free.last()
+            ));
+        }
         let mut children = vec![0u32; self.tree.nodes.len()];
         let mut live = 0;
         let mut edged = 0;
+        if self.tree.links.len() != self.tree.nodes.len() {
+            return Err(format!(
+                "{} links for {} nodes",
+                self.tree.links.len(),
+                self.tree.nodes.len()
+            ));
+        }
         for (i, node) in self.tree.nodes.iter().enumerate().skip(1) {
+            let link = self.tree.links[i];
             if free.contains(&(i as NodeIdx)) {
-                if node.parent != FREED {
-                    return Err(format!("freed node {i} still names parent {}", node.parent));
+                if link.parent != FREED {
+                    return Err(format!("freed node {i} still names parent {}", link.parent));
                 }
                 continue;
             }
+            if link.parent == FREED {
+                return Err(format!("node {i} names no parent but is not free"));
+            }
             live += 1;
-            children[node.parent as usize] += 1;
-            let parent = &self.tree.nodes[node.parent as usize];
+            children[link.parent as usize] += 1;
+            let parent = &self.tree.nodes[link.parent as usize];
             if parent.edge_mode {
                 edged += 1;
-                if self.tree.edges.get(&(node.parent, node.tokens_hash)) != Some(&(i as NodeIdx)) {
+                if self.tree.edges.get(&(link.parent, link.tokens_hash)) != Some(&(i as NodeIdx)) {
                     return Err(format!("node {i} is missing its edge"));
                 }
-            } else if parent.hint != i as NodeIdx || parent.children != 1 {
+            } else if self.tree.links[link.parent as usize].hint != i as NodeIdx
+                || parent.children != 1
+            {
                 return Err(format!(
                     "node {i} is neither an edge nor its parent's only child"
                 ));
             }
-            if node.hint != ROOT
-                && (free.contains(&node.hint)
-                    || self.tree.nodes[node.hint as usize].parent != i as NodeIdx)
+            if link.hint != ROOT
+                && (free.contains(&link.hint)
+                    || self.tree.links[link.hint as usize].parent != i as NodeIdx)
             {
                 return Err(format!(
                     "node {i} hints at {} which is not its child",
-                    node.hint
+                    link.hint
                 ));
             }
             if node.children == 0 && node.owners.is_empty() {
@@ -832,6 +931,23 @@ impl KvIndex {
                 self.tree.live,
                 self.tree.edges.len()
             ));
+        }
+        for i in 0..self.tree.nodes.len() + 64 {
+            let i = i as NodeIdx;
+            let want = i != ROOT
+                && self.tree.links.get(i as usize + 1).is_some_and(|next| {
+                    next.parent == i
+                        && matches!(
+                            (
+                                &self.tree.nodes[i as usize].owners,
+                                &self.tree.nodes[i as usize + 1].owners
+                            ),
+                            (Owners::Mask(a), Owners::Mask(b)) if a == b
+                        )
+                });
+            if self.tree.runs.get(i) != want {
+                return Err(format!("run bit of node {i} is not {want}"));
+            }
         }
         for (i, node) in self.tree.nodes.iter().enumerate() {
             if !free.contains(&(i as NodeIdx)) && node.children != children[i] {

@@ -699,3 +699,10 @@ fn rank_blocks_counts_each_ranks_blocks_in_order() {
         .collect();
     assert_eq!(left, vec![(W2, R0, 2)]);
 }
+
+#[test]
+fn a_node_takes_forty_bytes_in_two_columns() {
+    // Four links per 64-byte line: a walk down a run streams 16 bytes per block.
+    assert_eq!(std::mem::size_of::<Link>(), 16);
+    assert_eq!(std::mem::size_of::<Node>(), 24);
+}
