@@ -116,7 +116,7 @@ pub type MetadataUpdate = KubeUpdate<Vec<SourceEvent>>;
 pub enum WorkerMetadataChange {
     /// A full relist (at start and after every watch termination): replaces everything.
     Relisted(Vec<continuum_protocol::kube::objects::DynamoWorkerMetadata>),
-    Applied(continuum_protocol::kube::objects::DynamoWorkerMetadata),
+    Applied(Box<continuum_protocol::kube::objects::DynamoWorkerMetadata>),
     Deleted(String),
 }
 

@@ -122,7 +122,7 @@ pub async fn run_session(shared: &Shared, shutdown: &mut watch::Receiver<bool>) 
     if let Some(hello) = session.poll_transmit() {
         let _ = control.try_send(Bytes::from(hello));
     }
-    let authority = format!("{}", config.bus.authority());
+    let authority = config.bus.authority();
     let mut request = http::Request::builder()
         .method(http::Method::POST)
         .uri(format!("https://{authority}{SESSION_PATH}"))

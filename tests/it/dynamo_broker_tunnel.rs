@@ -461,29 +461,71 @@ async fn direct_and_broker_transport_reach_the_same_load_and_kv_index_state() {
         advertise(&kube, &w);
         workers.push(w);
     }
-    let direct = support::daemon::start(&router_yaml(store.path(), None)).await;
-    let tunnel =
-        support::daemon::start(&router_yaml(store.path(), Some((&pki, &[BROKER_A])))).await;
+    let direct = support::daemon::start(&router_yaml_kv(store.path(), None, true)).await;
+    let tunnel = support::daemon::start(&router_yaml_kv(
+        store.path(),
+        Some((&pki, &[BROKER_A])),
+        true,
+    ))
+    .await;
     let bus = poll("the bus listens", async || bus_addr(&tunnel)).await;
     let broker = Broker::spawn(BROKER_A, bus, &pki, &kube).await;
 
     // Each publisher sees two subscribers: the direct router and the broker's relay.
     for w in &mut workers {
-        let subs = w.publisher.await_subscriptions(2).await;
-        assert_eq!(subs.len(), 2);
+        assert_eq!(w.publisher.await_subscriptions(2).await.len(), 2);
+        let (kv, _) = w.kv.as_mut().expect("kv publisher");
+        assert_eq!(kv.await_subscriptions(2).await.len(), 2);
     }
-    let deadline = Instant::now() + WAIT;
-    let mut ticks = tokio::time::interval(Duration::from_millis(50));
-    // (`subscriptions()` lists kv_metrics; the kv-events ones showed up at their XPUBs above.)
-    while !(all_connected(&direct, 3) && all_connected(&tunnel, 3)) {
-        assert!(
-            Instant::now() < deadline,
-            "both routers connected within {WAIT:?}: direct {:?}, tunnel {:?}",
-            direct.load_store().subscriptions(),
-            tunnel.load_store().subscriptions()
-        );
-        ticks.tick().await;
+    poll("both routers connected", async || {
+        (all_connected(&direct, 6) && all_connected(&tunnel, 6)).then_some(())
+    })
+    .await;
+
+    // kv-events: stores, a removal, a repeated event id, a gap (event ids 4..8 missing), and the
+    // stores after it; the same bytes to both routers.
+    for w in &mut workers {
+        let messages = [
+            kv_message(w, 0, vec![(1, stored(None, &[11, 12, 13]))]),
+            kv_message(w, 1, vec![(2, stored(Some(13), &[14, 15]))]),
+            kv_message(w, 2, vec![(3, removed(&[15]))]),
+            kv_message(w, 3, vec![(3, removed(&[14]))]),
+            kv_message(w, 4, vec![(9, stored(None, &[21, 22]))]),
+            kv_message(w, 5, vec![(10, stored(Some(22), &[23]))]),
+        ];
+        let (kv, _) = w.kv.as_mut().expect("kv publisher");
+        kv.send(&messages).await;
     }
+    let kv_counts = |d: &Daemon| -> Vec<(&'static str, f64)> {
+        continuum_actors::metrics::KvEventResult::ALL
+            .iter()
+            .map(|r| {
+                let v = d
+                    .metrics()
+                    .value(
+                        "continuum_dynamo_kv_events_total",
+                        &[("result", r.as_label())],
+                    )
+                    .unwrap_or(0.0);
+                (r.as_label(), v)
+            })
+            .collect()
+    };
+    let kv_total = |d: &Daemon| kv_counts(d).iter().map(|(_, v)| v).sum::<f64>();
+    poll("both routers counted every kv-event", async || {
+        (kv_total(&direct) >= 18.0 && kv_total(&tunnel) == kv_total(&direct)).then_some(())
+    })
+    .await;
+    let mut direct_blocks = direct.kv_index().rank_blocks();
+    let mut tunnel_blocks = tunnel.kv_index().rank_blocks();
+    direct_blocks.sort();
+    tunnel_blocks.sort();
+    assert_eq!(direct_blocks, tunnel_blocks, "the same KV index");
+    assert_eq!(kv_counts(&direct), kv_counts(&tunnel));
+    assert!(
+        !tunnel_blocks.is_empty(),
+        "blocks indexed through the tunnel"
+    );
     assert!(
         subscriptions(&tunnel)
             .iter()
@@ -564,10 +606,8 @@ async fn direct_and_broker_transport_reach_the_same_load_and_kv_index_state() {
             .await
             > 0.0
     );
-    // At least the three kv_metrics relays still run. (The kv-events relays were opened — their
-    // XPUBs saw the broker subscribe — but the router may have unsubscribed them after the
-    // batch; not asserted here.)
-    assert!(broker.value("continuum_event_broker_streams").await >= 3.0);
+    // Six relays: kv_metrics and kv-events of each worker.
+    assert_eq!(broker.value("continuum_event_broker_streams").await, 6.0);
     assert_eq!(broker.value("continuum_event_broker_sessions").await, 1.0);
     direct.shutdown().await;
     tunnel.shutdown().await;

@@ -644,7 +644,7 @@ async fn worker_metadata_pass(
         };
         let change = match item {
             Next::Apply(o) => match to_proto::<objects::DynamoWorkerMetadata>(&o) {
-                Some(r) => WorkerMetadataChange::Applied(r),
+                Some(r) => WorkerMetadataChange::Applied(Box::new(r)),
                 None => continue,
             },
             Next::Delete(o) => match o.metadata.name {
