@@ -12,11 +12,14 @@ WORKDIR /src
 # The workspace as a whole (see .dockerignore); protoc comes from the protoc-bin-vendored crate
 # through tools/protoc, so the build needs no system packages beyond the image's toolchain.
 COPY . .
-RUN cargo build --release --locked --bin continuum-router \
-    && install -D -m 0755 target/release/continuum-router /out/continuum-router
+RUN cargo build --release --locked --bin continuum-router --bin continuum-event-broker \
+    && install -D -m 0755 target/release/continuum-router /out/continuum-router \
+    && install -D -m 0755 target/release/continuum-event-broker /out/continuum-event-broker
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /out/continuum-router /usr/local/bin/continuum-router
+# The in-cluster event-bus agent (deploy/kubernetes/event-broker runs it with `command:`).
+COPY --from=build /out/continuum-event-broker /usr/local/bin/continuum-event-broker
 USER 65532:65532
 # Front door, /health, /ready, /metrics and /admin/*; the event-bus listener when enabled.
 EXPOSE 8080 7443

@@ -1,6 +1,10 @@
 //! The Kubernetes discovery watch shells: `kubernetes_pods` (Pods) and `kubernetes` (the
 //! DynamoWorkerMetadata ⋈ EndpointSlice metadata source).
 //!
+//! A third shell, [`run_worker_metadata_source`], watches DynamoWorkerMetadata alone and hands
+//! the raw resources on (continuum-event-broker's advertised publishers: its Role grants
+//! get/list/watch on that one resource).
+//!
 //! Each is one long-running async function meant to run in a task its discovery actor spawns in
 //! `pre_start` and aborts in `post_stop`; it owns the client, the lists and the watches, and hands
 //! every decision to `continuum_protocol::kube` ([`PodSet`], [`MetadataState`]). Output goes over a
@@ -107,6 +111,18 @@ pub type PodUpdate = KubeUpdate<Vec<PodMember>>;
 /// Updates of the `kubernetes` metadata source.
 pub type MetadataUpdate = KubeUpdate<Vec<SourceEvent>>;
 
+/// One change of the DynamoWorkerMetadata collection, in watch order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WorkerMetadataChange {
+    /// A full relist (at start and after every watch termination): replaces everything.
+    Relisted(Vec<continuum_protocol::kube::objects::DynamoWorkerMetadata>),
+    Applied(Box<continuum_protocol::kube::objects::DynamoWorkerMetadata>),
+    Deleted(String),
+}
+
+/// Updates of [`run_worker_metadata_source`].
+pub type WorkerMetadataUpdate = KubeUpdate<WorkerMetadataChange>;
+
 /// Errors of one pass; every one ends in a relist after the backoff.
 #[derive(Debug, thiserror::Error)]
 pub enum KubeSourceError {
@@ -151,4 +167,13 @@ pub async fn run_metadata_source(
 ) {
     let state = MetadataState::new(metadata);
     watch::run_metadata(config, state, tx).await;
+}
+
+/// Watches DynamoWorkerMetadata in `config.namespace` (get/list/watch, nothing else) until `tx`
+/// is closed, with the same pass loop as the discovery sources.
+pub async fn run_worker_metadata_source(
+    config: KubeSourceConfig,
+    tx: mpsc::Sender<WorkerMetadataUpdate>,
+) {
+    watch::run_worker_metadata(config, tx).await;
 }

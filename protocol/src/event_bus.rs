@@ -10,6 +10,7 @@
 //! | [`hello`] | `continuum-bus-version` parsing, version negotiation, `Hello::validate` against a [`Grant`] |
 //! | [`credential`] | `token_hash` verification in constant time, the token-vs-certificate rule, the revocation ring |
 //! | [`rendezvous`] | 64-bit rendezvous weights and ranking of broker sessions |
+//! | [`advertised`] | the publishers a broker may dial (DynamoWorkerMetadata event channels) |
 //! | [`admission`] | one pre-hello handshake per credential, one session per entry (superseding), `max_sessions` |
 //! | [`bounds`] | per-session and per-stream byte bounds, connection cap |
 //! | [`server`] | the router's session state machine |
@@ -17,6 +18,7 @@
 //! | [`transport`] | first-byte check, plaintext refusal, connection deadlines (`auth_timeout`, linger) |
 
 pub mod admission;
+pub mod advertised;
 pub mod bounds;
 pub mod client;
 pub mod credential;

@@ -48,7 +48,7 @@ fn reader_rule(group: &str, resource: &str) -> Value {
 fn every_kustomize_file_is_valid_yaml() {
     let mut files = Vec::new();
     yaml_files(&root().join("deploy/kubernetes"), &mut files);
-    assert_eq!(files.len(), 14, "{files:?}");
+    assert_eq!(files.len(), 20, "{files:?}");
     for f in files {
         let text = std::fs::read_to_string(&f).expect("readable");
         assert!(!yaml_docs(&text).is_empty(), "{}", f.display());
@@ -891,4 +891,196 @@ async fn every_probe_and_scrape_path_is_served_by_the_binary() {
         .await
         .expect("GET");
     assert_eq!(missing.status().as_u16(), 404);
+}
+
+// ---------------------------------------------------------------------------------------------
+// continuum-event-broker: deploy/kubernetes/event-broker and deploy/helm/continuum-event-broker
+
+const BROKER_CHART: &str = "deploy/helm/continuum-event-broker";
+
+/// The broker's probe paths as its binary serves them (broker/src/http.rs).
+const BROKER_PROBES: [&str; 2] = ["/health", "/ready"];
+
+/// What both the Kustomize and the Helm renderings must hold for the broker. A template's
+/// `toYaml` blocks are stripped, so the chart's security contexts, resources and probe paths are
+/// checked in `values` (given for the chart).
+fn assert_broker_deployment(what: &str, deployment: &Value, values: Option<&Value>) {
+    let pod = &deployment["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let (pod_sc, sc, resources, liveness, readiness) = match values {
+        Some(v) => (
+            &v["podSecurityContext"],
+            &v["securityContext"],
+            &v["resources"],
+            &v["probes"]["liveness"]["path"],
+            &v["probes"]["readiness"]["path"],
+        ),
+        None => (
+            &pod["securityContext"],
+            &c["securityContext"],
+            &c["resources"],
+            &c["livenessProbe"]["httpGet"]["path"],
+            &c["readinessProbe"]["httpGet"]["path"],
+        ),
+    };
+    assert_eq!(pod["automountServiceAccountToken"], json!(true), "{what}");
+    assert_eq!(pod_sc["runAsNonRoot"], json!(true), "{what}");
+    assert_eq!(
+        c["command"],
+        json!(["/usr/local/bin/continuum-event-broker"]),
+        "{what}"
+    );
+    assert_eq!(liveness, &json!(BROKER_PROBES[0]), "{what}");
+    assert_eq!(readiness, &json!(BROKER_PROBES[1]), "{what}");
+    assert_eq!(
+        c["livenessProbe"]["httpGet"]["port"],
+        json!("metrics"),
+        "{what}"
+    );
+    assert_eq!(
+        c["readinessProbe"]["httpGet"]["port"],
+        json!("metrics"),
+        "{what}"
+    );
+    assert_eq!(c["ports"][0]["name"], json!("metrics"), "{what}");
+    assert_eq!(sc["allowPrivilegeEscalation"], json!(false), "{what}");
+    assert_eq!(sc["readOnlyRootFilesystem"], json!(true), "{what}");
+    assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]), "{what}");
+    assert!(resources["limits"]["memory"].is_string(), "{what}");
+    let args: Vec<String> = c["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().map_or_else(|| a.to_string(), str::to_owned))
+        .collect();
+    for flag in [
+        "--bus-url",
+        "--client-id",
+        "--dynamo-namespace",
+        "--token-file",
+        "--ca-file",
+        "--listen",
+    ] {
+        assert!(args.iter().any(|a| a == flag), "{what}: {flag} in {args:?}");
+    }
+    // The metrics port the probes use is the one --listen binds.
+    let listen = args
+        .iter()
+        .skip_while(|a| *a != "--listen")
+        .nth(1)
+        .expect("--listen value");
+    let port = match values {
+        Some(v) => v["broker"]["metricsPort"].to_string(),
+        None => c["ports"][0]["containerPort"].to_string(),
+    };
+    assert!(
+        listen.ends_with(&format!(":{port}")) || listen.ends_with(":placeholder"),
+        "{what}: {listen} vs {port}"
+    );
+    assert_eq!(
+        c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
+        json!("metadata.namespace"),
+        "{what}"
+    );
+}
+
+fn assert_broker_rbac(what: &str, docs: &[Value]) {
+    let role = find(docs, "Role");
+    assert_eq!(
+        role["rules"],
+        json!([reader_rule("nvidia.com", "dynamoworkermetadatas")]),
+        "{what}: get/list/watch on dynamoworkermetadatas only"
+    );
+    assert!(
+        docs.iter().all(|d| d["kind"] != json!("ClusterRole")),
+        "{what}: no cluster-wide grant"
+    );
+    let binding = find(docs, "RoleBinding");
+    assert_eq!(binding["roleRef"]["kind"], json!("Role"), "{what}");
+}
+
+fn assert_broker_network_policy(what: &str, docs: &[Value]) {
+    let policy = find(docs, "NetworkPolicy");
+    let egress = policy["spec"]["egress"].as_array().expect("egress");
+    let ports: Vec<&Value> = egress
+        .iter()
+        .flat_map(|rule| rule["ports"].as_array().into_iter().flatten())
+        .collect();
+    assert!(
+        ports.iter().any(|p| p["endPort"] == json!(65535)),
+        "{what}: publisher ports"
+    );
+    assert!(ports.iter().any(|p| p["port"] == json!(53)), "{what}: DNS");
+    assert!(
+        egress
+            .iter()
+            .any(|r| r["to"][0]["ipBlock"]["cidr"].is_string()),
+        "{what}: the bus"
+    );
+}
+
+#[test]
+fn the_event_broker_kustomization_is_least_privilege_and_hardened() {
+    let dir = "deploy/kubernetes/event-broker";
+    let docs = match Command::new("kubectl")
+        .arg("kustomize")
+        .arg(root().join(dir))
+        .output()
+    {
+        Ok(out) => {
+            assert!(
+                out.status.success(),
+                "kubectl kustomize {dir}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            yaml_docs(&String::from_utf8(out.stdout).expect("UTF-8"))
+        }
+        // Without kubectl: the files themselves.
+        Err(_) => [
+            "serviceaccount",
+            "role",
+            "secret",
+            "deployment",
+            "networkpolicy",
+        ]
+        .iter()
+        .flat_map(|f| yaml_docs(&read(&format!("{dir}/{f}.yaml"))))
+        .collect(),
+    };
+    assert_broker_rbac(dir, &docs);
+    assert_broker_deployment(dir, find(&docs, "Deployment"), None);
+    assert_broker_network_policy(dir, &docs);
+    let secret = find(&docs, "Secret");
+    assert!(
+        secret["stringData"]["token"].is_string() || secret["data"]["token"].is_string(),
+        "the token Secret"
+    );
+    let sa = find(&docs, "ServiceAccount");
+    assert_eq!(sa["automountServiceAccountToken"], json!(false));
+}
+
+#[test]
+fn the_event_broker_chart_renders_the_same_shape() {
+    let chart = &yaml_docs(&read(&format!("{BROKER_CHART}/Chart.yaml")))[0];
+    assert_eq!(chart["name"], json!("continuum-event-broker"));
+    let values = &yaml_docs(&read(&format!("{BROKER_CHART}/values.yaml")))[0];
+    assert_eq!(
+        values["probes"]["liveness"]["path"],
+        json!(BROKER_PROBES[0])
+    );
+    assert_eq!(
+        values["probes"]["readiness"]["path"],
+        json!(BROKER_PROBES[1])
+    );
+    let template = |name: &str| stripped(&read(&format!("{BROKER_CHART}/templates/{name}")));
+    assert_broker_rbac("chart", &template("role.yaml"));
+    assert_broker_deployment(
+        "chart",
+        find(&template("deployment.yaml"), "Deployment"),
+        Some(values),
+    );
+    assert_broker_network_policy("chart", &template("networkpolicy.yaml"));
+    for name in ["serviceaccount.yaml", "secret.yaml", "configmap.yaml"] {
+        assert!(!template(name).is_empty(), "{name}");
+    }
 }

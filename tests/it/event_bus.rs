@@ -7,15 +7,15 @@
 //! The last test runs the whole daemon: `root/event_bus` under the root supervisor, a config
 //! reload through the daemon's reload path, and an operator restart of the subtree.
 //!
-//! Certificates come from the openssl CLI, as in tests/it/proxy_tls.rs.
+//! Certificates come from the openssl CLI (`support::bus_pki`), as in tests/it/proxy_tls.rs.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::support::bus_pki::{Pki, pki};
 use bytes::Bytes;
 use continuum_actors::event_bus::{
     BusEntry, BusSettings, BusStream, BusStreamError, BusTls, EventBus, event_bus_spec,
@@ -58,121 +58,6 @@ const LISTENER: &str = "kv-listener-a";
 
 fn token(id: &str) -> String {
     format!("token-of-{id}")
-}
-
-// ---------------------------------------------------------------------------------------------
-// PKI
-
-struct Pki {
-    _dir: tempfile::TempDir,
-    ca: PathBuf,
-    server: (PathBuf, PathBuf),
-    client_a: (PathBuf, PathBuf),
-}
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("the openssl CLI runs (scripts/test.sh installs it)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn leaf(dir: &Path, name: &str, san: &str, usage: &str) -> (PathBuf, PathBuf) {
-    let (key, csr, pem, ext) = (
-        format!("{name}.key"),
-        format!("{name}.csr"),
-        format!("{name}.pem"),
-        format!("{name}.ext"),
-    );
-    std::fs::write(
-        dir.join(&ext),
-        format!(
-            "subjectAltName={san}\nbasicConstraints=CA:FALSE\n\
-             keyUsage=digitalSignature\nextendedKeyUsage={usage}\n"
-        ),
-    )
-    .expect("write ext");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            &format!("/CN={name}"),
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            &pem,
-            "-days",
-            "2",
-            "-extfile",
-            &ext,
-        ],
-    );
-    (dir.join(pem), dir.join(key))
-}
-
-fn pki() -> Pki {
-    let dir = tempfile::tempdir().expect("tempdir");
-    openssl(
-        dir.path(),
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=continuum-event-bus-test-ca",
-        ],
-    );
-    let server = leaf(
-        dir.path(),
-        "server",
-        "DNS:localhost,IP:127.0.0.1",
-        "serverAuth",
-    );
-    let client_a = leaf(dir.path(), "client-a", "DNS:broker-a.dynamo", "clientAuth");
-    Pki {
-        ca: dir.path().join("ca.pem"),
-        server,
-        client_a,
-        _dir: dir,
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

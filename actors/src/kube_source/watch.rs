@@ -27,6 +27,7 @@ use tracing::{debug, info, warn};
 
 use super::{
     KubeConnect, KubeSourceConfig, KubeSourceError, KubeUpdate, MetadataUpdate, PodUpdate,
+    WorkerMetadataChange, WorkerMetadataUpdate,
 };
 
 /// Builds clients, keeping a build abandoned by the setup timeout for the next pass to await.
@@ -578,6 +579,87 @@ async fn metadata_pass(
                 return Ok(end(Some(KubeSourceError::Stalled("endpointslices"))));
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DynamoWorkerMetadata alone (continuum-event-broker's advertised publishers)
+
+pub(super) async fn run_worker_metadata(
+    config: KubeSourceConfig,
+    tx: mpsc::Sender<WorkerMetadataUpdate>,
+) {
+    let mut clients = ClientSource::new(config.connect.clone());
+    let mut passes = PassLoop::new(&config);
+    loop {
+        let Ok(ended) = worker_metadata_pass(&config, &mut clients, &tx, &mut passes.conn).await
+        else {
+            return;
+        };
+        if passes.after(ended, &tx).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn worker_metadata_pass(
+    config: &KubeSourceConfig,
+    clients: &mut ClientSource,
+    tx: &mpsc::Sender<WorkerMetadataUpdate>,
+    conn: &mut Connection,
+) -> Result<Ended, Closed> {
+    let timing = config.timing;
+    let setup = tokio::time::timeout(timing.setup_timeout, async {
+        let client = clients.client().await?;
+        let resources: Api<DynamicObject> =
+            Api::namespaced_with(client, &config.namespace, &dynamo_worker_metadata());
+        let (items, version) = list_all(&resources, None, METADATA_PAGE).await?;
+        let stream = open_watch(&resources, None, &version, timing.watch_timeout_secs).await?;
+        Ok::<_, KubeSourceError>((items, stream))
+    })
+    .await;
+    let (items, mut stream) = match setup {
+        Err(_) => {
+            return Ok(Ended::setup(KubeSourceError::SetupTimeout(
+                timing.setup_timeout,
+            )));
+        }
+        Ok(Err(error)) => return Ok(Ended::setup(error)),
+        Ok(Ok(listed)) => listed,
+    };
+    let mut items: Vec<objects::DynamoWorkerMetadata> = items.iter().filter_map(to_proto).collect();
+    items.truncate(MAX_HELD_OBJECTS);
+    info!(
+        resources = items.len(),
+        namespace = config.namespace,
+        "Listed DynamoWorkerMetadata."
+    );
+    send(tx, KubeUpdate::Data(WorkerMetadataChange::Relisted(items))).await?;
+    conn.set(tx, true).await?;
+    let started = Instant::now();
+    loop {
+        let item = match tokio::time::timeout(timing.idle_timeout, stream.next()).await {
+            Err(_) => Next::End(Some(KubeSourceError::Stalled("dynamoworkermetadatas"))),
+            Ok(item) => decode(item),
+        };
+        let change = match item {
+            Next::Apply(o) => match to_proto::<objects::DynamoWorkerMetadata>(&o) {
+                Some(r) => WorkerMetadataChange::Applied(Box::new(r)),
+                None => continue,
+            },
+            Next::Delete(o) => match o.metadata.name {
+                Some(name) => WorkerMetadataChange::Deleted(name),
+                None => continue,
+            },
+            Next::Bookmark => continue,
+            Next::End(error) => {
+                return Ok(Ended {
+                    lasted: started.elapsed(),
+                    error,
+                });
+            }
+        };
+        send(tx, KubeUpdate::Data(change)).await?;
     }
 }
 

@@ -84,6 +84,8 @@ pub struct ClientSession {
     heartbeat_seq: u64,
     transmit: Vec<u8>,
     events: VecDeque<ClientEvent>,
+    /// Subscribes answered with `stream_closed` by the session itself (not yet taken).
+    refusals: Vec<StreamCloseReason>,
 }
 
 impl ClientSession {
@@ -108,6 +110,7 @@ impl ClientSession {
             heartbeat_seq: 0,
             transmit: Vec::new(),
             events: VecDeque::new(),
+            refusals: Vec::new(),
         };
         session.send(&Message::Hello(hello));
         Ok(session)
@@ -241,6 +244,12 @@ impl ClientSession {
         self.events.pop_front()
     }
 
+    /// The reasons of the subscribes this session refused on its own (target outside the
+    /// hello, draining, at the stream cap) since the last call, for the agent's counters.
+    pub fn take_refusals(&mut self) -> Vec<StreamCloseReason> {
+        std::mem::take(&mut self.refusals)
+    }
+
     fn handle_line(&mut self, line: &[u8], now: Tick) {
         let message = match Message::decode(line) {
             Ok(message) => message,
@@ -312,7 +321,10 @@ impl ClientSession {
                             target: subscribe.target,
                         });
                     }
-                    Err(reason) => self.send_stream_closed(stream_id, reason, None),
+                    Err(reason) => {
+                        self.refusals.push(reason);
+                        self.send_stream_closed(stream_id, reason, None);
+                    }
                 }
             }
             Message::Unsubscribe { stream_id } => {

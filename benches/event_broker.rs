@@ -1,0 +1,376 @@
+//! The REAL `continuum-event-broker` binary on loopback (not a test: `cargo bench --bench
+//! event_broker`, figures in docs/performance.md, "Event broker"):
+//!
+//! 1. relayed kv_metrics frames/s: a publisher (a TCP server writing ZMTP-framed `kv_metrics`
+//!    messages as fast as the reader takes them) read by the router's `BusStream` through the
+//!    broker (publisher → broker → TLS 1.3 + HTTP/2 → listener), against the same bytes read
+//!    directly over TCP (`transport: direct`);
+//! 2. the broker's resident memory (VmRSS) with 1,024 idle streams open.
+//!
+//! The router side is the real event-bus listener in-process; DynamoWorkerMetadata comes from the
+//! tests' fake Kubernetes API. Needs the openssl CLI. Prints one line per figure.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use continuum_actors::event_bus::{BusEntry, BusSettings, BusTls, EventBus};
+use continuum_actors::tree::ActorTree;
+use continuum_protocol::discovery::EventTopic;
+use continuum_protocol::event_bus::credential::TokenHash;
+use continuum_protocol::event_bus::message::{ClientId, Role, ZmqTcpTarget};
+use continuum_protocol::event_bus::{Grant, SessionBounds};
+use continuum_protocol::event_plane::ActiveLoad;
+use continuum_protocol::event_plane::encode::encode_kv_metrics;
+use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
+use continuum_protocol::time::UnixMillis;
+use continuum_protocol::zmtp::publisher::encode_message;
+use serde_json::json;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream};
+
+#[allow(unused_imports)]
+#[path = "../tests/it/support/fake_kube.rs"]
+mod fake_kube;
+
+const TOKEN: &str = "bench-broker-token";
+const NS: &str = "dynamo";
+/// Messages per throughput run.
+const MESSAGES: usize = 200_000;
+const RUNS: usize = 5;
+const IDLE_STREAMS: usize = 1024;
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("the openssl CLI runs");
+    assert!(out.status.success(), "openssl {args:?} failed");
+}
+
+fn pki(dir: &Path) {
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=bench-ca",
+        ],
+    );
+    std::fs::write(
+        dir.join("server.ext"),
+        "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n\
+         extendedKeyUsage=serverAuth\n",
+    )
+    .expect("ext");
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=server",
+        ],
+    );
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+        ],
+    );
+}
+
+/// One ZMTP-framed kv_metrics message, as a publisher writes it.
+fn message() -> Vec<u8> {
+    let load = ActiveLoad {
+        worker_id: InstanceId(0x1234_5678),
+        dp_rank: DpRank(0),
+        active_decode_blocks: Some(12),
+        active_prefill_tokens: Some(345),
+        kv_used_blocks: Some(67),
+    };
+    let mut out = Vec::new();
+    encode_message(
+        &encode_kv_metrics(PublisherId(0x1234_5678), 1, UnixMillis(1), &load),
+        &mut out,
+    );
+    out
+}
+
+/// A publisher on `0.0.0.0:port`: every connection gets `count` copies of `message` (0: none,
+/// the connection stays idle until the peer closes it).
+async fn publisher(count: usize) -> (u16, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("0.0.0.0:0")
+        .await
+        .expect("bind publisher");
+    let port = listener.local_addr().expect("addr").port();
+    let payload = message();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let payload = payload.clone();
+            tokio::spawn(async move {
+                let batch: Vec<u8> = payload.repeat(64);
+                let mut left = count;
+                while left >= 64 {
+                    if tcp.write_all(&batch).await.is_err() {
+                        return;
+                    }
+                    left -= 64;
+                }
+                for _ in 0..left {
+                    if tcp.write_all(&payload).await.is_err() {
+                        return;
+                    }
+                }
+                // Hold the connection (idle streams) until the reader goes.
+                let mut sink = [0u8; 256];
+                while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {}
+            });
+        }
+    });
+    (port, task)
+}
+
+fn target(host: &str, port: u16) -> ZmqTcpTarget {
+    ZmqTcpTarget {
+        namespace: Namespace::new(NS),
+        host: host.into(),
+        port,
+    }
+}
+
+/// Host `i` of the idle-stream targets: 127.0.x.y (all loopback, one listener on 0.0.0.0).
+fn idle_host(i: usize) -> String {
+    format!("127.0.{}.{}", i / 250, i % 250 + 1)
+}
+
+/// DynamoWorkerMetadata advertising `targets` (256 channels per resource).
+fn advertise(kube: &fake_kube::FakeKube, targets: &[(String, u16)]) {
+    for (chunk_index, chunk) in targets.chunks(256).enumerate() {
+        let mut channels = serde_json::Map::new();
+        for (i, (host, port)) in chunk.iter().enumerate() {
+            let publisher = 0x1000 + chunk_index * 256 + i;
+            channels.insert(
+                format!("namespace/{NS}/component/backend/endpoint/generate/topic/kv_metrics/{publisher:x}"),
+                json!({"type": "EventChannel", "scope": {"kind": "endpoint", "endpoint":
+                       {"namespace": NS, "component": "backend", "name": "generate"}},
+                       "topic": "kv_metrics", "instance_id": publisher,
+                       "transport": {"kind": "Zmq", "config": {"endpoint": format!("tcp://{host}:{port}")}}}),
+            );
+        }
+        kube.apply(
+            fake_kube::Kind::Metadata,
+            json!({"metadata": {"name": format!("worker-{chunk_index}"), "namespace": "dynamo"},
+                   "spec": {"data": {"event_channels": channels}}}),
+        );
+    }
+}
+
+async fn read_all(mut reader: impl tokio::io::AsyncRead + Unpin, bytes: usize) -> Duration {
+    let started = Instant::now();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut got = 0;
+    while got < bytes {
+        let n = reader.read(&mut buf).await.expect("read");
+        assert!(n > 0, "stream ended after {got} of {bytes} bytes");
+        got += n;
+    }
+    started.elapsed()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn main() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(run());
+}
+
+async fn run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    pki(dir.path());
+    std::fs::write(dir.path().join("token"), TOKEN).expect("token");
+    let settings = BusSettings {
+        enabled: true,
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        tls: Some(BusTls {
+            cert: dir.path().join("server.pem"),
+            key: dir.path().join("server.key"),
+            client_ca: None,
+        }),
+        entries: vec![BusEntry {
+            grant: Grant {
+                id: ClientId::new("broker-a.dynamo"),
+                role: Role::Broker,
+                namespaces: [Namespace::new(NS)].into_iter().collect(),
+                backends: Default::default(),
+            },
+            token_hash: Some(TokenHash::of_token(TOKEN.as_bytes())),
+        }],
+        max_sessions: 4,
+        bounds: SessionBounds::new(64 * 1024 * 1024, 1024).expect("bounds"),
+        heartbeat_interval: Duration::from_secs(10),
+        idle_timeout: Duration::from_secs(30),
+        hello_timeout: BusSettings::HELLO_TIMEOUT,
+    };
+    let bus = EventBus::new(settings, None);
+    let (root, _) = continuum_actors::supervisor::spawn_root(
+        vec![continuum_actors::event_bus::event_bus_spec(bus.clone())],
+        ActorTree::default(),
+        None,
+    )
+    .await
+    .expect("root");
+    let mut ticks = tokio::time::interval(Duration::from_millis(5));
+    let addr: SocketAddr = loop {
+        if let Some(addr) = bus.local_addr() {
+            break addr;
+        }
+        ticks.tick().await;
+    };
+
+    let (flood_port, _flood) = publisher(MESSAGES).await;
+    let (idle_port, _idle) = publisher(0).await;
+    let mut targets = vec![("127.0.0.1".to_owned(), flood_port)];
+    targets.extend((0..IDLE_STREAMS).map(|i| (idle_host(i), idle_port)));
+    let kube = fake_kube::FakeKube::start().await;
+    advertise(&kube, &targets);
+
+    let mut broker = Command::new(env!("CARGO_BIN_EXE_continuum-event-broker"))
+        .args(["--bus-url", &format!("https://{addr}")])
+        .args([
+            "--server-name",
+            "localhost",
+            "--client-id",
+            "broker-a.dynamo",
+        ])
+        .arg("--token-file")
+        .arg(dir.path().join("token"))
+        .arg("--ca-file")
+        .arg(dir.path().join("ca.pem"))
+        .args(["--dynamo-namespace", NS, "--kubernetes-namespace", "dynamo"])
+        .args([
+            "--kubernetes-api-url",
+            &kube.url(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("the broker binary (cargo bench builds it)");
+    let pid = broker.id();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while bus.session_count() == 0 {
+        assert!(Instant::now() < deadline, "the broker connects within 30 s");
+        ticks.tick().await;
+    }
+    let bytes = MESSAGES * message().len();
+    println!(
+        "event_broker: {MESSAGES} kv_metrics messages of {} bytes per run, {RUNS} runs",
+        message().len()
+    );
+
+    let mut direct = Vec::new();
+    let mut relayed = Vec::new();
+    for _ in 0..RUNS {
+        let tcp = TcpStream::connect(("127.0.0.1", flood_port))
+            .await
+            .expect("direct");
+        direct.push(read_all(tcp, bytes).await);
+        let stream = bus
+            .open_stream(target("127.0.0.1", flood_port), EventTopic::KvMetrics)
+            .await
+            .expect("a stream through the broker");
+        relayed.push(read_all(stream, bytes).await);
+    }
+    let rate = |times: &mut Vec<Duration>| {
+        times.sort();
+        MESSAGES as f64 / times[times.len() / 2].as_secs_f64()
+    };
+    let (d, r) = (rate(&mut direct), rate(&mut relayed));
+    println!("event_broker/direct_tcp      median {d:>12.0} msgs/s");
+    println!(
+        "event_broker/through_broker  median {r:>12.0} msgs/s  ({:.2}x direct)",
+        r / d
+    );
+
+    let idle_before = rss_kib(pid);
+    let mut open = Vec::with_capacity(IDLE_STREAMS);
+    for i in 0..IDLE_STREAMS - 1 {
+        let stream = bus
+            .open_stream(target(&idle_host(i), idle_port), EventTopic::KvMetrics)
+            .await
+            .unwrap_or_else(|e| panic!("idle stream {i}: {e:?}"));
+        open.push(stream);
+    }
+    // Each stream resolved once the broker had dialled its publisher and opened the data
+    // stream: every relay is running now.
+    let idle_after = rss_kib(pid);
+    println!(
+        "event_broker/rss  {} KiB before, {} KiB with {} idle streams ({:.1} MiB)",
+        idle_before,
+        idle_after,
+        open.len(),
+        idle_after as f64 / 1024.0
+    );
+    drop(open);
+    let _ = broker.kill();
+    let _ = broker.wait();
+    root.stop(None);
+}

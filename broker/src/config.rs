@@ -1,0 +1,435 @@
+//! The command line and the optional YAML file: both name the same settings; a flag (or its
+//! environment variable) wins over the file. [`BrokerConfig::resolve`] checks everything before
+//! the agent starts, so a bad setting is one clear error at startup, never a reconnect loop.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, bail};
+use clap::Parser;
+use continuum_protocol::event_bus::message::{ClientId, Hello, Role};
+use continuum_protocol::ids::Namespace;
+use serde::Deserialize;
+
+/// Longest accepted token file (a bearer token is far shorter; this only bounds the read).
+pub const MAX_TOKEN_BYTES: u64 = 4096;
+/// Longest accepted YAML file.
+pub const MAX_CONFIG_BYTES: u64 = 1024 * 1024;
+/// Default of `--max-streams`: streams relayed at once, whatever the router's welcome allows.
+pub const DEFAULT_MAX_STREAMS: usize = 4096;
+/// Default of `--listen` (`/health`, `/ready`, `/metrics`).
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:9464";
+/// Where Kubernetes mounts the Pod's own namespace.
+const SERVICE_ACCOUNT_NAMESPACE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+
+#[derive(Parser, Debug, Clone, Default)]
+#[command(
+    name = "continuum-event-broker",
+    version = crate::VERSION,
+    about = "In-cluster agent of the continuum-router event bus: dials out to the router's \
+             listener over TLS 1.3 + HTTP/2 and relays the ZMQ publishers (kv_metrics, \
+             kv-events) that DynamoWorkerMetadata in its Kubernetes namespace advertises.",
+    after_help = "Every setting can also come from --config FILE (YAML, the same names with \
+                  underscores: bus_url, client_id, token_file, client_cert, client_key, ca_file, \
+                  server_name, dynamo_namespaces, kubernetes_namespace, kubernetes_api_url, \
+                  listen, max_streams). See docs/event-bus.md, \"continuum-event-broker\"."
+)]
+pub struct Cli {
+    /// YAML file with the settings below; flags and environment variables win over it.
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_BROKER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// The router's event-bus listener: https://HOST:PORT (dynamo.event_bus.listen).
+    #[arg(long, value_name = "URL", env = "CONTINUUM_BROKER_BUS_URL")]
+    pub bus_url: Option<String>,
+    /// This broker's id: the router's dynamo.event_bus.brokers[].id.
+    #[arg(long, value_name = "ID", env = "CONTINUUM_BROKER_CLIENT_ID")]
+    pub client_id: Option<String>,
+    /// File holding the bearer token (its sha256 is the entry's token_hash).
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_BROKER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Client certificate (PEM) whose DNS SAN is the client id; needs --client-key.
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_BROKER_CLIENT_CERT")]
+    pub client_cert: Option<PathBuf>,
+    /// Private key (PEM) of --client-cert.
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_BROKER_CLIENT_KEY")]
+    pub client_key: Option<PathBuf>,
+    /// CA certificate(s) (PEM) that verify the listener's certificate.
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_BROKER_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// TLS server name to verify [default: the host of --bus-url].
+    #[arg(long, value_name = "NAME", env = "CONTINUUM_BROKER_SERVER_NAME")]
+    pub server_name: Option<String>,
+    /// Dynamo namespace(s) this broker reaches (repeat or comma-separate); the hello declares them.
+    #[arg(
+        long = "dynamo-namespace",
+        value_name = "NS",
+        value_delimiter = ',',
+        env = "CONTINUUM_BROKER_DYNAMO_NAMESPACES"
+    )]
+    pub dynamo_namespaces: Vec<String>,
+    /// Kubernetes namespace whose DynamoWorkerMetadata advertises the publishers [default: the
+    /// Pod's own namespace].
+    #[arg(long, value_name = "NS", env = "CONTINUUM_BROKER_KUBERNETES_NAMESPACE")]
+    pub kubernetes_namespace: Option<String>,
+    /// Plain API server URL without credentials (`kubectl proxy`) [default: the in-cluster
+    /// service account, then KUBECONFIG].
+    #[arg(long, value_name = "URL", env = "CONTINUUM_BROKER_KUBERNETES_API_URL")]
+    pub kubernetes_api_url: Option<String>,
+    /// Address of /health, /ready and /metrics [default: 0.0.0.0:9464].
+    #[arg(long, value_name = "ADDR", env = "CONTINUUM_BROKER_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Streams relayed at once [default: 4096]; more subscribes are refused with stream_limit.
+    #[arg(long, value_name = "N", env = "CONTINUUM_BROKER_MAX_STREAMS")]
+    pub max_streams: Option<usize>,
+}
+
+/// The YAML file: the flags' settings, all optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    bus_url: Option<String>,
+    client_id: Option<String>,
+    token_file: Option<PathBuf>,
+    client_cert: Option<PathBuf>,
+    client_key: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
+    server_name: Option<String>,
+    dynamo_namespaces: Option<Vec<String>>,
+    kubernetes_namespace: Option<String>,
+    kubernetes_api_url: Option<String>,
+    listen: Option<SocketAddr>,
+    max_streams: Option<usize>,
+}
+
+/// The router's listener.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BusAddress {
+    /// Host without IPv6 brackets.
+    pub host: String,
+    pub port: u16,
+}
+
+impl BusAddress {
+    /// Parses `https://HOST:PORT` (a trailing `/` allowed; no path, user info or query).
+    pub fn parse(url: &str) -> anyhow::Result<Self> {
+        let rest = url
+            .strip_prefix("https://")
+            .with_context(|| format!("bus URL {url:?} must start with https://"))?;
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.contains(['/', '@', '?', '#']) {
+            bail!("bus URL {url:?} must be https://HOST:PORT without a path");
+        }
+        let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+            let (host, tail) = v6
+                .split_once(']')
+                .with_context(|| format!("bus URL {url:?}: unclosed IPv6 literal"))?;
+            (host, tail.strip_prefix(':'))
+        } else {
+            match rest.rsplit_once(':') {
+                Some((host, port)) => (host, Some(port)),
+                None => (rest, None),
+            }
+        };
+        if host.is_empty() {
+            bail!("bus URL {url:?} has no host");
+        }
+        let port = match port {
+            Some(port) => port
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .with_context(|| format!("bus URL {url:?}: bad port"))?,
+            None => 443,
+        };
+        Ok(Self {
+            host: host.to_owned(),
+            port,
+        })
+    }
+
+    /// `host:port` for the URI authority and the resolver.
+    pub fn authority(&self) -> String {
+        if self.host.contains(':') {
+            format!("[{}]:{}", self.host, self.port)
+        } else {
+            format!("{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// How the broker authenticates.
+#[derive(Clone, Debug, Default)]
+pub struct Credential {
+    /// The bearer token (never logged).
+    pub token: Option<String>,
+    /// Client certificate and key files.
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+}
+
+/// Where the Kubernetes client connects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KubeApi {
+    /// In-cluster service account, then KUBECONFIG.
+    Infer,
+    Url(String),
+}
+
+/// Everything the agent runs with, checked.
+#[derive(Clone, Debug)]
+pub struct BrokerConfig {
+    pub bus: BusAddress,
+    pub server_name: String,
+    pub client_id: ClientId,
+    pub credential: Credential,
+    pub ca_file: PathBuf,
+    pub namespaces: Vec<Namespace>,
+    pub kubernetes_namespace: String,
+    pub kubernetes_api: KubeApi,
+    pub listen: SocketAddr,
+    pub max_streams: usize,
+}
+
+impl BrokerConfig {
+    /// Merges the file (if any) under the flags and checks the result.
+    pub fn resolve(cli: Cli) -> anyhow::Result<Self> {
+        let file = match &cli.config {
+            Some(path) => read_file_config(path)?,
+            None => FileConfig::default(),
+        };
+        let bus_url = cli
+            .bus_url
+            .or(file.bus_url)
+            .context("no bus URL: --bus-url or bus_url")?;
+        let bus = BusAddress::parse(&bus_url)?;
+        let client_id = cli
+            .client_id
+            .or(file.client_id)
+            .context("no client id: --client-id or client_id")?;
+        let mut namespaces = cli.dynamo_namespaces;
+        if namespaces.is_empty() {
+            namespaces = file.dynamo_namespaces.unwrap_or_default();
+        }
+        if namespaces.is_empty() {
+            bail!("no Dynamo namespace: --dynamo-namespace or dynamo_namespaces");
+        }
+        let namespaces: Vec<Namespace> = namespaces.iter().map(Namespace::new).collect();
+        // The hello's own bounds (name syntax, 1..=256 distinct namespaces), checked now.
+        Hello {
+            role: Role::Broker,
+            client_id: ClientId::new(client_id.clone()),
+            versions: vec![1],
+            dynamo_namespaces: namespaces.clone(),
+            sources: vec![],
+        }
+        .check()
+        .map_err(|e| anyhow::anyhow!("client id or Dynamo namespaces: {e}"))?;
+
+        let token = match cli.token_file.or(file.token_file) {
+            Some(path) => Some(read_token(&path)?),
+            None => None,
+        };
+        let client_cert = match (
+            cli.client_cert.or(file.client_cert),
+            cli.client_key.or(file.client_key),
+        ) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            (None, None) => None,
+            _ => bail!("a client certificate needs both --client-cert and --client-key"),
+        };
+        if token.is_none() && client_cert.is_none() {
+            bail!("no credential: --token-file, or --client-cert with --client-key");
+        }
+        let ca_file = cli
+            .ca_file
+            .or(file.ca_file)
+            .context("no CA: --ca-file or ca_file (verifies the listener's certificate)")?;
+        let server_name = cli
+            .server_name
+            .or(file.server_name)
+            .unwrap_or_else(|| bus.host.clone());
+        let kubernetes_namespace = match cli.kubernetes_namespace.or(file.kubernetes_namespace) {
+            Some(ns) => ns,
+            None => std::fs::read_to_string(SERVICE_ACCOUNT_NAMESPACE)
+                .map(|s| s.trim().to_owned())
+                .ok()
+                .filter(|s| !s.is_empty())
+                .context(
+                    "no Kubernetes namespace: --kubernetes-namespace (outside a Pod there is no \
+                     service-account namespace to default to)",
+                )?,
+        };
+        let kubernetes_api = match cli.kubernetes_api_url.or(file.kubernetes_api_url) {
+            Some(url) => KubeApi::Url(url),
+            None => KubeApi::Infer,
+        };
+        let listen = match cli.listen.or(file.listen) {
+            Some(addr) => addr,
+            None => DEFAULT_LISTEN
+                .parse()
+                .expect("the default listen address parses"),
+        };
+        let max_streams = cli
+            .max_streams
+            .or(file.max_streams)
+            .unwrap_or(DEFAULT_MAX_STREAMS);
+        if !(1..=65_536).contains(&max_streams) {
+            bail!("max_streams must be 1..=65536");
+        }
+        Ok(Self {
+            bus,
+            server_name,
+            client_id: ClientId::new(client_id),
+            credential: Credential { token, client_cert },
+            ca_file,
+            namespaces,
+            kubernetes_namespace,
+            kubernetes_api,
+            listen,
+            max_streams,
+        })
+    }
+
+    /// The hello this broker sends.
+    pub fn hello(&self) -> Hello {
+        Hello {
+            role: Role::Broker,
+            client_id: self.client_id.clone(),
+            versions: vec![1],
+            dynamo_namespaces: self.namespaces.clone(),
+            sources: vec![],
+        }
+    }
+}
+
+fn read_bounded(path: &Path, limit: u64, what: &str) -> anyhow::Result<String> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(path)
+        .with_context(|| format!("cannot open the {what} {}", path.display()))?;
+    let mut text = String::new();
+    file.take(limit + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("cannot read the {what} {}", path.display()))?;
+    if text.len() as u64 > limit {
+        bail!("the {what} {} is over {limit} bytes", path.display());
+    }
+    Ok(text)
+}
+
+fn read_file_config(path: &Path) -> anyhow::Result<FileConfig> {
+    let text = read_bounded(path, MAX_CONFIG_BYTES, "config file")?;
+    serde_saphyr::from_str(&text).with_context(|| format!("config file {}", path.display()))
+}
+
+fn read_token(path: &Path) -> anyhow::Result<String> {
+    let token = read_bounded(path, MAX_TOKEN_BYTES, "token file")?;
+    let token = token.trim();
+    if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+        bail!(
+            "the token file {} must hold one printable token",
+            path.display()
+        );
+    }
+    Ok(token.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_urls_parse_strictly() {
+        let ok = |url: &str| BusAddress::parse(url).expect(url);
+        assert_eq!(
+            ok("https://router.example:7443"),
+            BusAddress {
+                host: "router.example".into(),
+                port: 7443
+            }
+        );
+        assert_eq!(ok("https://10.0.0.1:7443/").port, 7443);
+        assert_eq!(ok("https://[::1]:7443").host, "::1");
+        assert_eq!(ok("https://[::1]:7443").authority(), "[::1]:7443");
+        assert_eq!(ok("https://router").port, 443);
+        for bad in [
+            "http://router:7443",
+            "https://router:7443/bus",
+            "https://user@router:7443",
+            "https://:7443",
+            "https://router:0",
+            "https://router:99999",
+            "https://[::1:7443",
+        ] {
+            assert!(BusAddress::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    fn base(dir: &Path) -> Cli {
+        let token = dir.join("token");
+        std::fs::write(&token, "secret-token\n").expect("token");
+        Cli {
+            bus_url: Some("https://127.0.0.1:7443".into()),
+            client_id: Some("broker-a.dynamo".into()),
+            token_file: Some(token),
+            ca_file: Some(dir.join("ca.pem")),
+            dynamo_namespaces: vec!["dynamo".into()],
+            kubernetes_namespace: Some("llm".into()),
+            ..Cli::default()
+        }
+    }
+
+    #[test]
+    fn flags_win_over_the_file_and_every_gap_is_a_clear_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = BrokerConfig::resolve(base(dir.path())).expect("resolves");
+        assert_eq!(cfg.credential.token.as_deref(), Some("secret-token"));
+        assert_eq!(cfg.server_name, "127.0.0.1");
+        assert_eq!(cfg.listen, DEFAULT_LISTEN.parse().unwrap());
+        assert_eq!(cfg.max_streams, DEFAULT_MAX_STREAMS);
+
+        let file = dir.path().join("broker.yaml");
+        std::fs::write(
+            &file,
+            "bus_url: https://from-file:1\nclient_id: broker-b.dynamo\n\
+             dynamo_namespaces: [a, b]\nlisten: 127.0.0.1:9000\nmax_streams: 8\n",
+        )
+        .expect("file");
+        let mut cli = base(dir.path());
+        cli.config = Some(file.clone());
+        cli.dynamo_namespaces.clear();
+        let cfg = BrokerConfig::resolve(cli).expect("resolves");
+        assert_eq!(cfg.bus.port, 7443, "the flag wins");
+        assert_eq!(cfg.client_id.as_str(), "broker-a.dynamo");
+        assert_eq!(cfg.namespaces.len(), 2, "the file fills the gap");
+        assert_eq!(cfg.max_streams, 8);
+
+        std::fs::write(&file, "bus_urll: x\n").expect("file");
+        let mut cli = base(dir.path());
+        cli.config = Some(file);
+        assert!(
+            BrokerConfig::resolve(cli).is_err(),
+            "unknown keys are refused"
+        );
+
+        let mut cli = base(dir.path());
+        cli.token_file = None;
+        let err = BrokerConfig::resolve(cli).unwrap_err().to_string();
+        assert!(err.contains("no credential"), "{err}");
+        let mut cli = base(dir.path());
+        cli.client_cert = Some("c.pem".into());
+        assert!(BrokerConfig::resolve(cli).is_err(), "a cert needs its key");
+        let mut cli = base(dir.path());
+        cli.dynamo_namespaces = vec!["has space".into()];
+        assert!(BrokerConfig::resolve(cli).is_err());
+        let mut cli = base(dir.path());
+        cli.max_streams = Some(0);
+        assert!(BrokerConfig::resolve(cli).is_err());
+        let huge = dir.path().join("huge");
+        std::fs::write(&huge, vec![b'a'; 5000]).expect("huge");
+        let mut cli = base(dir.path());
+        cli.token_file = Some(huge);
+        assert!(
+            BrokerConfig::resolve(cli).is_err(),
+            "the token read is bounded"
+        );
+    }
+}

@@ -1,0 +1,46 @@
+//! `/health` (liveness: the process serves), `/ready` (a welcomed session to the router and a
+//! listed DynamoWorkerMetadata watch) and `/metrics` (Prometheus text).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use crate::metrics::Metrics;
+
+#[derive(Clone)]
+struct Probe {
+    metrics: Metrics,
+    ready: Arc<AtomicBool>,
+}
+
+pub fn router(metrics: Metrics, ready: Arc<AtomicBool>) -> Router {
+    Router::new()
+        .route("/health", get(|| async { "ok\n" }))
+        .route("/ready", get(ready_probe))
+        .route("/metrics", get(render))
+        .with_state(Probe { metrics, ready })
+}
+
+async fn ready_probe(State(probe): State<Probe>) -> impl IntoResponse {
+    let kube = probe.metrics.kubernetes_connected.get() == 1;
+    if probe.ready.load(Ordering::Relaxed) && kube {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: no welcomed session or no DynamoWorkerMetadata watch\n",
+        )
+    }
+}
+
+async fn render(State(probe): State<Probe>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        probe.metrics.render(),
+    )
+}

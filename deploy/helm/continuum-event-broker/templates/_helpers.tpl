@@ -1,0 +1,31 @@
+{{/* Names and labels shared by every template. */}}
+{{- define "continuum-event-broker.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "continuum-event-broker.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "continuum-event-broker.labels" -}}
+{{ include "continuum-event-broker.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "continuum-event-broker.serviceAccountName" -}}
+{{- default (include "continuum-event-broker.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "continuum-event-broker.tokenSecret" -}}
+{{- default (printf "%s-token" (include "continuum-event-broker.fullname" .)) .Values.token.existingSecret -}}
+{{- end -}}
+
+{{- define "continuum-event-broker.caConfigMap" -}}
+{{- default (printf "%s-ca" (include "continuum-event-broker.fullname" .)) .Values.ca.existingConfigMap -}}
+{{- end -}}
