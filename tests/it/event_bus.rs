@@ -46,8 +46,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-const WAIT: Duration = Duration::from_secs(10);
-const BROKERS: &[&str] = &[
+pub(crate) const WAIT: Duration = Duration::from_secs(10);
+pub(crate) const BROKERS: &[&str] = &[
     "broker-a.dynamo",
     "broker-b.dynamo",
     "broker-c.dynamo",
@@ -56,18 +56,18 @@ const BROKERS: &[&str] = &[
 ];
 const LISTENER: &str = "kv-listener-a";
 
-fn token(id: &str) -> String {
+pub(crate) fn token(id: &str) -> String {
     format!("token-of-{id}")
 }
 
 // ---------------------------------------------------------------------------------------------
 // PKI
 
-struct Pki {
-    _dir: tempfile::TempDir,
-    ca: PathBuf,
-    server: (PathBuf, PathBuf),
-    client_a: (PathBuf, PathBuf),
+pub(crate) struct Pki {
+    pub(crate) _dir: tempfile::TempDir,
+    pub(crate) ca: PathBuf,
+    pub(crate) server: (PathBuf, PathBuf),
+    pub(crate) client_a: (PathBuf, PathBuf),
 }
 
 fn openssl(dir: &Path, args: &[&str]) {
@@ -138,7 +138,7 @@ fn leaf(dir: &Path, name: &str, san: &str, usage: &str) -> (PathBuf, PathBuf) {
     (dir.join(pem), dir.join(key))
 }
 
-fn pki() -> Pki {
+pub(crate) fn pki() -> Pki {
     let dir = tempfile::tempdir().expect("tempdir");
     openssl(
         dir.path(),
@@ -178,7 +178,7 @@ fn pki() -> Pki {
 // ---------------------------------------------------------------------------------------------
 // The listener under test
 
-fn entry(id: &str, role: Role, grants: &[&str]) -> BusEntry {
+pub(crate) fn entry(id: &str, role: Role, grants: &[&str]) -> BusEntry {
     let set = |items: &[&str]| items.iter().map(|s| s.to_string()).collect();
     BusEntry {
         grant: Grant {
@@ -197,7 +197,7 @@ fn entry(id: &str, role: Role, grants: &[&str]) -> BusEntry {
     }
 }
 
-fn settings(pki: &Pki, max_sessions: u32) -> BusSettings {
+pub(crate) fn settings(pki: &Pki, max_sessions: u32) -> BusSettings {
     let mut entries: Vec<BusEntry> = BROKERS
         .iter()
         .map(|id| entry(id, Role::Broker, &["dynamo"]))
@@ -221,14 +221,14 @@ fn settings(pki: &Pki, max_sessions: u32) -> BusSettings {
     }
 }
 
-struct Harness {
-    bus: EventBus,
-    metrics: Metrics,
-    tree: ActorTree,
-    addr: SocketAddr,
-    pki: Pki,
+pub(crate) struct Harness {
+    pub(crate) bus: EventBus,
+    pub(crate) metrics: Metrics,
+    pub(crate) tree: ActorTree,
+    pub(crate) addr: SocketAddr,
+    pub(crate) pki: Pki,
     /// The test's own root supervisor (none when a daemon runs the bus).
-    root: Option<ActorRef<SupervisorMsg>>,
+    pub(crate) root: Option<ActorRef<SupervisorMsg>>,
 }
 
 impl Drop for Harness {
@@ -239,7 +239,7 @@ impl Drop for Harness {
     }
 }
 
-async fn start(max_sessions: u32) -> Harness {
+pub(crate) async fn start(max_sessions: u32) -> Harness {
     let pki = pki();
     let metrics = Metrics::new("event-bus-test").expect("metrics");
     let bus = EventBus::new(settings(&pki, max_sessions), Some(&metrics));
@@ -263,7 +263,7 @@ async fn start(max_sessions: u32) -> Harness {
 }
 
 /// Polls `probe` until it gives a value, at most [`WAIT`].
-async fn poll<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+pub(crate) async fn poll<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + WAIT;
     let mut ticks = tokio::time::interval(Duration::from_millis(10));
     loop {
@@ -276,7 +276,7 @@ async fn poll<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
 }
 
 impl Harness {
-    fn refusals(&self, code: &str) -> f64 {
+    pub(crate) fn refusals(&self, code: &str) -> f64 {
         self.metrics
             .value(
                 "continuum_dynamo_event_bus_refusals_total",
@@ -285,14 +285,14 @@ impl Harness {
             .unwrap_or(0.0)
     }
 
-    async fn wait_refusals(&self, code: &str, at_least: f64) {
+    pub(crate) async fn wait_refusals(&self, code: &str, at_least: f64) {
         poll(&format!("{at_least} {code} refusals"), || {
             (self.refusals(code) >= at_least).then_some(())
         })
         .await;
     }
 
-    async fn wait_sessions(&self, n: usize) {
+    pub(crate) async fn wait_sessions(&self, n: usize) {
         let mut view = self.bus.subscribe_sessions();
         tokio::time::timeout(WAIT, async {
             while view.borrow_and_update().sessions.len() != n {
@@ -310,19 +310,19 @@ impl Harness {
 type Body = UnsyncBoxBody<Bytes, Infallible>;
 
 #[derive(Clone, Copy)]
-struct Client<'a> {
+pub(crate) struct Client<'a> {
     tls13: bool,
     alpn: &'a [&'a [u8]],
     cert: Option<&'a (PathBuf, PathBuf)>,
 }
 
-const H2: Client<'static> = Client {
+pub(crate) const H2: Client<'static> = Client {
     tls13: true,
     alpn: &[b"h2"],
     cert: None,
 };
 
-async fn tls_connect(
+pub(crate) async fn tls_connect(
     h: &Harness,
     client: Client<'_>,
 ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
@@ -362,11 +362,11 @@ async fn tls_connect(
     Ok(tls)
 }
 
-struct Conn {
-    send: hyper::client::conn::http2::SendRequest<Body>,
+pub(crate) struct Conn {
+    pub(crate) send: hyper::client::conn::http2::SendRequest<Body>,
 }
 
-async fn h2(h: &Harness, client: Client<'_>) -> Conn {
+pub(crate) async fn h2(h: &Harness, client: Client<'_>) -> Conn {
     let tls = tls_connect(h, client).await.expect("TLS handshake");
     let (send, conn) =
         hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
@@ -379,14 +379,14 @@ async fn h2(h: &Harness, client: Client<'_>) -> Conn {
 }
 
 /// A request body the test writes to as it goes.
-fn body_pipe() -> (futures::channel::mpsc::Sender<Bytes>, Body) {
+pub(crate) fn body_pipe() -> (futures::channel::mpsc::Sender<Bytes>, Body) {
     let (tx, rx) = futures::channel::mpsc::channel::<Bytes>(16);
     let body = StreamBody::new(rx.map(|b| Ok::<_, Infallible>(Frame::data(b)))).boxed_unsync();
     (tx, body)
 }
 
 impl Conn {
-    async fn post(
+    pub(crate) async fn post(
         &mut self,
         method: &str,
         path: &str,
@@ -410,7 +410,7 @@ impl Conn {
     }
 
     /// A session request whose body starts with `first` (kept open).
-    async fn session(
+    pub(crate) async fn session(
         &mut self,
         auth: Option<&str>,
         version: Option<&str>,
@@ -432,7 +432,7 @@ impl Conn {
     }
 }
 
-async fn refusal(response: Response<Incoming>) -> (u16, ErrorCode) {
+pub(crate) async fn refusal(response: Response<Incoming>) -> (u16, ErrorCode) {
     let status = response.status().as_u16();
     let body = tokio::time::timeout(WAIT, response.into_body().collect())
         .await
@@ -443,12 +443,12 @@ async fn refusal(response: Response<Incoming>) -> (u16, ErrorCode) {
     (status, decoded.error.code)
 }
 
-fn tick() -> Tick {
+pub(crate) fn tick() -> Tick {
     static ORIGIN: OnceLock<Instant> = OnceLock::new();
     Tick(ORIGIN.get_or_init(Instant::now).elapsed())
 }
 
-fn broker_hello(id: &str, namespaces: &[&str]) -> Hello {
+pub(crate) fn broker_hello(id: &str, namespaces: &[&str]) -> Hello {
     Hello {
         role: Role::Broker,
         client_id: ClientId::new(id),
@@ -458,18 +458,18 @@ fn broker_hello(id: &str, namespaces: &[&str]) -> Hello {
     }
 }
 
-struct TestBroker {
-    conn: Conn,
-    session: ClientSession,
-    lines: futures::channel::mpsc::Sender<Bytes>,
-    body: Incoming,
-    welcome: Welcome,
-    token: Option<String>,
+pub(crate) struct TestBroker {
+    pub(crate) conn: Conn,
+    pub(crate) session: ClientSession,
+    pub(crate) lines: futures::channel::mpsc::Sender<Bytes>,
+    pub(crate) body: Incoming,
+    pub(crate) welcome: Welcome,
+    pub(crate) token: Option<String>,
 }
 
 impl TestBroker {
     /// Connects as `id` with its token (and `cert` if given); `Err` carries the refusal.
-    async fn connect(
+    pub(crate) async fn connect(
         h: &Harness,
         hello: Hello,
         token: Option<String>,
@@ -505,14 +505,14 @@ impl TestBroker {
         Ok(broker)
     }
 
-    async fn as_broker(h: &Harness, id: &str) -> TestBroker {
+    pub(crate) async fn as_broker(h: &Harness, id: &str) -> TestBroker {
         Self::connect(h, broker_hello(id, &["dynamo"]), Some(token(id)), None)
             .await
             .unwrap_or_else(|refusal| panic!("{id} welcomed, not {refusal:?}"))
     }
 
     /// The next event of the agent's state machine, reading the control response as needed.
-    async fn next_event(&mut self) -> ClientEvent {
+    pub(crate) async fn next_event(&mut self) -> ClientEvent {
         loop {
             self.flush().await;
             if let Some(event) = self.session.poll_event() {
@@ -532,14 +532,14 @@ impl TestBroker {
         }
     }
 
-    async fn flush(&mut self) {
+    pub(crate) async fn flush(&mut self) {
         if let Some(bytes) = self.session.poll_transmit() {
             let _ = self.lines.send(Bytes::from(bytes)).await;
         }
     }
 
     /// Raw bytes on the control request body (hostile input).
-    async fn send_raw(&mut self, bytes: Vec<u8>) {
+    pub(crate) async fn send_raw(&mut self, bytes: Vec<u8>) {
         self.lines
             .send(Bytes::from(bytes))
             .await
@@ -547,7 +547,7 @@ impl TestBroker {
     }
 
     /// Opens `POST /bus/v1/streams/{id}` of `session` (its own unless given).
-    async fn open_data_stream(
+    pub(crate) async fn open_data_stream(
         &mut self,
         stream_id: StreamId,
         session: Option<String>,
@@ -575,7 +575,7 @@ impl TestBroker {
     }
 }
 
-async fn read_exactly(body: &mut Incoming, n: usize) -> Vec<u8> {
+pub(crate) async fn read_exactly(body: &mut Incoming, n: usize) -> Vec<u8> {
     let mut out = Vec::new();
     while out.len() < n {
         match tokio::time::timeout(WAIT, body.frame())
@@ -593,7 +593,7 @@ async fn read_exactly(body: &mut Incoming, n: usize) -> Vec<u8> {
     out
 }
 
-fn target() -> ZmqTcpTarget {
+pub(crate) fn target() -> ZmqTcpTarget {
     ZmqTcpTarget {
         namespace: Namespace::new("dynamo"),
         host: "10.0.0.5".into(),
@@ -1278,7 +1278,7 @@ async fn the_daemon_runs_the_bus_under_root_and_reloads_it_in_place() {
 impl TestBroker {
     /// Serves the next subscribe as continuum-event-broker does: dials the ZMQ publisher and
     /// relays bytes both ways between it and the data stream.
-    async fn relay_next(&mut self) -> StreamId {
+    pub(crate) async fn relay_next(&mut self) -> StreamId {
         let ClientEvent::OpenStream { stream_id, target } = self.next_event().await else {
             panic!("expected a subscribe");
         };
