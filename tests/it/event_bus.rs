@@ -948,10 +948,11 @@ async fn a_stalled_pre_hello_client_holds_one_slot_until_hello_timeout() {
 #[tokio::test]
 async fn connections_are_capped_at_four_times_max_sessions_and_sessions_at_max_sessions() {
     let h = start(4).await;
-    // 16 connections (4 x 4) are held; the 17th is closed at accept.
+    // 16 connections (4 x 4) of real TLS 1.3 + HTTP/2 clients are held; the 17th is closed at
+    // accept, before its TLS handshake.
     let mut held = Vec::new();
     for _ in 0..16 {
-        held.push(TcpStream::connect(h.addr).await.expect("connect"));
+        held.push(h2(&h, H2).await);
     }
     poll("16 connections counted", || {
         (h.metrics
@@ -960,14 +961,12 @@ async fn connections_are_capped_at_four_times_max_sessions_and_sessions_at_max_s
         .then_some(())
     })
     .await;
-    let mut extra = TcpStream::connect(h.addr).await.expect("connect");
-    let mut buf = [0u8; 1];
-    let n = tokio::time::timeout(WAIT, extra.read(&mut buf))
+    let extra = tokio::time::timeout(WAIT, tls_connect(&h, H2))
         .await
-        .expect("closed in time")
-        .unwrap_or(0);
-    assert_eq!(n, 0, "the 17th connection is closed");
+        .expect("refused in time");
+    assert!(extra.is_err(), "the 17th connection is closed");
     h.wait_refusals("connection_limit", 1.0).await;
+    assert_eq!(h.refusals("handshake_failed"), 0.0);
     drop(held);
     poll("the held connections are released", || {
         (h.metrics
@@ -1040,6 +1039,66 @@ async fn a_reload_revokes_removed_credentials_and_closes_narrowed_sessions() {
     .await
     .err();
     assert_eq!(refused, Some((401, ErrorCode::CredentialRevoked)));
+}
+
+#[tokio::test]
+async fn a_reload_that_rotates_a_token_closes_exactly_that_session_with_credential_revoked() {
+    let h = start(64).await;
+    let _a = TestBroker::as_broker(&h, BROKERS[0]).await;
+    let mut b = TestBroker::as_broker(&h, BROKERS[1]).await;
+    let _c = TestBroker::as_broker(&h, BROKERS[2]).await;
+    h.wait_sessions(3).await;
+
+    // broker-b's entry stays, with a new token.
+    let rotated = "rotated-token-of-broker-b";
+    let mut next = settings(&h.pki, 64);
+    for entry in &mut next.entries {
+        if entry.grant.id.as_str() == BROKERS[1] {
+            entry.token_hash = Some(TokenHash::of_token(rotated.as_bytes()));
+        }
+    }
+    assert!(!h.bus.reload(next), "credentials reload in place");
+    match b.next_event().await {
+        ClientEvent::Closed { code, .. } => assert_eq!(code, ErrorCode::CredentialRevoked),
+        other => panic!("expected credential_revoked, got {other:?}"),
+    }
+    // Exactly that session: the other two stay in the session table.
+    h.wait_sessions(2).await;
+    let view = h.bus.subscribe_sessions();
+    let mut live: Vec<String> = view
+        .borrow()
+        .sessions
+        .iter()
+        .map(|s| s.client_id.to_string())
+        .collect();
+    live.sort();
+    assert_eq!(live, vec![BROKERS[0].to_string(), BROKERS[2].to_string()]);
+    assert_eq!(
+        h.metrics.value(
+            "continuum_dynamo_event_bus_sessions_closed_total",
+            &[("code", "credential_revoked")]
+        ),
+        Some(1.0)
+    );
+    // The old token is refused as revoked; the new one is welcomed.
+    let refused = TestBroker::connect(
+        &h,
+        broker_hello(BROKERS[1], &["dynamo"]),
+        Some(token(BROKERS[1])),
+        None,
+    )
+    .await
+    .err();
+    assert_eq!(refused, Some((401, ErrorCode::CredentialRevoked)));
+    TestBroker::connect(
+        &h,
+        broker_hello(BROKERS[1], &["dynamo"]),
+        Some(rotated.into()),
+        None,
+    )
+    .await
+    .expect("the rotated token is welcomed");
+    h.wait_sessions(3).await;
 }
 
 #[tokio::test]
