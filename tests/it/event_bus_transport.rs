@@ -40,7 +40,9 @@ use continuum_protocol::discovery::snapshot::SourceKind;
 use continuum_protocol::event_bus::ClientEvent;
 use continuum_protocol::event_bus::message::ErrorCode;
 use continuum_protocol::event_plane::encode::{encode_frames, encode_kv_metrics};
-use continuum_protocol::event_plane::{ActiveLoad, EventEnvelope, KV_EVENTS_TOPIC, LoadEventResult};
+use continuum_protocol::event_plane::{
+    ActiveLoad, EventEnvelope, KV_EVENTS_TOPIC, LoadEventResult,
+};
 use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
 use continuum_protocol::kv::events::{
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, ResidencyDomain,
@@ -59,8 +61,8 @@ use futures::StreamExt as _;
 use http_body_util::BodyExt as _;
 use ractor::{Actor, ActorRef};
 
-use crate::event_bus::{BROKERS, Conn, TestBroker, WAIT, h2, poll, refusal, start, token};
 use crate::event_bus::H2;
+use crate::event_bus::{BROKERS, Conn, TestBroker, WAIT, h2, poll, refusal, start, token};
 use crate::support::zmq::{Frames, Publisher};
 
 const NS: &str = "dynamo";
@@ -363,11 +365,8 @@ fn router_state(store: &SharedLoadStore, kv: &SharedKvIndex, metrics: &Metrics) 
     samples.sort_by_key(|s| (s.0, s.1));
     let mut ranks = kv.rank_blocks();
     ranks.sort();
-    let value = |family: &str, label: &str| {
-        metrics
-            .value(family, &[("result", label)])
-            .unwrap_or(0.0)
-    };
+    let value =
+        |family: &str, label: &str| metrics.value(family, &[("result", label)]).unwrap_or(0.0);
     RouterState {
         samples,
         ranks,
@@ -412,10 +411,7 @@ async fn direct_and_broker_transport_give_identical_load_store_and_kv_index_stat
     // Two routers' worth of state: one reads the publishers directly, one through the bus.
     let direct_metrics = Metrics::new("transport-direct").expect("metrics");
     let bus_metrics = Metrics::new("transport-broker").expect("metrics");
-    let direct = (
-        live_store(None),
-        kv_index(&registry, &direct_metrics).await,
-    );
+    let direct = (live_store(None), kv_index(&registry, &direct_metrics).await);
     let bused = (live_store(None), kv_index(&registry, &bus_metrics).await);
     let m_target = target(EventTopic::KvMetrics, METRICS_PUB, metrics_port);
     let e_target = target(EventTopic::KvEvents, EVENTS_PUB, events_port);
@@ -497,9 +493,21 @@ async fn direct_and_broker_transport_give_identical_load_store_and_kv_index_stat
     assert!(result_count(kv, "gap") >= 1.0, "{kv:?}");
     assert!(result_count(kv, "identity_mismatch") >= 1.0, "{kv:?}");
     assert_eq!(direct_state.samples.len(), 2);
-    assert_eq!(overlap(&direct.1, W7, &[1, 2, 3, 4]), 3, "block 4 was removed");
-    assert_eq!(overlap(&direct.1, W8, &[1, 2, 9]), 0, "the gap cleared W8's [1, 2]");
-    assert_eq!(overlap(&direct.1, W7, &[20, 21]), 0, "the foreign batch was refused");
+    assert_eq!(
+        overlap(&direct.1, W7, &[1, 2, 3, 4]),
+        3,
+        "block 4 was removed"
+    );
+    assert_eq!(
+        overlap(&direct.1, W8, &[1, 2, 9]),
+        0,
+        "the gap cleared W8's [1, 2]"
+    );
+    assert_eq!(
+        overlap(&direct.1, W7, &[20, 21]),
+        0,
+        "the foreign batch was refused"
+    );
     for actor in actors {
         actor.stop(None);
     }
@@ -559,8 +567,7 @@ fn decode_reason(
 }
 
 #[tokio::test]
-async fn a_killed_broker_session_goes_pending_round_robin_stale_and_a_second_broker_restores_it()
-{
+async fn a_killed_broker_session_goes_pending_round_robin_stale_and_a_second_broker_restores_it() {
     // Samples count as fresh this long (dynamo.load.max_staleness, shortened for the test).
     const FRESH: Duration = Duration::from_millis(300);
     let h = start(64).await;
@@ -610,7 +617,10 @@ async fn a_killed_broker_session_goes_pending_round_robin_stale_and_a_second_bro
     wait_state(&store, "kv_metrics", "pending").await;
     let deadline = Instant::now() + WAIT;
     while decode_reason(&store, &mut picker, FRESH) != SelectionReason::RoundRobinStale {
-        assert!(Instant::now() < deadline, "round_robin_stale within {WAIT:?}");
+        assert!(
+            Instant::now() < deadline,
+            "round_robin_stale within {WAIT:?}"
+        );
         publish(&mut publisher).await;
     }
     assert_eq!(
@@ -699,7 +709,10 @@ async fn a_hostile_broker_costs_only_its_own_session() {
             let (session, bearer) = (session.clone(), bearer.clone());
             async move {
                 let headers = [
-                    (continuum_protocol::event_bus::SESSION_HEADER, session.as_str()),
+                    (
+                        continuum_protocol::event_bus::SESSION_HEADER,
+                        session.as_str(),
+                    ),
                     (continuum_protocol::event_bus::VERSION_HEADER, "1"),
                     ("authorization", bearer.as_str()),
                 ];
@@ -871,12 +884,8 @@ async fn switching_the_transport_both_ways_carries_kv_events_cursors_over() {
     // so a restart of `root/subscriptions` is the reload's transport switch.
     let transport = Arc::new(Mutex::new(SubscriptionTransport::Direct));
     let subscriptions = {
-        let (registry, store, kv, bus) = (
-            registry.clone(),
-            store.clone(),
-            kv.clone(),
-            h.bus.clone(),
-        );
+        let (registry, store, kv, bus) =
+            (registry.clone(), store.clone(), kv.clone(), h.bus.clone());
         let transport = transport.clone();
         ChildSpec::supervisor_with(
             "subscriptions",
@@ -942,7 +951,11 @@ async fn switching_the_transport_both_ways_carries_kv_events_cursors_over() {
     tree.restart("root/subscriptions", WAIT)
         .await
         .expect("restart");
-    assert_eq!(overlap(&kv, W7, &[1, 2, 3]), 3, "the switch keeps the index");
+    assert_eq!(
+        overlap(&kv, W7, &[1, 2, 3]),
+        3,
+        "the switch keeps the index"
+    );
     let mut a = TestBroker::as_broker(&h, BROKERS[0]).await;
     a.relay_next().await;
     await_subscribe(&mut publisher).await;
