@@ -269,8 +269,10 @@ async fn bus_pair() -> BusPair {
         }],
         max_sessions: 4,
         bounds: SessionBounds::new(64 * 1024 * 1024, 1024).expect("bounds"),
-        heartbeat_interval: Duration::from_secs(10),
-        idle_timeout: Duration::from_secs(30),
+        // The agent here answers no heartbeats while it is measuring: timers long enough that
+        // the session outlives the bench (byte bounds stay at their defaults).
+        heartbeat_interval: Duration::from_secs(3_600),
+        idle_timeout: Duration::from_secs(7_200),
         hello_timeout: BusSettings::HELLO_TIMEOUT,
     };
     let bus = EventBus::new(settings, None);
@@ -303,6 +305,8 @@ async fn bus_pair() -> BusPair {
     .with_no_client_auth();
     config.alpn_protocols = vec![b"h2".to_vec()];
     let tcp = TcpStream::connect(addr).await.expect("connect");
+    // As an agent should: relayed frames are small.
+    tcp.set_nodelay(true).expect("nodelay");
     let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(ServerName::try_from("localhost").expect("name"), tcp)
         .await
