@@ -7,6 +7,19 @@
 //!   listener's exact windows) read by the consumer's `BusStream` (what `transport: broker`
 //!   reads). The goal (issue #12 item 8) is at least 0.7× direct.
 //!
+//! Before the criterion groups, a summary measured outside criterion prints the figures
+//! docs/performance.md ("Event bus") quotes:
+//! - frames/s relayed vs direct (20 rounds of 1,000 frames each, the median round) and their ratio;
+//! - added latency per frame: p50/p99 of one frame written by the producer until the consumer has
+//!   read it, one frame at a time (bus minus direct);
+//! - bytes of memory per idle stream at the default bounds (`max_session_buffer_bytes` 64 MiB,
+//!   `max_streams_per_session` 1,024: 16 KiB per stream and direction): the growth of the
+//!   process's resident set (`/proc/self/statm`) while 1,000 idle streams are opened, over
+//!   1,000. The test agent runs in the same process, so its side of each stream (its HTTP/2
+//!   client stream and request-body channel) is counted too, and RSS moves in pages: the figure
+//!   bounds the router's share from above. The goal is at most the seed's 4 × 16 KiB
+//!   reservation plus 4 KiB.
+//!
 //! Needs the openssl CLI for the listener's certificate (as tests/event_bus.rs).
 
 use std::convert::Infallible;
@@ -14,7 +27,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use continuum_actors::event_bus::{BusEntry, BusSettings, BusStream, BusTls, EventBus};
@@ -42,7 +55,24 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
+/// Resident set size of this process (`/proc/self/statm`), for the idle-stream memory figure.
+fn rss_bytes() -> i64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: i64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
 const MESSAGES: usize = 1_000;
+/// Rounds of [`MESSAGES`] frames in the summary's throughput figure.
+const ROUNDS: usize = 20;
+/// Frames timed one at a time in the summary's latency figure.
+const LATENCY_FRAMES: usize = 5_000;
+/// Idle streams opened for the memory figure.
+const IDLE_STREAMS: usize = 1_000;
 const TOKEN: &str = "bench-broker-token";
 
 type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -142,9 +172,68 @@ fn message() -> Vec<u8> {
 struct BusPair {
     to_router: futures::channel::mpsc::Sender<Bytes>,
     consumer: BusStream,
-    _control: futures::channel::mpsc::Sender<Bytes>,
     _from_router: Incoming,
+    agent: Agent,
+}
+
+/// The test agent's welcomed session: opens more data streams on demand.
+struct Agent {
+    bus: EventBus,
+    send: hyper::client::conn::http2::SendRequest<Body>,
+    session: ClientSession,
+    from_router: Incoming,
+    session_id: String,
+    _control: futures::channel::mpsc::Sender<Bytes>,
     _dir: tempfile::TempDir,
+}
+
+/// One data stream: the agent's request-body sender, its response body, the consumer's end.
+type Stream = (futures::channel::mpsc::Sender<Bytes>, Incoming, BusStream);
+
+impl Agent {
+    /// Has the router command one more stream (publisher port `port`) and opens it.
+    async fn open(&mut self, port: u16) -> Stream {
+        let target = ZmqTcpTarget {
+            namespace: Namespace::new("dynamo"),
+            host: "10.0.0.5".into(),
+            port,
+        };
+        let opener = {
+            let bus = self.bus.clone();
+            tokio::spawn(async move { bus.open_stream(target, EventTopic::KvMetrics).await })
+        };
+        let stream_id = loop {
+            match self.session.poll_event() {
+                Some(ClientEvent::OpenStream { stream_id, .. }) => break stream_id,
+                Some(ClientEvent::Welcomed(welcome)) => {
+                    self.session_id = welcome.session_id.to_string();
+                }
+                Some(other) => panic!("unexpected {other:?}"),
+                None => {
+                    let frame = self
+                        .from_router
+                        .frame()
+                        .await
+                        .expect("line")
+                        .expect("frame");
+                    if let Ok(data) = frame.into_data() {
+                        self.session.handle_input(&data, tick());
+                    }
+                }
+            }
+        };
+        let (to_router, data_body) = body_pipe();
+        let request = Request::post(format!("https://localhost/bus/v1/streams/{stream_id}"))
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header(VERSION_HEADER, "1")
+            .header(SESSION_HEADER, &self.session_id)
+            .body(data_body)
+            .expect("request");
+        let response = self.send.send_request(request).await.expect("stream");
+        assert_eq!(response.status(), 200);
+        let consumer = opener.await.expect("task").expect("BusStream");
+        (to_router, response.into_body(), consumer)
+    }
 }
 
 fn tick() -> Tick {
@@ -180,8 +269,10 @@ async fn bus_pair() -> BusPair {
         }],
         max_sessions: 4,
         bounds: SessionBounds::new(64 * 1024 * 1024, 1024).expect("bounds"),
-        heartbeat_interval: Duration::from_secs(10),
-        idle_timeout: Duration::from_secs(30),
+        // The agent here answers no heartbeats while it is measuring: timers long enough that
+        // the session outlives the bench (byte bounds stay at their defaults).
+        heartbeat_interval: Duration::from_secs(3_600),
+        idle_timeout: Duration::from_secs(7_200),
         hello_timeout: BusSettings::HELLO_TIMEOUT,
     };
     let bus = EventBus::new(settings, None);
@@ -214,6 +305,8 @@ async fn bus_pair() -> BusPair {
     .with_no_client_auth();
     config.alpn_protocols = vec![b"h2".to_vec()];
     let tcp = TcpStream::connect(addr).await.expect("connect");
+    // As an agent should: relayed frames are small.
+    tcp.set_nodelay(true).expect("nodelay");
     let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
         .connect(ServerName::try_from("localhost").expect("name"), tcp)
         .await
@@ -247,48 +340,22 @@ async fn bus_pair() -> BusPair {
         .expect("request");
     let response = send.send_request(request).await.expect("session");
     assert_eq!(response.status(), 200);
-    let mut from_router = response.into_body();
 
-    let target = ZmqTcpTarget {
-        namespace: Namespace::new("dynamo"),
-        host: "10.0.0.5".into(),
-        port: 5557,
+    let mut agent = Agent {
+        bus,
+        send,
+        session,
+        from_router: response.into_body(),
+        session_id: String::new(),
+        _control: control,
+        _dir: dir,
     };
-    let opener = {
-        let bus = bus.clone();
-        tokio::spawn(async move { bus.open_stream(target, EventTopic::KvMetrics).await })
-    };
-    let mut session_id = None;
-    let stream_id = loop {
-        match session.poll_event() {
-            Some(ClientEvent::Welcomed(welcome)) => session_id = Some(welcome.session_id),
-            Some(ClientEvent::OpenStream { stream_id, .. }) => break stream_id,
-            Some(other) => panic!("unexpected {other:?}"),
-            None => {
-                let frame = from_router.frame().await.expect("line").expect("frame");
-                if let Ok(data) = frame.into_data() {
-                    session.handle_input(&data, tick());
-                }
-            }
-        }
-    };
-    let (to_router, data_body) = body_pipe();
-    let session_id = session_id.expect("welcomed").to_string();
-    let request = Request::post(format!("https://localhost/bus/v1/streams/{stream_id}"))
-        .header("authorization", &bearer)
-        .header(VERSION_HEADER, "1")
-        .header(SESSION_HEADER, &session_id)
-        .body(data_body)
-        .expect("request");
-    let response = send.send_request(request).await.expect("stream");
-    assert_eq!(response.status(), 200);
-    let consumer = opener.await.expect("task").expect("BusStream");
+    let (to_router, from_router, consumer) = agent.open(5557).await;
     BusPair {
         to_router,
         consumer,
-        _control: control,
-        _from_router: response.into_body(),
-        _dir: dir,
+        _from_router: from_router,
+        agent,
     }
 }
 
@@ -299,6 +366,180 @@ async fn tcp_pair() -> (TcpStream, TcpStream) {
     let producer = client.expect("connect");
     producer.set_nodelay(true).expect("nodelay");
     (producer, accepted.expect("accept").0)
+}
+
+/// Frames per second of `ROUNDS` rounds of `MESSAGES` frames (the median round).
+async fn frames_per_second<W, R>(mut write: W, mut read: R) -> f64
+where
+    W: AsyncFnMut(),
+    R: AsyncFnMut(),
+{
+    let mut rates = Vec::with_capacity(ROUNDS);
+    for _ in 0..ROUNDS {
+        let start = Instant::now();
+        tokio::join!(
+            async {
+                for _ in 0..MESSAGES {
+                    write().await;
+                }
+            },
+            read()
+        );
+        rates.push(MESSAGES as f64 / start.elapsed().as_secs_f64());
+    }
+    rates.sort_by(f64::total_cmp);
+    rates[ROUNDS / 2]
+}
+
+/// p50 and p99 of `LATENCY_FRAMES` single frames, each written then read before the next.
+async fn frame_latency<W, R>(mut write: W, mut read: R) -> (Duration, Duration)
+where
+    W: AsyncFnMut(),
+    R: AsyncFnMut(),
+{
+    let mut samples = Vec::with_capacity(LATENCY_FRAMES);
+    for _ in 0..LATENCY_FRAMES {
+        let start = Instant::now();
+        tokio::join!(write(), read());
+        samples.push(start.elapsed());
+    }
+    samples.sort();
+    (
+        samples[LATENCY_FRAMES / 2],
+        samples[LATENCY_FRAMES * 99 / 100],
+    )
+}
+
+/// The figures docs/performance.md quotes, measured outside criterion and printed once.
+fn summary(_c: &mut Criterion) {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let message = message();
+    let chunk = Bytes::from(message.clone());
+    rt.block_on(async {
+        let (producer, consumer) = tcp_pair().await;
+        let (producer, consumer) = (
+            tokio::sync::Mutex::new(producer),
+            tokio::sync::Mutex::new(consumer),
+        );
+        let mut sink = vec![0u8; message.len() * MESSAGES];
+        let sink = tokio::sync::Mutex::new(&mut sink);
+        let mut one = vec![0u8; message.len()];
+        let one = tokio::sync::Mutex::new(&mut one);
+        let mut direct_write = async || {
+            producer
+                .lock()
+                .await
+                .write_all(&message)
+                .await
+                .expect("write");
+        };
+        let direct = frames_per_second(&mut direct_write, async || {
+            let mut sink = sink.lock().await;
+            consumer
+                .lock()
+                .await
+                .read_exact(&mut sink[..])
+                .await
+                .expect("read");
+        })
+        .await;
+        let direct_latency = frame_latency(&mut direct_write, async || {
+            let mut one = one.lock().await;
+            consumer
+                .lock()
+                .await
+                .read_exact(&mut one[..])
+                .await
+                .expect("read");
+        })
+        .await;
+
+        let pair = bus_pair().await;
+        let BusPair {
+            to_router,
+            consumer,
+            _from_router,
+            mut agent,
+        } = pair;
+        let (to_router, consumer) = (
+            tokio::sync::Mutex::new(to_router),
+            tokio::sync::Mutex::new(consumer),
+        );
+        let mut bus_write = async || {
+            to_router
+                .lock()
+                .await
+                .send(chunk.clone())
+                .await
+                .expect("send");
+        };
+        let relayed = frames_per_second(&mut bus_write, async || {
+            let mut sink = sink.lock().await;
+            consumer
+                .lock()
+                .await
+                .read_exact(&mut sink[..])
+                .await
+                .expect("read");
+        })
+        .await;
+        let bus_latency = frame_latency(&mut bus_write, async || {
+            let mut one = one.lock().await;
+            consumer
+                .lock()
+                .await
+                .read_exact(&mut one[..])
+                .await
+                .expect("read");
+        })
+        .await;
+
+        // Idle streams: commanded, opened by the agent, never written to.
+        let settle = async || {
+            for _ in 0..20 {
+                tokio::task::yield_now().await;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        settle().await;
+        let before = rss_bytes();
+        let mut idle = Vec::with_capacity(IDLE_STREAMS);
+        for port in 0..IDLE_STREAMS {
+            idle.push(agent.open(10_000 + port as u16).await);
+        }
+        settle().await;
+        let after = rss_bytes();
+        let per_stream = (after - before) as f64 / IDLE_STREAMS as f64;
+        drop(idle);
+
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        println!(
+            "event_bus_relay summary: kv_metrics frames/s direct {direct:.0}, relayed {relayed:.0} \
+             ({:.2}x direct, goal >= 0.7x; {} B frames, median of {ROUNDS} rounds of {MESSAGES})",
+            relayed / direct,
+            message.len()
+        );
+        println!(
+            "event_bus_relay summary: per-frame latency direct p50 {:.1} us p99 {:.1} us, relayed \
+             p50 {:.1} us p99 {:.1} us, added p50 {:.1} us p99 {:.1} us ({LATENCY_FRAMES} frames)",
+            us(direct_latency.0),
+            us(direct_latency.1),
+            us(bus_latency.0),
+            us(bus_latency.1),
+            us(bus_latency.0) - us(direct_latency.0),
+            us(bus_latency.1) - us(direct_latency.1),
+        );
+        println!(
+            "event_bus_relay summary: {per_stream:.0} B of resident memory per idle stream, router and agent \
+             together ({IDLE_STREAMS} streams; goal <= {} B = 4 x 16 KiB + 4 KiB)",
+            4 * 16 * 1024 + 4 * 1024
+        );
+    });
 }
 
 fn relay(c: &mut Criterion) {
@@ -350,5 +591,5 @@ fn relay(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, relay);
+criterion_group!(benches, summary, relay);
 criterion_main!(benches);

@@ -944,10 +944,11 @@ impl Validator {
         let namespaces = config.dynamo.discovery.namespace_names();
 
         if config.dynamo.load.transport == LoadTransport::Broker && !bus.enabled {
-            self.warn(
+            self.err(
                 "dynamo.load.transport",
-                "transport is broker but dynamo.event_bus.enabled is false; every load and KV \
-                 subscription stays pending",
+                "transport is broker but dynamo.event_bus.enabled is false: no broker could ever \
+                 carry a load or KV subscription (the router never falls back to dialling \
+                 publishers directly); enable dynamo.event_bus or use transport: direct",
             );
         }
         if bus.enabled {

@@ -46,8 +46,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 
-const WAIT: Duration = Duration::from_secs(10);
-const BROKERS: &[&str] = &[
+pub(crate) const WAIT: Duration = Duration::from_secs(10);
+pub(crate) const BROKERS: &[&str] = &[
     "broker-a.dynamo",
     "broker-b.dynamo",
     "broker-c.dynamo",
@@ -56,14 +56,14 @@ const BROKERS: &[&str] = &[
 ];
 const LISTENER: &str = "kv-listener-a";
 
-fn token(id: &str) -> String {
+pub(crate) fn token(id: &str) -> String {
     format!("token-of-{id}")
 }
 
 // ---------------------------------------------------------------------------------------------
 // The listener under test
 
-fn entry(id: &str, role: Role, grants: &[&str]) -> BusEntry {
+pub(crate) fn entry(id: &str, role: Role, grants: &[&str]) -> BusEntry {
     let set = |items: &[&str]| items.iter().map(|s| s.to_string()).collect();
     BusEntry {
         grant: Grant {
@@ -82,7 +82,7 @@ fn entry(id: &str, role: Role, grants: &[&str]) -> BusEntry {
     }
 }
 
-fn settings(pki: &Pki, max_sessions: u32) -> BusSettings {
+pub(crate) fn settings(pki: &Pki, max_sessions: u32) -> BusSettings {
     let mut entries: Vec<BusEntry> = BROKERS
         .iter()
         .map(|id| entry(id, Role::Broker, &["dynamo"]))
@@ -106,14 +106,14 @@ fn settings(pki: &Pki, max_sessions: u32) -> BusSettings {
     }
 }
 
-struct Harness {
-    bus: EventBus,
-    metrics: Metrics,
-    tree: ActorTree,
-    addr: SocketAddr,
-    pki: Pki,
+pub(crate) struct Harness {
+    pub(crate) bus: EventBus,
+    pub(crate) metrics: Metrics,
+    pub(crate) tree: ActorTree,
+    pub(crate) addr: SocketAddr,
+    pub(crate) pki: Pki,
     /// The test's own root supervisor (none when a daemon runs the bus).
-    root: Option<ActorRef<SupervisorMsg>>,
+    pub(crate) root: Option<ActorRef<SupervisorMsg>>,
 }
 
 impl Drop for Harness {
@@ -124,7 +124,7 @@ impl Drop for Harness {
     }
 }
 
-async fn start(max_sessions: u32) -> Harness {
+pub(crate) async fn start(max_sessions: u32) -> Harness {
     let pki = pki();
     let metrics = Metrics::new("event-bus-test").expect("metrics");
     let bus = EventBus::new(settings(&pki, max_sessions), Some(&metrics));
@@ -148,7 +148,7 @@ async fn start(max_sessions: u32) -> Harness {
 }
 
 /// Polls `probe` until it gives a value, at most [`WAIT`].
-async fn poll<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+pub(crate) async fn poll<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + WAIT;
     let mut ticks = tokio::time::interval(Duration::from_millis(10));
     loop {
@@ -161,7 +161,7 @@ async fn poll<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
 }
 
 impl Harness {
-    fn refusals(&self, code: &str) -> f64 {
+    pub(crate) fn refusals(&self, code: &str) -> f64 {
         self.metrics
             .value(
                 "continuum_dynamo_event_bus_refusals_total",
@@ -170,14 +170,14 @@ impl Harness {
             .unwrap_or(0.0)
     }
 
-    async fn wait_refusals(&self, code: &str, at_least: f64) {
+    pub(crate) async fn wait_refusals(&self, code: &str, at_least: f64) {
         poll(&format!("{at_least} {code} refusals"), || {
             (self.refusals(code) >= at_least).then_some(())
         })
         .await;
     }
 
-    async fn wait_sessions(&self, n: usize) {
+    pub(crate) async fn wait_sessions(&self, n: usize) {
         let mut view = self.bus.subscribe_sessions();
         tokio::time::timeout(WAIT, async {
             while view.borrow_and_update().sessions.len() != n {
@@ -195,19 +195,19 @@ impl Harness {
 type Body = UnsyncBoxBody<Bytes, Infallible>;
 
 #[derive(Clone, Copy)]
-struct Client<'a> {
+pub(crate) struct Client<'a> {
     tls13: bool,
     alpn: &'a [&'a [u8]],
     cert: Option<&'a (PathBuf, PathBuf)>,
 }
 
-const H2: Client<'static> = Client {
+pub(crate) const H2: Client<'static> = Client {
     tls13: true,
     alpn: &[b"h2"],
     cert: None,
 };
 
-async fn tls_connect(
+pub(crate) async fn tls_connect(
     h: &Harness,
     client: Client<'_>,
 ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
@@ -247,11 +247,11 @@ async fn tls_connect(
     Ok(tls)
 }
 
-struct Conn {
-    send: hyper::client::conn::http2::SendRequest<Body>,
+pub(crate) struct Conn {
+    pub(crate) send: hyper::client::conn::http2::SendRequest<Body>,
 }
 
-async fn h2(h: &Harness, client: Client<'_>) -> Conn {
+pub(crate) async fn h2(h: &Harness, client: Client<'_>) -> Conn {
     let tls = tls_connect(h, client).await.expect("TLS handshake");
     let (send, conn) =
         hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
@@ -264,14 +264,14 @@ async fn h2(h: &Harness, client: Client<'_>) -> Conn {
 }
 
 /// A request body the test writes to as it goes.
-fn body_pipe() -> (futures::channel::mpsc::Sender<Bytes>, Body) {
+pub(crate) fn body_pipe() -> (futures::channel::mpsc::Sender<Bytes>, Body) {
     let (tx, rx) = futures::channel::mpsc::channel::<Bytes>(16);
     let body = StreamBody::new(rx.map(|b| Ok::<_, Infallible>(Frame::data(b)))).boxed_unsync();
     (tx, body)
 }
 
 impl Conn {
-    async fn post(
+    pub(crate) async fn post(
         &mut self,
         method: &str,
         path: &str,
@@ -295,7 +295,7 @@ impl Conn {
     }
 
     /// A session request whose body starts with `first` (kept open).
-    async fn session(
+    pub(crate) async fn session(
         &mut self,
         auth: Option<&str>,
         version: Option<&str>,
@@ -317,7 +317,7 @@ impl Conn {
     }
 }
 
-async fn refusal(response: Response<Incoming>) -> (u16, ErrorCode) {
+pub(crate) async fn refusal(response: Response<Incoming>) -> (u16, ErrorCode) {
     let status = response.status().as_u16();
     let body = tokio::time::timeout(WAIT, response.into_body().collect())
         .await
@@ -328,12 +328,12 @@ async fn refusal(response: Response<Incoming>) -> (u16, ErrorCode) {
     (status, decoded.error.code)
 }
 
-fn tick() -> Tick {
+pub(crate) fn tick() -> Tick {
     static ORIGIN: OnceLock<Instant> = OnceLock::new();
     Tick(ORIGIN.get_or_init(Instant::now).elapsed())
 }
 
-fn broker_hello(id: &str, namespaces: &[&str]) -> Hello {
+pub(crate) fn broker_hello(id: &str, namespaces: &[&str]) -> Hello {
     Hello {
         role: Role::Broker,
         client_id: ClientId::new(id),
@@ -343,18 +343,18 @@ fn broker_hello(id: &str, namespaces: &[&str]) -> Hello {
     }
 }
 
-struct TestBroker {
-    conn: Conn,
-    session: ClientSession,
-    lines: futures::channel::mpsc::Sender<Bytes>,
-    body: Incoming,
-    welcome: Welcome,
-    token: Option<String>,
+pub(crate) struct TestBroker {
+    pub(crate) conn: Conn,
+    pub(crate) session: ClientSession,
+    pub(crate) lines: futures::channel::mpsc::Sender<Bytes>,
+    pub(crate) body: Incoming,
+    pub(crate) welcome: Welcome,
+    pub(crate) token: Option<String>,
 }
 
 impl TestBroker {
     /// Connects as `id` with its token (and `cert` if given); `Err` carries the refusal.
-    async fn connect(
+    pub(crate) async fn connect(
         h: &Harness,
         hello: Hello,
         token: Option<String>,
@@ -390,14 +390,14 @@ impl TestBroker {
         Ok(broker)
     }
 
-    async fn as_broker(h: &Harness, id: &str) -> TestBroker {
+    pub(crate) async fn as_broker(h: &Harness, id: &str) -> TestBroker {
         Self::connect(h, broker_hello(id, &["dynamo"]), Some(token(id)), None)
             .await
             .unwrap_or_else(|refusal| panic!("{id} welcomed, not {refusal:?}"))
     }
 
     /// The next event of the agent's state machine, reading the control response as needed.
-    async fn next_event(&mut self) -> ClientEvent {
+    pub(crate) async fn next_event(&mut self) -> ClientEvent {
         loop {
             self.flush().await;
             if let Some(event) = self.session.poll_event() {
@@ -417,14 +417,14 @@ impl TestBroker {
         }
     }
 
-    async fn flush(&mut self) {
+    pub(crate) async fn flush(&mut self) {
         if let Some(bytes) = self.session.poll_transmit() {
             let _ = self.lines.send(Bytes::from(bytes)).await;
         }
     }
 
     /// Raw bytes on the control request body (hostile input).
-    async fn send_raw(&mut self, bytes: Vec<u8>) {
+    pub(crate) async fn send_raw(&mut self, bytes: Vec<u8>) {
         self.lines
             .send(Bytes::from(bytes))
             .await
@@ -432,7 +432,7 @@ impl TestBroker {
     }
 
     /// Opens `POST /bus/v1/streams/{id}` of `session` (its own unless given).
-    async fn open_data_stream(
+    pub(crate) async fn open_data_stream(
         &mut self,
         stream_id: StreamId,
         session: Option<String>,
@@ -460,7 +460,7 @@ impl TestBroker {
     }
 }
 
-async fn read_exactly(body: &mut Incoming, n: usize) -> Vec<u8> {
+pub(crate) async fn read_exactly(body: &mut Incoming, n: usize) -> Vec<u8> {
     let mut out = Vec::new();
     while out.len() < n {
         match tokio::time::timeout(WAIT, body.frame())
@@ -478,7 +478,7 @@ async fn read_exactly(body: &mut Incoming, n: usize) -> Vec<u8> {
     out
 }
 
-fn target() -> ZmqTcpTarget {
+pub(crate) fn target() -> ZmqTcpTarget {
     ZmqTcpTarget {
         namespace: Namespace::new("dynamo"),
         host: "10.0.0.5".into(),
@@ -833,10 +833,11 @@ async fn a_stalled_pre_hello_client_holds_one_slot_until_hello_timeout() {
 #[tokio::test]
 async fn connections_are_capped_at_four_times_max_sessions_and_sessions_at_max_sessions() {
     let h = start(4).await;
-    // 16 connections (4 x 4) are held; the 17th is closed at accept.
+    // 16 connections (4 x 4) of real TLS 1.3 + HTTP/2 clients are held; the 17th is closed at
+    // accept, before its TLS handshake.
     let mut held = Vec::new();
     for _ in 0..16 {
-        held.push(TcpStream::connect(h.addr).await.expect("connect"));
+        held.push(h2(&h, H2).await);
     }
     poll("16 connections counted", || {
         (h.metrics
@@ -845,14 +846,12 @@ async fn connections_are_capped_at_four_times_max_sessions_and_sessions_at_max_s
         .then_some(())
     })
     .await;
-    let mut extra = TcpStream::connect(h.addr).await.expect("connect");
-    let mut buf = [0u8; 1];
-    let n = tokio::time::timeout(WAIT, extra.read(&mut buf))
+    let extra = tokio::time::timeout(WAIT, tls_connect(&h, H2))
         .await
-        .expect("closed in time")
-        .unwrap_or(0);
-    assert_eq!(n, 0, "the 17th connection is closed");
+        .expect("refused in time");
+    assert!(extra.is_err(), "the 17th connection is closed");
     h.wait_refusals("connection_limit", 1.0).await;
+    assert_eq!(h.refusals("handshake_failed"), 0.0);
     drop(held);
     poll("the held connections are released", || {
         (h.metrics
@@ -925,6 +924,66 @@ async fn a_reload_revokes_removed_credentials_and_closes_narrowed_sessions() {
     .await
     .err();
     assert_eq!(refused, Some((401, ErrorCode::CredentialRevoked)));
+}
+
+#[tokio::test]
+async fn a_reload_that_rotates_a_token_closes_exactly_that_session_with_credential_revoked() {
+    let h = start(64).await;
+    let _a = TestBroker::as_broker(&h, BROKERS[0]).await;
+    let mut b = TestBroker::as_broker(&h, BROKERS[1]).await;
+    let _c = TestBroker::as_broker(&h, BROKERS[2]).await;
+    h.wait_sessions(3).await;
+
+    // broker-b's entry stays, with a new token.
+    let rotated = "rotated-token-of-broker-b";
+    let mut next = settings(&h.pki, 64);
+    for entry in &mut next.entries {
+        if entry.grant.id.as_str() == BROKERS[1] {
+            entry.token_hash = Some(TokenHash::of_token(rotated.as_bytes()));
+        }
+    }
+    assert!(!h.bus.reload(next), "credentials reload in place");
+    match b.next_event().await {
+        ClientEvent::Closed { code, .. } => assert_eq!(code, ErrorCode::CredentialRevoked),
+        other => panic!("expected credential_revoked, got {other:?}"),
+    }
+    // Exactly that session: the other two stay in the session table.
+    h.wait_sessions(2).await;
+    let view = h.bus.subscribe_sessions();
+    let mut live: Vec<String> = view
+        .borrow()
+        .sessions
+        .iter()
+        .map(|s| s.client_id.to_string())
+        .collect();
+    live.sort();
+    assert_eq!(live, vec![BROKERS[0].to_string(), BROKERS[2].to_string()]);
+    assert_eq!(
+        h.metrics.value(
+            "continuum_dynamo_event_bus_sessions_closed_total",
+            &[("code", "credential_revoked")]
+        ),
+        Some(1.0)
+    );
+    // The old token is refused as revoked; the new one is welcomed.
+    let refused = TestBroker::connect(
+        &h,
+        broker_hello(BROKERS[1], &["dynamo"]),
+        Some(token(BROKERS[1])),
+        None,
+    )
+    .await
+    .err();
+    assert_eq!(refused, Some((401, ErrorCode::CredentialRevoked)));
+    TestBroker::connect(
+        &h,
+        broker_hello(BROKERS[1], &["dynamo"]),
+        Some(rotated.into()),
+        None,
+    )
+    .await
+    .expect("the rotated token is welcomed");
+    h.wait_sessions(3).await;
 }
 
 #[tokio::test]
@@ -1163,7 +1222,7 @@ async fn the_daemon_runs_the_bus_under_root_and_reloads_it_in_place() {
 impl TestBroker {
     /// Serves the next subscribe as continuum-event-broker does: dials the ZMQ publisher and
     /// relays bytes both ways between it and the data stream.
-    async fn relay_next(&mut self) -> StreamId {
+    pub(crate) async fn relay_next(&mut self) -> StreamId {
         let ClientEvent::OpenStream { stream_id, target } = self.next_event().await else {
             panic!("expected a subscribe");
         };

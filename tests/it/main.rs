@@ -32,6 +32,7 @@ mod dynamo_kv_e2e;
 mod dynamo_shim_e2e;
 mod etcd_source;
 mod event_bus;
+mod event_bus_transport;
 mod features;
 mod front_door;
 mod front_door_hardening;

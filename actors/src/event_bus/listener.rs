@@ -192,6 +192,11 @@ async fn accept_loop(
             drop(tcp);
             continue;
         }
+        // Small frames (relayed ZMTP messages, WINDOW_UPDATEs, control lines) go out at once:
+        // with Nagle's algorithm each waited for the peer's delayed ACK (~40 ms on Linux).
+        if let Err(error) = tcp.set_nodelay(true) {
+            debug!(%peer, %error, "Could not set TCP_NODELAY on an event bus connection.");
+        }
         count.fetch_add(1, Ordering::AcqRel);
         if let Some(metrics) = bus.metrics() {
             metrics.connection_opened();

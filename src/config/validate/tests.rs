@@ -1376,10 +1376,21 @@ fn event_bus_enabled_while_dynamo_disabled_warns() {
 }
 
 #[test]
-fn broker_transport_without_event_bus_warns() {
+fn broker_transport_without_event_bus_is_an_error() {
     let mut c = bus();
     c.dynamo.event_bus.enabled = false;
-    expect_warning(&c, "dynamo.load.transport", "stays pending");
+    expect_error(
+        &c,
+        "dynamo.load.transport",
+        "dynamo.event_bus.enabled is false",
+    );
+    // Never a silent fallback: the same config with the bus enabled is clean there, and
+    // transport direct needs no bus.
+    c.dynamo.event_bus.enabled = true;
+    expect_clean_at(&c, "dynamo.load.transport");
+    c.dynamo.event_bus.enabled = false;
+    c.dynamo.load.transport = LoadTransport::Direct;
+    expect_clean_at(&c, "dynamo.load.transport");
 }
 
 #[test]
