@@ -185,7 +185,13 @@ fn the_code_map_names_every_module_of_every_crate() {
         })
     };
     let mut missing = Vec::new();
-    for crate_src in ["src", "actors/src", "protocol/src", "demo/src", "broker/src"] {
+    for crate_src in [
+        "src",
+        "actors/src",
+        "protocol/src",
+        "demo/src",
+        "broker/src",
+    ] {
         let modules = top_level_modules(&root.join(crate_src));
         assert!(!modules.is_empty(), "{crate_src} has modules");
         missing.extend(
