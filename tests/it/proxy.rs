@@ -105,7 +105,12 @@ fn harness_with(
         dynamo_workers: Arc::new(|| json!({})),
         fleet_summary: Arc::new(|| json!({})),
         fleet_models: Arc::new(|_: &[String]| Vec::new()),
-        route: Arc::new(Router::new(proxy.clone())),
+        route: Arc::new(
+            Router::new(proxy.clone()).with_http_metrics(
+                continuum_router::http_metrics::HttpMetrics::register(metrics.registry())
+                    .expect("register the HTTP metrics"),
+            ),
+        ),
     };
     Harness {
         state,
