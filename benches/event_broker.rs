@@ -10,8 +10,10 @@
 //! The router side is the real event-bus listener in-process; DynamoWorkerMetadata comes from the
 //! tests' fake Kubernetes API. Needs the openssl CLI. Prints one line per figure.
 
+#[path = "../tests/it/support/bus_pki.rs"]
+mod bus_pki;
+
 use std::net::SocketAddr;
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -40,81 +42,6 @@ const NS: &str = "dynamo";
 const MESSAGES: usize = 200_000;
 const RUNS: usize = 5;
 const IDLE_STREAMS: usize = 1024;
-
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("the openssl CLI runs");
-    assert!(out.status.success(), "openssl {args:?} failed");
-}
-
-fn pki(dir: &Path) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=bench-ca",
-        ],
-    );
-    std::fs::write(
-        dir.join("server.ext"),
-        "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n\
-         extendedKeyUsage=serverAuth\n",
-    )
-    .expect("ext");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=server",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "server.ext",
-        ],
-    );
-}
 
 /// One ZMTP-framed kv_metrics message, as a publisher writes it.
 fn message() -> Vec<u8> {
@@ -240,15 +167,16 @@ fn main() {
 }
 
 async fn run() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    pki(dir.path());
-    std::fs::write(dir.path().join("token"), TOKEN).expect("token");
+    // The tests' PKI (a CA and the listener's certificate for localhost) from the openssl CLI.
+    let pki = bus_pki::pki();
+    let dir = pki._dir.path().to_path_buf();
+    std::fs::write(dir.join("token"), TOKEN).expect("token");
     let settings = BusSettings {
         enabled: true,
         listen: "127.0.0.1:0".parse().expect("addr"),
         tls: Some(BusTls {
-            cert: dir.path().join("server.pem"),
-            key: dir.path().join("server.key"),
+            cert: dir.join("server.pem"),
+            key: dir.join("server.key"),
             client_ca: None,
         }),
         entries: vec![BusEntry {
@@ -298,9 +226,9 @@ async fn run() {
             "broker-a.dynamo",
         ])
         .arg("--token-file")
-        .arg(dir.path().join("token"))
+        .arg(dir.join("token"))
         .arg("--ca-file")
-        .arg(dir.path().join("ca.pem"))
+        .arg(dir.join("ca.pem"))
         .args(["--dynamo-namespace", NS, "--kubernetes-namespace", "dynamo"])
         .args([
             "--kubernetes-api-url",

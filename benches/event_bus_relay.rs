@@ -20,12 +20,13 @@
 //!   bounds the router's share from above. The goal is at most the seed's 4 × 16 KiB
 //!   reservation plus 4 KiB.
 //!
-//! Needs the openssl CLI for the listener's certificate (as tests/event_bus.rs).
+//! Needs the openssl CLI for the listener's certificate (the tests' `tests/it/support/bus_pki.rs`).
+
+#[path = "../tests/it/support/bus_pki.rs"]
+mod bus_pki;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -77,81 +78,6 @@ const TOKEN: &str = "bench-broker-token";
 
 type Body = UnsyncBoxBody<Bytes, Infallible>;
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("the openssl CLI runs");
-    assert!(out.status.success(), "openssl {args:?} failed");
-}
-
-fn pki(dir: &Path) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=bench-ca",
-        ],
-    );
-    std::fs::write(
-        dir.join("server.ext"),
-        "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\n\
-         extendedKeyUsage=serverAuth\n",
-    )
-    .expect("ext");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=server",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.pem",
-            "-days",
-            "2",
-            "-extfile",
-            "server.ext",
-        ],
-    );
-}
-
 /// One ZMTP-framed kv_metrics message, as a publisher writes it.
 fn message() -> Vec<u8> {
     let load = ActiveLoad {
@@ -184,7 +110,7 @@ struct Agent {
     from_router: Incoming,
     session_id: String,
     _control: futures::channel::mpsc::Sender<Bytes>,
-    _dir: tempfile::TempDir,
+    _pki: bus_pki::Pki,
 }
 
 /// One data stream: the agent's request-body sender, its response body, the consumer's end.
@@ -248,14 +174,15 @@ fn body_pipe() -> (futures::channel::mpsc::Sender<Bytes>, Body) {
 }
 
 async fn bus_pair() -> BusPair {
-    let dir = tempfile::tempdir().expect("tempdir");
-    pki(dir.path());
+    // The tests' PKI (a CA and the listener's certificate for localhost) from the openssl CLI.
+    let pki = bus_pki::pki();
+    let dir = pki._dir.path().to_path_buf();
     let settings = BusSettings {
         enabled: true,
         listen: "127.0.0.1:0".parse().expect("addr"),
         tls: Some(BusTls {
-            cert: dir.path().join("server.pem"),
-            key: dir.path().join("server.key"),
+            cert: dir.join("server.pem"),
+            key: dir.join("server.key"),
             client_ca: None,
         }),
         entries: vec![BusEntry {
@@ -293,7 +220,7 @@ async fn bus_pair() -> BusPair {
     };
 
     let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(dir.path().join("ca.pem")).expect("ca") {
+    for cert in CertificateDer::pem_file_iter(dir.join("ca.pem")).expect("ca") {
         roots.add(cert.expect("pem")).expect("ca");
     }
     let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -348,7 +275,7 @@ async fn bus_pair() -> BusPair {
         from_router: response.into_body(),
         session_id: String::new(),
         _control: control,
-        _dir: dir,
+        _pki: pki,
     };
     let (to_router, from_router, consumer) = agent.open(5557).await;
     BusPair {
