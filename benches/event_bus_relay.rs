@@ -431,6 +431,8 @@ fn summary(_c: &mut Criterion) {
             for _ in 0..20 {
                 tokio::task::yield_now().await;
             }
+            // A measurement pause, not synchronisation: let the allocator return freed pages
+            // before reading the resident set.
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         settle().await;

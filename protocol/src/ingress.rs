@@ -13,3 +13,39 @@
 pub mod anthropic;
 pub mod prompts;
 pub mod responses;
+
+/// One upstream chat-completions SSE `data:` payload, as both stream converters read it.
+pub(crate) enum ChatChunk {
+    /// `[DONE]`.
+    Done,
+    /// A chunk object (not an upstream error).
+    Data(serde_json::Map<String, serde_json::Value>),
+}
+
+/// Bounds, parses and classifies one upstream `data:` payload: over `max_chunk_bytes`, not a JSON
+/// object, or an upstream `error` object is the stream's failure message.
+pub(crate) fn parse_chat_chunk(data: &[u8], max_chunk_bytes: usize) -> Result<ChatChunk, String> {
+    use serde_json::Value;
+    if data.len() > max_chunk_bytes {
+        return Err(format!(
+            "upstream chunk is {} bytes, over the {max_chunk_bytes}-byte limit",
+            data.len()
+        ));
+    }
+    if data.trim_ascii() == b"[DONE]" {
+        return Ok(ChatChunk::Done);
+    }
+    let v: Value = serde_json::from_slice(data)
+        .map_err(|e| format!("upstream chunk is not valid JSON: {e}"))?;
+    let Value::Object(o) = v else {
+        return Err("upstream chunk is not a JSON object".into());
+    };
+    if let Some(err) = o.get("error") {
+        let msg = err
+            .get("message")
+            .and_then(Value::as_str)
+            .map_or_else(|| err.to_string(), str::to_owned);
+        return Err(format!("upstream error: {msg}"));
+    }
+    Ok(ChatChunk::Data(o))
+}

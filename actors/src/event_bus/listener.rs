@@ -53,6 +53,9 @@ use crate::tree::{ActorPath, ActorTree};
 
 type ResponseBody = UnsyncBoxBody<Bytes, Infallible>;
 
+/// How long the accept loop waits after a failed accept (out of descriptors and the like)
+/// before the next one: no spinning on a full descriptor table, recovery at once after.
+const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 /// How long a refused plaintext client gets to read the 403 before the socket closes.
 const PLAINTEXT_LINGER: Duration = Duration::from_secs(1);
 /// How long a data-stream request waits for its session actor's answer.
@@ -179,7 +182,7 @@ async fn accept_loop(
             Err(error) => {
                 // Out of descriptors and the like: back off briefly, keep the listener.
                 warn!(%error, "Event bus accept failed.");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                tokio::time::sleep(ACCEPT_ERROR_BACKOFF).await;
                 continue;
             }
         };

@@ -912,26 +912,10 @@ impl ResponsesStream {
     }
 
     fn push_inner(&mut self, data: &[u8], out: &mut Vec<SseEvent>) -> Result<(), String> {
-        if data.len() > self.limits.max_chunk_bytes {
-            return Err(format!(
-                "upstream chunk is {} bytes, over the {}-byte limit",
-                data.len(),
-                self.limits.max_chunk_bytes
-            ));
-        }
-        if data.trim_ascii() == b"[DONE]" {
-            return self.finish_inner(out);
-        }
-        let v: Value = serde_json::from_slice(data)
-            .map_err(|e| format!("upstream chunk is not valid JSON: {e}"))?;
-        let o = v.as_object().ok_or("upstream chunk is not a JSON object")?;
-        if let Some(err) = o.get("error") {
-            let msg = err
-                .get("message")
-                .and_then(Value::as_str)
-                .map_or_else(|| err.to_string(), str::to_owned);
-            return Err(format!("upstream error: {msg}"));
-        }
+        let o = match super::parse_chat_chunk(data, self.limits.max_chunk_bytes)? {
+            super::ChatChunk::Done => return self.finish_inner(out),
+            super::ChatChunk::Data(o) => o,
+        };
         if let Some(u) = o.get("usage").filter(|u| u.is_object()) {
             self.usage = usage_of(Some(u));
         }
