@@ -3,7 +3,7 @@
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use continuum_protocol::ids::{DpRank, InstanceId};
 
-use crate::wire::pins::strip_pin_headers;
+use crate::wire::pins::{is_pin_header, strip_pin_headers};
 
 /// The routing path of every response (`unified`, `aggregated` or `disaggregated`).
 pub const ROUTING_PATH_HEADER: &str = "x-continuum-routing-path";
@@ -82,50 +82,78 @@ fn decimal(n: u64) -> HeaderValue {
 
 /// Removes hop-by-hop headers, including any the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
+    // One pass over the names first: most answers carry none of them.
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
+    let named: Vec<HeaderName> = connection_named(headers).collect();
     for name in named.iter().chain(HOP_BY_HOP.iter()) {
         headers.remove(name);
     }
 }
 
+/// The header names a `Connection` header lists (hop-by-hop by declaration).
+fn connection_named(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '_ {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+}
+
+/// True for a rank alias (`x-dp-rank`, …) a client could pick a rank with.
+fn is_rank_alias(name: &HeaderName) -> bool {
+    RANK_ALIASES.contains(&name.as_str())
+}
+
 /// Removes every header a client could pin a worker or a rank with.
 pub fn strip_all_pins(headers: &mut HeaderMap) -> usize {
     let mut removed = strip_pin_headers(headers);
-    for alias in RANK_ALIASES {
-        removed += headers.get_all(alias).iter().count();
-        headers.remove(alias);
+    if headers.keys().any(is_rank_alias) {
+        for alias in RANK_ALIASES {
+            removed += headers.get_all(alias).iter().count();
+            headers.remove(alias);
+        }
     }
     removed
 }
 
+/// Headers the router never forwards whatever their value: the framing it recomputes, the
+/// disclosure request, and `100-continue` (the body was read whole already).
+fn request_only(name: &HeaderName) -> bool {
+    name == header::HOST
+        || name == header::CONTENT_LENGTH
+        || name == header::EXPECT
+        || name == header::CONTENT_TYPE
+        || name.as_str() == DISCLOSE_REQUEST_HEADER
+}
+
 /// The outbound header set: the client's headers minus hop-by-hop, pins, the router's own
-/// credentials and request-only headers, plus the dispatch's pins.
+/// credentials and request-only headers, plus the dispatch's pins. Built in one pass over the
+/// client's headers (no clone-then-remove).
 pub fn outbound(client: &HeaderMap, dispatch: &Dispatch, drop_authorization: bool) -> HeaderMap {
-    let mut headers = client.clone();
-    strip_hop_by_hop(&mut headers);
-    // Stripped again right before dispatch, whatever middleware ran before.
-    strip_all_pins(&mut headers);
-    headers.remove(header::HOST);
-    headers.remove(header::CONTENT_LENGTH);
-    headers.remove(DISCLOSE_REQUEST_HEADER);
-    // The body was read whole already; `100-continue` has nothing left to gate.
-    headers.remove(header::EXPECT);
+    let named: Vec<HeaderName> = connection_named(client).collect();
+    let mut headers = HeaderMap::with_capacity(client.keys_len() + dispatch.headers.len() + 1);
+    for (name, value) in client {
+        let dropped = HOP_BY_HOP.contains(name)
+            || named.contains(name)
+            // Stripped again right before dispatch, whatever middleware ran before.
+            || is_pin_header(name.as_str())
+            || is_rank_alias(name)
+            || request_only(name)
+            // The client's router key is not the backend's credential.
+            || (drop_authorization && name == header::AUTHORIZATION);
+        if !dropped {
+            headers.append(name.clone(), value.clone());
+        }
+    }
     // The body is validated JSON; OpenAI-wire servers (the Dynamo frontend among them) refuse
     // a JSON body without this content type.
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    if drop_authorization {
-        // The client's router key is not the backend's credential.
-        headers.remove(header::AUTHORIZATION);
-    }
     for (name, value) in &dispatch.headers {
         headers.insert(name.clone(), value.clone());
     }
