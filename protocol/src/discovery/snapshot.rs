@@ -87,15 +87,21 @@ pub fn build_snapshot(
         .values()
         .flat_map(|v| v.publishers.values().cloned())
         .collect();
-    let mut by_model: BTreeMap<(Namespace, String), Vec<usize>> = BTreeMap::new();
+    // Grouped under borrowed keys first: one (namespace, model) clone per pair, not per worker
+    // (16,384 workers of one model were 32,768 string allocations per rebuild).
+    let mut grouped: BTreeMap<(&Namespace, &str), Vec<usize>> = BTreeMap::new();
     for (i, w) in workers.iter().enumerate() {
         if let Some(model) = &w.model {
-            by_model
-                .entry((w.key.namespace.clone(), model.clone()))
+            grouped
+                .entry((&w.key.namespace, model.as_str()))
                 .or_default()
                 .push(i);
         }
     }
+    let by_model: BTreeMap<(Namespace, String), Vec<usize>> = grouped
+        .into_iter()
+        .map(|((ns, model), idx)| ((ns.clone(), model.to_owned()), idx))
+        .collect();
     DynamoSnapshot {
         source,
         namespaces: namespaces.to_vec(),
@@ -191,7 +197,12 @@ impl DynamoSnapshot {
     pub fn same_fleet(&self, other: &DynamoSnapshot) -> bool {
         self.source == other.source
             && self.namespaces == other.namespaces
-            && self.publishers == other.publishers
+            && self.publishers.len() == other.publishers.len()
+            && self
+                .publishers
+                .iter()
+                .zip(&other.publishers)
+                .all(|(a, b)| Arc::ptr_eq(a, b) || a == b)
             && self.workers.len() == other.workers.len()
             && self
                 .workers
