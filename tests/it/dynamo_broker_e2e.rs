@@ -12,8 +12,10 @@
 //!   transport `broker` through the one broker, the load store holds a sample of each worker, and
 //!   the broker relays the four streams.
 //! * `scripts/dynamo-broker-live-check.sh` (item 6), run on loopback against the tunnelled stack
-//!   (`--router-url`, `--broker-metrics-url`, a one-second window) passes its three steps; run
-//!   against the direct run's router it fails step 1, so the check can fail.
+//!   (`--router-url`, `--broker-metrics-url`, a two-second window with chat traffic meanwhile)
+//!   passes its steps (step 3 needs a cluster and is skipped): every subscription connected over
+//!   the broker, one session and four streams on the broker, no decode selection on stale load;
+//!   run against the direct run's router it fails step 1, so the check can fail.
 //!
 //! How the broker learns the publishers (the choice this test makes): the broker authorizes
 //! dials only to targets that DynamoWorkerMetadata in its Kubernetes namespace advertise. Dynamo
@@ -344,26 +346,56 @@ async fn admin_workers(daemon: &Daemon) -> Value {
         .expect("json view")
 }
 
-/// Runs scripts/dynamo-broker-live-check.sh on loopback with a one-second window; returns
-/// (exit code, stdout).
-async fn live_check(daemon: &Daemon, broker: Option<&Broker>) -> (i32, String) {
+/// Runs scripts/dynamo-broker-live-check.sh on loopback with a two-second window; returns
+/// (exit code, stdout). With `traffic`, chat requests go through the router (each must succeed)
+/// until the script exits, so its step 2 sees decode selections.
+async fn live_check(daemon: &Daemon, broker: Option<&Broker>, traffic: bool) -> (i32, String) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/dynamo-broker-live-check.sh");
     let mut command = tokio::process::Command::new("bash");
     command
         .arg(&script)
         .args(["--router-url", &format!("http://{}", daemon.local_addr())])
-        .args(["--window", "1", "--max-staleness-ms", "60000"])
-        .env("ROUTER_ADMIN_TOKEN", ADMIN_TOKEN);
+        .args(["--window", "2", "--max-staleness-ms", "3000"])
+        .env("ROUTER_ADMIN_TOKEN", ADMIN_TOKEN)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
     if let Some(broker) = broker {
         command.args(["--broker-metrics-url", &broker.probe_url()]);
     }
-    let output = tokio::time::timeout(WAIT, command.output())
-        .await
-        .expect("the live check finishes")
-        .expect("bash runs the live check");
+    let child = command.spawn().expect("bash runs the live check");
+    let output = child.wait_with_output();
+    tokio::pin!(output);
+    let url = format!("http://{}/v1/chat/completions", daemon.local_addr());
+    let client = reqwest::Client::new();
+    let mut sent = 0u64;
+    let output = tokio::time::timeout(WAIT, async {
+        loop {
+            let (n, client, url) = (sent, &client, &url);
+            let request = async move {
+                let body = json!({"model": MODEL, "max_tokens": 2, "messages": [
+                    {"role": "user", "content": format!("live check {n}: {}", words(n, 20))}]});
+                let resp = client
+                    .post(url.as_str())
+                    .json(&body)
+                    .send()
+                    .await
+                    .expect("send");
+                assert_eq!(resp.status(), 200, "live-check traffic request {n}");
+                let _ = resp.bytes().await;
+            };
+            tokio::select! {
+                out = &mut output => break out,
+                () = request, if traffic => sent += 1,
+            }
+        }
+    })
+    .await
+    .expect("the live check finishes")
+    .expect("the live check's output");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     println!(
-        "live check ({}):\n{stdout}{}",
+        "live check ({}, {sent} requests sent meanwhile):\n{stdout}{}",
         if broker.is_some() { "broker" } else { "direct" },
         String::from_utf8_lossy(&output.stderr)
     );
@@ -382,7 +414,7 @@ async fn real_dynamo_through_one_broker_routes_like_a_direct_dial() {
                 .await;
         wait_ready(&daemon, "direct").await;
         let outcome = run_workload(&daemon, &stack).await;
-        let (code, out) = live_check(&daemon, None).await;
+        let (code, out) = live_check(&daemon, None, false).await;
         assert_eq!(code, 1, "the live check fails without a broker:\n{out}");
         assert!(
             out.contains("FAIL: 0/4 subscriptions connected over transport broker"),
@@ -480,8 +512,12 @@ async fn real_dynamo_through_one_broker_routes_like_a_direct_dial() {
     );
 
     // Item 6: the live check passes on loopback against the tunnelled stack.
-    let (code, out) = live_check(&daemon, Some(&broker)).await;
+    let (code, out) = live_check(&daemon, Some(&broker), true).await;
     assert_eq!(code, 0, "the live check passes:\n{out}");
+    assert!(
+        out.contains("decode selections: ") && out.contains("round_robin_stale=0 "),
+        "the traffic's decode selections were all on fresh samples: {out}"
+    );
     assert!(
         out.contains("ok:   4/4 subscriptions connected over transport broker"),
         "{out}"
