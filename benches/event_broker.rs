@@ -57,6 +57,9 @@ const EVENTS_BLOCKS: u64 = 64;
 /// Runs per figure (the median is printed).
 const RUNS: usize = 5;
 const IDLE_STREAMS: usize = 1024;
+/// `max_session_buffer_bytes` of the listener: the default 64 MiB, or this environment
+/// variable's value (to see how the per-stream window, buffer / streams / 4, bounds throughput).
+const SESSION_BUFFER_ENV: &str = "EVENT_BROKER_BENCH_SESSION_BUFFER_BYTES";
 /// Idle streams being opened at once.
 const OPEN_CONCURRENCY: usize = 32;
 /// The longest any one step (a run, a stream open, the broker's session) may take.
@@ -286,6 +289,13 @@ async fn throughput(
 }
 
 async fn run() {
+    let session_buffer: u64 = std::env::var(SESSION_BUFFER_ENV)
+        .ok()
+        .map(|v| v.parse().expect("a byte count"))
+        .unwrap_or(64 * 1024 * 1024);
+    println!(
+        "event_broker: max_session_buffer_bytes {session_buffer}, {IDLE_STREAMS} streams per session"
+    );
     // The tests' PKI (a CA and the listener's certificate for localhost) from the openssl CLI.
     let pki = bus_pki::pki();
     let dir = pki._dir.path().to_path_buf();
@@ -308,7 +318,7 @@ async fn run() {
             token_hash: Some(TokenHash::of_token(TOKEN.as_bytes())),
         }],
         max_sessions: 4,
-        bounds: SessionBounds::new(64 * 1024 * 1024, IDLE_STREAMS as u32).expect("bounds"),
+        bounds: SessionBounds::new(session_buffer, IDLE_STREAMS as u32).expect("bounds"),
         heartbeat_interval: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(30),
         hello_timeout: BusSettings::HELLO_TIMEOUT,

@@ -18,12 +18,13 @@
 //!   run against the direct run's router it fails step 1, so the check can fail.
 //!
 //! How the broker learns the publishers (the choice this test makes): the broker authorizes
-//! dials only to targets that DynamoWorkerMetadata in its Kubernetes namespace advertise. Dynamo
-//! 1.6.1's own Kubernetes discovery (`DYN_DISCOVERY_BACKEND=kubernetes`) has each worker
-//! server-side-apply its DynamoWorkerMetadata, owned by its Pod (`POD_NAME`, `POD_NAMESPACE`,
-//! `POD_UID` injected by the operator), and peers wait on the Pods' EndpointSlices; running the
-//! mockers that way needs an API server that implements server-side apply, owner references and
-//! EndpointSlice readiness, which the fake Kubernetes API does not. So the workers keep
+//! dials only to targets that DynamoWorkerMetadata in its Kubernetes namespace advertise. Dynamo's
+//! own Kubernetes discovery (`DYN_DISCOVERY_BACKEND=kubernetes`, upstream
+//! `lib/runtime/src/discovery/kube/crd.rs`) has each worker create its DynamoWorkerMetadata by
+//! server-side apply (a `PATCH`), owned by its Pod (`POD_NAME`, `POD_NAMESPACE`, `POD_UID`
+//! injected by the operator), and peers wait on the Pods' EndpointSlices; running the mockers
+//! that way needs an API server that accepts writes, owner references and EndpointSlice
+//! readiness, and the fake Kubernetes API only serves lists and watches. So the workers keep
 //! registering in etcd (the harness the other real-Dynamo tests use, and the router discovers
 //! them there: `dynamo.discovery.source` may be etcd under a broker), and the test mirrors each
 //! real worker's advertised event channels, read back from etcd exactly as the worker wrote
