@@ -5,10 +5,14 @@
 //!    messages as fast as the reader takes them) read by the router's `BusStream` through the
 //!    broker (publisher → broker → TLS 1.3 + HTTP/2 → listener), against the same bytes read
 //!    directly over TCP (`transport: direct`);
-//! 2. the broker's resident memory (VmRSS) with 1,024 idle streams open.
+//! 2. relayed kv-events bytes/s: the same with ZMTP-framed `kv-events` batches (64 stored blocks
+//!    each, 3,879 bytes), the shape a busy worker publishes;
+//! 3. the broker's resident memory (VmRSS) with 1,024 idle streams open.
 //!
 //! The router side is the real event-bus listener in-process; DynamoWorkerMetadata comes from the
-//! tests' fake Kubernetes API. Needs the openssl CLI. Prints one line per figure.
+//! tests' fake Kubernetes API. Needs the openssl CLI. Prints one line per figure. Every wait has a
+//! deadline ([`STEP_TIMEOUT`]), and the idle streams open [`OPEN_CONCURRENCY`] at a time, so a
+//! stuck step fails with its name instead of hanging the run.
 
 #[path = "../tests/it/support/bus_pki.rs"]
 mod bus_pki;
@@ -23,11 +27,17 @@ use continuum_protocol::discovery::EventTopic;
 use continuum_protocol::event_bus::credential::TokenHash;
 use continuum_protocol::event_bus::message::{ClientId, Role, ZmqTcpTarget};
 use continuum_protocol::event_bus::{Grant, SessionBounds};
-use continuum_protocol::event_plane::ActiveLoad;
-use continuum_protocol::event_plane::encode::encode_kv_metrics;
+use continuum_protocol::event_plane::encode::{encode_frames, encode_kv_metrics};
+use continuum_protocol::event_plane::{ActiveLoad, EventEnvelope};
 use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
+use continuum_protocol::kv::events::{
+    Bounded, KvCacheEvent, KvCacheEventData, KvCacheStoreData, RouterEvent, StorageTier,
+    StoredBlock,
+};
+use continuum_protocol::kv::{ExternalBlockHash, LocalBlockHash, encode_router_events};
 use continuum_protocol::time::UnixMillis;
 use continuum_protocol::zmtp::publisher::encode_message;
+use futures::StreamExt as _;
 use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
@@ -38,13 +48,25 @@ mod fake_kube;
 
 const TOKEN: &str = "bench-broker-token";
 const NS: &str = "dynamo";
-/// Messages per throughput run.
-const MESSAGES: usize = 200_000;
+/// kv_metrics messages per throughput run (about 20 MB).
+const METRICS_MESSAGES: usize = 100_000;
+/// kv-events messages per throughput run (about 78 MB).
+const EVENTS_MESSAGES: usize = 20_000;
+/// Stored blocks per kv-events message.
+const EVENTS_BLOCKS: u64 = 64;
+/// Runs per figure (the median is printed).
 const RUNS: usize = 5;
 const IDLE_STREAMS: usize = 1024;
+/// `max_session_buffer_bytes` of the listener: the default 64 MiB, or this environment
+/// variable's value (to see how the per-stream window, buffer / streams / 4, bounds throughput).
+const SESSION_BUFFER_ENV: &str = "EVENT_BROKER_BENCH_SESSION_BUFFER_BYTES";
+/// Idle streams being opened at once.
+const OPEN_CONCURRENCY: usize = 32;
+/// The longest any one step (a run, a stream open, the broker's session) may take.
+const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One ZMTP-framed kv_metrics message, as a publisher writes it.
-fn message() -> Vec<u8> {
+fn metrics_message() -> Vec<u8> {
     let load = ActiveLoad {
         worker_id: InstanceId(0x1234_5678),
         dp_rank: DpRank(0),
@@ -60,14 +82,50 @@ fn message() -> Vec<u8> {
     out
 }
 
-/// A publisher on `0.0.0.0:port`: every connection gets `count` copies of `message` (0: none,
+/// One ZMTP-framed kv-events message: a batch storing [`EVENTS_BLOCKS`] blocks.
+fn events_message() -> Vec<u8> {
+    let blocks = (0..EVENTS_BLOCKS)
+        .map(|i| StoredBlock {
+            block_hash: ExternalBlockHash(0x9e37_79b9_7f4a_7c15 ^ i),
+            tokens_hash: LocalBlockHash(0x5851_f42d_4c95_7f2d ^ i),
+            mm_extra_info: None,
+        })
+        .collect();
+    let batch = [RouterEvent {
+        worker_id: InstanceId(0x1234_5678),
+        storage_tier: StorageTier::Device,
+        residency_domain: None,
+        event: KvCacheEvent {
+            event_id: 1,
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: Some(ExternalBlockHash(7)),
+                start_position: None,
+                blocks: Bounded(blocks),
+            }),
+            dp_rank: DpRank(0),
+        },
+        session_id: None,
+    }];
+    let payload = encode_router_events(&batch);
+    let frames = encode_frames(&EventEnvelope {
+        publisher_id: PublisherId(0x1234_5679),
+        sequence: 1,
+        published_at: UnixMillis(1),
+        topic: "kv-events",
+        payload: &payload,
+    });
+    let mut out = Vec::new();
+    encode_message(&frames, &mut out);
+    out
+}
+
+/// A publisher on `0.0.0.0:port`: every connection gets `count` copies of `payload` (0: none,
 /// the connection stays idle until the peer closes it).
-async fn publisher(count: usize) -> (u16, tokio::task::JoinHandle<()>) {
+async fn publisher(payload: Vec<u8>, count: usize) -> (u16, tokio::task::JoinHandle<()>) {
     let listener = TcpListener::bind("0.0.0.0:0")
         .await
         .expect("bind publisher");
     let port = listener.local_addr().expect("addr").port();
-    let payload = message();
     let task = tokio::spawn(async move {
         loop {
             let Ok((mut tcp, _)) = listener.accept().await else {
@@ -110,17 +168,17 @@ fn idle_host(i: usize) -> String {
     format!("127.0.{}.{}", i / 250, i % 250 + 1)
 }
 
-/// DynamoWorkerMetadata advertising `targets` (256 channels per resource).
-fn advertise(kube: &fake_kube::FakeKube, targets: &[(String, u16)]) {
+/// DynamoWorkerMetadata advertising `targets` (host, port, topic; 256 channels per resource).
+fn advertise(kube: &fake_kube::FakeKube, targets: &[(String, u16, &str)]) {
     for (chunk_index, chunk) in targets.chunks(256).enumerate() {
         let mut channels = serde_json::Map::new();
-        for (i, (host, port)) in chunk.iter().enumerate() {
+        for (i, (host, port, topic)) in chunk.iter().enumerate() {
             let publisher = 0x1000 + chunk_index * 256 + i;
             channels.insert(
-                format!("namespace/{NS}/component/backend/endpoint/generate/topic/kv_metrics/{publisher:x}"),
+                format!("namespace/{NS}/component/backend/endpoint/generate/topic/{topic}/{publisher:x}"),
                 json!({"type": "EventChannel", "scope": {"kind": "endpoint", "endpoint":
                        {"namespace": NS, "component": "backend", "name": "generate"}},
-                       "topic": "kv_metrics", "instance_id": publisher,
+                       "topic": topic, "instance_id": publisher,
                        "transport": {"kind": "Zmq", "config": {"endpoint": format!("tcp://{host}:{port}")}}}),
             );
         }
@@ -132,15 +190,28 @@ fn advertise(kube: &fake_kube::FakeKube, targets: &[(String, u16)]) {
     }
 }
 
-async fn read_all(mut reader: impl tokio::io::AsyncRead + Unpin, bytes: usize) -> Duration {
+/// Reads exactly `bytes` bytes; the time it took.
+async fn read_all(
+    what: &str,
+    mut reader: impl tokio::io::AsyncRead + Unpin,
+    bytes: usize,
+) -> Duration {
     let started = Instant::now();
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut got = 0;
-    while got < bytes {
-        let n = reader.read(&mut buf).await.expect("read");
-        assert!(n > 0, "stream ended after {got} of {bytes} bytes");
-        got += n;
-    }
+    let read = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut got = 0;
+        while got < bytes {
+            let n = reader.read(&mut buf).await.expect("read");
+            assert!(
+                n > 0,
+                "{what}: the stream ended after {got} of {bytes} bytes"
+            );
+            got += n;
+        }
+    };
+    tokio::time::timeout(STEP_TIMEOUT, read)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: {bytes} bytes not read within {STEP_TIMEOUT:?}"));
     started.elapsed()
 }
 
@@ -166,7 +237,65 @@ fn main() {
     runtime.block_on(run());
 }
 
+/// Median time of `RUNS` reads of `count` copies of `message` from `port`, directly over TCP and
+/// through the broker; prints messages/s and bytes/s of both.
+async fn throughput(
+    bus: &EventBus,
+    name: &str,
+    topic: EventTopic,
+    port: u16,
+    message: &[u8],
+    count: usize,
+) {
+    let bytes = count * message.len();
+    let mut direct = Vec::new();
+    let mut relayed = Vec::new();
+    for run in 0..RUNS {
+        let tcp = tokio::time::timeout(STEP_TIMEOUT, TcpStream::connect(("127.0.0.1", port)))
+            .await
+            .expect("direct connect in time")
+            .expect("direct connect");
+        direct.push(read_all(&format!("{name} direct run {run}"), tcp, bytes).await);
+        let stream = tokio::time::timeout(
+            STEP_TIMEOUT,
+            bus.open_stream(target("127.0.0.1", port), topic),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{name}: a stream through the broker within {STEP_TIMEOUT:?}"))
+        .expect("a stream through the broker");
+        relayed.push(read_all(&format!("{name} relayed run {run}"), stream, bytes).await);
+    }
+    let median = |times: &mut Vec<Duration>| {
+        times.sort();
+        times[times.len() / 2].as_secs_f64()
+    };
+    let (d, r) = (median(&mut direct), median(&mut relayed));
+    println!(
+        "event_broker/{name}  {count} messages of {} bytes ({:.1} MB) per run, median of {RUNS}",
+        message.len(),
+        bytes as f64 / 1e6
+    );
+    println!(
+        "event_broker/{name}/direct_tcp      {:>10.0} msgs/s  {:>8.1} MB/s",
+        count as f64 / d,
+        bytes as f64 / d / 1e6
+    );
+    println!(
+        "event_broker/{name}/through_broker  {:>10.0} msgs/s  {:>8.1} MB/s  ({:.2}x direct)",
+        count as f64 / r,
+        bytes as f64 / r / 1e6,
+        d / r
+    );
+}
+
 async fn run() {
+    let session_buffer: u64 = std::env::var(SESSION_BUFFER_ENV)
+        .ok()
+        .map(|v| v.parse().expect("a byte count"))
+        .unwrap_or(64 * 1024 * 1024);
+    println!(
+        "event_broker: max_session_buffer_bytes {session_buffer}, {IDLE_STREAMS} streams per session"
+    );
     // The tests' PKI (a CA and the listener's certificate for localhost) from the openssl CLI.
     let pki = bus_pki::pki();
     let dir = pki._dir.path().to_path_buf();
@@ -189,7 +318,7 @@ async fn run() {
             token_hash: Some(TokenHash::of_token(TOKEN.as_bytes())),
         }],
         max_sessions: 4,
-        bounds: SessionBounds::new(64 * 1024 * 1024, 1024).expect("bounds"),
+        bounds: SessionBounds::new(session_buffer, IDLE_STREAMS as u32).expect("bounds"),
         heartbeat_interval: Duration::from_secs(10),
         idle_timeout: Duration::from_secs(30),
         hello_timeout: BusSettings::HELLO_TIMEOUT,
@@ -210,10 +339,14 @@ async fn run() {
         ticks.tick().await;
     };
 
-    let (flood_port, _flood) = publisher(MESSAGES).await;
-    let (idle_port, _idle) = publisher(0).await;
-    let mut targets = vec![("127.0.0.1".to_owned(), flood_port)];
-    targets.extend((0..IDLE_STREAMS).map(|i| (idle_host(i), idle_port)));
+    let (metrics_port, _metrics) = publisher(metrics_message(), METRICS_MESSAGES).await;
+    let (events_port, _events) = publisher(events_message(), EVENTS_MESSAGES).await;
+    let (idle_port, _idle) = publisher(Vec::new(), 0).await;
+    let mut targets = vec![
+        ("127.0.0.1".to_owned(), metrics_port, "kv_metrics"),
+        ("127.0.0.1".to_owned(), events_port, "kv-events"),
+    ];
+    targets.extend((0..IDLE_STREAMS).map(|i| (idle_host(i), idle_port, "kv_metrics")));
     let kube = fake_kube::FakeKube::start().await;
     advertise(&kube, &targets);
 
@@ -243,59 +376,64 @@ async fn run() {
         .spawn()
         .expect("the broker binary (cargo bench builds it)");
     let pid = broker.id();
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + STEP_TIMEOUT;
     while bus.session_count() == 0 {
-        assert!(Instant::now() < deadline, "the broker connects within 30 s");
+        assert!(
+            Instant::now() < deadline,
+            "the broker connects within {STEP_TIMEOUT:?}"
+        );
         ticks.tick().await;
     }
-    let bytes = MESSAGES * message().len();
-    println!(
-        "event_broker: {MESSAGES} kv_metrics messages of {} bytes per run, {RUNS} runs",
-        message().len()
-    );
 
-    let mut direct = Vec::new();
-    let mut relayed = Vec::new();
-    for _ in 0..RUNS {
-        let tcp = TcpStream::connect(("127.0.0.1", flood_port))
-            .await
-            .expect("direct");
-        direct.push(read_all(tcp, bytes).await);
-        let stream = bus
-            .open_stream(target("127.0.0.1", flood_port), EventTopic::KvMetrics)
-            .await
-            .expect("a stream through the broker");
-        relayed.push(read_all(stream, bytes).await);
-    }
-    let rate = |times: &mut Vec<Duration>| {
-        times.sort();
-        MESSAGES as f64 / times[times.len() / 2].as_secs_f64()
-    };
-    let (d, r) = (rate(&mut direct), rate(&mut relayed));
-    println!("event_broker/direct_tcp      median {d:>12.0} msgs/s");
-    println!(
-        "event_broker/through_broker  median {r:>12.0} msgs/s  ({:.2}x direct)",
-        r / d
-    );
+    throughput(
+        &bus,
+        "kv_metrics",
+        EventTopic::KvMetrics,
+        metrics_port,
+        &metrics_message(),
+        METRICS_MESSAGES,
+    )
+    .await;
+    throughput(
+        &bus,
+        "kv-events",
+        EventTopic::KvEvents,
+        events_port,
+        &events_message(),
+        EVENTS_MESSAGES,
+    )
+    .await;
 
+    // The default bounds (64 MiB, 1,024 streams per session): the throughput runs' streams were
+    // dropped long before (the session frees their slots in order), so all 1,024 slots are free.
     let idle_before = rss_kib(pid);
-    let mut open = Vec::with_capacity(IDLE_STREAMS);
-    for i in 0..IDLE_STREAMS - 1 {
-        let stream = bus
-            .open_stream(target(&idle_host(i), idle_port), EventTopic::KvMetrics)
-            .await
-            .unwrap_or_else(|e| panic!("idle stream {i}: {e:?}"));
-        open.push(stream);
-    }
+    let started = Instant::now();
+    let open: Vec<_> = futures::stream::iter(0..IDLE_STREAMS)
+        .map(|i| {
+            let bus = bus.clone();
+            async move {
+                tokio::time::timeout(
+                    STEP_TIMEOUT,
+                    bus.open_stream(target(&idle_host(i), idle_port), EventTopic::KvMetrics),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("idle stream {i} not open within {STEP_TIMEOUT:?}"))
+                .unwrap_or_else(|e| panic!("idle stream {i}: {e:?}"))
+            }
+        })
+        .buffer_unordered(OPEN_CONCURRENCY)
+        .collect()
+        .await;
     // Each stream resolved once the broker had dialled its publisher and opened the data
     // stream: every relay is running now.
     let idle_after = rss_kib(pid);
     println!(
-        "event_broker/rss  {} KiB before, {} KiB with {} idle streams ({:.1} MiB)",
+        "event_broker/rss  {} KiB before, {} KiB with {} idle streams ({:.1} MiB; opened in {:.1} s)",
         idle_before,
         idle_after,
         open.len(),
-        idle_after as f64 / 1024.0
+        idle_after as f64 / 1024.0,
+        started.elapsed().as_secs_f64()
     );
     drop(open);
     let _ = broker.kill();

@@ -17,15 +17,15 @@
 #      API server's Pod proxy (`kubectl get --raw`), or --broker-metrics-url on loopback.
 #   2. Load samples stay fresh: /metrics once per second over --window seconds: decoded
 #      kv_metrics / kv-events frames, the longest gap between frame-count increases against
-#      --max-staleness-ms, and the share of reason="load" vs reason="round_robin_stale" decode
-#      selections (send traffic while it runs).
+#      --max-staleness-ms, and the share of reason="load" (or "kv_aware") vs
+#      reason="round_robin_stale" decode selections (send traffic while it runs).
 #   3. Relay latency (only with --probe-image and --bus-url): a temporary non-root Pod in the
 #      broker namespace times TCP+TLS handshakes to --bus-url; half the median connect time is
 #      the one-way bus latency estimate. The Pod is deleted afterwards.
 #
 # Read-only: nothing is changed on the router or the cluster except the probe Pod of step 3.
 # Without --context / --namespace the Kubernetes parts are skipped (loopback against the e2e
-# stack: pass --broker-metrics-url instead). Needs curl, awk; kubectl for the cluster parts.
+# stack: pass --broker-metrics-url instead). Needs curl, awk, python3; kubectl for the cluster parts.
 set -euo pipefail
 
 ROUTER_URL="" CONTEXT="" NAMESPACE="" WINDOW=300 MAX_STALENESS_MS=3000
@@ -40,7 +40,7 @@ while [[ $# -gt 0 ]]; do
     --probe-image) PROBE_IMAGE=$2; shift 2 ;;
     --bus-url) BUS_URL=$2; shift 2 ;;
     --broker-metrics-url) BROKER_METRICS_URL=$2; shift 2 ;;
-    -h | --help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,28p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -108,6 +108,7 @@ echo "== 2. Load samples stay fresh (${WINDOW}s)"
 frames() { sum_metric "$1" continuum_dynamo_load_events_total; }
 LAST=$(frames "$M"); LAST_T=$(date +%s%N); MAX_GAP_MS=0
 LOAD0=$(sum_metric "$M" continuum_dynamo_selection_total 'role="decode"' 'reason="load"')
+KVA0=$(sum_metric "$M" continuum_dynamo_selection_total 'role="decode"' 'reason="kv_aware"')
 STALE0=$(sum_metric "$M" continuum_dynamo_selection_total 'role="decode"' 'reason="round_robin_stale"')
 KV0=$(sum_metric "$M" continuum_dynamo_kv_events_total)
 for ((i = 0; i < WINDOW; i++)); do
@@ -119,6 +120,7 @@ for ((i = 0; i < WINDOW; i++)); do
   (( GAP > MAX_GAP_MS )) && MAX_GAP_MS=$GAP
 done
 LOAD=$(( $(sum_metric "$M" continuum_dynamo_selection_total 'role="decode"' 'reason="load"') - LOAD0 ))
+KVA=$(( $(sum_metric "$M" continuum_dynamo_selection_total 'role="decode"' 'reason="kv_aware"') - KVA0 ))
 STALE=$(( $(sum_metric "$M" continuum_dynamo_selection_total 'role="decode"' 'reason="round_robin_stale"') - STALE0 ))
 KV=$(( $(sum_metric "$M" continuum_dynamo_kv_events_total) - KV0 ))
 echo "      kv_metrics frames total=$LAST, kv-events counted in the window=$KV"
@@ -127,8 +129,11 @@ if (( MAX_GAP_MS <= MAX_STALENESS_MS )); then
 else
   fail "longest gap between kv_metrics frames ${MAX_GAP_MS} ms > ${MAX_STALENESS_MS} ms"
 fi
-if (( LOAD + STALE > 0 )); then
-  echo "      decode selections: load=$LOAD round_robin_stale=$STALE ($(( 100 * LOAD / (LOAD + STALE) ))% load)"
+# kv_aware picks (dynamo.kv.enabled) rank by prefix overlap and fresh load; ties without a fresh
+# sample are counted as round_robin_stale, like the load-based picker's.
+if (( LOAD + KVA + STALE > 0 )); then
+  echo "      decode selections: load=$LOAD kv_aware=$KVA round_robin_stale=$STALE" \
+    "($(( 100 * (LOAD + KVA) / (LOAD + KVA + STALE) ))% on fresh samples)"
   (( STALE == 0 )) || fail "$STALE decode selections fell back to round_robin_stale"
 else
   echo "      no decode selections in the window (send traffic to measure the load share)"

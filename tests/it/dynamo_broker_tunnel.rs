@@ -20,7 +20,6 @@ use crate::support;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use continuum_actors::metrics::LoadEventResult;
@@ -40,11 +39,10 @@ use continuum_protocol::kv::{ExternalBlockHash, LocalBlockHash, encode_router_ev
 use continuum_protocol::time::UnixMillis;
 use continuum_router::daemon::Daemon;
 use serde_json::{Value, json};
+use support::broker::{Broker, BrokerArgs};
 use support::bus_pki::{Pki, pki};
 use support::fake_kube::{FakeKube, Kind};
 use support::zmq::{Publisher, make};
-use tokio::io::{AsyncBufReadExt as _, BufReader};
-use tokio::process::{Child, Command};
 
 const WAIT: Duration = Duration::from_secs(30);
 /// The Dynamo namespace of the fleet.
@@ -362,88 +360,18 @@ async fn send_fresh(workers: &mut [Worker], sequence: &mut u64) {
 // ---------------------------------------------------------------------------------------------
 // The broker binary
 
-struct Broker {
-    child: Child,
-    probe: SocketAddr,
-    _token: tempfile::NamedTempFile,
-}
-
-impl Broker {
-    async fn spawn(id: &str, bus: SocketAddr, pki: &Pki, kube: &FakeKube) -> Broker {
-        let token_file = tempfile::NamedTempFile::new().expect("token file");
-        std::fs::write(token_file.path(), format!("{}\n", token(id))).expect("write token");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_continuum-event-broker"))
-            .args(["--bus-url", &format!("https://{bus}")])
-            .args(["--client-id", id])
-            .arg("--token-file")
-            .arg(token_file.path())
-            .arg("--ca-file")
-            .arg(&pki.ca)
-            .args(["--dynamo-namespace", NS])
-            .args(["--kubernetes-namespace", KUBE_NS])
-            .args(["--kubernetes-api-url", &kube.url()])
-            .args(["--listen", "127.0.0.1:0"])
-            .env("RUST_LOG", "info,continuum_event_broker=debug")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("the continuum-event-broker binary starts");
-        let stderr = child.stderr.take().expect("stderr");
-        let (probe_tx, probe_rx) = tokio::sync::oneshot::channel();
-        let tag = id.to_owned();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            let mut probe_tx = Some(probe_tx);
-            while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("[{tag}] {line}");
-                if let Some(rest) = line.split("probe=").nth(1)
-                    && let Some(addr) = rest
-                        .split_whitespace()
-                        .next()
-                        .and_then(|a| a.parse::<SocketAddr>().ok())
-                    && let Some(tx) = probe_tx.take()
-                {
-                    let _ = tx.send(addr);
-                }
-            }
-        });
-        let probe = tokio::time::timeout(WAIT, probe_rx)
-            .await
-            .expect("the broker logs its probe address in time")
-            .expect("the broker started");
-        Broker {
-            child,
-            probe,
-            _token: token_file,
-        }
-    }
-
-    async fn scrape(&self) -> String {
-        reqwest::get(format!("http://{}/metrics", self.probe))
-            .await
-            .expect("broker /metrics")
-            .text()
-            .await
-            .expect("metrics text")
-    }
-
-    /// The value of one exposition line `series` (name and labels exactly as rendered).
-    async fn value(&self, series: &str) -> f64 {
-        let text = self.scrape().await;
-        text.lines()
-            .find_map(|line| {
-                line.strip_prefix(series)
-                    .and_then(|rest| rest.strip_prefix(' '))
-                    .and_then(|v| v.trim().parse::<f64>().ok())
-            })
-            .unwrap_or_else(|| panic!("{series} in\n{text}"))
-    }
-
-    async fn kill(&mut self) {
-        self.child.kill().await.expect("SIGKILL the broker");
-    }
+/// The real broker `id` for the fleet's namespace, watching the fake API's `dynamo` namespace.
+async fn spawn_broker(id: &str, bus: SocketAddr, pki: &Pki, kube: &FakeKube) -> Broker {
+    Broker::spawn(BrokerArgs {
+        id,
+        token: &token(id),
+        bus,
+        ca: &pki.ca,
+        dynamo_namespace: NS,
+        kubernetes_namespace: KUBE_NS,
+        kube,
+    })
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -469,7 +397,7 @@ async fn direct_and_broker_transport_reach_the_same_load_and_kv_index_state() {
     ))
     .await;
     let bus = poll("the bus listens", async || bus_addr(&tunnel)).await;
-    let broker = Broker::spawn(BROKER_A, bus, &pki, &kube).await;
+    let broker = spawn_broker(BROKER_A, bus, &pki, &kube).await;
 
     // Each publisher sees two subscribers: the direct router and the broker's relay.
     for w in &mut workers {
@@ -628,7 +556,7 @@ async fn a_killed_broker_leaves_subscriptions_pending_and_a_new_one_restores_loa
     let tunnel =
         support::daemon::start(&router_yaml(store.path(), Some((&pki, &[BROKER_A])))).await;
     let bus = poll("the bus listens", async || bus_addr(&tunnel)).await;
-    let mut broker = Broker::spawn(BROKER_A, bus, &pki, &kube).await;
+    let mut broker = spawn_broker(BROKER_A, bus, &pki, &kube).await;
 
     // Fresh samples through the tunnel: selections are load-based.
     let mut sequence = 1;
@@ -652,7 +580,7 @@ async fn a_killed_broker_leaves_subscriptions_pending_and_a_new_one_restores_loa
     .await;
 
     // A new broker: the subscriptions reconnect through it and load selection is back.
-    let _broker = Broker::spawn(BROKER_A, bus, &pki, &kube).await;
+    let _broker = spawn_broker(BROKER_A, bus, &pki, &kube).await;
     poll("connected again", async || {
         all_connected(&tunnel, 2).then_some(())
     })
@@ -678,7 +606,7 @@ async fn an_unadvertised_publisher_is_refused_while_advertised_ones_connect() {
     let tunnel =
         support::daemon::start(&router_yaml(store.path(), Some((&pki, &[BROKER_A])))).await;
     let bus = poll("the bus listens", async || bus_addr(&tunnel)).await;
-    let broker = Broker::spawn(BROKER_A, bus, &pki, &kube).await;
+    let broker = spawn_broker(BROKER_A, bus, &pki, &kube).await;
 
     let state_of = |w: &Worker| {
         subscriptions(&tunnel)
@@ -744,8 +672,8 @@ async fn two_brokers_split_streams_by_rendezvous_and_one_takes_over_after_a_sigk
     ))
     .await;
     let bus = poll("the bus listens", async || bus_addr(&tunnel)).await;
-    let mut a = Broker::spawn(BROKER_A, bus, &pki, &kube).await;
-    let b = Broker::spawn(BROKER_B, bus, &pki, &kube).await;
+    let mut a = spawn_broker(BROKER_A, bus, &pki, &kube).await;
+    let b = spawn_broker(BROKER_B, bus, &pki, &kube).await;
     poll("both sessions live", async || {
         (tunnel.event_bus().session_count() == 2).then_some(())
     })
@@ -816,7 +744,7 @@ async fn sigterm_drains_and_exits_cleanly_within_ten_seconds() {
     let tunnel =
         support::daemon::start(&router_yaml(store.path(), Some((&pki, &[BROKER_A])))).await;
     let bus = poll("the bus listens", async || bus_addr(&tunnel)).await;
-    let mut broker = Broker::spawn(BROKER_A, bus, &pki, &kube).await;
+    let mut broker = spawn_broker(BROKER_A, bus, &pki, &kube).await;
     poll("connected", async || {
         all_connected(&tunnel, 1).then_some(())
     })

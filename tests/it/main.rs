@@ -24,6 +24,7 @@ mod daemon_file;
 mod daemon_load;
 mod demo;
 mod deploy_kubernetes;
+mod dynamo_broker_e2e;
 mod dynamo_broker_tunnel;
 mod dynamo_e2e;
 mod dynamo_failover_e2e;

@@ -1,6 +1,7 @@
 //! The harnesses every integration-test module shares (one copy in the one test binary). Each
 //! file says what it starts; everything runs on loopback, on free ports, under deadlines.
 
+pub mod broker;
 pub mod bus_pki;
 pub mod daemon;
 pub mod demo;
