@@ -151,6 +151,34 @@ async fn run(workers: u64, puts: u64) {
         started.elapsed()
     );
 
+    // 0. The floor: etcd alone serving the same keys in 512-key pages (the source's page size),
+    //    what any resync pays before the router does anything.
+    let mut floor = Vec::new();
+    for _ in 0..3 {
+        let start = Instant::now();
+        let mut kv = admin.kv_client();
+        for prefix in ["v1/instances/", "v1/mdc/"] {
+            let end = format!("{}0", &prefix[..prefix.len() - 1]);
+            let mut from = prefix.to_owned();
+            loop {
+                let options = etcd_client::GetOptions::new()
+                    .with_range(end.as_str())
+                    .with_limit(512);
+                let page = kv.get(from.as_str(), Some(options)).await.expect("range");
+                let Some(last) = page.kvs().last() else { break };
+                from = format!("{}\0", last.key_str().expect("utf-8 key"));
+                if !page.more() {
+                    break;
+                }
+            }
+        }
+        floor.push(start.elapsed());
+    }
+    report(
+        &format!("etcd alone: paged range read of the {} records", records.len()),
+        floor,
+    );
+
     // 1. Full resync into a published snapshot, three daemon starts.
     let expected = workers as usize;
     let mut resync = Vec::new();
@@ -174,6 +202,10 @@ async fn run(workers: u64, puts: u64) {
     until(&daemon, |d| workers_serving(d) == expected).await;
     let mut admin = admin;
     let mut put_to_snapshot = Vec::with_capacity(puts as usize);
+    // The same interval split at etcd's acknowledgement: etcd's own commit (an fsync per put)
+    // and what the router adds after it (watch delivery, reduce, snapshot, publish).
+    let mut put_acked = Vec::with_capacity(puts as usize);
+    let mut acked_to_snapshot = Vec::with_capacity(puts as usize);
     for i in 0..puts {
         // Spread over the fleet; every put carries a capacity no card had before.
         let id = 0x10_0000 + (i * 7919) % workers;
@@ -181,6 +213,7 @@ async fn run(workers: u64, puts: u64) {
         let (key, value) = card(id, blocks);
         let start = Instant::now();
         admin.put(key, value, None).await.expect("put");
+        let acked = Instant::now();
         until(&daemon, |d| {
             d.registry()
                 .snapshot()
@@ -190,10 +223,17 @@ async fn run(workers: u64, puts: u64) {
         })
         .await;
         put_to_snapshot.push(start.elapsed());
+        put_acked.push(acked - start);
+        acked_to_snapshot.push(acked.elapsed());
     }
     report(
         &format!("put -> published snapshot with {workers} workers present"),
         put_to_snapshot,
+    );
+    report("  of which etcd's put (until acknowledged)", put_acked);
+    report(
+        "  of which acknowledged put -> published snapshot",
+        acked_to_snapshot,
     );
     daemon.shutdown().await;
 }
