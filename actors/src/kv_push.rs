@@ -23,9 +23,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use continuum_protocol::backoff::{Backoff, BackoffPolicy, Jitter};
+use continuum_protocol::event_bus::sse::MalformedReason;
 use continuum_protocol::event_bus::sse::{SseItem, SseParser};
 use continuum_protocol::kv::KvEventResult;
-use continuum_protocol::event_bus::sse::MalformedReason;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::io::{AsyncRead, AsyncReadExt as _};
 use tokio::sync::watch;
@@ -226,6 +226,11 @@ async fn run_source<O: KvEventStreamOpener>(args: KvPushArgs<O>, backend: String
                 let end = read_stream(stream, &args, &backend, &name, metrics.as_ref()).await;
                 args.kv.subscription_state(&name, false);
                 debug!(%backend, ?end, "A kv_listener stream ended.");
+                // Cut by the router: the agent is draining or its session ended. Reopen at
+                // once (another session, or pending); the drained one takes no new streams.
+                if matches!(&end, Err(e) if e.kind() == std::io::ErrorKind::ConnectionAborted) {
+                    continue;
+                }
                 started.elapsed()
             }
             Err(BusStreamError::NoSession | BusStreamError::Busy) => {
@@ -245,12 +250,7 @@ async fn run_source<O: KvEventStreamOpener>(args: KvPushArgs<O>, backend: String
         };
         state.set("backoff");
         let delay = backoff.session_ended(lasted, REOPEN_RESET_AFTER, unit());
-        // A stream cut because its agent is draining or its session ended: another session
-        // may take over at once; wake on a session-table change as well.
-        tokio::select! {
-            () = tokio::time::sleep(delay) => {}
-            _ = sessions.changed() => {}
-        }
+        tokio::time::sleep(delay).await;
     }
 }
 
@@ -290,7 +290,7 @@ async fn read_stream<O: KvEventStreamOpener>(
                 }
                 SseItem::Oversized => {
                     count("oversized");
-                    args.kv.count_refused(KvEventResult::OverCapacity);
+                    args.kv.count_refused(KvEventResult::Oversized);
                 }
                 SseItem::Malformed(reason) => {
                     count("malformed");

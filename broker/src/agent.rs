@@ -20,8 +20,8 @@ use tracing::{info, warn};
 use crate::config::{BrokerConfig, KubeApi};
 use crate::kv_listener::{Feed, Feeds};
 use crate::metrics::{self, Metrics};
-use continuum_protocol::event_bus::message::Role;
 use crate::session::{self, Clock, SessionEnd};
+use continuum_protocol::event_bus::message::Role;
 
 /// From SIGTERM to exit, at most.
 pub const SHUTDOWN_BUDGET: Duration = Duration::from_secs(10);

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, bail};
 use clap::Parser;
 use continuum_protocol::event_bus::message::{AnnouncedSource, ClientId, Hello, Role};
-use continuum_protocol::ids::PublisherId;
 use continuum_protocol::ids::Namespace;
+use continuum_protocol::ids::PublisherId;
 use serde::Deserialize;
 
 /// Longest accepted token file (a bearer token is far shorter; this only bounds the read).
@@ -208,12 +208,12 @@ pub struct KvSource {
 impl KvSource {
     /// Parses `BACKEND=PUBLISHER_ID@tcp://HOST:PORT` (the publisher id in decimal or `0x` hex).
     pub fn parse(spec: &str) -> anyhow::Result<Self> {
-        let (backend, rest) = spec
-            .split_once('=')
-            .with_context(|| format!("source {spec:?} must be BACKEND=PUBLISHER_ID@tcp://HOST:PORT"))?;
-        let (id, endpoint) = rest
-            .split_once('@')
-            .with_context(|| format!("source {spec:?} must be BACKEND=PUBLISHER_ID@tcp://HOST:PORT"))?;
+        let (backend, rest) = spec.split_once('=').with_context(|| {
+            format!("source {spec:?} must be BACKEND=PUBLISHER_ID@tcp://HOST:PORT")
+        })?;
+        let (id, endpoint) = rest.split_once('@').with_context(|| {
+            format!("source {spec:?} must be BACKEND=PUBLISHER_ID@tcp://HOST:PORT")
+        })?;
         let publisher_id = match id.strip_prefix("0x") {
             Some(hex) => u64::from_str_radix(hex, 16).ok(),
             None => id.parse::<u64>().ok(),
@@ -276,7 +276,12 @@ pub struct KvListenerCli {
     pub server_name: Option<String>,
     /// A source: BACKEND=PUBLISHER_ID@tcp://HOST:PORT (repeat; 1–256). The hello announces the
     /// backends; the agent reads that kv-events publisher.
-    #[arg(long = "source", value_name = "SPEC", env = "CONTINUUM_KV_LISTENER_SOURCES", value_delimiter = ',')]
+    #[arg(
+        long = "source",
+        value_name = "SPEC",
+        env = "CONTINUUM_KV_LISTENER_SOURCES",
+        value_delimiter = ','
+    )]
     pub sources: Vec<String>,
     /// Address of /health, /ready and /metrics [default: 0.0.0.0:9465].
     #[arg(long, value_name = "ADDR", env = "CONTINUUM_KV_LISTENER_LISTEN")]

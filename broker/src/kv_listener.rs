@@ -410,10 +410,7 @@ mod tests {
         let ids: Vec<u64> = (0..20).map(|_| feed.push(&[])).collect();
         // The ring holds the last 16: sequences 5..=20.
         assert_eq!(feed.start(Some(ids[3])), Start::Exact(ids[4]));
-        assert_eq!(
-            feed.start(Some(ids[2])),
-            Start::Reset(ResetReason::Evicted)
-        );
+        assert_eq!(feed.start(Some(ids[2])), Start::Reset(ResetReason::Evicted));
         assert_eq!(feed.start(Some(ids[19])), Start::Exact(ids[19] + 1));
         assert_eq!(
             feed.start(Some(ids[19] + 1)),

@@ -135,10 +135,7 @@ impl Metrics {
             "Control sessions that ended or were refused, by error code (connect_failed: no HTTP answer).",
             "code",
         );
-        let streams = gauge(
-            "streams",
-            "Data streams relaying a publisher now.",
-        );
+        let streams = gauge("streams", "Data streams relaying a publisher now.");
         let stream_closes = counter(
             "stream_closes_total",
             "Relays that ended after they started, by reason (plus unsubscribed, session_closed).",

@@ -990,13 +990,6 @@ impl Validator {
                 }
             }
         }
-        if !index.sources.is_empty() && !(config.dynamo.enabled && config.dynamo.kv.enabled) {
-            self.warn(
-                base,
-                "sources feed the KV index, which runs only with dynamo.enabled and \
-                 dynamo.kv.enabled",
-            );
-        }
         let sources: BTreeSet<&str> = index
             .sources
             .iter()

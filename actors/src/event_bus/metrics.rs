@@ -208,7 +208,10 @@ impl EventBusMetrics {
             )?,
         };
         for state in KV_LISTENER_SOURCE_STATES {
-            metrics.kv_listener_sources.with_label_values(&[state]).set(0);
+            metrics
+                .kv_listener_sources
+                .with_label_values(&[state])
+                .set(0);
         }
         for result in KV_LISTENER_SSE_RESULTS {
             metrics.kv_listener_sse.with_label_values(&[result]);
@@ -331,4 +334,3 @@ impl EventBusMetrics {
         self.kv_listener_sse.with_label_values(&[result]).inc();
     }
 }
-

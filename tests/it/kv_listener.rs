@@ -1,0 +1,371 @@
+//! The kv_listener push role end to end with the REAL `continuum-kv-listener` binary: a worker's
+//! kv-events publisher (pyzmq XPUB), one router subscribing to it directly, and one router whose
+//! only KV-event source is `dynamo.kv.kv_cache_index.sources[{backend, transport: event_bus}]`
+//! (its own kv-events subscriptions stay pending under `transport: broker` with no broker), fed
+//! by agents over the event-bus listener.
+//!
+//! * the KV index (blocks per rank and every `kv_events_total` result) through the agent equals
+//!   the direct subscription's, across stores, a removal, a repeated event id and a gap;
+//! * the agent's session is cut (the router's listener restarts on the same port): the agent
+//!   redials, the router resumes with `last_event_id` and the agent resumes exactly — every
+//!   batch is applied once (SSE `applied` = batches sent, no `reset`), including those
+//!   published while the session was down;
+//! * the first agent drains (SIGTERM): the router unsubscribes at once and reopens on a second
+//!   agent, which answers the foreign `last_event_id` with a `reset` and its ring; the index
+//!   still equals the direct one, and batches after the drain arrive through the second agent.
+//!
+//! Malformed and oversized SSE are unit-tested on the parser (`protocol::event_bus::sse`).
+#![cfg(feature = "real-peers")]
+
+use crate::dynamo_broker_tunnel::{
+    WAIT, kv_message, kv_publisher_id, poll, register, removed, router_yaml_kv, sha256_hex, stored,
+    token, with_kv_events, worker,
+};
+use crate::support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use continuum_router::daemon::Daemon;
+use support::bus_pki::{Pki, pki};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+use tokio::process::{Child, Command};
+
+const LISTENER_A: &str = "kv-listener-a";
+const LISTENER_B: &str = "kv-listener-b";
+const BACKEND: &str = "vllm-1";
+
+/// A free loopback port (bound and released), so the listener can restart on the same one.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+fn push_router_yaml(root: &Path, pki: &Pki, port: u16) -> String {
+    let mut yaml = router_yaml_kv(root, Some((pki, &[])), true);
+    yaml = yaml.replace(
+        "listen: \"127.0.0.1:0\"",
+        &format!("listen: \"127.0.0.1:{port}\""),
+    );
+    for id in [LISTENER_A, LISTENER_B] {
+        let digest = sha256_hex(token(id).as_bytes());
+        yaml.push_str(&format!(
+            "      - id: {id}\n        role: kv_listener\n        token_hash: \"sha256:{digest}\"\n        \
+             backends: [{BACKEND}]\n"
+        ));
+    }
+    yaml.replace(
+        "  kv:\n    enabled: true\n",
+        &format!(
+            "  kv:\n    enabled: true\n    kv_cache_index:\n      sources:\n        - backend: {BACKEND}\n          \
+             transport: event_bus\n"
+        ),
+    )
+}
+
+struct Agent {
+    child: Child,
+    probe: SocketAddr,
+    _token: tempfile::NamedTempFile,
+}
+
+impl Agent {
+    async fn spawn(id: &str, bus: SocketAddr, pki: &Pki, source: &str) -> Agent {
+        let token_file = tempfile::NamedTempFile::new().expect("token file");
+        std::fs::write(token_file.path(), format!("{}\n", token(id))).expect("write token");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_continuum-kv-listener"))
+            .args(["--bus-url", &format!("https://{bus}")])
+            .args(["--client-id", id])
+            .arg("--token-file")
+            .arg(token_file.path())
+            .arg("--ca-file")
+            .arg(&pki.ca)
+            .args(["--source", source])
+            .args(["--listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "info,continuum_event_broker=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the continuum-kv-listener binary starts");
+        let stderr = child.stderr.take().expect("stderr");
+        let (probe_tx, probe_rx) = tokio::sync::oneshot::channel();
+        let tag = id.to_owned();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            let mut probe_tx = Some(probe_tx);
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("[{tag}] {line}");
+                if let Some(rest) = line.split("probe=").nth(1)
+                    && let Some(addr) = rest
+                        .split_whitespace()
+                        .next()
+                        .and_then(|a| a.parse::<SocketAddr>().ok())
+                    && let Some(tx) = probe_tx.take()
+                {
+                    let _ = tx.send(addr);
+                }
+            }
+        });
+        let probe = tokio::time::timeout(WAIT, probe_rx)
+            .await
+            .expect("the agent logs its probe address in time")
+            .expect("the agent started");
+        Agent {
+            child,
+            probe,
+            _token: token_file,
+        }
+    }
+
+    /// One series of the agent's `/metrics` (0 when absent).
+    async fn value(&self, series: &str) -> f64 {
+        let text = reqwest::get(format!("http://{}/metrics", self.probe))
+            .await
+            .expect("agent /metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        text.lines()
+            .find_map(|line| {
+                line.strip_prefix(series)
+                    .and_then(|rest| rest.strip_prefix(' '))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            })
+            .unwrap_or(0.0)
+    }
+}
+
+fn kv_counts(d: &Daemon) -> Vec<(&'static str, f64)> {
+    continuum_actors::metrics::KvEventResult::ALL
+        .iter()
+        .map(|r| {
+            let v = d
+                .metrics()
+                .value(
+                    "continuum_dynamo_kv_events_total",
+                    &[("result", r.as_label())],
+                )
+                .unwrap_or(0.0);
+            (r.as_label(), v)
+        })
+        .collect()
+}
+
+fn kv_count(d: &Daemon, result: &str) -> f64 {
+    kv_counts(d)
+        .into_iter()
+        .find(|(r, _)| *r == result)
+        .map_or(0.0, |(_, v)| v)
+}
+
+fn blocks(
+    d: &Daemon,
+) -> Vec<(
+    continuum_protocol::ids::InstanceId,
+    continuum_protocol::ids::DpRank,
+    usize,
+)> {
+    let mut b = d.kv_index().rank_blocks();
+    b.sort();
+    b
+}
+
+fn sse(d: &Daemon, result: &str) -> f64 {
+    d.metrics()
+        .value(
+            "continuum_dynamo_kv_listener_sse_events_total",
+            &[("result", result)],
+        )
+        .unwrap_or(0.0)
+}
+
+fn sources(d: &Daemon, state: &str) -> f64 {
+    d.metrics()
+        .value("continuum_dynamo_kv_listener_sources", &[("state", state)])
+        .unwrap_or(0.0)
+}
+
+/// Waits until both routers applied the same events into the same index, with at least `min`
+/// events counted.
+async fn same_index(direct: &Daemon, push: &Daemon, min: f64, what: &str) {
+    let applied = |d: &Daemon| kv_count(d, "applied");
+    poll(what, async || {
+        (applied(direct) >= min
+            && applied(push) == applied(direct)
+            && blocks(push) == blocks(direct))
+        .then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_index_through_the_agent_equals_direct_and_resumes_after_a_session_drop_and_a_drain() {
+    let pki = pki();
+    let store = tempfile::tempdir().expect("store");
+    let mut w = with_kv_events(worker(60).await).await;
+    register(store.path(), &w);
+    let kv_port = w.kv.as_ref().expect("kv publisher").1;
+    let source = format!(
+        "{BACKEND}={}@tcp://127.0.0.1:{kv_port}",
+        kv_publisher_id(&w).0
+    );
+    let direct = support::daemon::start(&router_yaml_kv(store.path(), None, true)).await;
+    let port = free_port();
+    let push = support::daemon::start(&push_router_yaml(store.path(), &pki, port)).await;
+    let bus: SocketAddr = poll("the bus listens", async || push.event_bus().local_addr()).await;
+    assert_eq!(bus.port(), port);
+    let agent_a = Agent::spawn(LISTENER_A, bus, &pki, &source).await;
+    {
+        let (kv, _) = w.kv.as_mut().expect("kv publisher");
+        assert_eq!(kv.await_subscriptions(2).await.len(), 2, "direct + agent");
+    }
+    poll("the pushed source is connected", async || {
+        (sources(&push, "connected") == 1.0).then_some(())
+    })
+    .await;
+    support::daemon::wait_for_workers(&push, 1).await;
+    support::daemon::wait_for_workers(&direct, 1).await;
+
+    // Phase 1: stores, a removal, a repeated event id, a gap, stores after it.
+    let mut sent = 0.0;
+    let mut seq = 0;
+    let mut send =
+        async |w: &mut crate::dynamo_broker_tunnel::Worker,
+               events: Vec<Vec<(u64, continuum_protocol::kv::events::KvCacheEventData)>>| {
+            let messages: Vec<_> = events
+                .into_iter()
+                .map(|e| {
+                    seq += 1;
+                    kv_message(w, seq, e)
+                })
+                .collect();
+            let n = messages.len() as f64;
+            w.kv.as_mut().expect("kv").0.send(&messages).await;
+            n
+        };
+    sent += send(
+        &mut w,
+        vec![
+            vec![(1, stored(None, &[11, 12, 13]))],
+            vec![(2, stored(Some(13), &[14, 15]))],
+            vec![(3, removed(&[15]))],
+            vec![(3, removed(&[14]))],
+            vec![(9, stored(None, &[21, 22]))],
+        ],
+    )
+    .await;
+    same_index(&direct, &push, 4.0, "phase 1: the same index").await;
+    poll("phase 1: every batch read once", async || {
+        (sse(&push, "applied") == sent).then_some(())
+    })
+    .await;
+    assert_eq!(
+        kv_counts(&direct),
+        kv_counts(&push),
+        "the same event counts"
+    );
+    assert!(!blocks(&push).is_empty());
+
+    // Phase 2: the session drops (the listener restarts on the same port); events published
+    // while it is down are held by the agent's ring and arrive exactly once after the resume.
+    push.tree()
+        .restart("root/event_bus", Duration::from_secs(10))
+        .await
+        .expect("the listener restarts");
+    sent += send(
+        &mut w,
+        vec![
+            vec![(10, stored(Some(22), &[23]))],
+            vec![(11, stored(Some(23), &[24, 25]))],
+            vec![(12, removed(&[25]))],
+        ],
+    )
+    .await;
+    same_index(
+        &direct,
+        &push,
+        7.0,
+        "phase 2: the same index after the resume",
+    )
+    .await;
+    poll("phase 2: every batch read once", async || {
+        (sse(&push, "applied") == sent).then_some(())
+    })
+    .await;
+    assert_eq!(sse(&push, "reset"), 0.0, "an exact resume, no reset");
+    assert_eq!(
+        kv_count(&push, "replay"),
+        kv_count(&direct, "replay"),
+        "nothing replayed beyond what the publisher repeated"
+    );
+    assert!(
+        agent_a
+            .value("continuum_kv_listener_stream_starts_total{result=\"exact\"}")
+            .await
+            >= 1.0,
+        "the agent resumed after last_event_id"
+    );
+
+    // Phase 3: a second agent; the first drains; the router moves to the second at once.
+    let agent_b = Agent::spawn(LISTENER_B, bus, &pki, &source).await;
+    {
+        let (kv, _) = w.kv.as_mut().expect("kv publisher");
+        assert_eq!(kv.await_subscriptions(3).await.len(), 3);
+    }
+    poll("both agents have sessions", async || {
+        (push.event_bus().session_count() == 2).then_some(())
+    })
+    .await;
+    sent += send(&mut w, vec![vec![(13, stored(Some(24), &[26]))]]).await;
+    same_index(&direct, &push, 8.0, "phase 3: the same index").await;
+    let _ = sent;
+    let mut agent_a = agent_a;
+    let pid = agent_a.child.id().expect("pid").to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill -TERM");
+    assert!(status.success());
+    poll("the router reads from the second agent", async || {
+        (agent_b.value("continuum_kv_listener_streams").await == 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        agent_b
+            .value("continuum_kv_listener_stream_starts_total{result=\"unknown_epoch\"}")
+            .await,
+        1.0,
+        "the second agent could not resume the first one's id and said so"
+    );
+    send(
+        &mut w,
+        vec![
+            vec![(14, stored(Some(26), &[27]))],
+            vec![(15, removed(&[27, 26]))],
+        ],
+    )
+    .await;
+    same_index(
+        &direct,
+        &push,
+        10.0,
+        "phase 3: the same index after the failover",
+    )
+    .await;
+    assert!(sse(&push, "reset") >= 1.0);
+    let exit = tokio::time::timeout(Duration::from_secs(10), agent_a.child.wait())
+        .await
+        .expect("the drained agent exits within 10 s")
+        .expect("exit status");
+    assert!(exit.success(), "clean exit: {exit:?}");
+    assert_eq!(kv_count(&push, "gap"), kv_count(&direct, "gap"));
+    push.shutdown().await;
+    direct.shutdown().await;
+}
