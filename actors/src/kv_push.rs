@@ -220,6 +220,8 @@ async fn run_source<O: KvEventStreamOpener>(args: KvPushArgs<O>, backend: String
         let lasted = match args.opener.open(&backend, last).await {
             Ok(stream) => {
                 state.set("connected");
+                // The live-worker gate applies the current fleet before the first batch.
+                args.kv.reconcile().await;
                 args.kv.subscription_state(&name, true);
                 info!(%backend, last_event_id = ?last, "Reading the backend's KV events through the event bus.");
                 let started = tokio::time::Instant::now();

@@ -671,4 +671,56 @@ mod tests {
             "the token read is bounded"
         );
     }
+
+    #[test]
+    fn kv_listener_sources_parse_strictly_and_the_hello_announces_them() {
+        let ok = KvSource::parse("vllm-1=0x1f@tcp://10.0.0.5:5557").expect("parses");
+        assert_eq!(ok.backend, "vllm-1");
+        assert_eq!(ok.publisher_id, PublisherId(31));
+        assert_eq!(ok.endpoint, "tcp://10.0.0.5:5557");
+        assert_eq!(
+            KvSource::parse("b=42@tcp://[::1]:1")
+                .expect("v6")
+                .publisher_id,
+            PublisherId(42)
+        );
+        for bad in [
+            "vllm-1",
+            "vllm-1=tcp://h:1",
+            "vllm-1=x@tcp://h:1",
+            "vllm-1=1@http://h:1",
+            "vllm-1=1@tcp://h",
+        ] {
+            assert!(KvSource::parse(bad).is_err(), "{bad}");
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let token = dir.path().join("token");
+        std::fs::write(&token, "secret-token\n").expect("token");
+        let cli = KvListenerCli {
+            bus_url: Some("https://127.0.0.1:7443".into()),
+            client_id: Some("kv-listener-a".into()),
+            token_file: Some(token),
+            ca_file: Some(dir.path().join("ca.pem")),
+            sources: vec!["vllm-1=7@tcp://127.0.0.1:5557".into()],
+            ..KvListenerCli::default()
+        };
+        let cfg = BrokerConfig::resolve_kv_listener(cli.clone()).expect("resolves");
+        assert_eq!(cfg.role, Role::KvListener);
+        assert_eq!(cfg.replay_events, DEFAULT_REPLAY_EVENTS);
+        let hello = cfg.hello();
+        assert_eq!(hello.sources.len(), 1);
+        assert!(hello.dynamo_namespaces.is_empty());
+        let mut no_source = cli.clone();
+        no_source.sources.clear();
+        assert!(BrokerConfig::resolve_kv_listener(no_source).is_err());
+        let mut twice = cli.clone();
+        twice.sources.push("vllm-1=8@tcp://127.0.0.1:5558".into());
+        assert!(
+            BrokerConfig::resolve_kv_listener(twice).is_err(),
+            "a backend is announced once"
+        );
+        let mut tiny = cli;
+        tiny.replay_events = Some(1);
+        assert!(BrokerConfig::resolve_kv_listener(tiny).is_err());
+    }
 }
