@@ -395,7 +395,10 @@ impl BrokerConfig {
             .map(|spec| KvSource::parse(spec))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut backends = std::collections::BTreeSet::new();
-        if let Some(twice) = sources.iter().find(|s| !backends.insert(s.backend.as_str())) {
+        if let Some(twice) = sources
+            .iter()
+            .find(|s| !backends.insert(s.backend.as_str()))
+        {
             bail!("source backend {:?} is given twice", twice.backend);
         }
         let listen = match cli.listen.or(file.listen) {

@@ -626,10 +626,6 @@ fn two_namespace_pools() -> Config {
             backends: strings(&["shim-b"]),
         },
     ];
-    c.dynamo.kv.kv_cache_index.sources = vec![KvCacheIndexSource {
-        backend: "shim-b".into(),
-        transport: KvSourceTransport::EventBus,
-    }];
     c
 }
 
@@ -1215,6 +1211,10 @@ fn bus() -> Config {
             backends: strings(&["shim-b"]),
         },
     ];
+    c.dynamo.kv.kv_cache_index.sources = vec![KvCacheIndexSource {
+        backend: "shim-b".into(),
+        transport: KvSourceTransport::EventBus,
+    }];
     c
 }
 
