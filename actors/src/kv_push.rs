@@ -110,6 +110,18 @@ pub struct KvPushArgs<O: KvEventStreamOpener> {
 
 pub struct KvPushActor<O>(std::marker::PhantomData<O>);
 
+impl<O> KvPushActor<O> {
+    pub fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<O> Default for KvPushActor<O> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 pub struct KvPushState {
     tasks: Vec<JoinHandle<()>>,
 }
@@ -161,13 +173,8 @@ pub fn kv_push_spec<O: KvEventStreamOpener>(
             cursors: cursors.clone(),
         };
         async move {
-            let (actor, _) = Actor::spawn_linked(
-                None,
-                KvPushActor::<O>(std::marker::PhantomData),
-                args,
-                ctx.supervisor,
-            )
-            .await?;
+            let (actor, _) =
+                Actor::spawn_linked(None, KvPushActor::<O>::new(), args, ctx.supervisor).await?;
             Ok(actor.get_cell())
         }
     })

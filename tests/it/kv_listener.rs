@@ -14,7 +14,9 @@
 //!   agent, which answers the foreign `last_event_id` with a `reset` and its ring; the index
 //!   still equals the direct one, and batches after the drain arrive through the second agent.
 //!
-//! Malformed and oversized SSE are unit-tested on the parser (`protocol::event_bus::sse`).
+//! * hostile SSE (an event over 2 MiB, a bad id, an unknown type, data that is not a batch) from
+//!   a kv_listener session (the event-bus test agent) is counted and skipped; the consumer keeps
+//!   reading, applies the next valid event and reopens with its id as `last_event_id`.
 #![cfg(feature = "real-peers")]
 
 use crate::dynamo_broker_tunnel::{
@@ -387,4 +389,107 @@ async fn kv_index_through_the_agent_equals_direct_and_resumes_after_a_session_dr
     assert_eq!(kv_count(&push, "gap"), kv_count(&direct, "gap"));
     push.shutdown().await;
     direct.shutdown().await;
+}
+
+/// Hostile SSE from a kv_listener session (the event-bus test agent over real TLS 1.3 and
+/// HTTP/2, writing raw bytes): an event over 2 MiB, a bad id, an unknown event type and data
+/// that is not a batch are counted and skipped; the consumer keeps reading, applies the valid
+/// event after them, and reopens with its id as `last_event_id` once the stream ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_oversized_sse_is_counted_and_refused_and_the_stream_goes_on() {
+    use crate::event_bus::{TestBroker, start, token as bus_token};
+    use continuum_actors::kv_push::{KvPushActor, KvPushArgs, KvPushCursors};
+    use continuum_protocol::event_bus::ClientEvent;
+    use continuum_protocol::event_bus::message::{
+        AnnouncedSource, ClientId, Hello, Role, StreamTarget,
+    };
+    use continuum_protocol::event_bus::sse::encode_kv_events;
+    use futures::SinkExt as _;
+
+    let h = start(64).await;
+    let hello = Hello {
+        role: Role::KvListener,
+        client_id: ClientId::new("kv-listener-a"),
+        versions: vec![1],
+        dynamo_namespaces: vec![],
+        sources: vec![AnnouncedSource {
+            backend: BACKEND.into(),
+        }],
+    };
+    let mut agent = TestBroker::connect(&h, hello, Some(bus_token("kv-listener-a")), None)
+        .await
+        .expect("kv_listener welcomed");
+    let kv = continuum_actors::kv_index::SharedKvIndex::new(Some(h.metrics.clone()));
+    let cursors = KvPushCursors::default();
+    let (actor, task) = ractor::Actor::spawn(
+        None,
+        KvPushActor::<continuum_actors::event_bus::EventBus>::new(),
+        KvPushArgs {
+            opener: h.bus.clone(),
+            kv,
+            backends: vec![BACKEND.into()],
+            cursors: cursors.clone(),
+        },
+    )
+    .await
+    .expect("KvPushActor starts");
+    let ClientEvent::OpenStream { stream_id, target } = agent.next_event().await else {
+        panic!("the kv_listener is commanded");
+    };
+    let StreamTarget::AnnouncedSource(source) = target else {
+        panic!("an announced_source target");
+    };
+    assert_eq!(source.last_event_id, None, "nothing applied yet");
+    let (mut to_router, _from_router) = agent
+        .open_data_stream(stream_id, None)
+        .await
+        .expect("accepted");
+    let sse_count = |result: &str| {
+        h.metrics
+            .value(
+                "continuum_dynamo_kv_listener_sse_events_total",
+                &[("result", result)],
+            )
+            .unwrap_or(0.0)
+    };
+    let mut hostile = b"id: 1\nevent: kv_events\ndata: ".to_vec();
+    hostile.extend(std::iter::repeat_n(b'x', 3 * 1024 * 1024));
+    hostile.extend_from_slice(b"\n\n");
+    hostile.extend_from_slice(b"id: 99999999999999999999999\nevent: kv_events\ndata: {}\n\n");
+    hostile.extend_from_slice(b"id: 3\nevent: surprise\ndata: {}\n\n");
+    hostile.extend_from_slice(b"id: 4\nevent: kv_events\ndata: {\"events\":\"no\"}\n\n");
+    hostile.extend(encode_kv_events(7, &[]));
+    for chunk in hostile.chunks(16 * 1024) {
+        to_router
+            .send(bytes::Bytes::copy_from_slice(chunk))
+            .await
+            .expect("the router reads on");
+    }
+    poll("every event counted", async || {
+        (sse_count("oversized") == 1.0
+            && sse_count("malformed") == 3.0
+            && sse_count("applied") == 1.0)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        cursors.get(BACKEND),
+        Some(7),
+        "the valid event's id is the cursor"
+    );
+
+    // The agent ends the stream: the consumer reopens, resuming after id 7.
+    drop(to_router);
+    let next = loop {
+        match agent.next_event().await {
+            ClientEvent::OpenStream { target, .. } => break target,
+            _ => continue,
+        }
+    };
+    let StreamTarget::AnnouncedSource(source) = next else {
+        panic!("an announced_source target");
+    };
+    assert_eq!(source.last_event_id, Some(7));
+    actor.stop(None);
+    let _ = task.await;
 }
