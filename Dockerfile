@@ -13,13 +13,17 @@ WORKDIR /src
 # through tools/protoc, so the build needs no system packages beyond the image's toolchain.
 COPY . .
 RUN cargo build --release --locked --bin continuum-router --bin continuum-event-broker \
+        --bin continuum-kv-listener \
     && install -D -m 0755 target/release/continuum-router /out/continuum-router \
-    && install -D -m 0755 target/release/continuum-event-broker /out/continuum-event-broker
+    && install -D -m 0755 target/release/continuum-event-broker /out/continuum-event-broker \
+    && install -D -m 0755 target/release/continuum-kv-listener /out/continuum-kv-listener
 
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /out/continuum-router /usr/local/bin/continuum-router
 # The in-cluster event-bus agent (deploy/kubernetes/event-broker runs it with `command:`).
 COPY --from=build /out/continuum-event-broker /usr/local/bin/continuum-event-broker
+# The event bus's push agent (role kv_listener), run next to the backends with `command:`.
+COPY --from=build /out/continuum-kv-listener /usr/local/bin/continuum-kv-listener
 USER 65532:65532
 # Front door, /health, /ready, /metrics and /admin/*; the event-bus listener when enabled.
 EXPOSE 8080 7443

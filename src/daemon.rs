@@ -151,6 +151,9 @@ struct Shared {
     artifacts: Arc<std::sync::Mutex<Option<KvArtifacts>>>,
     /// The event-bus listener's sessions and command API (`dynamo.event_bus`).
     event_bus: crate::event_bus::EventBus,
+    /// The last applied SSE event id per pushed kv_cache_index source (outlives `root/kv_push`).
+    #[cfg_attr(not(feature = "dynamo-kv"), allow(dead_code))]
+    kv_push: continuum_actors::kv_push::KvPushCursors,
     /// The product features this daemon runs (the compiled ones, or fewer in a test); the
     /// composition points below start nothing of a missing one.
     features: Features,
@@ -298,6 +301,7 @@ impl Daemon {
             load,
             simulated: feed,
             event_bus,
+            kv_push: Default::default(),
             features,
         };
         shared.proxy.reconfigure(&empty);
@@ -478,7 +482,28 @@ fn root_children(shared: &Shared, registry: ChildSpec) -> Vec<ChildSpec> {
     if shared.features.dynamo_event_bus {
         children.push(crate::event_bus::event_bus_spec(shared.event_bus.clone()));
     }
+    // kv_cache_index sources pushed by continuum-kv-listener agents over the event bus.
+    #[cfg(all(feature = "dynamo-kv", feature = "dynamo-event-bus"))]
+    if shared.features.dynamo_kv && shared.features.dynamo_event_bus {
+        let config = shared.config.clone();
+        children.push(continuum_actors::kv_push::kv_push_spec(
+            shared.event_bus.clone(),
+            shared.kv.clone(),
+            shared.kv_push.clone(),
+            move || kv_push_backends(&config.load()),
+        ));
+    }
     children
+}
+
+/// The pushed sources `root/kv_push` reads: none unless Dynamo and its KV index run.
+#[cfg(all(feature = "dynamo-kv", feature = "dynamo-event-bus"))]
+fn kv_push_backends(config: &Config) -> Vec<String> {
+    if config.dynamo.enabled && config.dynamo.kv.enabled && config.dynamo.event_bus.enabled {
+        config.dynamo.kv.kv_cache_index.event_bus_backends()
+    } else {
+        Vec::new()
+    }
 }
 
 fn app_state(
@@ -995,6 +1020,19 @@ impl ControlLoop {
                 error!(%error, "Could not restart the event bus listener.");
             }
             summary.push("event bus listener restarted".into());
+        }
+        #[cfg(all(feature = "dynamo-kv", feature = "dynamo-event-bus"))]
+        if self.running
+            && features.dynamo_kv
+            && features.dynamo_event_bus
+            && kv_push_backends(&config::features::effective(&self.current, features))
+                != kv_push_backends(&new)
+        {
+            // Only the pushed sources restart; their resume cursors and the KV index stay.
+            if let Err(error) = self.tree.restart("root/kv_push", REPLACE_TIMEOUT).await {
+                error!(%error, "Could not restart the kv_listener sources.");
+            }
+            summary.push("kv_listener sources restarted".into());
         }
         if !plan.needs_restart.is_empty() && self.running {
             warn!(keys = ?plan.needs_restart, "These settings take effect after a process restart.");

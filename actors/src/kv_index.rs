@@ -246,6 +246,12 @@ impl SharedKvIndex {
                 return self.count(error.result(), 1);
             }
         };
+        self.deliver_events(subscription, events).await;
+    }
+
+    /// Has the actor apply an already decoded (and bounded) batch under `subscription`'s
+    /// cursors: the kv_listener push path (`crate::kv_push`) decodes SSE JSON, not msgpack.
+    pub async fn deliver_events(&self, subscription: &SubscriptionName, events: Vec<RouterEvent>) {
         let n = events.len() as u64;
         let Some(actor) = self.shared.mailbox.load_full() else {
             return self.count(KvEventResult::OverCapacity, n);
@@ -266,6 +272,11 @@ impl SharedKvIndex {
         if let Some(result) = KvEventResult::from_envelope(result) {
             self.count(result, 1);
         }
+    }
+
+    /// Counts a batch refused before decoding finished (`malformed`, `over_capacity`).
+    pub fn count_refused(&self, result: KvEventResult) {
+        self.count(result, 1);
     }
 
     fn count(&self, result: KvEventResult, n: u64) {

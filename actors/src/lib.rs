@@ -13,8 +13,9 @@
 //! ├── subscriptions       SubscriptionSupervisor
 //! │   └── kv_metrics:<id> SubscriptionActor per publisher (kv-events:<id> too, feeding kv_index)
 //! ├── picker              PickerActor: candidate index per generation, ledger arrivals and expiry
-//! └── event_bus           BrokerSupervisor: the event-bus listener
-//!     └── session:<sess>  BrokerSessionActor per welcomed session
+//! ├── event_bus           BrokerSupervisor: the event-bus listener
+//! │   └── session:<sess>  BrokerSessionActor per welcomed session
+//! └── kv_push             KvPushActor: kv_listener SSE streams feeding kv_index
 //! ```
 //!
 //! | module | what it holds |
@@ -37,6 +38,7 @@
 //! | [`load`] | the shared load store and the subscription status table |
 //! | [`kv_artifacts`] | tokenizer artifacts: card slots → pinned, verified, cached, loaded tokenizers |
 //! | [`picker`] | PickerActor and the `SharedPicker` handle (installed picker, index, ledger) |
+//! | [`kv_push`] | KvPushActor: `transport: event_bus` kv_cache_index sources read through `open_announced_stream` into the KV index |
 //! | [`event_bus`] | the event-bus listener, BrokerSupervisor, BrokerSessionActor, the `EventBus` command API and `BusStream` |
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 pub mod clock;
@@ -48,6 +50,7 @@ pub mod kube_source;
 #[cfg(feature = "kv-artifacts")]
 pub mod kv_artifacts;
 pub mod kv_index;
+pub mod kv_push;
 pub mod lifecycle;
 pub mod load;
 pub mod lock;

@@ -57,6 +57,7 @@ label_enum! {
         SubscriptionFollower => "subscription_follower",
         BrokerSupervisor => "broker_supervisor",
         BrokerSession => "broker_session",
+        KvPush => "kv_push",
     }
 }
 

@@ -18,8 +18,10 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
 use crate::config::{BrokerConfig, KubeApi};
-use crate::metrics::Metrics;
+use crate::kv_listener::{Feed, Feeds};
+use crate::metrics::{self, Metrics};
 use crate::session::{self, Clock, SessionEnd};
+use continuum_protocol::event_bus::message::Role;
 
 /// From SIGTERM to exit, at most.
 pub const SHUTDOWN_BUDGET: Duration = Duration::from_secs(10);
@@ -41,6 +43,8 @@ pub struct Shared {
     pub advertised: Arc<RwLock<Advertised>>,
     pub ready: Arc<AtomicBool>,
     pub clock: Clock,
+    /// kv_listener only: the announced sources' feeds (empty for a broker).
+    pub feeds: Arc<Feeds>,
 }
 
 /// A running agent: its probe address, and the task that ends after shutdown.
@@ -53,13 +57,17 @@ pub struct Agent {
 /// closed (or [`SHUTDOWN_BUDGET`] ran out).
 pub async fn start(config: BrokerConfig, shutdown: watch::Receiver<bool>) -> anyhow::Result<Agent> {
     let tls = crate::tls::client_config(&config)?;
-    let metrics = Metrics::new();
+    let agent = match config.role {
+        Role::KvListener => metrics::Agent::KvListener,
+        _ => metrics::Agent::Broker,
+    };
+    let metrics = Metrics::for_agent(agent);
     let ready = Arc::new(AtomicBool::new(false));
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let probe_addr = listener.local_addr()?;
-    let app = crate::http::router(metrics.clone(), ready.clone());
+    let app = crate::http::router(metrics.clone(), ready.clone(), agent);
     let server = tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app).await {
             warn!(%error, "The probe server stopped.");
@@ -67,8 +75,30 @@ pub async fn start(config: BrokerConfig, shutdown: watch::Receiver<bool>) -> any
     });
     let advertised = Arc::new(RwLock::new(Advertised::new(config.namespaces.clone())));
     let (synced_tx, synced) = watch::channel(false);
-    let kube = spawn_kube_watch(&config, advertised.clone(), metrics.clone(), synced_tx);
+    let epoch = crate::kv_listener::draw_epoch();
+    let feeds: Feeds = config
+        .sources
+        .iter()
+        .map(|s| {
+            let feed = Feed::new(s.backend.clone(), epoch, config.replay_events);
+            (s.backend.clone(), Arc::new(feed))
+        })
+        .collect();
+    // A broker watches DynamoWorkerMetadata; a kv-listener reads its sources.
+    let background = match agent {
+        metrics::Agent::Broker => vec![spawn_kube_watch(
+            &config,
+            advertised.clone(),
+            metrics.clone(),
+            synced_tx,
+        )],
+        metrics::Agent::KvListener => {
+            synced_tx.send_replace(true);
+            crate::kv_listener::spawn_sources(&config.sources, &feeds, metrics.clone())
+        }
+    };
     let shared = Shared {
+        feeds: Arc::new(feeds),
         token: crate::session::token_of(&config),
         config: Arc::new(config),
         tls,
@@ -81,13 +111,20 @@ pub async fn start(config: BrokerConfig, shutdown: watch::Receiver<bool>) -> any
         probe = %probe_addr,
         bus = %shared.config.bus.authority(),
         client_id = %shared.config.client_id.as_str(),
-        "continuum-event-broker started."
+        epoch = format!("{epoch:06x}"),
+        "{} started.",
+        match agent {
+            metrics::Agent::Broker => "continuum-event-broker",
+            metrics::Agent::KvListener => "continuum-kv-listener",
+        }
     );
     let task = tokio::spawn(async move {
         if wait_for_metadata(synced, shutdown.clone()).await {
             session_loop(&shared, shutdown).await;
         }
-        kube.abort();
+        for task in background {
+            task.abort();
+        }
         server.abort();
     });
     Ok(Agent { probe_addr, task })

@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use continuum_protocol::event_bus::message::{ClientId, Hello, Role};
+use continuum_protocol::event_bus::message::{AnnouncedSource, ClientId, Hello, Role};
 use continuum_protocol::ids::Namespace;
+use continuum_protocol::ids::PublisherId;
 use serde::Deserialize;
 
 /// Longest accepted token file (a bearer token is far shorter; this only bounds the read).
@@ -187,24 +188,283 @@ pub struct BrokerConfig {
     pub kubernetes_api: KubeApi,
     pub listen: SocketAddr,
     pub max_streams: usize,
+    /// `broker`, or `kv_listener` (`continuum-kv-listener`).
+    pub role: Role,
+    /// kv_listener only: the sources it announces and where it reads their kv-events.
+    pub sources: Vec<KvSource>,
+    /// kv_listener only: batches each source's replay ring holds.
+    pub replay_events: usize,
+}
+
+/// One source of a kv-listener: the backend name it announces, the kv-events publisher it reads
+/// (Dynamo's event-plane ZMQ publisher, `tcp://host:port`) and that publisher's id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvSource {
+    pub backend: String,
+    pub publisher_id: PublisherId,
+    pub endpoint: String,
+}
+
+impl KvSource {
+    /// Parses `BACKEND=PUBLISHER_ID@tcp://HOST:PORT` (the publisher id in decimal or `0x` hex).
+    pub fn parse(spec: &str) -> anyhow::Result<Self> {
+        let (backend, rest) = spec.split_once('=').with_context(|| {
+            format!("source {spec:?} must be BACKEND=PUBLISHER_ID@tcp://HOST:PORT")
+        })?;
+        let (id, endpoint) = rest.split_once('@').with_context(|| {
+            format!("source {spec:?} must be BACKEND=PUBLISHER_ID@tcp://HOST:PORT")
+        })?;
+        let publisher_id = match id.strip_prefix("0x") {
+            Some(hex) => u64::from_str_radix(hex, 16).ok(),
+            None => id.parse::<u64>().ok(),
+        }
+        .with_context(|| format!("source {spec:?}: bad publisher id {id:?}"))?;
+        if !endpoint.starts_with("tcp://")
+            || continuum_actors::zmtp_conn::parse_endpoint(endpoint).is_none()
+        {
+            bail!("source {spec:?}: the endpoint must be tcp://HOST:PORT");
+        }
+        Ok(Self {
+            backend: backend.to_owned(),
+            publisher_id: PublisherId(publisher_id),
+            endpoint: endpoint.to_owned(),
+        })
+    }
+}
+
+/// Default of `--replay-events`: batches each source's replay ring holds.
+pub const DEFAULT_REPLAY_EVENTS: usize = 4096;
+/// Default `--listen` of the kv-listener.
+pub const DEFAULT_KV_LISTENER_LISTEN: &str = "0.0.0.0:9465";
+
+#[derive(Parser, Debug, Clone, Default)]
+#[command(
+    name = "continuum-kv-listener",
+    version = crate::VERSION,
+    about = "In-cluster push agent of the continuum-router event bus (role kv_listener): reads \
+             its backends' kv-events publishers, numbers the batches, and serves them as SSE on \
+             the streams the router commands, resuming after last_event_id.",
+    after_help = "Every setting can also come from --config FILE (YAML, the same names with \
+                  underscores: bus_url, client_id, token_file, client_cert, client_key, ca_file, \
+                  server_name, sources, listen, max_streams, replay_events). See \
+                  docs/event-bus.md, \"continuum-kv-listener\"."
+)]
+pub struct KvListenerCli {
+    /// YAML file with the settings below; flags and environment variables win over it.
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_KV_LISTENER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// The router's event-bus listener: https://HOST:PORT (dynamo.event_bus.listen).
+    #[arg(long, value_name = "URL", env = "CONTINUUM_KV_LISTENER_BUS_URL")]
+    pub bus_url: Option<String>,
+    /// This listener's id: the router's dynamo.event_bus.brokers[].id (role kv_listener).
+    #[arg(long, value_name = "ID", env = "CONTINUUM_KV_LISTENER_CLIENT_ID")]
+    pub client_id: Option<String>,
+    /// File holding the bearer token (its sha256 is the entry's token_hash).
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_KV_LISTENER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Client certificate (PEM) whose DNS SAN is the client id; needs --client-key.
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_KV_LISTENER_CLIENT_CERT")]
+    pub client_cert: Option<PathBuf>,
+    /// Private key (PEM) of --client-cert.
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_KV_LISTENER_CLIENT_KEY")]
+    pub client_key: Option<PathBuf>,
+    /// CA certificate(s) (PEM) that verify the listener's certificate.
+    #[arg(long, value_name = "FILE", env = "CONTINUUM_KV_LISTENER_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// TLS server name to verify [default: the host of --bus-url].
+    #[arg(long, value_name = "NAME", env = "CONTINUUM_KV_LISTENER_SERVER_NAME")]
+    pub server_name: Option<String>,
+    /// A source: BACKEND=PUBLISHER_ID@tcp://HOST:PORT (repeat; 1–256). The hello announces the
+    /// backends; the agent reads that kv-events publisher.
+    #[arg(
+        long = "source",
+        value_name = "SPEC",
+        env = "CONTINUUM_KV_LISTENER_SOURCES",
+        value_delimiter = ','
+    )]
+    pub sources: Vec<String>,
+    /// Address of /health, /ready and /metrics [default: 0.0.0.0:9465].
+    #[arg(long, value_name = "ADDR", env = "CONTINUUM_KV_LISTENER_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Streams served at once [default: 4096]; more subscribes are refused with stream_limit.
+    #[arg(long, value_name = "N", env = "CONTINUUM_KV_LISTENER_MAX_STREAMS")]
+    pub max_streams: Option<usize>,
+    /// Batches each source's replay ring holds [default: 4096; 16..=1048576].
+    #[arg(long, value_name = "N", env = "CONTINUUM_KV_LISTENER_REPLAY_EVENTS")]
+    pub replay_events: Option<usize>,
+}
+
+/// The kv-listener's YAML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KvListenerFile {
+    bus_url: Option<String>,
+    client_id: Option<String>,
+    token_file: Option<PathBuf>,
+    client_cert: Option<PathBuf>,
+    client_key: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
+    server_name: Option<String>,
+    sources: Option<Vec<String>>,
+    listen: Option<SocketAddr>,
+    max_streams: Option<usize>,
+    replay_events: Option<usize>,
+}
+
+/// The settings both agents share, merged (flag over file).
+struct Common {
+    bus: BusAddress,
+    server_name: String,
+    client_id: String,
+    credential: Credential,
+    ca_file: PathBuf,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn common(
+    bus_url: Option<String>,
+    client_id: Option<String>,
+    token_file: Option<PathBuf>,
+    client_cert: Option<PathBuf>,
+    client_key: Option<PathBuf>,
+    ca_file: Option<PathBuf>,
+    server_name: Option<String>,
+) -> anyhow::Result<Common> {
+    let bus_url = bus_url.context("no bus URL: --bus-url or bus_url")?;
+    let bus = BusAddress::parse(&bus_url)?;
+    let client_id = client_id.context("no client id: --client-id or client_id")?;
+    let token = match token_file {
+        Some(path) => Some(read_token(&path)?),
+        None => None,
+    };
+    let client_cert = match (client_cert, client_key) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        _ => bail!("a client certificate needs both --client-cert and --client-key"),
+    };
+    if token.is_none() && client_cert.is_none() {
+        bail!("no credential: --token-file, or --client-cert with --client-key");
+    }
+    let ca_file =
+        ca_file.context("no CA: --ca-file or ca_file (verifies the listener's certificate)")?;
+    let server_name = server_name.unwrap_or_else(|| bus.host.clone());
+    Ok(Common {
+        bus,
+        server_name,
+        client_id,
+        credential: Credential { token, client_cert },
+        ca_file,
+    })
 }
 
 impl BrokerConfig {
+    /// The kv-listener's settings: the file (if any) under the flags, checked.
+    pub fn resolve_kv_listener(cli: KvListenerCli) -> anyhow::Result<Self> {
+        let file = match &cli.config {
+            Some(path) => {
+                let text = read_bounded(path, MAX_CONFIG_BYTES, "config file")?;
+                serde_saphyr::from_str::<KvListenerFile>(&text)
+                    .with_context(|| format!("config file {}", path.display()))?
+            }
+            None => KvListenerFile::default(),
+        };
+        let Common {
+            bus,
+            server_name,
+            client_id,
+            credential,
+            ca_file,
+        } = common(
+            cli.bus_url.or(file.bus_url),
+            cli.client_id.or(file.client_id),
+            cli.token_file.or(file.token_file),
+            cli.client_cert.or(file.client_cert),
+            cli.client_key.or(file.client_key),
+            cli.ca_file.or(file.ca_file),
+            cli.server_name.or(file.server_name),
+        )?;
+        let mut specs = cli.sources;
+        if specs.is_empty() {
+            specs = file.sources.unwrap_or_default();
+        }
+        if specs.is_empty() {
+            bail!("no source: --source BACKEND=PUBLISHER_ID@tcp://HOST:PORT or sources");
+        }
+        let sources = specs
+            .iter()
+            .map(|spec| KvSource::parse(spec))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut backends = std::collections::BTreeSet::new();
+        if let Some(twice) = sources
+            .iter()
+            .find(|s| !backends.insert(s.backend.as_str()))
+        {
+            bail!("source backend {:?} is given twice", twice.backend);
+        }
+        let listen = match cli.listen.or(file.listen) {
+            Some(addr) => addr,
+            None => DEFAULT_KV_LISTENER_LISTEN
+                .parse()
+                .expect("the default listen address parses"),
+        };
+        let max_streams = cli
+            .max_streams
+            .or(file.max_streams)
+            .unwrap_or(DEFAULT_MAX_STREAMS);
+        if !(1..=65_536).contains(&max_streams) {
+            bail!("max_streams must be 1..=65536");
+        }
+        let replay_events = cli
+            .replay_events
+            .or(file.replay_events)
+            .unwrap_or(DEFAULT_REPLAY_EVENTS);
+        if !(16..=1_048_576).contains(&replay_events) {
+            bail!("replay_events must be 16..=1048576");
+        }
+        let config = Self {
+            bus,
+            server_name,
+            client_id: ClientId::new(client_id),
+            credential,
+            ca_file,
+            namespaces: vec![],
+            kubernetes_namespace: String::new(),
+            kubernetes_api: KubeApi::Infer,
+            listen,
+            max_streams,
+            role: Role::KvListener,
+            sources,
+            replay_events,
+        };
+        // The hello's own bounds (name syntax, 1..=256 distinct backends), checked now.
+        config
+            .hello()
+            .check()
+            .map_err(|e| anyhow::anyhow!("client id or sources: {e}"))?;
+        Ok(config)
+    }
+
     /// Merges the file (if any) under the flags and checks the result.
     pub fn resolve(cli: Cli) -> anyhow::Result<Self> {
         let file = match &cli.config {
             Some(path) => read_file_config(path)?,
             None => FileConfig::default(),
         };
-        let bus_url = cli
-            .bus_url
-            .or(file.bus_url)
-            .context("no bus URL: --bus-url or bus_url")?;
-        let bus = BusAddress::parse(&bus_url)?;
-        let client_id = cli
-            .client_id
-            .or(file.client_id)
-            .context("no client id: --client-id or client_id")?;
+        let Common {
+            bus,
+            server_name,
+            client_id,
+            credential,
+            ca_file,
+        } = common(
+            cli.bus_url.or(file.bus_url),
+            cli.client_id.or(file.client_id),
+            cli.token_file.or(file.token_file),
+            cli.client_cert.or(file.client_cert),
+            cli.client_key.or(file.client_key),
+            cli.ca_file.or(file.ca_file),
+            cli.server_name.or(file.server_name),
+        )?;
         let mut namespaces = cli.dynamo_namespaces;
         if namespaces.is_empty() {
             namespaces = file.dynamo_namespaces.unwrap_or_default();
@@ -224,29 +484,6 @@ impl BrokerConfig {
         .check()
         .map_err(|e| anyhow::anyhow!("client id or Dynamo namespaces: {e}"))?;
 
-        let token = match cli.token_file.or(file.token_file) {
-            Some(path) => Some(read_token(&path)?),
-            None => None,
-        };
-        let client_cert = match (
-            cli.client_cert.or(file.client_cert),
-            cli.client_key.or(file.client_key),
-        ) {
-            (Some(cert), Some(key)) => Some((cert, key)),
-            (None, None) => None,
-            _ => bail!("a client certificate needs both --client-cert and --client-key"),
-        };
-        if token.is_none() && client_cert.is_none() {
-            bail!("no credential: --token-file, or --client-cert with --client-key");
-        }
-        let ca_file = cli
-            .ca_file
-            .or(file.ca_file)
-            .context("no CA: --ca-file or ca_file (verifies the listener's certificate)")?;
-        let server_name = cli
-            .server_name
-            .or(file.server_name)
-            .unwrap_or_else(|| bus.host.clone());
         let kubernetes_namespace = match cli.kubernetes_namespace.or(file.kubernetes_namespace) {
             Some(ns) => ns,
             None => std::fs::read_to_string(SERVICE_ACCOUNT_NAMESPACE)
@@ -279,24 +516,33 @@ impl BrokerConfig {
             bus,
             server_name,
             client_id: ClientId::new(client_id),
-            credential: Credential { token, client_cert },
+            credential,
             ca_file,
             namespaces,
             kubernetes_namespace,
             kubernetes_api,
             listen,
             max_streams,
+            role: Role::Broker,
+            sources: vec![],
+            replay_events: 0,
         })
     }
 
-    /// The hello this broker sends.
+    /// The hello this agent sends.
     pub fn hello(&self) -> Hello {
         Hello {
-            role: Role::Broker,
+            role: self.role,
             client_id: self.client_id.clone(),
             versions: vec![1],
             dynamo_namespaces: self.namespaces.clone(),
-            sources: vec![],
+            sources: self
+                .sources
+                .iter()
+                .map(|s| AnnouncedSource {
+                    backend: s.backend.clone(),
+                })
+                .collect(),
         }
     }
 }
@@ -431,5 +677,57 @@ mod tests {
             BrokerConfig::resolve(cli).is_err(),
             "the token read is bounded"
         );
+    }
+
+    #[test]
+    fn kv_listener_sources_parse_strictly_and_the_hello_announces_them() {
+        let ok = KvSource::parse("vllm-1=0x1f@tcp://10.0.0.5:5557").expect("parses");
+        assert_eq!(ok.backend, "vllm-1");
+        assert_eq!(ok.publisher_id, PublisherId(31));
+        assert_eq!(ok.endpoint, "tcp://10.0.0.5:5557");
+        assert_eq!(
+            KvSource::parse("b=42@tcp://[::1]:1")
+                .expect("v6")
+                .publisher_id,
+            PublisherId(42)
+        );
+        for bad in [
+            "vllm-1",
+            "vllm-1=tcp://h:1",
+            "vllm-1=x@tcp://h:1",
+            "vllm-1=1@http://h:1",
+            "vllm-1=1@tcp://h",
+        ] {
+            assert!(KvSource::parse(bad).is_err(), "{bad}");
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let token = dir.path().join("token");
+        std::fs::write(&token, "secret-token\n").expect("token");
+        let cli = KvListenerCli {
+            bus_url: Some("https://127.0.0.1:7443".into()),
+            client_id: Some("kv-listener-a".into()),
+            token_file: Some(token),
+            ca_file: Some(dir.path().join("ca.pem")),
+            sources: vec!["vllm-1=7@tcp://127.0.0.1:5557".into()],
+            ..KvListenerCli::default()
+        };
+        let cfg = BrokerConfig::resolve_kv_listener(cli.clone()).expect("resolves");
+        assert_eq!(cfg.role, Role::KvListener);
+        assert_eq!(cfg.replay_events, DEFAULT_REPLAY_EVENTS);
+        let hello = cfg.hello();
+        assert_eq!(hello.sources.len(), 1);
+        assert!(hello.dynamo_namespaces.is_empty());
+        let mut no_source = cli.clone();
+        no_source.sources.clear();
+        assert!(BrokerConfig::resolve_kv_listener(no_source).is_err());
+        let mut twice = cli.clone();
+        twice.sources.push("vllm-1=8@tcp://127.0.0.1:5558".into());
+        assert!(
+            BrokerConfig::resolve_kv_listener(twice).is_err(),
+            "a backend is announced once"
+        );
+        let mut tiny = cli;
+        tiny.replay_events = Some(1);
+        assert!(BrokerConfig::resolve_kv_listener(tiny).is_err());
     }
 }

@@ -10,31 +10,43 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
-use crate::metrics::Metrics;
+use crate::metrics::{Agent, Metrics};
 
 #[derive(Clone)]
 struct Probe {
     metrics: Metrics,
     ready: Arc<AtomicBool>,
+    agent: Agent,
 }
 
-pub fn router(metrics: Metrics, ready: Arc<AtomicBool>) -> Router {
+pub fn router(metrics: Metrics, ready: Arc<AtomicBool>, agent: Agent) -> Router {
     Router::new()
         .route("/health", get(|| async { "ok\n" }))
         .route("/ready", get(ready_probe))
         .route("/metrics", get(render))
-        .with_state(Probe { metrics, ready })
+        .with_state(Probe {
+            metrics,
+            ready,
+            agent,
+        })
 }
 
 async fn ready_probe(State(probe): State<Probe>) -> impl IntoResponse {
-    let kube = probe.metrics.kubernetes_connected.get() == 1;
-    if probe.ready.load(Ordering::Relaxed) && kube {
+    // A broker needs its DynamoWorkerMetadata watch; a kv-listener a connected source.
+    let (fed, missing) = match probe.agent {
+        Agent::Broker => (
+            probe.metrics.kubernetes_connected.get() == 1,
+            "not ready: no welcomed session or no DynamoWorkerMetadata watch\n",
+        ),
+        Agent::KvListener => (
+            probe.metrics.sources_connected.get() > 0,
+            "not ready: no welcomed session or no connected source\n",
+        ),
+    };
+    if probe.ready.load(Ordering::Relaxed) && fed {
         (StatusCode::OK, "ready\n")
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: no welcomed session or no DynamoWorkerMetadata watch\n",
-        )
+        (StatusCode::SERVICE_UNAVAILABLE, missing)
     }
 }
 

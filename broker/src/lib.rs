@@ -14,15 +14,22 @@
 //! | [`agent`] | the DynamoWorkerMetadata watch, the probe server, the redial loop |
 //! | [`session`] | one control session on the protocol's `ClientSession` |
 //! | [`relay`] | one data stream: publisher TCP ⇄ HTTP/2 stream |
+//! | [`kv_listener`] | the kv_listener push role (`continuum-kv-listener`): source subscriptions, replay rings, SSE streams |
 //! | [`tls`] | TLS 1.3 + ALPN h2 connector, HTTP/2 client settings |
 //! | [`metrics`] | Prometheus families (closed label sets) |
 //! | [`http`] | `/health`, `/ready`, `/metrics` |
 //!
-//! The binary is `src/bin/continuum-event-broker.rs` of the root package, which calls [`main`].
+//! The same crate is `continuum-kv-listener` (role `kv_listener`, [`kv_listener_main`]): the
+//! session, TLS, redial, drain and probe plumbing are shared; only what a subscribe serves
+//! differs (a relayed publisher, or a source's numbered SSE events).
+//!
+//! The binaries are `src/bin/continuum-event-broker.rs` and `src/bin/continuum-kv-listener.rs`
+//! of the root package, which call [`main`] and [`kv_listener_main`].
 
 pub mod agent;
 pub mod config;
 pub mod http;
+pub mod kv_listener;
 pub mod metrics;
 pub mod relay;
 pub mod session;
@@ -40,6 +47,19 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Parses the command line and runs the agent until SIGTERM or SIGINT.
 pub fn main() -> ExitCode {
     let cli = config::Cli::parse();
+    init_logs();
+    start(config::BrokerConfig::resolve(cli))
+}
+
+/// `continuum-kv-listener`: parses its command line and runs the push agent until SIGTERM or
+/// SIGINT.
+pub fn kv_listener_main() -> ExitCode {
+    let cli = config::KvListenerCli::parse();
+    init_logs();
+    start(config::BrokerConfig::resolve_kv_listener(cli))
+}
+
+fn init_logs() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -48,7 +68,10 @@ pub fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let config = match config::BrokerConfig::resolve(cli) {
+}
+
+fn start(config: anyhow::Result<config::BrokerConfig>) -> ExitCode {
+    let config = match config {
         Ok(config) => config,
         Err(error) => {
             error!("{error:#}");

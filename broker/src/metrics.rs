@@ -44,6 +44,24 @@ pub const SESSION_CODES: &[ErrorCode] = &[
     ErrorCode::Unknown,
 ];
 
+/// Which agent the families are for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Agent {
+    /// `continuum-event-broker`: `continuum_event_broker_*`.
+    Broker,
+    /// `continuum-kv-listener`: `continuum_kv_listener_*`.
+    KvListener,
+}
+
+impl Agent {
+    pub fn prefix(self) -> &'static str {
+        match self {
+            Agent::Broker => "continuum_event_broker",
+            Agent::KvListener => "continuum_kv_listener",
+        }
+    }
+}
+
 /// Cheap to clone: every family is an `Arc` inside.
 #[derive(Clone)]
 pub struct Metrics {
@@ -54,10 +72,24 @@ pub struct Metrics {
     pub stream_closes: IntCounterVec,
     pub refusals: IntCounterVec,
     pub relayed_bytes: IntCounterVec,
+    /// Broker only (unregistered for the kv-listener).
     pub advertised_targets: IntGauge,
+    /// Broker only (unregistered for the kv-listener).
     pub kubernetes_connected: IntGauge,
     pub build_info: IntGaugeVec,
+    /// kv-listener only (unregistered for the broker): batches read from the sources, by result.
+    pub source_events: IntCounterVec,
+    /// kv-listener only: sources whose kv-events subscription is connected.
+    pub sources_connected: IntGauge,
+    /// kv-listener only: how each served stream started, by `result`.
+    pub stream_starts: IntCounterVec,
 }
+
+/// `result` of `continuum_kv_listener_source_events_total`.
+pub const SOURCE_EVENT_RESULTS: &[&str] = &["accepted", "malformed", "oversized", "over_capacity"];
+/// `result` of `continuum_kv_listener_stream_starts_total`: exact resume, no `last_event_id`,
+/// or the reset reason.
+pub const STREAM_START_RESULTS: &[&str] = &["exact", "fresh", "evicted", "unknown_epoch"];
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -66,57 +98,72 @@ impl std::fmt::Debug for Metrics {
 }
 
 impl Metrics {
+    /// The broker's families (`continuum_event_broker_*`).
     pub fn new() -> Self {
+        Self::for_agent(Agent::Broker)
+    }
+
+    /// The families of one agent: the shared session and stream families under its prefix, and
+    /// its own.
+    pub fn for_agent(agent: Agent) -> Self {
         let registry = Registry::new();
-        let gauge = |name: &str, help: &str| {
-            let g = IntGauge::new(name, help).expect("valid gauge");
-            registry.register(Box::new(g.clone())).expect("register");
+        let broker = agent == Agent::Broker;
+        let prefix = agent.prefix();
+        let gauge_if = |register: bool, name: &str, help: &str| {
+            let g = IntGauge::new(format!("{prefix}_{name}"), help).expect("valid gauge");
+            if register {
+                registry.register(Box::new(g.clone())).expect("register");
+            }
             g
         };
-        let counter = |name: &str, help: &str, label: &str| {
-            let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid counter");
-            registry.register(Box::new(c.clone())).expect("register");
+        let gauge = |name: &str, help: &str| gauge_if(true, name, help);
+        let counter_if = |register: bool, name: &str, help: &str, label: &str| {
+            let c = IntCounterVec::new(Opts::new(format!("{prefix}_{name}"), help), &[label])
+                .expect("valid counter");
+            if register {
+                registry.register(Box::new(c.clone())).expect("register");
+            }
             c
         };
+        let counter = |name: &str, help: &str, label: &str| counter_if(true, name, help, label);
         let sessions = gauge(
-            "continuum_event_broker_sessions",
+            "sessions",
             "Welcomed control sessions to the router's event-bus listener (0 or 1).",
         );
         let sessions_closed = counter(
-            "continuum_event_broker_sessions_closed_total",
+            "sessions_closed_total",
             "Control sessions that ended or were refused, by error code (connect_failed: no HTTP answer).",
             "code",
         );
-        let streams = gauge(
-            "continuum_event_broker_streams",
-            "Data streams relaying a publisher now.",
-        );
+        let streams = gauge("streams", "Data streams relaying a publisher now.");
         let stream_closes = counter(
-            "continuum_event_broker_stream_closes_total",
+            "stream_closes_total",
             "Relays that ended after they started, by reason (plus unsubscribed, session_closed).",
             "reason",
         );
         let refusals = counter(
-            "continuum_event_broker_refusals_total",
+            "refusals_total",
             "Subscribes answered with stream_closed before any byte was relayed, by reason.",
             "reason",
         );
         let relayed_bytes = counter(
-            "continuum_event_broker_relayed_bytes_total",
+            "relayed_bytes_total",
             "Bytes relayed between publishers and the router, by direction (to_router, to_publisher).",
             "direction",
         );
-        let advertised_targets = gauge(
-            "continuum_event_broker_advertised_targets",
+        let advertised_targets = gauge_if(
+            broker,
+            "advertised_targets",
             "Distinct publisher targets DynamoWorkerMetadata advertises (the dialable set).",
         );
-        let kubernetes_connected = gauge(
-            "continuum_event_broker_kubernetes_connected",
+        let kubernetes_connected = gauge_if(
+            broker,
+            "kubernetes_connected",
             "1 while the DynamoWorkerMetadata watch is listed and open.",
         );
         let build_info = IntGaugeVec::new(
             Opts::new(
-                "continuum_event_broker_build_info",
+                format!("{prefix}_build_info"),
                 "Always 1; the version is the label.",
             ),
             &["version"],
@@ -137,7 +184,34 @@ impl Metrics {
         stream_closes.with_label_values(&[UNSUBSCRIBED]);
         stream_closes.with_label_values(&[SESSION_CLOSED]);
         for direction in ["to_router", "to_publisher"] {
-            relayed_bytes.with_label_values(&[direction]);
+            if broker || direction == "to_router" {
+                relayed_bytes.with_label_values(&[direction]);
+            }
+        }
+        let source_events = counter_if(
+            !broker,
+            "source_events_total",
+            "kv-events batches read from the sources, by result (accepted, malformed, oversized, over_capacity).",
+            "result",
+        );
+        let sources_connected = gauge_if(
+            !broker,
+            "sources_connected",
+            "Sources whose kv-events subscription is connected.",
+        );
+        let stream_starts = counter_if(
+            !broker,
+            "stream_starts_total",
+            "Served streams by how they started: exact (resumed after last_event_id), fresh (no last_event_id), or the reset reason (evicted, unknown_epoch).",
+            "result",
+        );
+        if !broker {
+            for result in SOURCE_EVENT_RESULTS {
+                source_events.with_label_values(&[result]);
+            }
+            for result in STREAM_START_RESULTS {
+                stream_starts.with_label_values(&[result]);
+            }
         }
         Self {
             registry,
@@ -150,6 +224,9 @@ impl Metrics {
             advertised_targets,
             kubernetes_connected,
             build_info,
+            source_events,
+            sources_connected,
+            stream_starts,
         }
     }
 

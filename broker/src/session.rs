@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use continuum_protocol::event_bus::message::{
-    ErrorCode, StreamCloseReason, StreamId, StreamTarget, Welcome,
+    ErrorCode, Role, StreamCloseReason, StreamId, StreamTarget, Welcome,
 };
 use continuum_protocol::event_bus::{
     ClientEvent, ClientSession, MAX_LINE_BYTES, NDJSON_CONTENT_TYPE, SESSION_PATH, VERSION_HEADER,
@@ -27,6 +27,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::agent::Shared;
+use crate::kv_listener::{ServeArgs, serve};
 use crate::metrics::{CONNECT_FAILED, SESSION_CLOSED, UNSUBSCRIBED};
 use crate::relay::{RelayArgs, RelayEnd, channel_body, relay};
 use crate::tls::{self, CONNECT_TIMEOUT};
@@ -307,12 +308,11 @@ impl Live<'_> {
                 shared.metrics.refused(reason);
             }
         };
-        let (Some(welcome), StreamTarget::ZmqTcp { target, topic }) = (&self.welcome, target)
-        else {
+        let Some(welcome) = &self.welcome else {
             return refuse(
                 &mut self.session,
                 StreamCloseReason::InvalidTarget,
-                "a broker relays zmq_tcp targets only".into(),
+                "a subscribe before the welcome".into(),
             );
         };
         if self.relays.len() >= shared.config.max_streams {
@@ -320,11 +320,55 @@ impl Live<'_> {
                 &mut self.session,
                 StreamCloseReason::StreamLimit,
                 format!(
-                    "this broker relays at most {} streams",
+                    "this agent serves at most {} streams",
                     shared.config.max_streams
                 ),
             );
         }
+        let (target, topic) = match (shared.config.role, target) {
+            (Role::Broker, StreamTarget::ZmqTcp { target, topic }) => (target, topic),
+            (Role::KvListener, StreamTarget::AnnouncedSource(source)) => {
+                let Some(feed) = shared.feeds.get(&source.backend) else {
+                    return refuse(
+                        &mut self.session,
+                        StreamCloseReason::TargetNotAdvertised,
+                        "this kv-listener did not announce that backend".into(),
+                    );
+                };
+                let args = ServeArgs {
+                    send: self.send.clone(),
+                    authority: self.authority.clone(),
+                    token: shared.token.clone(),
+                    session_id: welcome.session_id.to_string(),
+                    version: welcome.version,
+                    stream_id,
+                    feed: feed.clone(),
+                    last_event_id: source.last_event_id,
+                    metrics: shared.metrics.clone(),
+                };
+                let done = done.clone();
+                let task = tokio::spawn(async move {
+                    let end = serve(args).await;
+                    let _ = done.send(end);
+                });
+                self.relays.insert(stream_id, task);
+                return;
+            }
+            (Role::Broker, _) => {
+                return refuse(
+                    &mut self.session,
+                    StreamCloseReason::InvalidTarget,
+                    "a broker relays zmq_tcp targets only".into(),
+                );
+            }
+            (_, _) => {
+                return refuse(
+                    &mut self.session,
+                    StreamCloseReason::InvalidTarget,
+                    "a kv-listener serves announced_source targets only".into(),
+                );
+            }
+        };
         let advertised = shared
             .advertised
             .read()

@@ -15,6 +15,7 @@
 //! | [`bounds`] | per-session and per-stream byte bounds, connection cap |
 //! | [`server`] | the router's session state machine |
 //! | [`client`] | the agent's session state machine |
+//! | [`sse`] | the kv_listener push stream: SSE encoding of KV-event batches and resets, the router's bounded parser |
 //! | [`transport`] | first-byte check, plaintext refusal, connection deadlines (`auth_timeout`, linger) |
 
 pub mod admission;
@@ -27,6 +28,7 @@ pub mod message;
 pub mod ndjson;
 pub mod rendezvous;
 pub mod server;
+pub mod sse;
 pub mod transport;
 
 #[cfg(test)]

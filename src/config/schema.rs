@@ -656,6 +656,43 @@ pub struct KvConfig {
     /// Attach rendered token ids as `nvext.token_data`.
     pub send_token_data: bool,
     pub conditional_disaggregation: ConditionalDisaggregationConfig,
+    /// `dynamo.kv.kv_cache_index`: KV-event sources other than discovered publishers.
+    pub kv_cache_index: KvCacheIndexConfig,
+}
+
+/// `dynamo.kv.kv_cache_index`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvCacheIndexConfig {
+    /// Backends whose KV events a `continuum-kv-listener` pushes over the event bus.
+    pub sources: Vec<KvCacheIndexSource>,
+}
+
+/// One `dynamo.kv.kv_cache_index.sources[]` entry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheIndexSource {
+    /// The backend name a kv_listener announces (and a `brokers[].backends` grant names).
+    pub backend: String,
+    pub transport: KvSourceTransport,
+}
+
+/// How a kv_cache_index source reaches the router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvSourceTransport {
+    /// SSE pushed by a `continuum-kv-listener` session (`open_announced_stream`).
+    EventBus,
+}
+
+impl KvCacheIndexConfig {
+    /// The backends of the `transport: event_bus` sources.
+    pub fn event_bus_backends(&self) -> Vec<String> {
+        self.sources
+            .iter()
+            .filter(|s| s.transport == KvSourceTransport::EventBus)
+            .map(|s| s.backend.clone())
+            .collect()
+    }
 }
 
 impl Default for KvConfig {
@@ -671,6 +708,7 @@ impl Default for KvConfig {
             router_temperature: 0.0,
             send_token_data: false,
             conditional_disaggregation: ConditionalDisaggregationConfig::default(),
+            kv_cache_index: KvCacheIndexConfig::default(),
         }
     }
 }

@@ -531,7 +531,9 @@ dynamo:
       models: [{component: c, model: m, dynamo_namespace: d}]
   load: {direct_allow_cidrs: ["10.0.0.0/8"]}
   shim: {pools: [{namespace: n, backends: [a]}]}
-  kv: {conditional_disaggregation: {decode_busy_threshold: 0.5}}
+  kv:
+    conditional_disaggregation: {decode_busy_threshold: 0.5}
+    kv_cache_index: {sources: [{backend: a, transport: event_bus}]}
   event_bus:
     tls: {cert: /a, key: /b, client_ca: /c}
     brokers: [{id: b, token_hash: h, namespaces: [n], backends: [a]}]

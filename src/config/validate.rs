@@ -53,6 +53,7 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     v.shim(config);
     v.kv(config);
     v.event_bus(config);
+    v.kv_cache_index(config);
     let mut out = v.out;
     // Keys of a feature this build lacks are validated like the others, then flagged.
     out.extend(super::features::inactive(
@@ -935,6 +936,82 @@ impl Validator {
                 format!("{base}.send_token_data"),
                 "send_token_data has no effect while kv.enabled is false",
             );
+        }
+    }
+
+    /// `dynamo.kv.kv_cache_index.sources`: names, duplicates, and the three advisories that tie
+    /// `transport: event_bus` sources to the listener and to kv_listener grants.
+    fn kv_cache_index(&mut self, config: &Config) {
+        let index = &config.dynamo.kv.kv_cache_index;
+        let bus = &config.dynamo.event_bus;
+        let base = "dynamo.kv.kv_cache_index.sources";
+        let mut seen = BTreeSet::new();
+        let granted: BTreeSet<&str> = bus
+            .brokers
+            .iter()
+            .filter(|b| b.role == BrokerRole::KvListener)
+            .flat_map(|b| b.backends.iter().map(String::as_str))
+            .collect();
+        for (i, source) in index.sources.iter().enumerate() {
+            let path = format!("{base}[{i}]");
+            let target = continuum_protocol::event_bus::message::StreamTarget::AnnouncedSource(
+                continuum_protocol::event_bus::message::AnnouncedSourceTarget {
+                    backend: source.backend.clone(),
+                    last_event_id: None,
+                },
+            );
+            if let Err(error) = target.check() {
+                self.err(format!("{path}.backend"), error.to_string());
+                continue;
+            }
+            if !seen.insert(source.backend.as_str()) {
+                self.err(
+                    format!("{path}.backend"),
+                    format!("backend {:?} is listed twice", source.backend),
+                );
+                continue;
+            }
+            if source.transport == KvSourceTransport::EventBus {
+                if !bus.enabled {
+                    self.warn(
+                        format!("{path}.transport"),
+                        "transport is event_bus but dynamo.event_bus.enabled is false: no \
+                         continuum-kv-listener can push this source's KV events",
+                    );
+                } else if !granted.contains(source.backend.as_str()) {
+                    self.warn(
+                        format!("{path}.backend"),
+                        format!(
+                            "no dynamo.event_bus.brokers[] entry with role kv_listener grants \
+                             backend {:?}: no session may announce it",
+                            source.backend
+                        ),
+                    );
+                }
+            }
+        }
+        let sources: BTreeSet<&str> = index
+            .sources
+            .iter()
+            .filter(|s| s.transport == KvSourceTransport::EventBus)
+            .map(|s| s.backend.as_str())
+            .collect();
+        for (i, broker) in bus.brokers.iter().enumerate() {
+            if broker.role != BrokerRole::KvListener {
+                continue;
+            }
+            for (j, backend) in broker.backends.iter().enumerate() {
+                if !sources.contains(backend.as_str()) {
+                    self.warn(
+                        format!("dynamo.event_bus.brokers[{i}].backends[{j}]"),
+                        format!(
+                            "backend {backend:?} is granted to a kv_listener but no \
+                             dynamo.kv.kv_cache_index.sources[] entry with transport event_bus \
+                             reads it"
+                        ),
+                    );
+                }
+            }
         }
     }
 

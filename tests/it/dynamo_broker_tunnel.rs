@@ -44,20 +44,20 @@ use support::bus_pki::{Pki, pki};
 use support::fake_kube::{FakeKube, Kind};
 use support::zmq::{Publisher, make};
 
-const WAIT: Duration = Duration::from_secs(30);
+pub(crate) const WAIT: Duration = Duration::from_secs(30);
 /// The Dynamo namespace of the fleet.
-const NS: &str = "tunnelns";
+pub(crate) const NS: &str = "tunnelns";
 /// The Kubernetes namespace the brokers watch.
 const KUBE_NS: &str = "dynamo";
 const BROKER_A: &str = "broker-a.dynamo";
 const BROKER_B: &str = "broker-b.dynamo";
 const ADMIN: &str = "tunnel-admin-token-0123";
 
-fn token(id: &str) -> String {
+pub(crate) fn token(id: &str) -> String {
     format!("token-of-{id}")
 }
 
-fn sha256_hex(data: &[u8]) -> String {
+pub(crate) fn sha256_hex(data: &[u8]) -> String {
     use sha2::Digest as _;
     sha2::Sha256::digest(data)
         .iter()
@@ -68,16 +68,16 @@ fn sha256_hex(data: &[u8]) -> String {
 // ---------------------------------------------------------------------------------------------
 // The fleet: workers in a Dynamo file store, their publishers, their DynamoWorkerMetadata
 
-struct Worker {
-    registration: Registration,
-    publisher: Publisher,
-    port: u16,
+pub(crate) struct Worker {
+    pub(crate) registration: Registration,
+    pub(crate) publisher: Publisher,
+    pub(crate) port: u16,
     /// The kv-events publisher (the first test only).
-    kv: Option<(Publisher, u16)>,
+    pub(crate) kv: Option<(Publisher, u16)>,
 }
 
 impl Worker {
-    fn id(&self) -> InstanceId {
+    pub(crate) fn id(&self) -> InstanceId {
         self.registration.instance_id
     }
 
@@ -94,7 +94,7 @@ impl Worker {
     }
 }
 
-async fn worker(index: u64) -> Worker {
+pub(crate) async fn worker(index: u64) -> Worker {
     let mut publisher = Publisher::spawn().await;
     let port = publisher.bind("xpub", 0).await;
     let id = 0x7100_0000_0000 + index;
@@ -121,12 +121,12 @@ async fn worker(index: u64) -> Worker {
 }
 
 /// The kv-events publisher id of a worker.
-fn kv_publisher_id(w: &Worker) -> PublisherId {
+pub(crate) fn kv_publisher_id(w: &Worker) -> PublisherId {
     PublisherId(w.id().0 + 0x20_0000)
 }
 
 /// A second publisher for the worker's kv-events.
-async fn with_kv_events(mut w: Worker) -> Worker {
+pub(crate) async fn with_kv_events(mut w: Worker) -> Worker {
     let mut publisher = Publisher::spawn().await;
     let port = publisher.bind("xpub", 0).await;
     w.kv = Some((publisher, port));
@@ -151,7 +151,11 @@ fn kv_events_channel(w: &Worker) -> Option<(String, Value)> {
 }
 
 /// One kv-events message: `events` for the worker, rank 0.
-fn kv_message(w: &Worker, sequence: u64, events: Vec<(u64, KvCacheEventData)>) -> [Vec<u8>; 4] {
+pub(crate) fn kv_message(
+    w: &Worker,
+    sequence: u64,
+    events: Vec<(u64, KvCacheEventData)>,
+) -> [Vec<u8>; 4] {
     let batch: Vec<RouterEvent> = events
         .into_iter()
         .map(|(event_id, data)| RouterEvent {
@@ -176,7 +180,7 @@ fn kv_message(w: &Worker, sequence: u64, events: Vec<(u64, KvCacheEventData)>) -
     })
 }
 
-fn stored(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
+pub(crate) fn stored(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Stored(KvCacheStoreData {
         parent_hash: parent.map(ExternalBlockHash),
         start_position: None,
@@ -193,14 +197,14 @@ fn stored(parent: Option<u64>, hashes: &[u64]) -> KvCacheEventData {
     })
 }
 
-fn removed(hashes: &[u64]) -> KvCacheEventData {
+pub(crate) fn removed(hashes: &[u64]) -> KvCacheEventData {
     KvCacheEventData::Removed(KvCacheRemoveData {
         block_hashes: Bounded(hashes.iter().map(|h| ExternalBlockHash(*h)).collect()),
     })
 }
 
 /// Writes the worker's records into the file store both routers read.
-fn register(root: &Path, worker: &Worker) {
+pub(crate) fn register(root: &Path, worker: &Worker) {
     let mut records = worker.registration.records();
     if let Some((key, value)) = kv_events_channel(worker) {
         records.push((key, serde_json::to_vec(&value).expect("JSON")));
@@ -218,7 +222,7 @@ fn register(root: &Path, worker: &Worker) {
 }
 
 /// The worker's DynamoWorkerMetadata (the operator writes one per worker Pod): its event channel.
-fn advertise(kube: &FakeKube, worker: &Worker) {
+pub(crate) fn advertise(kube: &FakeKube, worker: &Worker) {
     let (key, value) = worker.registration.kv_metrics_channel_record();
     let suffix = key
         .strip_prefix("v1/event_channels/")
@@ -244,11 +248,11 @@ fn advertise(kube: &FakeKube, worker: &Worker) {
 // ---------------------------------------------------------------------------------------------
 // Routers
 
-fn router_yaml(root: &Path, bus: Option<(&Pki, &[&str])>) -> String {
+pub(crate) fn router_yaml(root: &Path, bus: Option<(&Pki, &[&str])>) -> String {
     router_yaml_kv(root, bus, false)
 }
 
-fn router_yaml_kv(root: &Path, bus: Option<(&Pki, &[&str])>, kv: bool) -> String {
+pub(crate) fn router_yaml_kv(root: &Path, bus: Option<(&Pki, &[&str])>, kv: bool) -> String {
     let mut yaml = format!(
         "server:\n  bind_address: \"127.0.0.1:0\"\nadmin:\n  enabled: true\n  token: {ADMIN}\n\
          disaggregated_serving:\n  enabled: true\n\
@@ -282,11 +286,15 @@ fn router_yaml_kv(root: &Path, bus: Option<(&Pki, &[&str])>, kv: bool) -> String
     yaml
 }
 
-async fn poll<T>(what: &str, probe: impl AsyncFnMut() -> Option<T>) -> T {
+pub(crate) async fn poll<T>(what: &str, probe: impl AsyncFnMut() -> Option<T>) -> T {
     poll_for(WAIT, what, probe).await
 }
 
-async fn poll_for<T>(limit: Duration, what: &str, mut probe: impl AsyncFnMut() -> Option<T>) -> T {
+pub(crate) async fn poll_for<T>(
+    limit: Duration,
+    what: &str,
+    mut probe: impl AsyncFnMut() -> Option<T>,
+) -> T {
     let deadline = Instant::now() + limit;
     let mut ticks = tokio::time::interval(Duration::from_millis(50));
     loop {
@@ -298,7 +306,7 @@ async fn poll_for<T>(limit: Duration, what: &str, mut probe: impl AsyncFnMut() -
     }
 }
 
-fn bus_addr(daemon: &Daemon) -> Option<SocketAddr> {
+pub(crate) fn bus_addr(daemon: &Daemon) -> Option<SocketAddr> {
     daemon.event_bus().local_addr()
 }
 
@@ -361,7 +369,12 @@ async fn send_fresh(workers: &mut [Worker], sequence: &mut u64) {
 // The broker binary
 
 /// The real broker `id` for the fleet's namespace, watching the fake API's `dynamo` namespace.
-async fn spawn_broker(id: &str, bus: SocketAddr, pki: &Pki, kube: &FakeKube) -> Broker {
+pub(crate) async fn spawn_broker(
+    id: &str,
+    bus: SocketAddr,
+    pki: &Pki,
+    kube: &FakeKube,
+) -> Broker {
     Broker::spawn(BrokerArgs {
         id,
         token: &token(id),
@@ -780,3 +793,61 @@ async fn sigterm_drains_and_exits_cleanly_within_ten_seconds() {
     .await;
     tunnel.shutdown().await;
 }
+
+/// Issue #13: "a router that is restarted is redialed by every broker within its backoff
+/// ceiling". Two brokers hold sessions; the router stops, both brokers lose their sessions and
+/// back off; a new router on the same listener port is redialled by both within the 30 s
+/// ceiling (plus slack for the connect and the hello).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_router_is_redialled_by_every_broker_within_the_backoff_ceiling() {
+    let pki = pki();
+    let store = tempfile::tempdir().expect("store");
+    let kube = FakeKube::start().await;
+    let w = worker(50).await;
+    register(store.path(), &w);
+    advertise(&kube, &w);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let yaml = router_yaml(store.path(), Some((&pki, &[BROKER_A, BROKER_B]))).replace(
+        "listen: \"127.0.0.1:0\"",
+        &format!("listen: \"127.0.0.1:{port}\""),
+    );
+    let first = support::daemon::start(&yaml).await;
+    let bus = poll("the bus listens", async || bus_addr(&first)).await;
+    assert_eq!(bus.port(), port);
+    let brokers = [
+        spawn_broker(BROKER_A, bus, &pki, &kube).await,
+        spawn_broker(BROKER_B, bus, &pki, &kube).await,
+    ];
+    poll("both brokers are welcomed", async || {
+        (first.event_bus().session_count() == 2).then_some(())
+    })
+    .await;
+    first.shutdown().await;
+    for broker in &brokers {
+        poll("the broker lost its session", async || {
+            (broker.value("continuum_event_broker_sessions").await == 0.0).then_some(())
+        })
+        .await;
+    }
+    let second = support::daemon::start(&yaml).await;
+    let back = poll("the new router listens", async || bus_addr(&second)).await;
+    assert_eq!(back.port(), port, "the same listener port");
+    let ceiling = crate::dynamo_broker_tunnel::REDIAL_CEILING + Duration::from_secs(5);
+    poll_for(
+        ceiling,
+        "every broker redialled the restarted router",
+        async || (second.event_bus().session_count() == 2).then_some(()),
+    )
+    .await;
+    for broker in &brokers {
+        assert_eq!(broker.value("continuum_event_broker_sessions").await, 1.0);
+    }
+    second.shutdown().await;
+}
+
+/// The brokers' redial ceiling (`continuum_event_broker::agent::REDIAL.max`).
+pub(crate) const REDIAL_CEILING: Duration = continuum_event_broker::agent::REDIAL.max;

@@ -43,6 +43,7 @@ mod ingress_sdk;
 mod kube_discovery;
 mod kube_metadata;
 mod kube_pods;
+mod kv_listener;
 mod kv_render;
 mod kv_shim_dispatch;
 mod observability_assets;

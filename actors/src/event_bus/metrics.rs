@@ -96,7 +96,14 @@ pub struct EventBusMetrics {
     broker_namespace_sessions: IntGaugeVec,
     broker_pending_subscriptions: IntGaugeVec,
     broker_subscriptions: IntGaugeVec,
+    kv_listener_sources: IntGaugeVec,
+    kv_listener_sse: IntCounterVec,
 }
+
+/// `state` of `continuum_dynamo_kv_listener_sources`.
+pub const KV_LISTENER_SOURCE_STATES: &[&str] = &["pending", "connecting", "connected", "backoff"];
+/// `result` of `continuum_dynamo_kv_listener_sse_events_total`.
+pub const KV_LISTENER_SSE_RESULTS: &[&str] = &["applied", "reset", "malformed", "oversized"];
 
 impl EventBusMetrics {
     /// Registers every family in `registry`, closed-set series at 0.
@@ -187,7 +194,28 @@ impl EventBusMetrics {
                 registry.register(Box::new(vec.clone()))?;
                 vec
             },
+            kv_listener_sources: gauge_vec(
+                "continuum_dynamo_kv_listener_sources",
+                "kv_cache_index sources with transport event_bus, by state (pending: no \
+                 kv_listener session announces the backend).",
+                "state",
+            )?,
+            kv_listener_sse: counter_vec(
+                "continuum_dynamo_kv_listener_sse_events_total",
+                "SSE events read from kv_listener streams, by result (applied: handed to the KV \
+                 index; reset: the agent could not resume exactly; malformed, oversized: refused).",
+                "result",
+            )?,
         };
+        for state in KV_LISTENER_SOURCE_STATES {
+            metrics
+                .kv_listener_sources
+                .with_label_values(&[state])
+                .set(0);
+        }
+        for result in KV_LISTENER_SSE_RESULTS {
+            metrics.kv_listener_sse.with_label_values(&[result]);
+        }
         for role in [Role::Broker, Role::KvListener] {
             metrics.sessions.with_label_values(&[role.as_str()]).set(0);
             metrics.streams.with_label_values(&[role.as_str()]).set(0);
@@ -286,5 +314,23 @@ impl EventBusMetrics {
         self.bytes
             .with_label_values(&[direction.as_label()])
             .inc_by(bytes as u64);
+    }
+}
+
+impl EventBusMetrics {
+    /// A kv_cache_index source left `from` (if any) for `to` (labels of
+    /// [`KV_LISTENER_SOURCE_STATES`]).
+    pub fn kv_listener_source_state(&self, from: Option<&str>, to: Option<&str>) {
+        if let Some(from) = from {
+            self.kv_listener_sources.with_label_values(&[from]).dec();
+        }
+        if let Some(to) = to {
+            self.kv_listener_sources.with_label_values(&[to]).inc();
+        }
+    }
+
+    /// One SSE event read from a kv_listener stream (labels of [`KV_LISTENER_SSE_RESULTS`]).
+    pub fn kv_listener_sse(&self, result: &str) {
+        self.kv_listener_sse.with_label_values(&[result]).inc();
     }
 }

@@ -630,6 +630,48 @@ fn two_namespace_pools() -> Config {
 }
 
 #[test]
+fn event_bus_sources_without_the_listener_warn() {
+    let mut c = bus();
+    c.dynamo.event_bus.enabled = false;
+    expect_warning(
+        &c,
+        "dynamo.kv.kv_cache_index.sources[0].transport",
+        "dynamo.event_bus.enabled is false",
+    );
+}
+
+#[test]
+fn event_bus_source_no_kv_listener_grants_warns() {
+    let mut c = bus();
+    c.dynamo.kv.kv_cache_index.sources[0].backend = "shim-a".into();
+    expect_warning(
+        &c,
+        "dynamo.kv.kv_cache_index.sources[0].backend",
+        "no dynamo.event_bus.brokers[] entry with role kv_listener grants",
+    );
+    // ... and the grant no source reads is the third advisory.
+    expect_warning(
+        &c,
+        "dynamo.event_bus.brokers[1].backends[0]",
+        "no dynamo.kv.kv_cache_index.sources[] entry",
+    );
+}
+
+#[test]
+fn kv_cache_index_sources_are_named_once() {
+    let mut c = bus();
+    let first = c.dynamo.kv.kv_cache_index.sources[0].clone();
+    c.dynamo.kv.kv_cache_index.sources.push(first);
+    expect_error(
+        &c,
+        "dynamo.kv.kv_cache_index.sources[1].backend",
+        "listed twice",
+    );
+    c.dynamo.kv.kv_cache_index.sources[1].backend = "has space".into();
+    expect_error(&c, "dynamo.kv.kv_cache_index.sources[1].backend", "");
+}
+
+#[test]
 fn multi_namespace_pools_are_valid_when_complete() {
     assert_eq!(validate(&two_namespace_pools()), Vec::new());
 }
@@ -1169,6 +1211,10 @@ fn bus() -> Config {
             backends: strings(&["shim-b"]),
         },
     ];
+    c.dynamo.kv.kv_cache_index.sources = vec![KvCacheIndexSource {
+        backend: "shim-b".into(),
+        transport: KvSourceTransport::EventBus,
+    }];
     c
 }
 
