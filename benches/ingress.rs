@@ -2,13 +2,15 @@
 //! ≤ 20 µs for a 6 kB Messages request versus the same chat request).
 //!
 //! The chat route's own per-request body work is `proxy::body::parse` (validation, top-level
-//! scan). An ingress adds, before it: the conversion (`messages_to_chat` / `responses_to_chat`)
-//! and serialising the converted chat body; the chat pipeline then parses that body as it parses
-//! a chat request. "Added CPU" is therefore the conversion + serialisation time alone; the
+//! scan). An ingress adds, before it, the conversion (`messages_to_chat` / `responses_to_chat`,
+//! which return the serialised chat body); the chat pipeline then parses that body as it parses
+//! a chat request. "Added CPU" is therefore the conversion time alone; the
 //! summary after criterion also prints both totals side by side. Then the per-answer costs: one
 //! buffered chat completion converted back, and one streamed chat chunk through the SSE decoder,
-//! the stream converter and its event encoding. Under `cargo test --benches` (no `--bench`) a
-//! short pass only checks the harness runs.
+//! the stream converter and its event encoding. Last, the added cost for the same conversations
+//! grown from 1.5 kB to 96 kB. Under `cargo test --benches` (no `--bench`) a short pass only
+//! checks the harness runs; `INGRESS_BENCH_ITERATIONS=n` runs only n conversions of each 6 kB
+//! request and n chat parses, for callgrind's instruction counts (docs/performance.md).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -155,6 +157,21 @@ fn main() {
         responses_body.len(),
         responses_chat.len()
     );
+
+    // `INGRESS_BENCH_ITERATIONS=n`: only n conversions of each 6 kB request and n chat parses,
+    // for instruction counts under callgrind (independent of the machine's load; see
+    // docs/performance.md, "Ingress conversion").
+    if let Some(n) = std::env::var("INGRESS_BENCH_ITERATIONS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+    {
+        for _ in 0..n {
+            black_box(anthropic_ingress(black_box(&messages)));
+            black_box(responses_ingress(black_box(&responses_body)));
+            black_box(body::parse(Bytes::from(messages_chat.clone())).unwrap());
+        }
+        return;
+    }
 
     let mut criterion = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
