@@ -2,13 +2,15 @@
 //! ≤ 20 µs for a 6 kB Messages request versus the same chat request).
 //!
 //! The chat route's own per-request body work is `proxy::body::parse` (validation, top-level
-//! scan). An ingress adds, before it: the conversion (`messages_to_chat` / `responses_to_chat`)
-//! and serialising the converted chat body; the chat pipeline then parses that body as it parses
-//! a chat request. "Added CPU" is therefore the conversion + serialisation time alone; the
+//! scan). An ingress adds, before it, the conversion (`messages_to_chat` / `responses_to_chat`,
+//! which return the serialised chat body); the chat pipeline then parses that body as it parses
+//! a chat request. "Added CPU" is therefore the conversion time alone; the
 //! summary after criterion also prints both totals side by side. Then the per-answer costs: one
 //! buffered chat completion converted back, and one streamed chat chunk through the SSE decoder,
-//! the stream converter and its event encoding. Under `cargo test --benches` (no `--bench`) a
-//! short pass only checks the harness runs.
+//! the stream converter and its event encoding. Last, the added cost for the same conversations
+//! grown from 1.5 kB to 96 kB. Under `cargo test --benches` (no `--bench`) a short pass only
+//! checks the harness runs; `INGRESS_BENCH_ITERATIONS=n` runs only n conversions of each 6 kB
+//! request and n chat parses, for callgrind's instruction counts (docs/performance.md).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -34,8 +36,9 @@ fn weather_schema() -> Value {
 }
 
 /// A multi-turn Messages request with a system prompt, a tool and a tool round trip, grown to
-/// about 6 kB; and the chat request it converts to (what a chat client would send).
-fn messages_request() -> (Vec<u8>, Vec<u8>) {
+/// about `target` bytes (6 kB in the criterion runs); and the chat request it converts to (what a
+/// chat client would send).
+fn messages_request(target: usize) -> (Vec<u8>, Vec<u8>) {
     let mut messages = vec![
         json!({ "role": "user", "content": "Weather in Paris?" }),
         json!({ "role": "assistant", "content": [
@@ -52,12 +55,10 @@ fn messages_request() -> (Vec<u8>, Vec<u8>) {
             "messages": messages,
         });
         let bytes = req.to_string().into_bytes();
-        if bytes.len() >= TARGET_BYTES {
+        if bytes.len() >= target {
             let chat = anthropic::messages_to_chat(&bytes, &anthropic::Limits::default())
                 .expect("valid")
-                .body
-                .to_string()
-                .into_bytes();
+                .body;
             return (bytes, chat);
         }
         let role = if turn % 2 == 0 { "assistant" } else { "user" };
@@ -67,8 +68,8 @@ fn messages_request() -> (Vec<u8>, Vec<u8>) {
 }
 
 /// The same conversation as a Responses request (instructions, items, function call round
-/// trip), about 6 kB.
-fn responses_request() -> (Vec<u8>, Vec<u8>) {
+/// trip), about `target` bytes.
+fn responses_request(target: usize) -> (Vec<u8>, Vec<u8>) {
     let mut input = vec![
         json!({ "role": "user", "content": "Weather in Paris?" }),
         json!({ "type": "function_call", "call_id": "call_1", "name": "weather",
@@ -84,12 +85,10 @@ fn responses_request() -> (Vec<u8>, Vec<u8>) {
             "input": input,
         });
         let bytes = req.to_string().into_bytes();
-        if bytes.len() >= TARGET_BYTES {
+        if bytes.len() >= target {
             let chat = responses::responses_to_chat(&bytes, &responses::Limits::default())
                 .expect("valid")
-                .body
-                .to_string()
-                .into_bytes();
+                .body;
             return (bytes, chat);
         }
         let role = if turn % 2 == 0 { "assistant" } else { "user" };
@@ -120,13 +119,15 @@ fn chat_chunk() -> Vec<u8> {
 }
 
 fn anthropic_ingress(bytes: &[u8]) -> Vec<u8> {
-    let req = anthropic::messages_to_chat(bytes, &anthropic::Limits::default()).expect("valid");
-    req.body.to_string().into_bytes()
+    anthropic::messages_to_chat(bytes, &anthropic::Limits::default())
+        .expect("valid")
+        .body
 }
 
 fn responses_ingress(bytes: &[u8]) -> Vec<u8> {
-    let req = responses::responses_to_chat(bytes, &responses::Limits::default()).expect("valid");
-    req.body.to_string().into_bytes()
+    responses::responses_to_chat(bytes, &responses::Limits::default())
+        .expect("valid")
+        .body
 }
 
 fn mean(runs: usize, mut f: impl FnMut()) -> Duration {
@@ -142,8 +143,8 @@ fn mean(runs: usize, mut f: impl FnMut()) -> Duration {
 
 fn main() {
     let measuring = std::env::args().any(|a| a == "--bench");
-    let (messages, messages_chat) = messages_request();
-    let (responses_body, responses_chat) = responses_request();
+    let (messages, messages_chat) = messages_request(TARGET_BYTES);
+    let (responses_body, responses_chat) = responses_request(TARGET_BYTES);
     let answer = chat_response();
     let chunk = chat_chunk();
     let a_req = anthropic::messages_to_chat(&messages, &anthropic::Limits::default()).unwrap();
@@ -156,6 +157,21 @@ fn main() {
         responses_body.len(),
         responses_chat.len()
     );
+
+    // `INGRESS_BENCH_ITERATIONS=n`: only n conversions of each 6 kB request and n chat parses,
+    // for instruction counts under callgrind (independent of the machine's load; see
+    // docs/performance.md, "Ingress conversion").
+    if let Some(n) = std::env::var("INGRESS_BENCH_ITERATIONS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+    {
+        for _ in 0..n {
+            black_box(anthropic_ingress(black_box(&messages)));
+            black_box(responses_ingress(black_box(&responses_body)));
+            black_box(body::parse(Bytes::from(messages_chat.clone())).unwrap());
+        }
+        return;
+    }
 
     let mut criterion = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
@@ -259,6 +275,28 @@ fn main() {
             } else {
                 "NOT met"
             }
+        );
+    }
+
+    // How the added cost grows with the body: the same conversations grown to 1.5-96 kB.
+    println!("body size: chat route parse | messages added | responses added");
+    for target in [1536, 6 * 1024, 24 * 1024, 96 * 1024] {
+        let (m, m_chat) = messages_request(target);
+        let (r, _) = responses_request(target);
+        let runs = (runs * TARGET_BYTES / target).max(10);
+        let chat = mean(runs, || {
+            black_box(body::parse(Bytes::from(m_chat.clone())).unwrap());
+        });
+        let m_added = mean(runs, || {
+            black_box(anthropic_ingress(black_box(&m)));
+        });
+        let r_added = mean(runs, || {
+            black_box(responses_ingress(black_box(&r)));
+        });
+        println!(
+            "{} B / {} B: {chat:?} | {m_added:?} | {r_added:?}",
+            m.len(),
+            r.len()
         );
     }
 }

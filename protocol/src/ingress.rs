@@ -3,6 +3,8 @@
 //!
 //! | module | what it holds |
 //! |---|---|
+//! | `json` | the borrowed JSON tree both request converters parse a body into (one parse, strings and keys borrowed, `serde_json::Value`'s semantics) |
+//! | `chat` | the chat-completions request parts the request converters serialise straight from that tree |
 //! | [`anthropic`] | Anthropic Messages API (`POST /v1/messages`, `/anthropic/v1/messages`): request → chat body, buffered chat response → `Message`, chat SSE chunks → Anthropic SSE events ([`anthropic::AnthropicStream`]), Anthropic error objects |
 //! | [`prompts`] | per-backend `global_prompts` / `requires_single_leading_system` rewrites of a chat body, shared by dispatch and KV rendering |
 //! | [`responses`] | OpenAI Responses API (`POST /v1/responses`): request → chat body, buffered chat response → `Response`, chat SSE chunks → Responses events ([`responses::ResponsesStream`]), OpenAI error objects |
@@ -11,6 +13,8 @@
 //! arrive as arguments, nothing reads a clock. Routes are wired elsewhere.
 
 pub mod anthropic;
+mod chat;
+mod json;
 pub mod prompts;
 pub mod responses;
 

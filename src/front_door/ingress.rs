@@ -165,12 +165,12 @@ async fn messages(state: &AppState, mut headers: HeaderMap, body: Body) -> Respo
         max_body_bytes: state.route.max_request_body_bytes(),
         ..anthropic::Limits::default()
     };
-    let req = match anthropic::messages_to_chat(&bytes, &limits) {
+    let mut req = match anthropic::messages_to_chat(&bytes, &limits) {
         Ok(req) => req,
         Err(e) => return kind.refused(&e),
     };
     let id = fresh_id();
-    let resp = send_chat(state, headers, caller, &req.body).await;
+    let resp = send_chat(state, headers, caller, std::mem::take(&mut req.body)).await;
     if !resp.status().is_success() {
         return upstream_error(kind, resp).await;
     }
@@ -209,11 +209,9 @@ async fn responses_inner(state: &AppState, mut headers: HeaderMap, body: Body) -
         max_body_bytes: state.route.max_request_body_bytes(),
         ..responses::Limits::default()
     };
-    // A model a native backend serves passes through unconverted, pinned by model alone.
-    let model = serde_json::from_slice::<Value>(&bytes)
-        .ok()
-        .and_then(|v| v.get("model").and_then(Value::as_str).map(str::to_owned));
-    if let Some(model) = model
+    // A model a native backend serves passes through unconverted, pinned by model alone (a body
+    // that is not a JSON object naming a string model is left to the converter to refuse).
+    if let Some(model) = responses::requested_model(&bytes)
         && state
             .route
             .proxy()
@@ -225,12 +223,12 @@ async fn responses_inner(state: &AppState, mut headers: HeaderMap, body: Body) -
             .serve(OpenAiRoute::Responses, headers, caller, bytes)
             .await;
     }
-    let req = match responses::responses_to_chat(&bytes, &limits) {
+    let mut req = match responses::responses_to_chat(&bytes, &limits) {
         Ok(req) => req,
         Err(e) => return kind.refused(&e),
     };
     let (id, created_at) = (fresh_id(), unix_now());
-    let resp = send_chat(state, headers, caller, &req.body).await;
+    let resp = send_chat(state, headers, caller, std::mem::take(&mut req.body)).await;
     if !resp.status().is_success() {
         return upstream_error(kind, resp).await;
     }
@@ -269,19 +267,20 @@ pub async fn responses_compact(
     observed(&state, HttpRoute::Responses, compact).await
 }
 
-/// The converted body through the chat-completions pipeline ([`crate::route::Router::serve`]).
+/// The converted body through the chat-completions pipeline ([`crate::route::Router::serve`]),
+/// which admits, bounds and validates it as any chat request.
 async fn send_chat(
     state: &AppState,
     mut headers: HeaderMap,
     caller: Caller,
-    chat: &Value,
+    chat: Vec<u8>,
 ) -> Response {
     headers.remove(header::CONTENT_LENGTH);
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    let body = Bytes::from(chat.to_string());
+    let body = Bytes::from(chat);
     state
         .route
         .serve(OpenAiRoute::ChatCompletions, headers, caller, body)

@@ -48,7 +48,13 @@
 //! status → type mapping of the Anthropic API; [`direct_mode_refusal`] is the seed's 503
 //! `api_error` ending with `disaggregated_prefill_decode_unavailable`.
 
-use serde_json::{Map, Value, json};
+use std::borrow::Cow;
+
+use serde::Serialize;
+use serde_json::{Number, Value, json};
+
+use super::chat::{self, Content, Function, ImageUrl, Part, Tool, ToolCall, ToolChoice};
+use super::json::{Json, Obj, Path, want_arr, want_num, want_obj, want_str};
 
 /// Bounds applied to untrusted request bodies and upstream streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,8 +157,8 @@ pub fn message_id(id: u128) -> String {
 /// A converted request: the chat-completions body plus what the response converters need.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatRequest {
-    /// The chat-completions JSON body for the shim.
-    pub body: Value,
+    /// The chat-completions JSON body for the shim, serialised (what the chat route receives).
+    pub body: Vec<u8>,
     /// The model the client named (echoed in the `Message`).
     pub model: String,
     /// The client's `stop_sequences` (to report `stop_sequence` stop reasons).
@@ -161,171 +167,113 @@ pub struct ChatRequest {
     pub stream: bool,
 }
 
-pub(crate) fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "boolean",
-        Value::Number(_) => "number",
-        Value::String(_) => "string",
-        Value::Array(_) => "array",
-        Value::Object(_) => "object",
-    }
-}
-
-pub(crate) fn want_str<'a>(v: &'a Value, what: &str) -> Result<&'a str, IngressError> {
-    v.as_str().ok_or_else(|| {
-        IngressError::invalid(format!("{what}: expected a string, got {}", type_name(v)))
-    })
-}
-
-pub(crate) fn want_obj<'a>(
-    v: &'a Value,
-    what: &str,
-) -> Result<&'a Map<String, Value>, IngressError> {
-    v.as_object().ok_or_else(|| {
-        IngressError::invalid(format!("{what}: expected an object, got {}", type_name(v)))
-    })
-}
-
-pub(crate) fn want_arr<'a>(v: &'a Value, what: &str) -> Result<&'a Vec<Value>, IngressError> {
-    v.as_array().ok_or_else(|| {
-        IngressError::invalid(format!("{what}: expected an array, got {}", type_name(v)))
-    })
-}
-
-pub(crate) fn want_num(v: &Value, what: &str) -> Result<Value, IngressError> {
-    if v.is_number() {
-        Ok(v.clone())
-    } else {
-        Err(IngressError::invalid(format!(
-            "{what}: expected a number, got {}",
-            type_name(v)
-        )))
+impl ChatRequest {
+    /// The chat body parsed back into a `serde_json::Value` (for tests and diagnostics).
+    pub fn body_json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
     }
 }
 
 /// Text of a string or an array of `text` blocks (`system`, `tool_result.content`).
-fn text_of(v: &Value, what: &str) -> Result<String, IngressError> {
+fn text_of<'j>(v: &'j Json<'_>, what: Path<'_>) -> Result<Cow<'j, str>, IngressError> {
     match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
+        Json::Str(s) => Ok(Cow::Borrowed(s)),
+        Json::Arr(blocks) => {
             let mut out = Vec::with_capacity(blocks.len());
             for (i, b) in blocks.iter().enumerate() {
-                let what = format!("{what}[{i}]");
-                let o = want_obj(b, &what)?;
-                let ty = want_str(
-                    o.get("type").unwrap_or(&Value::Null),
-                    &format!("{what}.type"),
-                )?;
+                let what = what.at(i);
+                let o = want_obj(b, what)?;
+                let ty = want_str(o.field("type"), what.key("type"))?;
                 if ty != "text" {
                     return Err(IngressError::invalid(format!(
                         "{what}: block type `{ty}` is not supported here (text only)"
                     )));
                 }
-                out.push(want_str(
-                    o.get("text").unwrap_or(&Value::Null),
-                    &format!("{what}.text"),
-                )?);
+                out.push(want_str(o.field("text"), what.key("text"))?);
             }
-            Ok(out.join("\n"))
+            Ok(Cow::Owned(out.join("\n")))
         }
         other => Err(IngressError::invalid(format!(
             "{what}: expected a string or an array of text blocks, got {}",
-            type_name(other)
+            other.type_name()
         ))),
     }
 }
 
-fn image_part(o: &Map<String, Value>, what: &str) -> Result<Value, IngressError> {
-    let src = want_obj(
-        o.get("source").unwrap_or(&Value::Null),
-        &format!("{what}.source"),
-    )?;
-    let sty = want_str(
-        src.get("type").unwrap_or(&Value::Null),
-        &format!("{what}.source.type"),
-    )?;
+fn image_part<'j>(o: &'j Obj<'_>, what: Path<'_>) -> Result<Part<'j>, IngressError> {
+    let src = want_obj(o.field("source"), what.key("source"))?;
+    let sty = want_str(src.field("type"), what.key("source").key("type"))?;
     let url = match sty {
         "base64" => {
             let mt = want_str(
-                src.get("media_type").unwrap_or(&Value::Null),
-                &format!("{what}.source.media_type"),
+                src.field("media_type"),
+                what.key("source").key("media_type"),
             )?;
-            let data = want_str(
-                src.get("data").unwrap_or(&Value::Null),
-                &format!("{what}.source.data"),
-            )?;
-            format!("data:{mt};base64,{data}")
+            let data = want_str(src.field("data"), what.key("source").key("data"))?;
+            Cow::Owned(format!("data:{mt};base64,{data}"))
         }
-        "url" => want_str(
-            src.get("url").unwrap_or(&Value::Null),
-            &format!("{what}.source.url"),
-        )?
-        .to_owned(),
+        "url" => Cow::Borrowed(want_str(src.field("url"), what.key("source").key("url"))?),
         other => {
             return Err(IngressError::invalid(format!(
                 "{what}.source.type: `{other}` is not supported (base64 or url)"
             )));
         }
     };
-    Ok(json!({ "type": "image_url", "image_url": { "url": url } }))
+    Ok(Part::ImageUrl {
+        image_url: ImageUrl { url, detail: None },
+    })
 }
 
 /// A message's `content`: a plain string becomes one chat message of `role` at once (`None`),
 /// an array is returned for block-by-block conversion, anything else is refused.
-fn content_blocks<'a>(
-    content: &'a Value,
-    role: &str,
-    what: &str,
-    out: &mut Vec<Value>,
-) -> Result<Option<&'a Vec<Value>>, IngressError> {
+fn content_blocks<'j>(
+    content: &'j Json<'_>,
+    role: &'static str,
+    what: Path<'_>,
+    out: &mut Vec<chat::Message<'j>>,
+) -> Result<Option<&'j [Json<'j>]>, IngressError> {
     match content {
-        Value::String(s) => {
-            out.push(json!({ "role": role, "content": s }));
+        Json::Str(s) => {
+            out.push(chat::Message::text(role, &**s));
             Ok(None)
         }
-        Value::Array(b) => Ok(Some(b)),
+        Json::Arr(b) => Ok(Some(b)),
         other => Err(IngressError::invalid(format!(
             "{what}: expected a string or an array of content blocks, got {}",
-            type_name(other)
+            other.type_name()
         ))),
     }
 }
 
-fn convert_user(content: &Value, what: &str, out: &mut Vec<Value>) -> Result<(), IngressError> {
+fn convert_user<'j>(
+    content: &'j Json<'_>,
+    what: Path<'_>,
+    out: &mut Vec<chat::Message<'j>>,
+) -> Result<(), IngressError> {
     let Some(blocks) = content_blocks(content, "user", what, out)? else {
         return Ok(());
     };
     let mut parts = Vec::new();
     for (i, b) in blocks.iter().enumerate() {
-        let what = format!("{what}[{i}]");
-        let o = want_obj(b, &what)?;
-        let ty = want_str(
-            o.get("type").unwrap_or(&Value::Null),
-            &format!("{what}.type"),
-        )?;
+        let what = what.at(i);
+        let o = want_obj(b, what)?;
+        let ty = want_str(o.field("type"), what.key("type"))?;
         match ty {
             "text" => {
-                let t = want_str(
-                    o.get("text").unwrap_or(&Value::Null),
-                    &format!("{what}.text"),
-                )?;
-                parts.push(json!({ "type": "text", "text": t }));
+                let text = want_str(o.field("text"), what.key("text"))?;
+                parts.push(Part::Text { text });
             }
-            "image" => parts.push(image_part(o, &what)?),
+            "image" => parts.push(image_part(o, what)?),
             "tool_result" => {
-                let id = want_str(
-                    o.get("tool_use_id").unwrap_or(&Value::Null),
-                    &format!("{what}.tool_use_id"),
-                )?;
-                let mut text = match o.get("content") {
-                    None | Some(Value::Null) => String::new(),
-                    Some(c) => text_of(c, &format!("{what}.content"))?,
+                let id = want_str(o.field("tool_use_id"), what.key("tool_use_id"))?;
+                let mut text = match o.field("content").present() {
+                    None => Cow::Borrowed(""),
+                    Some(c) => text_of(c, what.key("content"))?,
                 };
-                if o.get("is_error") == Some(&Value::Bool(true)) {
-                    text.insert_str(0, "[tool error] ");
+                if matches!(o.get("is_error"), Some(Json::Bool(true))) {
+                    text = Cow::Owned(format!("[tool error] {text}"));
                 }
-                out.push(json!({ "role": "tool", "tool_call_id": id, "content": text }));
+                out.push(chat::Message::tool(id, text));
             }
             "thinking" | "redacted_thinking" => {}
             other => {
@@ -336,15 +284,18 @@ fn convert_user(content: &Value, what: &str, out: &mut Vec<Value>) -> Result<(),
         }
     }
     if !parts.is_empty() {
-        out.push(json!({ "role": "user", "content": parts }));
+        out.push(chat::Message {
+            content: Content::Parts(parts),
+            ..chat::Message::text("user", "")
+        });
     }
     Ok(())
 }
 
-fn convert_assistant(
-    content: &Value,
-    what: &str,
-    out: &mut Vec<Value>,
+fn convert_assistant<'j>(
+    content: &'j Json<'_>,
+    what: Path<'_>,
+    out: &mut Vec<chat::Message<'j>>,
 ) -> Result<(), IngressError> {
     let Some(blocks) = content_blocks(content, "assistant", what, out)? else {
         return Ok(());
@@ -352,30 +303,22 @@ fn convert_assistant(
     let mut texts: Vec<&str> = Vec::new();
     let mut calls = Vec::new();
     for (i, b) in blocks.iter().enumerate() {
-        let what = format!("{what}[{i}]");
-        let o = want_obj(b, &what)?;
-        let ty = want_str(
-            o.get("type").unwrap_or(&Value::Null),
-            &format!("{what}.type"),
-        )?;
+        let what = what.at(i);
+        let o = want_obj(b, what)?;
+        let ty = want_str(o.field("type"), what.key("type"))?;
         match ty {
-            "text" => texts.push(want_str(
-                o.get("text").unwrap_or(&Value::Null),
-                &format!("{what}.text"),
-            )?),
+            "text" => texts.push(want_str(o.field("text"), what.key("text"))?),
             "tool_use" => {
-                let id = want_str(o.get("id").unwrap_or(&Value::Null), &format!("{what}.id"))?;
-                let name = want_str(
-                    o.get("name").unwrap_or(&Value::Null),
-                    &format!("{what}.name"),
-                )?;
-                let input = o.get("input").cloned().unwrap_or_else(|| json!({}));
-                want_obj(&input, &format!("{what}.input"))?;
-                calls.push(json!({
-                    "id": id,
-                    "type": "function",
-                    "function": { "name": name, "arguments": input.to_string() },
-                }));
+                let id = want_str(o.field("id"), what.key("id"))?;
+                let name = want_str(o.field("name"), what.key("name"))?;
+                let arguments = match o.get("input") {
+                    None => Cow::Borrowed("{}"),
+                    Some(input) => {
+                        want_obj(input, what.key("input"))?;
+                        Cow::Owned(input.to_json_string())
+                    }
+                };
+                calls.push(ToolCall::function(id, name, arguments));
             }
             "thinking" | "redacted_thinking" => {}
             other => {
@@ -385,63 +328,92 @@ fn convert_assistant(
             }
         }
     }
-    let mut msg = Map::new();
-    msg.insert("role".into(), json!("assistant"));
-    msg.insert(
-        "content".into(),
-        if texts.is_empty() {
-            Value::Null
-        } else {
-            Value::String(texts.concat())
+    out.push(chat::Message {
+        role: "assistant",
+        tool_call_id: None,
+        content: match texts.as_slice() {
+            [] => Content::Null,
+            [one] => Content::Text(Cow::Borrowed(one)),
+            many => Content::Text(Cow::Owned(many.concat())),
         },
-    );
-    if !calls.is_empty() {
-        msg.insert("tool_calls".into(), Value::Array(calls));
-    }
-    out.push(Value::Object(msg));
+        tool_calls: calls,
+    });
     Ok(())
 }
 
-fn convert_tools(tools: &Value) -> Result<Value, IngressError> {
+fn convert_tools<'j>(tools: &'j Json<'_>) -> Result<Vec<Tool<'j>>, IngressError> {
     let tools = want_arr(tools, "tools")?;
     let mut out = Vec::with_capacity(tools.len());
     for (i, t) in tools.iter().enumerate() {
-        let what = format!("tools[{i}]");
-        let o = want_obj(t, &what)?;
-        match o.get("type") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "custom" => {}
-            Some(other) => {
+        let what = Path::Root("tools");
+        let what = what.at(i);
+        let o = want_obj(t, what)?;
+        match o.field("type") {
+            Json::Null => {}
+            Json::Str(s) if s == "custom" => {}
+            other => {
                 return Err(IngressError::invalid(format!(
                     "{what}.type: server tool `{}` is not supported",
                     other.as_str().unwrap_or("?")
                 )));
             }
         }
-        let name = want_str(
-            o.get("name").unwrap_or(&Value::Null),
-            &format!("{what}.name"),
-        )?;
-        let schema = o.get("input_schema").unwrap_or(&Value::Null);
-        want_obj(schema, &format!("{what}.input_schema"))?;
-        let mut f = Map::new();
-        f.insert("name".into(), json!(name));
-        if let Some(d) = o.get("description").filter(|d| !d.is_null()) {
-            f.insert(
-                "description".into(),
-                json!(want_str(d, &format!("{what}.description"))?),
-            );
-        }
-        f.insert("parameters".into(), schema.clone());
-        out.push(json!({ "type": "function", "function": f }));
+        let name = want_str(o.field("name"), what.key("name"))?;
+        let schema = o.field("input_schema");
+        want_obj(schema, what.key("input_schema"))?;
+        let description = match o.field("description").present() {
+            Some(d) => Some(want_str(d, what.key("description"))?),
+            None => None,
+        };
+        out.push(Tool {
+            kind: "function",
+            function: Function {
+                name,
+                description,
+                parameters: Some(schema),
+                strict: None,
+            },
+        });
     }
-    Ok(Value::Array(out))
+    Ok(out)
+}
+
+/// The chat body [`messages_to_chat`] writes, in its key order.
+#[derive(Serialize)]
+struct ChatBody<'a> {
+    model: &'a str,
+    messages: Vec<chat::Message<'a>>,
+    max_tokens: &'a Number,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<&'a Number>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<&'a Number>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_k: Option<&'a Number>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    stop: &'a [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<Vec<Tool<'a>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<ToolChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parallel_tool_calls: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    user: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<chat::StreamOptions>,
 }
 
 /// Converts an Anthropic `MessageCreateParams` body into a chat-completions body.
 ///
 /// 413 `request_too_large` above `limits.max_body_bytes` (checked before parsing); 400
 /// `invalid_request_error` for anything malformed. Unknown fields are ignored.
+///
+/// The body is parsed once into a borrowed tree ([`super::json`]) and the chat body written
+/// straight from it: the cost is about that of one `serde_json` parse and one write of the body
+/// (docs/performance.md, "Ingress conversion").
 pub fn messages_to_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, IngressError> {
     if body.len() > limits.max_body_bytes {
         return Err(IngressError::new(
@@ -453,34 +425,37 @@ pub fn messages_to_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, Ing
             ),
         ));
     }
-    let v: Value = serde_json::from_slice(body)
+    let v = Json::parse(body)
         .map_err(|e| IngressError::invalid(format!("request body is not valid JSON: {e}")))?;
     let req = want_obj(&v, "request body")?;
-    let model = want_str(req.get("model").unwrap_or(&Value::Null), "model")?.to_owned();
-    let max_tokens = req.get("max_tokens").unwrap_or(&Value::Null);
-    if max_tokens.as_u64().is_none_or(|n| n == 0) {
-        return Err(IngressError::invalid(
-            "max_tokens: expected a positive integer",
-        ));
-    }
-    let messages = want_arr(req.get("messages").unwrap_or(&Value::Null), "messages")?;
+    let model = want_str(req.field("model"), "model")?;
+    let max_tokens = match req.field("max_tokens") {
+        Json::Num(n) if n.as_u64().is_some_and(|n| n > 0) => n,
+        _ => {
+            return Err(IngressError::invalid(
+                "max_tokens: expected a positive integer",
+            ));
+        }
+    };
+    let messages = want_arr(req.field("messages"), "messages")?;
 
     let mut chat_msgs = Vec::with_capacity(messages.len() + 1);
-    if let Some(system) = req.get("system").filter(|s| !s.is_null()) {
-        chat_msgs.push(json!({ "role": "system", "content": text_of(system, "system")? }));
+    if let Some(system) = req.field("system").present() {
+        chat_msgs.push(chat::Message::text(
+            "system",
+            text_of(system, Path::Root("system"))?,
+        ));
     }
     for (i, m) in messages.iter().enumerate() {
-        let what = format!("messages[{i}]");
-        let o = want_obj(m, &what)?;
-        let role = want_str(
-            o.get("role").unwrap_or(&Value::Null),
-            &format!("{what}.role"),
-        )?;
-        let content = o.get("content").unwrap_or(&Value::Null);
-        let what = format!("{what}.content");
+        let what = Path::Root("messages");
+        let what = what.at(i);
+        let o = want_obj(m, what)?;
+        let role = want_str(o.field("role"), what.key("role"))?;
+        let content = o.field("content");
+        let what = what.key("content");
         match role {
-            "user" => convert_user(content, &what, &mut chat_msgs)?,
-            "assistant" => convert_assistant(content, &what, &mut chat_msgs)?,
+            "user" => convert_user(content, what, &mut chat_msgs)?,
+            "assistant" => convert_assistant(content, what, &mut chat_msgs)?,
             other => {
                 return Err(IngressError::invalid(format!(
                     "messages[{i}].role: `{other}` is not user or assistant"
@@ -489,72 +464,79 @@ pub fn messages_to_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, Ing
         }
     }
 
-    let mut out = Map::new();
-    out.insert("model".into(), json!(model));
-    out.insert("messages".into(), Value::Array(chat_msgs));
-    out.insert("max_tokens".into(), max_tokens.clone());
-    for key in ["temperature", "top_p", "top_k"] {
-        if let Some(x) = req.get(key).filter(|x| !x.is_null()) {
-            out.insert(key.into(), want_num(x, key)?);
-        }
-    }
+    let number = |key: &str| match req.field(key).present() {
+        Some(x) => want_num(x, key).map(Some),
+        None => Ok(None),
+    };
+    let (temperature, top_p, top_k) = (number("temperature")?, number("top_p")?, number("top_k")?);
     let mut stop_sequences = Vec::new();
-    if let Some(s) = req.get("stop_sequences").filter(|s| !s.is_null()) {
+    if let Some(s) = req.field("stop_sequences").present() {
         for (i, x) in want_arr(s, "stop_sequences")?.iter().enumerate() {
-            stop_sequences.push(want_str(x, &format!("stop_sequences[{i}]"))?.to_owned());
-        }
-        if !stop_sequences.is_empty() {
-            out.insert("stop".into(), json!(stop_sequences));
+            stop_sequences.push(want_str(x, Path::Root("stop_sequences").at(i))?.to_owned());
         }
     }
-    if let Some(t) = req.get("tools").filter(|t| !t.is_null()) {
-        out.insert("tools".into(), convert_tools(t)?);
-    }
-    if let Some(tc) = req.get("tool_choice").filter(|t| !t.is_null()) {
+    let tools = match req.field("tools").present() {
+        Some(t) => Some(convert_tools(t)?),
+        None => None,
+    };
+    let (mut tool_choice, mut parallel_tool_calls) = (None, None);
+    if let Some(tc) = req.field("tool_choice").present() {
         let o = want_obj(tc, "tool_choice")?;
-        let ty = want_str(o.get("type").unwrap_or(&Value::Null), "tool_choice.type")?;
-        let choice = match ty {
-            "auto" => json!("auto"),
-            "any" => json!("required"),
-            "none" => json!("none"),
-            "tool" => {
-                let name = want_str(o.get("name").unwrap_or(&Value::Null), "tool_choice.name")?;
-                json!({ "type": "function", "function": { "name": name } })
-            }
+        let ty = want_str(o.field("type"), "tool_choice.type")?;
+        tool_choice = Some(match ty {
+            "auto" => ToolChoice::Mode("auto"),
+            "any" => ToolChoice::Mode("required"),
+            "none" => ToolChoice::Mode("none"),
+            "tool" => ToolChoice::Function(want_str(o.field("name"), "tool_choice.name")?),
             other => {
                 return Err(IngressError::invalid(format!(
                     "tool_choice.type: `{other}` is not auto, any, tool or none"
                 )));
             }
-        };
-        out.insert("tool_choice".into(), choice);
-        if o.get("disable_parallel_tool_use") == Some(&Value::Bool(true)) {
-            out.insert("parallel_tool_calls".into(), json!(false));
+        });
+        if matches!(o.get("disable_parallel_tool_use"), Some(Json::Bool(true))) {
+            parallel_tool_calls = Some(false);
         }
     }
-    if let Some(md) = req.get("metadata").filter(|m| !m.is_null()) {
+    let mut user = None;
+    if let Some(md) = req.field("metadata").present() {
         let md = want_obj(md, "metadata")?;
-        if let Some(u) = md.get("user_id").filter(|u| !u.is_null()) {
-            out.insert("user".into(), json!(want_str(u, "metadata.user_id")?));
+        if let Some(u) = md.field("user_id").present() {
+            user = Some(want_str(u, "metadata.user_id")?);
         }
     }
-    let stream = match req.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(other) => {
+    let stream = match req.field("stream") {
+        Json::Null => false,
+        Json::Bool(b) => *b,
+        other => {
             return Err(IngressError::invalid(format!(
                 "stream: expected a boolean, got {}",
-                type_name(other)
+                other.type_name()
             )));
         }
     };
-    if stream {
-        out.insert("stream".into(), json!(true));
-        out.insert("stream_options".into(), json!({ "include_usage": true }));
-    }
+    let (stream_flag, stream_options) = chat::stream_fields(stream);
+    let out = chat::to_bytes(
+        &ChatBody {
+            model,
+            messages: chat_msgs,
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            stop: &stop_sequences,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            user,
+            stream: stream_flag,
+            stream_options,
+        },
+        body.len() + 256,
+    )?;
     Ok(ChatRequest {
-        body: Value::Object(out),
-        model,
+        body: out,
+        model: model.to_owned(),
         stop_sequences,
         stream,
     })

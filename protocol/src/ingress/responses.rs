@@ -44,12 +44,14 @@
 //! **Errors** are OpenAI error objects: [`error_body`]; the direct-mode refusal is the seed's 503
 //! `disaggregated_prefill_decode_unavailable` ([`direct_mode_refusal`]).
 
-use serde_json::{Map, Value, json};
+use std::borrow::Cow;
 
-use super::anthropic::{
-    DIRECT_MODE_REFUSAL_CODE, IngressError, type_name, usage_of, want_arr, want_num, want_obj,
-    want_str,
-};
+use serde::Serialize;
+use serde_json::{Map, Number, Value, json};
+
+use super::anthropic::{DIRECT_MODE_REFUSAL_CODE, IngressError, usage_of};
+use super::chat::{self, Content, Function, ImageUrl, Part, Tool, ToolCall, ToolChoice};
+use super::json::{Json, Path, want_arr, want_num, want_obj, want_str};
 
 /// Bounds applied to untrusted request bodies and upstream answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,8 +128,8 @@ fn call_item_id(id: u128, n: usize) -> String {
 /// A converted request: the chat body plus what the response converters echo.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ChatRequest {
-    /// The chat-completions JSON body for the shim.
-    pub body: Value,
+    /// The chat-completions JSON body for the shim, serialised (what the chat route receives).
+    pub body: Vec<u8>,
     /// The model the client named.
     pub model: String,
     /// Whether the client asked for an SSE stream.
@@ -138,24 +140,27 @@ pub struct ChatRequest {
     pub echo: Map<String, Value>,
 }
 
+impl ChatRequest {
+    /// The chat body parsed back into a `serde_json::Value` (for tests and diagnostics).
+    pub fn body_json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
 fn invalid(message: impl Into<String>) -> IngressError {
     IngressError::invalid(message)
 }
 
-fn field<'a>(o: &'a Map<String, Value>, key: &str) -> &'a Value {
-    o.get(key).unwrap_or(&Value::Null)
-}
-
 /// Text of a string or of text-like parts (`input_text`, `output_text`, `refusal`).
-fn text_parts(v: &Value, what: &str) -> Result<String, IngressError> {
+fn text_parts<'j>(v: &'j Json<'_>, what: Path<'_>) -> Result<Cow<'j, str>, IngressError> {
     match v {
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
+        Json::Str(s) => Ok(Cow::Borrowed(s)),
+        Json::Arr(parts) => {
             let mut out = String::new();
             for (i, p) in parts.iter().enumerate() {
-                let what = format!("{what}[{i}]");
-                let o = want_obj(p, &what)?;
-                let ty = want_str(field(o, "type"), &format!("{what}.type"))?;
+                let what = what.at(i);
+                let o = want_obj(p, what)?;
+                let ty = want_str(o.field("type"), what.key("type"))?;
                 let key = match ty {
                     "input_text" | "output_text" | "text" => "text",
                     "refusal" => "refusal",
@@ -165,47 +170,46 @@ fn text_parts(v: &Value, what: &str) -> Result<String, IngressError> {
                         )));
                     }
                 };
-                out.push_str(want_str(field(o, key), &format!("{what}.{key}"))?);
+                out.push_str(want_str(o.field(key), what.key(key))?);
             }
-            Ok(out)
+            Ok(Cow::Owned(out))
         }
         other => Err(invalid(format!(
             "{what}: expected a string or an array of content parts, got {}",
-            type_name(other)
+            other.type_name()
         ))),
     }
 }
 
 /// User content: a string, or parts with images kept as `image_url` parts.
-fn user_content(v: &Value, what: &str) -> Result<Value, IngressError> {
-    let Value::Array(parts) = v else {
-        return Ok(Value::String(text_parts(v, what)?));
+fn user_content<'j>(v: &'j Json<'_>, what: Path<'_>) -> Result<Content<'j>, IngressError> {
+    let Json::Arr(parts) = v else {
+        return Ok(Content::Text(text_parts(v, what)?));
     };
     let mut out = Vec::with_capacity(parts.len());
     for (i, p) in parts.iter().enumerate() {
-        let what = format!("{what}[{i}]");
-        let o = want_obj(p, &what)?;
-        let ty = want_str(field(o, "type"), &format!("{what}.type"))?;
+        let what = what.at(i);
+        let o = want_obj(p, what)?;
+        let ty = want_str(o.field("type"), what.key("type"))?;
         match ty {
             "input_text" | "output_text" | "text" => {
-                let t = want_str(field(o, "text"), &format!("{what}.text"))?;
-                out.push(json!({ "type": "text", "text": t }));
+                let text = want_str(o.field("text"), what.key("text"))?;
+                out.push(Part::Text { text });
             }
             "input_image" => {
-                if o.get("image_url").is_none_or(Value::is_null)
-                    && o.get("file_id").is_some_and(|f| !f.is_null())
-                {
+                if o.field("image_url").is_null() && !o.field("file_id").is_null() {
                     return Err(invalid(format!(
                         "{what}: images by file_id are not supported (use image_url)"
                     )));
                 }
-                let url = want_str(field(o, "image_url"), &format!("{what}.image_url"))?;
-                let mut image = Map::new();
-                image.insert("url".into(), json!(url));
-                if let Some(d) = o.get("detail").and_then(Value::as_str) {
-                    image.insert("detail".into(), json!(d));
-                }
-                out.push(json!({ "type": "image_url", "image_url": image }));
+                let url = want_str(o.field("image_url"), what.key("image_url"))?;
+                let detail = o.field("detail").as_str();
+                out.push(Part::ImageUrl {
+                    image_url: ImageUrl {
+                        url: Cow::Borrowed(url),
+                        detail,
+                    },
+                });
             }
             other => {
                 return Err(invalid(format!(
@@ -214,52 +218,56 @@ fn user_content(v: &Value, what: &str) -> Result<Value, IngressError> {
             }
         }
     }
-    Ok(Value::Array(out))
+    Ok(Content::Parts(out))
 }
 
 /// Appends a tool call to the trailing assistant message (opened by this conversion) or a new one.
-fn push_call(out: &mut Vec<Value>, call: Value, last_was_assistant: bool) {
+fn push_call<'j>(out: &mut Vec<chat::Message<'j>>, call: ToolCall<'j>, last_was_assistant: bool) {
     if last_was_assistant
-        && let Some(Value::Object(m)) = out.last_mut()
-        && m.get("role").and_then(Value::as_str) == Some("assistant")
+        && let Some(m) = out.last_mut()
+        && m.role == "assistant"
     {
-        match m.get_mut("tool_calls") {
-            Some(Value::Array(calls)) => calls.push(call),
-            _ => {
-                m.insert("tool_calls".into(), Value::Array(vec![call]));
-            }
-        }
+        m.tool_calls.push(call);
         return;
     }
-    out.push(json!({ "role": "assistant", "content": null, "tool_calls": [call] }));
+    out.push(chat::Message {
+        role: "assistant",
+        tool_call_id: None,
+        content: Content::Null,
+        tool_calls: vec![call],
+    });
 }
 
-fn convert_items(items: &[Value], out: &mut Vec<Value>) -> Result<(), IngressError> {
+fn convert_items<'j>(
+    items: &'j [Json<'_>],
+    out: &mut Vec<chat::Message<'j>>,
+) -> Result<(), IngressError> {
     // Whether the previous item produced an assistant message that a function_call may join.
     let mut last_was_assistant = false;
     for (i, item) in items.iter().enumerate() {
-        let what = format!("input[{i}]");
-        let o = want_obj(item, &what)?;
-        let ty = match o.get("type") {
-            None | Some(Value::Null) if o.contains_key("role") => "message",
-            _ => want_str(field(o, "type"), &format!("{what}.type"))?,
+        let what = Path::Root("input");
+        let what = what.at(i);
+        let o = want_obj(item, what)?;
+        let ty = match o.field("type") {
+            Json::Null if o.contains_key("role") => "message",
+            other => want_str(other, what.key("type"))?,
         };
         match ty {
             "message" => {
-                let role = want_str(field(o, "role"), &format!("{what}.role"))?;
-                let content = field(o, "content");
-                let cw = format!("{what}.content");
+                let role = want_str(o.field("role"), what.key("role"))?;
+                let content = o.field("content");
+                let cw = what.key("content");
                 last_was_assistant = false;
                 match role {
-                    "user" => {
-                        out.push(json!({ "role": "user", "content": user_content(content, &cw)? }))
-                    }
+                    "user" => out.push(chat::Message {
+                        content: user_content(content, cw)?,
+                        ..chat::Message::text("user", "")
+                    }),
                     "system" | "developer" => {
-                        out.push(json!({ "role": "system", "content": text_parts(content, &cw)? }))
+                        out.push(chat::Message::text("system", text_parts(content, cw)?))
                     }
                     "assistant" => {
-                        let text = text_parts(content, &cw)?;
-                        out.push(json!({ "role": "assistant", "content": text }));
+                        out.push(chat::Message::text("assistant", text_parts(content, cw)?));
                         last_was_assistant = true;
                     }
                     other => {
@@ -270,20 +278,20 @@ fn convert_items(items: &[Value], out: &mut Vec<Value>) -> Result<(), IngressErr
                 }
             }
             "function_call" => {
-                let call_id = want_str(field(o, "call_id"), &format!("{what}.call_id"))?;
-                let name = want_str(field(o, "name"), &format!("{what}.name"))?;
-                let args = want_str(field(o, "arguments"), &format!("{what}.arguments"))?;
-                let call = json!({
-                    "id": call_id, "type": "function",
-                    "function": { "name": name, "arguments": args },
-                });
-                push_call(out, call, last_was_assistant);
+                let call_id = want_str(o.field("call_id"), what.key("call_id"))?;
+                let name = want_str(o.field("name"), what.key("name"))?;
+                let args = want_str(o.field("arguments"), what.key("arguments"))?;
+                push_call(
+                    out,
+                    ToolCall::function(call_id, name, args),
+                    last_was_assistant,
+                );
                 last_was_assistant = true;
             }
             "function_call_output" => {
-                let call_id = want_str(field(o, "call_id"), &format!("{what}.call_id"))?;
-                let output = text_parts(field(o, "output"), &format!("{what}.output"))?;
-                out.push(json!({ "role": "tool", "tool_call_id": call_id, "content": output }));
+                let call_id = want_str(o.field("call_id"), what.key("call_id"))?;
+                let output = text_parts(o.field("output"), what.key("output"))?;
+                out.push(chat::Message::tool(call_id, output));
                 last_was_assistant = false;
             }
             "reasoning" => {}
@@ -297,103 +305,125 @@ fn convert_items(items: &[Value], out: &mut Vec<Value>) -> Result<(), IngressErr
     Ok(())
 }
 
-fn convert_tools(tools: &Value) -> Result<(Value, Value), IngressError> {
+/// The chat tools and the `tools` the `Response` echoes.
+fn convert_tools<'j>(tools: &'j Json<'_>) -> Result<(Vec<Tool<'j>>, Value), IngressError> {
     let tools = want_arr(tools, "tools")?;
     let mut chat = Vec::with_capacity(tools.len());
     let mut echo = Vec::with_capacity(tools.len());
     for (i, t) in tools.iter().enumerate() {
-        let what = format!("tools[{i}]");
-        let o = want_obj(t, &what)?;
-        let ty = want_str(field(o, "type"), &format!("{what}.type"))?;
+        let what = Path::Root("tools");
+        let what = what.at(i);
+        let o = want_obj(t, what)?;
+        let ty = want_str(o.field("type"), what.key("type"))?;
         if ty != "function" {
             return Err(invalid(format!(
                 "{what}.type: tool type `{ty}` is not supported (function only)"
             )));
         }
-        let name = want_str(field(o, "name"), &format!("{what}.name"))?;
-        let mut f = Map::new();
-        f.insert("name".into(), json!(name));
-        let description = match o.get("description").filter(|d| !d.is_null()) {
-            Some(d) => {
-                let d = want_str(d, &format!("{what}.description"))?;
-                f.insert("description".into(), json!(d));
-                json!(d)
-            }
-            None => Value::Null,
+        let name = want_str(o.field("name"), what.key("name"))?;
+        let description = match o.field("description").present() {
+            Some(d) => Some(want_str(d, what.key("description"))?),
+            None => None,
         };
-        let parameters = o.get("parameters").cloned().unwrap_or(Value::Null);
-        if !parameters.is_null() {
-            want_obj(&parameters, &format!("{what}.parameters"))?;
-            f.insert("parameters".into(), parameters.clone());
+        let parameters = o.field("parameters").present();
+        if let Some(p) = parameters {
+            want_obj(p, what.key("parameters"))?;
         }
-        let strict = match o.get("strict") {
-            None | Some(Value::Null) => Value::Null,
-            Some(Value::Bool(b)) => {
-                f.insert("strict".into(), json!(b));
-                json!(b)
-            }
-            Some(other) => {
+        let strict = match o.field("strict") {
+            Json::Null => None,
+            Json::Bool(b) => Some(*b),
+            other => {
                 return Err(invalid(format!(
                     "{what}.strict: expected a boolean, got {}",
-                    type_name(other)
+                    other.type_name()
                 )));
             }
         };
-        chat.push(json!({ "type": "function", "function": f }));
+        chat.push(Tool {
+            kind: "function",
+            function: Function {
+                name,
+                description,
+                parameters,
+                strict,
+            },
+        });
         echo.push(json!({
             "type": "function", "name": name, "description": description,
-            "parameters": parameters, "strict": strict,
+            "parameters": parameters.map_or(Value::Null, Json::to_value), "strict": strict,
         }));
     }
-    Ok((Value::Array(chat), Value::Array(echo)))
+    Ok((chat, Value::Array(echo)))
 }
 
-fn convert_tool_choice(tc: &Value) -> Result<Value, IngressError> {
+fn convert_tool_choice<'j>(tc: &'j Json<'_>) -> Result<ToolChoice<'j>, IngressError> {
     match tc {
-        Value::String(s) if matches!(s.as_str(), "auto" | "none" | "required") => Ok(tc.clone()),
-        Value::String(s) => Err(invalid(format!(
+        Json::Str(s) if matches!(&**s, "auto" | "none" | "required") => Ok(ToolChoice::Mode(s)),
+        Json::Str(s) => Err(invalid(format!(
             "tool_choice: `{s}` is not auto, none or required"
         ))),
-        Value::Object(o) => {
-            let ty = want_str(field(o, "type"), "tool_choice.type")?;
+        Json::Obj(o) => {
+            let ty = want_str(o.field("type"), "tool_choice.type")?;
             if ty != "function" {
                 return Err(invalid(format!(
                     "tool_choice.type: `{ty}` is not supported (function only)"
                 )));
             }
-            let name = want_str(field(o, "name"), "tool_choice.name")?;
-            Ok(json!({ "type": "function", "function": { "name": name } }))
+            let name = want_str(o.field("name"), "tool_choice.name")?;
+            Ok(ToolChoice::Function(name))
         }
         other => Err(invalid(format!(
             "tool_choice: expected a string or an object, got {}",
-            type_name(other)
+            other.type_name()
         ))),
     }
 }
 
-fn convert_text_format(text: &Value) -> Result<Option<Value>, IngressError> {
+/// A chat `response_format`.
+#[derive(Serialize)]
+#[serde(tag = "type")]
+enum ResponseFormat<'a> {
+    #[serde(rename = "json_object")]
+    JsonObject,
+    #[serde(rename = "json_schema")]
+    JsonSchema { json_schema: JsonSchema<'a> },
+}
+
+#[derive(Serialize)]
+struct JsonSchema<'a> {
+    name: &'a str,
+    schema: &'a Json<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    description: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    strict: Option<bool>,
+}
+
+fn convert_text_format<'j>(text: &'j Json<'_>) -> Result<Option<ResponseFormat<'j>>, IngressError> {
     let o = want_obj(text, "text")?;
-    let Some(format) = o.get("format").filter(|f| !f.is_null()) else {
+    let Some(format) = o.field("format").present() else {
         return Ok(None);
     };
     let f = want_obj(format, "text.format")?;
-    match want_str(field(f, "type"), "text.format.type")? {
+    match want_str(f.field("type"), "text.format.type")? {
         "text" => Ok(None),
-        "json_object" => Ok(Some(json!({ "type": "json_object" }))),
+        "json_object" => Ok(Some(ResponseFormat::JsonObject)),
         "json_schema" => {
-            let name = want_str(field(f, "name"), "text.format.name")?;
-            let schema = field(f, "schema");
+            let name = want_str(f.field("name"), "text.format.name")?;
+            let schema = f.field("schema");
             want_obj(schema, "text.format.schema")?;
-            let mut js = Map::new();
-            js.insert("name".into(), json!(name));
-            js.insert("schema".into(), schema.clone());
-            if let Some(d) = f.get("description").and_then(Value::as_str) {
-                js.insert("description".into(), json!(d));
-            }
-            if let Some(s) = f.get("strict").and_then(Value::as_bool) {
-                js.insert("strict".into(), json!(s));
-            }
-            Ok(Some(json!({ "type": "json_schema", "json_schema": js })))
+            let strict = match f.field("strict") {
+                Json::Bool(b) => Some(*b),
+                _ => None,
+            };
+            Ok(Some(ResponseFormat::JsonSchema {
+                json_schema: JsonSchema {
+                    name,
+                    schema,
+                    description: f.field("description").as_str(),
+                    strict,
+                },
+            }))
         }
         other => Err(invalid(format!(
             "text.format.type: `{other}` is not text, json_object or json_schema"
@@ -401,10 +431,38 @@ fn convert_text_format(text: &Value) -> Result<Option<Value>, IngressError> {
     }
 }
 
+/// The chat body [`responses_to_chat`] writes, in its key order.
+#[derive(Serialize)]
+struct ChatBody<'a> {
+    model: &'a str,
+    messages: Vec<chat::Message<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<&'a Number>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<&'a Number>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<&'a Number>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    user: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tools: Option<Vec<Tool<'a>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<ToolChoice<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parallel_tool_calls: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response_format: Option<ResponseFormat<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stream_options: Option<chat::StreamOptions>,
+}
+
 /// Converts a Responses `ResponseCreateParams` body into a chat-completions body.
 ///
 /// 413 above `limits.max_body_bytes` (checked before parsing); 400 for anything malformed or
-/// unsupported. Unknown fields are ignored.
+/// unsupported. Unknown fields are ignored. One parse into a borrowed tree, the chat body
+/// written straight from it (as [`super::anthropic::messages_to_chat`]).
 pub fn responses_to_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, IngressError> {
     if body.len() > limits.max_body_bytes {
         return Err(IngressError::new(
@@ -416,122 +474,151 @@ pub fn responses_to_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, In
             ),
         ));
     }
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| invalid(format!("request body is not valid JSON: {e}")))?;
+    let v =
+        Json::parse(body).map_err(|e| invalid(format!("request body is not valid JSON: {e}")))?;
     let req = want_obj(&v, "request body")?;
-    let model = want_str(field(req, "model"), "model")?.to_owned();
+    let model = want_str(req.field("model"), "model")?;
     for key in ["previous_response_id", "conversation"] {
-        if req.get(key).is_some_and(|x| !x.is_null()) {
+        if !req.field(key).is_null() {
             return Err(invalid(format!(
                 "{key}: not supported; the router keeps no conversation state (send the whole input)"
             )));
         }
     }
-    if req.get("background") == Some(&Value::Bool(true)) {
+    if matches!(req.get("background"), Some(Json::Bool(true))) {
         return Err(invalid(
             "background: background responses are not supported",
         ));
     }
     let mut echo = Map::new();
     let mut messages = Vec::new();
-    match req.get("instructions") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => {
-            messages.push(json!({ "role": "system", "content": s }));
+    match req.field("instructions") {
+        Json::Null => {}
+        Json::Str(s) => {
+            messages.push(chat::Message::text("system", &**s));
             echo.insert("instructions".into(), json!(s));
         }
-        Some(other) => {
+        other => {
             return Err(invalid(format!(
                 "instructions: expected a string, got {}",
-                type_name(other)
+                other.type_name()
             )));
         }
     }
-    match field(req, "input") {
-        Value::String(s) => messages.push(json!({ "role": "user", "content": s })),
-        Value::Array(items) => convert_items(items, &mut messages)?,
+    match req.field("input") {
+        Json::Str(s) => messages.push(chat::Message::text("user", &**s)),
+        Json::Arr(items) => convert_items(items, &mut messages)?,
         other => {
             return Err(invalid(format!(
                 "input: expected a string or an array of input items, got {}",
-                type_name(other)
+                other.type_name()
             )));
         }
     }
-    let mut out = Map::new();
-    out.insert("model".into(), json!(model));
-    out.insert("messages".into(), Value::Array(messages));
-    match req.get("max_output_tokens") {
-        None | Some(Value::Null) => {}
-        Some(n) if n.as_u64().is_some_and(|n| n > 0) => {
-            out.insert("max_tokens".into(), n.clone());
-            echo.insert("max_output_tokens".into(), n.clone());
+    let max_tokens = match req.field("max_output_tokens") {
+        Json::Null => None,
+        Json::Num(n) if n.as_u64().is_some_and(|n| n > 0) => {
+            echo.insert("max_output_tokens".into(), Value::Number(n.clone()));
+            Some(n)
         }
-        Some(_) => return Err(invalid("max_output_tokens: expected a positive integer")),
-    }
-    for key in ["temperature", "top_p"] {
-        if let Some(x) = req.get(key).filter(|x| !x.is_null()) {
-            out.insert(key.into(), want_num(x, key)?);
-            echo.insert(key.into(), x.clone());
+        _ => return Err(invalid("max_output_tokens: expected a positive integer")),
+    };
+    let mut number = |key: &str| match req.field(key).present() {
+        Some(x) => {
+            let n = want_num(x, key)?;
+            echo.insert(key.into(), Value::Number(n.clone()));
+            Ok::<_, IngressError>(Some(n))
         }
-    }
-    if let Some(u) = req.get("user").filter(|u| !u.is_null()) {
-        out.insert("user".into(), json!(want_str(u, "user")?));
-        echo.insert("user".into(), u.clone());
-    }
-    if let Some(md) = req.get("metadata").filter(|m| !m.is_null()) {
+        None => Ok(None),
+    };
+    let (temperature, top_p) = (number("temperature")?, number("top_p")?);
+    let user = match req.field("user").present() {
+        Some(u) => {
+            let u = want_str(u, "user")?;
+            echo.insert("user".into(), json!(u));
+            Some(u)
+        }
+        None => None,
+    };
+    if let Some(md) = req.field("metadata").present() {
         want_obj(md, "metadata")?;
-        echo.insert("metadata".into(), md.clone());
+        echo.insert("metadata".into(), md.to_value());
     }
-    if let Some(t) = req.get("tools").filter(|t| !t.is_null()) {
+    let mut tools = None;
+    if let Some(t) = req.field("tools").present() {
         let (chat, echoed) = convert_tools(t)?;
-        if chat.as_array().is_some_and(|a| !a.is_empty()) {
-            out.insert("tools".into(), chat);
+        if !chat.is_empty() {
+            tools = Some(chat);
         }
         echo.insert("tools".into(), echoed);
     }
-    if let Some(tc) = req.get("tool_choice").filter(|t| !t.is_null()) {
-        out.insert("tool_choice".into(), convert_tool_choice(tc)?);
-        echo.insert("tool_choice".into(), tc.clone());
+    let mut tool_choice = None;
+    if let Some(tc) = req.field("tool_choice").present() {
+        tool_choice = Some(convert_tool_choice(tc)?);
+        echo.insert("tool_choice".into(), tc.to_value());
     }
-    match req.get("parallel_tool_calls") {
-        None | Some(Value::Null) => {}
-        Some(Value::Bool(b)) => {
-            out.insert("parallel_tool_calls".into(), json!(b));
+    let parallel_tool_calls = match req.field("parallel_tool_calls") {
+        Json::Null => None,
+        Json::Bool(b) => {
             echo.insert("parallel_tool_calls".into(), json!(b));
+            Some(*b)
         }
-        Some(other) => {
+        other => {
             return Err(invalid(format!(
                 "parallel_tool_calls: expected a boolean, got {}",
-                type_name(other)
-            )));
-        }
-    }
-    if let Some(text) = req.get("text").filter(|t| !t.is_null()) {
-        if let Some(rf) = convert_text_format(text)? {
-            out.insert("response_format".into(), rf);
-        }
-        echo.insert("text".into(), text.clone());
-    }
-    let stream = match req.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(other) => {
-            return Err(invalid(format!(
-                "stream: expected a boolean, got {}",
-                type_name(other)
+                other.type_name()
             )));
         }
     };
-    if stream {
-        out.insert("stream".into(), json!(true));
-        out.insert("stream_options".into(), json!({ "include_usage": true }));
+    let mut response_format = None;
+    if let Some(text) = req.field("text").present() {
+        response_format = convert_text_format(text)?;
+        echo.insert("text".into(), text.to_value());
     }
+    let stream = match req.field("stream") {
+        Json::Null => false,
+        Json::Bool(b) => *b,
+        other => {
+            return Err(invalid(format!(
+                "stream: expected a boolean, got {}",
+                other.type_name()
+            )));
+        }
+    };
+    let (stream_flag, stream_options) = chat::stream_fields(stream);
+    let out = chat::to_bytes(
+        &ChatBody {
+            model,
+            messages,
+            max_tokens,
+            temperature,
+            top_p,
+            user,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            response_format,
+            stream: stream_flag,
+            stream_options,
+        },
+        body.len() + 256,
+    )?;
     Ok(ChatRequest {
-        body: Value::Object(out),
-        model,
+        body: out,
+        model: model.to_owned(),
         stream,
         echo,
     })
+}
+
+/// The `model` a Responses body names, if it is a JSON object with a string `model` (the last
+/// one when repeated, as for the conversion); `None` for anything else. Reads the body without
+/// building a tree of it (strings and containers other than `model` are skipped).
+pub fn requested_model(body: &[u8]) -> Option<String> {
+    match Json::parse_field(body, "model")? {
+        Json::Str(s) => Some(s.into_owned()),
+        _ => None,
+    }
 }
 
 fn upstream(message: impl Into<String>) -> IngressError {

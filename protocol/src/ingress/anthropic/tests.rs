@@ -27,14 +27,14 @@ fn base(extra: Value) -> Value {
 }
 
 fn body(req: Value) -> Value {
-    convert(req).unwrap().body
+    convert(req).unwrap().body_json()
 }
 
 #[test]
 fn minimal_request_converts() {
     let r = convert(base(json!({}))).unwrap();
     assert_eq!(
-        r.body,
+        r.body_json(),
         json!({
             "model": "claude-x",
             "max_tokens": 64,
@@ -203,7 +203,7 @@ fn sampling_stop_metadata_and_stream_map() {
         "stream": true,
     })))
     .unwrap();
-    let b = &r.body;
+    let b = &r.body_json();
     assert_eq!(b["temperature"], json!(0.5));
     assert_eq!(b["top_p"], json!(0.9));
     assert_eq!(b["top_k"], json!(40));
@@ -229,7 +229,7 @@ fn unknown_fields_are_ignored() {
     })))
     .unwrap();
     assert_eq!(
-        r.body,
+        r.body_json(),
         json!({ "model": "claude-x", "max_tokens": 64, "messages": [
             { "role": "user", "content": [{ "type": "text", "text": "hi" }] } ] })
     );
@@ -484,7 +484,7 @@ fn golden_round_trip_with_tools() {
     });
     let req = convert(anthropic_req).unwrap();
     assert_eq!(
-        req.body,
+        req.body_json(),
         json!({
             "model": "claude-x", "max_tokens": 256,
             "messages": [
@@ -527,12 +527,12 @@ fn golden_round_trip_with_tools() {
     ] }))
     .unwrap();
     assert_eq!(
-        next.body["messages"][1],
+        next.body_json()["messages"][1],
         json!({ "role": "assistant", "content": "Let me check.", "tool_calls": [
             { "id": "call_9", "type": "function",
               "function": { "name": "weather", "arguments": "{\"city\":\"Paris\"}" } } ] })
     );
-    assert_eq!(next.body["messages"][2]["tool_call_id"], "call_9");
+    assert_eq!(next.body_json()["messages"][2]["tool_call_id"], "call_9");
 }
 
 fn chunk(delta: Value, finish: Option<&str>) -> Vec<u8> {
@@ -888,7 +888,7 @@ proptest! {
         let req = json!({ "model": "m", "max_tokens": 8, "messages": messages, "system": system,
                           "tools": tools, "tool_choice": tool_choice });
         match messages_to_chat(req.to_string().as_bytes(), &limits()) {
-            Ok(r) => prop_assert!(r.body["messages"].is_array()),
+            Ok(r) => prop_assert!(r.body_json()["messages"].is_array()),
             Err(e) => {
                 prop_assert_eq!(e.status, 400);
                 let b = e.body();
@@ -1028,4 +1028,93 @@ proptest! {
         prop_assert_eq!(&result_ids, &want_ids);
         prop_assert_eq!(msgs.len(), turns.len() * 2 + want_ids.len());
     }
+}
+
+fn refusal(req: &str) -> String {
+    messages_to_chat(req.as_bytes(), &limits())
+        .expect_err("refused")
+        .message
+}
+
+#[test]
+fn refusals_name_the_path_of_the_bad_value() {
+    let m = |messages: &str| {
+        refusal(&format!(
+            r#"{{"model":"m","max_tokens":8,"messages":{messages}}}"#
+        ))
+    };
+    assert_eq!(
+        m(
+            r#"[{"role":"user","content":"a"},{"role":"user","content":[{"type":"text","text":1}]}]"#
+        ),
+        "messages[1].content[0].text: expected a string, got number"
+    );
+    assert_eq!(
+        m(r#"[{"role":"user","content":[{"type":"image","source":{"type":"file"}}]}]"#),
+        "messages[0].content[0].source.type: `file` is not supported (base64 or url)"
+    );
+    assert_eq!(
+        m(
+            r#"[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":null}]}]}]"#
+        ),
+        "messages[0].content[0].content[0].text: expected a string, got null"
+    );
+    assert_eq!(
+        m(
+            r#"[{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"n","input":[]}]}]"#
+        ),
+        "messages[0].content[0].input: expected an object, got array"
+    );
+    assert_eq!(
+        m(r#"[{"role":"assistant","content":7}]"#),
+        "messages[0].content: expected a string or an array of content blocks, got number"
+    );
+    assert_eq!(
+        refusal(
+            r#"{"model":"m","max_tokens":8,"messages":[],"system":[{"type":"text","text":"a"},{"type":"image"}]}"#
+        ),
+        "system[1]: block type `image` is not supported here (text only)"
+    );
+    assert_eq!(
+        refusal(r#"{"model":"m","max_tokens":8,"messages":[],"stop_sequences":["a",2]}"#),
+        "stop_sequences[1]: expected a string, got number"
+    );
+    assert_eq!(
+        refusal(r#"{"model":"m","max_tokens":8,"messages":[],"tools":[{"name":"w"}]}"#),
+        "tools[0].input_schema: expected an object, got null"
+    );
+    assert!(
+        refusal(r#"{"model":"m","max_tokens":8,"messages":[]"#)
+            .starts_with("request body is not valid JSON: EOF while parsing")
+    );
+}
+
+/// The converted body is written directly (no `Value` in between): its exact text, key order
+/// included, is what the chat route receives.
+#[test]
+fn the_chat_body_text_is_written_in_a_fixed_key_order() {
+    let r = messages_to_chat(
+        br#"{"stream":true,"metadata":{"user_id":"u"},"tool_choice":{"type":"tool","name":"w","disable_parallel_tool_use":true},
+            "tools":[{"name":"w","description":"d","input_schema":{"type":"object","b":1,"a":2}}],
+            "stop_sequences":["x"],"top_k":5,"top_p":0.5,"temperature":1,"system":"s",
+            "messages":[{"role":"user","content":[{"type":"text","text":"q\u00e9\"\n"}]},
+                        {"role":"assistant","content":[{"type":"text","text":"a"},{"type":"tool_use","id":"t","name":"w","input":{"z":1,"y":[2]}}]},
+                        {"role":"user","content":[{"type":"tool_result","tool_use_id":"t","is_error":true}]}],
+            "max_tokens":16,"model":"m","unknown":{"x":[1]}}"#,
+        &limits(),
+    )
+    .unwrap();
+    assert_eq!(
+        String::from_utf8(r.body).unwrap(),
+        concat!(
+            r#"{"model":"m","messages":[{"role":"system","content":"s"},"#,
+            r#"{"role":"user","content":[{"type":"text","text":"qé\"\n"}]},"#,
+            r#"{"role":"assistant","content":"a","tool_calls":[{"id":"t","type":"function","function":{"name":"w","arguments":"{\"z\":1,\"y\":[2]}"}}]},"#,
+            r#"{"role":"tool","tool_call_id":"t","content":"[tool error] "}],"#,
+            r#""max_tokens":16,"temperature":1,"top_p":0.5,"top_k":5,"stop":["x"],"#,
+            r#""tools":[{"type":"function","function":{"name":"w","description":"d","parameters":{"type":"object","b":1,"a":2}}}],"#,
+            r#""tool_choice":{"type":"function","function":{"name":"w"}},"parallel_tool_calls":false,"#,
+            r#""user":"u","stream":true,"stream_options":{"include_usage":true}}"#
+        )
+    );
 }

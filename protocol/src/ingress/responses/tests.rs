@@ -11,7 +11,7 @@ fn convert(req: Value) -> Result<ChatRequest, IngressError> {
 }
 
 fn body(req: Value) -> Value {
-    convert(req).expect("valid request").body
+    convert(req).expect("valid request").body_json()
 }
 
 fn status(req: Value) -> u16 {
@@ -26,7 +26,7 @@ fn string_input_and_instructions() {
     }))
     .unwrap();
     assert_eq!(
-        r.body,
+        r.body_json(),
         json!({
             "model": "m",
             "messages": [
@@ -102,20 +102,23 @@ fn tools_tool_choice_text_format_and_stream() {
     .unwrap();
     assert!(r.stream);
     assert_eq!(
-        r.body["tools"],
+        r.body_json()["tools"],
         json!([{ "type": "function", "function": {
             "name": "weather", "description": "d", "parameters": { "type": "object" }, "strict": true } }])
     );
     assert_eq!(
-        r.body["tool_choice"],
+        r.body_json()["tool_choice"],
         json!({ "type": "function", "function": { "name": "weather" } })
     );
-    assert_eq!(r.body["parallel_tool_calls"], json!(false));
+    assert_eq!(r.body_json()["parallel_tool_calls"], json!(false));
     assert_eq!(
-        r.body["response_format"],
+        r.body_json()["response_format"],
         json!({ "type": "json_schema", "json_schema": { "name": "s", "schema": { "type": "object" } } })
     );
-    assert_eq!(r.body["stream_options"], json!({ "include_usage": true }));
+    assert_eq!(
+        r.body_json()["stream_options"],
+        json!({ "include_usage": true })
+    );
     assert_eq!(
         body(json!({ "model": "m", "input": "x", "tool_choice": "required" }))["tool_choice"],
         json!("required")
@@ -421,7 +424,7 @@ proptest! {
     fn arbitrary_requests_never_panic(input in arb_json(), tools in arb_json(), tc in arb_json()) {
         let req = json!({ "model": "m", "input": input, "tools": tools, "tool_choice": tc });
         match convert(req) {
-            Ok(r) => prop_assert!(r.body["messages"].is_array()),
+            Ok(r) => prop_assert!(r.body_json()["messages"].is_array()),
             Err(e) => prop_assert!(e.status == 400),
         }
     }
@@ -467,4 +470,82 @@ proptest! {
             prop_assert_eq!(added, done);
         }
     }
+}
+
+fn refusal(req: &str) -> String {
+    responses_to_chat(req.as_bytes(), &Limits::default())
+        .expect_err("refused")
+        .message
+}
+
+#[test]
+fn refusals_name_the_path_of_the_bad_value() {
+    let input = |items: &str| refusal(&format!(r#"{{"model":"m","input":{items}}}"#));
+    assert_eq!(
+        input(
+            r#"[{"role":"user","content":"a"},{"role":"user","content":[{"type":"input_text","text":1}]}]"#
+        ),
+        "input[1].content[0].text: expected a string, got number"
+    );
+    assert_eq!(
+        input(
+            r#"[{"type":"function_call_output","call_id":"c","output":[{"type":"input_text","refusal":"x"}]}]"#
+        ),
+        "input[0].output[0].text: expected a string, got null"
+    );
+    assert_eq!(
+        input(r#"[{"type":"message","role":"assistant","content":[{"type":"refusal"}]}]"#),
+        "input[0].content[0].refusal: expected a string, got null"
+    );
+    assert_eq!(
+        input(r#"[{"type":7}]"#),
+        "input[0].type: expected a string, got number"
+    );
+    assert_eq!(
+        refusal(
+            r#"{"model":"m","input":"x","tools":[{"type":"function","name":"f","strict":"yes"}]}"#
+        ),
+        "tools[0].strict: expected a boolean, got string"
+    );
+}
+
+/// The converted body is written directly: its exact text, key order included.
+#[test]
+fn the_chat_body_text_is_written_in_a_fixed_key_order() {
+    let r = responses_to_chat(
+        br#"{"stream":true,"text":{"format":{"type":"json_schema","name":"n","schema":{"type":"object"},"strict":true}},
+            "parallel_tool_calls":false,"tool_choice":"required","user":"u","top_p":0.5,"temperature":1,
+            "tools":[{"type":"function","name":"w","parameters":{"b":1,"a":2}}],"max_output_tokens":16,
+            "input":[{"role":"developer","content":"d"},{"role":"user","content":[{"type":"input_image","image_url":"http://i","detail":"low"}]},
+                     {"role":"assistant","content":"a"},{"type":"function_call","call_id":"c","name":"w","arguments":"{}"},
+                     {"type":"function_call_output","call_id":"c","output":"o"}],
+            "instructions":"s","model":"m"}"#,
+        &Limits::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        String::from_utf8(r.body).unwrap(),
+        concat!(
+            r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"system","content":"d"},"#,
+            r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://i","detail":"low"}}]},"#,
+            r#"{"role":"assistant","content":"a","tool_calls":[{"id":"c","type":"function","function":{"name":"w","arguments":"{}"}}]},"#,
+            r#"{"role":"tool","tool_call_id":"c","content":"o"}],"#,
+            r#""max_tokens":16,"temperature":1,"top_p":0.5,"user":"u","#,
+            r#""tools":[{"type":"function","function":{"name":"w","parameters":{"b":1,"a":2}}}],"#,
+            r#""tool_choice":"required","parallel_tool_calls":false,"#,
+            r#""response_format":{"type":"json_schema","json_schema":{"name":"n","schema":{"type":"object"},"strict":true}},"#,
+            r#""stream":true,"stream_options":{"include_usage":true}}"#
+        )
+    );
+}
+
+#[test]
+fn the_requested_model_is_read_without_converting() {
+    assert_eq!(
+        requested_model(br#"{"input":[{"x":1}],"model":"m","previous_response_id":"r"}"#),
+        Some("m".into())
+    );
+    assert_eq!(requested_model(br#"{"model":3}"#), None);
+    assert_eq!(requested_model(br#"{"model":"m""#), None);
+    assert_eq!(requested_model(b"[]"), None);
 }
