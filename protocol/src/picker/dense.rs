@@ -45,6 +45,9 @@ pub struct DenseRanks {
     pub(super) block_size: Vec<u32>,
     pub(super) total_kv_blocks: Vec<u64>,
     pub(super) max_num_batched_tokens: Vec<u64>,
+    /// Every row as `(instance, row)`, sorted: the rows of one instance, found by binary search
+    /// when the ledger's few pending dispatches are laid onto rows.
+    by_instance: Vec<(InstanceId, u32)>,
 }
 
 impl Default for DenseRanks {
@@ -68,6 +71,7 @@ impl DenseRanks {
             block_size: Vec::with_capacity(candidates.len()),
             total_kv_blocks: Vec::with_capacity(candidates.len()),
             max_num_batched_tokens: Vec::with_capacity(candidates.len()),
+            by_instance: Vec::with_capacity(candidates.len()),
         };
         dense.fill(candidates);
         dense
@@ -87,6 +91,7 @@ impl DenseRanks {
         self.block_size.clear();
         self.total_kv_blocks.clear();
         self.max_num_batched_tokens.clear();
+        self.by_instance.clear();
         self.fill(candidates);
     }
 
@@ -108,6 +113,24 @@ impl DenseRanks {
             self.max_num_batched_tokens
                 .push(c.max_num_batched_tokens.unwrap_or(0));
         }
+        // Rows fit u32: a pick reads at most u32::MAX of them.
+        self.by_instance.extend(
+            self.instance
+                .iter()
+                .enumerate()
+                .map(|(row, &instance)| (instance, row as u32)),
+        );
+        self.by_instance.sort_unstable();
+    }
+
+    /// The rows of `instance`, ascending.
+    #[inline]
+    pub(super) fn rows_of(&self, instance: InstanceId) -> impl Iterator<Item = usize> + '_ {
+        let start = self.by_instance.partition_point(|&(i, _)| i < instance);
+        self.by_instance[start..]
+            .iter()
+            .take_while(move |&&(i, _)| i == instance)
+            .map(|&(_, row)| row as usize)
     }
 
     fn group_of(&mut self, c: &Candidate) -> u32 {
