@@ -225,10 +225,28 @@ impl std::fmt::Debug for LoadSlots<'_> {
 }
 
 impl LoadSlots<'_> {
-    /// The sample state in `slot` ([`NO_SLOT`] or an emptied slot reads as never sampled).
-    #[inline]
+    /// The sample state in `slot` ([`NO_SLOT`] or an emptied slot reads as never sampled): what
+    /// [`sample_state`](super::candidates::sample_state) says, with the age test written as a
+    /// comparison with `now - max_age` (loop-invariant in a scan) instead of a subtraction per
+    /// rank.
+    #[inline(always)]
     pub fn state_at(&self, slot: u32) -> SampleState {
-        super::candidates::sample_state(self.store.at_slot(slot), self.now, self.max_age)
+        let Some(s) = self.store.at_slot(slot) else {
+            return SampleState::Never;
+        };
+        // `now.since(received) <= max_age`: always when `now < max_age` (the age is below
+        // `now`), else exactly when the sample was received at or after `now - max_age`.
+        let fresh = self
+            .now
+            .0
+            .checked_sub(self.max_age)
+            .is_none_or(|oldest| s.received_at.0 >= oldest);
+        SampleState::from_last(
+            fresh,
+            s.load.active_decode_blocks,
+            s.load.active_prefill_tokens,
+            s.load.kv_used_blocks,
+        )
     }
 }
 

@@ -444,7 +444,7 @@ impl RowBacklogs {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn get(&self, row: usize) -> RankBacklog {
         match self.marks.get(row) {
             Some(&(stamp, entry)) if stamp == self.stamp => self
@@ -474,7 +474,7 @@ pub(super) enum Backlogs<'b> {
 const LEGS_PER_ROW_LAID: usize = 4;
 
 impl Backlogs<'_> {
-    #[inline]
+    #[inline(always)]
     fn get(&self, dense: &DenseRanks, row: usize, ns: usize, now: Tick) -> RankBacklog {
         match *self {
             Backlogs::Empty => RankBacklog::default(),
@@ -671,7 +671,13 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                     _ => SampleState::Never,
                 };
                 let backlog = backlogs.get(dense, i, ns, now);
-                score_backlog(Phase::Decode, Capacity::at(dense, i), sample, backlog, &mut size)
+                score_backlog(
+                    Phase::Decode,
+                    Capacity::at(dense, i),
+                    sample,
+                    backlog,
+                    &mut size,
+                )
             }),
             Samples::View { .. } => pass.run(|i, ns| {
                 score_at(
