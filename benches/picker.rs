@@ -10,11 +10,18 @@
 //! dynamic `sample` calls alone). `PICKER_BENCH=percentiles` skips criterion; `PICKER_VIEW=dense`
 //! or `=hashmap` keeps one view (for `perf record`).
 //!
-//! The end-to-end pass then times `ShimRouter::decide` over a real published snapshot of the
-//! same 1,000 decode ranks and the shared load store (config load, eligibility, prompt estimate,
-//! the load-store lock, arrivals, expiry, the pick and the ledger record), with a short and a
-//! 6 kB chat body, and the round trip of a ractor `call` to an idle actor, the floor a picker
-//! behind a mailbox would add to every decision.
+//! The end-to-end pass then times `ShimRouter::decide_parsed` (what the request path calls) over
+//! a real published snapshot of the same 1,000 decode ranks and the shared load store (config
+//! load, eligibility, the load-store lock, arrivals, expiry, the pick and the ledger record),
+//! with a short and a 6 kB chat body whose prompt-size estimate comes from the proxy's parse
+//! (`proxy::body::parse`, timed on its own); `ShimRouter::decide` over the raw bytes (which
+//! parses the body again for the estimate) for comparison; and the round trip of a ractor
+//! `call` to an idle actor, the floor a picker behind a mailbox would add to every decision.
+//!
+//! `PICKER_ONLY=scaling_N` runs only the store-slot pass at N ranks, and `PICKER_PICKS=n` sets
+//! the number of timed picks: together they make a short run for
+//! `valgrind --tool=callgrind --toggle-collect='*LoadBasedPicker*pick*'` (instruction counts
+//! per pick, comparable whatever the machine's load).
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
@@ -332,7 +339,17 @@ fn main() {
     }
     criterion.final_summary();
     // Under `cargo test` (no --bench) a short pass only checks the harness runs.
-    let picks = if measuring { 20_000 } else { 50 };
+    let picks = std::env::var("PICKER_PICKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if measuring { 20_000 } else { 50 });
+    if let Some(ranks) = std::env::var("PICKER_ONLY")
+        .ok()
+        .and_then(|v| v.strip_prefix("scaling_")?.parse().ok())
+    {
+        store_percentiles(ranks, picks);
+        return;
+    }
     // PICKER_VIEW=dense or =hashmap narrows the percentile pass to one view (for profiling).
     let view = std::env::var("PICKER_VIEW").unwrap_or_default();
     for fleet in &fleets {
@@ -683,38 +700,60 @@ mod e2e {
             sections(&registry, picks);
             for (label, chars) in [("short_body", 64usize), ("6kB_body", 6000)] {
                 let body = body(chars);
+                // The proxy's one parse of the body (validation, pins, the prompt estimate).
+                let bytes = bytes::Bytes::from(body.clone());
                 let mut nanos = Vec::with_capacity(picks);
-                let mut unanswered = std::collections::VecDeque::new();
-                let mut sequence = 2;
-                for i in 0..picks + 1000 {
-                    if i % 2000 == 0 {
-                        refresh(&load, sequence);
-                        sequence += 1;
-                    }
+                for _ in 0..picks {
                     let start = Instant::now();
-                    let decision = router.decide(MODEL, &body, &[], |_| true);
-                    let elapsed = start.elapsed();
-                    let decision = black_box(decision).expect("a pick");
-                    // Answer the dispatch OUTSTANDING picks later with a fresh sample of the
-                    // chosen worker, as a busy fleet's publishers would.
-                    let decode: u64 = decision.dispatch.headers["x-dynamo-worker-instance-id"]
-                        .to_str()
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .expect("a decimal pin");
-                    unanswered.push_back(decode);
-                    if unanswered.len() > OUTSTANDING
-                        && let Some(worker) = unanswered.pop_front()
-                    {
-                        let w = worker - FIRST_ID;
-                        load.with(|store| store.apply(sample(w, 0, sequence)));
-                        sequence += 1;
-                    }
-                    if i >= 1000 {
-                        nanos.push(elapsed.as_nanos() as u64);
-                    }
+                    let parsed = continuum_router::proxy::body::parse(bytes.clone());
+                    nanos.push(start.elapsed().as_nanos() as u64);
+                    black_box(parsed).expect("valid");
                 }
-                report(&format!("decide/decode_1000_ranks/{label}"), nanos);
+                report(&format!("proxy_parse/{label}"), nanos);
+                let parsed = continuum_router::proxy::body::parse(bytes).expect("valid");
+                for raw in [false, true] {
+                    let mut nanos = Vec::with_capacity(picks);
+                    let mut unanswered = std::collections::VecDeque::new();
+                    let mut sequence = 2;
+                    for i in 0..picks + 1000 {
+                        if i % 2000 == 0 {
+                            refresh(&load, sequence);
+                            sequence += 1;
+                        }
+                        let start = Instant::now();
+                        let decision = if raw {
+                            router.decide(MODEL, &body, &[], |_| true)
+                        } else {
+                            router.decide_parsed(&parsed, &[], |_| true)
+                        };
+                        let elapsed = start.elapsed();
+                        let decision = black_box(decision).expect("a pick");
+                        // Answer the dispatch OUTSTANDING picks later with a fresh sample of the
+                        // chosen worker, as a busy fleet's publishers would.
+                        let decode: u64 = decision.dispatch.headers["x-dynamo-worker-instance-id"]
+                            .to_str()
+                            .ok()
+                            .and_then(|v| v.parse().ok())
+                            .expect("a decimal pin");
+                        unanswered.push_back(decode);
+                        if unanswered.len() > OUTSTANDING
+                            && let Some(worker) = unanswered.pop_front()
+                        {
+                            let w = worker - FIRST_ID;
+                            load.with(|store| store.apply(sample(w, 0, sequence)));
+                            sequence += 1;
+                        }
+                        if i >= 1000 {
+                            nanos.push(elapsed.as_nanos() as u64);
+                        }
+                    }
+                    let how = if raw {
+                        "raw_body_estimate_parses"
+                    } else {
+                        "parsed"
+                    };
+                    report(&format!("decide/decode_1000_ranks/{label}/{how}"), nanos);
+                }
             }
             let (echo, _) = Actor::spawn(None, Echo, ()).await.expect("echo");
             let mut nanos = Vec::with_capacity(picks);

@@ -152,11 +152,12 @@ impl Router {
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
             };
-            let (model, outbound) = (&request.body.model, &request.body.outbound);
             let plan = if request.route == OpenAiRoute::Responses {
-                dynamo.decide(model, outbound, allowed, usable)
+                dynamo.decide_parsed(&request.body, allowed, usable)
             } else {
-                dynamo.decide_async(model, outbound, allowed, usable).await
+                dynamo
+                    .decide_async_parsed(&request.body, allowed, usable)
+                    .await
             };
             if let Some(plan) = plan {
                 return self.pinned(&dynamo, request, allowed, plan).await;

@@ -122,6 +122,7 @@ impl LoadSample {
         !self.has_backlog()
     }
 
+    #[inline]
     pub fn age(&self, now: Tick) -> Duration {
         now.since(self.received_at)
     }

@@ -216,6 +216,7 @@ impl SampleState {
     /// Classifies the last sample held for a rank: fresh while it is within `max_staleness`,
     /// else stale, remembering whether it reported any backlog (a nonzero field). A worker that
     /// goes idle publishes zeros and falls silent, so a stale all-zero sample reads as quiet.
+    #[inline]
     pub fn from_last(
         fresh: bool,
         active_decode_blocks: Option<u64>,
@@ -240,6 +241,7 @@ impl SampleState {
 
     /// The backlog a fresh sample carries for `phase`: prefill tokens, or decode blocks with
     /// `kv_used_blocks` standing in for a nil `active_decode_blocks` (live 1.4.2 dynamo.vllm).
+    #[inline]
     pub fn fresh_backlog(&self, phase: Phase) -> Option<u64> {
         match *self {
             SampleState::Fresh {

@@ -15,10 +15,12 @@ impl Tick {
     }
 
     /// Time elapsed since `earlier`, zero if `earlier` is in the future.
+    #[inline]
     pub fn since(self, earlier: Tick) -> Duration {
         self.0.saturating_sub(earlier.0)
     }
 
+    #[inline]
     pub fn plus(self, d: Duration) -> Tick {
         Tick(self.0.saturating_add(d))
     }

@@ -11,6 +11,10 @@ use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAcces
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+use continuum_protocol::picker::estimate::{
+    TOKENS_PER_MESSAGE, TOKENS_PER_PROMPT, estimate_text_tokens,
+};
+
 use crate::wire::error::ApiError;
 
 /// Largest request body the OpenAI surface accepts, checked before any parsing.
@@ -38,6 +42,10 @@ pub struct ParsedBody {
     pub outbound: Bytes,
     /// How many pin fields were removed.
     pub stripped: usize,
+    /// The tokenizer-free prompt-size estimate of `messages[].content` (strings and text parts)
+    /// and `prompt` (a string or strings), read during this same top-level parse so the picker
+    /// never parses the body again (`continuum_protocol::picker::estimate`).
+    pub prompt_tokens: u64,
 }
 
 /// Reads at most `limit` bytes of `body`; a declared or actual excess is a 413.
@@ -93,6 +101,7 @@ pub fn parse(bytes: Bytes) -> Result<ParsedBody, ApiError> {
     }
     check_structure(&bytes)?;
     let head = scan_head(&bytes)?;
+    let prompt_tokens = head.prompt_tokens();
     let model = match head.model {
         Some(Scalar::Str(m)) if !m.trim().is_empty() => m,
         Some(_) => {
@@ -114,6 +123,7 @@ pub fn parse(bytes: Bytes) -> Result<ParsedBody, ApiError> {
             stream,
             outbound: bytes,
             stripped: 0,
+            prompt_tokens,
         });
     };
     let outbound = Bytes::from(edit.apply(&bytes));
@@ -122,6 +132,7 @@ pub fn parse(bytes: Bytes) -> Result<ParsedBody, ApiError> {
         stream,
         outbound,
         stripped: edit.stripped,
+        prompt_tokens,
     })
 }
 
@@ -215,6 +226,24 @@ struct Head {
     stream: Option<Scalar>,
     /// Where `nvext` sits and which of its members are pins, when it is an object.
     nvext: Option<NvextEdit>,
+    /// The texts of the last `messages` and the last `prompt` (a repeated key: the last copy
+    /// counts, as in a DOM).
+    messages: PromptTexts,
+    prompt: PromptTexts,
+}
+
+impl Head {
+    /// [`estimate_prompt_tokens`] over the messages' texts, then the prompt's.
+    fn prompt_tokens(&self) -> u64 {
+        let count = self.messages.count.saturating_add(self.prompt.count);
+        if count == 0 {
+            return 0;
+        }
+        self.messages
+            .tokens
+            .saturating_add(self.prompt.tokens)
+            .saturating_add(TOKENS_PER_PROMPT)
+    }
 }
 
 /// A top-level value reduced to what validation needs.
@@ -395,6 +424,8 @@ impl<'de> Visitor<'de> for HeadVisitor {
                         }
                     });
                 }
+                TopKey::Messages => head.messages = prompt_texts(raw, PromptField::Messages)?,
+                TopKey::Prompt => head.prompt = prompt_texts(raw, PromptField::Prompt)?,
                 TopKey::Other => {}
             }
             previous_end = Some(range.end);
@@ -459,6 +490,8 @@ enum TopKey {
     Model,
     Stream,
     Nvext,
+    Messages,
+    Prompt,
     Other,
 }
 
@@ -475,6 +508,8 @@ impl<'de> Deserialize<'de> for TopKey {
                     "model" => TopKey::Model,
                     "stream" => TopKey::Stream,
                     "nvext" => TopKey::Nvext,
+                    "messages" => TopKey::Messages,
+                    "prompt" => TopKey::Prompt,
                     _ => TopKey::Other,
                 })
             }
@@ -525,6 +560,177 @@ impl<'de> Deserialize<'de> for ScalarValue {
             }
         }
         deserializer.deserialize_any(ScalarVisitor)
+    }
+}
+
+/// The texts one top-level field contributes to the prompt-size estimate: the sum of their
+/// per-text estimates with the per-message framing, and how many there are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct PromptTexts {
+    tokens: u64,
+    count: u64,
+}
+
+impl PromptTexts {
+    fn add(&mut self, text: &str) {
+        self.tokens = self
+            .tokens
+            .saturating_add(estimate_text_tokens(text))
+            .saturating_add(TOKENS_PER_MESSAGE);
+        self.count += 1;
+    }
+
+    fn merge(&mut self, other: PromptTexts) {
+        self.tokens = self.tokens.saturating_add(other.tokens);
+        self.count = self.count.saturating_add(other.count);
+    }
+}
+
+/// Which top-level field a value is read as.
+#[derive(Clone, Copy)]
+enum PromptField {
+    /// `messages`: an array of messages, each an object whose last `content` is a string or an
+    /// array of parts, each an object whose last `text` is a string.
+    Messages,
+    /// `prompt`: a string, or an array whose strings count.
+    Prompt,
+}
+
+/// The texts of a top-level `messages` or `prompt` value. The value was just read (and
+/// validated) as raw JSON by the top-level scan; this walks its bytes once more as typed,
+/// borrowed JSON: no DOM, strings decoded only when they hold escapes. Anything of another shape
+/// contributes nothing, as the picker's estimate over a DOM would read it.
+fn prompt_texts<E: de::Error>(raw: &RawValue, field: PromptField) -> Result<PromptTexts, E> {
+    let mut deserializer = serde_json::Deserializer::from_str(raw.get());
+    let shape = match field {
+        PromptField::Messages => Shape::Messages,
+        PromptField::Prompt => Shape::Prompt,
+    };
+    de::DeserializeSeed::deserialize(shape, &mut deserializer)
+        .map(|Walked(texts)| texts)
+        .map_err(E::custom)
+}
+
+/// What a value means to the estimate at its position in a `messages` or `prompt` value.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// The `messages` array.
+    Messages,
+    /// One message: an object with `content`.
+    Message,
+    /// A message's `content`: a string, or an array of parts.
+    Content,
+    /// One content part: an object with `text`.
+    Part,
+    /// A value that counts when it is a string (a part's `text`, a `prompt` array item).
+    Text,
+    /// The `prompt`: a string or an array of strings.
+    Prompt,
+    /// Skipped.
+    Ignored,
+}
+
+/// The texts found in one value.
+struct Walked(PromptTexts);
+
+/// An object key compared with the one key a shape reads (after unescaping).
+struct KeyIs(&'static str);
+
+impl<'de> de::DeserializeSeed<'de> for KeyIs {
+    type Value = bool;
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<bool, D::Error> {
+        struct KeyVisitor(&'static str);
+        impl Visitor<'_> for KeyVisitor {
+            type Value = bool;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_str<E: de::Error>(self, key: &str) -> Result<bool, E> {
+                Ok(key == self.0)
+            }
+        }
+        deserializer.deserialize_str(KeyVisitor(self.0))
+    }
+}
+
+impl<'de> de::DeserializeSeed<'de> for Shape {
+    type Value = Walked;
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Walked, D::Error> {
+        match self {
+            Shape::Ignored => {
+                IgnoredAny::deserialize(deserializer)?;
+                Ok(Walked(PromptTexts::default()))
+            }
+            _ => deserializer.deserialize_any(self),
+        }
+    }
+}
+
+impl<'de> Visitor<'de> for Shape {
+    type Value = Walked;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Walked, E> {
+        let mut texts = PromptTexts::default();
+        if matches!(self, Shape::Content | Shape::Text | Shape::Prompt) {
+            texts.add(v);
+        }
+        Ok(Walked(texts))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Walked, A::Error> {
+        let item = match self {
+            Shape::Messages => Shape::Message,
+            Shape::Content => Shape::Part,
+            Shape::Prompt => Shape::Text,
+            _ => Shape::Ignored,
+        };
+        let mut texts = PromptTexts::default();
+        while let Some(Walked(found)) = seq.next_element_seed(item)? {
+            texts.merge(found);
+        }
+        Ok(Walked(texts))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Walked, A::Error> {
+        let (key, value) = match self {
+            Shape::Message => ("content", Shape::Content),
+            Shape::Part => ("text", Shape::Text),
+            _ => ("", Shape::Ignored),
+        };
+        // A repeated key: the last copy counts, as in a DOM.
+        let mut texts = PromptTexts::default();
+        while let Some(wanted) = map.next_key_seed(KeyIs(key))? {
+            if wanted && !key.is_empty() {
+                texts = map.next_value_seed(value)?.0;
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(Walked(texts))
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Walked, E> {
+        Ok(Walked(PromptTexts::default()))
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Walked, E> {
+        Ok(Walked(PromptTexts::default()))
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Walked, E> {
+        Ok(Walked(PromptTexts::default()))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Walked, E> {
+        Ok(Walked(PromptTexts::default()))
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Walked, E> {
+        Ok(Walked(PromptTexts::default()))
     }
 }
 

@@ -48,7 +48,7 @@ use tracing::debug;
 use crate::config::Config;
 use crate::config::schema::KvConfig;
 pub use crate::kv::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
-use crate::proxy::Dispatch;
+use crate::proxy::{Dispatch, ParsedBody};
 
 /// The dispatch plan: where and how to send one request through a shim.
 #[derive(Debug)]
@@ -189,23 +189,56 @@ impl ShimRouter {
         allowed: &[String],
         usable: impl Fn(&str) -> bool,
     ) -> Option<ShimDecision> {
+        self.decide_async_estimated(client_model, body, None, allowed, usable)
+            .await
+    }
+
+    /// [`ShimRouter::decide_async`] for a body the proxy parsed: its prompt-size estimate comes
+    /// from that parse ([`ParsedBody::prompt_tokens`]), so the body is not parsed again for it.
+    pub async fn decide_async_parsed(
+        &self,
+        body: &ParsedBody,
+        allowed: &[String],
+        usable: impl Fn(&str) -> bool,
+    ) -> Option<ShimDecision> {
+        self.decide_async_estimated(
+            &body.model,
+            &body.outbound,
+            Some(body.prompt_tokens),
+            allowed,
+            usable,
+        )
+        .await
+    }
+
+    async fn decide_async_estimated(
+        &self,
+        client_model: &str,
+        body: &[u8],
+        prompt_tokens: Option<u64>,
+        allowed: &[String],
+        usable: impl Fn(&str) -> bool,
+    ) -> Option<ShimDecision> {
         let config = self.config.load_full();
         if !config.dynamo.enabled
             || !config.disaggregated_serving.enabled
             || !config.dynamo.kv.enabled
         {
-            return self.decide(client_model, body, allowed, usable);
+            let kv = Some(Err(KvUnavailable::TokenizerUnavailable));
+            return self.decide_with(client_model, body, prompt_tokens, allowed, usable, kv);
         }
         let model = mapped_model(&config, client_model);
         let held = self.picker.index_for(&self.registry);
         let block_sizes = held.index.block_sizes(model);
         if block_sizes.is_empty() {
-            return self.decide_with(client_model, body, None, allowed, usable, None);
+            return self.decide_with(client_model, body, prompt_tokens, allowed, usable, None);
         }
         let prep = lock(&self.kv_prep).clone();
-        // Parsed once: the prompt preparation reads it, and so does the size estimate when the
-        // preparation fails.
+        // The prompt preparation reads the body as a DOM; the size estimate (when the preparation
+        // fails) comes from the proxy's parse, or from this DOM for a caller without one.
         let parsed = serde_json::from_slice::<serde_json::Value>(body).ok();
+        let prompt_tokens =
+            prompt_tokens.or_else(|| Some(parsed.as_ref().map_or(0, estimate_value_tokens)));
         // The prompt the frontend will render: the dispatch applies the replica's rewrites.
         let rewritten = parsed.as_ref().and_then(|value| {
             let rewrite = first_replica_rewrite(&config)?;
@@ -227,7 +260,7 @@ impl ShimRouter {
         self.decide_with(
             client_model,
             body,
-            parsed.as_ref(),
+            prompt_tokens,
             allowed,
             usable,
             Some(prepared),
@@ -271,14 +304,35 @@ impl ShimRouter {
         self.decide_with(client_model, body, None, allowed, usable, Some(kv))
     }
 
-    /// The decision, with the prepared prompt (or why there is none) when KV applies; `parsed`
-    /// is `body` already parsed, when the caller has it. Gathers the inputs, calls
-    /// [`decide`] once inside the locks, then performs its answer.
+    /// [`ShimRouter::decide`] for a body the proxy parsed: its prompt-size estimate comes from
+    /// that parse ([`ParsedBody::prompt_tokens`]), so the body is not parsed again for it.
+    pub fn decide_parsed(
+        &self,
+        body: &ParsedBody,
+        allowed: &[String],
+        usable: impl Fn(&str) -> bool,
+    ) -> Option<ShimDecision> {
+        let kv = Err(KvUnavailable::TokenizerUnavailable);
+        let tokens = Some(body.prompt_tokens);
+        self.decide_with(
+            &body.model,
+            &body.outbound,
+            tokens,
+            allowed,
+            usable,
+            Some(kv),
+        )
+    }
+
+    /// The decision, with the prepared prompt (or why there is none) when KV applies;
+    /// `prompt_tokens` is the body's prompt-size estimate when the caller has it (else `body` is
+    /// parsed for it, only if a pick needs it). Gathers the inputs, calls [`decide`] once inside
+    /// the locks, then performs its answer.
     fn decide_with(
         &self,
         client_model: &str,
         body: &[u8],
-        parsed: Option<&serde_json::Value>,
+        prompt_tokens: Option<u64>,
         allowed: &[String],
         usable: impl Fn(&str) -> bool,
         prepared: Option<Result<PreparedPrompt, KvUnavailable>>,
@@ -295,10 +349,7 @@ impl ShimRouter {
         let held = self.picker.index_for(&self.registry);
         let candidates = held.index.for_model(model);
         let overlaps = self.overlaps(&prepared);
-        let estimate = || match parsed {
-            Some(value) => estimate_value_tokens(value),
-            None => estimate_tokens(body),
-        };
+        let estimate = || prompt_tokens.unwrap_or_else(|| estimate_tokens(body));
         let input = DecisionInput {
             model,
             namespaces,
@@ -569,7 +620,8 @@ pub fn with_token_data(body: &[u8], tokens: &[u32]) -> Option<Bytes> {
 }
 
 /// The coarse prompt-size estimate from a chat (`messages[].content`) or completions (`prompt`)
-/// body; no tokenizer.
+/// body; no tokenizer. The request path reads it from the proxy's parse instead
+/// ([`ParsedBody::prompt_tokens`], which agrees with this on every valid body).
 pub fn estimate_tokens(body: &[u8]) -> u64 {
     serde_json::from_slice::<serde_json::Value>(body)
         .map(|value| estimate_value_tokens(&value))
@@ -669,6 +721,131 @@ mod tests {
                 decode_busy_threshold: Some(0.25)
             }
         );
+    }
+
+    mod proxy_estimate {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Text as clients send it: ASCII words, whitespace of every kind, non-ASCII, escapes.
+        fn text() -> impl Strategy<Value = String> {
+            "[ a-z\\t\\n\u{85}\u{A0}\u{3000}é你😀\"\\\\]{0,24}"
+        }
+
+        /// A JSON value that is not text: what the estimate must skip.
+        fn other() -> impl Strategy<Value = String> {
+            prop::sample::select(vec![
+                "null",
+                "1",
+                "-2.5e3",
+                "true",
+                "{}",
+                "[]",
+                r#"{"text":"x"}"#,
+                r#"["x"]"#,
+                r#"{"content":"x"}"#,
+                "18446744073709551616",
+            ])
+            .prop_map(str::to_owned)
+        }
+
+        fn string(text: String) -> String {
+            serde_json::Value::String(text).to_string()
+        }
+
+        /// An object written member by member, so keys may repeat (the last copy counts).
+        fn object(members: Vec<(String, String)>) -> String {
+            let inner: Vec<String> = members
+                .iter()
+                .map(|(k, v)| format!("\"{k}\":{v}"))
+                .collect();
+            format!("{{{}}}", inner.join(","))
+        }
+
+        fn part() -> impl Strategy<Value = String> {
+            prop_oneof![
+                prop::collection::vec(
+                    (
+                        prop::sample::select(vec!["type", "text", "t\\u0065xt", "image_url"]),
+                        prop_oneof![text().prop_map(string), other()],
+                    ),
+                    0..3,
+                )
+                .prop_map(|m| object(m.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())),
+                other(),
+                text().prop_map(string),
+            ]
+        }
+
+        fn content() -> impl Strategy<Value = String> {
+            prop_oneof![
+                3 => text().prop_map(string),
+                2 => prop::collection::vec(part(), 0..4).prop_map(|p| format!("[{}]", p.join(","))),
+                1 => other(),
+            ]
+        }
+
+        fn message() -> impl Strategy<Value = String> {
+            prop_oneof![
+                4 => prop::collection::vec(
+                    (
+                        prop::sample::select(vec!["role", "content", "c\\u006fntent", "name"]),
+                        content(),
+                    ),
+                    0..4,
+                )
+                .prop_map(|m| object(m.into_iter().map(|(k, v)| (k.to_owned(), v)).collect())),
+                1 => other(),
+            ]
+        }
+
+        fn messages() -> impl Strategy<Value = String> {
+            prop_oneof![
+                4 => prop::collection::vec(message(), 0..5).prop_map(|m| format!("[{}]", m.join(","))),
+                1 => other(),
+                1 => text().prop_map(string),
+            ]
+        }
+
+        fn prompt() -> impl Strategy<Value = String> {
+            prop_oneof![
+                text().prop_map(string),
+                prop::collection::vec(prop_oneof![text().prop_map(string), other()], 0..4)
+                    .prop_map(|p| format!("[{}]", p.join(","))),
+                other(),
+            ]
+        }
+
+        fn body() -> impl Strategy<Value = String> {
+            let member = prop_oneof![
+                4 => messages().prop_map(|v| ("messages".to_owned(), v)),
+                1 => messages().prop_map(|v| ("m\\u0065ssages".to_owned(), v)),
+                2 => prompt().prop_map(|v| ("prompt".to_owned(), v)),
+                1 => other().prop_map(|v| ("max_tokens".to_owned(), v)),
+                1 => Just(("nvext".to_owned(), r#"{"backend_instance_id":1,"x":2}"#.to_owned())),
+            ];
+            prop::collection::vec(member, 0..4).prop_map(|mut members| {
+                // A repeated `nvext` is refused by the parse (tested in `proxy::body`).
+                let mut seen_nvext = false;
+                members
+                    .retain(|(key, _)| key != "nvext" || !std::mem::replace(&mut seen_nvext, true));
+                members.insert(0, ("model".to_owned(), "\"m\"".to_owned()));
+                object(members)
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+
+            /// The proxy's parse estimates the prompt exactly as a DOM parse of the outbound
+            /// body does (repeated keys, escaped keys, every shape the estimate skips).
+            #[test]
+            fn the_proxy_parse_estimates_as_a_dom_parse_does(body in body()) {
+                let parsed = crate::proxy::body::parse(Bytes::from(body.clone())).expect("valid");
+                prop_assert_eq!(parsed.prompt_tokens, estimate_tokens(&parsed.outbound), "{}", body);
+                prop_assert_eq!(parsed.prompt_tokens, estimate_tokens(body.as_bytes()), "{}", body);
+            }
+        }
     }
 
     #[test]

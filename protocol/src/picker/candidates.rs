@@ -147,6 +147,7 @@ impl LoadView for StoreView<'_> {
 }
 
 /// How the picker reads one rank's last sample: fresh while younger than `max_age`.
+#[inline]
 pub fn sample_state(sample: Option<&LoadSample>, now: Tick, max_age: Duration) -> SampleState {
     match sample {
         None => SampleState::Never,

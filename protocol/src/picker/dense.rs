@@ -45,6 +45,9 @@ pub struct DenseRanks {
     pub(super) block_size: Vec<u32>,
     pub(super) total_kv_blocks: Vec<u64>,
     pub(super) max_num_batched_tokens: Vec<u64>,
+    /// Every row as `(instance, row)`, sorted: the rows of one instance, found by binary search
+    /// when the ledger's few pending dispatches are laid onto rows.
+    by_instance: Vec<(InstanceId, u32)>,
 }
 
 impl Default for DenseRanks {
@@ -68,6 +71,7 @@ impl DenseRanks {
             block_size: Vec::with_capacity(candidates.len()),
             total_kv_blocks: Vec::with_capacity(candidates.len()),
             max_num_batched_tokens: Vec::with_capacity(candidates.len()),
+            by_instance: Vec::with_capacity(candidates.len()),
         };
         dense.fill(candidates);
         dense
@@ -87,6 +91,7 @@ impl DenseRanks {
         self.block_size.clear();
         self.total_kv_blocks.clear();
         self.max_num_batched_tokens.clear();
+        self.by_instance.clear();
         self.fill(candidates);
     }
 
@@ -108,6 +113,24 @@ impl DenseRanks {
             self.max_num_batched_tokens
                 .push(c.max_num_batched_tokens.unwrap_or(0));
         }
+        // Rows fit u32: a pick reads at most u32::MAX of them.
+        self.by_instance.extend(
+            self.instance
+                .iter()
+                .enumerate()
+                .map(|(row, &instance)| (instance, row as u32)),
+        );
+        self.by_instance.sort_unstable();
+    }
+
+    /// The rows of `instance`, ascending.
+    #[inline]
+    pub(super) fn rows_of(&self, instance: InstanceId) -> impl Iterator<Item = usize> + '_ {
+        let start = self.by_instance.partition_point(|&(i, _)| i < instance);
+        self.by_instance[start..]
+            .iter()
+            .take_while(move |&&(i, _)| i == instance)
+            .map(|&(_, row)| row as usize)
     }
 
     fn group_of(&mut self, c: &Candidate) -> u32 {
@@ -202,10 +225,28 @@ impl std::fmt::Debug for LoadSlots<'_> {
 }
 
 impl LoadSlots<'_> {
-    /// The sample state in `slot` ([`NO_SLOT`] or an emptied slot reads as never sampled).
-    #[inline]
+    /// The sample state in `slot` ([`NO_SLOT`] or an emptied slot reads as never sampled): what
+    /// [`sample_state`](super::candidates::sample_state) says, with the age test written as a
+    /// comparison with `now - max_age` (loop-invariant in a scan) instead of a subtraction per
+    /// rank.
+    #[inline(always)]
     pub fn state_at(&self, slot: u32) -> SampleState {
-        super::candidates::sample_state(self.store.at_slot(slot), self.now, self.max_age)
+        let Some(s) = self.store.at_slot(slot) else {
+            return SampleState::Never;
+        };
+        // `now.since(received) <= max_age`: always when `now < max_age` (the age is below
+        // `now`), else exactly when the sample was received at or after `now - max_age`.
+        let fresh = self
+            .now
+            .0
+            .checked_sub(self.max_age)
+            .is_none_or(|oldest| s.received_at.0 >= oldest);
+        SampleState::from_last(
+            fresh,
+            s.load.active_decode_blocks,
+            s.load.active_prefill_tokens,
+            s.load.kv_used_blocks,
+        )
     }
 }
 

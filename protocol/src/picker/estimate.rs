@@ -13,24 +13,32 @@ pub const TOKENS_PER_MESSAGE: u64 = 4;
 pub const TOKENS_PER_PROMPT: u64 = 3;
 
 /// Estimated tokens of one text: `max(ceil(ascii_chars / 4), ceil(words * 4 / 3))` plus one per
-/// non-ASCII character.
+/// non-ASCII character. A word is a run of characters that are not `char::is_whitespace`.
+///
+/// Reads bytes: ASCII (one byte per character) is classified without decoding; only a non-ASCII
+/// character is decoded, to ask whether it is Unicode whitespace.
 pub fn estimate_text_tokens(text: &str) -> u64 {
+    let bytes = text.as_bytes();
     let mut ascii: u64 = 0;
     let mut non_ascii: u64 = 0;
     let mut words: u64 = 0;
     let mut in_word = false;
-    for ch in text.chars() {
-        if ch.is_ascii() {
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        let space = if b < 0x80 {
             ascii += 1;
+            i += 1;
+            // `char::is_whitespace` of the ASCII range: U+0009..=U+000D and U+0020.
+            matches!(b, b'\t' | b'\n' | 0x0B | 0x0C | b'\r' | b' ')
         } else {
             non_ascii += 1;
-        }
-        if ch.is_whitespace() {
-            in_word = false;
-        } else if !in_word {
-            in_word = true;
-            words += 1;
-        }
+            // `i` is a character boundary: it only ever advances by whole characters.
+            let ch = text.get(i..).and_then(|rest| rest.chars().next());
+            i += ch.map_or(1, char::len_utf8);
+            ch.is_some_and(char::is_whitespace)
+        };
+        words += u64::from(!space && !in_word);
+        in_word = !space;
     }
     ascii
         .div_ceil(4)
@@ -77,6 +85,39 @@ mod tests {
     fn non_ascii_characters_count_one_each() {
         // Four CJK characters, one word, no ASCII: max(0, ceil(4 / 3) = 2) + 4 = 6.
         assert_eq!(estimate_text_tokens("你好世界"), 6);
+    }
+
+    /// The character-by-character definition the byte loop must agree with.
+    fn reference(text: &str) -> u64 {
+        let (mut ascii, mut non_ascii, mut words, mut in_word) = (0u64, 0u64, 0u64, false);
+        for ch in text.chars() {
+            if ch.is_ascii() {
+                ascii += 1;
+            } else {
+                non_ascii += 1;
+            }
+            if ch.is_whitespace() {
+                in_word = false;
+            } else if !in_word {
+                in_word = true;
+                words += 1;
+            }
+        }
+        ascii
+            .div_ceil(4)
+            .max(words.saturating_mul(4).div_ceil(3))
+            .saturating_add(non_ascii)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_byte_loop_agrees_with_the_character_definition(
+            text in "[ a-z\t\n\u{0B}\u{0C}\r\u{1C}\u{85}\u{A0}\u{2003}\u{3000}é你😀.,]{0,64}",
+            any_text in ".{0,32}",
+        ) {
+            proptest::prop_assert_eq!(estimate_text_tokens(&text), reference(&text));
+            proptest::prop_assert_eq!(estimate_text_tokens(&any_text), reference(&any_text));
+        }
     }
 
     #[test]

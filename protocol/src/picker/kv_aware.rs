@@ -96,11 +96,23 @@ pub struct BlockOverlaps {
 impl BlockOverlaps {
     /// Blocks `(worker, rank)` holds; 0 when it is not listed.
     pub fn of(&self, worker: InstanceId, rank: DpRank) -> u64 {
+        self.of_in(self.is_sorted(), worker, rank)
+    }
+
+    /// The list is sorted by `(worker, dp_rank)`, as `KvIndex::find_matches` returns it.
+    pub fn is_sorted(&self) -> bool {
+        self.ranks.is_sorted_by_key(|o| (o.worker, o.dp_rank))
+    }
+
+    /// [`Self::of`] with the list's sortedness known: a sorted list that binary search does not
+    /// find `(worker, rank)` in does not hold it, so only an unsorted one is scanned.
+    fn of_in(&self, sorted: bool, worker: InstanceId, rank: DpRank) -> u64 {
         match self
             .ranks
             .binary_search_by(|o| (o.worker, o.dp_rank).cmp(&(worker, rank)))
         {
             Ok(pos) => u64::from(self.ranks[pos].blocks),
+            Err(_) if sorted => 0,
             // Tolerate an unsorted list from a caller: fall back to a scan.
             Err(_) => self
                 .ranks
@@ -123,11 +135,20 @@ pub struct KvPickInput<'a> {
 }
 
 impl KvPickInput<'_> {
-    fn overlap(&self, block_size: BlockSize, worker: InstanceId, rank: DpRank) -> u64 {
+    /// Blocks `(worker, rank)` holds at `block_size`; `sorted[i]` says whether `overlaps[i]`
+    /// is sorted (checked once per pick, not per rank).
+    fn overlap(
+        &self,
+        sorted: &[bool],
+        block_size: BlockSize,
+        worker: InstanceId,
+        rank: DpRank,
+    ) -> u64 {
         self.overlaps
             .iter()
-            .find(|o| o.block_size == block_size)
-            .map_or(0, |o| o.of(worker, rank))
+            .zip(sorted.iter().copied().chain(std::iter::repeat(false)))
+            .find(|(o, _)| o.block_size == block_size)
+            .map_or(0, |(o, sorted)| o.of_in(sorted, worker, rank))
     }
 }
 
@@ -268,6 +289,9 @@ struct Ctx<'r, 'a> {
     /// Each rank's sample by candidate index (by load-store slot on the production path).
     samples: Samples<'r>,
     ledgers: Vec<Option<NamespaceBacklog<'r>>>,
+    /// Per overlap list of the KV input, whether it is sorted (a missing rank is then found
+    /// missing by binary search alone).
+    overlaps_sorted: Vec<bool>,
     now: Tick,
 }
 
@@ -282,7 +306,10 @@ impl Ctx<'_, '_> {
     }
 
     fn overlap_of(&self, c: &Candidate) -> u64 {
-        block_size_of(c).map_or(0, |bs| self.kv.overlap(bs, c.worker.instance_id, c.rank()))
+        block_size_of(c).map_or(0, |bs| {
+            self.kv
+                .overlap(&self.overlaps_sorted, bs, c.worker.instance_id, c.rank())
+        })
     }
 }
 
@@ -585,6 +612,7 @@ impl KvAwarePicker {
             } else {
                 Vec::new()
             },
+            overlaps_sorted: kv.overlaps.iter().map(BlockOverlaps::is_sorted).collect(),
             now,
         };
         let decode_scoring = if !pair_fleet {

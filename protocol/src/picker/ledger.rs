@@ -34,6 +34,7 @@ pub const MAX_LEDGER_DISPATCHES: usize = 65_536;
 /// ranks without an unanswered dispatch.
 const FILTER_SLOTS: usize = 1024;
 
+#[inline]
 fn filter_slot(instance: InstanceId) -> usize {
     // The top bits of a Fibonacci hash: < FILTER_SLOTS by construction.
     (instance.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - FILTER_SLOTS.trailing_zeros()))
@@ -108,6 +109,8 @@ pub struct DispatchLedger {
     /// Pending legs per instance-id slot (empty until the first dispatch): zero means no rank of
     /// any instance in that slot has one.
     filter: Vec<u32>,
+    /// Pending legs across every namespace (the filter's total).
+    legs: usize,
 }
 
 impl DispatchLedger {
@@ -155,6 +158,7 @@ impl DispatchLedger {
             }
             let slot = &mut self.filter[filter_slot(leg.worker.instance_id)];
             *slot = slot.saturating_add(1);
+            self.legs += 1;
             workers.push(leg.worker.clone());
         }
         self.order.push_back(Dispatched {
@@ -213,7 +217,7 @@ impl DispatchLedger {
             // Pendings are in dispatch order, so the answered ones are a prefix.
             while pendings.front().is_some_and(|p| p.at < at) {
                 pendings.pop_front();
-                unfilter(&mut self.filter, worker.instance_id);
+                unfilter(&mut self.filter, &mut self.legs, worker.instance_id);
             }
             if pendings.is_empty() {
                 ns.workers.remove(&worker.instance_id);
@@ -231,20 +235,29 @@ impl DispatchLedger {
     /// matched across namespaces, as the load store (keyed by instance id) reports them.
     pub fn answer_arrivals(&mut self, mut last_arrival: impl FnMut(InstanceId) -> Option<Tick>) {
         let Self {
-            namespaces, filter, ..
+            namespaces,
+            filter,
+            legs,
+            ..
         } = self;
         for ns in namespaces.iter_mut() {
             ns.workers.retain(|&instance, pendings| {
                 if let Some(at) = last_arrival(instance) {
                     while pendings.front().is_some_and(|p| p.at < at) {
                         pendings.pop_front();
-                        unfilter(filter, instance);
+                        unfilter(filter, legs, instance);
                     }
                 }
                 !pendings.is_empty()
             });
         }
         namespaces.retain(|ns| !ns.workers.is_empty());
+    }
+
+    /// Legs held (not yet answered, withdrawn or expired), in O(1): [`Self::unanswered`] counts
+    /// the same by walking them.
+    pub fn pending_legs(&self) -> usize {
+        self.legs
     }
 
     /// Legs still counting as some rank's backlog (not yet answered, withdrawn or aged out).
@@ -325,7 +338,7 @@ impl DispatchLedger {
                 };
                 if let Some(pos) = pos {
                     pendings.remove(pos);
-                    unfilter(&mut self.filter, worker.instance_id);
+                    unfilter(&mut self.filter, &mut self.legs, worker.instance_id);
                 }
                 if pendings.is_empty() {
                     ns.workers.remove(&worker.instance_id);
@@ -338,10 +351,11 @@ impl DispatchLedger {
     }
 }
 
-fn unfilter(filter: &mut [u32], instance: InstanceId) {
+fn unfilter(filter: &mut [u32], legs: &mut usize, instance: InstanceId) {
     if let Some(slot) = filter.get_mut(filter_slot(instance)) {
         *slot = slot.saturating_sub(1);
     }
+    *legs = legs.saturating_sub(1);
 }
 
 /// The ledger of one namespace, borrowed for one pick.
@@ -373,6 +387,29 @@ impl NamespaceBacklog<'_> {
             return RankBacklog::default();
         }
         self.lookup(instance, rank, now)
+    }
+
+    /// Every leg held for this namespace that still counts at `now` (younger than
+    /// [`DISPATCH_MAX_AGE`]), as `(instance, rank, what it adds)`, in no particular order: the
+    /// sum of one (instance, rank)'s contributions is its [`Self::backlog`].
+    pub fn for_each_leg(&self, now: Tick, mut f: impl FnMut(InstanceId, DpRank, RankBacklog)) {
+        for (&instance, pendings) in self.workers {
+            for p in pendings {
+                let age = now.since(p.at);
+                if age >= DISPATCH_MAX_AGE {
+                    continue;
+                }
+                f(
+                    instance,
+                    p.rank,
+                    RankBacklog {
+                        prefill_tokens: p.prefill_tokens,
+                        decode_blocks: p.decode_blocks,
+                        stalled: p.may_stall && age >= STALL_AFTER,
+                    },
+                );
+            }
+        }
     }
 
     #[inline(never)]
@@ -648,6 +685,7 @@ mod tests {
                     .iter()
                     .filter(|l| now.since(l.3) < DISPATCH_MAX_AGE)
                     .count();
+                proptest::prop_assert_eq!(ledger.pending_legs(), ledger.unanswered());
                 proptest::prop_assert!(ledger.unanswered() <= naive.legs.len());
                 proptest::prop_assert!(ledger.unanswered() >= live_legs);
                 for w in &workers {

@@ -26,7 +26,7 @@
 use std::cmp::Ordering;
 
 use super::dense::{DenseRanks, LoadSlots, NO_SLOT, NOT_ELIGIBLE};
-use super::ledger::{DispatchLeg, NamespaceBacklog};
+use super::ledger::{DispatchLeg, NamespaceBacklog, RankBacklog};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickerState, Pinned, SampleState, SelectionReason,
@@ -49,7 +49,12 @@ impl Cost {
 }
 
 impl Ord for Cost {
+    #[inline]
     fn cmp(&self, other: &Self) -> Ordering {
+        // Ranks of one fleet mostly share a capacity: then the numerators decide.
+        if self.den == other.den {
+            return self.num.cmp(&other.num);
+        }
         (u128::from(self.num) * u128::from(other.den))
             .cmp(&(u128::from(other.num) * u128::from(self.den)))
     }
@@ -104,6 +109,7 @@ impl RequestSize {
     }
 
     /// `ceil(tokens / block_size)`; 0 for a zero block size.
+    #[inline]
     pub fn blocks(&mut self, block_size: u32) -> u64 {
         if block_size == 0 {
             return 0;
@@ -179,6 +185,21 @@ pub fn score_rank(
     size: &mut RequestSize,
     now: Tick,
 ) -> Scored {
+    let backlog = ledger
+        .map(|l| l.backlog(instance, rank, now))
+        .unwrap_or_default();
+    score_backlog(phase, capacity, sample, backlog, size)
+}
+
+/// [`score_rank`] with the rank's ledger backlog already read.
+#[inline]
+pub fn score_backlog(
+    phase: Phase,
+    capacity: Capacity,
+    sample: SampleState,
+    backlog: RankBacklog,
+    size: &mut RequestSize,
+) -> Scored {
     let fresh = sample.fresh_backlog(phase);
     let base = match sample {
         SampleState::Fresh { .. } => fresh,
@@ -190,9 +211,6 @@ pub fn score_rank(
             last_had_backlog: true,
         } => None,
     };
-    let backlog = ledger
-        .map(|l| l.backlog(instance, rank, now))
-        .unwrap_or_default();
     let cost = base.and_then(|base| match phase {
         Phase::Prefill => {
             let den = Some(capacity.max_num_batched_tokens).filter(|&d| d > 0)?;
@@ -355,6 +373,120 @@ pub(super) struct Scratch {
     /// Per layout group, its eligible-namespace position ([`NOT_ELIGIBLE`] when it does not
     /// serve the request).
     eligible: Vec<u16>,
+    /// The ledger's pending dispatches laid onto the layout's rows for one pick.
+    rows: RowBacklogs,
+}
+
+/// The ledger's backlog per layout row for one pick: the (few) legs pending are laid onto their
+/// rows once, so the scan reads a row's backlog from a dense array indexed by row instead of a
+/// lookup per rank.
+#[derive(Debug, Default)]
+pub(super) struct RowBacklogs {
+    /// Per row: the pick stamp it was last written in and its entry then. A row holds a backlog
+    /// this pick when its stamp is the current one (no clearing between picks).
+    marks: Vec<(u32, u32)>,
+    entries: Vec<RankBacklog>,
+    stamp: u32,
+}
+
+impl RowBacklogs {
+    /// Lays every leg of `ledgers` (per eligible-namespace position) still counting at `now`
+    /// onto the rows of `dense` with that instance, rank and namespace position; a row's
+    /// backlog is then the sum of its legs, as [`NamespaceBacklog::backlog`] reads it.
+    fn fill(
+        &mut self,
+        dense: &DenseRanks,
+        eligible: &[u16],
+        ledgers: &[Option<NamespaceBacklog<'_>>],
+        now: Tick,
+    ) {
+        self.entries.clear();
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.marks.iter_mut().for_each(|m| *m = (0, 0));
+            self.stamp = 1;
+        }
+        if self.marks.len() < dense.len() {
+            self.marks.resize(dense.len(), (0, 0));
+        }
+        let Self {
+            marks,
+            entries,
+            stamp,
+        } = self;
+        for (ns, ledger) in ledgers.iter().enumerate() {
+            let Some(ledger) = ledger else { continue };
+            ledger.for_each_leg(now, |instance, rank, add| {
+                for row in dense.rows_of(instance) {
+                    let served_here = eligible
+                        .get(dense.group[row] as usize)
+                        .is_some_and(|&p| usize::from(p) == ns);
+                    if dense.rank[row] != rank || !served_here {
+                        continue;
+                    }
+                    let mark = &mut marks[row];
+                    match entries.get_mut(mark.1 as usize) {
+                        Some(entry) if mark.0 == *stamp => {
+                            entry.prefill_tokens =
+                                entry.prefill_tokens.saturating_add(add.prefill_tokens);
+                            entry.decode_blocks =
+                                entry.decode_blocks.saturating_add(add.decode_blocks);
+                            entry.stalled |= add.stalled;
+                        }
+                        _ => {
+                            // At most one entry per row: fits u32 as the rows do.
+                            *mark = (*stamp, entries.len() as u32);
+                            entries.push(add);
+                        }
+                    }
+                }
+            });
+        }
+    }
+
+    #[inline(always)]
+    fn get(&self, row: usize) -> RankBacklog {
+        match self.marks.get(row) {
+            Some(&(stamp, entry)) if stamp == self.stamp => self
+                .entries
+                .get(entry as usize)
+                .copied()
+                .unwrap_or_default(),
+            _ => RankBacklog::default(),
+        }
+    }
+}
+
+/// Where one pick reads each rank's ledger backlog.
+#[derive(Clone, Copy)]
+pub(super) enum Backlogs<'b> {
+    /// Nothing pending (or load signals off).
+    Empty,
+    /// Laid onto rows for this pick ([`RowBacklogs`]).
+    ByRow(&'b RowBacklogs),
+    /// Looked up per rank in its namespace's ledger (many legs pending: laying them all onto
+    /// rows would cost more than the lookups).
+    Lookup(&'b [Option<NamespaceBacklog<'b>>]),
+}
+
+/// Legs pending per layout row above which a pick looks backlogs up per rank instead of laying
+/// every leg onto rows.
+const LEGS_PER_ROW_LAID: usize = 4;
+
+impl Backlogs<'_> {
+    #[inline(always)]
+    fn get(&self, dense: &DenseRanks, row: usize, ns: usize, now: Tick) -> RankBacklog {
+        match *self {
+            Backlogs::Empty => RankBacklog::default(),
+            Backlogs::ByRow(rows) => rows.get(row),
+            Backlogs::Lookup(ledgers) => ledgers
+                .get(ns)
+                .copied()
+                .flatten()
+                .map(|l| l.backlog(dense.instance[row], dense.rank[row], now))
+                .unwrap_or_default(),
+        }
+    }
 }
 
 impl Scratch {
@@ -464,6 +596,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             scored,
             dense: own_dense,
             eligible,
+            rows: row_backlogs,
         } = scratch;
         let dense: &DenseRanks = match ctx.dense {
             Some(dense) if dense.len() == candidates.len() => dense,
@@ -499,51 +632,66 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         // Samples by load-store slot when the view is the store (slots resolved once per layout
         // and slot epoch), else through the view.
         let samples = Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
+        // On the store's path, the ledger's few pending legs are laid onto rows first.
+        let backlogs = if ledgers.is_empty() {
+            Backlogs::Empty
+        } else if matches!(samples, Samples::Slots { .. })
+            && ledger.pending_legs() <= dense.len().saturating_mul(LEGS_PER_ROW_LAID)
+        {
+            row_backlogs.fill(dense, eligible, ledgers, now);
+            Backlogs::ByRow(row_backlogs)
+        } else {
+            Backlogs::Lookup(ledgers)
+        };
         let tokens = req.estimated_prompt_tokens;
         let mut size = RequestSize::new(tokens);
 
         // One pass over the dense layout: the ranks serving the model in an eligible namespace,
         // each namespace's roles, and a decode score for every decode and aggregated rank.
         // Prefill ranks are only remembered; they are scored in the winner's namespace alone.
+        // The pass is instantiated once per way of reading samples, so the per-rank loop holds
+        // no dispatch on it.
         positions.clear();
         scored.clear();
-        let mut any_served = false;
         let mut decode_tally = Tally::default();
-        let n = dense.len().min(u32::MAX as usize);
-        for i in 0..n {
-            let ns = eligible[dense.group[i] as usize];
-            if ns == NOT_ELIGIBLE {
-                continue;
-            }
-            any_served = true;
-            let m = Matched {
-                index: i as u32,
-                namespace: ns,
-            };
-            let ns = usize::from(ns);
-            match dense.role[i] {
-                CandidateRole::Prefill => {
-                    roles[ns].prefill = true;
-                    matched.push(m);
-                    continue;
-                }
-                CandidateRole::Decode => roles[ns].decode = true,
-                CandidateRole::Aggregated => roles[ns].aggregated = true,
-            }
-            let s = score_at(
-                Phase::Decode,
-                dense,
-                i,
-                samples,
-                ledgers,
-                ns,
-                &mut size,
-                now,
-            );
-            decode_tally.add(scored.len(), &s);
-            positions.push(m);
-            scored.push(s);
-        }
+        let mut pass = DecodePass {
+            dense,
+            eligible,
+            roles,
+            matched,
+            positions,
+            scored,
+            tally: &mut decode_tally,
+        };
+        let any_served = match samples {
+            Samples::Off => pass.run(|_, _| Scored::UNSCORED),
+            Samples::Slots { load, slots } => pass.run(|i, ns| {
+                let sample = match slots.get(i) {
+                    Some(&slot) if slot != NO_SLOT => load.state_at(slot),
+                    _ => SampleState::Never,
+                };
+                let backlog = backlogs.get(dense, i, ns, now);
+                score_backlog(
+                    Phase::Decode,
+                    Capacity::at(dense, i),
+                    sample,
+                    backlog,
+                    &mut size,
+                )
+            }),
+            Samples::View { .. } => pass.run(|i, ns| {
+                score_at(
+                    Phase::Decode,
+                    dense,
+                    i,
+                    samples,
+                    backlogs,
+                    ns,
+                    &mut size,
+                    now,
+                )
+            }),
+        };
         if !any_served {
             return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
         }
@@ -607,7 +755,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                     dense,
                     i,
                     samples,
-                    ledgers,
+                    backlogs,
                     decode_ns,
                     &mut size,
                     now,
@@ -643,6 +791,71 @@ impl DynamoWorkerPicker for LoadBasedPicker {
     }
 }
 
+impl Scored {
+    /// Rotation only: load signals are off.
+    const UNSCORED: Scored = Scored {
+        cost: None,
+        fresh_field: false,
+        stalled: false,
+    };
+}
+
+/// The decode pass of one pick over the dense layout, and what it fills.
+struct DecodePass<'p> {
+    dense: &'p DenseRanks,
+    eligible: &'p [u16],
+    roles: &'p mut [Roles],
+    matched: &'p mut Vec<Matched>,
+    positions: &'p mut Vec<Matched>,
+    scored: &'p mut Vec<Scored>,
+    tally: &'p mut Tally,
+}
+
+impl DecodePass<'_> {
+    /// Walks the layout in order: notes each eligible namespace's roles, remembers prefill
+    /// ranks, and scores each decode and aggregated rank with `score(row, namespace position)`.
+    /// Returns whether any rank serves the request.
+    #[inline(always)]
+    fn run(&mut self, mut score: impl FnMut(usize, usize) -> Scored) -> bool {
+        let dense = self.dense;
+        let mut any_served = false;
+        let n = dense.len().min(u32::MAX as usize);
+        for (i, (&group, &role)) in dense.group.iter().zip(&dense.role).enumerate().take(n) {
+            let ns = self
+                .eligible
+                .get(group as usize)
+                .copied()
+                .unwrap_or(NOT_ELIGIBLE);
+            if ns == NOT_ELIGIBLE {
+                continue;
+            }
+            any_served = true;
+            let m = Matched {
+                index: i as u32,
+                namespace: ns,
+            };
+            let ns = usize::from(ns);
+            let Some(roles) = self.roles.get_mut(ns) else {
+                continue;
+            };
+            match role {
+                CandidateRole::Prefill => {
+                    roles.prefill = true;
+                    self.matched.push(m);
+                    continue;
+                }
+                CandidateRole::Decode => roles.decode = true,
+                CandidateRole::Aggregated => roles.aggregated = true,
+            }
+            let s = score(i, ns);
+            self.tally.add(self.scored.len(), &s);
+            self.positions.push(m);
+            self.scored.push(s);
+        }
+        any_served
+    }
+}
+
 /// Scores rank `i` of the layout for `phase` (no lookups when load signals are off).
 #[allow(clippy::too_many_arguments)]
 #[inline]
@@ -651,29 +864,17 @@ fn score_at(
     dense: &DenseRanks,
     i: usize,
     samples: Samples<'_>,
-    ledgers: &[Option<NamespaceBacklog<'_>>],
+    backlogs: Backlogs<'_>,
     ns: usize,
     size: &mut RequestSize,
     now: Tick,
 ) -> Scored {
     if let Samples::Off = samples {
         // Rotation only: skip the load lookups.
-        return Scored {
-            cost: None,
-            fresh_field: false,
-            stalled: false,
-        };
+        return Scored::UNSCORED;
     }
-    score_rank(
-        phase,
-        Capacity::at(dense, i),
-        dense.instance[i],
-        dense.rank[i],
-        samples.get(i),
-        ledgers.get(ns).copied().flatten(),
-        size,
-        now,
-    )
+    let backlog = backlogs.get(dense, i, ns, now);
+    score_backlog(phase, Capacity::at(dense, i), samples.get(i), backlog, size)
 }
 
 /// The request's size in blocks of `block_size` (0 when the card declares none).
