@@ -175,7 +175,10 @@ async fn run(workers: u64, puts: u64) {
         floor.push(start.elapsed());
     }
     report(
-        &format!("etcd alone: paged range read of the {} records", records.len()),
+        &format!(
+            "etcd alone: paged range read of the {} records",
+            records.len()
+        ),
         floor,
     );
 
