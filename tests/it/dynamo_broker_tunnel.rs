@@ -369,12 +369,7 @@ async fn send_fresh(workers: &mut [Worker], sequence: &mut u64) {
 // The broker binary
 
 /// The real broker `id` for the fleet's namespace, watching the fake API's `dynamo` namespace.
-pub(crate) async fn spawn_broker(
-    id: &str,
-    bus: SocketAddr,
-    pki: &Pki,
-    kube: &FakeKube,
-) -> Broker {
+pub(crate) async fn spawn_broker(id: &str, bus: SocketAddr, pki: &Pki, kube: &FakeKube) -> Broker {
     Broker::spawn(BrokerArgs {
         id,
         token: &token(id),
