@@ -1,5 +1,6 @@
-//! Relaying an upstream response: buffered (bounded, with a content length) or streamed frame by
-//! frame as it arrives (SSE), with a final SSE error event if the upstream fails mid-stream.
+//! Relaying an upstream response: buffered (bounded, with a content length) or streamed as it
+//! arrives (SSE; frames already waiting leave together), with a final SSE error event if the
+//! upstream fails mid-stream.
 
 use axum::body::Body;
 use axum::http::{HeaderValue, Response, header};
@@ -82,7 +83,8 @@ where
                 }
             }
         }
-        // Then whatever is ready, with one yield to the scheduler when nothing is.
+        // Then whatever is ready, yielding to the scheduler (at most `IDLE_YIELDS` times in a
+        // row) when nothing is.
         let mut idle_yields = 0;
         while gathered.len() < MAX_COALESCED_FRAME_BYTES {
             match frames.next().now_or_never() {
