@@ -26,6 +26,8 @@ use crate::tree::{ActorPath, ActorTree};
 
 /// How long a stopping supervisor waits for its sessions to send `closed`.
 const SESSION_STOP_GRACE: Duration = Duration::from_secs(2);
+/// How long a stopping supervisor waits for its aborted listener task to drop the socket.
+const LISTENER_STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// The `root/event_bus` child: a `BrokerSupervisor` over `bus`.
 pub fn event_bus_spec(bus: EventBus) -> ChildSpec {
@@ -97,6 +99,10 @@ impl Actor for BrokerSupervisor {
             .stop_children_and_wait(Some("event bus stopping".into()), Some(SESSION_STOP_GRACE))
             .await;
         state.listener.abort();
+        // Abort only schedules the cancellation: wait until the task (and its listening socket)
+        // is dropped, so a restarted supervisor binds the same port at once instead of failing
+        // with "address in use" and retrying 30 s later.
+        let _ = tokio::time::timeout(LISTENER_STOP_GRACE, &mut state.listener).await;
         state.bus.set_running(None);
         Ok(())
     }
