@@ -31,8 +31,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use continuum_router::daemon::Daemon;
+use support::broker::probe_address;
 use support::bus_pki::{Pki, pki};
-use tokio::io::{AsyncBufReadExt as _, BufReader};
 use tokio::process::{Child, Command};
 
 const LISTENER_A: &str = "kv-listener-a";
@@ -96,29 +96,7 @@ impl Agent {
             .kill_on_drop(true)
             .spawn()
             .expect("the continuum-kv-listener binary starts");
-        let stderr = child.stderr.take().expect("stderr");
-        let (probe_tx, probe_rx) = tokio::sync::oneshot::channel();
-        let tag = id.to_owned();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            let mut probe_tx = Some(probe_tx);
-            while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("[{tag}] {line}");
-                if let Some(rest) = line.split("probe=").nth(1)
-                    && let Some(addr) = rest
-                        .split_whitespace()
-                        .next()
-                        .and_then(|a| a.parse::<SocketAddr>().ok())
-                    && let Some(tx) = probe_tx.take()
-                {
-                    let _ = tx.send(addr);
-                }
-            }
-        });
-        let probe = tokio::time::timeout(WAIT, probe_rx)
-            .await
-            .expect("the agent logs its probe address in time")
-            .expect("the agent started");
+        let probe = probe_address(&mut child, id, WAIT).await;
         Agent {
             child,
             probe,

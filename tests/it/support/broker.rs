@@ -64,29 +64,7 @@ impl Broker {
             .kill_on_drop(true)
             .spawn()
             .expect("the continuum-event-broker binary starts");
-        let stderr = child.stderr.take().expect("stderr");
-        let (probe_tx, probe_rx) = tokio::sync::oneshot::channel();
-        let tag = args.id.to_owned();
-        tokio::spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            let mut probe_tx = Some(probe_tx);
-            while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("[{tag}] {line}");
-                if let Some(rest) = line.split("probe=").nth(1)
-                    && let Some(addr) = rest
-                        .split_whitespace()
-                        .next()
-                        .and_then(|a| a.parse::<SocketAddr>().ok())
-                    && let Some(tx) = probe_tx.take()
-                {
-                    let _ = tx.send(addr);
-                }
-            }
-        });
-        let probe = tokio::time::timeout(START_TIMEOUT, probe_rx)
-            .await
-            .expect("the broker logs its probe address in time")
-            .expect("the broker started");
+        let probe = probe_address(&mut child, args.id, START_TIMEOUT).await;
         Broker {
             child,
             probe,
@@ -123,4 +101,36 @@ impl Broker {
     pub async fn kill(&mut self) {
         self.child.kill().await.expect("SIGKILL the broker");
     }
+}
+
+/// Echoes a spawned agent's stderr (tagged) and returns the probe address it logs at startup
+/// (`probe=ADDR`), waiting at most `within`. Shared by the broker and kv-listener harnesses.
+pub async fn probe_address(
+    child: &mut Child,
+    tag: &str,
+    within: std::time::Duration,
+) -> SocketAddr {
+    let stderr = child.stderr.take().expect("stderr");
+    let (probe_tx, probe_rx) = tokio::sync::oneshot::channel();
+    let tag = tag.to_owned();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stderr).lines();
+        let mut probe_tx = Some(probe_tx);
+        while let Ok(Some(line)) = lines.next_line().await {
+            eprintln!("[{tag}] {line}");
+            if let Some(rest) = line.split("probe=").nth(1)
+                && let Some(addr) = rest
+                    .split_whitespace()
+                    .next()
+                    .and_then(|a| a.parse::<SocketAddr>().ok())
+                && let Some(tx) = probe_tx.take()
+            {
+                let _ = tx.send(addr);
+            }
+        }
+    });
+    tokio::time::timeout(within, probe_rx)
+        .await
+        .expect("the agent logs its probe address in time")
+        .expect("the agent started")
 }
