@@ -320,6 +320,39 @@ struct Common {
     ca_file: PathBuf,
 }
 
+/// [`common`] over a flags struct and its file struct (both agents name the fields alike; the
+/// flag wins).
+macro_rules! common {
+    ($cli:ident, $file:ident) => {
+        common(
+            $cli.bus_url.or($file.bus_url),
+            $cli.client_id.or($file.client_id),
+            $cli.token_file.or($file.token_file),
+            $cli.client_cert.or($file.client_cert),
+            $cli.client_key.or($file.client_key),
+            $cli.ca_file.or($file.ca_file),
+            $cli.server_name.or($file.server_name),
+        )
+    };
+}
+
+/// The health listener (or `default`) and the stream limit (or [`DEFAULT_MAX_STREAMS`]), checked.
+fn listen_and_limit(
+    listen: Option<SocketAddr>,
+    default: &str,
+    max_streams: Option<usize>,
+) -> anyhow::Result<(SocketAddr, usize)> {
+    let listen = match listen {
+        Some(addr) => addr,
+        None => default.parse().context("the default listen address")?,
+    };
+    let max_streams = max_streams.unwrap_or(DEFAULT_MAX_STREAMS);
+    if !(1..=65_536).contains(&max_streams) {
+        bail!("max_streams must be 1..=65536");
+    }
+    Ok((listen, max_streams))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn common(
     bus_url: Option<String>,
@@ -374,15 +407,7 @@ impl BrokerConfig {
             client_id,
             credential,
             ca_file,
-        } = common(
-            cli.bus_url.or(file.bus_url),
-            cli.client_id.or(file.client_id),
-            cli.token_file.or(file.token_file),
-            cli.client_cert.or(file.client_cert),
-            cli.client_key.or(file.client_key),
-            cli.ca_file.or(file.ca_file),
-            cli.server_name.or(file.server_name),
-        )?;
+        } = common!(cli, file)?;
         let mut specs = cli.sources;
         if specs.is_empty() {
             specs = file.sources.unwrap_or_default();
@@ -401,19 +426,11 @@ impl BrokerConfig {
         {
             bail!("source backend {:?} is given twice", twice.backend);
         }
-        let listen = match cli.listen.or(file.listen) {
-            Some(addr) => addr,
-            None => DEFAULT_KV_LISTENER_LISTEN
-                .parse()
-                .expect("the default listen address parses"),
-        };
-        let max_streams = cli
-            .max_streams
-            .or(file.max_streams)
-            .unwrap_or(DEFAULT_MAX_STREAMS);
-        if !(1..=65_536).contains(&max_streams) {
-            bail!("max_streams must be 1..=65536");
-        }
+        let (listen, max_streams) = listen_and_limit(
+            cli.listen.or(file.listen),
+            DEFAULT_KV_LISTENER_LISTEN,
+            cli.max_streams.or(file.max_streams),
+        )?;
         let replay_events = cli
             .replay_events
             .or(file.replay_events)
@@ -456,15 +473,7 @@ impl BrokerConfig {
             client_id,
             credential,
             ca_file,
-        } = common(
-            cli.bus_url.or(file.bus_url),
-            cli.client_id.or(file.client_id),
-            cli.token_file.or(file.token_file),
-            cli.client_cert.or(file.client_cert),
-            cli.client_key.or(file.client_key),
-            cli.ca_file.or(file.ca_file),
-            cli.server_name.or(file.server_name),
-        )?;
+        } = common!(cli, file)?;
         let mut namespaces = cli.dynamo_namespaces;
         if namespaces.is_empty() {
             namespaces = file.dynamo_namespaces.unwrap_or_default();
@@ -499,19 +508,11 @@ impl BrokerConfig {
             Some(url) => KubeApi::Url(url),
             None => KubeApi::Infer,
         };
-        let listen = match cli.listen.or(file.listen) {
-            Some(addr) => addr,
-            None => DEFAULT_LISTEN
-                .parse()
-                .expect("the default listen address parses"),
-        };
-        let max_streams = cli
-            .max_streams
-            .or(file.max_streams)
-            .unwrap_or(DEFAULT_MAX_STREAMS);
-        if !(1..=65_536).contains(&max_streams) {
-            bail!("max_streams must be 1..=65536");
-        }
+        let (listen, max_streams) = listen_and_limit(
+            cli.listen.or(file.listen),
+            DEFAULT_LISTEN,
+            cli.max_streams.or(file.max_streams),
+        )?;
         Ok(Self {
             bus,
             server_name,

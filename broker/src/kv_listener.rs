@@ -25,19 +25,16 @@ use continuum_protocol::event_bus::message::{StreamCloseReason, StreamId};
 use continuum_protocol::event_bus::sse::{
     Reset, ResetReason, encode_kv_events, encode_reset, event_id, split_event_id,
 };
-use continuum_protocol::event_bus::{BusPath, SESSION_HEADER, VERSION_HEADER};
 use continuum_protocol::event_plane::{StreamExpectation, decode_delivery};
 use continuum_protocol::kv::events::{KvEventsError, decode_router_events};
 use continuum_protocol::zmtp::ZmtpLimits;
 use http_body_util::BodyExt as _;
-use hyper::client::conn::http2::SendRequest;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
 use crate::config::KvSource;
 use crate::metrics::Metrics;
-use crate::relay::{RelayEnd, STREAM_OPEN_TIMEOUT, channel_body};
-use crate::tls::Body;
+use crate::relay::{OpenStream, RelayEnd, StreamGauge, StreamOpener};
 
 /// One source's numbered batches.
 #[derive(Debug)]
@@ -246,12 +243,7 @@ async fn run_source(source: KvSource, feed: Arc<Feed>, metrics: Metrics) {
 
 /// What serving one stream needs.
 pub struct ServeArgs {
-    pub send: SendRequest<Body>,
-    pub authority: String,
-    pub token: Option<Arc<str>>,
-    pub session_id: String,
-    pub version: u32,
-    pub stream_id: StreamId,
+    pub opener: StreamOpener,
     pub feed: Arc<Feed>,
     pub last_event_id: Option<u64>,
     pub metrics: Metrics,
@@ -262,53 +254,15 @@ const READ_BATCH: usize = 64;
 
 /// Opens `POST /bus/v1/streams/{id}` and writes the feed as SSE until unsubscribed.
 pub async fn serve(args: ServeArgs) -> RelayEnd {
-    let stream_id = args.stream_id;
-    let refused = |reason, message: String| RelayEnd {
-        stream_id,
-        started: false,
-        reason,
-        message: Some(message),
-    };
+    let stream_id = args.opener.stream_id;
     let start = args.feed.start(args.last_event_id);
-    let (tx, rx) = mpsc::channel::<Bytes>(1);
-    let mut request = http::Request::builder()
-        .method(http::Method::POST)
-        .uri(format!(
-            "https://{}{}",
-            args.authority,
-            BusPath::stream(stream_id)
-        ))
-        .header(VERSION_HEADER, args.version.to_string())
-        .header(SESSION_HEADER, &args.session_id)
-        .header(http::header::CONTENT_TYPE, "text/event-stream");
-    if let Some(token) = &args.token {
-        request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
-    }
-    let request = match request.body(channel_body(rx)) {
-        Ok(request) => request,
-        Err(error) => return refused(StreamCloseReason::Internal, error.to_string()),
+    let OpenStream {
+        to_router: tx,
+        from_router: mut body,
+    } = match args.opener.open(Some("text/event-stream")).await {
+        Ok(stream) => stream,
+        Err(refusal) => return refusal,
     };
-    let mut send = args.send;
-    let response = match tokio::time::timeout(STREAM_OPEN_TIMEOUT, send.send_request(request)).await
-    {
-        Ok(Ok(response)) => response,
-        Ok(Err(error)) => return refused(StreamCloseReason::StreamFailed, error.to_string()),
-        Err(_) => {
-            return refused(
-                StreamCloseReason::StreamFailed,
-                "the router did not answer the data stream in time".into(),
-            );
-        }
-    };
-    if response.status() != http::StatusCode::OK {
-        return refused(
-            StreamCloseReason::StreamFailed,
-            format!(
-                "the router answered the data stream with {}",
-                response.status()
-            ),
-        );
-    }
     let label = match &start {
         Start::Exact(_) => "exact",
         Start::Fresh => "fresh",
@@ -316,8 +270,7 @@ pub async fn serve(args: ServeArgs) -> RelayEnd {
     };
     args.metrics.stream_starts.with_label_values(&[label]).inc();
     debug!(stream = %stream_id, backend = %args.feed.backend, start = label, "Serving a kv-events stream.");
-    args.metrics.streams.inc();
-    let _guard = StreamGauge(args.metrics.clone());
+    let _guard = StreamGauge::start(&args.metrics);
     let bytes_out = args.metrics.relayed_bytes.with_label_values(&["to_router"]);
     let feed = args.feed;
     let mut head = feed.head.subscribe();
@@ -335,7 +288,6 @@ pub async fn serve(args: ServeArgs) -> RelayEnd {
             0
         }
     };
-    let mut body = response.into_body();
     let write = async {
         loop {
             head.borrow_and_update();
@@ -383,14 +335,6 @@ fn ended(stream_id: StreamId) -> RelayEnd {
         started: true,
         reason: StreamCloseReason::StreamFailed,
         message: Some("the router ended the data stream".to_owned()),
-    }
-}
-
-struct StreamGauge(Metrics);
-
-impl Drop for StreamGauge {
-    fn drop(&mut self) {
-        self.0.streams.dec();
     }
 }
 

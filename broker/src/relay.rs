@@ -16,7 +16,7 @@ use bytes::Bytes;
 use continuum_protocol::event_bus::message::{StreamCloseReason, StreamId, ZmqTcpTarget};
 use continuum_protocol::event_bus::{BusPath, SESSION_HEADER, VERSION_HEADER};
 use http_body_util::{BodyExt as _, StreamBody};
-use hyper::body::Frame;
+use hyper::body::{Frame, Incoming};
 use hyper::client::conn::http2::SendRequest;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
@@ -32,14 +32,87 @@ pub const STREAM_OPEN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest chunk read from a publisher at once (one HTTP/2 frame).
 pub const MAX_CHUNK: usize = 16 * 1024;
 
-/// What a relay needs.
-pub struct RelayArgs {
+/// Opens one data stream (`POST /bus/v1/streams/{id}`) on a session: what a relay and a
+/// kv-listener stream share.
+pub struct StreamOpener {
     pub send: SendRequest<Body>,
     pub authority: String,
     pub token: Option<Arc<str>>,
     pub session_id: String,
     pub version: u32,
     pub stream_id: StreamId,
+}
+
+/// An open data stream: the request body's feed (one queued chunk) and the router's answer body.
+pub struct OpenStream {
+    pub to_router: mpsc::Sender<Bytes>,
+    pub from_router: Incoming,
+}
+
+impl StreamOpener {
+    /// Sends the request and waits (bounded by [`STREAM_OPEN_TIMEOUT`]) for the router's 200;
+    /// anything else is the refusal to report.
+    pub async fn open(self, content_type: Option<&'static str>) -> Result<OpenStream, RelayEnd> {
+        let stream_id = self.stream_id;
+        let refused = |reason, message: String| RelayEnd {
+            stream_id,
+            started: false,
+            reason,
+            message: Some(message),
+        };
+        let (to_router, rx) = mpsc::channel::<Bytes>(1);
+        let mut request = http::Request::builder()
+            .method(http::Method::POST)
+            .uri(format!(
+                "https://{}{}",
+                self.authority,
+                BusPath::stream(stream_id)
+            ))
+            .header(VERSION_HEADER, self.version.to_string())
+            .header(SESSION_HEADER, &self.session_id);
+        if let Some(content_type) = content_type {
+            request = request.header(http::header::CONTENT_TYPE, content_type);
+        }
+        if let Some(token) = &self.token {
+            request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let request = match request.body(channel_body(rx)) {
+            Ok(request) => request,
+            Err(error) => return Err(refused(StreamCloseReason::Internal, error.to_string())),
+        };
+        let mut send = self.send;
+        let response =
+            match tokio::time::timeout(STREAM_OPEN_TIMEOUT, send.send_request(request)).await {
+                Ok(Ok(response)) => response,
+                Ok(Err(error)) => {
+                    return Err(refused(StreamCloseReason::StreamFailed, error.to_string()));
+                }
+                Err(_) => {
+                    return Err(refused(
+                        StreamCloseReason::StreamFailed,
+                        "the router did not answer the data stream in time".into(),
+                    ));
+                }
+            };
+        if response.status() != http::StatusCode::OK {
+            return Err(refused(
+                StreamCloseReason::StreamFailed,
+                format!(
+                    "the router answered the data stream with {}",
+                    response.status()
+                ),
+            ));
+        }
+        Ok(OpenStream {
+            to_router,
+            from_router: response.into_body(),
+        })
+    }
+}
+
+/// What a relay needs.
+pub struct RelayArgs {
+    pub opener: StreamOpener,
     pub target: ZmqTcpTarget,
     pub stream_buffer_bytes: usize,
     pub metrics: Metrics,
@@ -66,7 +139,7 @@ pub fn channel_body(rx: mpsc::Receiver<Bytes>) -> Body {
 
 /// Runs one relay to its end.
 pub async fn relay(args: RelayArgs) -> RelayEnd {
-    let stream_id = args.stream_id;
+    let stream_id = args.opener.stream_id;
     let refused = |reason, message: String| RelayEnd {
         stream_id,
         started: false,
@@ -92,46 +165,14 @@ pub async fn relay(args: RelayArgs) -> RelayEnd {
     };
     let _ = tcp.set_nodelay(true);
 
-    let (tx, rx) = mpsc::channel::<Bytes>(1);
-    let mut request = http::Request::builder()
-        .method(http::Method::POST)
-        .uri(format!(
-            "https://{}{}",
-            args.authority,
-            BusPath::stream(stream_id)
-        ))
-        .header(VERSION_HEADER, args.version.to_string())
-        .header(SESSION_HEADER, &args.session_id);
-    if let Some(token) = &args.token {
-        request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
-    }
-    let request = match request.body(channel_body(rx)) {
-        Ok(request) => request,
-        Err(error) => return refused(StreamCloseReason::Internal, error.to_string()),
+    let OpenStream {
+        to_router: tx,
+        from_router: mut body,
+    } = match args.opener.open(None).await {
+        Ok(stream) => stream,
+        Err(refusal) => return refusal,
     };
-    let mut send = args.send;
-    let response = match tokio::time::timeout(STREAM_OPEN_TIMEOUT, send.send_request(request)).await
-    {
-        Ok(Ok(response)) => response,
-        Ok(Err(error)) => return refused(StreamCloseReason::StreamFailed, error.to_string()),
-        Err(_) => {
-            return refused(
-                StreamCloseReason::StreamFailed,
-                "the router did not answer the data stream in time".into(),
-            );
-        }
-    };
-    if response.status() != http::StatusCode::OK {
-        return refused(
-            StreamCloseReason::StreamFailed,
-            format!(
-                "the router answered the data stream with {}",
-                response.status()
-            ),
-        );
-    }
-    args.metrics.streams.inc();
-    let guard = StreamGauge(args.metrics.clone());
+    let guard = StreamGauge::start(&args.metrics);
     let (mut from_publisher, mut to_publisher) = tcp.into_split();
     let chunk = args.stream_buffer_bytes.clamp(1, MAX_CHUNK);
     let to_router_bytes = args.metrics.relayed_bytes.with_label_values(&["to_router"]);
@@ -157,7 +198,6 @@ pub async fn relay(args: RelayArgs) -> RelayEnd {
             }
         }
     };
-    let mut body = response.into_body();
     let down = async {
         loop {
             match body.frame().await {
@@ -195,8 +235,16 @@ pub async fn relay(args: RelayArgs) -> RelayEnd {
     }
 }
 
-/// Decrements the stream gauge however the relay ends (including an abort on unsubscribe).
-struct StreamGauge(Metrics);
+/// Counts a stream in the `streams` gauge from its start until it ends, however it ends (including
+/// an abort on unsubscribe).
+pub struct StreamGauge(Metrics);
+
+impl StreamGauge {
+    pub fn start(metrics: &Metrics) -> Self {
+        metrics.streams.inc();
+        Self(metrics.clone())
+    }
+}
 
 impl Drop for StreamGauge {
     fn drop(&mut self) {

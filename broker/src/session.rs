@@ -29,7 +29,7 @@ use tracing::{debug, info, warn};
 use crate::agent::Shared;
 use crate::kv_listener::{ServeArgs, serve};
 use crate::metrics::{CONNECT_FAILED, SESSION_CLOSED, UNSUBSCRIBED};
-use crate::relay::{RelayArgs, RelayEnd, channel_body, relay};
+use crate::relay::{RelayArgs, RelayEnd, StreamOpener, channel_body, relay};
 use crate::tls::{self, CONNECT_TIMEOUT};
 
 /// The router's answer to the session request (its hello wait is 10 s).
@@ -336,12 +336,7 @@ impl Live<'_> {
                     );
                 };
                 let args = ServeArgs {
-                    send: self.send.clone(),
-                    authority: self.authority.clone(),
-                    token: shared.token.clone(),
-                    session_id: welcome.session_id.to_string(),
-                    version: welcome.version,
-                    stream_id,
+                    opener: self.opener(welcome, stream_id),
                     feed: feed.clone(),
                     last_event_id: source.last_event_id,
                     metrics: shared.metrics.clone(),
@@ -385,12 +380,7 @@ impl Live<'_> {
             );
         }
         let args = RelayArgs {
-            send: self.send.clone(),
-            authority: self.authority.clone(),
-            token: shared.token.clone(),
-            session_id: welcome.session_id.to_string(),
-            version: welcome.version,
-            stream_id,
+            opener: self.opener(welcome, stream_id),
             target,
             stream_buffer_bytes: welcome.stream_buffer_bytes as usize,
             metrics: shared.metrics.clone(),
@@ -401,6 +391,18 @@ impl Live<'_> {
             let _ = done.send(end);
         });
         self.relays.insert(stream_id, task);
+    }
+
+    /// What opens data stream `stream_id` on this session.
+    fn opener(&self, welcome: &Welcome, stream_id: StreamId) -> StreamOpener {
+        StreamOpener {
+            send: self.send.clone(),
+            authority: self.authority.clone(),
+            token: self.shared.token.clone(),
+            session_id: welcome.session_id.to_string(),
+            version: welcome.version,
+            stream_id,
+        }
     }
 
     fn relay_ended(&mut self, end: RelayEnd) {
