@@ -7,6 +7,7 @@
 //! | `chat` | the chat-completions request parts the request converters serialise straight from that tree |
 //! | [`anthropic`] | Anthropic Messages API (`POST /v1/messages`, `/anthropic/v1/messages`): request → chat body, buffered chat response → `Message`, chat SSE chunks → Anthropic SSE events ([`anthropic::AnthropicStream`]), Anthropic error objects |
 //! | [`prompts`] | per-backend `global_prompts` / `requires_single_leading_system` rewrites of a chat body, shared by dispatch and KV rendering |
+//! | `stream` | what both stream converters share: the upstream chunk read once and handed to a `ChatStreamConverter`, [`SseEvent`] |
 //! | [`responses`] | OpenAI Responses API (`POST /v1/responses`): request → chat body, buffered chat response → `Response`, chat SSE chunks → Responses events ([`responses::ResponsesStream`]), OpenAI error objects |
 //!
 //! Sans-IO like the rest of the crate: bytes or `serde_json::Value`s in, values or bytes out; ids
@@ -17,6 +18,9 @@ mod chat;
 mod json;
 pub mod prompts;
 pub mod responses;
+mod stream;
+
+pub use stream::SseEvent;
 
 /// One upstream chat-completions SSE `data:` payload, as both stream converters read it.
 pub(crate) enum ChatChunk {

@@ -55,6 +55,7 @@ use serde_json::{Number, Value, json};
 
 use super::chat::{self, Content, Function, ImageUrl, Part, Tool, ToolCall, ToolChoice};
 use super::json::{Json, Obj, Path, want_arr, want_num, want_obj, want_str};
+use super::stream::{self, ChatStreamConverter, ToolFragment};
 
 /// Bounds applied to untrusted request bodies and upstream streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -669,23 +670,7 @@ pub fn chat_response_to_message(
     }))
 }
 
-/// One Anthropic SSE event: `event: <name>\ndata: <json>\n\n`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SseEvent {
-    pub event: &'static str,
-    pub data: Value,
-}
-
-impl SseEvent {
-    fn new(event: &'static str, data: Value) -> Self {
-        Self { event, data }
-    }
-
-    /// The wire form of the event.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        format!("event: {}\ndata: {}\n\n", self.event, self.data).into_bytes()
-    }
-}
+pub use super::stream::SseEvent;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Open {
@@ -744,7 +729,7 @@ impl AnthropicStream {
         self.done
     }
 
-    fn start(&mut self, out: &mut Vec<SseEvent>) {
+    fn start_message(&mut self, out: &mut Vec<SseEvent>) {
         if self.started {
             return;
         }
@@ -766,11 +751,6 @@ impl AnthropicStream {
             }),
         ));
         out.push(SseEvent::new("ping", json!({ "type": "ping" })));
-    }
-
-    fn fail(&mut self, message: String, out: &mut Vec<SseEvent>) {
-        self.done = true;
-        out.push(SseEvent::new("error", error_body(502, &message)));
     }
 
     fn close_block(&mut self, out: &mut Vec<SseEvent>) {
@@ -811,7 +791,7 @@ impl AnthropicStream {
         ));
     }
 
-    fn end(&mut self, out: &mut Vec<SseEvent>) {
+    fn end_message(&mut self, out: &mut Vec<SseEvent>) {
         self.close_block(out);
         let (stop_reason, stop_sequence) = map_stop_reason(
             self.finish_reason.as_deref(),
@@ -836,61 +816,53 @@ impl AnthropicStream {
 
     /// Feeds one upstream `data:` payload (a chat chunk, or `[DONE]`).
     pub fn push(&mut self, data: &[u8]) -> Vec<SseEvent> {
-        let mut out = Vec::new();
-        if self.done {
-            return out;
-        }
-        self.start(&mut out);
-        if let Err(e) = self.push_inner(data, &mut out) {
-            self.fail(e, &mut out);
-        }
-        out
+        stream::push(self, data)
     }
 
-    fn push_inner(&mut self, data: &[u8], out: &mut Vec<SseEvent>) -> Result<(), String> {
-        let o = match super::parse_chat_chunk(data, self.limits.max_chunk_bytes)? {
-            super::ChatChunk::Done => return self.finish_inner(out),
-            super::ChatChunk::Data(o) => o,
-        };
-        if let Some(u) = o.get("usage").filter(|u| u.is_object()) {
-            self.usage = usage_of(Some(u));
+    /// End of the upstream stream (with or without `[DONE]`). Emits the closing events if the
+    /// stream is still open: `message_delta` + `message_stop` when a `finish_reason` was seen, an
+    /// `error` event otherwise.
+    pub fn finish(&mut self) -> Vec<SseEvent> {
+        stream::finish(self)
+    }
+}
+
+impl ChatStreamConverter for AnthropicStream {
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    fn max_chunk_bytes(&self) -> usize {
+        self.limits.max_chunk_bytes
+    }
+
+    fn start(&mut self, out: &mut Vec<SseEvent>) {
+        self.start_message(out);
+    }
+
+    fn fail(&mut self, message: String, out: &mut Vec<SseEvent>) {
+        self.done = true;
+        out.push(SseEvent::new("error", error_body(502, &message)));
+    }
+
+    fn usage(&mut self, usage: &Value) {
+        self.usage = usage_of(Some(usage));
+    }
+
+    fn text(&mut self, text: &str, out: &mut Vec<SseEvent>) -> Result<(), String> {
+        if self.open != Some(Open::Text) {
+            self.open_block(Open::Text, json!({ "type": "text", "text": "" }), out)?;
         }
-        let Some(choice) = o
-            .get("choices")
-            .and_then(Value::as_array)
-            .and_then(|c| c.first())
-        else {
-            return Ok(());
-        };
-        let delta = choice.get("delta").unwrap_or(&Value::Null);
-        if let Some(t) = delta
-            .get("content")
-            .and_then(Value::as_str)
-            .filter(|t| !t.is_empty())
-        {
-            if self.open != Some(Open::Text) {
-                self.open_block(Open::Text, json!({ "type": "text", "text": "" }), out)?;
-            }
-            self.delta(json!({ "type": "text_delta", "text": t }), out);
-        }
-        if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
-            for c in calls {
-                self.tool_fragment(c, out)?;
-            }
-        }
-        if let Some(f) = choice.get("finish_reason").and_then(Value::as_str) {
-            self.finish_reason = Some(f.to_owned());
-            self.matched_stop = choice
-                .get("stop_reason")
-                .and_then(Value::as_str)
-                .map(str::to_owned);
-        }
+        self.delta(json!({ "type": "text_delta", "text": text }), out);
         Ok(())
     }
 
-    fn tool_fragment(&mut self, c: &Value, out: &mut Vec<SseEvent>) -> Result<(), String> {
-        let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
-        let f = c.get("function").unwrap_or(&Value::Null);
+    fn tool_fragment(
+        &mut self,
+        fragment: ToolFragment<'_>,
+        out: &mut Vec<SseEvent>,
+    ) -> Result<(), String> {
+        let index = fragment.index;
         if self.open != Some(Open::Tool(index)) {
             if self.seen_tools.contains(&index) {
                 return Err(format!(
@@ -898,23 +870,16 @@ impl AnthropicStream {
                 ));
             }
             self.seen_tools.push(index);
-            let id = c
-                .get("id")
-                .and_then(Value::as_str)
-                .filter(|s| !s.is_empty())
+            let id = fragment
+                .id
                 .map_or_else(|| format!("toolu_{:032x}_{index}", self.id), str::to_owned);
-            let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
             self.open_block(
                 Open::Tool(index),
-                json!({ "type": "tool_use", "id": id, "name": name, "input": {} }),
+                json!({ "type": "tool_use", "id": id, "name": fragment.name, "input": {} }),
                 out,
             )?;
         }
-        if let Some(args) = f
-            .get("arguments")
-            .and_then(Value::as_str)
-            .filter(|a| !a.is_empty())
-        {
+        if let Some(args) = fragment.arguments {
             self.tool_arg_bytes = self.tool_arg_bytes.saturating_add(args.len());
             if self.tool_arg_bytes > self.limits.max_tool_arg_bytes {
                 return Err(format!(
@@ -930,27 +895,20 @@ impl AnthropicStream {
         Ok(())
     }
 
-    fn finish_inner(&mut self, out: &mut Vec<SseEvent>) -> Result<(), String> {
+    fn finished(&mut self, finish_reason: &str, choice: &Value) {
+        self.finish_reason = Some(finish_reason.to_owned());
+        self.matched_stop = choice
+            .get("stop_reason")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+    }
+
+    fn end(&mut self, out: &mut Vec<SseEvent>) -> Result<(), String> {
         if self.finish_reason.is_none() {
             return Err("upstream stream ended before a finish_reason".into());
         }
-        self.end(out);
+        self.end_message(out);
         Ok(())
-    }
-
-    /// End of the upstream stream (with or without `[DONE]`). Emits the closing events if the
-    /// stream is still open: `message_delta` + `message_stop` when a `finish_reason` was seen, an
-    /// `error` event otherwise.
-    pub fn finish(&mut self) -> Vec<SseEvent> {
-        let mut out = Vec::new();
-        if self.done {
-            return out;
-        }
-        self.start(&mut out);
-        if let Err(e) = self.finish_inner(&mut out) {
-            self.fail(e, &mut out);
-        }
-        out
     }
 }
 

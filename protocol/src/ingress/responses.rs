@@ -52,6 +52,7 @@ use serde_json::{Map, Number, Value, json};
 use super::anthropic::{DIRECT_MODE_REFUSAL_CODE, IngressError, usage_of};
 use super::chat::{self, Content, Function, ImageUrl, Part, Tool, ToolCall, ToolChoice};
 use super::json::{Json, Path, want_arr, want_num, want_obj, want_str};
+use super::stream::{self, ChatStreamConverter, ToolFragment};
 
 /// Bounds applied to untrusted request bodies and upstream answers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -773,19 +774,7 @@ pub fn chat_response_to_response(
     ))
 }
 
-/// One Responses SSE event: `event: <type>\ndata: <json>\n\n`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SseEvent {
-    pub event: &'static str,
-    pub data: Value,
-}
-
-impl SseEvent {
-    /// The wire form of the event.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        format!("event: {}\ndata: {}\n\n", self.event, self.data).into_bytes()
-    }
-}
+pub use super::stream::SseEvent;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Open {
@@ -870,16 +859,6 @@ impl ResponsesStream {
             incomplete,
             error,
         )
-    }
-
-    fn start(&mut self, out: &mut Vec<SseEvent>) {
-        if self.started {
-            return;
-        }
-        self.started = true;
-        let r = self.snapshot("in_progress", Value::Null, Value::Null, Value::Null);
-        self.emit("response.created", json!({ "response": r.clone() }), out);
-        self.emit("response.in_progress", json!({ "response": r }), out);
     }
 
     fn close_item(&mut self, out: &mut Vec<SseEvent>) {
@@ -978,6 +957,37 @@ impl ResponsesStream {
         Ok(())
     }
 
+    /// Feeds one upstream `data:` payload (a chat chunk, or `[DONE]`).
+    pub fn push(&mut self, data: &[u8]) -> Vec<SseEvent> {
+        stream::push(self, data)
+    }
+
+    /// End of the upstream stream (with or without `[DONE]`): the closing events if the stream
+    /// is still open, `response.failed` when no `finish_reason` was seen.
+    pub fn finish(&mut self) -> Vec<SseEvent> {
+        stream::finish(self)
+    }
+}
+
+impl ChatStreamConverter for ResponsesStream {
+    fn is_done(&self) -> bool {
+        self.done
+    }
+
+    fn max_chunk_bytes(&self) -> usize {
+        self.limits.max_chunk_bytes
+    }
+
+    fn start(&mut self, out: &mut Vec<SseEvent>) {
+        if self.started {
+            return;
+        }
+        self.started = true;
+        let r = self.snapshot("in_progress", Value::Null, Value::Null, Value::Null);
+        self.emit("response.created", json!({ "response": r.clone() }), out);
+        self.emit("response.in_progress", json!({ "response": r }), out);
+    }
+
     fn fail(&mut self, message: String, out: &mut Vec<SseEvent>) {
         self.done = true;
         let error = json!({ "code": "server_error", "message": message });
@@ -985,67 +995,32 @@ impl ResponsesStream {
         self.emit("response.failed", json!({ "response": r }), out);
     }
 
-    /// Feeds one upstream `data:` payload (a chat chunk, or `[DONE]`).
-    pub fn push(&mut self, data: &[u8]) -> Vec<SseEvent> {
-        let mut out = Vec::new();
-        if self.done {
-            return out;
-        }
-        self.start(&mut out);
-        if let Err(e) = self.push_inner(data, &mut out) {
-            self.fail(e, &mut out);
-        }
-        out
+    fn usage(&mut self, usage: &Value) {
+        self.usage = usage_of(Some(usage));
     }
 
-    fn push_inner(&mut self, data: &[u8], out: &mut Vec<SseEvent>) -> Result<(), String> {
-        let o = match super::parse_chat_chunk(data, self.limits.max_chunk_bytes)? {
-            super::ChatChunk::Done => return self.finish_inner(out),
-            super::ChatChunk::Data(o) => o,
-        };
-        if let Some(u) = o.get("usage").filter(|u| u.is_object()) {
-            self.usage = usage_of(Some(u));
+    fn text(&mut self, text: &str, out: &mut Vec<SseEvent>) -> Result<(), String> {
+        self.account(text.len())?;
+        if self.open != Some(Open::Text) {
+            self.open_item(Open::Text, out)?;
         }
-        let Some(choice) = o
-            .get("choices")
-            .and_then(Value::as_array)
-            .and_then(|c| c.first())
-        else {
-            return Ok(());
-        };
-        let delta = choice.get("delta").unwrap_or(&Value::Null);
-        if let Some(t) = delta
-            .get("content")
-            .and_then(Value::as_str)
-            .filter(|t| !t.is_empty())
-        {
-            self.account(t.len())?;
-            if self.open != Some(Open::Text) {
-                self.open_item(Open::Text, out)?;
-            }
-            self.text.push_str(t);
-            let index = self.output.len();
-            self.emit(
-                "response.output_text.delta",
-                json!({ "item_id": self.item_id, "output_index": index, "content_index": 0,
-                        "delta": t, "logprobs": [] }),
-                out,
-            );
-        }
-        if let Some(calls) = delta.get("tool_calls").and_then(Value::as_array) {
-            for c in calls {
-                self.tool_fragment(c, out)?;
-            }
-        }
-        if let Some(f) = choice.get("finish_reason").and_then(Value::as_str) {
-            self.finish_reason = Some(f.to_owned());
-        }
+        self.text.push_str(text);
+        let index = self.output.len();
+        self.emit(
+            "response.output_text.delta",
+            json!({ "item_id": self.item_id, "output_index": index, "content_index": 0,
+                    "delta": text, "logprobs": [] }),
+            out,
+        );
         Ok(())
     }
 
-    fn tool_fragment(&mut self, c: &Value, out: &mut Vec<SseEvent>) -> Result<(), String> {
-        let index = c.get("index").and_then(Value::as_u64).unwrap_or(0);
-        let f = c.get("function").unwrap_or(&Value::Null);
+    fn tool_fragment(
+        &mut self,
+        fragment: ToolFragment<'_>,
+        out: &mut Vec<SseEvent>,
+    ) -> Result<(), String> {
+        let index = fragment.index;
         if self.open != Some(Open::Tool(index)) {
             if self.seen_tools.contains(&index) {
                 return Err(format!(
@@ -1054,24 +1029,14 @@ impl ResponsesStream {
             }
             self.close_item(out);
             self.seen_tools.push(index);
-            self.call_id = c
-                .get("id")
-                .and_then(Value::as_str)
-                .filter(|s| !s.is_empty())
+            self.call_id = fragment
+                .id
                 .map_or_else(|| format!("call_{:032x}_{index}", self.id), str::to_owned);
-            self.name = f
-                .get("name")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned();
+            self.name = fragment.name.to_owned();
             self.account(self.call_id.len() + self.name.len())?;
             self.open_item(Open::Tool(index), out)?;
         }
-        if let Some(args) = f
-            .get("arguments")
-            .and_then(Value::as_str)
-            .filter(|a| !a.is_empty())
-        {
+        if let Some(args) = fragment.arguments {
             self.account(args.len())?;
             self.text.push_str(args);
             let index = self.output.len();
@@ -1084,7 +1049,11 @@ impl ResponsesStream {
         Ok(())
     }
 
-    fn finish_inner(&mut self, out: &mut Vec<SseEvent>) -> Result<(), String> {
+    fn finished(&mut self, finish_reason: &str, _choice: &Value) {
+        self.finish_reason = Some(finish_reason.to_owned());
+    }
+
+    fn end(&mut self, out: &mut Vec<SseEvent>) -> Result<(), String> {
         let Some(finish) = self.finish_reason.clone() else {
             return Err("upstream stream ended before a finish_reason".into());
         };
@@ -1099,20 +1068,6 @@ impl ResponsesStream {
         self.emit(event, json!({ "response": r }), out);
         self.done = true;
         Ok(())
-    }
-
-    /// End of the upstream stream (with or without `[DONE]`): the closing events if the stream
-    /// is still open, `response.failed` when no `finish_reason` was seen.
-    pub fn finish(&mut self) -> Vec<SseEvent> {
-        let mut out = Vec::new();
-        if self.done {
-            return out;
-        }
-        self.start(&mut out);
-        if let Err(e) = self.finish_inner(&mut out) {
-            self.fail(e, &mut out);
-        }
-        out
     }
 }
 
