@@ -5,9 +5,15 @@
 
 use std::sync::Arc;
 
-use continuum_protocol::kv::LocalBlockHash;
+use continuum_protocol::ids::{DpRank, InstanceId};
+use continuum_protocol::kv::events::{
+    Bounded, KvCacheEvent, KvCacheEventData, KvCacheStoreData, RouterEvent, StorageTier,
+    StoredBlock,
+};
 use continuum_protocol::kv::hashing::{KV_HASH_SEED, local_block_hashes};
+use continuum_protocol::kv::{ExternalBlockHash, LocalBlockHash, encode_router_events};
 use continuum_protocol::picker::KvUnavailable;
+use continuum_router::daemon::Daemon;
 use continuum_router::kv::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 use futures::future::BoxFuture;
 use serde_json::Value;
@@ -74,4 +80,42 @@ impl KvPromptPrep for WhitespacePrep {
             })
         })
     }
+}
+
+/// Stores `hashes` as one root-anchored chain on `worker`, after opening the live-worker gate for
+/// the current fleet (the subscription follower does the same on its next generation).
+pub async fn index_blocks(daemon: &Daemon, worker: u64, hashes: &[LocalBlockHash]) {
+    daemon.kv_index().reconcile().await;
+    let blocks = hashes
+        .iter()
+        .enumerate()
+        .map(|(i, h)| StoredBlock {
+            block_hash: ExternalBlockHash(worker.wrapping_mul(1000) + i as u64),
+            tokens_hash: *h,
+            mm_extra_info: None,
+        })
+        .collect();
+    let event = RouterEvent {
+        worker_id: InstanceId(worker),
+        storage_tier: StorageTier::Device,
+        residency_domain: None,
+        event: KvCacheEvent {
+            event_id: 1,
+            data: KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: None,
+                start_position: None,
+                blocks: Bounded(blocks),
+            }),
+            dp_rank: DpRank(0),
+        },
+        session_id: None,
+    };
+    let subscription: std::sync::Arc<str> = std::sync::Arc::from(format!("test-{worker}"));
+    daemon
+        .kv_index()
+        .deliver(&subscription, &encode_router_events(&[event]))
+        .await;
+    let matches = daemon.kv_index().overlaps(hashes);
+    assert_eq!(matches.len(), 1, "the index holds the chain: {matches:?}");
+    assert_eq!(matches[0].blocks as usize, hashes.len());
 }
