@@ -6,7 +6,6 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -37,6 +36,8 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tower::ServiceExt;
 
+use crate::support::bus_pki;
+
 /// A CA and two server certificates it signed: one for `localhost`/127.0.0.1, one for another
 /// host name only.
 struct Pki {
@@ -46,100 +47,14 @@ struct Pki {
     wrong_name: (PathBuf, PathBuf),
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .expect("the openssl CLI runs (scripts/test.sh installs it)");
-    assert!(
-        out.status.success(),
-        "openssl {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn server_cert(dir: &Path, name: &str, san: &str) -> (PathBuf, PathBuf) {
-    let (key, csr, pem, ext) = (
-        format!("{name}.key"),
-        format!("{name}.csr"),
-        format!("{name}.pem"),
-        format!("{name}.ext"),
-    );
-    std::fs::write(
-        dir.join(&ext),
-        format!(
-            "subjectAltName={san}\nbasicConstraints=CA:FALSE\n\
-             keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n"
-        ),
-    )
-    .expect("write ext");
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            "/CN=continuum-test-server",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            &pem,
-            "-days",
-            "2",
-            "-extfile",
-            &ext,
-        ],
-    );
-    (dir.join(pem), dir.join(key))
-}
-
 fn pki() -> Pki {
     let dir = tempfile::tempdir().expect("tempdir");
-    openssl(
-        dir.path(),
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.pem",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=continuum-test-ca",
-        ],
-    );
-    let good = server_cert(dir.path(), "good", "DNS:localhost,IP:127.0.0.1");
-    let wrong_name = server_cert(dir.path(), "wrong", "DNS:wrong.example");
+    let ca = bus_pki::ca(dir.path(), "continuum-test-ca");
+    let server = |name, san| bus_pki::leaf(dir.path(), name, san, "serverAuth");
+    let good = server("good", "DNS:localhost,IP:127.0.0.1");
+    let wrong_name = server("wrong", "DNS:wrong.example");
     Pki {
-        ca: dir.path().join("ca.pem"),
+        ca,
         good,
         wrong_name,
         _dir: dir,

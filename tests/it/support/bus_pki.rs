@@ -1,5 +1,7 @@
-//! The event bus's test PKI from the openssl CLI: a CA, the listener's server certificate and a
-//! broker client certificate (tests/it/event_bus.rs, tests/it/dynamo_broker_tunnel.rs).
+//! Test PKI from the openssl CLI: a CA ([`ca`]) and the leaf certificates it signs ([`leaf`]);
+//! [`pki`] is the event bus's set (the listener's server certificate and a broker client
+//! certificate: tests/it/event_bus.rs, tests/it/dynamo_broker_tunnel.rs), tests/it/proxy_tls.rs
+//! makes its own HTTPS upstreams' set.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -27,7 +29,9 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
-fn leaf(dir: &Path, name: &str, san: &str, usage: &str) -> (PathBuf, PathBuf) {
+/// A certificate for `san` (`DNS:…,IP:…`) with extended key usage `usage` (`serverAuth`,
+/// `clientAuth`), signed by the [`ca`] in `dir`: its (certificate, key) paths.
+pub fn leaf(dir: &Path, name: &str, san: &str, usage: &str) -> (PathBuf, PathBuf) {
     let (key, csr, pem, ext) = (
         format!("{name}.key"),
         format!("{name}.csr"),
@@ -82,10 +86,10 @@ fn leaf(dir: &Path, name: &str, san: &str, usage: &str) -> (PathBuf, PathBuf) {
     (dir.join(pem), dir.join(key))
 }
 
-pub fn pki() -> Pki {
-    let dir = tempfile::tempdir().expect("tempdir");
+/// A self-signed CA (`ca.pem`, `ca.key`) named `cn` in `dir`: the certificate's path.
+pub fn ca(dir: &Path, cn: &str) -> PathBuf {
     openssl(
-        dir.path(),
+        dir,
         &[
             "req",
             "-x509",
@@ -101,9 +105,15 @@ pub fn pki() -> Pki {
             "-days",
             "2",
             "-subj",
-            "/CN=continuum-event-bus-test-ca",
+            &format!("/CN={cn}"),
         ],
     );
+    dir.join("ca.pem")
+}
+
+pub fn pki() -> Pki {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = ca(dir.path(), "continuum-event-bus-test-ca");
     let server = leaf(
         dir.path(),
         "server",
@@ -112,7 +122,7 @@ pub fn pki() -> Pki {
     );
     let client_a = leaf(dir.path(), "client-a", "DNS:broker-a.dynamo", "clientAuth");
     Pki {
-        ca: dir.path().join("ca.pem"),
+        ca,
         server,
         client_a,
         _dir: dir,
