@@ -901,10 +901,104 @@ const BROKER_CHART: &str = "deploy/helm/continuum-event-broker";
 /// The broker's probe paths as its binary serves them (broker/src/http.rs).
 const BROKER_PROBES: [&str; 2] = ["/health", "/ready"];
 
+/// The chart's view of a template for one `role`: the branches of `{{- if eq .Values.role "R" }}`
+/// … `{{- else }}` … `{{- end }}` that the role does not take are dropped (other control lines
+/// are left for [`stripped`]).
+fn for_role(template: &str, role: &str) -> String {
+    // Per open block: whether it is a role block, and whether its current branch is kept.
+    let mut blocks: Vec<(bool, bool)> = Vec::new();
+    let mut out = String::new();
+    for line in template.lines() {
+        let t = line.trim_start();
+        let keep = blocks.iter().all(|&(_, keep)| keep);
+        if let Some(rest) = t.strip_prefix("{{- if eq .Values.role \"") {
+            let wanted = rest.split('"').next().unwrap_or_default();
+            blocks.push((true, wanted == role));
+            continue;
+        }
+        if t.starts_with("{{- if") || t.starts_with("{{- with") || t.starts_with("{{- range") {
+            blocks.push((false, true));
+        } else if t.starts_with("{{- else") {
+            if let Some(last) = blocks.last_mut().filter(|b| b.0) {
+                last.1 = !last.1;
+                continue;
+            }
+        } else if t.starts_with("{{- end") {
+            if blocks.pop().is_some_and(|b| b.0) {
+                continue;
+            }
+        }
+        if keep {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    assert!(blocks.is_empty(), "unbalanced template blocks");
+    out
+}
+
+/// The `--flags` of a container's args.
+fn flags_of(container: &Value) -> Vec<String> {
+    container["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|a| a.starts_with("--"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every flag a manifest passes is one `binary --help` lists.
+fn assert_flags_known(what: &str, binary: &str, flags: &[String]) {
+    let out = Command::new(binary)
+        .arg("--help")
+        .output()
+        .expect("the agent binary runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in flags {
+        assert!(
+            help.contains(&format!("{flag} ")),
+            "{what}: {binary} has no {flag}"
+        );
+    }
+}
+
 /// What both the Kustomize and the Helm renderings must hold for the broker. A template's
 /// `toYaml` blocks are stripped, so the chart's security contexts, resources and probe paths are
 /// checked in `values` (given for the chart).
 fn assert_broker_deployment(what: &str, deployment: &Value, values: Option<&Value>) {
+    let pod = &deployment["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(pod["automountServiceAccountToken"], json!(true), "{what}");
+    assert_agent_deployment(
+        what,
+        deployment,
+        values,
+        "continuum-event-broker",
+        &["--dynamo-namespace"],
+    );
+    assert_eq!(
+        c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
+        json!("metadata.namespace"),
+        "{what}"
+    );
+    assert_flags_known(
+        what,
+        env!("CARGO_BIN_EXE_continuum-event-broker"),
+        &flags_of(c),
+    );
+}
+
+/// What every agent's Deployment holds: the binary, hardening, probes on the `--listen` port,
+/// and the session flags plus the role's `flags`.
+fn assert_agent_deployment(
+    what: &str,
+    deployment: &Value,
+    values: Option<&Value>,
+    binary: &str,
+    role_flags: &[&str],
+) {
     let pod = &deployment["spec"]["template"]["spec"];
     let c = &pod["containers"][0];
     let (pod_sc, sc, resources, liveness, readiness) = match values {
@@ -923,11 +1017,10 @@ fn assert_broker_deployment(what: &str, deployment: &Value, values: Option<&Valu
             &c["readinessProbe"]["httpGet"]["path"],
         ),
     };
-    assert_eq!(pod["automountServiceAccountToken"], json!(true), "{what}");
     assert_eq!(pod_sc["runAsNonRoot"], json!(true), "{what}");
     assert_eq!(
         c["command"],
-        json!(["/usr/local/bin/continuum-event-broker"]),
+        json!([format!("/usr/local/bin/{binary}")]),
         "{what}"
     );
     assert_eq!(liveness, &json!(BROKER_PROBES[0]), "{what}");
@@ -956,11 +1049,13 @@ fn assert_broker_deployment(what: &str, deployment: &Value, values: Option<&Valu
     for flag in [
         "--bus-url",
         "--client-id",
-        "--dynamo-namespace",
         "--token-file",
         "--ca-file",
         "--listen",
-    ] {
+    ]
+    .iter()
+    .chain(role_flags)
+    {
         assert!(args.iter().any(|a| a == flag), "{what}: {flag} in {args:?}");
     }
     // The metrics port the probes use is the one --listen binds.
@@ -976,11 +1071,6 @@ fn assert_broker_deployment(what: &str, deployment: &Value, values: Option<&Valu
     assert!(
         listen.ends_with(&format!(":{port}")) || listen.ends_with(":placeholder"),
         "{what}: {listen} vs {port}"
-    );
-    assert_eq!(
-        c["env"][0]["valueFrom"]["fieldRef"]["fieldPath"],
-        json!("metadata.namespace"),
-        "{what}"
     );
 }
 
@@ -1072,7 +1162,12 @@ fn the_event_broker_chart_renders_the_same_shape() {
         values["probes"]["readiness"]["path"],
         json!(BROKER_PROBES[1])
     );
-    let template = |name: &str| stripped(&read(&format!("{BROKER_CHART}/templates/{name}")));
+    let template = |name: &str| {
+        stripped(&for_role(
+            &read(&format!("{BROKER_CHART}/templates/{name}")),
+            "broker",
+        ))
+    };
     assert_broker_rbac("chart", &template("role.yaml"));
     assert_broker_deployment(
         "chart",
@@ -1083,4 +1178,72 @@ fn the_event_broker_chart_renders_the_same_shape() {
     for name in ["serviceaccount.yaml", "secret.yaml", "configmap.yaml"] {
         assert!(!template(name).is_empty(), "{name}");
     }
+}
+
+#[test]
+fn the_event_broker_chart_runs_the_kv_listener_without_kubernetes_access() {
+    let values = &yaml_docs(&read(&format!("{BROKER_CHART}/values.yaml")))[0];
+    assert_eq!(values["role"], json!("broker"), "the default role");
+    assert_eq!(values["kvListener"]["replayEvents"], json!(4096));
+    let template = |name: &str| {
+        stripped(&for_role(
+            &read(&format!("{BROKER_CHART}/templates/{name}")),
+            "kv_listener",
+        ))
+    };
+    let docs = template("deployment.yaml");
+    let deployment = find(&docs, "Deployment");
+    assert_agent_deployment(
+        "kv_listener chart",
+        deployment,
+        Some(values),
+        "continuum-kv-listener",
+        &["--source", "--replay-events"],
+    );
+    let pod = &deployment["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(pod["automountServiceAccountToken"], json!(false));
+    assert_eq!(c["name"], json!("continuum-kv-listener"));
+    let flags = flags_of(c);
+    assert!(
+        !flags.iter().any(|f| f == "--dynamo-namespace"),
+        "{flags:?}"
+    );
+    assert!(
+        c["env"]
+            .as_array()
+            .expect("env")
+            .iter()
+            .all(|e| e["name"] != json!("CONTINUUM_BROKER_KUBERNETES_NAMESPACE")),
+        "no Kubernetes namespace for the kv_listener"
+    );
+    assert_flags_known(
+        "kv_listener chart",
+        env!("CARGO_BIN_EXE_continuum-kv-listener"),
+        &flags,
+    );
+    assert!(
+        template("role.yaml").is_empty(),
+        "no Role or RoleBinding for the kv_listener"
+    );
+    // Egress: the bus, the publishers and DNS; no API server ports.
+    let docs = template("networkpolicy.yaml");
+    let policy = find(&docs, "NetworkPolicy");
+    let egress = policy["spec"]["egress"].as_array().expect("egress");
+    assert_eq!(egress.len(), 3, "{egress:?}");
+    assert!(
+        egress
+            .iter()
+            .filter(|r| r["to"].is_null())
+            .all(|r| r["ports"][0]["port"] == json!(53)),
+        "the API server rule (any destination) is the broker's only: {egress:?}"
+    );
+    // A role the chart does not know, or a kv_listener without sources, fails the render.
+    let helpers = read(&format!("{BROKER_CHART}/templates/_helpers.tpl"));
+    assert!(helpers.contains("(has .Values.role (list \"broker\" \"kv_listener\"))"));
+    assert!(helpers.contains("not .Values.kvListener.sources"));
+    assert!(
+        read(&format!("{BROKER_CHART}/templates/deployment.yaml"))
+            .starts_with("{{- include \"continuum-event-broker.checkRole\" . }}")
+    );
 }

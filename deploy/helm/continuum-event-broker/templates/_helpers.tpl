@@ -29,3 +29,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "continuum-event-broker.caConfigMap" -}}
 {{- default (printf "%s-ca" (include "continuum-event-broker.fullname" .)) .Values.ca.existingConfigMap -}}
 {{- end -}}
+
+{{/* Refuses a role the chart does not know, and a kv_listener without sources. */}}
+{{- define "continuum-event-broker.checkRole" -}}
+{{- if not (has .Values.role (list "broker" "kv_listener")) -}}
+{{- fail (printf "role must be broker or kv_listener, not %q" .Values.role) -}}
+{{- end -}}
+{{- if and (eq .Values.role "kv_listener") (not .Values.kvListener.sources) -}}
+{{- fail "role kv_listener needs kvListener.sources (BACKEND=PUBLISHER_ID@tcp://HOST:PORT)" -}}
+{{- end -}}
+{{- end -}}
