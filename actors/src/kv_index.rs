@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
-use continuum_protocol::event_plane::LoadEventResult;
 use continuum_protocol::discovery::view::Worker;
+use continuum_protocol::event_plane::LoadEventResult;
 use continuum_protocol::ids::{DpRank, InstanceId, WorkerKey};
 use continuum_protocol::kv::events::{
     KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier, decode_router_events,
@@ -540,16 +540,12 @@ fn touched_live_ranks(snapshot: &DynamoSnapshot) -> BTreeMap<InstanceId, BTreeSe
         .collect();
     ids.into_iter()
         .map(|id| {
-            let last = snapshot
-                .role_counts()
-                .keys()
-                .rev()
-                .find_map(|ns| {
-                    snapshot.worker(&WorkerKey {
-                        namespace: ns.clone(),
-                        instance_id: id,
-                    })
-                });
+            let last = snapshot.role_counts().keys().rev().find_map(|ns| {
+                snapshot.worker(&WorkerKey {
+                    namespace: ns.clone(),
+                    instance_id: id,
+                })
+            });
             (id, last.map(|w| declared_ranks(w)).unwrap_or_default())
         })
         .collect()

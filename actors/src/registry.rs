@@ -28,8 +28,8 @@ use continuum_protocol::discovery::reducer::ViewChanges;
 use continuum_protocol::discovery::snapshot::{
     DynamoSnapshot, NamespaceUpdate, SourceKind, newly_mixed,
 };
-use continuum_protocol::ids::InstanceId;
 use continuum_protocol::discovery::view::NamespaceView;
+use continuum_protocol::ids::InstanceId;
 use continuum_protocol::ids::Namespace;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;

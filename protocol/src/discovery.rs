@@ -31,8 +31,8 @@ pub use records::{
 };
 pub use reducer::{DiscoveryReducer, ViewChanges};
 pub use snapshot::{
-    DynamoSnapshot, MAX_MIXED_SHOWN, MixedModel, MixedReport, Signals, SourceKind, build_snapshot,
-    mixed_models, newly_mixed, FleetChanges, NamespaceUpdate, RoleCounts,
+    DynamoSnapshot, FleetChanges, MAX_MIXED_SHOWN, MixedModel, MixedReport, NamespaceUpdate,
+    RoleCounts, Signals, SourceKind, build_snapshot, mixed_models, newly_mixed,
 };
 pub use view::{NamespaceView, Publisher, Worker, rfc3339};
 

@@ -380,7 +380,9 @@ impl DynamoSnapshot {
                     .filter(|u| u.publishers)
                     .flat_map(|u| u.view.publishers.values().cloned()),
             );
-            next.sort_by(|a, b| (&a.namespace, a.publisher_id).cmp(&(&b.namespace, b.publisher_id)));
+            next.sort_by(|a, b| {
+                (&a.namespace, a.publisher_id).cmp(&(&b.namespace, b.publisher_id))
+            });
             let same = next.len() == self.publishers.len()
                 && next
                     .iter()
@@ -393,8 +395,7 @@ impl DynamoSnapshot {
             return None;
         }
 
-        let mut workers =
-            Vec::with_capacity(self.workers.len() + changes.added.len());
+        let mut workers = Vec::with_capacity(self.workers.len() + changes.added.len());
         let mut from = 0;
         for (key, next) in apply {
             let at = from + self.workers[from..].partition_point(|w| w.key < *key);
@@ -407,33 +408,32 @@ impl DynamoSnapshot {
         }
         workers.extend_from_slice(&self.workers[from..]);
 
-        let regroup = changes.membership_changed()
-            || changes.changed.iter().any(|(a, b)| a.model != b.model);
+        let regroup =
+            changes.membership_changed() || changes.changed.iter().any(|(a, b)| a.model != b.model);
         let by_model = if regroup {
             Arc::new(group_by_model(&workers))
         } else {
             self.by_model.clone()
         };
-        let (model_roles, roles) = if changes.added.is_empty()
-            && changes.removed.is_empty()
-            && changes.changed.is_empty()
-        {
-            (self.model_roles.clone(), self.roles.clone())
-        } else {
-            let mut model_roles = (*self.model_roles).clone();
-            let mut roles = (*self.roles).clone();
-            for (w, up) in changes
-                .removed
-                .iter()
-                .map(|w| (w, false))
-                .chain(changes.changed.iter().map(|(a, _)| (a, false)))
-                .chain(changes.added.iter().map(|w| (w, true)))
-                .chain(changes.changed.iter().map(|(_, b)| (b, true)))
+        let (model_roles, roles) =
+            if changes.added.is_empty() && changes.removed.is_empty() && changes.changed.is_empty()
             {
-                count_worker(&mut model_roles, &mut roles, w, up);
-            }
-            (Arc::new(model_roles), Arc::new(roles))
-        };
+                (self.model_roles.clone(), self.roles.clone())
+            } else {
+                let mut model_roles = (*self.model_roles).clone();
+                let mut roles = (*self.roles).clone();
+                for (w, up) in changes
+                    .removed
+                    .iter()
+                    .map(|w| (w, false))
+                    .chain(changes.changed.iter().map(|(a, _)| (a, false)))
+                    .chain(changes.added.iter().map(|w| (w, true)))
+                    .chain(changes.changed.iter().map(|(_, b)| (b, true)))
+                {
+                    count_worker(&mut model_roles, &mut roles, w, up);
+                }
+                (Arc::new(model_roles), Arc::new(roles))
+            };
         Some(DynamoSnapshot {
             source: self.source,
             namespaces: namespaces.to_vec(),
@@ -452,8 +452,7 @@ impl DynamoSnapshot {
         let start = self
             .workers
             .partition_point(|w| w.key.namespace < *namespace);
-        let end = start
-            + self.workers[start..].partition_point(|w| w.key.namespace == *namespace);
+        let end = start + self.workers[start..].partition_point(|w| w.key.namespace == *namespace);
         start..end
     }
 
@@ -644,26 +643,22 @@ fn mixed_model(namespace: &Namespace, model: &str, c: &RoleCounts) -> MixedModel
 /// namespace stays mixed). When `next` was patched from `previous`, only the pairs its changes
 /// touch are looked at.
 pub fn newly_mixed(previous: &DynamoSnapshot, next: &DynamoSnapshot) -> MixedReport {
-    let was_mixed = |key: &(Namespace, String)| {
-        previous
-            .model_roles
-            .get(key)
-            .is_some_and(RoleCounts::mixed)
+    let was_mixed =
+        |key: &(Namespace, String)| previous.model_roles.get(key).is_some_and(RoleCounts::mixed);
+    let candidates: Vec<(&(Namespace, String), &RoleCounts)> = if next.changes.patches(previous.seq)
+    {
+        let touched: BTreeSet<(Namespace, String)> = next
+            .changes
+            .touched()
+            .filter_map(|w| Some((w.key.namespace.clone(), w.model.clone()?)))
+            .collect();
+        touched
+            .iter()
+            .filter_map(|key| next.model_roles.get_key_value(key))
+            .collect()
+    } else {
+        next.model_roles.iter().collect()
     };
-    let candidates: Vec<(&(Namespace, String), &RoleCounts)> =
-        if next.changes.patches(previous.seq) {
-            let touched: BTreeSet<(Namespace, String)> = next
-                .changes
-                .touched()
-                .filter_map(|w| Some((w.key.namespace.clone(), w.model.clone()?)))
-                .collect();
-            touched
-                .iter()
-                .filter_map(|key| next.model_roles.get_key_value(key))
-                .collect()
-        } else {
-            next.model_roles.iter().collect()
-        };
     let mut report = MixedReport::default();
     for (key, counts) in candidates {
         if !counts.mixed() || was_mixed(key) {
@@ -814,7 +809,12 @@ mod tests {
         assert_eq!(patched.namespaces(), rebuilt.namespaces());
         assert_eq!(patched.workers().len(), rebuilt.workers().len());
         for (a, b) in patched.workers().iter().zip(rebuilt.workers()) {
-            assert!(Arc::ptr_eq(a, b) || **a == **b, "{:?} vs {:?}", a.key, b.key);
+            assert!(
+                Arc::ptr_eq(a, b) || **a == **b,
+                "{:?} vs {:?}",
+                a.key,
+                b.key
+            );
         }
         assert_eq!(patched.publishers(), rebuilt.publishers());
         assert_eq!(patched.by_model, rebuilt.by_model);
@@ -840,7 +840,12 @@ mod tests {
         }
 
         fn make(ns: &str, id: u64, seed: u8, now: u64) -> Arc<Worker> {
-            let mut w = worker(ns, id, ROLES[usize::from(seed % 4)], &format!("m{}", seed / 4 % 3));
+            let mut w = worker(
+                ns,
+                id,
+                ROLES[usize::from(seed % 4)],
+                &format!("m{}", seed / 4 % 3),
+            );
             if seed >= 240 {
                 w.model = None;
             }

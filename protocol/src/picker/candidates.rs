@@ -132,7 +132,10 @@ impl CandidateIndex {
 
     /// The candidates serving `model` (a Dynamo display name), in snapshot order.
     pub fn for_model(&self, model: &str) -> &[Candidate] {
-        self.by_model.get(model).map(|l| l.as_slice()).unwrap_or(&[])
+        self.by_model
+            .get(model)
+            .map(|l| l.as_slice())
+            .unwrap_or(&[])
     }
 
     /// The dense layout of [`Self::for_model`]'s candidates (built with the index).
@@ -350,10 +353,14 @@ mod tests {
         use proptest::prelude::*;
 
         const TYPES: [&str; 4] = ["prefill", "decode", "encode", "aggregated"];
-        const DPS: [Option<(u32, u32)>; 4] = [None, Some((0, 2)), Some((u32::MAX, 2)), Some((3, 1))];
+        const DPS: [Option<(u32, u32)>; 4] =
+            [None, Some((0, 2)), Some((u32::MAX, 2)), Some((3, 1))];
 
         fn same(a: &CandidateIndex, b: &CandidateIndex) {
-            assert_eq!(a.models().collect::<Vec<_>>(), b.models().collect::<Vec<_>>());
+            assert_eq!(
+                a.models().collect::<Vec<_>>(),
+                b.models().collect::<Vec<_>>()
+            );
             for model in a.models() {
                 assert_eq!(a.for_model(model), b.for_model(model), "{model}");
                 assert_eq!(a.block_sizes(model), b.block_sizes(model));
