@@ -856,7 +856,7 @@ mod tests {
         }
 
         fn publisher(ns: &str, id: u8, seed: u8) -> Arc<Publisher> {
-            let topic = if seed % 2 == 0 {
+            let topic = if seed.is_multiple_of(2) {
                 EventTopic::KvMetrics
             } else {
                 EventTopic::KvEvents
