@@ -120,6 +120,8 @@ pub struct DiscoveryState {
     metrics: Option<Metrics>,
     on_first_pass: FirstPass,
     first_pass_done: bool,
+    /// Whether this reducer's view was staged once (later views are staged with their changes).
+    staged_once: bool,
     /// The `kubernetes_pods` source's current view (unused by record sources).
     pods_view: Arc<NamespaceView>,
     source: Option<RunningSource>,
@@ -196,6 +198,7 @@ impl Actor for DiscoveryActor {
             metrics: args.metrics,
             on_first_pass: args.on_first_pass,
             first_pass_done: false,
+            staged_once: false,
             source: Some(source),
             tasks,
         })
@@ -242,9 +245,18 @@ impl DiscoveryState {
         } else {
             self.reducer.take_counts();
         }
-        // A view mid-resync is staged, not published: readers see whole passes only.
+        // A view mid-resync is staged, not published: readers see whole passes only. The
+        // first view of this reducer goes whole (the registry may hold a previous incarnation's);
+        // later ones with the ids that changed, so the registry patches O(change).
         if (changed || (completed_pass && !self.first_pass_done)) && !self.reducer.is_resyncing() {
-            self.registry_actor.stage_view(self.reducer.view().clone());
+            let changes = self.reducer.take_changes();
+            let view = self.reducer.view().clone();
+            if self.staged_once {
+                self.registry_actor.stage_changes(view, changes);
+            } else {
+                self.staged_once = true;
+                self.registry_actor.stage_view(view);
+            }
         }
         if completed_pass && !self.first_pass_done {
             self.first_pass_done = true;

@@ -30,8 +30,9 @@ use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
+use continuum_protocol::discovery::view::Worker;
 use continuum_protocol::event_plane::LoadEventResult;
-use continuum_protocol::ids::{DpRank, InstanceId};
+use continuum_protocol::ids::{DpRank, InstanceId, WorkerKey};
 use continuum_protocol::kv::events::{
     KvCacheEventData, ResidencyDomain, RouterEvent, StorageTier, decode_router_events,
 };
@@ -354,6 +355,28 @@ impl KvIndexWriter {
         self.write().set_live_and_retain(live);
     }
 
+    /// [`Self::set_live`] for the workers a patched snapshot's changes touch: O(change).
+    fn patch_live(&self, snapshot: &DynamoSnapshot) {
+        let touched = touched_live_ranks(snapshot);
+        if touched.is_empty() {
+            return;
+        }
+        let departed: BTreeSet<(InstanceId, DpRank)> =
+            self.write().patch_live(touched).into_iter().collect();
+        if departed.is_empty() {
+            return;
+        }
+        let keep = |w: InstanceId, r: DpRank| !departed.contains(&(w, r));
+        {
+            let mut streams = lock(&self.shared().streams);
+            for stream in streams.by_name.values_mut() {
+                stream.cursors.retain(keep);
+            }
+            streams.owner.retain(|(w, r), _| keep(*w, *r));
+        }
+        lock(&self.shared().parity).retain_ranks(keep);
+    }
+
     /// Keeps parity only for the fleet's models; removes departed models' series.
     fn retain_models(&self, snapshot: &DynamoSnapshot) {
         let models: BTreeSet<&str> = snapshot.models().map(|(_, m)| m).collect();
@@ -495,12 +518,37 @@ fn record_state(shared: &Shared, subscription: &SubscriptionName, up: bool) -> u
 fn live_ranks(snapshot: &DynamoSnapshot) -> BTreeMap<InstanceId, BTreeSet<DpRank>> {
     let mut live: BTreeMap<InstanceId, BTreeSet<DpRank>> = BTreeMap::new();
     for worker in snapshot.workers() {
-        let start = worker.dp_start_rank.map(|r| r.0).unwrap_or(0);
-        let size = worker.dp_size.unwrap_or(1).clamp(1, 4096);
-        let ranks = (start..start.saturating_add(size)).map(DpRank).collect();
-        live.insert(worker.key.instance_id, ranks);
+        live.insert(worker.key.instance_id, declared_ranks(worker));
     }
     live
+}
+
+fn declared_ranks(worker: &Worker) -> BTreeSet<DpRank> {
+    let start = worker.dp_start_rank.map(|r| r.0).unwrap_or(0);
+    let size = worker.dp_size.unwrap_or(1).clamp(1, 4096);
+    (start..start.saturating_add(size)).map(DpRank).collect()
+}
+
+/// The live ranks of the instance ids a patched snapshot's changes touch, as [`live_ranks`]
+/// computes them over the whole snapshot (keyed by instance id alone: the last namespace in
+/// snapshot order wins); an empty set for an id no worker holds any more.
+fn touched_live_ranks(snapshot: &DynamoSnapshot) -> BTreeMap<InstanceId, BTreeSet<DpRank>> {
+    let ids: BTreeSet<InstanceId> = snapshot
+        .changes()
+        .touched()
+        .map(|w| w.key.instance_id)
+        .collect();
+    ids.into_iter()
+        .map(|id| {
+            let last = snapshot.role_counts().keys().rev().find_map(|ns| {
+                snapshot.worker(&WorkerKey {
+                    namespace: ns.clone(),
+                    instance_id: id,
+                })
+            });
+            (id, last.map(|w| declared_ranks(w)).unwrap_or_default())
+        })
+        .collect()
 }
 
 pub struct KvIndexActor;
@@ -537,6 +585,8 @@ pub enum KvIndexMsg {
 pub struct KvIndexState {
     kv: KvIndexWriter,
     registry: RegistryReader,
+    /// The registry snapshot (its `seq`) the live gate reflects, so the next one is patched.
+    applied: Option<u64>,
     watcher: JoinHandle<()>,
     expiry: JoinHandle<()>,
 }
@@ -574,6 +624,7 @@ impl Actor for KvIndexActor {
         Ok(KvIndexState {
             kv: writer,
             registry: args.registry,
+            applied: None,
             watcher,
             expiry,
         })
@@ -655,10 +706,27 @@ impl KvIndexState {
         }
     }
 
+    /// Applies the registry's current snapshot: patched from its change set when it follows the
+    /// one applied last (O(change)), rebuilt otherwise.
     fn reconcile(&mut self) {
         let snapshot = self.registry.snapshot();
-        self.kv.set_live(&snapshot);
-        self.kv.retain_models(&snapshot);
+        let changes = snapshot.changes();
+        match self.applied {
+            Some(seq) if seq == snapshot.seq() && changes.since.is_some() => return,
+            Some(seq) if changes.patches(seq) => {
+                self.kv.patch_live(&snapshot);
+                let models_changed = changes.membership_changed()
+                    || changes.changed.iter().any(|(a, b)| a.model != b.model);
+                if models_changed {
+                    self.kv.retain_models(&snapshot);
+                }
+            }
+            _ => {
+                self.kv.set_live(&snapshot);
+                self.kv.retain_models(&snapshot);
+            }
+        }
+        self.applied = Some(snapshot.seq());
     }
 }
 

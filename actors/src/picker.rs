@@ -65,6 +65,9 @@ pub const PICKER_NAME: &str = "picker";
 pub struct IndexedGeneration {
     pub generation: u64,
     pub index: Arc<CandidateIndex>,
+    /// The registry snapshot (`DynamoSnapshot::seq`) the index reflects; the next snapshot's
+    /// change set patches it when it leads from this one.
+    pub snapshot_seq: Option<u64>,
 }
 
 /// The installed picker (`ArcSwap` needs a sized payload).
@@ -134,6 +137,7 @@ impl SharedPicker {
                 index: ArcSwap::from_pointee(IndexedGeneration {
                     generation: u64::MAX,
                     index: Arc::new(CandidateIndex::default()),
+                    snapshot_seq: None,
                 }),
                 rebuilding: Mutex::new(()),
                 state: Mutex::new(PickerState::new()),
@@ -184,7 +188,12 @@ impl SharedPicker {
         {
             return held;
         }
-        let index = CandidateIndex::build(snapshot);
+        // O(change) when the snapshot was patched from the one the held index reflects: only the
+        // models its changed workers serve are expanded again.
+        let index = match held.snapshot_seq {
+            Some(seq) if snapshot.changes().patches(seq) => held.index.patch(snapshot),
+            _ => CandidateIndex::build(snapshot),
+        };
         if index.refused_workers > 0 {
             warn!(
                 workers = index.refused_workers,
@@ -195,6 +204,7 @@ impl SharedPicker {
         let built = Arc::new(IndexedGeneration {
             generation,
             index: Arc::new(index),
+            snapshot_seq: Some(snapshot.seq()),
         });
         self.inner.index.store(built.clone());
         self.inner.rebuilds.fetch_add(1, Ordering::Relaxed);

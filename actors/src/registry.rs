@@ -1,8 +1,11 @@
 //! RegistryActor: the single writer of the immutable fleet snapshot.
 //!
-//! Role: folds the per-namespace views that discovery actors send into one `DynamoSnapshot`
-//! (`protocol::discovery::build_snapshot`) and publishes it through the lock-free store, swapping
-//! before bumping the generation; an equal fleet is not republished. It also logs newly mixed
+//! Role: patches the published `DynamoSnapshot` with the per-namespace views (and the ids that
+//! changed in them) that discovery actors stage (`DynamoSnapshot::patch`: O(change), the new
+//! snapshot carries its `FleetChanges` for the consumers to patch their own state) and publishes
+//! it through the lock-free store, swapping before bumping the generation; an unchanged fleet is
+//! not republished. Staged views are dropped once applied, so the reducers that own them write
+//! in place instead of copying a 16,384-worker view on every change. It also logs newly mixed
 //! namespaces and keeps the `continuum_dynamo_workers` gauges.
 //!
 //! Handles ([`RegistryParts`]): the actor claims the one [`RegistryWriter`] (not `Clone`;
@@ -15,15 +18,18 @@
 //! transient; the staged views and the snapshot live in the shared state, outside the actor, so a
 //! restart loses nothing and readers never stop reading.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use arc_swap::ArcSwapOption;
 use continuum_protocol::discovery::records::Role;
+use continuum_protocol::discovery::reducer::ViewChanges;
 use continuum_protocol::discovery::snapshot::{
-    DynamoSnapshot, SourceKind, build_snapshot, newly_mixed,
+    DynamoSnapshot, NamespaceUpdate, SourceKind, newly_mixed,
 };
 use continuum_protocol::discovery::view::NamespaceView;
+use continuum_protocol::ids::InstanceId;
 use continuum_protocol::ids::Namespace;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
@@ -45,8 +51,17 @@ pub struct RegistryConfig {
 
 struct Held {
     config: RegistryConfig,
-    views: BTreeMap<Namespace, Arc<NamespaceView>>,
+    /// Views staged since the last publish, with what changed in them.
+    pending: BTreeMap<Namespace, Pending>,
     connected: BTreeMap<Namespace, bool>,
+}
+
+/// A namespace's staged view, not yet applied to the snapshot.
+struct Pending {
+    view: Arc<NamespaceView>,
+    /// The instance ids that changed since the snapshot; `None`: compare the whole namespace.
+    workers: Option<BTreeSet<InstanceId>>,
+    publishers: bool,
 }
 
 struct Shared {
@@ -80,7 +95,7 @@ impl RegistryParts {
             store: SnapshotStore::new(empty),
             held: Mutex::new(Held {
                 config,
-                views: BTreeMap::new(),
+                pending: BTreeMap::new(),
                 connected: BTreeMap::new(),
             }),
             actor: ArcSwapOption::empty(),
@@ -171,28 +186,85 @@ impl RegistryInbox {
     /// held view (source, namespace or connection change); otherwise only views of namespaces no
     /// longer configured are pruned. Returns the namespaces whose views were dropped.
     pub fn reconfigure(&self, config: RegistryConfig, reset: bool) -> Vec<Namespace> {
+        let snapshot = self.0.store.snapshot();
         let mut held = self.0.held();
         let keep: BTreeSet<&Namespace> = config.namespaces.iter().collect();
-        let removed: Vec<Namespace> = held
-            .views
+        let present: BTreeSet<&Namespace> = held
+            .pending
             .keys()
+            .chain(snapshot.role_counts().keys())
+            .chain(snapshot.publishers().iter().map(|p| &p.namespace))
+            .collect();
+        let removed: Vec<Namespace> = present
+            .into_iter()
             .filter(|ns| reset || !config.enabled || !keep.contains(ns))
             .cloned()
             .collect();
         for ns in &removed {
-            held.views.remove(ns);
+            if keep.contains(ns) {
+                // Still configured: the next snapshot shows it empty until its source restages.
+                held.pending.insert(
+                    ns.clone(),
+                    Pending {
+                        view: Arc::new(NamespaceView::new(ns.clone())),
+                        workers: None,
+                        publishers: true,
+                    },
+                );
+            } else {
+                // No longer configured: the next snapshot drops it.
+                held.pending.remove(ns);
+            }
         }
         held.connected.retain(|ns, _| keep.contains(ns));
         held.config = config;
         removed
     }
 
-    /// Stages a namespace's new view and pokes the registry actor to rebuild.
+    /// Stages a namespace's whole new view (compared with the snapshot's whole namespace) and
+    /// pokes the registry actor to rebuild.
     pub fn stage_view(&self, view: Arc<NamespaceView>) {
+        self.stage(view, None);
+    }
+
+    /// Stages a namespace's new view with what changed in it since the view staged before (a
+    /// reducer's [`ViewChanges`]; the first view of a reducer goes through
+    /// [`Self::stage_view`]) and pokes the registry actor.
+    pub fn stage_changes(&self, view: Arc<NamespaceView>, changes: ViewChanges) {
+        self.stage(view, Some(changes));
+    }
+
+    fn stage(&self, view: Arc<NamespaceView>, changes: Option<ViewChanges>) {
         {
             let mut held = self.0.held();
             if held.config.namespaces.contains(view.namespace()) {
-                held.views.insert(view.namespace().clone(), view);
+                match held.pending.entry(view.namespace().clone()) {
+                    Entry::Vacant(slot) => {
+                        let (workers, publishers) = match changes {
+                            Some(c) => (Some(c.workers), c.publishers),
+                            None => (None, true),
+                        };
+                        slot.insert(Pending {
+                            view,
+                            workers,
+                            publishers,
+                        });
+                    }
+                    Entry::Occupied(mut slot) => {
+                        let pending = slot.get_mut();
+                        pending.view = view;
+                        match (pending.workers.as_mut(), changes) {
+                            (Some(ids), Some(c)) => {
+                                ids.extend(c.workers);
+                                pending.publishers |= c.publishers;
+                            }
+                            _ => {
+                                pending.workers = None;
+                                pending.publishers = true;
+                            }
+                        }
+                    }
+                }
             }
         }
         self.cast(RegistryMsg::Rebuild);
@@ -282,15 +354,18 @@ impl Actor for RegistryActor {
 }
 
 impl RegistryState {
-    /// Rebuilds the snapshot from the held views and publishes it if the fleet changed.
+    /// Patches the snapshot with the staged views and publishes it if the fleet changed.
     fn publish(&mut self) {
         let shared = self.writer.shared();
-        let next = {
-            let held = shared.held();
-            let views: Vec<&NamespaceView> = held.views.values().map(|v| v.as_ref()).collect();
-            build_snapshot(held.config.source, &held.config.namespaces, &views)
-        };
         let previous = shared.store.snapshot();
+        let next = {
+            let mut held = shared.held();
+            let next = next_snapshot(&previous, &held);
+            // Applied: dropping the views lets their reducers write in place again.
+            held.pending.clear();
+            next
+        };
+        let Some(next) = next else { return };
         let report = newly_mixed(&previous, &next);
         let gauges = role_counts(&next);
         let gone: Vec<Namespace> = previous
@@ -299,12 +374,8 @@ impl RegistryState {
             .filter(|ns| !next.namespaces().contains(ns))
             .cloned()
             .collect();
-        let changed = shared
-            .store
-            .publish_unless(next, |current, next| current.same_fleet(next));
-        if !changed {
-            return;
-        }
+        // `next_snapshot` already left out unchanged fleets.
+        shared.store.publish_unless(next, |_, _| false);
         // Debug, not info: a fleet under churn (leases renewed, workers restarting) publishes on
         // every etcd change, which would drown the log; the admin API shows the current fleet.
         debug!(
@@ -344,24 +415,42 @@ impl RegistryState {
     }
 }
 
+/// The snapshot after the staged views, or `None` when nothing a reader sees changed.
+fn next_snapshot(previous: &DynamoSnapshot, held: &Held) -> Option<DynamoSnapshot> {
+    let updates: Vec<NamespaceUpdate<'_>> = held
+        .pending
+        .values()
+        .map(|p| NamespaceUpdate {
+            view: &p.view,
+            workers: p.workers.as_ref(),
+            publishers: p.publishers,
+        })
+        .collect();
+    let namespaces = &held.config.namespaces;
+    if previous.source() == held.config.source {
+        return previous.patch(namespaces, &updates);
+    }
+    // A new source resets every view (`reconfigure`): built whole, consumers rebuild too.
+    let next_seq = previous.seq().wrapping_add(1);
+    let empty = DynamoSnapshot::empty(held.config.source, namespaces);
+    let next = empty.patch(namespaces, &updates).unwrap_or(empty);
+    Some(next.rebuilt().with_seq(next_seq))
+}
+
 /// Worker counts per (namespace, role) for every configured namespace, zeros included.
 fn role_counts(snapshot: &DynamoSnapshot) -> BTreeMap<(Namespace, WorkerRole), u64> {
     let mut counts = BTreeMap::new();
     for ns in snapshot.namespaces() {
+        let per_role = snapshot.role_counts().get(ns).copied().unwrap_or_default();
         for role in WorkerRole::ALL {
-            counts.insert((ns.clone(), *role), 0);
+            let count = per_role.get(match role {
+                WorkerRole::Prefill => Role::Prefill,
+                WorkerRole::Decode => Role::Decode,
+                WorkerRole::Aggregated => Role::Aggregated,
+                WorkerRole::Unknown => Role::Unknown,
+            });
+            counts.insert((ns.clone(), *role), count as u64);
         }
-    }
-    for worker in snapshot.workers() {
-        let role = match worker.role {
-            Role::Prefill => WorkerRole::Prefill,
-            Role::Decode => WorkerRole::Decode,
-            Role::Aggregated => WorkerRole::Aggregated,
-            Role::Unknown => WorkerRole::Unknown,
-        };
-        *counts
-            .entry((worker.key.namespace.clone(), role))
-            .or_insert(0) += 1;
     }
     counts
 }

@@ -647,6 +647,10 @@ pub struct FollowerState {
     left_out: BTreeSet<String>,
     /// Whether leftovers of a previous follower incarnation were cleared.
     adopted: bool,
+    /// The registry snapshot (its `seq`) reconciled last, so the next one can be patched.
+    applied: Option<u64>,
+    /// A subscription failed to start at the last reconcile: plan again on the next one.
+    retry: bool,
 }
 
 impl Actor for SubscriptionFollower {
@@ -679,6 +683,8 @@ impl Actor for SubscriptionFollower {
             watcher,
             left_out: BTreeSet::new(),
             adopted: false,
+            applied: None,
+            retry: false,
         })
     }
 
@@ -711,25 +717,46 @@ impl FollowerState {
             self.adopt().await;
         }
         let snapshot = self.args.registry.snapshot();
-        // The live-worker gate and eviction, atomically with respect to writers.
-        let live: BTreeSet<InstanceId> = snapshot
-            .workers()
-            .iter()
-            .map(|w| w.key.instance_id)
-            .collect();
-        let unreachable = self.args.store.with(|s| {
-            s.set_live_and_retain(live.iter().copied());
-            s.unreachable_count()
-        });
-        if let Some(metrics) = &self.args.metrics {
-            metrics.retain_workers(|key| snapshot.worker(key).is_some());
-            metrics.set_unreachable_workers(unreachable as u64);
+        // A snapshot patched from the one reconciled last names what changed: the live gate
+        // moves only when workers joined or left, the plan only when publishers or a worker's
+        // scope changed (a card refresh of one of 16,384 workers costs O(change), not O(fleet)).
+        let changes = snapshot.changes();
+        let patch = self.applied.is_some_and(|seq| changes.patches(seq));
+        self.applied = Some(snapshot.seq());
+        if !patch || changes.membership_changed() {
+            // The live-worker gate and eviction, atomically with respect to writers.
+            let live: BTreeSet<InstanceId> = snapshot
+                .workers()
+                .iter()
+                .map(|w| w.key.instance_id)
+                .collect();
+            let unreachable = self.args.store.with(|s| {
+                s.set_live_and_retain(live.iter().copied());
+                s.unreachable_count()
+            });
+            if let Some(metrics) = &self.args.metrics {
+                metrics.retain_workers(|key| snapshot.worker(key).is_some());
+                metrics.set_unreachable_workers(unreachable as u64);
+            }
+            self.args.store.notify();
         }
-        self.args.store.notify();
         if self.policy.kv_events {
             // The KV index's writer applies the same gate before any new subscription delivers.
             self.args.kv.reconcile().await;
         }
+        let scopes_changed = changes
+            .changed
+            .iter()
+            .any(|(a, b)| a.component != b.component || a.endpoint != b.endpoint);
+        if patch
+            && !self.retry
+            && !changes.publishers
+            && !changes.membership_changed()
+            && !scopes_changed
+        {
+            return;
+        }
+        self.retry = false;
         let plan = subscription_plan::plan(
             &snapshot,
             EventTopic::KvMetrics,
@@ -770,9 +797,11 @@ impl FollowerState {
                     self.running.insert(name, target);
                 }
                 Ok(Err(error)) => {
+                    self.retry = true;
                     warn!(subscription = %name, %error, "Could not start a subscription.")
                 }
                 Err(error) => {
+                    self.retry = true;
                     warn!(subscription = %name, %error, "Could not start a subscription.")
                 }
             }

@@ -29,10 +29,10 @@ pub use records::{
     Capacity, DisaggregatedEndpoint, EventTopic, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE,
     MAX_RETAINED_CARD_BYTES, Role, TcpAddress,
 };
-pub use reducer::DiscoveryReducer;
+pub use reducer::{DiscoveryReducer, ViewChanges};
 pub use snapshot::{
-    DynamoSnapshot, MAX_MIXED_SHOWN, MixedModel, MixedReport, Signals, SourceKind, build_snapshot,
-    mixed_models, newly_mixed,
+    DynamoSnapshot, FleetChanges, MAX_MIXED_SHOWN, MixedModel, MixedReport, NamespaceUpdate,
+    RoleCounts, Signals, SourceKind, build_snapshot, mixed_models, newly_mixed,
 };
 pub use view::{NamespaceView, Publisher, Worker, rfc3339};
 

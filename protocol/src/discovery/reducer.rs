@@ -45,6 +45,32 @@ pub struct DiscoveryReducer {
     conflicts: BTreeMap<Identity, Vec<String>>,
     /// Workers excluded for disagreeing roles: (component role, card role), logged once.
     role_conflicts: BTreeMap<InstanceId, (Role, Role)>,
+    /// What changed in the view since the last [`DiscoveryReducer::take_changes`].
+    changes: ViewChanges,
+}
+
+/// The workers (by instance id) and whether the publishers changed in a view since the consumer
+/// last looked: what the registry patches its snapshot with.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ViewChanges {
+    pub workers: BTreeSet<InstanceId>,
+    pub publishers: bool,
+}
+
+impl ViewChanges {
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty() && !self.publishers
+    }
+
+    /// Folds later changes into these.
+    pub fn merge(&mut self, later: ViewChanges) {
+        if self.workers.is_empty() {
+            self.workers = later.workers;
+        } else {
+            self.workers.extend(later.workers);
+        }
+        self.publishers |= later.publishers;
+    }
 }
 
 impl DiscoveryReducer {
@@ -59,7 +85,14 @@ impl DiscoveryReducer {
             logs: LogState::default(),
             conflicts: BTreeMap::new(),
             role_conflicts: BTreeMap::new(),
+            changes: ViewChanges::default(),
         }
+    }
+
+    /// The workers and publishers changed in the view since the last call (resyncs included),
+    /// drained.
+    pub fn take_changes(&mut self) -> ViewChanges {
+        std::mem::take(&mut self.changes)
     }
 
     pub fn namespace(&self) -> &Namespace {
@@ -277,7 +310,13 @@ impl DiscoveryReducer {
         if worker_changes.is_empty() && publisher_changes.is_empty() {
             return false;
         }
+        // Copies the view only while a reader still holds it (the registry drops the views it
+        // was handed once it has patched its snapshot).
         let view = Arc::make_mut(&mut self.view);
+        self.changes.publishers |= !publisher_changes.is_empty();
+        self.changes
+            .workers
+            .extend(worker_changes.iter().map(|(id, _)| *id));
         for (id, w) in worker_changes {
             match w {
                 Some(w) => view.workers.insert(id, w),

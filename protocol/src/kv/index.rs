@@ -462,6 +462,34 @@ impl KvIndex {
         departed.len()
     }
 
+    /// [`Self::set_live_and_retain`] for some workers only: each gets the rank set given (an
+    /// empty set: no longer live), the others keep theirs. Ranks no longer declared lose their
+    /// blocks and cursors; they are returned. O(workers given), not O(fleet).
+    pub fn patch_live(
+        &mut self,
+        workers: BTreeMap<InstanceId, BTreeSet<DpRank>>,
+    ) -> Vec<(InstanceId, DpRank)> {
+        let mut departed = Vec::new();
+        for (worker, ranks) in workers {
+            let before = if ranks.is_empty() {
+                self.live.remove(&worker)
+            } else {
+                self.live.insert(worker, ranks.clone())
+            };
+            departed.extend(
+                before
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter(|r| !ranks.contains(r))
+                    .map(|r| (worker, r)),
+            );
+        }
+        for key in &departed {
+            self.drop_rank(*key);
+        }
+        departed
+    }
+
     /// Drops the blocks and cursors of these ranks (a subscription disconnected or pending too
     /// long; the caller decides when). Returns the number of engine blocks dropped.
     pub fn clear_ranks(&mut self, ranks: &[(InstanceId, DpRank)]) -> usize {

@@ -5,7 +5,7 @@
 //! per model, in snapshot order (the order the round-robin cursors index). Workers of unknown role
 //! or without a model are visible to operators but never candidates.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +13,7 @@ use super::dense::{DenseRanks, LoadSlots};
 use super::{Candidate, CandidateRole, LoadView, SampleState, dp_ranks};
 use crate::discovery::records::Role;
 use crate::discovery::snapshot::DynamoSnapshot;
+use crate::discovery::view::Worker;
 use crate::ids::{DpRank, WorkerKey};
 use crate::kv::hashing::BlockSize;
 use crate::kv::prompt::MAX_BLOCK_SIZES;
@@ -20,13 +21,16 @@ use crate::load_store::{LoadSample, LoadStore};
 use crate::time::Tick;
 
 /// Candidates per Dynamo display name.
+///
+/// Each model's candidates and layout are shared (`Arc`) between indexes, so a patched index
+/// ([`CandidateIndex::patch`]) rebuilds only the models a snapshot's changes touch.
 #[derive(Clone, Debug, Default)]
 pub struct CandidateIndex {
-    by_model: BTreeMap<Arc<str>, Vec<Candidate>>,
+    by_model: BTreeMap<Arc<str>, Arc<Vec<Candidate>>>,
     /// Per model, the block sizes a KV-aware request is hashed for ([`hashed_block_sizes`]).
     block_sizes: BTreeMap<Arc<str>, Vec<BlockSize>>,
     /// Per model, the dense layout of its candidates the pickers scan.
-    dense: BTreeMap<Arc<str>, DenseRanks>,
+    dense: BTreeMap<Arc<str>, Arc<DenseRanks>>,
     /// Workers left out because their card declared an impossible rank range.
     pub refused_workers: usize,
 }
@@ -35,50 +39,87 @@ impl CandidateIndex {
     /// Expands every routable worker of `snapshot`.
     pub fn build(snapshot: &DynamoSnapshot) -> Self {
         let mut index = CandidateIndex::default();
+        let mut lists: BTreeMap<Arc<str>, Vec<Candidate>> = BTreeMap::new();
         for worker in snapshot.workers() {
-            let role = match worker.role {
-                Role::Prefill => CandidateRole::Prefill,
-                Role::Decode => CandidateRole::Decode,
-                Role::Aggregated => CandidateRole::Aggregated,
-                Role::Unknown => continue,
-            };
-            let Some(model) = worker.model.as_deref() else {
+            let Some((role, model)) = routable(worker) else {
                 continue;
             };
-            let start = worker.dp_start_rank.map(|r| r.0).unwrap_or(0);
-            let Ok(ranks) = dp_ranks(start, worker.dp_size) else {
-                index.refused_workers += 1;
-                continue;
-            };
-            let model: Arc<str> = match index.by_model.get_key_value(model) {
+            let model: Arc<str> = match lists.get_key_value(model) {
                 Some((shared, _)) => shared.clone(),
                 None => Arc::from(model),
             };
-            let list = index.by_model.entry(model.clone()).or_default();
-            for (dp_rank, rank_declared) in ranks {
-                list.push(Candidate {
-                    worker: worker.key.clone(),
-                    role,
-                    model: model.clone(),
-                    dp_rank,
-                    rank_declared,
-                    block_size: worker.block_size,
-                    total_kv_blocks: worker.capacity.total_kv_blocks,
-                    max_num_batched_tokens: worker.capacity.max_num_batched_tokens,
-                });
+            let list = lists.entry(model.clone()).or_default();
+            if !expand(worker, role, &model, list) {
+                index.refused_workers += 1;
             }
         }
-        index.block_sizes = index
-            .by_model
-            .iter()
-            .map(|(model, list)| (model.clone(), hashed_block_sizes(list)))
-            .collect();
-        index.dense = index
-            .by_model
-            .iter()
-            .map(|(model, list)| (model.clone(), DenseRanks::build(list)))
-            .collect();
+        for (model, list) in lists {
+            if !list.is_empty() {
+                index.set_model(model, list);
+            }
+        }
         index
+    }
+
+    /// The index of `snapshot` from this index, built from the snapshot that
+    /// `snapshot.changes()` lead from: only the models its changed workers serve (before or
+    /// after) are expanded again, the others are shared. Equal to [`Self::build`]`(snapshot)`
+    /// (a property test checks this); callers check `changes().patches(..)` first.
+    pub fn patch(&self, snapshot: &DynamoSnapshot) -> Self {
+        let changes = snapshot.changes();
+        let mut next = self.clone();
+        let mut touched: BTreeSet<&str> = BTreeSet::new();
+        let before = changes
+            .removed
+            .iter()
+            .chain(changes.changed.iter().map(|(a, _)| a));
+        let after = changes
+            .added
+            .iter()
+            .chain(changes.changed.iter().map(|(_, b)| b));
+        for (worker, up) in before.map(|w| (w, false)).chain(after.map(|w| (w, true))) {
+            let Some((_, model)) = routable(worker) else {
+                continue;
+            };
+            touched.insert(model);
+            if declared_ranks(worker).is_err() {
+                next.refused_workers = if up {
+                    next.refused_workers.saturating_add(1)
+                } else {
+                    next.refused_workers.saturating_sub(1)
+                };
+            }
+        }
+        for model in touched {
+            let name: Arc<str> = match self.by_model.get_key_value(model) {
+                Some((shared, _)) => shared.clone(),
+                None => Arc::from(model),
+            };
+            let mut list = Vec::new();
+            // Snapshot order: namespaces ascending, then instance ids.
+            for (ns, _) in snapshot.models().filter(|(_, m)| *m == model) {
+                for worker in snapshot.workers_for_model(ns, model) {
+                    if let Some((role, _)) = routable(worker) {
+                        expand(worker, role, &name, &mut list);
+                    }
+                }
+            }
+            next.by_model.remove(model);
+            next.block_sizes.remove(model);
+            next.dense.remove(model);
+            if !list.is_empty() {
+                next.set_model(name, list);
+            }
+        }
+        next
+    }
+
+    fn set_model(&mut self, model: Arc<str>, list: Vec<Candidate>) {
+        self.block_sizes
+            .insert(model.clone(), hashed_block_sizes(&list));
+        self.dense
+            .insert(model.clone(), Arc::new(DenseRanks::build(&list)));
+        self.by_model.insert(model, Arc::new(list));
     }
 
     /// The block sizes `model`'s prompts are hashed for (computed once per generation).
@@ -91,22 +132,25 @@ impl CandidateIndex {
 
     /// The candidates serving `model` (a Dynamo display name), in snapshot order.
     pub fn for_model(&self, model: &str) -> &[Candidate] {
-        self.by_model.get(model).map(Vec::as_slice).unwrap_or(&[])
+        self.by_model
+            .get(model)
+            .map(|l| l.as_slice())
+            .unwrap_or(&[])
     }
 
     /// The dense layout of [`Self::for_model`]'s candidates (built with the index).
     pub fn layout_for(&self, model: &str) -> Option<&DenseRanks> {
-        self.dense.get(model)
+        self.dense.get(model).map(|d| d.as_ref())
     }
 
     /// Every model's dense layout.
     pub fn layouts(&self) -> impl Iterator<Item = &DenseRanks> {
-        self.dense.values()
+        self.dense.values().map(|d| d.as_ref())
     }
 
     /// Candidate ranks across every model.
     pub fn len(&self) -> usize {
-        self.by_model.values().map(Vec::len).sum()
+        self.by_model.values().map(|l| l.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -117,6 +161,50 @@ impl CandidateIndex {
     pub fn models(&self) -> impl Iterator<Item = &str> {
         self.by_model.keys().map(|m| m.as_ref())
     }
+}
+
+/// A worker's candidate role and model, unless it is never a candidate (unknown role, no model).
+fn routable(worker: &Worker) -> Option<(CandidateRole, &str)> {
+    let role = match worker.role {
+        Role::Prefill => CandidateRole::Prefill,
+        Role::Decode => CandidateRole::Decode,
+        Role::Aggregated => CandidateRole::Aggregated,
+        Role::Unknown => return None,
+    };
+    Some((role, worker.model.as_deref()?))
+}
+
+fn declared_ranks(
+    worker: &Worker,
+) -> Result<impl Iterator<Item = (Option<DpRank>, bool)>, super::PickerError> {
+    let start = worker.dp_start_rank.map(|r| r.0).unwrap_or(0);
+    dp_ranks(start, worker.dp_size)
+}
+
+/// Appends one candidate per declared rank of `worker`; false when its rank range is impossible
+/// (the worker is refused).
+fn expand(
+    worker: &Worker,
+    role: CandidateRole,
+    model: &Arc<str>,
+    list: &mut Vec<Candidate>,
+) -> bool {
+    let Ok(ranks) = declared_ranks(worker) else {
+        return false;
+    };
+    for (dp_rank, rank_declared) in ranks {
+        list.push(Candidate {
+            worker: worker.key.clone(),
+            role,
+            model: model.clone(),
+            dp_rank,
+            rank_declared,
+            block_size: worker.block_size,
+            total_kv_blocks: worker.capacity.total_kv_blocks,
+            max_num_batched_tokens: worker.capacity.max_num_batched_tokens,
+        });
+    }
+    true
 }
 
 /// The load store as the pickers read it: each rank's latest sample, fresh while younger than
@@ -257,5 +345,96 @@ mod tests {
         let index = CandidateIndex::build(&snapshot(records));
         assert!(index.for_model("m").is_empty());
         assert_eq!(index.refused_workers, 1);
+    }
+
+    mod patching {
+        use super::*;
+        use crate::discovery::snapshot::NamespaceUpdate;
+        use proptest::prelude::*;
+
+        const TYPES: [&str; 4] = ["prefill", "decode", "encode", "aggregated"];
+        const DPS: [Option<(u32, u32)>; 4] =
+            [None, Some((0, 2)), Some((u32::MAX, 2)), Some((3, 1))];
+
+        fn same(a: &CandidateIndex, b: &CandidateIndex) {
+            assert_eq!(
+                a.models().collect::<Vec<_>>(),
+                b.models().collect::<Vec<_>>()
+            );
+            for model in a.models() {
+                assert_eq!(a.for_model(model), b.for_model(model), "{model}");
+                assert_eq!(a.block_sizes(model), b.block_sizes(model));
+                // Equal apart from the layout's id (unique per build: the slot cache's key).
+                let shown = |i: &CandidateIndex| {
+                    let text = format!("{:?}", i.layout_for(model));
+                    let at = text.find(", models").unwrap_or(0);
+                    text[at..].to_owned()
+                };
+                assert_eq!(shown(a), shown(b));
+            }
+            assert_eq!(a.refused_workers, b.refused_workers);
+            assert_eq!(a.len(), b.len());
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(128))]
+
+            /// Records put and deleted at random through the reducer; each batch's changes
+            /// patch the snapshot and then the index, which equal the ones built whole.
+            #[test]
+            fn a_patched_index_equals_a_rebuilt_one(
+                batches in prop::collection::vec(
+                    prop::collection::vec((0u8..4, 0u64..8, 0usize..4, 0usize..2, 0usize..4), 1..5),
+                    1..16,
+                ),
+            ) {
+                let ns = Namespace::new("ns");
+                let namespaces = [ns.clone()];
+                let mut reducer = DiscoveryReducer::new(ns.clone());
+                let mut snap = build_snapshot(SourceKind::Etcd, &namespaces, &[]).with_seq(1);
+                let mut index = CandidateIndex::build(&snap);
+                for (t, batch) in batches.into_iter().enumerate() {
+                    let now = UnixMillis(t as u64);
+                    for (op, id, kind, model, dp) in batch {
+                        let component = if kind == 0 { "prefill" } else { "backend" };
+                        let records = worker(id, component, TYPES[kind], ["m", "n"][model], DPS[dp]);
+                        match op {
+                            0 | 1 => {
+                                for (key, value) in records {
+                                    reducer.apply(SourceEvent::Apply { key, value }, now);
+                                }
+                            }
+                            2 => {
+                                // The card alone: the worker stays, with another card.
+                                let (key, value) = records[1].clone();
+                                reducer.apply(SourceEvent::Apply { key, value }, now);
+                            }
+                            _ => {
+                                for (key, _) in records {
+                                    reducer.apply(SourceEvent::Delete { key }, now);
+                                }
+                            }
+                        }
+                    }
+                    let changes = reducer.take_changes();
+                    let update = NamespaceUpdate {
+                        view: reducer.view(),
+                        workers: Some(&changes.workers),
+                        publishers: changes.publishers,
+                    };
+                    let rebuilt = build_snapshot(SourceKind::Etcd, &namespaces, &[reducer.view()]);
+                    let Some(next) = snap.patch(&namespaces, &[update]) else {
+                        prop_assert!(snap.same_fleet(&rebuilt));
+                        continue;
+                    };
+                    prop_assert!(next.same_fleet(&rebuilt));
+                    prop_assert!(next.changes().patches(snap.seq()));
+                    let patched = index.patch(&next);
+                    same(&patched, &CandidateIndex::build(&next));
+                    snap = next;
+                    index = patched;
+                }
+            }
+        }
     }
 }
