@@ -340,7 +340,7 @@ impl Daemon {
             front_door::serve::serve(
                 listener,
                 app,
-                Some(state),
+                Some(Arc::new(state)),
                 serve_options,
                 Some(&server_metrics),
                 shutdown,

@@ -356,7 +356,7 @@ impl hyper::body::Body for TrackedBody {
 pub async fn serve(
     listener: TcpListener,
     router: Router,
-    hot: Option<super::AppState>,
+    hot: Option<Arc<super::AppState>>,
     options: ServeOptions,
     metrics: Option<&Metrics>,
     shutdown: impl Future<Output = ()> + Send,
@@ -465,7 +465,7 @@ pub async fn serve(
 /// One client connection's task.
 struct Connection {
     router: Router,
-    hot: Option<super::AppState>,
+    hot: Option<Arc<super::AppState>>,
     conn: Arc<Conn>,
     id: u64,
     table: SharedTable,
