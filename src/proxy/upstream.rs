@@ -1,5 +1,7 @@
 //! The pooled upstream HTTP client (hyper-util legacy client over plain HTTP or rustls TLS, with
-//! ALPN offering h2 and http/1.1) and backend base-URL handling.
+//! ALPN offering h2 and http/1.1) and backend base-URL handling. The request path sends to HTTPS
+//! backends through it; plain-`http` backends get their own HTTP/1.1 connection pool
+//! ([`super::pool`], [`Upstream::conn_pool`]). Health checks use it for every backend.
 
 use std::sync::Arc;
 use std::time::Duration;
