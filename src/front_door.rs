@@ -168,7 +168,11 @@ pub fn hot_route(method: &axum::http::Method, path: &str) -> Option<OpenAiRoute>
 /// [`strip::strip_client_pins`]), the handler [`openai`] admits, routes and counts it (the
 /// surface-route middleware counts nothing for these routes), and the client's headers are moved,
 /// not cloned as axum's `HeaderMap` extractor does.
-pub async fn serve_hot(state: &AppState, route: OpenAiRoute, req: axum::extract::Request) -> Response {
+pub async fn serve_hot(
+    state: &AppState,
+    route: OpenAiRoute,
+    req: axum::extract::Request,
+) -> Response {
     let (mut parts, body) = req.into_parts();
     strip::strip_request_pins(&mut parts.headers);
     let mut response = openai(state, route, parts.headers, body).await;

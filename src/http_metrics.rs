@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use std::sync::{Arc, OnceLock};
 
-use prometheus::{Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry};
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+};
 
 /// `continuum_http_request_duration_seconds` buckets: 5 ms to 2 min (LLM answers are slow).
 const DURATION_BUCKETS: &[f64] = &[

@@ -308,10 +308,7 @@ impl Proxy {
             } else {
                 outbound_headers.clone()
             };
-            match backend
-                .send(req, self.options.response_head_timeout)
-                .await
-            {
+            match backend.send(req, self.options.response_head_timeout).await {
                 Ok(resp) => {
                     match classify_response(resp.status().as_u16(), frontend_error_body(&resp)) {
                         ResponseVerdict::Failing => backend.record_failure(self.pool.now()),

@@ -483,9 +483,9 @@ impl Connection {
             let hot = self.hot.clone();
             let body_timeout = self.options.body_read_timeout;
             hyper::service::service_fn(move |req: Request<Incoming>| {
-                let direct = hot
-                    .as_ref()
-                    .and_then(|state| Some((state, super::hot_route(req.method(), req.uri().path())?)));
+                let direct = hot.as_ref().and_then(|state| {
+                    Some((state, super::hot_route(req.method(), req.uri().path())?))
+                });
                 let in_flight = InFlight::start(conn.clone());
                 let req = req.map(|inner| {
                     Body::new(TimedBody {

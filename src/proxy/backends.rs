@@ -91,7 +91,10 @@ impl Backend {
         head_timeout: Duration,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         match &self.conns {
-            Some(pool) => Ok(pool.send(req, head_timeout).await?.map(UpstreamBody::Pooled)),
+            Some(pool) => Ok(pool
+                .send(req, head_timeout)
+                .await?
+                .map(UpstreamBody::Pooled)),
             None => Ok(self
                 .upstream
                 .send(req, head_timeout)

@@ -89,7 +89,10 @@ impl ConnPool {
         idle_timeout: Duration,
         max_idle: usize,
     ) -> Result<Self, String> {
-        let host = authority.host().trim_start_matches('[').trim_end_matches(']');
+        let host = authority
+            .host()
+            .trim_start_matches('[')
+            .trim_end_matches(']');
         let port = authority.port_u16().unwrap_or(80);
         // As hyper-util's client writes it: the host, and the port when it is not the default.
         let host_header = match authority.port_u16() {
@@ -184,7 +187,8 @@ impl ConnPool {
             }
             // Its last answer ended a moment ago and the connection task has not yet made it
             // ready again: wait for that (or its close), bounded.
-            if let Ok(Ok(())) = tokio::time::timeout(self.inner.connect_timeout, sender.ready()).await
+            if let Ok(Ok(())) =
+                tokio::time::timeout(self.inner.connect_timeout, sender.ready()).await
             {
                 return Some(sender);
             }

@@ -745,7 +745,11 @@ async fn the_hot_routes_over_a_daemon_socket_behave_as_through_the_router() {
             vec![("x-dynamo-worker-instance-id", "7"), ("x-upstream", "kept")],
         ));
     }
-    for path in ["/v1/chat/completions", "/v1/completions", "/v1/chat/completions"] {
+    for path in [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/chat/completions",
+    ] {
         let resp = client
             .post(format!("{base}{path}"))
             .bearer_auth("key-1")
@@ -772,8 +776,13 @@ async fn the_hot_routes_over_a_daemon_socket_behave_as_through_the_router() {
             let name = name.as_str();
             assert!(
                 !name.starts_with("x-dynamo-")
-                    && !["x-worker-instance-id", "x-dp-rank", "x-backend", "authorization"]
-                        .contains(&name),
+                    && ![
+                        "x-worker-instance-id",
+                        "x-dp-rank",
+                        "x-backend",
+                        "authorization"
+                    ]
+                    .contains(&name),
                 "{name} reached the upstream"
             );
         }
