@@ -330,7 +330,7 @@ impl Daemon {
         let state = app_state(&shared, &tree, live.clone(), control_tx.clone());
         let local_addr = listener.local_addr()?;
         let (stop_server, mut stop_rx) = watch::channel(false);
-        let app = front_door::router_for(state, features);
+        let app = front_door::router_for(state.clone(), features);
         let serve_options = front_door::serve::ServeOptions::from_config(&config.server);
         let server_metrics = shared.metrics.clone();
         let server = tokio::spawn(async move {
@@ -340,6 +340,7 @@ impl Daemon {
             front_door::serve::serve(
                 listener,
                 app,
+                Some(Arc::new(state)),
                 serve_options,
                 Some(&server_metrics),
                 shutdown,

@@ -149,6 +149,37 @@ pub fn router_for(state: AppState, features: Features) -> Router {
         .with_state(state)
 }
 
+/// The hot routes the connection layer ([`serve::serve`]) dispatches itself, without axum's
+/// router and its middleware stack: `POST /v1/chat/completions` and `POST /v1/completions`.
+/// Any other method or path (a `GET` on these paths: 405) goes through [`router`].
+pub fn hot_route(method: &axum::http::Method, path: &str) -> Option<OpenAiRoute> {
+    if method != axum::http::Method::POST {
+        return None;
+    }
+    match path {
+        "/v1/chat/completions" => Some(OpenAiRoute::ChatCompletions),
+        "/v1/completions" => Some(OpenAiRoute::Completions),
+        _ => None,
+    }
+}
+
+/// A hot route ([`hot_route`]) served directly: what [`router`] does for it, as plain calls.
+/// The pin headers are stripped from the request and the answer (the global middleware
+/// [`strip::strip_client_pins`]), the handler [`openai`] admits, routes and counts it (the
+/// surface-route middleware counts nothing for these routes), and the client's headers are moved,
+/// not cloned as axum's `HeaderMap` extractor does.
+pub async fn serve_hot(
+    state: &AppState,
+    route: OpenAiRoute,
+    req: axum::extract::Request,
+) -> Response {
+    let (mut parts, body) = req.into_parts();
+    strip::strip_request_pins(&mut parts.headers);
+    let mut response = openai(state, route, parts.headers, body).await;
+    crate::wire::pins::strip_pin_headers(response.headers_mut());
+    response
+}
+
 /// The `continuum_http_requests_total` route of a matched path, for the routes that do not count
 /// themselves: the OpenAI and ingress routes count in their handlers (with the time to response
 /// headers), so they are `None` here. No matched path (the fallback's 404) is `Unmatched`.

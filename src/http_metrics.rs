@@ -6,7 +6,11 @@
 
 use std::time::Duration;
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use std::sync::{Arc, OnceLock};
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+};
 
 /// `continuum_http_request_duration_seconds` buckets: 5 ms to 2 min (LLM answers are slow).
 const DURATION_BUCKETS: &[f64] = &[
@@ -114,8 +118,18 @@ impl StatusClass {
 /// The two HTTP families, registered once per registry. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct HttpMetrics {
-    requests: IntCounterVec,
     duration: HistogramVec,
+    /// Every `(route, status_class)` counter, resolved once at registration and indexed by
+    /// [`series`]: counting a request does not hash label values.
+    counters: Arc<[IntCounter]>,
+    /// Each route's duration series, resolved at its first observation (a route that never
+    /// observes a duration exposes no series, as before).
+    durations: Arc<[OnceLock<Histogram>]>,
+}
+
+/// The index of `(route, class)` in [`HttpMetrics::counters`].
+fn series(route: HttpRoute, class: StatusClass) -> usize {
+    route as usize * StatusClass::ALL.len() + class as usize
 }
 
 impl HttpMetrics {
@@ -138,26 +152,31 @@ impl HttpMetrics {
         )?;
         registry.register(Box::new(requests.clone()))?;
         registry.register(Box::new(duration.clone()))?;
+        let mut counters = Vec::with_capacity(HttpRoute::ALL.len() * StatusClass::ALL.len());
         for route in HttpRoute::ALL {
             for class in StatusClass::ALL {
-                requests.with_label_values(&[route.as_label(), class.as_label()]);
+                debug_assert_eq!(counters.len(), series(*route, *class));
+                counters.push(requests.with_label_values(&[route.as_label(), class.as_label()]));
             }
         }
-        Ok(Self { requests, duration })
+        let durations = HttpRoute::ALL.iter().map(|_| OnceLock::new()).collect();
+        Ok(Self {
+            duration,
+            counters: counters.into(),
+            durations,
+        })
     }
 
     /// Counts one answered request of `route`.
     pub fn request(&self, route: HttpRoute, status: u16) {
-        self.requests
-            .with_label_values(&[route.as_label(), StatusClass::from_code(status).as_label()])
-            .inc();
+        self.counters[series(route, StatusClass::from_code(status))].inc();
     }
 
     /// [`HttpMetrics::request`] plus the time to response headers.
     pub fn request_timed(&self, route: HttpRoute, status: u16, elapsed: Duration) {
         self.request(route, status);
-        self.duration
-            .with_label_values(&[route.as_label()])
+        self.durations[route as usize]
+            .get_or_init(|| self.duration.with_label_values(&[route.as_label()]))
             .observe(elapsed.as_secs_f64());
     }
 }
@@ -189,6 +208,13 @@ mod tests {
         assert_eq!(StatusClass::from_code(503), StatusClass::ServerError);
         assert_eq!(StatusClass::from_code(999), StatusClass::ServerError);
         assert_eq!(StatusClass::from_code(101), StatusClass::Informational);
+        // The resolved series are indexed by the enums' order.
+        for (i, route) in HttpRoute::ALL.iter().enumerate() {
+            assert_eq!(*route as usize, i);
+        }
+        for (i, class) in StatusClass::ALL.iter().enumerate() {
+            assert_eq!(*class as usize, i);
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! | [`body`] | bounded body reading, JSON validation, `nvext` pin stripping |
 //! | [`headers`] | hop-by-hop and pin header hygiene, [`Dispatch`] (worker pins) |
 //! | [`backends`] | the backend pool: selection, health-check tasks, circuit breakers |
-//! | [`upstream`] | the pooled hyper-util client (plain HTTP or rustls TLS, ALPN h2) and backend URLs |
+//! | [`pool`] | the per-backend HTTP/1.1 connection pool of plain-`http` backends (the hot path) |
+//! | [`upstream`] | the pooled hyper-util client (rustls TLS, ALPN h2; health checks) and backend URLs |
 //! | [`relay`] | buffered and streamed (SSE) response relay |
 //!
 //! Flow per dispatch (after the front door read ≤ 8 MiB with [`body::read_bounded`] and the route
@@ -34,6 +35,7 @@
 pub mod backends;
 pub mod body;
 pub mod headers;
+pub mod pool;
 pub mod relay;
 pub mod upstream;
 
@@ -306,11 +308,7 @@ impl Proxy {
             } else {
                 outbound_headers.clone()
             };
-            match backend
-                .upstream()
-                .send(req, self.options.response_head_timeout)
-                .await
-            {
+            match backend.send(req, self.options.response_head_timeout).await {
                 Ok(resp) => {
                     match classify_response(resp.status().as_u16(), frontend_error_body(&resp)) {
                         ResponseVerdict::Failing => backend.record_failure(self.pool.now()),

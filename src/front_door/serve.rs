@@ -31,6 +31,7 @@ use axum::body::Body;
 use axum::http::Request;
 use bytes::Bytes;
 use continuum_actors::metrics::Metrics;
+use futures::future::Either;
 use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -348,9 +349,14 @@ impl hyper::body::Body for TrackedBody {
 
 /// Serves `router` on `listener` until `shutdown` resolves, then stops accepting, lets every
 /// connection finish its in-flight requests (graceful), and returns when all are closed.
+///
+/// With `hot` (the state `router` was built with), the hot routes ([`super::hot_route`]: `POST
+/// /v1/chat/completions` and `/v1/completions`) are dispatched here without the router
+/// ([`super::serve_hot`]); every other request goes through `router`.
 pub async fn serve(
     listener: TcpListener,
     router: Router,
+    hot: Option<Arc<super::AppState>>,
     options: ServeOptions,
     metrics: Option<&Metrics>,
     shutdown: impl Future<Output = ()> + Send,
@@ -438,6 +444,7 @@ pub async fn serve(
         conn_metrics.open.inc();
         let task = Connection {
             router: router.clone(),
+            hot: hot.clone(),
             conn,
             id,
             table: table.clone(),
@@ -458,6 +465,7 @@ pub async fn serve(
 /// One client connection's task.
 struct Connection {
     router: Router,
+    hot: Option<Arc<super::AppState>>,
     conn: Arc<Conn>,
     id: u64,
     table: SharedTable,
@@ -472,8 +480,12 @@ impl Connection {
     async fn run(mut self, stream: TcpStream) {
         let service = {
             let (router, conn) = (self.router.clone(), self.conn.clone());
+            let hot = self.hot.clone();
             let body_timeout = self.options.body_read_timeout;
             hyper::service::service_fn(move |req: Request<Incoming>| {
+                let direct = hot.as_ref().and_then(|state| {
+                    Some((state, super::hot_route(req.method(), req.uri().path())?))
+                });
                 let in_flight = InFlight::start(conn.clone());
                 let req = req.map(|inner| {
                     Body::new(TimedBody {
@@ -483,15 +495,29 @@ impl Connection {
                         timer: None,
                     })
                 });
-                let mut router = router.clone();
-                async move {
-                    let response = router.call(req).await?;
-                    Ok::<_, Infallible>(response.map(|inner| {
+                let tracked = |response: axum::response::Response| {
+                    response.map(|inner| {
                         Body::new(TrackedBody {
                             inner,
                             _in_flight: in_flight,
                         })
-                    }))
+                    })
+                };
+                match direct {
+                    Some((state, route)) => {
+                        let state = state.clone();
+                        Either::Left(async move {
+                            let response = super::serve_hot(&state, route, req).await;
+                            Ok::<_, Infallible>(tracked(response))
+                        })
+                    }
+                    None => {
+                        let mut router = router.clone();
+                        Either::Right(async move {
+                            let response = router.call(req).await?;
+                            Ok::<_, Infallible>(tracked(response))
+                        })
+                    }
                 }
             })
         };

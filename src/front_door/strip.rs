@@ -12,12 +12,18 @@ use crate::wire::pins::strip_pin_headers;
 
 /// The global middleware.
 pub async fn strip_client_pins(mut req: Request, next: Next) -> Response {
-    let removed = strip_pin_headers(req.headers_mut());
-    if removed > 0 {
-        tracing::debug!(removed, "Stripped client worker-pin headers.");
-    }
+    strip_request_pins(req.headers_mut());
     let mut resp = next.run(req).await;
     // Nothing upstream-internal is ever echoed back either.
     strip_pin_headers(resp.headers_mut());
     resp
+}
+
+/// The request side of [`strip_client_pins`], also called by the connection layer's direct
+/// dispatch of the hot routes (`super::serve_hot`), which strips the answer's pins too.
+pub fn strip_request_pins(headers: &mut axum::http::HeaderMap) {
+    let removed = strip_pin_headers(headers);
+    if removed > 0 {
+        tracing::debug!(removed, "Stripped client worker-pin headers.");
+    }
 }

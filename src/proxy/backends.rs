@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use axum::http::{Method, Request};
+use axum::http::{Method, Request, Response};
 use bytes::Bytes;
 use continuum_protocol::breaker::{
     Admission, Breaker, BreakerConfig, BreakerState, HealthThresholds, HealthTracker,
@@ -23,7 +23,8 @@ use rustls::pki_types::CertificateDer;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
-use super::upstream::{Target, Upstream};
+use super::pool::ConnPool;
+use super::upstream::{Target, Upstream, UpstreamBody, UpstreamError};
 use crate::config::schema::{BackendConfig, BackendRole, HealthCheckConfig};
 
 /// Caller-supplied monotonic clock (tests drive it by hand).
@@ -57,6 +58,9 @@ pub struct Backend {
     /// The client that dials this backend: the pool's shared one, or one of its own that also
     /// trusts the backend's `tls.ca_cert`. Health checks use it too.
     upstream: Upstream,
+    /// The request path's HTTP/1.1 connection pool for a plain-`http` backend (kept across a
+    /// reload while the URL is unchanged); HTTPS backends are dialled through `upstream`.
+    conns: Option<ConnPool>,
     /// The certificates of `tls.ca_cert` as read at the last reload (empty without one).
     trusted: Vec<CertificateDer<'static>>,
 }
@@ -77,6 +81,26 @@ impl Backend {
     /// The client that dials this backend (and runs its health checks).
     pub fn upstream(&self) -> &Upstream {
         &self.upstream
+    }
+
+    /// Sends a request of the request path to this backend (its connection pool for plain
+    /// `http`, else its client), waiting at most `head_timeout` for the response head.
+    pub async fn send(
+        &self,
+        req: Request<Full<Bytes>>,
+        head_timeout: Duration,
+    ) -> Result<Response<UpstreamBody>, UpstreamError> {
+        match &self.conns {
+            Some(pool) => Ok(pool
+                .send(req, head_timeout)
+                .await?
+                .map(UpstreamBody::Pooled)),
+            None => Ok(self
+                .upstream
+                .send(req, head_timeout)
+                .await?
+                .map(UpstreamBody::Client)),
+        }
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -209,11 +233,20 @@ impl BackendPool {
             if let Err(error) = &target {
                 warn!(backend = %config.name, %error, "A backend cannot be dialled; it is never selected.");
             }
+            // Pooled connections survive a reload that keeps the backend's URL.
+            let conns = match old
+                .iter()
+                .find(|b| b.config.name == config.name && b.config.url == config.url)
+            {
+                Some(kept) if target.is_ok() => kept.conns.clone(),
+                _ => target.as_ref().ok().and_then(|t| upstream.conn_pool(t)),
+            };
             next.push(Arc::new(Backend {
                 config: config.clone(),
                 target,
                 state,
                 upstream,
+                conns,
                 trusted,
             }));
         }

@@ -7,7 +7,6 @@ use axum::http::{HeaderValue, Response, header};
 use bytes::{Bytes, BytesMut};
 use futures::{FutureExt, StreamExt};
 use http_body_util::{BodyExt, BodyStream, Limited};
-use hyper::body::Incoming;
 use serde_json::json;
 use tracing::warn;
 
@@ -18,10 +17,11 @@ use crate::wire::error::ApiError;
 pub const MAX_BUFFERED_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 
 /// Collects the whole upstream body, then answers with an exact content length.
-pub async fn buffered(
-    upstream: Response<Incoming>,
-    backend: &str,
-) -> Result<Response<Body>, ApiError> {
+pub async fn buffered<B>(upstream: Response<B>, backend: &str) -> Result<Response<Body>, ApiError>
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: std::fmt::Display + std::error::Error + Send + Sync + 'static,
+{
     let (mut parts, body) = upstream.into_parts();
     headers::response(&mut parts.headers);
     let bytes = Limited::new(body, MAX_BUFFERED_RESPONSE_BYTES)

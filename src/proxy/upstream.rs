@@ -1,5 +1,7 @@
 //! The pooled upstream HTTP client (hyper-util legacy client over plain HTTP or rustls TLS, with
-//! ALPN offering h2 and http/1.1) and backend base-URL handling.
+//! ALPN offering h2 and http/1.1) and backend base-URL handling. The request path sends to HTTPS
+//! backends through it; plain-`http` backends get their own HTTP/1.1 connection pool
+//! ([`super::pool`], [`Upstream::conn_pool`]). Health checks use it for every backend.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +15,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::CertificateDer;
+
+use super::pool::{ConnPool, PooledBody};
 
 /// Why an upstream exchange failed before a response head arrived.
 #[derive(Debug, thiserror::Error)]
@@ -237,6 +241,21 @@ impl Upstream {
         }
     }
 
+    /// A per-backend HTTP/1.1 connection pool for `target` with this client's connect timeout and
+    /// idle settings, for a plain-`http` target (`None` for HTTPS, which this client dials).
+    pub fn conn_pool(&self, target: &Target) -> Option<ConnPool> {
+        if target.is_https() {
+            return None;
+        }
+        ConnPool::new(
+            target.authority(),
+            self.connect_timeout,
+            self.idle_timeout,
+            self.max_idle,
+        )
+        .ok()
+    }
+
     /// Sends `req`, waiting at most `head_timeout` for the response head.
     pub async fn send(
         &self,
@@ -248,6 +267,42 @@ impl Upstream {
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(error)) if error.is_connect() => Err(UpstreamError::Connect(chain(&error))),
             Ok(Err(error)) => Err(UpstreamError::Transport(chain(&error))),
+        }
+    }
+}
+
+/// A backend's response body: from the per-backend connection pool (plain `http`) or from the
+/// hyper-util client (HTTPS, health checks).
+pub enum UpstreamBody {
+    Pooled(PooledBody),
+    Client(Incoming),
+}
+
+impl hyper::body::Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            UpstreamBody::Pooled(body) => std::pin::Pin::new(body).poll_frame(cx),
+            UpstreamBody::Client(body) => std::pin::Pin::new(body).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            UpstreamBody::Pooled(body) => body.is_end_stream(),
+            UpstreamBody::Client(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            UpstreamBody::Pooled(body) => body.size_hint(),
+            UpstreamBody::Client(body) => body.size_hint(),
         }
     }
 }

@@ -710,3 +710,140 @@ async fn streaming_through_a_real_listener_arrives_chunk_by_chunk() {
     assert!(body.frame().await.is_none());
     server.abort();
 }
+
+/// The hot routes through a real daemon's socket, where the connection layer dispatches them
+/// without axum's router (`front_door::serve_hot`), over the backend's pooled HTTP/1.1
+/// connections: the same admission (401 without the key), pin hygiene both ways, disclosure,
+/// routing-path header, SSE relay and `continuum_http_requests_total` counts as through the
+/// router; a `GET` on the same path still goes through the router (405).
+#[tokio::test]
+async fn the_hot_routes_over_a_daemon_socket_behave_as_through_the_router() {
+    let mut up = FakeUpstream::start().await;
+    let yaml = format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\n\
+         api_keys:\n  - {{key: key-1, name: one}}\n\
+         backends:\n  - {{name: b1, type: openai, url: \"{}\", models: [m], \
+         health_check: {{enabled: false}}}}\n",
+        up.url()
+    );
+    let daemon = crate::support::daemon::start(&yaml).await;
+    let base = format!("http://{}", daemon.local_addr());
+    let client = reqwest::Client::new();
+
+    let refused = client
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&chat_body())
+        .send()
+        .await
+        .expect("answer");
+    assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+
+    for _ in 0..3 {
+        up.push(Reply::Json(
+            StatusCode::OK,
+            upstream::completion("ok"),
+            vec![("x-dynamo-worker-instance-id", "7"), ("x-upstream", "kept")],
+        ));
+    }
+    for path in [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/chat/completions",
+    ] {
+        let resp = client
+            .post(format!("{base}{path}"))
+            .bearer_auth("key-1")
+            .header("x-dynamo-worker-instance-id", "1")
+            .header("x-worker-instance-id", "3")
+            .header("x-dp-rank", "0")
+            .header("x-backend", "")
+            .header("x-request-id", "r-1")
+            .json(&chat_body())
+            .send()
+            .await
+            .expect("answer");
+        assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        let headers = resp.headers().clone();
+        assert!(headers.keys().all(|k| !k.as_str().starts_with("x-dynamo-")));
+        assert_eq!(headers["x-upstream"], "kept");
+        assert_eq!(headers["x-continuum-backend"], "b1");
+        assert_eq!(headers["x-continuum-routing-path"], "unified");
+        let body: Value = resp.json().await.expect("json");
+        assert_eq!(body, upstream::completion("ok"));
+        let seen = up.next_request().await;
+        assert_eq!(seen.path, path);
+        for name in seen.headers.keys() {
+            let name = name.as_str();
+            assert!(
+                !name.starts_with("x-dynamo-")
+                    && ![
+                        "x-worker-instance-id",
+                        "x-dp-rank",
+                        "x-backend",
+                        "authorization"
+                    ]
+                    .contains(&name),
+                "{name} reached the upstream"
+            );
+        }
+        assert_eq!(seen.headers["x-request-id"], "r-1");
+        assert_eq!(seen.headers["host"], up.addr.to_string().as_str());
+    }
+
+    let (tx, rx) = mpsc::unbounded_channel();
+    up.push(Reply::Sse(rx));
+    let mut stream_body = chat_body();
+    stream_body["stream"] = json!(true);
+    let resp = client
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("key-1")
+        .json(&stream_body)
+        .send()
+        .await
+        .expect("answer");
+    assert_eq!(resp.status(), StatusCode::OK);
+    for chunk in ["data: {\"n\":1}\n\n", "data: [DONE]\n\n"] {
+        tx.send(Bytes::from(chunk)).expect("send");
+    }
+    drop(tx);
+    assert_eq!(
+        resp.text().await.expect("stream"),
+        "data: {\"n\":1}\n\ndata: [DONE]\n\n"
+    );
+
+    let wrong_method = client
+        .get(format!("{base}/v1/chat/completions"))
+        .send()
+        .await
+        .expect("answer");
+    assert_eq!(wrong_method.status(), StatusCode::METHOD_NOT_ALLOWED);
+
+    let metrics = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    let count = |series: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series))
+            .map(|v| v.trim().parse::<f64>().expect("a number"))
+    };
+    let requests = |route: &str, class: &str| {
+        count(&format!(
+            "continuum_http_requests_total{{route=\"{route}\",status_class=\"{class}\"}}"
+        ))
+    };
+    assert_eq!(requests("chat_completions", "2xx"), Some(3.0), "{metrics}");
+    assert_eq!(requests("chat_completions", "4xx"), Some(1.0), "{metrics}");
+    assert_eq!(requests("completions", "2xx"), Some(1.0), "{metrics}");
+    assert_eq!(
+        count("continuum_http_request_duration_seconds_count{route=\"chat_completions\"}"),
+        Some(4.0),
+        "{metrics}"
+    );
+    daemon.shutdown().await;
+}
