@@ -48,8 +48,14 @@ pub struct DenseRanks {
     /// What a decode pass reads per rank, fused into one 16-byte row: the scan streams one
     /// array.
     pub(super) rows: Vec<Row>,
-    /// Per group, the roles its rows hold ([`ROLE_BITS`] of each role present).
+    /// Per group, the roles its rows hold ([`role_bit`] of each role present).
     pub(super) group_roles: Vec<u8>,
+    /// Rows per `(group, role)` ([`Row::table_index`]): a phase's candidates are counted per
+    /// pick from its table, not per rank.
+    pub(super) group_role_rows: Vec<u32>,
+    /// The block size every row declares (0 included), when they all declare the same one:
+    /// a decode pass then computes the request's blocks once.
+    pub(super) uniform_block_size: Option<u32>,
     /// Every row as `(instance, row)`, sorted: the rows of one instance, found by binary search
     /// when the ledger's few pending dispatches are laid onto rows.
     by_instance: Vec<(InstanceId, u32)>,
@@ -78,6 +84,8 @@ impl DenseRanks {
             max_num_batched_tokens: Vec::with_capacity(candidates.len()),
             rows: Vec::with_capacity(candidates.len()),
             group_roles: Vec::new(),
+            group_role_rows: Vec::new(),
+            uniform_block_size: None,
             by_instance: Vec::with_capacity(candidates.len()),
         };
         dense.fill(candidates);
@@ -100,6 +108,7 @@ impl DenseRanks {
         self.max_num_batched_tokens.clear();
         self.rows.clear();
         self.group_roles.clear();
+        self.group_role_rows.clear();
         self.by_instance.clear();
         self.fill(candidates);
     }
@@ -129,9 +138,17 @@ impl DenseRanks {
             ));
         }
         self.group_roles.resize(self.groups.len(), 0);
-        for (&group, &role) in self.group.iter().zip(&self.role) {
+        self.group_role_rows.resize(self.groups.len() * 4, 0);
+        self.uniform_block_size = match self.block_size.split_first() {
+            Some((&first, rest)) if rest.iter().all(|&b| b == first) => Some(first),
+            _ => None,
+        };
+        for ((&group, &role), row) in self.group.iter().zip(&self.role).zip(&self.rows) {
             if let Some(roles) = self.group_roles.get_mut(group as usize) {
                 *roles |= role_bit(role);
+            }
+            if let Some(count) = self.group_role_rows.get_mut(row.group_role as usize) {
+                *count = count.saturating_add(1);
             }
         }
         // Rows fit u32: a pick reads at most u32::MAX of them.

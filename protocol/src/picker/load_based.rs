@@ -604,6 +604,16 @@ pub(super) fn plan_decode(
     any_served
 }
 
+/// A `RowBacklogs` holding nothing (for a pick without ledgers).
+fn row_backlogs_empty() -> &'static RowBacklogs {
+    static EMPTY: RowBacklogs = RowBacklogs {
+        marks: Vec::new(),
+        entries: Vec::new(),
+        stamp: 0,
+    };
+    &EMPTY
+}
+
 /// Fills `table` with the prefill ranks of namespace position `ns`.
 fn plan_prefill(dense: &DenseRanks, eligible: &[u16], ns: u16, table: &mut Vec<u16>) {
     table.clear();
@@ -638,10 +648,8 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
     #[inline(always)]
     fn candidates(&self) -> impl Iterator<Item = (usize, usize, Row)> + '_ {
         let table = self.table;
-        // Rows fit u32: a pick reads at most u32::MAX of them.
         self.rows
             .iter()
-            .take(u32::MAX as usize)
             .enumerate()
             .filter_map(move |(i, &row)| {
                 let ns = table
@@ -656,7 +664,7 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
     fn gather(&mut self) -> Gathered {
         let mut gathered = Gathered::default();
         let table = self.table;
-        for (i, &row) in self.rows.iter().take(u32::MAX as usize).enumerate() {
+        for (i, &row) in self.rows.iter().enumerate() {
             let ns = table
                 .get(row.group_role as usize)
                 .copied()
@@ -710,7 +718,6 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
         let score = &mut self.score;
         self.rows
             .iter()
-            .take(u32::MAX as usize)
             .enumerate()
             .skip(best.first + 1)
             .filter_map(|(i, &row)| {
@@ -726,6 +733,165 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
             })
             .nth(wanted - 1)
             .map(|i| (i, SelectionReason::Load))
+    }
+}
+
+/// The lowest cost of one tier while gathering, kept in registers (`ties == 0`: none yet).
+#[derive(Clone, Copy, Debug, Default)]
+struct Lowest {
+    num: u64,
+    den: u64,
+    ties: usize,
+    first: usize,
+}
+
+impl Lowest {
+    #[inline(always)]
+    fn add(&mut self, row: usize, cost: Cost) {
+        if self.ties == 0 {
+            *self = Lowest {
+                num: cost.num,
+                den: cost.den,
+                ties: 1,
+                first: row,
+            };
+            return;
+        }
+        match cost.cmp(&Cost {
+            num: self.num,
+            den: self.den,
+        }) {
+            Ordering::Less => {
+                *self = Lowest {
+                    num: cost.num,
+                    den: cost.den,
+                    ties: 1,
+                    first: row,
+                }
+            }
+            Ordering::Equal => self.ties += 1,
+            Ordering::Greater => {}
+        }
+    }
+
+    fn best(self) -> Option<Best> {
+        (self.ties > 0).then_some(Best {
+            cost: Cost {
+                num: self.num,
+                den: self.den,
+            },
+            ties: self.ties,
+            first: self.first,
+        })
+    }
+}
+
+/// The decode gather of the production path (samples mirrored per row, the ledger's backlogs
+/// laid onto rows or none): what [`RowPass::gather`] over [`mirrored_decode`] gathers, written
+/// as one loop over the fused rows and the mirror. A rank's cost without its ledger backlog is
+/// a lower bound of its cost, so a rank that already loses to the lowest free cost on that
+/// bound loses: only a rank that may win or tie reads its row's backlog and is tallied
+/// ([`Tallies::offer`], out of line). The stalled tier, which only counts when no free rank
+/// has a cost, is then complete whenever it is read: while no free cost exists every costed
+/// rank is offered. The candidates are counted per `(group, role)`, not per rank. Not
+/// inlined: its own function keeps its few live values in registers.
+/// Every row declares `block_size` ([`DenseRanks::uniform_block_size`]): the request's
+/// blocks are computed once.
+#[inline(never)]
+fn gather_mirrored(
+    dense: &DenseRanks,
+    block_size: u32,
+    mirror: &[RowSample],
+    table: &[u16],
+    backlogs: &RowBacklogs,
+    oldest: u64,
+    tokens: u64,
+) -> Gathered {
+    let rows = &dense.rows[..];
+    let n = rows.len().min(mirror.len());
+    let (rows, mirror) = (&rows[..n], &mirror[..n]);
+    let mut tallies = Tallies {
+        free: Lowest::default(),
+        stalled: Lowest::default(),
+        backlogs,
+    };
+    let mut any_fresh = false;
+    let request_blocks = RequestSize::new(tokens).blocks(block_size);
+    for (i, (row, sample)) in rows.iter().zip(mirror).enumerate() {
+        if table
+            .get(row.group_role as usize)
+            .is_none_or(|&ns| ns == NOT_ELIGIBLE)
+        {
+            continue;
+        }
+        let base = if sample.at > oldest {
+            if sample.flags & RowSample::HAS_DECODE == 0 {
+                continue;
+            }
+            any_fresh = true;
+            sample.decode
+        } else if sample.flags & RowSample::BUSY != 0 {
+            continue;
+        } else {
+            0
+        };
+        let den = row.total_kv_blocks;
+        if row.block_size == 0 || den == 0 {
+            continue;
+        }
+        let num = base.saturating_add(request_blocks);
+        let free = &tallies.free;
+        if free.ties != 0 {
+            let loses = if den == free.den {
+                num > free.num
+            } else {
+                u128::from(num) * u128::from(free.den) > u128::from(free.num) * u128::from(den)
+            };
+            if loses {
+                continue;
+            }
+        }
+        tallies.offer(i, num, den);
+    }
+    let candidates = dense
+        .group_role_rows
+        .iter()
+        .zip(table)
+        .filter(|&(_, &ns)| ns != NOT_ELIGIBLE)
+        .map(|(&rows, _)| rows as usize)
+        .sum();
+    Gathered {
+        tally: Tally {
+            any_fresh,
+            free: tallies.free.best(),
+            stalled: tallies.stalled.best(),
+        },
+        candidates,
+    }
+}
+
+/// The two tiers [`gather_mirrored`] tallies, and where it reads a row's ledger backlog.
+struct Tallies<'b> {
+    free: Lowest,
+    stalled: Lowest,
+    backlogs: &'b RowBacklogs,
+}
+
+impl Tallies<'_> {
+    /// Tallies row `row`, whose cost without its ledger backlog is `num / den`, with its
+    /// backlog (if its row holds one this pick).
+    #[inline(never)]
+    fn offer(&mut self, row: usize, num: u64, den: u64) {
+        let backlog = self.backlogs.get(row);
+        let cost = Cost {
+            num: num.saturating_add(backlog.decode_blocks),
+            den,
+        };
+        if backlog.stalled {
+            self.stalled.add(row, cost);
+        } else {
+            self.free.add(row, cost);
+        }
     }
 }
 
@@ -841,10 +1007,14 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                         table,
                         score: |_, _, _| Scored::UNSCORED,
                     },
+                    None,
                     false,
                     &mut advance,
                 ),
-                (Samples::Mirror { rows: mirror, oldest }, Backlogs::Empty) => decide(
+                (Samples::Mirror { rows: mirror, oldest }, Backlogs::Empty)
+                    if let Some(block_size) = dense.uniform_block_size =>
+                {
+                    decide(
                     RowPass {
                         rows,
                         table,
@@ -859,10 +1029,23 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                             None => Scored::UNSCORED,
                         },
                     },
+                    Some(gather_mirrored(
+                        dense,
+                        block_size,
+                        mirror,
+                        table,
+                        row_backlogs_empty(),
+                        oldest,
+                        tokens,
+                    )),
                     true,
                     &mut advance,
-                ),
-                (Samples::Mirror { rows: mirror, oldest }, Backlogs::ByRow(by_row)) => decide(
+                )
+                }
+                (Samples::Mirror { rows: mirror, oldest }, Backlogs::ByRow(by_row))
+                    if let Some(block_size) = dense.uniform_block_size =>
+                {
+                    decide(
                     RowPass {
                         rows,
                         table,
@@ -871,9 +1054,13 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                             None => Scored::UNSCORED,
                         },
                     },
+                    Some(gather_mirrored(
+                        dense, block_size, mirror, table, by_row, oldest, tokens,
+                    )),
                     true,
                     &mut advance,
-                ),
+                )
+                }
                 _ => decide(
                     RowPass {
                         rows,
@@ -891,6 +1078,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                             )
                         },
                     },
+                    None,
                     req.load_signals,
                     &mut advance,
                 ),
@@ -956,14 +1144,19 @@ impl DynamoWorkerPicker for LoadBasedPicker {
     }
 }
 
-/// Gathers one phase, advances its cursor when it has candidates, and chooses.
+/// Gathers one phase (or takes what `gathered` gathered the same way), advances its cursor
+/// when it has candidates, and chooses.
 #[inline(always)]
 fn decide<F: FnMut(usize, usize, Row) -> Scored>(
     mut pass: RowPass<'_, F>,
+    gathered: Option<Gathered>,
     load_signals: bool,
     advance: &mut impl FnMut() -> u64,
 ) -> Option<(usize, SelectionReason)> {
-    let gathered = pass.gather();
+    let gathered = match gathered {
+        Some(g) => g,
+        None => pass.gather(),
+    };
     if gathered.candidates == 0 {
         return None;
     }
