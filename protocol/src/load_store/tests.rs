@@ -757,7 +757,10 @@ fn the_change_log_lists_written_slots_until_it_is_overrun() {
     assert_eq!(written, vec![w1, w2, w1]);
     let seen = store.changes();
     assert_eq!(store.changed_since(seen).expect("logged").count(), 0);
-    assert!(store.changed_since(seen + 1).is_none(), "a reader ahead re-reads");
+    assert!(
+        store.changed_since(seen + 1).is_none(),
+        "a reader ahead re-reads"
+    );
     // A removal is a write too.
     store.drop_publisher(P2);
     let written: Vec<u32> = store.changed_since(seen).expect("logged").collect();
@@ -768,7 +771,10 @@ fn the_change_log_lists_written_slots_until_it_is_overrun() {
         store.apply(sample(W1, R0, P1, sequence, 5));
     }
     assert_eq!(
-        store.changed_since(seen).expect("exactly CHANGE_LOG behind").count(),
+        store
+            .changed_since(seen)
+            .expect("exactly CHANGE_LOG behind")
+            .count(),
         CHANGE_LOG
     );
     store.apply(sample(W1, R0, P1, 3 + CHANGE_LOG as u64, 5));

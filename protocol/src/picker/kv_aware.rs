@@ -30,7 +30,7 @@
 use super::dense::{DenseRanks, NOT_ELIGIBLE, role_bit};
 use super::ledger::{NamespaceBacklog, RankBacklog};
 use super::load_based::{
-    self, Backlogs, INLINE_NAMESPACES, LoadBasedPicker, RequestSize, Samples, Scratch, Scored,
+    self, Backlogs, INLINE_NAMESPACES, LoadBasedPicker, RequestSize, Samples, Scored, Scratch,
 };
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, NoCandidates, Phase, Pick, PickContext,
@@ -383,7 +383,8 @@ impl Ctx<'_, '_> {
     }
 
     fn backlog(&self, m: Matched) -> RankBacklog {
-        self.backlogs.get(self.dense, m.index, m.namespace, self.now)
+        self.backlogs
+            .get(self.dense, m.index, m.namespace, self.now)
     }
 
     fn block_size_at(&self, row: usize) -> Option<BlockSize> {
@@ -578,14 +579,9 @@ impl KvAwarePicker {
             bufs.ranks.clear();
             bufs.ranks
                 .extend(members.iter().map(|m| self.rank(ctx, *m, scoring)));
-            if let Some((pos, reason)) = self.select_kv(
-                ctx,
-                bufs.ranks,
-                bufs.positions,
-                bufs.costs,
-                scoring,
-                cursor,
-            ) {
+            if let Some((pos, reason)) =
+                self.select_kv(ctx, bufs.ranks, bufs.positions, bufs.costs, scoring, cursor)
+            {
                 return members.get(pos).map(|m| (*m, reason));
             }
         }
@@ -703,7 +699,11 @@ impl KvAwarePicker {
             };
         }
         let paired_bits = role_bit(CandidateRole::Prefill) | role_bit(CandidateRole::Decode);
-        let paired = |ns: usize| roles.get(ns).is_some_and(|&r| r & paired_bits == paired_bits);
+        let paired = |ns: usize| {
+            roles
+                .get(ns)
+                .is_some_and(|&r| r & paired_bits == paired_bits)
+        };
         let pair_fleet = members.iter().any(|m| paired(m.namespace));
         let conditional = pair_fleet && self.params.conditional_disaggregation.enabled;
 

@@ -475,8 +475,7 @@ impl<'b> Backlogs<'b> {
     ) -> Self {
         if ledgers.is_empty() {
             Backlogs::Empty
-        } else if mirrored
-            && ledger.pending_legs() <= dense.len().saturating_mul(LEGS_PER_ROW_LAID)
+        } else if mirrored && ledger.pending_legs() <= dense.len().saturating_mul(LEGS_PER_ROW_LAID)
         {
             rows.fill(dense, eligible, ledgers, now);
             Backlogs::ByRow(rows)
@@ -648,16 +647,13 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
     #[inline(always)]
     fn candidates(&self) -> impl Iterator<Item = (usize, usize, Row)> + '_ {
         let table = self.table;
-        self.rows
-            .iter()
-            .enumerate()
-            .filter_map(move |(i, &row)| {
-                let ns = table
-                    .get(row.group_role as usize)
-                    .copied()
-                    .unwrap_or(NOT_ELIGIBLE);
-                (ns != NOT_ELIGIBLE).then_some((i, usize::from(ns), row))
-            })
+        self.rows.iter().enumerate().filter_map(move |(i, &row)| {
+            let ns = table
+                .get(row.group_role as usize)
+                .copied()
+                .unwrap_or(NOT_ELIGIBLE);
+            (ns != NOT_ELIGIBLE).then_some((i, usize::from(ns), row))
+        })
     }
 
     #[inline(always)]
@@ -1011,21 +1007,20 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                     false,
                     &mut advance,
                 ),
-                (Samples::Mirror { rows: mirror, oldest }, Backlogs::Empty)
-                    if let Some(block_size) = dense.uniform_block_size =>
-                {
-                    decide(
+                (
+                    Samples::Mirror {
+                        rows: mirror,
+                        oldest,
+                    },
+                    Backlogs::Empty,
+                ) if let Some(block_size) = dense.uniform_block_size => decide(
                     RowPass {
                         rows,
                         table,
                         score: |i, _, row| match mirror.get(i) {
-                            Some(s) => mirrored_decode(
-                                row,
-                                s,
-                                oldest,
-                                RankBacklog::default(),
-                                &mut size,
-                            ),
+                            Some(s) => {
+                                mirrored_decode(row, s, oldest, RankBacklog::default(), &mut size)
+                            }
                             None => Scored::UNSCORED,
                         },
                     },
@@ -1040,12 +1035,14 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                     )),
                     true,
                     &mut advance,
-                )
-                }
-                (Samples::Mirror { rows: mirror, oldest }, Backlogs::ByRow(by_row))
-                    if let Some(block_size) = dense.uniform_block_size =>
-                {
-                    decide(
+                ),
+                (
+                    Samples::Mirror {
+                        rows: mirror,
+                        oldest,
+                    },
+                    Backlogs::ByRow(by_row),
+                ) if let Some(block_size) = dense.uniform_block_size => decide(
                     RowPass {
                         rows,
                         table,
@@ -1059,8 +1056,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                     )),
                     true,
                     &mut advance,
-                )
-                }
+                ),
                 _ => decide(
                     RowPass {
                         rows,

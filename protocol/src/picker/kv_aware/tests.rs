@@ -803,10 +803,18 @@ enum KvStep {
     },
     /// A new sample for one rank (replacing a held one or taking a slot), answering the
     /// worker's dispatches.
-    Sample { id: u64, rank: u32, decode: u64 },
+    Sample {
+        id: u64,
+        rank: u32,
+        decode: u64,
+    },
     /// A publisher dropped: its samples are gone (slots freed).
-    Drop { id: u64 },
-    End { nth: usize },
+    Drop {
+        id: u64,
+    },
+    End {
+        nth: usize,
+    },
 }
 
 fn kv_step() -> impl Strategy<Value = KvStep> {
@@ -826,8 +834,14 @@ fn kv_params() -> impl Strategy<Value = KvPickParams> {
         prop_oneof![3 => Just(0.0), 1 => Just(0.7)],
         prop_oneof![
             Just(ConditionalDisaggregation::default()),
-            Just(ConditionalDisaggregation { enabled: true, decode_busy_threshold: None }),
-            Just(ConditionalDisaggregation { enabled: true, decode_busy_threshold: Some(0.5) }),
+            Just(ConditionalDisaggregation {
+                enabled: true,
+                decode_busy_threshold: None
+            }),
+            Just(ConditionalDisaggregation {
+                enabled: true,
+                decode_busy_threshold: Some(0.5)
+            }),
         ],
     )
         .prop_map(|(credit, scale, temperature, conditional)| KvPickParams {
