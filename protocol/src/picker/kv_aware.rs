@@ -844,7 +844,6 @@ impl KvAwarePicker {
         } else {
             KvSelectionResult::NoOverlap
         };
-        drop(ctx);
         let prefill = prefill.map(|(_, c)| c);
 
         let tokens = kv.isl;

@@ -1660,7 +1660,7 @@ fn the_row_mirror_catches_up_from_the_store_change_log_and_equals_a_reread() {
     let mut sequence = 1;
     let mut write = |store: &mut LoadStore, id: u64, blocks: u64| {
         let sample = SampleState::Fresh {
-            active_decode_blocks: (blocks % 5 != 0).then_some(blocks),
+            active_decode_blocks: (!blocks.is_multiple_of(5)).then_some(blocks),
             active_prefill_tokens: Some(blocks * 3),
             kv_used_blocks: Some(blocks + 1),
         };

@@ -889,7 +889,7 @@ proptest! {
                     dp_rank,
                     rank_declared,
                     block_size: capacity.then_some(block_sizes[id as usize]),
-                    total_kv_blocks: capacity.then_some(if id % 3 == 0 { 50 } else { 100 }),
+                    total_kv_blocks: capacity.then_some(if id.is_multiple_of(3) { 50 } else { 100 }),
                     max_num_batched_tokens: capacity.then_some(1000),
                 });
                 if let Some(s) = stored(id, offset as u32, samples[(i * 3 + offset) % samples.len()], sequence) {
@@ -938,7 +938,7 @@ proptest! {
                 KvStep::Sample { id, rank, decode } => {
                     let fresh = SampleState::Fresh {
                         active_decode_blocks: Some(decode),
-                        active_prefill_tokens: (decode % 3 != 0).then_some(decode * 5),
+                        active_prefill_tokens: (!decode.is_multiple_of(3)).then_some(decode * 5),
                         kv_used_blocks: None,
                     };
                     if let Some(mut s) = stored(id, rank, fresh, sequence) {

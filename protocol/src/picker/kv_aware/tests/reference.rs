@@ -358,7 +358,6 @@ impl ReferenceKv {
         } else {
             KvSelectionResult::NoOverlap
         };
-        drop(ctx);
         self.ledger = ledger;
         let tokens = kv.isl;
         let dispatch = req
