@@ -2,11 +2,14 @@
 //! (capacity, role, (model, namespace) group, instance and rank), built once per registry
 //! generation with the [`CandidateIndex`](super::candidates::CandidateIndex), never per request.
 //!
-//! A pick reads, per rank, a 4-byte group id, a 1-byte role, the capacity it needs and the rank's
-//! sample by its load-store slot ([`LoadSlots`]): no 112-byte [`Candidate`], no namespace or model
-//! string, no hash of a `WorkerKey`. The slots themselves are resolved once per
+//! A decode pass reads, per rank, one fused 16-byte [`Row`] (group and role, block size, KV
+//! capacity) and the rank's sample mirrored per row ([`RowSample`], 32 bytes): no 112-byte
+//! [`Candidate`], no ~104-byte `Option<LoadSample>`, no namespace or model string, no hash of a
+//! `WorkerKey`. The rows' load-store slots are resolved once per
 //! [`LoadStore::slot_epoch`](crate::load_store::LoadStore::slot_epoch) (a key gained or lost its
-//! sample) and kept in the [`PickerState`](super::PickerState)'s [`SlotCache`].
+//! sample), and the mirror is caught up from the store's change log
+//! ([`LoadStore::changed_since`](crate::load_store::LoadStore::changed_since)) when samples were
+//! written; both live in the [`PickerState`](super::PickerState)'s [`SlotCache`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -297,8 +300,9 @@ fn same_group(a: &Candidate, b: &Candidate) -> bool {
         && a.worker.namespace == b.worker.namespace
 }
 
-/// The load store read by slot: what [`LoadView::slots`](super::LoadView::slots) hands a picker
-/// so it reads each rank's sample by index, with no dynamic call or hash per rank.
+/// The load store as the pickers read it on the production path: what
+/// [`LoadView::slots`](super::LoadView::slots) hands a picker so it mirrors each row's sample by
+/// slot ([`SlotCache::samples`]), with no dynamic call or hash per rank.
 #[derive(Clone, Copy)]
 pub struct LoadSlots<'a> {
     pub store: &'a LoadStore,
@@ -311,32 +315,6 @@ impl std::fmt::Debug for LoadSlots<'_> {
         f.debug_struct("LoadSlots")
             .field("epoch", &self.store.slot_epoch())
             .finish_non_exhaustive()
-    }
-}
-
-impl LoadSlots<'_> {
-    /// The sample state in `slot` ([`NO_SLOT`] or an emptied slot reads as never sampled): what
-    /// [`sample_state`](super::candidates::sample_state) says, with the age test written as a
-    /// comparison with `now - max_age` (loop-invariant in a scan) instead of a subtraction per
-    /// rank.
-    #[inline(always)]
-    pub fn state_at(&self, slot: u32) -> SampleState {
-        let Some(s) = self.store.at_slot(slot) else {
-            return SampleState::Never;
-        };
-        // `now.since(received) <= max_age`: always when `now < max_age` (the age is below
-        // `now`), else exactly when the sample was received at or after `now - max_age`.
-        let fresh = self
-            .now
-            .0
-            .checked_sub(self.max_age)
-            .is_none_or(|oldest| s.received_at.0 >= oldest);
-        SampleState::from_last(
-            fresh,
-            s.load.active_decode_blocks,
-            s.load.active_prefill_tokens,
-            s.load.kv_used_blocks,
-        )
     }
 }
 

@@ -1479,8 +1479,9 @@ use crate::load_store::{LoadSample, LoadStore};
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
-    /// The production path (the layout built once, samples read by load-store slot, slots
-    /// re-resolved when a key gains or loses its sample) picks exactly what the per-rank view
+    /// The production path (the layout built once, samples mirrored per row by load-store slot,
+    /// slots re-resolved when a key gains or loses its sample, the mirror caught up from the
+    /// store's change log, ledger legs laid onto rows) picks exactly what the per-rank view
     /// path picks, while samples are replaced, publishers dropped and workers evicted.
     #[test]
     fn the_slot_path_matches_the_view_path(
