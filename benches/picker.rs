@@ -18,19 +18,23 @@
 //! parses the body again for the estimate) for comparison; and the round trip of a ractor
 //! `call` to an idle actor, the floor a picker behind a mailbox would add to every decision.
 //!
-//! `PICKER_ONLY=scaling_N` runs only the store-slot pass at N ranks, and `PICKER_PICKS=n` sets
-//! the number of timed picks: together they make a short run for
-//! `valgrind --tool=callgrind --toggle-collect='*LoadBasedPicker*pick*'` (instruction counts
-//! per pick, comparable whatever the machine's load).
+//! `PICKER_ONLY=scaling_N` runs only the store-slot pass at N ranks (`kv_scaling_N`: the same
+//! with the `KvAwarePicker`), and `PICKER_PICKS=n` sets the number of timed picks: together they
+//! make a short run for `valgrind --tool=callgrind --toggle-collect='*LoadBasedPicker*pick*'`
+//! (`'*KvAwarePicker*pick*'`; instruction counts per pick, comparable whatever the machine's
+//! load).
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use continuum_protocol::ids::{DpRank, InstanceId, Namespace, WorkerKey};
+use continuum_protocol::kv::hashing::BlockSize;
+use continuum_protocol::kv::index::RankOverlap;
 use continuum_protocol::picker::{
-    Candidate, CandidateRole, DenseRanks, DynamoWorkerPicker, LoadBasedPicker, LoadView,
-    PickContext, PickOutcome, PickRequest, PickerState, SampleState,
+    BlockOverlaps, Candidate, CandidateRole, DenseRanks, DynamoWorkerPicker, KvAwarePicker,
+    KvPickInput, KvPickParams, LoadBasedPicker, LoadView, PickContext, PickOutcome, PickRequest,
+    PickerState, SampleState,
 };
 use continuum_protocol::time::Tick;
 use criterion::Criterion;
@@ -136,6 +140,8 @@ struct Driver<'a> {
     state: PickerState,
     now: Tick,
     unanswered: VecDeque<WorkerKey>,
+    /// Picks with the `KvAwarePicker` over these overlaps when set.
+    kv: Option<Vec<BlockOverlaps>>,
 }
 
 impl<'a> Driver<'a> {
@@ -148,6 +154,7 @@ impl<'a> Driver<'a> {
             state: PickerState::new(),
             now: Tick::ZERO,
             unanswered: VecDeque::new(),
+            kv: None,
         }
     }
 
@@ -158,16 +165,27 @@ impl<'a> Driver<'a> {
             estimated_prompt_tokens: 1500,
             load_signals: true,
         };
-        LoadBasedPicker.pick(
-            &mut PickContext::new(
-                &req,
-                &self.fleet.candidates,
-                self.load,
-                &mut self.state,
-                self.now,
-            )
-            .with_layout(&self.layout),
+        let mut ctx = PickContext::new(
+            &req,
+            &self.fleet.candidates,
+            self.load,
+            &mut self.state,
+            self.now,
         )
+        .with_layout(&self.layout);
+        match &self.kv {
+            None => LoadBasedPicker.pick(&mut ctx),
+            Some(overlaps) => {
+                let input = KvPickInput {
+                    isl: 1500,
+                    overlaps,
+                    unit: 0.0,
+                };
+                KvAwarePicker::new(KvPickParams::default())
+                    .pick_kv(&mut ctx, Ok(&input))
+                    .outcome
+            }
+        }
     }
 
     fn settle(&mut self, outcome: PickOutcome) {
@@ -246,10 +264,33 @@ fn view_floor(fleet: &Fleet, view: &str, load: &dyn LoadView, rounds: usize) {
     );
 }
 
+/// Overlaps at block size 16 for one rank in eight (1–40 blocks), sorted by (worker, rank) as
+/// `KvIndex::find_matches` lists them.
+fn overlaps_for(fleet: &Fleet) -> Vec<BlockOverlaps> {
+    let mut ranks: Vec<RankOverlap> = fleet
+        .candidates
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 8 == 0)
+        .map(|(i, c)| RankOverlap {
+            worker: c.worker.instance_id,
+            dp_rank: c.rank(),
+            blocks: (i % 40) as u32 + 1,
+        })
+        .collect();
+    ranks.sort();
+    vec![BlockOverlaps {
+        block_size: BlockSize::new(16).expect("valid"),
+        ranks,
+    }]
+}
+
 /// The production read path: a `LoadStore` holding a fresh sample per rank, read through
-/// `StoreView` (samples by slot) with the layout built once. Run at 10 / 100 / 1,000 / 10,000
-/// decode ranks for the scaling curve.
-fn store_percentiles(ranks: u64, picks: usize) {
+/// `StoreView` (samples mirrored per layout row) with the layout built once. Run at 10 / 100 /
+/// 1,000 / 10,000 decode ranks for the scaling curve, with the `LoadBasedPicker` (`kv` false)
+/// and the `KvAwarePicker` (an aggregated-style formula pass over every rank with one rank in
+/// eight holding part of the prompt).
+fn store_percentiles(ranks: u64, picks: usize, kv: bool) {
     use continuum_protocol::event_plane::ActiveLoad;
     use continuum_protocol::ids::PublisherId;
     use continuum_protocol::load_store::{LoadSample, LoadStore};
@@ -290,6 +331,9 @@ fn store_percentiles(ranks: u64, picks: usize) {
         max_age: Duration::from_secs(3),
     };
     let mut driver = Driver::new(&fleet, &view);
+    if kv {
+        driver.kv = Some(overlaps_for(&fleet));
+    }
     for _ in 0..1_000.min(picks) {
         driver.step();
     }
@@ -303,8 +347,9 @@ fn store_percentiles(ranks: u64, picks: usize) {
     }
     nanos.sort_unstable();
     let at = |q: f64| nanos[((nanos.len() - 1) as f64 * q) as usize];
+    let picker = if kv { "kv_aware" } else { "store_slots" };
     println!(
-        "scaling/decode_{ranks}_ranks/store_slots: n={} p50={:.2}µs p99={:.2}µs max={:.2}µs ns_per_rank_p50={:.2} (slot resolutions {})",
+        "scaling/decode_{ranks}_ranks/{picker}: n={} p50={:.2}µs p99={:.2}µs max={:.2}µs ns_per_rank_p50={:.2} (slot resolutions {})",
         nanos.len(),
         at(0.50) as f64 / 1e3,
         at(0.99) as f64 / 1e3,
@@ -343,11 +388,16 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(if measuring { 20_000 } else { 50 });
-    if let Some(ranks) = std::env::var("PICKER_ONLY")
-        .ok()
-        .and_then(|v| v.strip_prefix("scaling_")?.parse().ok())
+    let only = std::env::var("PICKER_ONLY").unwrap_or_default();
+    if let Some(ranks) = only.strip_prefix("scaling_").and_then(|v| v.parse().ok()) {
+        store_percentiles(ranks, picks, false);
+        return;
+    }
+    if let Some(ranks) = only
+        .strip_prefix("kv_scaling_")
+        .and_then(|v| v.parse().ok())
     {
-        store_percentiles(ranks, picks);
+        store_percentiles(ranks, picks, true);
         return;
     }
     // PICKER_VIEW=dense or =hashmap narrows the percentile pass to one view (for profiling).
@@ -360,8 +410,10 @@ fn main() {
             percentiles(fleet, "dense_view", &dense_load(fleet), picks);
         }
     }
-    for ranks in [10, 100, 1_000, 10_000] {
-        store_percentiles(ranks, picks);
+    for kv in [false, true] {
+        for ranks in [10, 100, 1_000, 10_000] {
+            store_percentiles(ranks, picks, kv);
+        }
     }
     let floor = &fleets[0];
     if view != "dense" {

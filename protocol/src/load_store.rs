@@ -137,6 +137,10 @@ pub struct Unreachable {
     pub since: Tick,
 }
 
+/// Slot writes [`LoadStore::changed_since`] remembers: a reader further behind re-reads every
+/// slot it needs.
+pub const CHANGE_LOG: usize = 1024;
+
 /// A fresh, process-unique [`LoadStore::slot_epoch`] value (a counter, not a clock).
 fn next_slot_epoch() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -157,6 +161,11 @@ pub struct LoadStore {
     free_slots: Vec<u32>,
     /// Changes whenever a key gains or loses its slot; unique across stores.
     slot_epoch: u64,
+    /// Slot writes (a sample stored, replaced or removed) so far.
+    changes: u64,
+    /// The slot of write `n` at `n % CHANGE_LOG`, for the last [`CHANGE_LOG`] writes: a picker's
+    /// per-row sample mirror catches up on these slots alone.
+    change_log: Vec<u32>,
     /// When each live worker's last applied sample (any rank) arrived, kept even after the
     /// sample itself is dropped: a sample answers the picker's earlier dispatches when it
     /// arrives ([`LoadStore::last_arrival`]).
@@ -190,6 +199,8 @@ impl LoadStore {
             slots: Vec::new(),
             free_slots: Vec::new(),
             slot_epoch: next_slot_epoch(),
+            changes: 0,
+            change_log: Vec::new(),
             arrivals: IdMap::default(),
             unreachable: HashMap::new(),
             by_publisher: HashMap::new(),
@@ -245,10 +256,9 @@ impl LoadStore {
             return LoadEventResult::IdentityMismatch;
         }
         let full = self.samples.len() >= self.capacity;
-        let held = self
-            .samples
-            .get(&key)
-            .and_then(|&slot| self.slots.get_mut(slot as usize))
+        let slot = self.samples.get(&key).copied();
+        let held = slot
+            .and_then(|slot| self.slots.get_mut(slot as usize))
             .and_then(Option::as_mut);
         match held {
             Some(held)
@@ -259,6 +269,9 @@ impl LoadStore {
             Some(held) => {
                 let previous = held.publisher_id;
                 *held = sample;
+                if let Some(slot) = slot {
+                    self.note_change(slot);
+                }
                 if previous != sample.publisher_id {
                     self.unindex(previous, key);
                     self.index(sample.publisher_id, key);
@@ -284,12 +297,49 @@ impl LoadStore {
             && let Some(entry) = self.slots.get_mut(slot as usize)
         {
             *entry = Some(sample);
+            self.note_change(slot);
             return slot;
         }
         // At most `capacity` (≤ 65,536) keys are held, so the slot count fits u32.
         let slot = self.slots.len() as u32;
         self.slots.push(Some(sample));
+        self.note_change(slot);
         slot
+    }
+
+    /// Logs a write to `slot` (bounded: the log keeps the last [`CHANGE_LOG`] writes).
+    fn note_change(&mut self, slot: u32) {
+        // The remainder is < CHANGE_LOG, so it fits usize.
+        let at = (self.changes % CHANGE_LOG as u64) as usize;
+        match self.change_log.get_mut(at) {
+            Some(entry) => *entry = slot,
+            None => self.change_log.push(slot),
+        }
+        self.changes += 1;
+    }
+
+    /// Slot writes so far (a sample stored, replaced or removed): a reader that saw this value
+    /// has seen every slot's current sample while it is unchanged.
+    #[inline]
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// The slots written since [`Self::changes`] read `seen` (in write order, a slot once per
+    /// write), or `None` when the log no longer reaches back that far (or `seen` is ahead):
+    /// the reader then re-reads every slot it needs.
+    pub fn changed_since(&self, seen: u64) -> Option<impl Iterator<Item = u32> + '_> {
+        let behind = self.changes.checked_sub(seen)?;
+        if behind > CHANGE_LOG as u64 {
+            return None;
+        }
+        Some((seen..self.changes).map(|n| {
+            // Every write in range is logged and not yet overwritten.
+            self.change_log
+                .get((n % CHANGE_LOG as u64) as usize)
+                .copied()
+                .unwrap_or(u32::MAX)
+        }))
     }
 
     /// Removes `key`'s sample and frees its slot.
@@ -298,6 +348,7 @@ impl LoadStore {
         self.slot_epoch = next_slot_epoch();
         let sample = self.slots.get_mut(slot as usize).and_then(Option::take);
         self.free_slots.push(slot);
+        self.note_change(slot);
         sample
     }
 

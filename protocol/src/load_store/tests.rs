@@ -739,3 +739,44 @@ fn slots_are_stable_while_held_reused_when_freed_and_the_epoch_says_when_they_mo
     // Two stores never share an epoch.
     assert_ne!(LoadStore::new().slot_epoch(), LoadStore::new().slot_epoch());
 }
+
+#[test]
+fn the_change_log_lists_written_slots_until_it_is_overrun() {
+    let mut store = store_with_live(&[W1, W2]);
+    let start = store.changes();
+    store.apply(sample(W1, R0, P1, 1, 0));
+    store.apply(sample(W2, R0, P2, 1, 0));
+    let (w1, w2) = (
+        store.slot(W1, R0).expect("held"),
+        store.slot(W2, R0).expect("held"),
+    );
+    // A duplicate writes nothing.
+    store.apply(sample(W1, R0, P1, 1, 0));
+    store.apply(sample(W1, R0, P1, 2, 5));
+    let written: Vec<u32> = store.changed_since(start).expect("logged").collect();
+    assert_eq!(written, vec![w1, w2, w1]);
+    let seen = store.changes();
+    assert_eq!(store.changed_since(seen).expect("logged").count(), 0);
+    assert!(
+        store.changed_since(seen + 1).is_none(),
+        "a reader ahead re-reads"
+    );
+    // A removal is a write too.
+    store.drop_publisher(P2);
+    let written: Vec<u32> = store.changed_since(seen).expect("logged").collect();
+    assert_eq!(written, vec![w2]);
+    // Past CHANGE_LOG writes the log no longer reaches back.
+    let seen = store.changes();
+    for sequence in 3..3 + CHANGE_LOG as u64 {
+        store.apply(sample(W1, R0, P1, sequence, 5));
+    }
+    assert_eq!(
+        store
+            .changed_since(seen)
+            .expect("exactly CHANGE_LOG behind")
+            .count(),
+        CHANGE_LOG
+    );
+    store.apply(sample(W1, R0, P1, 3 + CHANGE_LOG as u64, 5));
+    assert!(store.changed_since(seen).is_none());
+}

@@ -2,18 +2,21 @@
 //! (capacity, role, (model, namespace) group, instance and rank), built once per registry
 //! generation with the [`CandidateIndex`](super::candidates::CandidateIndex), never per request.
 //!
-//! A pick reads, per rank, a 4-byte group id, a 1-byte role, the capacity it needs and the rank's
-//! sample by its load-store slot ([`LoadSlots`]): no 112-byte [`Candidate`], no namespace or model
-//! string, no hash of a `WorkerKey`. The slots themselves are resolved once per
+//! A decode pass reads, per rank, one fused 16-byte [`Row`] (group and role, block size, KV
+//! capacity) and the rank's sample mirrored per row ([`RowSample`], 32 bytes): no 112-byte
+//! [`Candidate`], no ~104-byte `Option<LoadSample>`, no namespace or model string, no hash of a
+//! `WorkerKey`. The rows' load-store slots are resolved once per
 //! [`LoadStore::slot_epoch`](crate::load_store::LoadStore::slot_epoch) (a key gained or lost its
-//! sample) and kept in the [`PickerState`](super::PickerState)'s [`SlotCache`].
+//! sample), and the mirror is caught up from the store's change log
+//! ([`LoadStore::changed_since`](crate::load_store::LoadStore::changed_since)) when samples were
+//! written; both live in the [`PickerState`](super::PickerState)'s [`SlotCache`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Candidate, CandidateRole, SampleState};
 use crate::ids::{DpRank, InstanceId, Namespace};
-use crate::load_store::LoadStore;
+use crate::load_store::{LoadSample, LoadStore};
 use crate::time::Tick;
 
 /// A rank whose sample the load store does not hold.
@@ -45,6 +48,17 @@ pub struct DenseRanks {
     pub(super) block_size: Vec<u32>,
     pub(super) total_kv_blocks: Vec<u64>,
     pub(super) max_num_batched_tokens: Vec<u64>,
+    /// What a decode pass reads per rank, fused into one 16-byte row: the scan streams one
+    /// array.
+    pub(super) rows: Vec<Row>,
+    /// Per group, the roles its rows hold ([`role_bit`] of each role present).
+    pub(super) group_roles: Vec<u8>,
+    /// Rows per `(group, role)` ([`Row::table_index`]): a phase's candidates are counted per
+    /// pick from its table, not per rank.
+    pub(super) group_role_rows: Vec<u32>,
+    /// The block size every row declares (0 included), when they all declare the same one:
+    /// a decode pass then computes the request's blocks once.
+    pub(super) uniform_block_size: Option<u32>,
     /// Every row as `(instance, row)`, sorted: the rows of one instance, found by binary search
     /// when the ledger's few pending dispatches are laid onto rows.
     by_instance: Vec<(InstanceId, u32)>,
@@ -71,6 +85,10 @@ impl DenseRanks {
             block_size: Vec::with_capacity(candidates.len()),
             total_kv_blocks: Vec::with_capacity(candidates.len()),
             max_num_batched_tokens: Vec::with_capacity(candidates.len()),
+            rows: Vec::with_capacity(candidates.len()),
+            group_roles: Vec::new(),
+            group_role_rows: Vec::new(),
+            uniform_block_size: None,
             by_instance: Vec::with_capacity(candidates.len()),
         };
         dense.fill(candidates);
@@ -91,6 +109,9 @@ impl DenseRanks {
         self.block_size.clear();
         self.total_kv_blocks.clear();
         self.max_num_batched_tokens.clear();
+        self.rows.clear();
+        self.group_roles.clear();
+        self.group_role_rows.clear();
         self.by_instance.clear();
         self.fill(candidates);
     }
@@ -112,6 +133,26 @@ impl DenseRanks {
             self.total_kv_blocks.push(c.total_kv_blocks.unwrap_or(0));
             self.max_num_batched_tokens
                 .push(c.max_num_batched_tokens.unwrap_or(0));
+            self.rows.push(Row::new(
+                group,
+                c.role,
+                c.block_size.unwrap_or(0),
+                c.total_kv_blocks.unwrap_or(0),
+            ));
+        }
+        self.group_roles.resize(self.groups.len(), 0);
+        self.group_role_rows.resize(self.groups.len() * 4, 0);
+        self.uniform_block_size = match self.block_size.split_first() {
+            Some((&first, rest)) if rest.iter().all(|&b| b == first) => Some(first),
+            _ => None,
+        };
+        for ((&group, &role), row) in self.group.iter().zip(&self.role).zip(&self.rows) {
+            if let Some(roles) = self.group_roles.get_mut(group as usize) {
+                *roles |= role_bit(role);
+            }
+            if let Some(count) = self.group_role_rows.get_mut(row.group_role as usize) {
+                *count = count.saturating_add(1);
+            }
         }
         // Rows fit u32: a pick reads at most u32::MAX of them.
         self.by_instance.extend(
@@ -171,6 +212,11 @@ impl DenseRanks {
         self.group.len()
     }
 
+    /// Distinct (model, namespace) groups.
+    pub(super) fn groups(&self) -> usize {
+        self.groups.len()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.group.is_empty()
     }
@@ -192,8 +238,9 @@ impl DenseRanks {
                     .map_or(NOT_ELIGIBLE, |p| p as u16)
             })
             .collect();
-        out.extend(self.groups.iter().map(|&(m, n)| {
-            if model_ok[m as usize] {
+        out.extend(self.groups.iter().enumerate().map(|(g, &(m, n))| {
+            // A group id rows cannot name exactly is never eligible (see `MAX_ROW_GROUPS`).
+            if model_ok[m as usize] && g < MAX_ROW_GROUPS as usize {
                 ns_pos[n as usize]
             } else {
                 NOT_ELIGIBLE
@@ -202,13 +249,60 @@ impl DenseRanks {
     }
 }
 
+/// One bit per role, in [`DenseRanks::group_roles`].
+#[inline]
+pub(super) fn role_bit(role: CandidateRole) -> u8 {
+    1 << role_code(role)
+}
+
+#[inline]
+fn role_code(role: CandidateRole) -> u32 {
+    match role {
+        CandidateRole::Prefill => 0,
+        CandidateRole::Decode => 1,
+        CandidateRole::Aggregated => 2,
+    }
+}
+
+/// Groups a [`Row`] can name: the group index shares a `u32` with the role's two bits. A layout
+/// reaching it would hold 2^30 distinct (model, namespace) pairs, one candidate (112 bytes)
+/// each; rows past it share the last group id (never eligible: see [`DenseRanks::eligibility`]).
+pub(super) const MAX_ROW_GROUPS: u32 = (1 << 30) - 1;
+
+/// What a decode pass reads of one rank, in 16 bytes: its group and role (as one index into a
+/// per-pick table of `4 × groups` entries), its block size and its KV capacity (0: not
+/// declared).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Row {
+    /// `group << 2 | role code`.
+    pub(super) group_role: u32,
+    pub(super) block_size: u32,
+    pub(super) total_kv_blocks: u64,
+}
+
+impl Row {
+    fn new(group: u32, role: CandidateRole, block_size: u32, total_kv_blocks: u64) -> Self {
+        Self {
+            group_role: group.min(MAX_ROW_GROUPS) << 2 | role_code(role),
+            block_size,
+            total_kv_blocks,
+        }
+    }
+
+    /// The index of `(group, role)` in a table of `4 × groups` entries.
+    pub(super) fn table_index(group: usize, role: CandidateRole) -> usize {
+        group * 4 + role_code(role) as usize
+    }
+}
+
 fn same_group(a: &Candidate, b: &Candidate) -> bool {
     (Arc::ptr_eq(&a.model, &b.model) || a.model == b.model)
         && a.worker.namespace == b.worker.namespace
 }
 
-/// The load store read by slot: what [`LoadView::slots`](super::LoadView::slots) hands a picker
-/// so it reads each rank's sample by index, with no dynamic call or hash per rank.
+/// The load store as the pickers read it on the production path: what
+/// [`LoadView::slots`](super::LoadView::slots) hands a picker so it mirrors each row's sample by
+/// slot ([`SlotCache::samples`]), with no dynamic call or hash per rank.
 #[derive(Clone, Copy)]
 pub struct LoadSlots<'a> {
     pub store: &'a LoadStore,
@@ -224,38 +318,120 @@ impl std::fmt::Debug for LoadSlots<'_> {
     }
 }
 
-impl LoadSlots<'_> {
-    /// The sample state in `slot` ([`NO_SLOT`] or an emptied slot reads as never sampled): what
-    /// [`sample_state`](super::candidates::sample_state) says, with the age test written as a
-    /// comparison with `now - max_age` (loop-invariant in a scan) instead of a subtraction per
-    /// rank.
-    #[inline(always)]
-    pub fn state_at(&self, slot: u32) -> SampleState {
-        let Some(s) = self.store.at_slot(slot) else {
-            return SampleState::Never;
+/// One rank's last sample as a pick reads it, mirrored per layout row (32 bytes instead of a
+/// ~104-byte `Option<LoadSample>` behind a slot): when it arrived and the backlog fields, with
+/// the rules of [`SampleState::from_last`] folded in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowSample {
+    /// `received_at` in nanoseconds plus one; 0: no sample held. Fresh exactly when
+    /// `at > oldest` ([`LoadSlots::oldest`]).
+    pub(super) at: u64,
+    /// `active_decode_blocks`, else `kv_used_blocks` (valid with [`RowSample::HAS_DECODE`]).
+    pub(super) decode: u64,
+    /// `active_prefill_tokens` (valid with [`RowSample::HAS_PREFILL`]).
+    pub(super) prefill: u64,
+    pub(super) flags: u32,
+}
+
+impl RowSample {
+    pub(super) const HAS_DECODE: u32 = 1;
+    pub(super) const HAS_PREFILL: u32 = 2;
+    /// Some field reported a nonzero backlog (a stale sample then reads as silent under load).
+    pub(super) const BUSY: u32 = 4;
+
+    /// The mirror of `sample` (`None`: never sampled).
+    pub fn of(sample: Option<&LoadSample>) -> Self {
+        let Some(s) = sample else {
+            return Self::default();
         };
-        // `now.since(received) <= max_age`: always when `now < max_age` (the age is below
-        // `now`), else exactly when the sample was received at or after `now - max_age`.
-        let fresh = self
-            .now
-            .0
-            .checked_sub(self.max_age)
-            .is_none_or(|oldest| s.received_at.0 >= oldest);
-        SampleState::from_last(
-            fresh,
-            s.load.active_decode_blocks,
-            s.load.active_prefill_tokens,
-            s.load.kv_used_blocks,
-        )
+        let busy = |field: Option<u64>| field.is_some_and(|v| v > 0);
+        let decode = s.load.active_decode_blocks.or(s.load.kv_used_blocks);
+        let mut flags = 0;
+        if decode.is_some() {
+            flags |= Self::HAS_DECODE;
+        }
+        if s.load.active_prefill_tokens.is_some() {
+            flags |= Self::HAS_PREFILL;
+        }
+        if busy(s.load.active_decode_blocks)
+            || busy(s.load.active_prefill_tokens)
+            || busy(s.load.kv_used_blocks)
+        {
+            flags |= Self::BUSY;
+        }
+        Self {
+            at: nanos(s.received_at.0).saturating_add(1),
+            decode: decode.unwrap_or(0),
+            prefill: s.load.active_prefill_tokens.unwrap_or(0),
+            flags,
+        }
+    }
+
+    /// The state [`sample_state`](super::candidates::sample_state) gives the mirrored sample
+    /// for a pick whose freshness bound is `oldest` (the raw `active_decode_blocks` /
+    /// `kv_used_blocks` pair is read as its combination, the only way the pickers read it).
+    #[inline]
+    pub fn state(&self, oldest: u64) -> SampleState {
+        if self.at == 0 {
+            SampleState::Never
+        } else if self.at > oldest {
+            SampleState::Fresh {
+                active_decode_blocks: (self.flags & Self::HAS_DECODE != 0).then_some(self.decode),
+                active_prefill_tokens: (self.flags & Self::HAS_PREFILL != 0)
+                    .then_some(self.prefill),
+                kv_used_blocks: None,
+            }
+        } else {
+            SampleState::Stale {
+                last_had_backlog: self.flags & Self::BUSY != 0,
+            }
+        }
+    }
+
+    /// The decode backlog a pick scores from this sample: the fresh field (`Some`, and `true`:
+    /// a fresh sample carries it), 0 when quiet (never sampled, or stale without backlog), no
+    /// cost when silent under load or fresh without the field.
+    #[inline(always)]
+    pub(super) fn decode_base(&self, oldest: u64) -> (Option<u64>, bool) {
+        if self.at > oldest {
+            if self.flags & Self::HAS_DECODE != 0 {
+                (Some(self.decode), true)
+            } else {
+                (None, false)
+            }
+        } else if self.flags & Self::BUSY != 0 {
+            (None, false)
+        } else {
+            (Some(0), false)
+        }
+    }
+}
+
+/// A duration in nanoseconds, saturating (at 584 years).
+#[inline]
+fn nanos(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl LoadSlots<'_> {
+    /// The pick's freshness bound for [`RowSample::at`]: a sample is fresh when
+    /// `now.since(received) <= max_age`, i.e. always when `now < max_age`, else exactly when it
+    /// was received at or after `now - max_age` (`at = received + 1 > now - max_age`).
+    #[inline]
+    pub fn oldest(&self) -> u64 {
+        self.now.0.checked_sub(self.max_age).map_or(0, nanos)
     }
 }
 
 /// The slots of one layout's ranks in one load store, resolved when the layout or the store's
-/// slot epoch changes (a new generation, a rank's first sample, an eviction), not per pick.
+/// slot epoch changes (a new generation, a rank's first sample, an eviction), not per pick; and
+/// each row's sample mirrored ([`RowSample`]), caught up from the store's change log
+/// ([`LoadStore::changed_since`]) when samples were written since the last pick.
 #[derive(Debug, Default)]
 pub struct SlotCache {
     entries: Vec<SlotEntry>,
     resolutions: u64,
+    refills: u64,
 }
 
 #[derive(Debug)]
@@ -263,6 +439,11 @@ struct SlotEntry {
     layout: u64,
     epoch: u64,
     slots: Vec<u32>,
+    /// `(slot, row)` for every row holding a slot, sorted: the rows a logged write touches.
+    by_slot: Vec<(u32, u32)>,
+    samples: Vec<RowSample>,
+    /// The store's [`LoadStore::changes`] the mirror reflects.
+    seen: u64,
 }
 
 /// Layouts whose slots are kept at once (one per model picked recently).
@@ -271,6 +452,48 @@ pub const SLOT_CACHE_LAYOUTS: usize = 8;
 impl SlotCache {
     /// The slots of `dense`'s ranks in `store`, resolving them if the layout or epoch changed.
     pub fn slots(&mut self, dense: &DenseRanks, store: &LoadStore) -> &[u32] {
+        let pos = self.entry(dense, store);
+        &self.entries[pos].slots
+    }
+
+    /// Each of `dense`'s rows' sample in `store`, mirrored: slots resolved if the layout or
+    /// epoch changed, rows written since the last call re-read.
+    pub fn samples(&mut self, dense: &DenseRanks, store: &LoadStore) -> &[RowSample] {
+        let pos = self.entry(dense, store);
+        let entry = &mut self.entries[pos];
+        if entry.seen != store.changes() {
+            // Catching up costs a binary search per logged write; past an eighth of the rows
+            // re-reading them all is cheaper.
+            let behind = store.changes().wrapping_sub(entry.seen);
+            let caught_up = match store.changed_since(entry.seen) {
+                Some(changed) if behind <= (dense.len() / 8) as u64 => {
+                    for slot in changed {
+                        let first = entry.by_slot.partition_point(|&(s, _)| s < slot);
+                        for &(s, row) in &entry.by_slot[first..] {
+                            if s != slot {
+                                break;
+                            }
+                            if let Some(mirror) = entry.samples.get_mut(row as usize) {
+                                *mirror = RowSample::of(store.at_slot(slot));
+                            }
+                        }
+                    }
+                    true
+                }
+                _ => false,
+            };
+            if !caught_up {
+                entry.refill(store);
+                self.refills += 1;
+            }
+            entry.seen = store.changes();
+        }
+        &entry.samples
+    }
+
+    /// The entry of `dense` in `store` (slots resolved and samples mirrored afresh when the
+    /// layout or the epoch changed).
+    fn entry(&mut self, dense: &DenseRanks, store: &LoadStore) -> usize {
         let epoch = store.slot_epoch();
         let pos = match self.entries.iter().position(|e| e.layout == dense.id) {
             Some(pos) => pos,
@@ -282,6 +505,9 @@ impl SlotCache {
                     layout: dense.id,
                     epoch: epoch.wrapping_add(1),
                     slots: Vec::new(),
+                    by_slot: Vec::new(),
+                    samples: Vec::new(),
+                    seen: 0,
                 });
                 self.entries.len() - 1
             }
@@ -296,14 +522,46 @@ impl SlotCache {
                     .zip(&dense.rank)
                     .map(|(&i, &r)| store.slot(i, r).unwrap_or(NO_SLOT)),
             );
+            entry.by_slot.clear();
+            // Rows fit u32 (a pick reads at most u32::MAX of them).
+            entry.by_slot.extend(
+                entry
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &slot)| slot != NO_SLOT)
+                    .map(|(row, &slot)| (slot, row as u32)),
+            );
+            entry.by_slot.sort_unstable();
             entry.epoch = epoch;
+            entry.refill(store);
+            entry.seen = store.changes();
             self.resolutions += 1;
         }
-        &entry.slots
+        pos
     }
 
     /// How many times slots were resolved (a layout or epoch change each).
     pub fn resolutions(&self) -> u64 {
         self.resolutions
+    }
+
+    /// How many times a mirror was re-read whole because the store's change log no longer
+    /// reached back to it (or too many rows changed), beside the resolutions.
+    pub fn refills(&self) -> u64 {
+        self.refills
+    }
+}
+
+impl SlotEntry {
+    fn refill(&mut self, store: &LoadStore) {
+        self.samples.clear();
+        self.samples.extend(self.slots.iter().map(|&slot| {
+            if slot == NO_SLOT {
+                RowSample::default()
+            } else {
+                RowSample::of(store.at_slot(slot))
+            }
+        }));
     }
 }

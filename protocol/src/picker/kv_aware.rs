@@ -27,9 +27,11 @@
 //! Without a KV input (no tokenizer, prompt too large, render failed, artifact unpinned) the whole
 //! pick is the load-based one and the outcome reports why.
 
-use super::dense::NOT_ELIGIBLE;
-use super::ledger::NamespaceBacklog;
-use super::load_based::{self, LoadBasedPicker, RequestSize, Samples, Scored};
+use super::dense::{DenseRanks, NOT_ELIGIBLE, role_bit};
+use super::ledger::{NamespaceBacklog, RankBacklog};
+use super::load_based::{
+    self, Backlogs, INLINE_NAMESPACES, LoadBasedPicker, RequestSize, Samples, Scored, Scratch,
+};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
@@ -268,53 +270,150 @@ struct KvRank {
     stalled: bool,
 }
 
-/// A candidate serving the model in an eligible namespace.
+/// A layout row serving the model in an eligible namespace.
 #[derive(Clone, Copy, Debug)]
 struct Matched {
     index: usize,
     namespace: usize,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
-struct Roles {
-    prefill: bool,
-    decode: bool,
+/// The KV-aware picker's buffers, reused across picks (a pick allocates nothing per rank).
+#[derive(Debug, Default)]
+pub(super) struct KvScratch {
+    /// The rows of the phase being chosen.
+    members: Vec<Matched>,
+    ranks: Vec<KvRank>,
+    positions: Vec<usize>,
+    costs: Vec<f64>,
+    scored: Vec<Scored>,
+    /// Per overlap list, whether it is sorted.
+    sorted: Vec<bool>,
+    overlaps: OverlapRows,
+}
+
+/// The KV input's overlaps laid onto the layout's rows for one pick (stamped, like the
+/// ledger's [`RowBacklogs`](super::load_based::RowBacklogs)): a rank's overlap is then one read
+/// by row instead of a binary search per rank.
+#[derive(Debug, Default)]
+struct OverlapRows {
+    /// Per row: the stamp it was written in and its blocks then.
+    marks: Vec<(u32, u32)>,
+    stamp: u32,
+}
+
+impl OverlapRows {
+    /// Lays `overlaps` onto `dense`'s rows. Only lists sorted strictly by `(worker, dp_rank)`
+    /// (what `KvIndex::find_matches` returns) are laid: a rank is listed at most once, so the
+    /// row holds what a binary search finds. Returns false (the caller then looks overlaps up
+    /// per rank) when some list is not.
+    fn fill(&mut self, dense: &DenseRanks, overlaps: &[BlockOverlaps]) -> bool {
+        let strictly_sorted = overlaps.iter().all(|o| {
+            o.ranks
+                .is_sorted_by(|a, b| (a.worker, a.dp_rank) < (b.worker, b.dp_rank))
+        });
+        if !strictly_sorted {
+            return false;
+        }
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.marks.iter_mut().for_each(|m| *m = (0, 0));
+            self.stamp = 1;
+        }
+        if self.marks.len() < dense.len() {
+            self.marks.resize(dense.len(), (0, 0));
+        }
+        for (j, list) in overlaps.iter().enumerate() {
+            // The first list of a block size answers for it (`KvPickInput::overlap`).
+            if overlaps[..j]
+                .iter()
+                .any(|o| o.block_size == list.block_size)
+            {
+                continue;
+            }
+            for o in &list.ranks {
+                for row in dense.rows_of(o.worker) {
+                    if dense.rank[row] == o.dp_rank
+                        && dense.block_size[row] == list.block_size.get()
+                        && let Some(mark) = self.marks.get_mut(row)
+                    {
+                        *mark = (self.stamp, o.blocks);
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    #[inline]
+    fn get(&self, row: usize) -> u64 {
+        match self.marks.get(row) {
+            Some(&(stamp, blocks)) if stamp == self.stamp => u64::from(blocks),
+            _ => 0,
+        }
+    }
+}
+
+/// Where one pick reads each rank's overlap.
+#[derive(Clone, Copy)]
+enum Overlaps<'o> {
+    ByRow(&'o OverlapRows),
+    /// Per rank, in the input's lists (some list is not strictly sorted).
+    Lookup {
+        kv: &'o KvPickInput<'o>,
+        sorted: &'o [bool],
+    },
 }
 
 /// Read-only inputs shared by the phases of one pick.
 struct Ctx<'r, 'a> {
     req: &'r PickRequest<'a>,
     kv: &'r KvPickInput<'r>,
-    candidates: &'r [Candidate],
-    /// Each rank's sample by candidate index (by load-store slot on the production path).
+    dense: &'r DenseRanks,
+    /// Each rank's sample by row (mirrored from the load store on the production path).
     samples: Samples<'r>,
-    ledgers: Vec<Option<NamespaceBacklog<'r>>>,
-    /// Per overlap list of the KV input, whether it is sorted (a missing rank is then found
-    /// missing by binary search alone).
-    overlaps_sorted: Vec<bool>,
+    backlogs: Backlogs<'r>,
+    overlaps: Overlaps<'r>,
     now: Tick,
 }
 
 impl Ctx<'_, '_> {
-    /// The sample of candidate `index` (never sampled when load signals are off).
+    /// The sample of row `index` (never sampled when load signals are off).
     fn sample(&self, index: usize) -> SampleState {
         self.samples.get(index)
     }
 
-    fn ledger(&self, ns: usize) -> Option<NamespaceBacklog<'_>> {
-        self.ledgers.get(ns).copied().flatten()
+    fn backlog(&self, m: Matched) -> RankBacklog {
+        self.backlogs
+            .get(self.dense, m.index, m.namespace, self.now)
     }
 
-    fn overlap_of(&self, c: &Candidate) -> u64 {
-        block_size_of(c).map_or(0, |bs| {
-            self.kv
-                .overlap(&self.overlaps_sorted, bs, c.worker.instance_id, c.rank())
-        })
+    fn block_size_at(&self, row: usize) -> Option<BlockSize> {
+        self.dense
+            .block_size
+            .get(row)
+            .and_then(|&b| BlockSize::new(b).ok())
+    }
+
+    fn overlap_at(&self, row: usize) -> u64 {
+        match self.overlaps {
+            Overlaps::ByRow(rows) => rows.get(row),
+            Overlaps::Lookup { kv, sorted } => self.block_size_at(row).map_or(0, |bs| {
+                kv.overlap(sorted, bs, self.dense.instance[row], self.dense.rank[row])
+            }),
+        }
     }
 }
 
 fn block_size_of(c: &Candidate) -> Option<BlockSize> {
     c.block_size.and_then(|b| BlockSize::new(b).ok())
+}
+
+/// The buffers one phase's choice fills.
+struct Buffers<'s> {
+    ranks: &'s mut Vec<KvRank>,
+    positions: &'s mut Vec<usize>,
+    costs: &'s mut Vec<f64>,
+    scored: &'s mut Vec<Scored>,
 }
 
 impl KvAwarePicker {
@@ -329,12 +428,8 @@ impl KvAwarePicker {
     /// Reads one rank for a formula-scored phase: its overlap and, when it may compete on the
     /// full formula, its backlog (sample plus the ledger's unanswered dispatches).
     fn rank(&self, ctx: &Ctx<'_, '_>, m: Matched, scoring: Scoring) -> KvRank {
-        let c = &ctx.candidates[m.index];
         let sample = ctx.sample(m.index);
-        let backlog = ctx
-            .ledger(m.namespace)
-            .map(|l| l.backlog(c.worker.instance_id, c.rank(), ctx.now))
-            .unwrap_or_default();
+        let backlog = ctx.backlog(m);
         let fresh_field = sample.fresh_backlog(scoring.phase()).is_some();
         let base = match sample {
             SampleState::Fresh {
@@ -360,8 +455,8 @@ impl KvAwarePicker {
             } => None,
         };
         KvRank {
-            block_size: block_size_of(c),
-            overlap: ctx.overlap_of(c),
+            block_size: ctx.block_size_at(m.index),
+            overlap: ctx.overlap_at(m.index),
             load: base.map(|(p, d)| {
                 (
                     p.saturating_add(backlog.prefill_tokens),
@@ -372,20 +467,21 @@ impl KvAwarePicker {
             stalled: backlog.stalled,
         }
     }
-
     /// Chooses among `ranks` with the formula; `None` when no rank can be scored (no valid block
     /// size anywhere), and the caller falls back to the load-only rule.
     fn select_kv(
         &self,
         ctx: &Ctx<'_, '_>,
         ranks: &[KvRank],
+        positions: &mut Vec<usize>,
+        costs: &mut Vec<f64>,
         scoring: Scoring,
         cursor: u64,
     ) -> Option<(usize, SelectionReason)> {
         let isl = ctx.kv.isl;
         let any_fresh = ctx.req.load_signals && ranks.iter().any(|r| r.fresh_field);
-        let mut positions: Vec<usize> = Vec::with_capacity(ranks.len());
-        let mut costs: Vec<f64> = Vec::with_capacity(ranks.len());
+        positions.clear();
+        costs.clear();
         if any_fresh {
             let competes = |r: &KvRank| r.block_size.is_some() && r.load.is_some();
             let any_free = ranks.iter().any(|r| competes(r) && !r.stalled);
@@ -425,9 +521,9 @@ impl KvAwarePicker {
         }
         let temperature = self.params.router_temperature;
         let chosen = if temperature > 0.0 {
-            softmax_sample_index(&costs, temperature, ctx.kv.unit)?
+            softmax_sample_index(costs, temperature, ctx.kv.unit)?
         } else {
-            argmin_with_cursor(&costs, cursor)?
+            argmin_with_cursor(costs, cursor)?
         };
         let reason = if any_fresh || temperature > 0.0 {
             SelectionReason::KvAware
@@ -441,63 +537,57 @@ impl KvAwarePicker {
                 (true, false) => SelectionReason::RoundRobin,
             }
         };
-        Some((positions[chosen], reason))
+        positions.get(chosen).map(|&pos| (pos, reason))
     }
 
     /// The load-only rule for one phase over `members`.
     fn select_load(
         ctx: &Ctx<'_, '_>,
         members: &[Matched],
+        scored: &mut Vec<Scored>,
         phase: Phase,
         cursor: u64,
     ) -> Option<(usize, SelectionReason)> {
         let mut size = RequestSize::new(ctx.kv.isl);
-        let scored: Vec<Scored> = members
-            .iter()
-            .map(|m| {
-                let c = &ctx.candidates[m.index];
-                if !ctx.req.load_signals {
-                    return Scored {
-                        cost: None,
-                        fresh_field: false,
-                        stalled: false,
-                    };
-                }
-                load_based::score(
-                    phase,
-                    c,
-                    ctx.sample(m.index),
-                    ctx.ledger(m.namespace),
-                    &mut size,
-                    ctx.now,
-                )
-            })
-            .collect();
-        load_based::select(&scored, ctx.req.load_signals, cursor)
+        scored.clear();
+        scored.extend(members.iter().map(|m| {
+            load_based::score_at(
+                phase,
+                ctx.dense,
+                m.index,
+                ctx.samples,
+                ctx.backlogs,
+                m.namespace,
+                &mut size,
+                ctx.now,
+            )
+        }));
+        load_based::select(scored, ctx.req.load_signals, cursor)
     }
 
     /// One phase: the formula when it can score anyone, else the load-only rule.
     fn choose(
         &self,
         ctx: &Ctx<'_, '_>,
+        bufs: &mut Buffers<'_>,
         members: &[Matched],
         scoring: Option<Scoring>,
         phase: Phase,
         cursor: u64,
     ) -> Option<(Matched, SelectionReason)> {
         if let Some(scoring) = scoring {
-            let ranks: Vec<KvRank> = members
-                .iter()
-                .map(|m| self.rank(ctx, *m, scoring))
-                .collect();
-            if let Some((pos, reason)) = self.select_kv(ctx, &ranks, scoring, cursor) {
-                return Some((members[pos], reason));
+            bufs.ranks.clear();
+            bufs.ranks
+                .extend(members.iter().map(|m| self.rank(ctx, *m, scoring)));
+            if let Some((pos, reason)) =
+                self.select_kv(ctx, bufs.ranks, bufs.positions, bufs.costs, scoring, cursor)
+            {
+                return members.get(pos).map(|m| (*m, reason));
             }
         }
-        let (pos, reason) = Self::select_load(ctx, members, phase, cursor)?;
+        let (pos, reason) = Self::select_load(ctx, members, bufs.scored, phase, cursor)?;
         members.get(pos).map(|m| (*m, reason))
     }
-
     /// Conditional disaggregation's per-request decision for a decode winner `decode` whose
     /// namespace has a prefill pool, against the prefill rank the formula would otherwise pair it
     /// with. The decode worker prefills locally when it already holds some of the prompt and at
@@ -556,64 +646,112 @@ impl KvAwarePicker {
             slots,
         } = &mut *ctx.state;
         ledger.expire(now);
+        let Scratch {
+            roles,
+            table,
+            dense: own_dense,
+            eligible,
+            rows: row_backlogs,
+            kv: kv_scratch,
+        } = scratch;
+        let KvScratch {
+            members,
+            ranks,
+            positions,
+            costs,
+            scored,
+            sorted,
+            overlaps: overlap_rows,
+        } = kv_scratch;
+        let dense: &DenseRanks = match ctx.dense {
+            Some(dense) if dense.len() == candidates.len() => dense,
+            _ => {
+                own_dense.rebuild(candidates);
+                &*own_dense
+            }
+        };
         let namespaces = &req.eligible_namespaces
             [..req.eligible_namespaces.len().min(usize::from(NOT_ELIGIBLE))];
-        let (dense, eligible) = scratch.layout(ctx.dense, candidates);
         dense.eligibility(req.model, namespaces, eligible);
-
-        let mut matched: Vec<Matched> = Vec::new();
-        let mut roles = vec![Roles::default(); namespaces.len()];
-        for index in 0..dense.len() {
-            let namespace = eligible[dense.group[index] as usize];
-            if namespace == NOT_ELIGIBLE {
-                continue;
-            }
-            let namespace = usize::from(namespace);
-            match dense.role[index] {
-                CandidateRole::Prefill => roles[namespace].prefill = true,
-                CandidateRole::Decode => roles[namespace].decode = true,
-                CandidateRole::Aggregated => {}
-            }
-            matched.push(Matched { index, namespace });
-        }
-        if matched.is_empty() {
+        // Per namespace its roles; per (group, role) the decode candidates: decode workers, and
+        // aggregated workers outside prefill/decode pools.
+        if !load_based::plan_decode(dense, eligible, namespaces.len(), roles, table) {
             return KvPickOutcome {
                 outcome: PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel),
                 kv: None,
             };
         }
-        let paired = |ns: usize| roles[ns].prefill && roles[ns].decode;
-        // Decode candidates: decode workers, and aggregated workers outside prefill/decode pools.
-        let decode_pool: Vec<Matched> = matched
-            .iter()
-            .copied()
-            .filter(|m| match candidates[m.index].role {
-                CandidateRole::Prefill => false,
-                CandidateRole::Decode => true,
-                CandidateRole::Aggregated => !paired(m.namespace),
+        members.clear();
+        members.extend(dense.rows.iter().enumerate().filter_map(|(index, row)| {
+            let ns = table
+                .get(row.group_role as usize)
+                .copied()
+                .unwrap_or(NOT_ELIGIBLE);
+            (ns != NOT_ELIGIBLE).then_some(Matched {
+                index,
+                namespace: usize::from(ns),
             })
-            .collect();
-        if decode_pool.is_empty() {
+        }));
+        if members.is_empty() {
             return KvPickOutcome {
                 outcome: PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker),
                 kv: None,
             };
         }
-        let pair_fleet = decode_pool.iter().any(|m| paired(m.namespace));
+        let paired_bits = role_bit(CandidateRole::Prefill) | role_bit(CandidateRole::Decode);
+        let paired = |ns: usize| {
+            roles
+                .get(ns)
+                .is_some_and(|&r| r & paired_bits == paired_bits)
+        };
+        let pair_fleet = members.iter().any(|m| paired(m.namespace));
         let conditional = pair_fleet && self.params.conditional_disaggregation.enabled;
 
+        let mut inline: [Option<NamespaceBacklog<'_>>; INLINE_NAMESPACES] =
+            [None; INLINE_NAMESPACES];
+        let spilled: Vec<Option<NamespaceBacklog<'_>>>;
+        let ledgers: &[Option<NamespaceBacklog<'_>>] = if !req.load_signals || ledger.is_empty() {
+            &[]
+        } else if namespaces.len() <= INLINE_NAMESPACES {
+            for (slot, n) in inline.iter_mut().zip(namespaces) {
+                *slot = ledger.namespace(n);
+            }
+            &inline[..namespaces.len()]
+        } else {
+            spilled = namespaces.iter().map(|n| ledger.namespace(n)).collect();
+            &spilled
+        };
+        let samples = Samples::new(req.load_signals, load, candidates, dense, slots);
+        let backlogs = Backlogs::new(
+            ledger,
+            ledgers,
+            matches!(samples, Samples::Mirror { .. }),
+            dense,
+            eligible,
+            row_backlogs,
+            now,
+        );
+        let overlaps = if overlap_rows.fill(dense, kv.overlaps) {
+            Overlaps::ByRow(overlap_rows)
+        } else {
+            sorted.clear();
+            sorted.extend(kv.overlaps.iter().map(BlockOverlaps::is_sorted));
+            Overlaps::Lookup { kv, sorted }
+        };
         let ctx = Ctx {
             req,
             kv,
-            candidates,
-            samples: Samples::new(req.load_signals, load, candidates, dense, slots),
-            ledgers: if req.load_signals && !ledger.is_empty() {
-                namespaces.iter().map(|n| ledger.namespace(n)).collect()
-            } else {
-                Vec::new()
-            },
-            overlaps_sorted: kv.overlaps.iter().map(BlockOverlaps::is_sorted).collect(),
+            dense,
+            samples,
+            backlogs,
+            overlaps,
             now,
+        };
+        let mut bufs = Buffers {
+            ranks,
+            positions,
+            costs,
+            scored,
         };
         let decode_scoring = if !pair_fleet {
             Some(Scoring::Aggregated)
@@ -623,47 +761,69 @@ impl KvAwarePicker {
             None
         };
         let cursor = cursors.advance(req.model, Phase::Decode);
-        let Some((won, decode_reason)) =
-            self.choose(&ctx, &decode_pool, decode_scoring, Phase::Decode, cursor)
-        else {
+        let chosen = self.choose(
+            &ctx,
+            &mut bufs,
+            members,
+            decode_scoring,
+            Phase::Decode,
+            cursor,
+        );
+        let Some((won, decode_reason)) = chosen else {
             return KvPickOutcome {
                 outcome: PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker),
                 kv: None,
             };
         };
-        let decode = &candidates[won.index];
+        let Some(decode) = candidates.get(won.index) else {
+            return KvPickOutcome {
+                outcome: PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker),
+                kv: None,
+            };
+        };
 
-        let mut prefill: Option<&Candidate> = None;
+        let mut prefill: Option<(usize, &Candidate)> = None;
         let mut prefill_reason = SelectionReason::NoPrefillPool;
         let mut bypass = false;
-        if decode.role == CandidateRole::Decode && roles[won.namespace].prefill {
-            let members: Vec<Matched> = matched
-                .iter()
-                .copied()
-                .filter(|m| {
-                    m.namespace == won.namespace
-                        && candidates[m.index].role == CandidateRole::Prefill
-                })
-                .collect();
+        let has_prefill = roles
+            .get(won.namespace)
+            .is_some_and(|&r| r & role_bit(CandidateRole::Prefill) != 0);
+        if decode.role == CandidateRole::Decode && has_prefill {
+            members.clear();
+            members.extend(
+                dense
+                    .rows
+                    .iter()
+                    .zip(&dense.group)
+                    .zip(&dense.role)
+                    .enumerate()
+                    .filter(|&(_, ((_, &group), &role))| {
+                        role == CandidateRole::Prefill
+                            && eligible
+                                .get(group as usize)
+                                .is_some_and(|&ns| usize::from(ns) == won.namespace)
+                    })
+                    .map(|(index, _)| Matched {
+                        index,
+                        namespace: won.namespace,
+                    }),
+            );
             let cursor = cursors.advance(req.model, Phase::Prefill);
             if let Some((p, reason)) = self.choose(
                 &ctx,
-                &members,
+                &mut bufs,
+                members,
                 Some(Scoring::Prefill),
                 Phase::Prefill,
                 cursor,
-            ) {
-                let p = &candidates[p.index];
-                let ledger_decode = ctx
-                    .ledger(won.namespace)
-                    .map(|l| l.backlog(decode.worker.instance_id, decode.rank(), now))
-                    .unwrap_or_default()
-                    .decode_blocks;
+            ) && let Some(c) = candidates.get(p.index)
+            {
+                let ledger_decode = ctx.backlog(won).decode_blocks;
                 bypass = conditional
                     && self.bypasses(
                         decode,
-                        ctx.overlap_of(decode),
-                        ctx.overlap_of(p),
+                        ctx.overlap_at(won.index),
+                        ctx.overlap_at(p.index),
                         ctx.sample(won.index),
                         ledger_decode,
                         kv.isl,
@@ -671,7 +831,7 @@ impl KvAwarePicker {
                 if bypass {
                     prefill_reason = SelectionReason::ConditionalBypass;
                 } else {
-                    prefill = Some(p);
+                    prefill = Some((p.index, c));
                     prefill_reason = reason;
                 }
             }
@@ -679,12 +839,12 @@ impl KvAwarePicker {
         // The rank that prefills decides the result: the prefill rank, else the decode winner.
         let result = if bypass {
             KvSelectionResult::Bypass
-        } else if ctx.overlap_of(prefill.unwrap_or(decode)) > 0 {
+        } else if ctx.overlap_at(prefill.map_or(won.index, |(row, _)| row)) > 0 {
             KvSelectionResult::Overlap
         } else {
             KvSelectionResult::NoOverlap
         };
-        drop(ctx);
+        let prefill = prefill.map(|(_, c)| c);
 
         let tokens = kv.isl;
         let dispatch = req
@@ -705,7 +865,6 @@ impl KvAwarePicker {
         }
     }
 }
-
 impl DynamoWorkerPicker for KvAwarePicker {
     fn name(&self) -> &'static str {
         "kv_aware"

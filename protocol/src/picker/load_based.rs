@@ -25,8 +25,8 @@
 
 use std::cmp::Ordering;
 
-use super::dense::{DenseRanks, LoadSlots, NO_SLOT, NOT_ELIGIBLE};
-use super::ledger::{DispatchLeg, NamespaceBacklog, RankBacklog};
+use super::dense::{DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
+use super::ledger::{DispatchLedger, DispatchLeg, NamespaceBacklog, RankBacklog};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickerState, Pinned, SampleState, SelectionReason,
@@ -344,39 +344,27 @@ fn nth(len: usize, cursor: u64) -> usize {
 }
 
 /// Eligible namespaces whose ledgers a pick resolves without allocating.
-const INLINE_NAMESPACES: usize = 16;
-
-/// A candidate that serves the model in an eligible namespace.
-#[derive(Clone, Copy, Debug)]
-struct Matched {
-    index: u32,
-    namespace: u16,
-}
-
-#[derive(Clone, Copy, Debug, Default)]
-struct Roles {
-    prefill: bool,
-    decode: bool,
-    aggregated: bool,
-}
+pub(super) const INLINE_NAMESPACES: usize = 16;
 
 /// Buffers reused across picks.
 #[derive(Debug, Default)]
 pub(super) struct Scratch {
-    /// Prefill ranks serving the model in an eligible namespace.
-    matched: Vec<Matched>,
-    roles: Vec<Roles>,
-    positions: Vec<Matched>,
-    scored: Vec<Scored>,
+    /// Per eligible namespace, the roles its groups hold ([`role_bit`]s).
+    pub(super) roles: Vec<u8>,
+    /// Per `(group, role)` ([`Row::group_role`]): the eligible-namespace position when ranks
+    /// of that group and role are candidates of the phase being picked, else [`NOT_ELIGIBLE`].
+    /// Eligibility, role and the aggregated-sits-out rule in one lookup per rank.
+    pub(super) table: Vec<u16>,
     /// The layout of a caller's candidates when it passes none.
-    dense: DenseRanks,
+    pub(super) dense: DenseRanks,
     /// Per layout group, its eligible-namespace position ([`NOT_ELIGIBLE`] when it does not
     /// serve the request).
-    eligible: Vec<u16>,
+    pub(super) eligible: Vec<u16>,
     /// The ledger's pending dispatches laid onto the layout's rows for one pick.
-    rows: RowBacklogs,
+    pub(super) rows: RowBacklogs,
+    /// The KV-aware picker's per-pick buffers.
+    pub(super) kv: super::kv_aware::KvScratch,
 }
-
 /// The ledger's backlog per layout row for one pick: the (few) legs pending are laid onto their
 /// rows once, so the scan reads a row's backlog from a dense array indexed by row instead of a
 /// lookup per rank.
@@ -393,7 +381,7 @@ impl RowBacklogs {
     /// Lays every leg of `ledgers` (per eligible-namespace position) still counting at `now`
     /// onto the rows of `dense` with that instance, rank and namespace position; a row's
     /// backlog is then the sum of its legs, as [`NamespaceBacklog::backlog`] reads it.
-    fn fill(
+    pub(super) fn fill(
         &mut self,
         dense: &DenseRanks,
         eligible: &[u16],
@@ -473,9 +461,31 @@ pub(super) enum Backlogs<'b> {
 /// every leg onto rows.
 const LEGS_PER_ROW_LAID: usize = 4;
 
-impl Backlogs<'_> {
+impl<'b> Backlogs<'b> {
+    /// Where a pick over `dense` reads backlogs: nothing without ledgers, laid onto rows when
+    /// samples are mirrored and few legs are pending, else looked up per rank.
+    pub(super) fn new(
+        ledger: &DispatchLedger,
+        ledgers: &'b [Option<NamespaceBacklog<'b>>],
+        mirrored: bool,
+        dense: &DenseRanks,
+        eligible: &[u16],
+        rows: &'b mut RowBacklogs,
+        now: Tick,
+    ) -> Self {
+        if ledgers.is_empty() {
+            Backlogs::Empty
+        } else if mirrored && ledger.pending_legs() <= dense.len().saturating_mul(LEGS_PER_ROW_LAID)
+        {
+            rows.fill(dense, eligible, ledgers, now);
+            Backlogs::ByRow(rows)
+        } else {
+            Backlogs::Lookup(ledgers)
+        }
+    }
+
     #[inline(always)]
-    fn get(&self, dense: &DenseRanks, row: usize, ns: usize, now: Tick) -> RankBacklog {
+    pub(super) fn get(&self, dense: &DenseRanks, row: usize, ns: usize, now: Tick) -> RankBacklog {
         match *self {
             Backlogs::Empty => RankBacklog::default(),
             Backlogs::ByRow(rows) => rows.get(row),
@@ -489,34 +499,16 @@ impl Backlogs<'_> {
     }
 }
 
-impl Scratch {
-    /// `given` when it lays out `candidates`, else `candidates` laid out into the scratch
-    /// layout; with the per-group eligibility buffer.
-    pub(super) fn layout<'s>(
-        &'s mut self,
-        given: Option<&'s DenseRanks>,
-        candidates: &[Candidate],
-    ) -> (&'s DenseRanks, &'s mut Vec<u16>) {
-        let dense = match given {
-            Some(dense) if dense.len() == candidates.len() => dense,
-            _ => {
-                self.dense.rebuild(candidates);
-                &self.dense
-            }
-        };
-        (dense, &mut self.eligible)
-    }
-}
-
 /// Where one pick reads its ranks' samples.
 #[derive(Clone, Copy)]
 pub(super) enum Samples<'v> {
     /// Load signals are off: nothing is read.
     Off,
-    /// By load-store slot (the production path).
-    Slots {
-        load: LoadSlots<'v>,
-        slots: &'v [u32],
+    /// The load store's samples mirrored per layout row (the production path).
+    Mirror {
+        rows: &'v [RowSample],
+        /// The pick's freshness bound ([`LoadSlots::oldest`](super::dense::LoadSlots::oldest)).
+        oldest: u64,
     },
     /// Through the view, one call per rank (views that are not a load store).
     View {
@@ -526,8 +518,9 @@ pub(super) enum Samples<'v> {
 }
 
 impl<'v> Samples<'v> {
-    /// By load-store slot when the view is the store (slots resolved once per layout and slot
-    /// epoch), else through the view; nothing when load signals are off.
+    /// The store's samples mirrored per row when the view is the store (slots resolved once per
+    /// layout and slot epoch, rows re-read when written), else through the view; nothing when
+    /// load signals are off.
     pub(super) fn new(
         load_signals: bool,
         load: &'v dyn LoadView,
@@ -538,9 +531,9 @@ impl<'v> Samples<'v> {
         if !load_signals {
             Samples::Off
         } else if let Some(load) = load.slots() {
-            Samples::Slots {
-                load,
-                slots: cache.slots(dense, load.store),
+            Samples::Mirror {
+                rows: cache.samples(dense, load.store),
+                oldest: load.oldest(),
             }
         } else {
             Samples::View { load, candidates }
@@ -551,9 +544,9 @@ impl<'v> Samples<'v> {
     pub(super) fn get(&self, i: usize) -> SampleState {
         match *self {
             Samples::Off => SampleState::Never,
-            Samples::Slots { load, slots } => match slots.get(i) {
-                Some(&slot) if slot != NO_SLOT => load.state_at(slot),
-                _ => SampleState::Never,
+            Samples::Mirror { rows, oldest } => match rows.get(i) {
+                Some(s) => s.state(oldest),
+                None => SampleState::Never,
             },
             Samples::View { load, candidates } => match candidates.get(i) {
                 Some(c) => load.sample(&c.worker, c.rank()),
@@ -570,6 +563,358 @@ pub struct LoadBasedPicker;
 impl LoadBasedPicker {
     pub fn new() -> Self {
         Self
+    }
+}
+
+/// Fills `roles` (per eligible namespace, the roles its groups hold) and `table` (per
+/// `(group, role)`, the namespace position of decode candidates: decode ranks, and aggregated
+/// ranks outside a namespace with both prefill and decode ranks). Returns whether any group
+/// serves the request. O(groups), not O(ranks).
+pub(super) fn plan_decode(
+    dense: &DenseRanks,
+    eligible: &[u16],
+    namespaces: usize,
+    roles: &mut Vec<u8>,
+    table: &mut Vec<u16>,
+) -> bool {
+    roles.clear();
+    roles.resize(namespaces, 0);
+    let mut any_served = false;
+    for (&ns, &bits) in eligible.iter().zip(&dense.group_roles) {
+        if let Some(r) = roles.get_mut(usize::from(ns)) {
+            *r |= bits;
+            any_served = true;
+        }
+    }
+    let paired = role_bit(CandidateRole::Prefill) | role_bit(CandidateRole::Decode);
+    table.clear();
+    table.resize(dense.groups() * 4, NOT_ELIGIBLE);
+    for (g, &ns) in eligible.iter().enumerate() {
+        let Some(&r) = roles.get(usize::from(ns)) else {
+            continue;
+        };
+        table[Row::table_index(g, CandidateRole::Decode)] = ns;
+        // Dynamo serves no prefill+aggregated pair: beside a prefill/decode pool, aggregated
+        // workers sit out.
+        if r & paired != paired {
+            table[Row::table_index(g, CandidateRole::Aggregated)] = ns;
+        }
+    }
+    any_served
+}
+
+/// A `RowBacklogs` holding nothing (for a pick without ledgers).
+fn row_backlogs_empty() -> &'static RowBacklogs {
+    static EMPTY: RowBacklogs = RowBacklogs {
+        marks: Vec::new(),
+        entries: Vec::new(),
+        stamp: 0,
+    };
+    &EMPTY
+}
+
+/// Fills `table` with the prefill ranks of namespace position `ns`.
+fn plan_prefill(dense: &DenseRanks, eligible: &[u16], ns: u16, table: &mut Vec<u16>) {
+    table.clear();
+    table.resize(dense.groups() * 4, NOT_ELIGIBLE);
+    for (g, &p) in eligible.iter().enumerate() {
+        if p == ns {
+            table[Row::table_index(g, CandidateRole::Prefill)] = ns;
+        }
+    }
+}
+
+/// What one pass over the rows gathered for one phase: the candidates counted and their scores
+/// tallied.
+#[derive(Clone, Copy, Debug, Default)]
+struct Gathered {
+    tally: Tally,
+    candidates: usize,
+}
+
+/// One phase over the dense layout: the ranks whose `(group, role)` entry in `table` is an
+/// eligible-namespace position are the candidates, each scored with `score(row, namespace
+/// position, fused row)` into a [`Tally`] (no per-rank writes). The pass is instantiated once
+/// per way of reading samples and backlogs, so the loop holds no dispatch.
+struct RowPass<'p, F> {
+    rows: &'p [Row],
+    table: &'p [u16],
+    score: F,
+}
+
+impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
+    /// The candidates in row order with their namespace positions.
+    #[inline(always)]
+    fn candidates(&self) -> impl Iterator<Item = (usize, usize, Row)> + '_ {
+        let table = self.table;
+        self.rows.iter().enumerate().filter_map(move |(i, &row)| {
+            let ns = table
+                .get(row.group_role as usize)
+                .copied()
+                .unwrap_or(NOT_ELIGIBLE);
+            (ns != NOT_ELIGIBLE).then_some((i, usize::from(ns), row))
+        })
+    }
+
+    #[inline(always)]
+    fn gather(&mut self) -> Gathered {
+        let mut gathered = Gathered::default();
+        let table = self.table;
+        for (i, &row) in self.rows.iter().enumerate() {
+            let ns = table
+                .get(row.group_role as usize)
+                .copied()
+                .unwrap_or(NOT_ELIGIBLE);
+            if ns == NOT_ELIGIBLE {
+                continue;
+            }
+            gathered.candidates += 1;
+            let s = (self.score)(i, usize::from(ns), row);
+            gathered.tally.add(i, &s);
+        }
+        gathered
+    }
+
+    /// The choice among the gathered candidates (`None` when there are none), as [`select`]
+    /// makes it over the candidates in row order; returns the chosen row. Rotations and
+    /// ties past the first re-walk the rows (ties by re-scoring the ranks after the first).
+    #[inline(always)]
+    fn choose(
+        &mut self,
+        gathered: &Gathered,
+        load_signals: bool,
+        cursor: u64,
+    ) -> Option<(usize, SelectionReason)> {
+        if gathered.candidates == 0 {
+            return None;
+        }
+        let tally = &gathered.tally;
+        let rotated = |pass: &Self, reason| {
+            pass.candidates()
+                .nth(nth(gathered.candidates, cursor))
+                .map(|(i, _, _)| (i, reason))
+        };
+        if !load_signals {
+            return rotated(self, SelectionReason::RoundRobin);
+        }
+        if !tally.any_fresh {
+            return rotated(self, SelectionReason::RoundRobinStale);
+        }
+        // Ranks that are not stalled win over stalled ones.
+        let (tier_stalled, best) = match (tally.free, tally.stalled) {
+            (Some(best), _) => (false, best),
+            (None, Some(best)) => (true, best),
+            (None, None) => return rotated(self, SelectionReason::RoundRobin),
+        };
+        let wanted = nth(best.ties, cursor);
+        if wanted == 0 {
+            return Some((best.first, SelectionReason::Load));
+        }
+        let table = self.table;
+        let score = &mut self.score;
+        self.rows
+            .iter()
+            .enumerate()
+            .skip(best.first + 1)
+            .filter_map(|(i, &row)| {
+                let ns = table
+                    .get(row.group_role as usize)
+                    .copied()
+                    .unwrap_or(NOT_ELIGIBLE);
+                if ns == NOT_ELIGIBLE {
+                    return None;
+                }
+                let s = score(i, usize::from(ns), row);
+                (s.stalled == tier_stalled && s.cost.is_some_and(|c| c == best.cost)).then_some(i)
+            })
+            .nth(wanted - 1)
+            .map(|i| (i, SelectionReason::Load))
+    }
+}
+
+/// The lowest cost of one tier while gathering, kept in registers (`ties == 0`: none yet).
+#[derive(Clone, Copy, Debug, Default)]
+struct Lowest {
+    num: u64,
+    den: u64,
+    ties: usize,
+    first: usize,
+}
+
+impl Lowest {
+    #[inline(always)]
+    fn add(&mut self, row: usize, cost: Cost) {
+        if self.ties == 0 {
+            *self = Lowest {
+                num: cost.num,
+                den: cost.den,
+                ties: 1,
+                first: row,
+            };
+            return;
+        }
+        match cost.cmp(&Cost {
+            num: self.num,
+            den: self.den,
+        }) {
+            Ordering::Less => {
+                *self = Lowest {
+                    num: cost.num,
+                    den: cost.den,
+                    ties: 1,
+                    first: row,
+                }
+            }
+            Ordering::Equal => self.ties += 1,
+            Ordering::Greater => {}
+        }
+    }
+
+    fn best(self) -> Option<Best> {
+        (self.ties > 0).then_some(Best {
+            cost: Cost {
+                num: self.num,
+                den: self.den,
+            },
+            ties: self.ties,
+            first: self.first,
+        })
+    }
+}
+
+/// The decode gather of the production path (samples mirrored per row, the ledger's backlogs
+/// laid onto rows or none): what [`RowPass::gather`] over [`mirrored_decode`] gathers, written
+/// as one loop over the fused rows and the mirror. A rank's cost without its ledger backlog is
+/// a lower bound of its cost, so a rank that already loses to the lowest free cost on that
+/// bound loses: only a rank that may win or tie reads its row's backlog and is tallied
+/// ([`Tallies::offer`], out of line). The stalled tier, which only counts when no free rank
+/// has a cost, is then complete whenever it is read: while no free cost exists every costed
+/// rank is offered. The candidates are counted per `(group, role)`, not per rank. Not
+/// inlined: its own function keeps its few live values in registers.
+/// Every row declares `block_size` ([`DenseRanks::uniform_block_size`]): the request's
+/// blocks are computed once.
+#[inline(never)]
+fn gather_mirrored(
+    dense: &DenseRanks,
+    block_size: u32,
+    mirror: &[RowSample],
+    table: &[u16],
+    backlogs: &RowBacklogs,
+    oldest: u64,
+    tokens: u64,
+) -> Gathered {
+    let rows = &dense.rows[..];
+    let n = rows.len().min(mirror.len());
+    let (rows, mirror) = (&rows[..n], &mirror[..n]);
+    let mut tallies = Tallies {
+        free: Lowest::default(),
+        stalled: Lowest::default(),
+        backlogs,
+    };
+    let mut any_fresh = false;
+    let request_blocks = RequestSize::new(tokens).blocks(block_size);
+    for (i, (row, sample)) in rows.iter().zip(mirror).enumerate() {
+        if table
+            .get(row.group_role as usize)
+            .is_none_or(|&ns| ns == NOT_ELIGIBLE)
+        {
+            continue;
+        }
+        let base = if sample.at > oldest {
+            if sample.flags & RowSample::HAS_DECODE == 0 {
+                continue;
+            }
+            any_fresh = true;
+            sample.decode
+        } else if sample.flags & RowSample::BUSY != 0 {
+            continue;
+        } else {
+            0
+        };
+        let den = row.total_kv_blocks;
+        if row.block_size == 0 || den == 0 {
+            continue;
+        }
+        let num = base.saturating_add(request_blocks);
+        let free = &tallies.free;
+        if free.ties != 0 {
+            let loses = if den == free.den {
+                num > free.num
+            } else {
+                u128::from(num) * u128::from(free.den) > u128::from(free.num) * u128::from(den)
+            };
+            if loses {
+                continue;
+            }
+        }
+        tallies.offer(i, num, den);
+    }
+    let candidates = dense
+        .group_role_rows
+        .iter()
+        .zip(table)
+        .filter(|&(_, &ns)| ns != NOT_ELIGIBLE)
+        .map(|(&rows, _)| rows as usize)
+        .sum();
+    Gathered {
+        tally: Tally {
+            any_fresh,
+            free: tallies.free.best(),
+            stalled: tallies.stalled.best(),
+        },
+        candidates,
+    }
+}
+
+/// The two tiers [`gather_mirrored`] tallies, and where it reads a row's ledger backlog.
+struct Tallies<'b> {
+    free: Lowest,
+    stalled: Lowest,
+    backlogs: &'b RowBacklogs,
+}
+
+impl Tallies<'_> {
+    /// Tallies row `row`, whose cost without its ledger backlog is `num / den`, with its
+    /// backlog (if its row holds one this pick).
+    #[inline(never)]
+    fn offer(&mut self, row: usize, num: u64, den: u64) {
+        let backlog = self.backlogs.get(row);
+        let cost = Cost {
+            num: num.saturating_add(backlog.decode_blocks),
+            den,
+        };
+        if backlog.stalled {
+            self.stalled.add(row, cost);
+        } else {
+            self.free.add(row, cost);
+        }
+    }
+}
+
+/// The decode score of a rank from its mirrored sample (the production path): what
+/// [`score_backlog`] gives for [`Phase::Decode`], read from 16 + 32 bytes.
+#[inline(always)]
+fn mirrored_decode(
+    row: Row,
+    sample: &RowSample,
+    oldest: u64,
+    backlog: RankBacklog,
+    size: &mut RequestSize,
+) -> Scored {
+    let (base, fresh_field) = sample.decode_base(oldest);
+    let cost = match base {
+        Some(base) if row.block_size > 0 && row.total_kv_blocks > 0 => Some(Cost {
+            num: base
+                .saturating_add(backlog.decode_blocks)
+                .saturating_add(size.blocks(row.block_size)),
+            den: row.total_kv_blocks,
+        }),
+        _ => None,
+    };
+    Scored {
+        cost,
+        fresh_field,
+        stalled: backlog.stalled,
     }
 }
 
@@ -590,13 +935,12 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         } = &mut *ctx.state;
         ledger.expire(now);
         let Scratch {
-            matched,
             roles,
-            positions,
-            scored,
+            table,
             dense: own_dense,
             eligible,
             rows: row_backlogs,
+            kv: _,
         } = scratch;
         let dense: &DenseRanks = match ctx.dense {
             Some(dense) if dense.len() == candidates.len() => dense,
@@ -605,13 +949,13 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 &*own_dense
             }
         };
-        matched.clear();
-        roles.clear();
         // At most 16 namespaces can be configured; positions past u16 range are ignored.
         let namespaces = &req.eligible_namespaces
             [..req.eligible_namespaces.len().min(usize::from(NOT_ELIGIBLE))];
-        roles.resize(namespaces.len(), Roles::default());
         dense.eligibility(req.model, namespaces, eligible);
+        if !plan_decode(dense, eligible, namespaces.len(), roles, table) {
+            return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
+        }
 
         // The ledger per eligible namespace, resolved once so each rank hashes only its id. At
         // most 16 namespaces can be configured: those fit on the stack.
@@ -629,147 +973,152 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             spilled = namespaces.iter().map(|n| ledger.namespace(n)).collect();
             &spilled
         };
-        // Samples by load-store slot when the view is the store (slots resolved once per layout
-        // and slot epoch), else through the view.
+        // Samples mirrored per row when the view is the store (slots resolved once per layout
+        // and slot epoch, rows re-read when written), else through the view.
         let samples = Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
         // On the store's path, the ledger's few pending legs are laid onto rows first.
-        let backlogs = if ledgers.is_empty() {
-            Backlogs::Empty
-        } else if matches!(samples, Samples::Slots { .. })
-            && ledger.pending_legs() <= dense.len().saturating_mul(LEGS_PER_ROW_LAID)
-        {
-            row_backlogs.fill(dense, eligible, ledgers, now);
-            Backlogs::ByRow(row_backlogs)
-        } else {
-            Backlogs::Lookup(ledgers)
-        };
+        let backlogs = Backlogs::new(
+            ledger,
+            ledgers,
+            matches!(samples, Samples::Mirror { .. }),
+            dense,
+            eligible,
+            row_backlogs,
+            now,
+        );
         let tokens = req.estimated_prompt_tokens;
         let mut size = RequestSize::new(tokens);
 
-        // One pass over the dense layout: the ranks serving the model in an eligible namespace,
-        // each namespace's roles, and a decode score for every decode and aggregated rank.
-        // Prefill ranks are only remembered; they are scored in the winner's namespace alone.
-        // The pass is instantiated once per way of reading samples, so the per-rank loop holds
-        // no dispatch on it.
-        positions.clear();
-        scored.clear();
-        let mut decode_tally = Tally::default();
-        let mut pass = DecodePass {
-            dense,
-            eligible,
-            roles,
-            matched,
-            positions,
-            scored,
-            tally: &mut decode_tally,
-        };
-        let any_served = match samples {
-            Samples::Off => pass.run(|_, _| Scored::UNSCORED),
-            Samples::Slots { load, slots } => pass.run(|i, ns| {
-                let sample = match slots.get(i) {
-                    Some(&slot) if slot != NO_SLOT => load.state_at(slot),
-                    _ => SampleState::Never,
-                };
-                let backlog = backlogs.get(dense, i, ns, now);
-                score_backlog(
-                    Phase::Decode,
-                    Capacity::at(dense, i),
-                    sample,
-                    backlog,
-                    &mut size,
-                )
-            }),
-            Samples::View { .. } => pass.run(|i, ns| {
-                score_at(
-                    Phase::Decode,
-                    dense,
-                    i,
-                    samples,
-                    backlogs,
-                    ns,
-                    &mut size,
-                    now,
-                )
-            }),
-        };
-        if !any_served {
-            return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
-        }
-        // Dynamo serves no prefill+aggregated pair: beside a prefill/decode pool, aggregated
-        // workers sit out.
-        if roles.iter().any(|r| r.prefill && r.decode && r.aggregated) {
-            let mut kept = 0;
-            for i in 0..positions.len() {
-                let m = positions[i];
-                let r = roles[usize::from(m.namespace)];
-                let sits_out = r.prefill
-                    && r.decode
-                    && dense.role[m.index as usize] == CandidateRole::Aggregated;
-                if !sits_out {
-                    positions[kept] = m;
-                    scored[kept] = scored[i];
-                    kept += 1;
-                }
+        // Decode: one pass scoring every decode candidate into a tally; a rotation or a tie past
+        // the first re-walks the rows. The pass is instantiated per way of reading samples and
+        // backlogs.
+        let decode = {
+            let mut advance = || cursors.advance(req.model, Phase::Decode);
+            let rows = &dense.rows[..];
+            let table = &table[..];
+            match (samples, backlogs) {
+                (Samples::Off, _) => decide(
+                    RowPass {
+                        rows,
+                        table,
+                        score: |_, _, _| Scored::UNSCORED,
+                    },
+                    None,
+                    false,
+                    &mut advance,
+                ),
+                (
+                    Samples::Mirror {
+                        rows: mirror,
+                        oldest,
+                    },
+                    Backlogs::Empty,
+                ) if let Some(block_size) = dense.uniform_block_size => decide(
+                    RowPass {
+                        rows,
+                        table,
+                        score: |i, _, row| match mirror.get(i) {
+                            Some(s) => {
+                                mirrored_decode(row, s, oldest, RankBacklog::default(), &mut size)
+                            }
+                            None => Scored::UNSCORED,
+                        },
+                    },
+                    Some(gather_mirrored(
+                        dense,
+                        block_size,
+                        mirror,
+                        table,
+                        row_backlogs_empty(),
+                        oldest,
+                        tokens,
+                    )),
+                    true,
+                    &mut advance,
+                ),
+                (
+                    Samples::Mirror {
+                        rows: mirror,
+                        oldest,
+                    },
+                    Backlogs::ByRow(by_row),
+                ) if let Some(block_size) = dense.uniform_block_size => decide(
+                    RowPass {
+                        rows,
+                        table,
+                        score: |i, _, row| match mirror.get(i) {
+                            Some(s) => mirrored_decode(row, s, oldest, by_row.get(i), &mut size),
+                            None => Scored::UNSCORED,
+                        },
+                    },
+                    Some(gather_mirrored(
+                        dense, block_size, mirror, table, by_row, oldest, tokens,
+                    )),
+                    true,
+                    &mut advance,
+                ),
+                _ => decide(
+                    RowPass {
+                        rows,
+                        table,
+                        score: |i, ns, _| {
+                            score_at(
+                                Phase::Decode,
+                                dense,
+                                i,
+                                samples,
+                                backlogs,
+                                ns,
+                                &mut size,
+                                now,
+                            )
+                        },
+                    },
+                    None,
+                    req.load_signals,
+                    &mut advance,
+                ),
             }
-            if kept < positions.len() {
-                positions.truncate(kept);
-                scored.truncate(kept);
-                decode_tally = Tally::default();
-                for (pos, s) in scored.iter().enumerate() {
-                    decode_tally.add(pos, s);
-                }
-            }
-        }
-        if positions.is_empty() {
-            return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
-        }
-        let cursor = cursors.advance(req.model, Phase::Decode);
-        let Some((pos, decode_reason)) =
-            select_tallied(scored, &decode_tally, req.load_signals, cursor)
-        else {
+        };
+        let Some((won, decode_reason)) = decode else {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
         };
-        let Some(&won) = positions.get(pos) else {
+        let (Some(decode), Some(row)) = (candidates.get(won), dense.rows.get(won)) else {
             return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
         };
-        let Some(decode) = candidates.get(won.index as usize) else {
-            return PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker);
-        };
-        let decode_ns = usize::from(won.namespace);
+        let decode_ns = table
+            .get(row.group_role as usize)
+            .copied()
+            .unwrap_or(NOT_ELIGIBLE);
 
         // Then prefill within the decode winner's namespace, for a decode worker only.
         let mut prefill: Option<&Candidate> = None;
         let mut prefill_reason = SelectionReason::NoPrefillPool;
-        if decode.role == CandidateRole::Decode && roles[decode_ns].prefill {
-            positions.clear();
-            scored.clear();
-            let mut prefill_tally = Tally::default();
-            for m in matched.iter() {
-                let i = m.index as usize;
-                if usize::from(m.namespace) != decode_ns || dense.role[i] != CandidateRole::Prefill
-                {
-                    continue;
-                }
-                let s = score_at(
-                    Phase::Prefill,
-                    dense,
-                    i,
-                    samples,
-                    backlogs,
-                    decode_ns,
-                    &mut size,
-                    now,
-                );
-                prefill_tally.add(scored.len(), &s);
-                positions.push(*m);
-                scored.push(s);
-            }
+        let has_prefill = roles
+            .get(usize::from(decode_ns))
+            .is_some_and(|&r| r & role_bit(CandidateRole::Prefill) != 0);
+        if decode.role == CandidateRole::Decode && has_prefill {
+            plan_prefill(dense, eligible, decode_ns, table);
+            let mut pass = RowPass {
+                rows: &dense.rows,
+                table,
+                score: |i, ns, _| {
+                    score_at(
+                        Phase::Prefill,
+                        dense,
+                        i,
+                        samples,
+                        backlogs,
+                        ns,
+                        &mut size,
+                        now,
+                    )
+                },
+            };
+            let gathered = pass.gather();
             let cursor = cursors.advance(req.model, Phase::Prefill);
-            if let Some((pos, reason)) =
-                select_tallied(scored, &prefill_tally, req.load_signals, cursor)
-                && let Some(won) = positions.get(pos)
-            {
-                prefill = candidates.get(won.index as usize);
+            if let Some((won, reason)) = pass.choose(&gathered, req.load_signals, cursor) {
+                prefill = candidates.get(won);
                 prefill_reason = reason;
             }
         }
@@ -791,75 +1140,38 @@ impl DynamoWorkerPicker for LoadBasedPicker {
     }
 }
 
+/// Gathers one phase (or takes what `gathered` gathered the same way), advances its cursor
+/// when it has candidates, and chooses.
+#[inline(always)]
+fn decide<F: FnMut(usize, usize, Row) -> Scored>(
+    mut pass: RowPass<'_, F>,
+    gathered: Option<Gathered>,
+    load_signals: bool,
+    advance: &mut impl FnMut() -> u64,
+) -> Option<(usize, SelectionReason)> {
+    let gathered = match gathered {
+        Some(g) => g,
+        None => pass.gather(),
+    };
+    if gathered.candidates == 0 {
+        return None;
+    }
+    pass.choose(&gathered, load_signals, advance())
+}
+
 impl Scored {
     /// Rotation only: load signals are off.
-    const UNSCORED: Scored = Scored {
+    pub(super) const UNSCORED: Scored = Scored {
         cost: None,
         fresh_field: false,
         stalled: false,
     };
 }
 
-/// The decode pass of one pick over the dense layout, and what it fills.
-struct DecodePass<'p> {
-    dense: &'p DenseRanks,
-    eligible: &'p [u16],
-    roles: &'p mut [Roles],
-    matched: &'p mut Vec<Matched>,
-    positions: &'p mut Vec<Matched>,
-    scored: &'p mut Vec<Scored>,
-    tally: &'p mut Tally,
-}
-
-impl DecodePass<'_> {
-    /// Walks the layout in order: notes each eligible namespace's roles, remembers prefill
-    /// ranks, and scores each decode and aggregated rank with `score(row, namespace position)`.
-    /// Returns whether any rank serves the request.
-    #[inline(always)]
-    fn run(&mut self, mut score: impl FnMut(usize, usize) -> Scored) -> bool {
-        let dense = self.dense;
-        let mut any_served = false;
-        let n = dense.len().min(u32::MAX as usize);
-        for (i, (&group, &role)) in dense.group.iter().zip(&dense.role).enumerate().take(n) {
-            let ns = self
-                .eligible
-                .get(group as usize)
-                .copied()
-                .unwrap_or(NOT_ELIGIBLE);
-            if ns == NOT_ELIGIBLE {
-                continue;
-            }
-            any_served = true;
-            let m = Matched {
-                index: i as u32,
-                namespace: ns,
-            };
-            let ns = usize::from(ns);
-            let Some(roles) = self.roles.get_mut(ns) else {
-                continue;
-            };
-            match role {
-                CandidateRole::Prefill => {
-                    roles.prefill = true;
-                    self.matched.push(m);
-                    continue;
-                }
-                CandidateRole::Decode => roles.decode = true,
-                CandidateRole::Aggregated => roles.aggregated = true,
-            }
-            let s = score(i, ns);
-            self.tally.add(self.scored.len(), &s);
-            self.positions.push(m);
-            self.scored.push(s);
-        }
-        any_served
-    }
-}
-
 /// Scores rank `i` of the layout for `phase` (no lookups when load signals are off).
 #[allow(clippy::too_many_arguments)]
 #[inline]
-fn score_at(
+pub(super) fn score_at(
     phase: Phase,
     dense: &DenseRanks,
     i: usize,
@@ -876,8 +1188,6 @@ fn score_at(
     let backlog = backlogs.get(dense, i, ns, now);
     score_backlog(phase, Capacity::at(dense, i), samples.get(i), backlog, size)
 }
-
-/// The request's size in blocks of `block_size` (0 when the card declares none).
 /// Records one pick in the ledger: the prefill leg (if any) with the request's tokens, the decode
 /// leg with its blocks; the decode half of a pair is stall-exempt (it receives the request only
 /// after the prefill).

@@ -82,7 +82,7 @@ impl LoadView for FakeLoad {
     }
 }
 
-fn secs(s: u64) -> Tick {
+pub(super) fn secs(s: u64) -> Tick {
     Tick(Duration::from_secs(s))
 }
 
@@ -871,7 +871,7 @@ fn the_picker_is_object_safe_and_shareable() {
 
 // ---- Properties ---------------------------------------------------------------------------------
 
-fn arb_sample() -> impl Strategy<Value = SampleState> {
+pub(super) fn arb_sample() -> impl Strategy<Value = SampleState> {
     prop_oneof![
         Just(SampleState::Never),
         any::<bool>().prop_map(|b| SampleState::Stale {
@@ -899,16 +899,16 @@ fn arb_role() -> impl Strategy<Value = CandidateRole> {
 }
 
 #[derive(Clone, Debug)]
-struct ArbCandidate {
-    ns: usize,
-    id: u64,
-    role: CandidateRole,
-    model: usize,
-    ranks: u32,
-    capacity: bool,
+pub(super) struct ArbCandidate {
+    pub ns: usize,
+    pub id: u64,
+    pub role: CandidateRole,
+    pub model: usize,
+    pub ranks: u32,
+    pub capacity: bool,
 }
 
-fn arb_candidate() -> impl Strategy<Value = ArbCandidate> {
+pub(super) fn arb_candidate() -> impl Strategy<Value = ArbCandidate> {
     (
         0usize..3,
         1u64..6,
@@ -953,8 +953,8 @@ fn arb_step() -> impl Strategy<Value = Step> {
     ]
 }
 
-const NAMESPACES: [&str; 3] = ["a", "b", "c"];
-const MODELS: [&str; 2] = [MODEL, "other"];
+pub(super) const NAMESPACES: [&str; 3] = ["a", "b", "c"];
+pub(super) const MODELS: [&str; 2] = [MODEL, "other"];
 
 proptest! {
     #[test]
@@ -1436,7 +1436,7 @@ proptest! {
 }
 
 /// The load store read through `StoreView::sample` only: the per-rank view path.
-struct NoSlots<'a>(super::candidates::StoreView<'a>);
+pub(super) struct NoSlots<'a>(pub super::candidates::StoreView<'a>);
 
 impl LoadView for NoSlots<'_> {
     fn sample(&self, worker: &WorkerKey, rank: DpRank) -> SampleState {
@@ -1444,7 +1444,7 @@ impl LoadView for NoSlots<'_> {
     }
 }
 
-fn stored(id: u64, rank: u32, sample: SampleState, sequence: u64) -> Option<LoadSample> {
+pub(super) fn stored(id: u64, rank: u32, sample: SampleState, sequence: u64) -> Option<LoadSample> {
     let (fields, at) = match sample {
         SampleState::Never => return None,
         SampleState::Stale { last_had_backlog } => (
@@ -1479,8 +1479,9 @@ use crate::load_store::{LoadSample, LoadStore};
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
-    /// The production path (the layout built once, samples read by load-store slot, slots
-    /// re-resolved when a key gains or loses its sample) picks exactly what the per-rank view
+    /// The production path (the layout built once, samples mirrored per row by load-store slot,
+    /// slots re-resolved when a key gains or loses its sample, the mirror caught up from the
+    /// store's change log, ledger legs laid onto rows) picks exactly what the per-rank view
     /// path picks, while samples are replaced, publishers dropped and workers evicted.
     #[test]
     fn the_slot_path_matches_the_view_path(
@@ -1648,4 +1649,56 @@ fn slots_are_resolved_once_per_layout_and_store_epoch() {
     state.ledger = DispatchLedger::new();
     assert_eq!(pick(&store, &mut state), 1);
     assert_eq!(state.slots.resolutions(), 2);
+}
+
+#[test]
+fn the_row_mirror_catches_up_from_the_store_change_log_and_equals_a_reread() {
+    use super::dense::{RowSample, SlotCache};
+    let candidates: Vec<Candidate> = (1..=64).map(decode).collect();
+    let layout = DenseRanks::build(&candidates);
+    let mut store = LoadStore::new();
+    store.set_live_and_retain((1..=64).map(InstanceId));
+    let mut sequence = 1;
+    let mut write = |store: &mut LoadStore, id: u64, blocks: u64| {
+        let sample = SampleState::Fresh {
+            active_decode_blocks: (!blocks.is_multiple_of(5)).then_some(blocks),
+            active_prefill_tokens: Some(blocks * 3),
+            kv_used_blocks: Some(blocks + 1),
+        };
+        let mut s = stored(id, 0, sample, sequence).expect("a sample");
+        s.received_at = Tick(Duration::from_millis(sequence));
+        sequence += 1;
+        store.apply(s);
+    };
+    for id in (1..=64).filter(|id| id % 4 != 0) {
+        write(&mut store, id, id);
+    }
+    let mut cache = SlotCache::default();
+    let reread = |store: &LoadStore| -> Vec<RowSample> {
+        candidates
+            .iter()
+            .map(|c| RowSample::of(store.latest(c.worker.instance_id, c.rank())))
+            .collect()
+    };
+    assert_eq!(cache.samples(&layout, &store), &reread(&store)[..]);
+    assert_eq!((cache.resolutions(), cache.refills()), (1, 0));
+    // A few held samples replaced: caught up from the log, no re-read.
+    for id in [1, 2, 3, 5] {
+        write(&mut store, id, id * 10);
+    }
+    assert_eq!(cache.samples(&layout, &store), &reread(&store)[..]);
+    assert_eq!((cache.resolutions(), cache.refills()), (1, 0));
+    // More than an eighth of the rows: re-read whole.
+    for id in (1..=40).filter(|id| id % 4 != 0) {
+        write(&mut store, id, id * 7);
+    }
+    assert_eq!(cache.samples(&layout, &store), &reread(&store)[..]);
+    assert_eq!((cache.resolutions(), cache.refills()), (1, 1));
+    // A rank's first sample moves the epoch: slots resolved again.
+    write(&mut store, 4, 9);
+    assert_eq!(cache.samples(&layout, &store), &reread(&store)[..]);
+    assert_eq!((cache.resolutions(), cache.refills()), (2, 1));
+    // Nothing written: nothing read.
+    assert_eq!(cache.samples(&layout, &store), &reread(&store)[..]);
+    assert_eq!((cache.resolutions(), cache.refills()), (2, 1));
 }

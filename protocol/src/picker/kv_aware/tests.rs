@@ -779,3 +779,217 @@ proptest! {
         }
     }
 }
+
+// ---- The dense pass against the per-candidate reference ------------------------------------
+
+mod reference;
+
+use crate::load_store::LoadStore;
+use crate::picker::DenseRanks;
+use crate::picker::candidates::StoreView;
+use crate::picker::dp_ranks;
+use crate::picker::tests::{
+    ArbCandidate, MODELS, NAMESPACES, NoSlots, arb_candidate, arb_sample, secs, stored,
+};
+
+/// One step of a random KV-aware session.
+#[derive(Clone, Debug)]
+enum KvStep {
+    Pick {
+        model: usize,
+        isl: u64,
+        unit: f64,
+        advance_ms: u64,
+    },
+    /// A new sample for one rank (replacing a held one or taking a slot), answering the
+    /// worker's dispatches.
+    Sample {
+        id: u64,
+        rank: u32,
+        decode: u64,
+    },
+    /// A publisher dropped: its samples are gone (slots freed).
+    Drop {
+        id: u64,
+    },
+    End {
+        nth: usize,
+    },
+}
+
+fn kv_step() -> impl Strategy<Value = KvStep> {
+    prop_oneof![
+        4 => (0usize..2, 0u64..400, 0.0f64..1.0, 0u64..2000)
+            .prop_map(|(model, isl, unit, advance_ms)| KvStep::Pick { model, isl, unit, advance_ms }),
+        2 => (1u64..6, 0u32..2, 0u64..60).prop_map(|(id, rank, decode)| KvStep::Sample { id, rank, decode }),
+        1 => (1u64..6).prop_map(|id| KvStep::Drop { id }),
+        1 => (0usize..8).prop_map(|nth| KvStep::End { nth }),
+    ]
+}
+
+fn kv_params() -> impl Strategy<Value = KvPickParams> {
+    (
+        prop_oneof![Just(0.0), Just(1.0), Just(2.0)],
+        prop_oneof![Just(0.5), Just(1.0)],
+        prop_oneof![3 => Just(0.0), 1 => Just(0.7)],
+        prop_oneof![
+            Just(ConditionalDisaggregation::default()),
+            Just(ConditionalDisaggregation {
+                enabled: true,
+                decode_busy_threshold: None
+            }),
+            Just(ConditionalDisaggregation {
+                enabled: true,
+                decode_busy_threshold: Some(0.5)
+            }),
+        ],
+    )
+        .prop_map(|(credit, scale, temperature, conditional)| KvPickParams {
+            overlap_score_credit: credit,
+            prefill_load_scale: scale,
+            router_temperature: temperature,
+            conditional_disaggregation: conditional,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// The KV-aware pick over the dense layout (samples mirrored from a real load store, the
+    /// ledger and the overlaps laid onto rows) and over the per-rank view path picks exactly
+    /// what the per-candidate reference picks, across random multi-namespace fleets, samples
+    /// replaced and dropped, dispatches answered and ended, sorted and unsorted overlap lists.
+    #[test]
+    fn kv_aware_picks_match_the_reference_on_random_fleets(
+        arb in proptest::collection::vec(arb_candidate(), 0..30),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        block_sizes in proptest::collection::vec(prop_oneof![Just(16u32), Just(32), Just(8)], 6),
+        overlap in proptest::collection::vec(0u32..6, 12),
+        unsorted in proptest::bool::weighted(0.2),
+        eligible_mask in 1usize..8,
+        load_signals in proptest::bool::weighted(0.85),
+        params in kv_params(),
+        steps in proptest::collection::vec(kv_step(), 1..30),
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        let mut candidates = Vec::new();
+        let mut store = LoadStore::new();
+        store.set_live_and_retain((1..6).map(InstanceId));
+        let mut sequence = 1;
+        let models: [std::sync::Arc<str>; 2] = [MODELS[0].into(), MODELS[1].into()];
+        for (i, a) in arb.iter().enumerate() {
+            let ArbCandidate { ns, id, role, model, ranks, capacity } = *a;
+            if !seen.insert((ns, id)) {
+                continue;
+            }
+            for (offset, (dp_rank, rank_declared)) in dp_ranks(0, Some(ranks)).expect("small").enumerate() {
+                candidates.push(Candidate {
+                    worker: key(NAMESPACES[ns], id),
+                    role,
+                    model: models[model].clone(),
+                    dp_rank,
+                    rank_declared,
+                    block_size: capacity.then_some(block_sizes[id as usize]),
+                    total_kv_blocks: capacity.then_some(if id.is_multiple_of(3) { 50 } else { 100 }),
+                    max_num_batched_tokens: capacity.then_some(1000),
+                });
+                if let Some(s) = stored(id, offset as u32, samples[(i * 3 + offset) % samples.len()], sequence) {
+                    store.apply(s);
+                    sequence += 1;
+                }
+            }
+        }
+        // Overlaps per block size, sorted by (worker, rank) as `find_matches` lists them (or
+        // reversed: a caller's unsorted list).
+        let mut lists: Vec<BlockOverlaps> = [16u32, 32]
+            .iter()
+            .map(|&bs| {
+                let mut ranks: Vec<RankOverlap> = (1..6u64)
+                    .flat_map(|id| (0..2u32).map(move |r| (id, r)))
+                    .filter(|&(id, _)| block_sizes[id as usize] == bs)
+                    .filter_map(|(id, r)| {
+                        let blocks = overlap[(id as usize * 2 + r as usize) % overlap.len()];
+                        (blocks > 0).then_some(RankOverlap { worker: InstanceId(id), dp_rank: DpRank(r), blocks })
+                    })
+                    .collect();
+                if unsorted {
+                    ranks.reverse();
+                }
+                BlockOverlaps { block_size: BlockSize::new(bs).expect("valid"), ranks }
+            })
+            .collect();
+        lists.retain(|l| !l.ranks.is_empty());
+        let layout = DenseRanks::build(&candidates);
+        let namespaces: Vec<Namespace> = (0..3)
+            .filter(|i| eligible_mask & (1 << i) != 0)
+            .map(|i| Namespace::new(NAMESPACES[i]))
+            .collect();
+        let picker = KvAwarePicker::new(params);
+        let (mut dense_state, mut view_state) = (PickerState::new(), PickerState::new());
+        let mut reference = reference::ReferenceKv::new(params);
+        let max_age = Duration::from_secs(3);
+        let mut now = secs(100);
+        let mut dispatches = Vec::new();
+        for step in steps {
+            let (model, isl, unit) = match step {
+                KvStep::Pick { model, isl, unit, advance_ms } => {
+                    now = now.plus(Duration::from_millis(advance_ms));
+                    (MODELS[model], isl, unit)
+                }
+                KvStep::Sample { id, rank, decode } => {
+                    let fresh = SampleState::Fresh {
+                        active_decode_blocks: Some(decode),
+                        active_prefill_tokens: (!decode.is_multiple_of(3)).then_some(decode * 5),
+                        kv_used_blocks: None,
+                    };
+                    if let Some(mut s) = stored(id, rank, fresh, sequence) {
+                        s.received_at = now;
+                        store.apply(s);
+                        sequence += 1;
+                    }
+                    for ns in NAMESPACES {
+                        for state in [&mut dense_state.ledger, &mut view_state.ledger, &mut reference.ledger] {
+                            state.sample_arrived(&key(ns, id), now);
+                        }
+                    }
+                    continue;
+                }
+                KvStep::Drop { id } => {
+                    store.drop_publisher(crate::ids::PublisherId(id));
+                    continue;
+                }
+                KvStep::End { nth } => {
+                    if !dispatches.is_empty() {
+                        let id = dispatches[nth % dispatches.len()];
+                        dense_state.ledger.request_ended(id);
+                        view_state.ledger.request_ended(id);
+                        reference.ledger.request_ended(id);
+                    }
+                    continue;
+                }
+            };
+            let req = PickRequest {
+                model,
+                eligible_namespaces: &namespaces,
+                estimated_prompt_tokens: isl,
+                load_signals,
+            };
+            let input = KvPickInput { isl, overlaps: &lists, unit };
+            let view = StoreView { store: &store, now, max_age };
+            let fast = picker.pick_with(
+                &mut PickContext::new(&req, &candidates, &view, &mut dense_state, now).with_layout(&layout),
+                Ok(&input),
+            );
+            let plain = NoSlots(StoreView { store: &store, now, max_age });
+            let viewed = picker.pick_with(
+                &mut PickContext::new(&req, &candidates, &plain, &mut view_state, now),
+                Ok(&input),
+            );
+            let expected = reference.pick(&req, &candidates, &plain, &input, now);
+            prop_assert_eq!(&fast, &expected);
+            prop_assert_eq!(&viewed, &expected);
+            if let PickOutcome::Picked(Pick { dispatch: Some(id), .. }) = expected.outcome {
+                dispatches.push(id);
+            }
+        }
+    }
+}
