@@ -5,13 +5,14 @@
 //! index is a cache miss on the walk's critical path. A LIFO free list hands out whatever was
 //! freed last, so after eviction churn a new chain was scattered over the slots of many older
 //! chains (on the Mooncake replay, a jump every ~13 blocks). Here a new child takes the slot right
-//! after its parent when that slot is free, and otherwise the next free slot at or after a
-//! rotating cursor, which is the start of a free run more often than not: evicted chains free
-//! runs of consecutive slots, and a new chain fills such a run in order.
+//! after its parent when that slot is free; otherwise [`FreeSet::take_run`] finds, from a
+//! rotating cursor, the first free run long enough for the rest of the store being applied
+//! (next-fit alone, [`FreeSet::take_next`], handed a long store whatever short runs eviction had
+//! left: a jump every ~69 blocks of a long match; see `Tree::create` for the fallbacks).
 //!
 //! One bit per arena slot (128 KiB at the 2^20-node ceiling). Allocation is O(1) when the slot
-//! after the parent is free; otherwise the scan moves the cursor forward, so a full cycle over
-//! the bitset is spread over the allocations it serves.
+//! after the parent is free; a run search reads a bounded number of words and moves the cursor
+//! past them when it fails, so repeated searches sweep the bitset instead of rereading it.
 
 use super::NodeIdx;
 
