@@ -743,6 +743,31 @@ fn an_extension_continues_its_chain_in_the_arena() {
 }
 
 #[test]
+fn matching_prefix_finds_the_first_difference_in_and_after_chunks() {
+    for len in 0..20usize {
+        let hashes: Vec<LocalBlockHash> = (0..len as u64).map(LocalBlockHash).collect();
+        let links: Vec<Link> = hashes
+            .iter()
+            .map(|h| Link {
+                tokens_hash: *h,
+                parent: ROOT,
+                hint: ROOT,
+            })
+            .collect();
+        assert_eq!(matching_prefix(&links, &hashes), len);
+        for at in 0..len {
+            let mut other = links.clone();
+            other[at].tokens_hash = LocalBlockHash(u64::MAX);
+            assert_eq!(
+                matching_prefix(&other, &hashes),
+                at,
+                "len {len}, differs at {at}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_node_takes_forty_bytes_in_two_columns() {
     // Four links per 64-byte line: a walk down a run streams 16 bytes per block.
     assert_eq!(std::mem::size_of::<Link>(), 16);
