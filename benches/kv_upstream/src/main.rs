@@ -8,7 +8,8 @@
 //! index calls (events are built before the clock starts; upstream's `find_matches` takes its
 //! `Vec` by value, also built before). A counting global allocator reports each replay's peak
 //! heap above the heap before it (the op list is already allocated then). Lookups are compared
-//! between the two indexes on every 97th request.
+//! between the two indexes on every 97th request. For ours it also counts the arena jumps
+//! (`KvIndex::arena_jumps`, outside the clock) of every lookup matching at least 1,000 blocks.
 //!
 //! Last, the read path: the same lookups through a `RwLock` read guard (what
 //! `SharedKvIndex::overlaps` does) and through an actor-style call (a task owning the index,
@@ -168,6 +169,11 @@ trait Index {
     fn query(hashes: &[u64]) -> Self::Query;
     fn apply(&mut self, event: Self::Event) -> bool;
     fn find(&self, query: Self::Query) -> Vec<(u64, u32)>;
+    /// Arena jumps on the walk down these blocks (see `KvIndex::arena_jumps`); `None` where the
+    /// index has no arena.
+    fn jumps(&self, _hashes: &[u64]) -> Option<usize> {
+        None
+    }
 }
 
 struct Ours(KvIndex);
@@ -244,6 +250,10 @@ impl Index for Ours {
             .into_iter()
             .map(|m| (m.worker.0, m.blocks))
             .collect()
+    }
+
+    fn jumps(&self, hashes: &[u64]) -> Option<usize> {
+        Some(self.0.arena_jumps(&Self::query(hashes)))
     }
 }
 
@@ -333,7 +343,13 @@ struct Report {
     not_applied: u64,
     peak_heap: usize,
     sampled: Vec<Vec<(u64, u32)>>,
+    /// Over the lookups matching at least [`LONG_MATCH`] blocks: (lookups, matched blocks,
+    /// arena jumps), when the index reports jumps.
+    long: Option<(usize, usize, usize)>,
 }
+
+/// A lookup this long is a tail lookup (multi-turn conversations).
+const LONG_MATCH: usize = 1_000;
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
@@ -347,6 +363,7 @@ fn replay<I: Index>(mut index: I, w: &Workload) -> Report {
     let mut applies = Vec::with_capacity(w.ops.len());
     let mut sampled = Vec::new();
     let mut not_applied = 0;
+    let mut long = None;
     let base = reset_peak();
     for op in &w.ops {
         match op {
@@ -355,6 +372,15 @@ fn replay<I: Index>(mut index: I, w: &Workload) -> Report {
                 let t = Instant::now();
                 let found = index.find(query);
                 lookups.push(t.elapsed());
+                let best = found.iter().map(|(_, n)| *n as usize).max().unwrap_or(0);
+                if best >= LONG_MATCH
+                    && let Some(j) = index.jumps(&w.requests[*r][..best])
+                {
+                    let (n, blocks, jumps) = long.get_or_insert((0, 0, 0));
+                    *n += 1;
+                    *blocks += best;
+                    *jumps += j;
+                }
                 if r % COMPARE_EVERY == 0 {
                     sampled.push(found);
                 }
@@ -381,6 +407,7 @@ fn replay<I: Index>(mut index: I, w: &Workload) -> Report {
         not_applied,
         peak_heap,
         sampled,
+        long,
     }
 }
 
@@ -414,6 +441,13 @@ fn print(r: &Report, w: &Workload) -> f64 {
         r.peak_heap as f64 / (1024.0 * 1024.0),
         r.not_applied
     );
+    if let Some((n, blocks, jumps)) = r.long {
+        println!(
+            "  lookups matching >= {LONG_MATCH} blocks: {n}, {:.1} arena jumps each (one per {:.0} blocks)",
+            jumps as f64 / n.max(1) as f64,
+            blocks as f64 / jumps.max(1) as f64
+        );
+    }
     per_sec
 }
 

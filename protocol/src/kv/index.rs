@@ -108,6 +108,16 @@ const ROOT: NodeIdx = 0;
 /// The `parent` of a freed arena entry (no node has this index).
 const FREED: NodeIdx = NodeIdx::MAX;
 type Slot = u32;
+/// The arena may hold this fraction of the live nodes (plus [`ARENA_SLACK_MIN`]) in free slots
+/// before allocation stops growing it (see [`Tree::arena_room`]).
+const ARENA_SLACK_DIV: usize = 16;
+/// Small under test, so that the tests' small indexes reach every allocation path.
+const ARENA_SLACK_MIN: usize = if cfg!(test) { 2 } else { 1024 };
+/// Words of the free-slot bitset (64 slots each) one search for a free run reads at most.
+const RUN_SCAN_WORDS: usize = 1024;
+/// The searches of one store read at most [`RUN_SCAN_WORDS`] plus this many words per stored
+/// block (an O(1) bound per block); past that, the store's nodes take any free slot.
+const RUN_SCAN_WORDS_PER_BLOCK: usize = 8;
 
 /// Keys here are hashes chosen by the fleet, so the table hasher is keyed by a caller-supplied
 /// seed (a folded 64×64→128 multiply, much cheaper than SipHash on these hot maps).
@@ -190,6 +200,9 @@ struct Tree {
     free: FreeSet,
     live: usize,
     edges: FastMap<(NodeIdx, LocalBlockHash), NodeIdx>,
+    /// What the store being applied may still read of the free set (see
+    /// [`RUN_SCAN_WORDS_PER_BLOCK`]).
+    scan_left: usize,
 }
 
 impl Tree {
@@ -209,6 +222,7 @@ impl Tree {
             free: FreeSet::default(),
             live: 0,
             edges: HashMap::with_hasher(build),
+            scan_left: 0,
         }
     }
 
@@ -237,7 +251,22 @@ impl Tree {
         self.edges.get(&(parent, hash)).copied()
     }
 
-    fn create(&mut self, parent: NodeIdx, hash: LocalBlockHash) -> NodeIdx {
+    /// How long the arena may grow while free slots remain: the live nodes plus
+    /// 1/[`ARENA_SLACK_DIV`] of them plus [`ARENA_SLACK_MIN`], never past `max_arena` (the
+    /// ceiling on nodes plus the root).
+    fn arena_room(&self, max_arena: usize) -> usize {
+        (self.live + self.live / ARENA_SLACK_DIV + ARENA_SLACK_MIN).min(max_arena)
+    }
+
+    /// A child of `parent`; `remaining` is how many blocks the store being applied still has
+    /// (this one included), `max_arena` the arena's ceiling.
+    fn create(
+        &mut self,
+        parent: NodeIdx,
+        hash: LocalBlockHash,
+        remaining: usize,
+        max_arena: usize,
+    ) -> NodeIdx {
         let node = Node {
             children: 0,
             edge_mode: false,
@@ -248,13 +277,35 @@ impl Tree {
             parent,
             hint: ROOT,
         };
-        // Right after the parent when that slot is free, so the chain stays a stream for walks
-        // (see `FreeSet`); else the next free slot; else a new one at the end.
+        // Where the node lands decides how fast walks are (see `FreeSet`): right after the
+        // parent when that slot is free (or is the arena's end, while the arena may grow);
+        // else at the start of a free run long enough for the rest of the store; else, while
+        // the arena may grow, at its end; else at the start of the longest free run seen.
         let after = parent.wrapping_add(1);
-        let reuse = if self.free.take_exact(after) {
+        let len = self.nodes.len();
+        let room = self.arena_room(max_arena);
+        // (The root's next slot is no better than another: a new prompt looks for a run.)
+        let reuse = if parent != ROOT && self.free.take_exact(after) {
             Some(after)
+        } else if after as usize == len && len < room {
+            None
         } else {
-            self.free.take_next()
+            let mut budget = self.scan_left.min(RUN_SCAN_WORDS);
+            let before = budget;
+            let found = self.free.take_run(remaining, &mut budget);
+            self.scan_left -= before - budget;
+            match found {
+                Ok(slot) => Some(slot),
+                Err(_) if len < room => None,
+                Err(Some((slot, _))) => {
+                    let taken = self.free.take_exact(slot);
+                    debug_assert!(taken, "take_run names a free slot");
+                    Some(slot)
+                }
+                // No free run in the scanned words: any free slot, else the arena's end
+                // (then every slot is live, so the arena is below the ceiling).
+                Err(None) => self.free.take_next(),
+            }
         };
         let idx = match reuse {
             Some(idx) => {
@@ -263,8 +314,15 @@ impl Tree {
                 idx
             }
             None => {
-                // The ceiling (≤ 2^20 nodes) keeps this far below u32::MAX.
-                let idx = self.nodes.len() as NodeIdx;
+                if len == self.nodes.capacity() {
+                    // Grow by a sixteenth, not by doubling, and never past the ceiling: the
+                    // arena's capacity stays within ~6% of its length.
+                    let more = (len / 16).max(1024).min(max_arena - len);
+                    self.nodes.reserve_exact(more);
+                    self.links.reserve_exact(more);
+                }
+                // The ceiling (≤ 2^20 + 1 slots) keeps this far below u32::MAX.
+                let idx = len as NodeIdx;
                 self.nodes.push(node);
                 self.links.push(link);
                 idx
@@ -412,6 +470,31 @@ pub struct KvIndex {
 /// Blocks whose slots are loaded ahead of use at a time: enough misses in flight to fill the
 /// memory pipeline, few enough that the first are still cached when used.
 const WARM_CHUNK: usize = 64;
+
+/// How many leading `links` carry the `tokens_hash` of `hashes` at the same position. Eight at
+/// a time without an early exit inside a chunk (branch-free, so the compiler can compare them
+/// in vector registers), then one at a time in the chunk that differs and after the last chunk.
+#[inline]
+fn matching_prefix(links: &[Link], hashes: &[LocalBlockHash]) -> usize {
+    const CHUNK: usize = 8;
+    let mut matched = 0;
+    for (have, want) in links.chunks_exact(CHUNK).zip(hashes.chunks_exact(CHUNK)) {
+        let differ = have
+            .iter()
+            .zip(want)
+            .fold(false, |d, (l, w)| d | (l.tokens_hash != *w));
+        if differ {
+            break;
+        }
+        matched += CHUNK;
+    }
+    matched
+        + links[matched..]
+            .iter()
+            .zip(&hashes[matched..])
+            .take_while(|(have, want)| have.tokens_hash == **want)
+            .count()
+}
 
 /// Why a store stopped early.
 enum Refusal {
@@ -660,11 +743,10 @@ impl KvIndex {
                     lookahead ^= self.tree.links[hint].tokens_hash.0
                         ^ u64::from(self.tree.nodes[hint].children)
                         ^ u64::from(self.tree.runs.get(hint as NodeIdx));
-                    let matched = self.tree.links[from..from + run]
-                        .iter()
-                        .zip(&hashes[i + 1..i + 1 + run])
-                        .take_while(|(have, want)| have.tokens_hash == **want)
-                        .count();
+                    let matched = matching_prefix(
+                        &self.tree.links[from..from + run],
+                        &hashes[i + 1..i + 1 + run],
+                    );
                     node += matched as NodeIdx;
                     depth += matched as u32;
                     i += matched;
@@ -694,6 +776,24 @@ impl KvIndex {
             .collect();
         out.sort_unstable();
         out
+    }
+
+    /// How many times a walk down `hashes` (as far as the tree holds them) moves to a node that
+    /// is not the next arena slot: each is a likely cache miss on `find_matches`' critical path,
+    /// where the steps in between stream. For benches and tests of the layout; O(prefix).
+    pub fn arena_jumps(&self, hashes: &[LocalBlockHash]) -> usize {
+        let mut jumps = 0;
+        let mut node = ROOT;
+        for hash in hashes {
+            let Some(child) = self.tree.child(node, *hash) else {
+                break;
+            };
+            if node != ROOT && child != node + 1 {
+                jumps += 1;
+            }
+            node = child;
+        }
+        jumps
     }
 
     pub fn stats(&self) -> KvIndexStats {
@@ -895,6 +995,13 @@ impl KvIndex {
                 self.tree.free.len(),
                 free.len(),
                 free.last()
+            ));
+        }
+        if self.tree.nodes.len() > self.limits.max_index_blocks + 1 {
+            return Err(format!(
+                "arena of {} slots past the ceiling of {} nodes",
+                self.tree.nodes.len(),
+                self.limits.max_index_blocks
             ));
         }
         let mut children = vec![0u32; self.tree.nodes.len()];
@@ -1108,6 +1215,7 @@ impl KvIndex {
         if parent_hash.is_some_and(|p| blocks.iter().any(|b| b.block_hash == p)) {
             return KvEventResult::Malformed;
         }
+        self.tree.scan_left = RUN_SCAN_WORDS + RUN_SCAN_WORDS_PER_BLOCK * blocks.len();
         let rank = self.rank_mut(slot);
         let mut parent = match parent_hash {
             None => ROOT,
@@ -1126,7 +1234,7 @@ impl KvIndex {
                     .blocks
                     .warm(blocks[i..].iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
             }
-            match self.attach(slot, parent, block) {
+            match self.attach(slot, parent, block, blocks.len() - i) {
                 Ok(node) => parent = node,
                 Err(Refusal::OverCapacity) => return KvEventResult::OverCapacity,
             }
@@ -1139,6 +1247,7 @@ impl KvIndex {
         slot: Slot,
         parent: NodeIdx,
         block: &StoredBlock,
+        remaining: usize,
     ) -> Result<NodeIdx, Refusal> {
         let Self {
             tree,
@@ -1179,7 +1288,12 @@ impl KvIndex {
                 if tree.live >= limits.max_index_blocks {
                     return Err(Refusal::OverCapacity);
                 }
-                tree.create(parent, block.tokens_hash)
+                tree.create(
+                    parent,
+                    block.tokens_hash,
+                    remaining,
+                    limits.max_index_blocks + 1,
+                )
             }
         };
         tree.add_owner(node, slot);

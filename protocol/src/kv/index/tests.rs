@@ -701,6 +701,73 @@ fn rank_blocks_counts_each_ranks_blocks_in_order() {
 }
 
 #[test]
+fn a_store_lands_in_a_free_run_long_enough_for_it() {
+    let mut f = Fixture::new(KvIndexLimits::default());
+    // 64 one-block prompts fill arena slots 1..=64 in order.
+    for i in 0..64 {
+        f.apply(W1, R0, stored(None, &[(1_000 + i, 10_000 + i)]));
+    }
+    // Every other one is evicted (single free slots), then 16 in a row (a free run).
+    let mut gone: Vec<u64> = (0..32).map(|i| 1_000 + 2 * i).collect();
+    gone.extend((40..56).map(|i| 1_000 + i));
+    f.apply(W1, R0, removed(&gone));
+    // A 12-block prompt takes the run, not the first single slots the cursor meets.
+    let blocks: Vec<(u64, u64)> = (0..12).map(|i| (2_000 + i, 20_000 + i)).collect();
+    f.apply(W2, R0, stored(None, &blocks));
+    let prompt = q(&(0..12).map(|i| 20_000 + i).collect::<Vec<_>>());
+    assert_eq!(f.index.find_matches(&prompt), vec![overlap(W2, R0, 12)]);
+    assert_eq!(f.index.arena_jumps(&prompt), 0);
+    // A 30-block one fits no run: it grows the arena only by the allowed slack, then takes
+    // the longest runs it finds; every block is still indexed.
+    let blocks: Vec<(u64, u64)> = (0..30).map(|i| (3_000 + i, 30_000 + i)).collect();
+    f.apply(W1, R1, stored(None, &blocks));
+    let prompt = q(&(0..30).map(|i| 30_000 + i).collect::<Vec<_>>());
+    assert_eq!(f.index.find_matches(&prompt), vec![overlap(W1, R1, 30)]);
+    assert!(f.index.arena_jumps(&prompt) > 0);
+}
+
+#[test]
+fn an_extension_continues_its_chain_in_the_arena() {
+    let mut f = Fixture::new(KvIndexLimits::default());
+    let first: Vec<(u64, u64)> = (0..8).map(|i| (100 + i, 1_000 + i)).collect();
+    f.apply(W1, R0, stored(None, &first));
+    // Another prompt takes the slots right after the first one's tail.
+    f.apply(W2, R0, stored(None, &[(200, 2_000), (201, 2_001)]));
+    // The next turn extends the first prompt: the slot after its parent is taken, so the
+    // extension starts a new run; its own blocks stay consecutive.
+    let turn: Vec<(u64, u64)> = (8..20).map(|i| (100 + i, 1_000 + i)).collect();
+    f.apply(W1, R0, stored(Some(107), &turn));
+    let prompt = q(&(0..20).map(|i| 1_000 + i).collect::<Vec<_>>());
+    assert_eq!(f.index.find_matches(&prompt), vec![overlap(W1, R0, 20)]);
+    assert_eq!(f.index.arena_jumps(&prompt), 1);
+}
+
+#[test]
+fn matching_prefix_finds_the_first_difference_in_and_after_chunks() {
+    for len in 0..20usize {
+        let hashes: Vec<LocalBlockHash> = (0..len as u64).map(LocalBlockHash).collect();
+        let links: Vec<Link> = hashes
+            .iter()
+            .map(|h| Link {
+                tokens_hash: *h,
+                parent: ROOT,
+                hint: ROOT,
+            })
+            .collect();
+        assert_eq!(matching_prefix(&links, &hashes), len);
+        for at in 0..len {
+            let mut other = links.clone();
+            other[at].tokens_hash = LocalBlockHash(u64::MAX);
+            assert_eq!(
+                matching_prefix(&other, &hashes),
+                at,
+                "len {len}, differs at {at}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_node_takes_forty_bytes_in_two_columns() {
     // Four links per 64-byte line: a walk down a run streams 16 bytes per block.
     assert_eq!(std::mem::size_of::<Link>(), 16);
