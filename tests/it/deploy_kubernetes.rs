@@ -923,10 +923,8 @@ fn for_role(template: &str, role: &str) -> String {
                 last.1 = !last.1;
                 continue;
             }
-        } else if t.starts_with("{{- end") {
-            if blocks.pop().is_some_and(|b| b.0) {
-                continue;
-            }
+        } else if t.starts_with("{{- end") && blocks.pop().is_some_and(|b| b.0) {
+            continue;
         }
         if keep {
             out.push_str(line);
