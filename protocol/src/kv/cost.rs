@@ -162,6 +162,15 @@ impl RequestCost {
         (decode_cost_blocks - overlap_credit_blocks).max(0.0)
     }
 
+    /// Whether [`Self::cost`] (the full formula's cost, made [`sane`]) is at least the rank's
+    /// `active_decode_blocks` for every load: with `prefill_load_scale >= 0` the prefill term
+    /// is non-negative (or NaN, which [`sane`] makes +inf) and the decode term is the decode
+    /// blocks plus a non-negative count, and float addition and conversion are monotone. A
+    /// pass can then skip ranks whose decode blocks alone lose.
+    pub fn bounded_below_by_decode(&self) -> bool {
+        self.params.prefill_load_scale >= 0.0
+    }
+
     /// [`overlap_only_cost`] with this request's size, block size and credit.
     #[inline(always)]
     pub fn overlap_only(&self, overlap_blocks: u64) -> f64 {
@@ -436,6 +445,9 @@ mod tests {
                 hoisted.overlap_only(overlap).to_bits(),
                 overlap_only_cost(isl, bs(block), overlap, credit).to_bits()
             );
+            if hoisted.bounded_below_by_decode() {
+                proptest::prop_assert!(sane(hoisted.cost(load)) >= decode as f64);
+            }
         }
     }
 }

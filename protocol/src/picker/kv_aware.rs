@@ -26,6 +26,14 @@
 //! a prefill/decode pool sit out, and an aggregated winner gets no prefill (`no_prefill_pool`).
 //! Without a KV input (no tokenizer, prompt too large, render failed, artifact unpinned) the whole
 //! pick is the load-based one and the outcome reports why.
+//!
+//! How a formula-scored phase runs: at temperature 0 on the production path (samples mirrored per
+//! row, overlaps laid onto rows, one block size on every row) as one pass over the rows
+//! (`KvPass`) with the request's terms computed once ([`RequestCost`]), keeping per tier the
+//! lowest cost, its tie count and first row (no per-rank writes); otherwise per member
+//! (`KvAwarePicker::rank`, `select_kv`), which softmax sampling needs (every cost) and which the
+//! view path, unsorted overlap lists and mixed block sizes take. Both choose the same rank
+//! (`tests::kv_aware_gather_matches_the_reference_on_uniform_fleets`).
 
 use super::dense::{DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
 use super::ledger::{NamespaceBacklog, RankBacklog};
@@ -1027,7 +1035,6 @@ enum Tier {
 /// `select_kv` would give it, made sane.
 #[derive(Clone, Copy, Debug)]
 struct RankCost {
-    fresh_field: bool,
     /// `overlap_only_cost`.
     quiet: f64,
     /// The full formula's cost and whether the rank is stalled; `None`: silent under load, or
@@ -1093,29 +1100,46 @@ impl KvPass<'_> {
         backlog: &B,
     ) -> RankCost {
         let overlap = self.overlaps.get(i);
-        let (load, fresh_field) = self.load(sample);
-        let full = load.map(|(prefill, decode)| {
-            let b = backlog(i, ns);
-            let load = CandidateLoad {
-                overlap_blocks: overlap,
-                active_prefill_tokens: prefill.saturating_add(b.prefill_tokens),
-                active_decode_blocks: decode.saturating_add(b.decode_blocks),
-            };
-            let cost = match self.scoring {
-                Scoring::ConditionalDecode => self.formula.conditional_decode_cost(load),
-                Scoring::Prefill | Scoring::Aggregated => self.formula.cost(load),
-            };
-            (sane(cost), b.stalled)
-        });
+        let (load, _) = self.load(sample);
+        let full = load.map(|load| self.full(i, ns, overlap, load, backlog));
         RankCost {
-            fresh_field,
             quiet: sane(self.formula.overlap_only(overlap)),
             full,
         }
     }
 
-    /// One loop over the rows and the mirror: every candidate scored into the three tiers, no
-    /// per-rank writes. Not inlined: its own function keeps its live values in registers.
+    /// The full formula's cost of a rank with a load, and whether it is stalled.
+    #[inline(always)]
+    fn full<B: Fn(usize, u16) -> RankBacklog>(
+        &self,
+        i: usize,
+        ns: u16,
+        overlap: u64,
+        (prefill, decode): (u64, u64),
+        backlog: &B,
+    ) -> (f64, bool) {
+        let b = backlog(i, ns);
+        let load = CandidateLoad {
+            overlap_blocks: overlap,
+            active_prefill_tokens: prefill.saturating_add(b.prefill_tokens),
+            active_decode_blocks: decode.saturating_add(b.decode_blocks),
+        };
+        let cost = match self.scoring {
+            Scoring::ConditionalDecode => self.formula.conditional_decode_cost(load),
+            Scoring::Prefill | Scoring::Aggregated => self.formula.cost(load),
+        };
+        (sane(cost), b.stalled)
+    }
+
+    /// One loop over the rows and the mirror: every candidate tallied into the tiers that can
+    /// still decide, no per-rank writes. The quiet tier only decides when no rank carries a
+    /// fresh backlog, so it is no longer tallied once one does. Where the cost is at least the
+    /// rank's decode blocks ([`RequestCost::bounded_below_by_decode`]; not conditional
+    /// disaggregation's decode score), a rank whose sample's decode blocks already exceed the
+    /// lowest free cost so far loses to it whatever its overlap and ledger backlog: it is
+    /// skipped before either is read or the formula computed (such a rank, stalled or not,
+    /// cannot decide: the stalled tier only counts when no free rank has a cost). Not inlined:
+    /// its own function keeps its live values in registers.
     #[inline(never)]
     fn gather<B: Fn(usize, u16) -> RankBacklog>(&self, backlog: &B) -> KvTally {
         let n = self.rows.len().min(self.mirror.len());
@@ -1126,17 +1150,34 @@ impl KvPass<'_> {
             free: Lowest::NONE,
             stalled: Lowest::NONE,
         };
+        let prunes =
+            self.scoring != Scoring::ConditionalDecode && self.formula.bounded_below_by_decode();
+        // Decode blocks above which a rank loses to the lowest free cost (none yet: no bound).
+        let mut bound = u64::MAX;
         for (i, (row, sample)) in rows.iter().zip(mirror).enumerate() {
             let Some(ns) = self.namespace(row) else {
                 continue;
             };
-            let rank = self.score(i, ns, sample, backlog);
-            tally.any_fresh |= rank.fresh_field;
-            tally.quiet.add(i, rank.quiet);
-            match rank.full {
-                Some((cost, true)) => tally.stalled.add(i, cost),
-                Some((cost, false)) => tally.free.add(i, cost),
-                None => {}
+            let (load, fresh_field) = self.load(sample);
+            tally.any_fresh |= fresh_field;
+            if !tally.any_fresh {
+                let quiet = sane(self.formula.overlap_only(self.overlaps.get(i)));
+                tally.quiet.add(i, quiet);
+            }
+            let Some(load) = load else {
+                continue;
+            };
+            if load.1 > bound {
+                continue;
+            }
+            let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
+            if stalled {
+                tally.stalled.add(i, cost);
+            } else {
+                tally.free.add(i, cost);
+                if prunes {
+                    bound = decode_bound(tally.free.cost);
+                }
             }
         }
         tally
@@ -1188,6 +1229,22 @@ impl KvPass<'_> {
             Some(i) => Gathered::Chosen(i, reason),
             None => Gathered::NotApplicable,
         }
+    }
+}
+
+/// The largest decode-block count that does not exceed `lowest` (a cost, never NaN): a rank
+/// whose decode blocks exceed it costs more than `lowest` where the cost is bounded below by
+/// them (`d > floor(lowest)` gives `d >= floor(lowest) + 1 > lowest`, and that integer, at most
+/// 2^53, converts to `f64` exactly). `u64::MAX` (no rank is skipped) for a negative or
+/// non-finite `lowest`, or one past 2^53.
+#[inline(always)]
+fn decode_bound(lowest: f64) -> u64 {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    if (0.0..EXACT).contains(&lowest) {
+        // Non-negative and below 2^53: the truncation is the floor, and fits.
+        lowest as u64
+    } else {
+        u64::MAX
     }
 }
 
