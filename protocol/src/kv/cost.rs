@@ -89,6 +89,95 @@ pub fn candidate_cost(
     }
 }
 
+/// [`candidate_cost`] and [`overlap_only_cost`] for many ranks of one request and one block
+/// size: what depends only on the request (`ceil(isl / bs)`, `isl / bs`, the block size as a
+/// float) is computed once, and each rank's cost takes the same `f64` operations in the same
+/// order as the per-candidate functions, so it is bit-identical to them
+/// (`tests::request_cost_is_bit_identical_to_the_per_candidate_formula`).
+#[derive(Clone, Copy, Debug)]
+pub struct RequestCost {
+    isl: u64,
+    bs: u64,
+    bs_f: f64,
+    /// `1 / bs` when `bs` is a power of two, else 0: dividing a float by a power of two and
+    /// multiplying it by the exact reciprocal give the same result (both are exact for the
+    /// finite, non-negative values below 2^64 the formula divides), and a multiplication costs
+    /// a fraction of a division.
+    inv_bs: f64,
+    request_blocks: u64,
+    /// `isl / bs` as [`overlap_only_cost`] computes it.
+    quiet_blocks: f64,
+    params: CostParams,
+}
+
+impl RequestCost {
+    pub fn new(isl: u64, block_size: BlockSize, params: CostParams) -> Self {
+        let bs = u64::from(block_size.get());
+        Self {
+            isl,
+            bs,
+            bs_f: bs as f64,
+            inv_bs: if bs.is_power_of_two() {
+                1.0 / bs as f64
+            } else {
+                0.0
+            },
+            request_blocks: isl.div_ceil(bs),
+            quiet_blocks: isl as f64 / f64::from(block_size.get()),
+            params,
+        }
+    }
+
+    /// `(adjusted_prefill, overlap_credit_blocks, decode_cost_blocks)` of [`candidate_cost`].
+    #[inline(always)]
+    fn parts(&self, load: CandidateLoad) -> (f64, f64, f64) {
+        let cached_tokens = load.overlap_blocks.saturating_mul(self.bs).min(self.isl);
+        let raw_prefill_tokens = load
+            .active_prefill_tokens
+            .saturating_add(self.isl - cached_tokens)
+            .saturating_add(cached_tokens);
+        let raw_prefill_blocks = if self.inv_bs != 0.0 {
+            raw_prefill_tokens as f64 * self.inv_bs
+        } else {
+            raw_prefill_tokens as f64 / self.bs_f
+        };
+        let overlap_credit_blocks = self.params.overlap_score_credit * load.overlap_blocks as f64;
+        let adjusted_prefill = (raw_prefill_blocks - overlap_credit_blocks).max(0.0);
+        let decode_cost_blocks = load.active_decode_blocks as f64
+            + self.request_blocks.saturating_sub(load.overlap_blocks) as f64;
+        (adjusted_prefill, overlap_credit_blocks, decode_cost_blocks)
+    }
+
+    /// [`candidate_cost`]`(..).cost`.
+    #[inline(always)]
+    pub fn cost(&self, load: CandidateLoad) -> f64 {
+        let (adjusted_prefill, _, decode_cost_blocks) = self.parts(load);
+        self.params.prefill_load_scale * adjusted_prefill + decode_cost_blocks
+    }
+
+    /// [`candidate_cost`]`(..).conditional_decode_cost()`.
+    #[inline(always)]
+    pub fn conditional_decode_cost(&self, load: CandidateLoad) -> f64 {
+        let (_, overlap_credit_blocks, decode_cost_blocks) = self.parts(load);
+        (decode_cost_blocks - overlap_credit_blocks).max(0.0)
+    }
+
+    /// Whether [`Self::cost`] (the full formula's cost, made [`sane`]) is at least the rank's
+    /// `active_decode_blocks` for every load: with `prefill_load_scale >= 0` the prefill term
+    /// is non-negative (or NaN, which [`sane`] makes +inf) and the decode term is the decode
+    /// blocks plus a non-negative count, and float addition and conversion are monotone. A
+    /// pass can then skip ranks whose decode blocks alone lose.
+    pub fn bounded_below_by_decode(&self) -> bool {
+        self.params.prefill_load_scale >= 0.0
+    }
+
+    /// [`overlap_only_cost`] with this request's size, block size and credit.
+    #[inline(always)]
+    pub fn overlap_only(&self, overlap_blocks: u64) -> f64 {
+        self.quiet_blocks - self.params.overlap_score_credit * overlap_blocks as f64
+    }
+}
+
 /// The seed's quiet-fleet rule (no fresh prefill backlog anywhere): candidates compete on
 /// request size and overlap alone, `isl / bs - overlap_score_credit * overlap_blocks`.
 pub fn overlap_only_cost(
@@ -101,7 +190,8 @@ pub fn overlap_only_cost(
 }
 
 /// NaN sorts as +inf: a candidate whose cost cannot be computed is never preferred.
-fn sane(cost: f64) -> f64 {
+#[inline(always)]
+pub fn sane(cost: f64) -> f64 {
     if cost.is_nan() { f64::INFINITY } else { cost }
 }
 
@@ -314,5 +404,50 @@ mod tests {
         assert_eq!(softmax_sample_index(&[0.0, 1.0], 1.0, f64::NAN), Some(0));
         // A very low temperature concentrates on the minimum.
         assert_eq!(softmax_sample_index(&[0.0, 1.0], 0.01, 0.999), Some(0));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// The hoisted formula gives the per-candidate functions' costs bit for bit, for
+        /// powers of two (the reciprocal multiplication) and other block sizes, extreme loads
+        /// (saturation, the `2^53` float range) and unusual parameters.
+        #[test]
+        fn request_cost_is_bit_identical_to_the_per_candidate_formula(
+            isl in proptest::prop_oneof![0u64..5_000, proptest::prelude::any::<u64>()],
+            block in proptest::prop_oneof![
+                proptest::sample::select(vec![16u32, 32, 64, 128, 65_536]),
+                16u32..=65_536,
+            ],
+            overlap in proptest::prop_oneof![0u64..400, proptest::prelude::any::<u64>()],
+            prefill in proptest::prop_oneof![0u64..100_000, proptest::prelude::any::<u64>()],
+            decode in proptest::prop_oneof![0u64..2_000, proptest::prelude::any::<u64>()],
+            credit in proptest::sample::select(vec![0.0, 0.5, 1.0, 2.0, -1.0, 1e300, f64::INFINITY, f64::NAN]),
+            scale in proptest::sample::select(vec![0.0, 0.5, 1.0, 3.0, -2.0, f64::INFINITY, f64::NAN]),
+        ) {
+            let params = CostParams {
+                overlap_score_credit: credit,
+                prefill_load_scale: scale,
+            };
+            let load = CandidateLoad {
+                overlap_blocks: overlap,
+                active_prefill_tokens: prefill,
+                active_decode_blocks: decode,
+            };
+            let hoisted = RequestCost::new(isl, bs(block), params);
+            let b = candidate_cost(isl, bs(block), load, params);
+            proptest::prop_assert_eq!(hoisted.cost(load).to_bits(), b.cost.to_bits());
+            proptest::prop_assert_eq!(
+                hoisted.conditional_decode_cost(load).to_bits(),
+                b.conditional_decode_cost().to_bits()
+            );
+            proptest::prop_assert_eq!(
+                hoisted.overlap_only(overlap).to_bits(),
+                overlap_only_cost(isl, bs(block), overlap, credit).to_bits()
+            );
+            if hoisted.bounded_below_by_decode() {
+                proptest::prop_assert!(sane(hoisted.cost(load)) >= decode as f64);
+            }
+        }
     }
 }

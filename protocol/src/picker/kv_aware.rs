@@ -26,8 +26,16 @@
 //! a prefill/decode pool sit out, and an aggregated winner gets no prefill (`no_prefill_pool`).
 //! Without a KV input (no tokenizer, prompt too large, render failed, artifact unpinned) the whole
 //! pick is the load-based one and the outcome reports why.
+//!
+//! How a formula-scored phase runs: at temperature 0 on the production path (samples mirrored per
+//! row, overlaps laid onto rows, one block size on every row) as one pass over the rows
+//! (`KvPass`) with the request's terms computed once ([`RequestCost`]), keeping per tier the
+//! lowest cost, its tie count and first row (no per-rank writes); otherwise per member
+//! (`KvAwarePicker::rank`, `select_kv`), which softmax sampling needs (every cost) and which the
+//! view path, unsorted overlap lists and mixed block sizes take. Both choose the same rank
+//! (`tests::kv_aware_gather_matches_the_reference_on_uniform_fleets`).
 
-use super::dense::{DenseRanks, NOT_ELIGIBLE, role_bit};
+use super::dense::{DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
 use super::ledger::{NamespaceBacklog, RankBacklog};
 use super::load_based::{
     self, Backlogs, INLINE_NAMESPACES, LoadBasedPicker, RequestSize, Samples, Scored, Scratch,
@@ -38,8 +46,8 @@ use super::{
 };
 use crate::ids::{DpRank, InstanceId};
 use crate::kv::cost::{
-    CandidateLoad, CostParams, argmin_with_cursor, candidate_cost, overlap_only_cost,
-    softmax_sample_index,
+    CandidateLoad, CostParams, RequestCost, argmin_with_cursor, candidate_cost, overlap_only_cost,
+    sane, softmax_sample_index,
 };
 use crate::kv::hashing::BlockSize;
 use crate::kv::index::RankOverlap;
@@ -565,6 +573,95 @@ impl KvAwarePicker {
         load_based::select(scored, ctx.req.load_signals, cursor)
     }
 
+    /// One phase over the rows `table` makes candidates: the KV gather ([`Self::gather`]) when
+    /// the pick is one it serves, else the per-member path ([`Self::choose`]) over those rows
+    /// listed in `members` (only then: listing them is a pass and a write per rank).
+    #[allow(clippy::too_many_arguments)]
+    fn choose_phase(
+        &self,
+        ctx: &Ctx<'_, '_>,
+        bufs: &mut Buffers<'_>,
+        members: &mut Vec<Matched>,
+        table: &[u16],
+        scoring: Option<Scoring>,
+        phase: Phase,
+        cursor: u64,
+    ) -> Option<(Matched, SelectionReason)> {
+        let scoring = match scoring {
+            Some(s) => match self.gather(ctx, table, s, cursor) {
+                Gathered::Chosen(index, reason) => {
+                    let namespace = ctx
+                        .dense
+                        .rows
+                        .get(index)
+                        .and_then(|row| table.get(row.group_role as usize))
+                        .copied()
+                        .filter(|&ns| ns != NOT_ELIGIBLE);
+                    if let Some(ns) = namespace {
+                        let namespace = usize::from(ns);
+                        return Some((Matched { index, namespace }, reason));
+                    }
+                    // Not a candidate row (cannot happen): the per-member path decides.
+                    Some(s)
+                }
+                // No rank has a formula cost: the load-only rule decides, as after `select_kv`.
+                Gathered::NoFormula => None,
+                Gathered::NotApplicable => Some(s),
+            },
+            None => None,
+        };
+        members_of(ctx.dense, table, members);
+        self.choose(ctx, bufs, members, scoring, phase, cursor)
+    }
+
+    /// A formula-scored phase at temperature 0 on the production path (samples mirrored, the
+    /// overlaps laid onto rows, one block size on every row): one pass over the rows
+    /// ([`KvPass`]) choosing exactly what [`Self::rank`] + [`Self::select_kv`] choose, without
+    /// materialising ranks or costs. Everything else (softmax sampling needs every cost; the
+    /// view path; unsorted overlap lists; mixed block sizes) is [`Gathered::NotApplicable`].
+    fn gather(&self, ctx: &Ctx<'_, '_>, table: &[u16], scoring: Scoring, cursor: u64) -> Gathered {
+        if self.params.router_temperature > 0.0 {
+            return Gathered::NotApplicable;
+        }
+        let block_size = ctx
+            .dense
+            .uniform_block_size
+            .and_then(|b| BlockSize::new(b).ok());
+        let (
+            Samples::Mirror {
+                rows: mirror,
+                oldest,
+            },
+            Overlaps::ByRow(overlaps),
+            Some(block_size),
+        ) = (ctx.samples, ctx.overlaps, block_size)
+        else {
+            return Gathered::NotApplicable;
+        };
+        if mirror.len() != ctx.dense.rows.len() {
+            return Gathered::NotApplicable;
+        }
+        let pass = KvPass {
+            rows: &ctx.dense.rows,
+            mirror,
+            table,
+            overlaps,
+            oldest,
+            formula: RequestCost::new(ctx.kv.isl, block_size, self.params.cost()),
+            scoring,
+            load_signals: ctx.req.load_signals,
+        };
+        // Instantiated per way of reading backlogs, so the loop holds no dispatch.
+        match ctx.backlogs {
+            Backlogs::Empty => pass.choose(|_, _| RankBacklog::default(), cursor),
+            Backlogs::ByRow(rows) => pass.choose(|i, _| rows.get(i), cursor),
+            Backlogs::Lookup(_) => pass.choose(
+                |i, ns| ctx.backlogs.get(ctx.dense, i, usize::from(ns), ctx.now),
+                cursor,
+            ),
+        }
+    }
+
     /// One phase: the formula when it can score anyone, else the load-only rule.
     fn choose(
         &self,
@@ -681,30 +778,19 @@ impl KvAwarePicker {
                 kv: None,
             };
         }
-        members.clear();
-        members.extend(dense.rows.iter().enumerate().filter_map(|(index, row)| {
-            let ns = table
-                .get(row.group_role as usize)
-                .copied()
-                .unwrap_or(NOT_ELIGIBLE);
-            (ns != NOT_ELIGIBLE).then_some(Matched {
-                index,
-                namespace: usize::from(ns),
-            })
-        }));
-        if members.is_empty() {
+        let paired_bits = role_bit(CandidateRole::Prefill) | role_bit(CandidateRole::Decode);
+        let paired = |ns: u16| {
+            roles
+                .get(usize::from(ns))
+                .is_some_and(|&r| r & paired_bits == paired_bits)
+        };
+        let (decode_candidates, pair_fleet) = tabled(dense, table, paired);
+        if decode_candidates == 0 {
             return KvPickOutcome {
                 outcome: PickOutcome::NoCandidates(NoCandidates::NoDecodeWorker),
                 kv: None,
             };
         }
-        let paired_bits = role_bit(CandidateRole::Prefill) | role_bit(CandidateRole::Decode);
-        let paired = |ns: usize| {
-            roles
-                .get(ns)
-                .is_some_and(|&r| r & paired_bits == paired_bits)
-        };
-        let pair_fleet = members.iter().any(|m| paired(m.namespace));
         let conditional = pair_fleet && self.params.conditional_disaggregation.enabled;
 
         let mut inline: [Option<NamespaceBacklog<'_>>; INLINE_NAMESPACES] =
@@ -761,10 +847,11 @@ impl KvAwarePicker {
             None
         };
         let cursor = cursors.advance(req.model, Phase::Decode);
-        let chosen = self.choose(
+        let chosen = self.choose_phase(
             &ctx,
             &mut bufs,
             members,
+            table,
             decode_scoring,
             Phase::Decode,
             cursor,
@@ -789,30 +876,15 @@ impl KvAwarePicker {
             .get(won.namespace)
             .is_some_and(|&r| r & role_bit(CandidateRole::Prefill) != 0);
         if decode.role == CandidateRole::Decode && has_prefill {
-            members.clear();
-            members.extend(
-                dense
-                    .rows
-                    .iter()
-                    .zip(&dense.group)
-                    .zip(&dense.role)
-                    .enumerate()
-                    .filter(|&(_, ((_, &group), &role))| {
-                        role == CandidateRole::Prefill
-                            && eligible
-                                .get(group as usize)
-                                .is_some_and(|&ns| usize::from(ns) == won.namespace)
-                    })
-                    .map(|(index, _)| Matched {
-                        index,
-                        namespace: won.namespace,
-                    }),
-            );
+            // The prefill ranks of the winner's namespace (a position taken from the table).
+            let ns = u16::try_from(won.namespace).unwrap_or(NOT_ELIGIBLE);
+            load_based::plan_prefill(dense, eligible, ns, table);
             let cursor = cursors.advance(req.model, Phase::Prefill);
-            if let Some((p, reason)) = self.choose(
+            if let Some((p, reason)) = self.choose_phase(
                 &ctx,
                 &mut bufs,
                 members,
+                table,
                 Some(Scoring::Prefill),
                 Phase::Prefill,
                 cursor,
@@ -865,6 +937,317 @@ impl KvAwarePicker {
         }
     }
 }
+
+/// The rows `table` makes candidates, counted per `(group, role)`, and whether one of them sits
+/// in a namespace `paired` accepts: what a pass over the rows finds, in O(groups).
+fn tabled(dense: &DenseRanks, table: &[u16], paired: impl Fn(u16) -> bool) -> (usize, bool) {
+    let mut count = 0usize;
+    let mut any_paired = false;
+    for (&rows, &ns) in dense.group_role_rows.iter().zip(table) {
+        if ns == NOT_ELIGIBLE || rows == 0 {
+            continue;
+        }
+        count = count.saturating_add(rows as usize);
+        any_paired |= paired(ns);
+    }
+    (count, any_paired)
+}
+
+/// Lists the rows `table` makes candidates, in row order, with their namespace positions.
+fn members_of(dense: &DenseRanks, table: &[u16], members: &mut Vec<Matched>) {
+    members.clear();
+    members.extend(dense.rows.iter().enumerate().filter_map(|(index, row)| {
+        let ns = table
+            .get(row.group_role as usize)
+            .copied()
+            .unwrap_or(NOT_ELIGIBLE);
+        (ns != NOT_ELIGIBLE).then_some(Matched {
+            index,
+            namespace: usize::from(ns),
+        })
+    }));
+}
+
+/// How [`KvAwarePicker::gather`] ended.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Gathered {
+    /// The chosen row and why.
+    Chosen(usize, SelectionReason),
+    /// No rank has a formula cost: the load-only rule decides.
+    NoFormula,
+    /// Not a pick the gather serves (or the lowest cost is not finite, where the reason's tie
+    /// count reads raw costs): the per-member path decides.
+    NotApplicable,
+}
+
+/// The lowest cost of one tier while gathering, in row order (`ties == 0`: none yet).
+#[derive(Clone, Copy, Debug)]
+struct Lowest {
+    cost: f64,
+    ties: usize,
+    first: usize,
+}
+
+impl Lowest {
+    const NONE: Lowest = Lowest {
+        cost: f64::INFINITY,
+        ties: 0,
+        first: 0,
+    };
+
+    /// Tallies row `row` at `cost` (never NaN: [`sane`]) as [`argmin_with_cursor`] compares:
+    /// the minimum, how many equal it (`-0.0 == 0.0`), the first of them.
+    #[inline(always)]
+    fn add(&mut self, row: usize, cost: f64) {
+        if self.ties == 0 || cost < self.cost {
+            *self = Lowest {
+                cost,
+                ties: 1,
+                first: row,
+            };
+        } else if cost == self.cost {
+            self.ties += 1;
+        }
+    }
+}
+
+/// What one pass over a phase's rows found: whether a rank carries the phase's fresh backlog,
+/// and per tier the lowest cost. Which tier decides is known only at the end, so all three are
+/// kept: `quiet` on overlap and size alone (every candidate), `free` and `stalled` on the full
+/// formula (ranks with a load, split by the ledger's stall).
+#[derive(Clone, Copy, Debug)]
+struct KvTally {
+    any_fresh: bool,
+    quiet: Lowest,
+    free: Lowest,
+    stalled: Lowest,
+}
+
+/// The tier a choice was made in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tier {
+    Quiet,
+    Free,
+    Stalled,
+}
+
+/// One rank as a [`KvPass`] scores it: what [`KvAwarePicker::rank`] reads and the costs
+/// `select_kv` would give it, made sane.
+#[derive(Clone, Copy, Debug)]
+struct RankCost {
+    /// `overlap_only_cost`.
+    quiet: f64,
+    /// The full formula's cost and whether the rank is stalled; `None`: silent under load, or
+    /// a fresh sample without the phase's field.
+    full: Option<(f64, bool)>,
+}
+
+/// A formula-scored phase over the layout's rows on the production path: the fused rows, the
+/// sample mirror and the overlaps laid onto rows, with everything that depends only on the
+/// request hoisted into `formula` ([`RequestCost`]), so a rank costs a few integer operations
+/// and the formula's own `f64` operations.
+#[derive(Clone, Copy)]
+struct KvPass<'p> {
+    rows: &'p [Row],
+    mirror: &'p [RowSample],
+    table: &'p [u16],
+    overlaps: &'p OverlapRows,
+    oldest: u64,
+    formula: RequestCost,
+    scoring: Scoring,
+    load_signals: bool,
+}
+
+impl KvPass<'_> {
+    /// The namespace position of a candidate row, `None` for a row the phase does not score.
+    #[inline(always)]
+    fn namespace(&self, row: &Row) -> Option<u16> {
+        match self.table.get(row.group_role as usize) {
+            Some(&ns) if ns != NOT_ELIGIBLE => Some(ns),
+            _ => None,
+        }
+    }
+
+    /// `(load, fresh_field)` of a mirrored sample, as [`KvAwarePicker::rank`] reads its
+    /// [`RowSample::state`]: the sample's `(prefill tokens, decode blocks)` when fresh with the
+    /// phase's field, `(0, 0)` when quiet (never sampled, or stale without backlog), none when
+    /// silent under load or fresh without the field.
+    #[inline(always)]
+    fn load(&self, sample: &RowSample) -> (Option<(u64, u64)>, bool) {
+        if sample.at > self.oldest {
+            let decode = (sample.flags & RowSample::HAS_DECODE != 0).then_some(sample.decode);
+            let prefill = (sample.flags & RowSample::HAS_PREFILL != 0).then_some(sample.prefill);
+            match self.scoring {
+                Scoring::Prefill => (prefill.map(|p| (p, decode.unwrap_or(0))), prefill.is_some()),
+                Scoring::Aggregated | Scoring::ConditionalDecode => {
+                    (decode.map(|d| (prefill.unwrap_or(0), d)), decode.is_some())
+                }
+            }
+        } else if sample.at != 0 && sample.flags & RowSample::BUSY != 0 {
+            (None, false)
+        } else {
+            (Some((0, 0)), false)
+        }
+    }
+
+    /// Row `i` (namespace position `ns`) scored: its backlog read only when it has a load.
+    #[inline(always)]
+    fn score<B: Fn(usize, u16) -> RankBacklog>(
+        &self,
+        i: usize,
+        ns: u16,
+        sample: &RowSample,
+        backlog: &B,
+    ) -> RankCost {
+        let overlap = self.overlaps.get(i);
+        let (load, _) = self.load(sample);
+        let full = load.map(|load| self.full(i, ns, overlap, load, backlog));
+        RankCost {
+            quiet: sane(self.formula.overlap_only(overlap)),
+            full,
+        }
+    }
+
+    /// The full formula's cost of a rank with a load, and whether it is stalled.
+    #[inline(always)]
+    fn full<B: Fn(usize, u16) -> RankBacklog>(
+        &self,
+        i: usize,
+        ns: u16,
+        overlap: u64,
+        (prefill, decode): (u64, u64),
+        backlog: &B,
+    ) -> (f64, bool) {
+        let b = backlog(i, ns);
+        let load = CandidateLoad {
+            overlap_blocks: overlap,
+            active_prefill_tokens: prefill.saturating_add(b.prefill_tokens),
+            active_decode_blocks: decode.saturating_add(b.decode_blocks),
+        };
+        let cost = match self.scoring {
+            Scoring::ConditionalDecode => self.formula.conditional_decode_cost(load),
+            Scoring::Prefill | Scoring::Aggregated => self.formula.cost(load),
+        };
+        (sane(cost), b.stalled)
+    }
+
+    /// One loop over the rows and the mirror: every candidate tallied into the tiers that can
+    /// still decide, no per-rank writes. The quiet tier only decides when no rank carries a
+    /// fresh backlog, so it is no longer tallied once one does. Where the cost is at least the
+    /// rank's decode blocks ([`RequestCost::bounded_below_by_decode`]; not conditional
+    /// disaggregation's decode score), a rank whose sample's decode blocks already exceed the
+    /// lowest free cost so far loses to it whatever its overlap and ledger backlog: it is
+    /// skipped before either is read or the formula computed (such a rank, stalled or not,
+    /// cannot decide: the stalled tier only counts when no free rank has a cost). Not inlined:
+    /// its own function keeps its live values in registers.
+    #[inline(never)]
+    fn gather<B: Fn(usize, u16) -> RankBacklog>(&self, backlog: &B) -> KvTally {
+        let n = self.rows.len().min(self.mirror.len());
+        let (rows, mirror) = (&self.rows[..n], &self.mirror[..n]);
+        let mut tally = KvTally {
+            any_fresh: false,
+            quiet: Lowest::NONE,
+            free: Lowest::NONE,
+            stalled: Lowest::NONE,
+        };
+        let prunes =
+            self.scoring != Scoring::ConditionalDecode && self.formula.bounded_below_by_decode();
+        // Decode blocks above which a rank loses to the lowest free cost (none yet: no bound).
+        let mut bound = u64::MAX;
+        for (i, (row, sample)) in rows.iter().zip(mirror).enumerate() {
+            let Some(ns) = self.namespace(row) else {
+                continue;
+            };
+            let (load, fresh_field) = self.load(sample);
+            tally.any_fresh |= fresh_field;
+            if !tally.any_fresh {
+                let quiet = sane(self.formula.overlap_only(self.overlaps.get(i)));
+                tally.quiet.add(i, quiet);
+            }
+            let Some(load) = load else {
+                continue;
+            };
+            if load.1 > bound {
+                continue;
+            }
+            let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
+            if stalled {
+                tally.stalled.add(i, cost);
+            } else {
+                tally.free.add(i, cost);
+                if prunes {
+                    bound = decode_bound(tally.free.cost);
+                }
+            }
+        }
+        tally
+    }
+
+    /// The choice `select_kv` makes at temperature 0 from the gathered tiers: with a fresh
+    /// backlog somewhere, the full formula among free ranks, else among stalled ones; without,
+    /// overlap and size among all. The `cursor`-th of several tied ranks is found by re-walking
+    /// the rows after the first (rare).
+    fn choose<B: Fn(usize, u16) -> RankBacklog>(&self, backlog: B, cursor: u64) -> Gathered {
+        let tally = self.gather(&backlog);
+        let any_fresh = self.load_signals && tally.any_fresh;
+        let (tier, best) = match (any_fresh, tally.free, tally.stalled, tally.quiet) {
+            (true, free, _, _) if free.ties > 0 => (Tier::Free, free),
+            (true, _, stalled, _) if stalled.ties > 0 => (Tier::Stalled, stalled),
+            (false, _, _, quiet) if quiet.ties > 0 => (Tier::Quiet, quiet),
+            _ => return Gathered::NoFormula,
+        };
+        if best.cost == f64::INFINITY {
+            return Gathered::NotApplicable;
+        }
+        let reason = match (any_fresh || best.ties == 1, self.load_signals) {
+            (true, _) => SelectionReason::KvAware,
+            (false, true) => SelectionReason::RoundRobinStale,
+            (false, false) => SelectionReason::RoundRobin,
+        };
+        // ties > 0: the remainder is below it, so it fits usize.
+        let wanted = (cursor % best.ties as u64) as usize;
+        if wanted == 0 {
+            return Gathered::Chosen(best.first, reason);
+        }
+        let found = self
+            .rows
+            .iter()
+            .zip(self.mirror)
+            .enumerate()
+            .skip(best.first + 1)
+            .filter_map(|(i, (row, sample))| {
+                let rank = self.score(i, self.namespace(row)?, sample, &backlog);
+                let cost = match tier {
+                    Tier::Quiet => Some(rank.quiet),
+                    Tier::Free => rank.full.filter(|&(_, stalled)| !stalled).map(|(c, _)| c),
+                    Tier::Stalled => rank.full.filter(|&(_, stalled)| stalled).map(|(c, _)| c),
+                };
+                (cost == Some(best.cost)).then_some(i)
+            })
+            .nth(wanted - 1);
+        match found {
+            Some(i) => Gathered::Chosen(i, reason),
+            None => Gathered::NotApplicable,
+        }
+    }
+}
+
+/// The largest decode-block count that does not exceed `lowest` (a cost, never NaN): a rank
+/// whose decode blocks exceed it costs more than `lowest` where the cost is bounded below by
+/// them (`d > floor(lowest)` gives `d >= floor(lowest) + 1 > lowest`, and that integer, at most
+/// 2^53, converts to `f64` exactly). `u64::MAX` (no rank is skipped) for a negative or
+/// non-finite `lowest`, or one past 2^53.
+#[inline(always)]
+fn decode_bound(lowest: f64) -> u64 {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    if (0.0..EXACT).contains(&lowest) {
+        // Non-negative and below 2^53: the truncation is the floor, and fits.
+        lowest as u64
+    } else {
+        u64::MAX
+    }
+}
+
 impl DynamoWorkerPicker for KvAwarePicker {
     fn name(&self) -> &'static str {
         "kv_aware"

@@ -433,7 +433,7 @@ impl RowBacklogs {
     }
 
     #[inline(always)]
-    fn get(&self, row: usize) -> RankBacklog {
+    pub(super) fn get(&self, row: usize) -> RankBacklog {
         match self.marks.get(row) {
             Some(&(stamp, entry)) if stamp == self.stamp => self
                 .entries
@@ -614,7 +614,7 @@ fn row_backlogs_empty() -> &'static RowBacklogs {
 }
 
 /// Fills `table` with the prefill ranks of namespace position `ns`.
-fn plan_prefill(dense: &DenseRanks, eligible: &[u16], ns: u16, table: &mut Vec<u16>) {
+pub(super) fn plan_prefill(dense: &DenseRanks, eligible: &[u16], ns: u16, table: &mut Vec<u16>) {
     table.clear();
     table.resize(dense.groups() * 4, NOT_ELIGIBLE);
     for (g, &p) in eligible.iter().enumerate() {

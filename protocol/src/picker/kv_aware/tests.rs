@@ -852,10 +852,213 @@ fn kv_params() -> impl Strategy<Value = KvPickParams> {
         })
 }
 
+/// One random KV-aware session for [`check_against_reference`].
+#[derive(Debug)]
+struct Session {
+    arb: Vec<ArbCandidate>,
+    samples: Vec<SampleState>,
+    /// Per worker id, its block size.
+    block_sizes: Vec<u32>,
+    overlap: Vec<u32>,
+    unsorted: bool,
+    eligible_mask: usize,
+    load_signals: bool,
+    params: KvPickParams,
+    steps: Vec<KvStep>,
+    /// Every candidate declares its capacity (with one block size: a layout of one block size).
+    all_capacity: bool,
+}
+
+/// The KV-aware pick over the dense layout (samples mirrored from a real load store, the
+/// ledger and the overlaps laid onto rows) and over the per-rank view path picks exactly what
+/// the per-candidate reference picks at every step of `session`.
+fn check_against_reference(session: Session) -> Result<(), TestCaseError> {
+    let Session {
+        arb,
+        samples,
+        block_sizes,
+        overlap,
+        unsorted,
+        eligible_mask,
+        load_signals,
+        params,
+        steps,
+        all_capacity,
+    } = session;
+    let mut seen = std::collections::HashSet::new();
+    let mut candidates = Vec::new();
+    let mut store = LoadStore::new();
+    store.set_live_and_retain((1..6).map(InstanceId));
+    let mut sequence = 1;
+    let models: [std::sync::Arc<str>; 2] = [MODELS[0].into(), MODELS[1].into()];
+    for (i, a) in arb.iter().enumerate() {
+        let ArbCandidate {
+            ns,
+            id,
+            role,
+            model,
+            ranks,
+            capacity,
+        } = *a;
+        let capacity = capacity || all_capacity;
+        if !seen.insert((ns, id)) {
+            continue;
+        }
+        for (offset, (dp_rank, rank_declared)) in
+            dp_ranks(0, Some(ranks)).expect("small").enumerate()
+        {
+            candidates.push(Candidate {
+                worker: key(NAMESPACES[ns], id),
+                role,
+                model: models[model].clone(),
+                dp_rank,
+                rank_declared,
+                block_size: capacity.then_some(block_sizes[id as usize]),
+                total_kv_blocks: capacity.then_some(if id.is_multiple_of(3) { 50 } else { 100 }),
+                max_num_batched_tokens: capacity.then_some(1000),
+            });
+            if let Some(s) = stored(
+                id,
+                offset as u32,
+                samples[(i * 3 + offset) % samples.len()],
+                sequence,
+            ) {
+                store.apply(s);
+                sequence += 1;
+            }
+        }
+    }
+    // Overlaps per block size, sorted by (worker, rank) as `find_matches` lists them (or
+    // reversed: a caller's unsorted list).
+    let mut lists: Vec<BlockOverlaps> = [16u32, 32, 48]
+        .iter()
+        .map(|&bs| {
+            let mut ranks: Vec<RankOverlap> = (1..6u64)
+                .flat_map(|id| (0..2u32).map(move |r| (id, r)))
+                .filter(|&(id, _)| block_sizes[id as usize] == bs)
+                .filter_map(|(id, r)| {
+                    let blocks = overlap[(id as usize * 2 + r as usize) % overlap.len()];
+                    (blocks > 0).then_some(RankOverlap {
+                        worker: InstanceId(id),
+                        dp_rank: DpRank(r),
+                        blocks,
+                    })
+                })
+                .collect();
+            if unsorted {
+                ranks.reverse();
+            }
+            BlockOverlaps {
+                block_size: BlockSize::new(bs).expect("valid"),
+                ranks,
+            }
+        })
+        .collect();
+    lists.retain(|l| !l.ranks.is_empty());
+    let layout = DenseRanks::build(&candidates);
+    let namespaces: Vec<Namespace> = (0..3)
+        .filter(|i| eligible_mask & (1 << i) != 0)
+        .map(|i| Namespace::new(NAMESPACES[i]))
+        .collect();
+    let picker = KvAwarePicker::new(params);
+    let (mut dense_state, mut view_state) = (PickerState::new(), PickerState::new());
+    let mut reference = reference::ReferenceKv::new(params);
+    let max_age = Duration::from_secs(3);
+    let mut now = secs(100);
+    let mut dispatches = Vec::new();
+    for step in steps {
+        let (model, isl, unit) = match step {
+            KvStep::Pick {
+                model,
+                isl,
+                unit,
+                advance_ms,
+            } => {
+                now = now.plus(Duration::from_millis(advance_ms));
+                (MODELS[model], isl, unit)
+            }
+            KvStep::Sample { id, rank, decode } => {
+                let fresh = SampleState::Fresh {
+                    active_decode_blocks: Some(decode),
+                    active_prefill_tokens: (!decode.is_multiple_of(3)).then_some(decode * 5),
+                    kv_used_blocks: None,
+                };
+                if let Some(mut s) = stored(id, rank, fresh, sequence) {
+                    s.received_at = now;
+                    store.apply(s);
+                    sequence += 1;
+                }
+                for ns in NAMESPACES {
+                    for state in [
+                        &mut dense_state.ledger,
+                        &mut view_state.ledger,
+                        &mut reference.ledger,
+                    ] {
+                        state.sample_arrived(&key(ns, id), now);
+                    }
+                }
+                continue;
+            }
+            KvStep::Drop { id } => {
+                store.drop_publisher(crate::ids::PublisherId(id));
+                continue;
+            }
+            KvStep::End { nth } => {
+                if !dispatches.is_empty() {
+                    let id = dispatches[nth % dispatches.len()];
+                    dense_state.ledger.request_ended(id);
+                    view_state.ledger.request_ended(id);
+                    reference.ledger.request_ended(id);
+                }
+                continue;
+            }
+        };
+        let req = PickRequest {
+            model,
+            eligible_namespaces: &namespaces,
+            estimated_prompt_tokens: isl,
+            load_signals,
+        };
+        let input = KvPickInput {
+            isl,
+            overlaps: &lists,
+            unit,
+        };
+        let view = StoreView {
+            store: &store,
+            now,
+            max_age,
+        };
+        let fast = picker.pick_with(
+            &mut PickContext::new(&req, &candidates, &view, &mut dense_state, now)
+                .with_layout(&layout),
+            Ok(&input),
+        );
+        let plain = NoSlots(StoreView {
+            store: &store,
+            now,
+            max_age,
+        });
+        let viewed = picker.pick_with(
+            &mut PickContext::new(&req, &candidates, &plain, &mut view_state, now),
+            Ok(&input),
+        );
+        let expected = reference.pick(&req, &candidates, &plain, &input, now);
+        prop_assert_eq!(&fast, &expected);
+        prop_assert_eq!(&viewed, &expected);
+        if let PickOutcome::Picked(Pick {
+            dispatch: Some(id), ..
+        }) = expected.outcome
+        {
+            dispatches.push(id);
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
-    /// The KV-aware pick over the dense layout (samples mirrored from a real load store, the
-    /// ledger and the overlaps laid onto rows) and over the per-rank view path picks exactly
+    /// The KV-aware pick over the dense layout and over the per-rank view path picks exactly
     /// what the per-candidate reference picks, across random multi-namespace fleets, samples
     /// replaced and dropped, dispatches answered and ended, sorted and unsorted overlap lists.
     #[test]
@@ -870,126 +1073,41 @@ proptest! {
         params in kv_params(),
         steps in proptest::collection::vec(kv_step(), 1..30),
     ) {
-        let mut seen = std::collections::HashSet::new();
-        let mut candidates = Vec::new();
-        let mut store = LoadStore::new();
-        store.set_live_and_retain((1..6).map(InstanceId));
-        let mut sequence = 1;
-        let models: [std::sync::Arc<str>; 2] = [MODELS[0].into(), MODELS[1].into()];
-        for (i, a) in arb.iter().enumerate() {
-            let ArbCandidate { ns, id, role, model, ranks, capacity } = *a;
-            if !seen.insert((ns, id)) {
-                continue;
-            }
-            for (offset, (dp_rank, rank_declared)) in dp_ranks(0, Some(ranks)).expect("small").enumerate() {
-                candidates.push(Candidate {
-                    worker: key(NAMESPACES[ns], id),
-                    role,
-                    model: models[model].clone(),
-                    dp_rank,
-                    rank_declared,
-                    block_size: capacity.then_some(block_sizes[id as usize]),
-                    total_kv_blocks: capacity.then_some(if id.is_multiple_of(3) { 50 } else { 100 }),
-                    max_num_batched_tokens: capacity.then_some(1000),
-                });
-                if let Some(s) = stored(id, offset as u32, samples[(i * 3 + offset) % samples.len()], sequence) {
-                    store.apply(s);
-                    sequence += 1;
+        check_against_reference(Session {
+            arb, samples, block_sizes, overlap, unsorted, eligible_mask, load_signals, params,
+            steps, all_capacity: false,
+        })?;
+    }
+
+    /// The same on layouts of one block size (a power of two or not), where temperature 0 on
+    /// the mirrored path takes the KV gather (`KvPass`): one pass, no per-rank buffers. Half the
+    /// sessions send prompts of 0–3 tokens, where a rank's cost is its decode blocks plus a
+    /// fraction: ties, and ranks at the gather's decode-blocks bound, are then common.
+    #[test]
+    fn kv_aware_gather_matches_the_reference_on_uniform_fleets(
+        arb in proptest::collection::vec(arb_candidate(), 0..30),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        block_size in prop_oneof![Just(16u32), Just(32), Just(48)],
+        overlap in proptest::collection::vec(0u32..6, 12),
+        unsorted in proptest::bool::weighted(0.2),
+        eligible_mask in 1usize..8,
+        load_signals in proptest::bool::weighted(0.85),
+        params in kv_params(),
+        steps in proptest::collection::vec(kv_step(), 1..30),
+        small_prompts in any::<bool>(),
+    ) {
+        let steps = steps
+            .into_iter()
+            .map(|step| match step {
+                KvStep::Pick { model, isl, unit, advance_ms } if small_prompts => {
+                    KvStep::Pick { model, isl: isl % 4, unit, advance_ms }
                 }
-            }
-        }
-        // Overlaps per block size, sorted by (worker, rank) as `find_matches` lists them (or
-        // reversed: a caller's unsorted list).
-        let mut lists: Vec<BlockOverlaps> = [16u32, 32]
-            .iter()
-            .map(|&bs| {
-                let mut ranks: Vec<RankOverlap> = (1..6u64)
-                    .flat_map(|id| (0..2u32).map(move |r| (id, r)))
-                    .filter(|&(id, _)| block_sizes[id as usize] == bs)
-                    .filter_map(|(id, r)| {
-                        let blocks = overlap[(id as usize * 2 + r as usize) % overlap.len()];
-                        (blocks > 0).then_some(RankOverlap { worker: InstanceId(id), dp_rank: DpRank(r), blocks })
-                    })
-                    .collect();
-                if unsorted {
-                    ranks.reverse();
-                }
-                BlockOverlaps { block_size: BlockSize::new(bs).expect("valid"), ranks }
+                step => step,
             })
             .collect();
-        lists.retain(|l| !l.ranks.is_empty());
-        let layout = DenseRanks::build(&candidates);
-        let namespaces: Vec<Namespace> = (0..3)
-            .filter(|i| eligible_mask & (1 << i) != 0)
-            .map(|i| Namespace::new(NAMESPACES[i]))
-            .collect();
-        let picker = KvAwarePicker::new(params);
-        let (mut dense_state, mut view_state) = (PickerState::new(), PickerState::new());
-        let mut reference = reference::ReferenceKv::new(params);
-        let max_age = Duration::from_secs(3);
-        let mut now = secs(100);
-        let mut dispatches = Vec::new();
-        for step in steps {
-            let (model, isl, unit) = match step {
-                KvStep::Pick { model, isl, unit, advance_ms } => {
-                    now = now.plus(Duration::from_millis(advance_ms));
-                    (MODELS[model], isl, unit)
-                }
-                KvStep::Sample { id, rank, decode } => {
-                    let fresh = SampleState::Fresh {
-                        active_decode_blocks: Some(decode),
-                        active_prefill_tokens: (!decode.is_multiple_of(3)).then_some(decode * 5),
-                        kv_used_blocks: None,
-                    };
-                    if let Some(mut s) = stored(id, rank, fresh, sequence) {
-                        s.received_at = now;
-                        store.apply(s);
-                        sequence += 1;
-                    }
-                    for ns in NAMESPACES {
-                        for state in [&mut dense_state.ledger, &mut view_state.ledger, &mut reference.ledger] {
-                            state.sample_arrived(&key(ns, id), now);
-                        }
-                    }
-                    continue;
-                }
-                KvStep::Drop { id } => {
-                    store.drop_publisher(crate::ids::PublisherId(id));
-                    continue;
-                }
-                KvStep::End { nth } => {
-                    if !dispatches.is_empty() {
-                        let id = dispatches[nth % dispatches.len()];
-                        dense_state.ledger.request_ended(id);
-                        view_state.ledger.request_ended(id);
-                        reference.ledger.request_ended(id);
-                    }
-                    continue;
-                }
-            };
-            let req = PickRequest {
-                model,
-                eligible_namespaces: &namespaces,
-                estimated_prompt_tokens: isl,
-                load_signals,
-            };
-            let input = KvPickInput { isl, overlaps: &lists, unit };
-            let view = StoreView { store: &store, now, max_age };
-            let fast = picker.pick_with(
-                &mut PickContext::new(&req, &candidates, &view, &mut dense_state, now).with_layout(&layout),
-                Ok(&input),
-            );
-            let plain = NoSlots(StoreView { store: &store, now, max_age });
-            let viewed = picker.pick_with(
-                &mut PickContext::new(&req, &candidates, &plain, &mut view_state, now),
-                Ok(&input),
-            );
-            let expected = reference.pick(&req, &candidates, &plain, &input, now);
-            prop_assert_eq!(&fast, &expected);
-            prop_assert_eq!(&viewed, &expected);
-            if let PickOutcome::Picked(Pick { dispatch: Some(id), .. }) = expected.outcome {
-                dispatches.push(id);
-            }
-        }
+        check_against_reference(Session {
+            arb, samples, block_sizes: vec![block_size; 6], overlap, unsorted, eligible_mask,
+            load_signals, params, steps, all_capacity: true,
+        })?;
     }
 }
