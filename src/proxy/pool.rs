@@ -35,7 +35,7 @@ use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::upstream::UpstreamError;
+use super::upstream::{UpstreamError, chain};
 
 type Sender = http1::SendRequest<Full<Bytes>>;
 
@@ -315,18 +315,6 @@ impl hyper::body::Body for PooledBody {
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
     }
-}
-
-/// An error and its sources on one line.
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -308,7 +308,7 @@ impl hyper::body::Body for UpstreamBody {
 }
 
 /// An error and its sources on one line.
-fn chain(error: &dyn std::error::Error) -> String {
+pub(super) fn chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(s) = source {

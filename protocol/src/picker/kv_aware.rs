@@ -36,9 +36,9 @@
 //! (`tests::kv_aware_gather_matches_the_reference_on_uniform_fleets`).
 
 use super::dense::{DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
-use super::ledger::{NamespaceBacklog, RankBacklog};
+use super::ledger::RankBacklog;
 use super::load_based::{
-    self, Backlogs, INLINE_NAMESPACES, LoadBasedPicker, RequestSize, Samples, Scored, Scratch,
+    self, Backlogs, LoadBasedPicker, NamespaceLedgers, RequestSize, Samples, Scored, Scratch,
 };
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, NoCandidates, Phase, Pick, PickContext,
@@ -793,20 +793,8 @@ impl KvAwarePicker {
         }
         let conditional = pair_fleet && self.params.conditional_disaggregation.enabled;
 
-        let mut inline: [Option<NamespaceBacklog<'_>>; INLINE_NAMESPACES] =
-            [None; INLINE_NAMESPACES];
-        let spilled: Vec<Option<NamespaceBacklog<'_>>>;
-        let ledgers: &[Option<NamespaceBacklog<'_>>] = if !req.load_signals || ledger.is_empty() {
-            &[]
-        } else if namespaces.len() <= INLINE_NAMESPACES {
-            for (slot, n) in inline.iter_mut().zip(namespaces) {
-                *slot = ledger.namespace(n);
-            }
-            &inline[..namespaces.len()]
-        } else {
-            spilled = namespaces.iter().map(|n| ledger.namespace(n)).collect();
-            &spilled
-        };
+        let resolved = NamespaceLedgers::resolve(ledger, namespaces, req.load_signals);
+        let ledgers = resolved.as_slice();
         let samples = Samples::new(req.load_signals, load, candidates, dense, slots);
         let backlogs = Backlogs::new(
             ledger,

@@ -31,7 +31,7 @@ use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickerState, Pinned, SampleState, SelectionReason,
 };
-use crate::ids::{DpRank, InstanceId};
+use crate::ids::{DpRank, InstanceId, Namespace};
 use crate::time::Tick;
 
 /// A load cost `num / den` (`den > 0`), compared exactly: equality is equality of the ratios
@@ -345,6 +345,49 @@ fn nth(len: usize, cursor: u64) -> usize {
 
 /// Eligible namespaces whose ledgers a pick resolves without allocating.
 pub(super) const INLINE_NAMESPACES: usize = 16;
+
+/// The ledger per eligible namespace (by position), resolved once per pick so each rank hashes
+/// only its id: on the stack for up to [`INLINE_NAMESPACES`] namespaces (at most 16 can be
+/// configured), in a `Vec` past that; none without load signals or pending dispatches.
+pub(super) struct NamespaceLedgers<'a> {
+    inline: [Option<NamespaceBacklog<'a>>; INLINE_NAMESPACES],
+    spilled: Vec<Option<NamespaceBacklog<'a>>>,
+    len: usize,
+}
+
+impl<'a> NamespaceLedgers<'a> {
+    pub(super) fn resolve(
+        ledger: &'a DispatchLedger,
+        namespaces: &[Namespace],
+        load_signals: bool,
+    ) -> Self {
+        let mut out = Self {
+            inline: [None; INLINE_NAMESPACES],
+            spilled: Vec::new(),
+            len: 0,
+        };
+        if !load_signals || ledger.is_empty() {
+            return out;
+        }
+        out.len = namespaces.len();
+        if out.len <= INLINE_NAMESPACES {
+            for (slot, n) in out.inline.iter_mut().zip(namespaces) {
+                *slot = ledger.namespace(n);
+            }
+        } else {
+            out.spilled = namespaces.iter().map(|n| ledger.namespace(n)).collect();
+        }
+        out
+    }
+
+    pub(super) fn as_slice(&self) -> &[Option<NamespaceBacklog<'a>>] {
+        if self.len <= INLINE_NAMESPACES {
+            &self.inline[..self.len]
+        } else {
+            &self.spilled
+        }
+    }
+}
 
 /// Buffers reused across picks.
 #[derive(Debug, Default)]
@@ -957,22 +1000,8 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             return PickOutcome::NoCandidates(NoCandidates::NoWorkerForModel);
         }
 
-        // The ledger per eligible namespace, resolved once so each rank hashes only its id. At
-        // most 16 namespaces can be configured: those fit on the stack.
-        let mut inline: [Option<NamespaceBacklog<'_>>; INLINE_NAMESPACES] =
-            [None; INLINE_NAMESPACES];
-        let spilled: Vec<Option<NamespaceBacklog<'_>>>;
-        let ledgers: &[Option<NamespaceBacklog<'_>>] = if !req.load_signals || ledger.is_empty() {
-            &[]
-        } else if namespaces.len() <= INLINE_NAMESPACES {
-            for (slot, n) in inline.iter_mut().zip(namespaces) {
-                *slot = ledger.namespace(n);
-            }
-            &inline[..namespaces.len()]
-        } else {
-            spilled = namespaces.iter().map(|n| ledger.namespace(n)).collect();
-            &spilled
-        };
+        let resolved = NamespaceLedgers::resolve(ledger, namespaces, req.load_signals);
+        let ledgers = resolved.as_slice();
         // Samples mirrored per row when the view is the store (slots resolved once per layout
         // and slot epoch, rows re-read when written), else through the view.
         let samples = Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);

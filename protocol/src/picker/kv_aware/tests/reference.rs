@@ -3,7 +3,7 @@
 //! as the reference the production pick must equal exactly.
 
 use super::super::*;
-use crate::picker::ledger::DispatchLedger;
+use crate::picker::ledger::{DispatchLedger, NamespaceBacklog};
 use crate::picker::{CursorTable, LoadView};
 
 #[derive(Clone, Copy)]
