@@ -17,6 +17,8 @@ use continuum_protocol::picker::estimate::{
 
 use crate::wire::error::ApiError;
 
+mod fast;
+
 /// Largest request body the OpenAI surface accepts, checked before any parsing.
 pub const MAX_REQUEST_BODY_BYTES: usize = 8 * 1024 * 1024;
 
@@ -92,7 +94,27 @@ pub const MAX_JSON_DEPTH: usize = 128;
 /// one copy of the body, never a DOM of it. A repeated `model`, `stream` or `nvext` key is
 /// refused: parsers disagree on which copy wins, so a forwarded body could otherwise carry a pin
 /// the router never saw.
+///
+/// The common case (no `nvext`, no escapes where the router reads keys) is judged by
+/// [`fast::parse`] in one pass; anything it is unsure of goes through [`parse_slow`], which gives
+/// every verdict and error message the router always gave.
 pub fn parse(bytes: Bytes) -> Result<ParsedBody, ApiError> {
+    let fast = std::str::from_utf8(&bytes).ok().and_then(fast::parse);
+    let Some(fast) = fast else {
+        return parse_slow(bytes);
+    };
+    Ok(ParsedBody {
+        model: fast.model,
+        stream: fast.stream,
+        outbound: bytes,
+        stripped: 0,
+        prompt_tokens: fast.prompt_tokens,
+    })
+}
+
+/// [`parse`] for every body: the UTF-8 check, [`check_structure`], serde_json's top-level scan
+/// with the `nvext` splice and the prompt walk, each its own pass.
+fn parse_slow(bytes: Bytes) -> Result<ParsedBody, ApiError> {
     if let Err(error) = std::str::from_utf8(&bytes) {
         return Err(ApiError::BadRequest(format!(
             "the request body is not valid JSON: invalid UTF-8 at byte {}",
