@@ -266,11 +266,9 @@ impl Scanner<'_> {
         let start = self.pos;
         let mut escaped = false;
         loop {
-            let rest = self.bytes().get(self.pos..)?;
-            let at = rest
-                .iter()
-                .position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
-            self.pos += at;
+            while !STOPS_A_STRING[usize::from(self.peek()?)] {
+                self.pos += 1;
+            }
             match self.peek()? {
                 b'"' => break,
                 b'\\' => {
@@ -340,6 +338,21 @@ impl Scanner<'_> {
         (self.pos > start).then_some(())
     }
 }
+
+/// The bytes a string's contents stop at: its closing quote, an escape, or a control character
+/// (refused). A table lookup per byte instead of three comparisons (callgrind: the string walk was
+/// the scan's largest part).
+static STOPS_A_STRING: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut byte = 0;
+    while byte < 0x20 {
+        table[byte] = true;
+        byte += 1;
+    }
+    table[b'"' as usize] = true;
+    table[b'\\' as usize] = true;
+    table
+};
 
 /// The length of the escape at `at` (a `\`): two bytes for JSON's one-letter escapes, six for a
 /// `\u` code point, twelve for a surrogate pair; `None` for anything else.
