@@ -365,12 +365,12 @@ fn decorate(
 ) -> Response<Body> {
     let headers = resp.headers_mut();
     headers.insert(
-        headers::ROUTING_PATH_HEADER,
+        headers::ROUTING_PATH,
         HeaderValue::from_static(path.as_label()),
     );
     if request.disclose {
         if let Ok(name) = HeaderValue::from_str(backend.name()) {
-            headers.insert(headers::BACKEND_RESPONSE_HEADER, name);
+            headers.insert(headers::BACKEND_RESPONSE, name);
         }
         for (name, value) in &dispatch.disclosed {
             headers.insert(name.clone(), value.clone());

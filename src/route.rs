@@ -33,7 +33,7 @@ use continuum_actors::metrics::{DisaggregatedPhase, RoutingPath};
 use tracing::{debug, warn};
 
 use crate::http_metrics::{HttpMetrics, HttpRoute};
-use crate::proxy::headers::DISCLOSE_REQUEST_HEADER;
+use crate::proxy::headers::DISCLOSE_REQUEST;
 use crate::proxy::{ClientRequest, Dispatch, OpenAiRoute, ParsedBody, Proxy, Scope, body};
 use crate::wire::error::ApiError;
 use dynamo::{DispatchGuard, ShimDecision, ShimRouter};
@@ -336,7 +336,7 @@ fn parse(
     }
     Ok(ClientRequest {
         route,
-        disclose: headers.contains_key(DISCLOSE_REQUEST_HEADER),
+        disclose: headers.contains_key(DISCLOSE_REQUEST),
         authenticated: caller.authenticated,
         headers,
         body: parsed,

@@ -32,7 +32,7 @@ where
             ApiError::BadGateway(format!("the upstream response failed: {error}"))
         })?
         .to_bytes();
-    parts.headers.remove(header::CONTENT_LENGTH);
+    // `insert` replaces every value the upstream sent under that name: no `remove` first.
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
