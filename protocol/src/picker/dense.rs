@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Candidate, CandidateRole, SampleState};
+use crate::id_hash::IdMap;
 use crate::ids::{DpRank, InstanceId, Namespace};
 use crate::load_store::{LoadSample, LoadStore};
 use crate::time::Tick;
@@ -59,9 +60,15 @@ pub struct DenseRanks {
     /// The block size every row declares (0 included), when they all declare the same one:
     /// a decode pass then computes the request's blocks once.
     pub(super) uniform_block_size: Option<u32>,
+    /// The KV capacity every row declares (0 included), when they all declare the same one: a
+    /// decode pass over such a layout compares costs by their numerators alone.
+    pub(super) uniform_kv_blocks: Option<u64>,
     /// Every row as `(instance, row)`, sorted: the rows of one instance, found by binary search
     /// when the ledger's few pending dispatches are laid onto rows.
     by_instance: Vec<(InstanceId, u32)>,
+    /// Per instance, the position of its first entry in `by_instance`: the ledger's legs,
+    /// listed in no order, find their rows by one hash each instead of a binary search.
+    instance_start: IdMap<InstanceId, u32>,
 }
 
 impl Default for DenseRanks {
@@ -89,7 +96,9 @@ impl DenseRanks {
             group_roles: Vec::new(),
             group_role_rows: Vec::new(),
             uniform_block_size: None,
+            uniform_kv_blocks: None,
             by_instance: Vec::with_capacity(candidates.len()),
+            instance_start: IdMap::default(),
         };
         dense.fill(candidates);
         dense
@@ -113,6 +122,7 @@ impl DenseRanks {
         self.group_roles.clear();
         self.group_role_rows.clear();
         self.by_instance.clear();
+        self.instance_start.clear();
         self.fill(candidates);
     }
 
@@ -146,6 +156,10 @@ impl DenseRanks {
             Some((&first, rest)) if rest.iter().all(|&b| b == first) => Some(first),
             _ => None,
         };
+        self.uniform_kv_blocks = match self.total_kv_blocks.split_first() {
+            Some((&first, rest)) if rest.iter().all(|&b| b == first) => Some(first),
+            _ => None,
+        };
         for ((&group, &role), row) in self.group.iter().zip(&self.role).zip(&self.rows) {
             if let Some(roles) = self.group_roles.get_mut(group as usize) {
                 *roles |= role_bit(role);
@@ -162,16 +176,60 @@ impl DenseRanks {
                 .map(|(row, &instance)| (instance, row as u32)),
         );
         self.by_instance.sort_unstable();
+        for (pos, &(instance, _)) in self.by_instance.iter().enumerate().rev() {
+            // Positions fit u32 as the rows do; the last insert per instance is its first entry.
+            self.instance_start.insert(instance, pos as u32);
+        }
     }
 
     /// The rows of `instance`, ascending.
     #[inline]
     pub(super) fn rows_of(&self, instance: InstanceId) -> impl Iterator<Item = usize> + '_ {
-        let start = self.by_instance.partition_point(|&(i, _)| i < instance);
-        self.by_instance[start..]
+        let start = self
+            .instance_start
+            .get(&instance)
+            .map_or(self.by_instance.len(), |&p| p as usize);
+        self.by_instance[start.min(self.by_instance.len())..]
             .iter()
             .take_while(move |&&(i, _)| i == instance)
             .map(|&(_, row)| row as usize)
+    }
+
+    /// The rows of `instance`, ascending, searching `by_instance` from position `from` on (a
+    /// caller walking instances in ascending order passes the position this returned last, so a
+    /// walk of `m` sorted instances costs `O(m log(n / m))` instead of `O(m log n)`). Returns the
+    /// rows and the position of the first entry not below `instance`.
+    #[inline]
+    pub(super) fn rows_of_from(
+        &self,
+        instance: InstanceId,
+        from: usize,
+    ) -> (impl Iterator<Item = usize> + '_, usize) {
+        let tail = self.by_instance.get(from..).unwrap_or_default();
+        // Galloping: the bracket `[lo, hi)` holding the first entry not below `instance`.
+        let (mut lo, mut step) = (0usize, 1usize);
+        while lo + step <= tail.len() && tail[lo + step - 1].0 < instance {
+            lo += step;
+            step *= 2;
+        }
+        let hi = (lo + step).min(tail.len());
+        let start = from + lo + tail[lo..hi].partition_point(|&(i, _)| i < instance);
+        let rows = self.by_instance[start.min(self.by_instance.len())..]
+            .iter()
+            .take_while(move |&&(i, _)| i == instance)
+            .map(|&(_, row)| row as usize);
+        (rows, start)
+    }
+
+    /// Whether `table` (per `(group, role)`, [`Row::table_index`]) makes every row of the
+    /// layout a candidate: a pass may then read per-row columns without the table.
+    pub(super) fn all_candidates(&self, table: &[u16]) -> bool {
+        self.group_role_rows.len() == table.len()
+            && self
+                .group_role_rows
+                .iter()
+                .zip(table)
+                .all(|(&rows, &ns)| rows == 0 || ns != NOT_ELIGIBLE)
     }
 
     fn group_of(&mut self, c: &Candidate) -> u32 {
@@ -227,24 +285,18 @@ impl DenseRanks {
     pub(super) fn eligibility(&self, model: &str, eligible: &[Namespace], out: &mut Vec<u16>) {
         out.clear();
         let eligible = &eligible[..eligible.len().min(usize::from(NOT_ELIGIBLE))];
-        let model_ok: Vec<bool> = self.models.iter().map(|m| **m == *model).collect();
-        let ns_pos: Vec<u16> = self
-            .namespaces
-            .iter()
-            .map(|n| {
-                eligible
-                    .iter()
-                    .position(|e| e == n)
-                    .map_or(NOT_ELIGIBLE, |p| p as u16)
-            })
-            .collect();
+        // Per group, its model and namespace compared directly: a layout holds few groups, and
+        // a pick allocates nothing for them.
         out.extend(self.groups.iter().enumerate().map(|(g, &(m, n))| {
+            let model_ok = self.models.get(m as usize).is_some_and(|m| **m == *model);
             // A group id rows cannot name exactly is never eligible (see `MAX_ROW_GROUPS`).
-            if model_ok[m as usize] && g < MAX_ROW_GROUPS as usize {
-                ns_pos[n as usize]
-            } else {
-                NOT_ELIGIBLE
+            if !model_ok || g >= MAX_ROW_GROUPS as usize {
+                return NOT_ELIGIBLE;
             }
+            self.namespaces
+                .get(n as usize)
+                .and_then(|ns| eligible.iter().position(|e| e == ns))
+                .map_or(NOT_ELIGIBLE, |p| p as u16)
         }));
     }
 }
@@ -444,6 +496,8 @@ struct SlotEntry {
     samples: Vec<RowSample>,
     /// The store's [`LoadStore::changes`] the mirror reflects.
     seen: u64,
+    /// The mirror's decode backlogs as one column, for passes that read nothing else per rank.
+    column: DecodeColumn,
 }
 
 /// Layouts whose slots are kept at once (one per model picked recently).
@@ -459,6 +513,26 @@ impl SlotCache {
     /// Each of `dense`'s rows' sample in `store`, mirrored: slots resolved if the layout or
     /// epoch changed, rows written since the last call re-read.
     pub fn samples(&mut self, dense: &DenseRanks, store: &LoadStore) -> &[RowSample] {
+        let pos = self.caught_up(dense, store);
+        &self.entries[pos].samples
+    }
+
+    /// [`Self::samples`], with the rows' [`DecodeColumn`] brought up to date for a pick whose
+    /// freshness bound is `oldest` ([`LoadSlots::oldest`]).
+    pub(super) fn samples_with_column(
+        &mut self,
+        dense: &DenseRanks,
+        store: &LoadStore,
+        oldest: u64,
+    ) -> (&[RowSample], &mut DecodeColumn) {
+        let pos = self.caught_up(dense, store);
+        let entry = &mut self.entries[pos];
+        entry.column.update(&entry.samples, oldest);
+        (&entry.samples, &mut entry.column)
+    }
+
+    /// The entry of `dense` in `store` with its mirror caught up.
+    fn caught_up(&mut self, dense: &DenseRanks, store: &LoadStore) -> usize {
         let pos = self.entry(dense, store);
         let entry = &mut self.entries[pos];
         if entry.seen != store.changes() {
@@ -475,6 +549,7 @@ impl SlotCache {
                             }
                             if let Some(mirror) = entry.samples.get_mut(row as usize) {
                                 *mirror = RowSample::of(store.at_slot(slot));
+                                entry.column.rewritten(row);
                             }
                         }
                     }
@@ -488,7 +563,7 @@ impl SlotCache {
             }
             entry.seen = store.changes();
         }
-        &entry.samples
+        pos
     }
 
     /// The entry of `dense` in `store` (slots resolved and samples mirrored afresh when the
@@ -508,6 +583,7 @@ impl SlotCache {
                     by_slot: Vec::new(),
                     samples: Vec::new(),
                     seen: 0,
+                    column: DecodeColumn::default(),
                 });
                 self.entries.len() - 1
             }
@@ -563,5 +639,171 @@ impl SlotEntry {
                 RowSample::of(store.at_slot(slot))
             }
         }));
+        self.column.stale_all();
+    }
+}
+
+/// Each mirrored row's decode backlog as a pick scores it ([`RowSample::decode_base`]), one `u64`
+/// per row: a decode pass over a layout where every row is a candidate of one capacity then
+/// reads 8 bytes per rank and compares them, and a KV-aware pass skips ranks by one comparison
+/// each. Which rows are fresh depends on the pick's freshness bound; the column is valid for
+/// every bound in `[lo, hi)` (no row's `at` lies between), rebuilt when a pick's bound leaves
+/// that range (a row aged out) and patched per row the mirror re-reads, so a pick costs
+/// `O(rows written since the last pick)` beside the pass.
+#[derive(Debug, Default)]
+pub(super) struct DecodeColumn {
+    /// Per row: the decode backlog (the fresh field, or 0 when quiet), or [`DecodeColumn::NONE`]
+    /// (silent under load, or fresh without the field).
+    keys: Vec<u64>,
+    /// Per row: [`DecodeColumn::FRESH`] and [`DecodeColumn::COLLIDES`] bits.
+    class: Vec<u8>,
+    /// Rows fresh with the decode field.
+    fresh: usize,
+    /// Rows whose fresh field is [`DecodeColumn::NONE`] itself (the column cannot tell them
+    /// from no cost).
+    collisions: usize,
+    lo: u64,
+    hi: u64,
+    /// The column matches the mirror for bounds in `[lo, hi)` once `dirty` rows are patched.
+    valid: bool,
+    /// Rows the mirror re-read since the last update (at most an eighth of the rows; past that
+    /// the column is rebuilt).
+    dirty: Vec<u32>,
+}
+
+impl DecodeColumn {
+    /// No decode cost.
+    pub(super) const NONE: u64 = u64::MAX;
+    const FRESH: u8 = 1;
+    const COLLIDES: u8 = 2;
+
+    /// Per row, the decode backlog or [`Self::NONE`].
+    pub(super) fn keys(&self) -> &[u64] {
+        &self.keys
+    }
+
+    /// Per row, mutable: a pass may set rows aside and must put them back.
+    pub(super) fn keys_mut(&mut self) -> &mut [u64] {
+        &mut self.keys
+    }
+
+    /// Rows fresh with the decode field (every row a candidate: whether one carries the
+    /// phase's fresh backlog).
+    pub(super) fn fresh(&self) -> usize {
+        self.fresh
+    }
+
+    /// Whether every key is exact (no fresh field equals [`Self::NONE`]).
+    pub(super) fn exact(&self) -> bool {
+        self.collisions == 0
+    }
+
+    /// The mirror re-read `row`.
+    fn rewritten(&mut self, row: u32) {
+        if !self.valid {
+            return;
+        }
+        if self.dirty.len() >= (self.keys.len() / 8).max(1) {
+            self.stale_all();
+        } else {
+            self.dirty.push(row);
+        }
+    }
+
+    /// The whole mirror changed: rebuild on the next update.
+    fn stale_all(&mut self) {
+        self.valid = false;
+        self.dirty.clear();
+    }
+
+    /// The key and class of `sample` at bound `oldest`.
+    #[inline]
+    fn classify(sample: &RowSample, oldest: u64) -> (u64, u8) {
+        match sample.decode_base(oldest) {
+            (Some(decode), true) => {
+                let collides = if decode == Self::NONE {
+                    Self::COLLIDES
+                } else {
+                    0
+                };
+                (decode, Self::FRESH | collides)
+            }
+            (Some(base), false) => (base, 0),
+            (None, _) => (Self::NONE, 0),
+        }
+    }
+
+    /// Brings the column up to date with `samples` for bound `oldest`.
+    fn update(&mut self, samples: &[RowSample], oldest: u64) {
+        let in_range = self.lo <= oldest && oldest < self.hi;
+        if !self.valid || !in_range || self.keys.len() != samples.len() {
+            self.rebuild(samples, oldest);
+            return;
+        }
+        let Self {
+            keys,
+            class,
+            fresh,
+            collisions,
+            lo,
+            hi,
+            dirty,
+            ..
+        } = self;
+        for &row in dirty.iter() {
+            let row = row as usize;
+            let (Some(sample), Some(key), Some(cls)) =
+                (samples.get(row), keys.get_mut(row), class.get_mut(row))
+            else {
+                continue;
+            };
+            Self::count(fresh, collisions, *cls, false);
+            (*key, *cls) = Self::classify(sample, oldest);
+            Self::count(fresh, collisions, *cls, true);
+            // The row's `at` now bounds the range on its side of `oldest`.
+            if sample.at > oldest {
+                *hi = (*hi).min(sample.at);
+            } else {
+                *lo = (*lo).max(sample.at);
+            }
+        }
+        dirty.clear();
+    }
+
+    #[inline]
+    fn count(fresh: &mut usize, collisions: &mut usize, class: u8, add: bool) {
+        let (f, c) = (
+            usize::from(class & Self::FRESH != 0),
+            usize::from(class & Self::COLLIDES != 0),
+        );
+        if add {
+            *fresh += f;
+            *collisions += c;
+        } else {
+            *fresh = fresh.saturating_sub(f);
+            *collisions = collisions.saturating_sub(c);
+        }
+    }
+
+    fn rebuild(&mut self, samples: &[RowSample], oldest: u64) {
+        self.keys.clear();
+        self.class.clear();
+        self.dirty.clear();
+        self.fresh = 0;
+        self.collisions = 0;
+        self.lo = 0;
+        self.hi = u64::MAX;
+        for sample in samples {
+            let (key, class) = Self::classify(sample, oldest);
+            self.keys.push(key);
+            self.class.push(class);
+            Self::count(&mut self.fresh, &mut self.collisions, class, true);
+            if sample.at > oldest {
+                self.hi = self.hi.min(sample.at);
+            } else {
+                self.lo = self.lo.max(sample.at);
+            }
+        }
+        self.valid = true;
     }
 }

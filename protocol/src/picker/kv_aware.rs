@@ -35,7 +35,7 @@
 //! view path, unsorted overlap lists and mixed block sizes take. Both choose the same rank
 //! (`tests::kv_aware_gather_matches_the_reference_on_uniform_fleets`).
 
-use super::dense::{DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
+use super::dense::{DecodeColumn, DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
 use super::ledger::RankBacklog;
 use super::load_based::{
     self, Backlogs, LoadBasedPicker, NamespaceLedgers, RequestSize, Samples, Scored, Scratch,
@@ -338,8 +338,12 @@ impl OverlapRows {
             {
                 continue;
             }
+            // The list is sorted by worker: each search starts where the last one ended.
+            let mut from = 0;
             for o in &list.ranks {
-                for row in dense.rows_of(o.worker) {
+                let (rows, start) = dense.rows_of_from(o.worker, from);
+                from = start;
+                for row in rows {
                     if dense.rank[row] == o.dp_rank
                         && dense.block_size[row] == list.block_size.get()
                         && let Some(mark) = self.marks.get_mut(row)
@@ -379,6 +383,8 @@ struct Ctx<'r, 'a> {
     dense: &'r DenseRanks,
     /// Each rank's sample by row (mirrored from the load store on the production path).
     samples: Samples<'r>,
+    /// The mirror's decode column, up to date for this pick (mirrored path only).
+    column: Option<&'r DecodeColumn>,
     backlogs: Backlogs<'r>,
     overlaps: Overlaps<'r>,
     now: Tick,
@@ -641,9 +647,21 @@ impl KvAwarePicker {
         if mirror.len() != ctx.dense.rows.len() {
             return Gathered::NotApplicable;
         }
+        // The column's keys are the decode blocks of an aggregated score's load when every row
+        // is a candidate; with a fresh row among them the quiet tier cannot decide.
+        let keys = ctx
+            .column
+            .filter(|c| {
+                scoring == Scoring::Aggregated
+                    && c.fresh() > 0
+                    && c.keys().len() == mirror.len()
+                    && ctx.dense.all_candidates(table)
+            })
+            .map(DecodeColumn::keys);
         let pass = KvPass {
             rows: &ctx.dense.rows,
             mirror,
+            keys,
             table,
             overlaps,
             oldest,
@@ -750,6 +768,7 @@ impl KvAwarePicker {
             eligible,
             rows: row_backlogs,
             kv: kv_scratch,
+            saved: _,
         } = scratch;
         let KvScratch {
             members,
@@ -795,7 +814,7 @@ impl KvAwarePicker {
 
         let resolved = NamespaceLedgers::resolve(ledger, namespaces, req.load_signals);
         let ledgers = resolved.as_slice();
-        let samples = Samples::new(req.load_signals, load, candidates, dense, slots);
+        let (samples, column) = Samples::new(req.load_signals, load, candidates, dense, slots);
         let backlogs = Backlogs::new(
             ledger,
             ledgers,
@@ -817,6 +836,7 @@ impl KvAwarePicker {
             kv,
             dense,
             samples,
+            column: column.map(|c| &*c),
             backlogs,
             overlaps,
             now,
@@ -1038,6 +1058,9 @@ struct RankCost {
 struct KvPass<'p> {
     rows: &'p [Row],
     mirror: &'p [RowSample],
+    /// The mirror's [`DecodeColumn`] keys, when every row is a candidate, the scoring is
+    /// aggregated and some row is fresh with the decode field ([`KvPass::gather_keyed`]).
+    keys: Option<&'p [u64]>,
     table: &'p [u16],
     overlaps: &'p OverlapRows,
     oldest: u64,
@@ -1140,6 +1163,9 @@ impl KvPass<'_> {
         };
         let prunes =
             self.scoring != Scoring::ConditionalDecode && self.formula.bounded_below_by_decode();
+        if prunes && let Some(keys) = self.keys {
+            return self.gather_keyed(keys, backlog);
+        }
         // Decode blocks above which a rank loses to the lowest free cost (none yet: no bound).
         let mut bound = u64::MAX;
         for (i, (row, sample)) in rows.iter().zip(mirror).enumerate() {
@@ -1166,6 +1192,49 @@ impl KvPass<'_> {
                 if prunes {
                     bound = decode_bound(tally.free.cost);
                 }
+            }
+        }
+        tally
+    }
+
+    /// [`Self::gather`] where the column's `keys` stand for every row's decode blocks (every
+    /// row a candidate, aggregated scoring, the bound applies) and some row is fresh with the
+    /// decode field (so the quiet tier cannot decide and is not tallied): a rank is skipped on
+    /// its key alone (8 bytes; "no cost" is the largest key, skipped once a bound exists), and
+    /// only the others read their row, sample, overlap and backlog, as [`Self::gather`] does.
+    #[inline(never)]
+    fn gather_keyed<B: Fn(usize, u16) -> RankBacklog>(&self, keys: &[u64], backlog: &B) -> KvTally {
+        let n = self.rows.len().min(self.mirror.len()).min(keys.len());
+        let (rows, mirror, keys) = (&self.rows[..n], &self.mirror[..n], &keys[..n]);
+        let mut tally = KvTally {
+            any_fresh: true,
+            quiet: Lowest::NONE,
+            free: Lowest::NONE,
+            stalled: Lowest::NONE,
+        };
+        let mut bound = u64::MAX;
+        for (i, &key) in keys.iter().enumerate() {
+            if key > bound {
+                continue;
+            }
+            let (Some(row), Some(sample)) = (rows.get(i), mirror.get(i)) else {
+                continue;
+            };
+            let Some(ns) = self.namespace(row) else {
+                continue;
+            };
+            let (Some(load), _) = self.load(sample) else {
+                continue;
+            };
+            if load.1 > bound {
+                continue;
+            }
+            let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
+            if stalled {
+                tally.stalled.add(i, cost);
+            } else {
+                tally.free.add(i, cost);
+                bound = decode_bound(tally.free.cost);
             }
         }
         tally

@@ -25,7 +25,7 @@
 
 use std::cmp::Ordering;
 
-use super::dense::{DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
+use super::dense::{DecodeColumn, DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
 use super::ledger::{DispatchLedger, DispatchLeg, NamespaceBacklog, RankBacklog};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickContext,
@@ -407,6 +407,8 @@ pub(super) struct Scratch {
     pub(super) rows: RowBacklogs,
     /// The KV-aware picker's per-pick buffers.
     pub(super) kv: super::kv_aware::KvScratch,
+    /// The column keys [`gather_column`] sets aside for one pick.
+    pub(super) saved: Vec<(u32, u64)>,
 }
 /// The ledger's backlog per layout row for one pick: the (few) legs pending are laid onto their
 /// rows once, so the scan reads a row's backlog from a dense array indexed by row instead of a
@@ -417,6 +419,8 @@ pub(super) struct RowBacklogs {
     /// this pick when its stamp is the current one (no clearing between picks).
     marks: Vec<(u32, u32)>,
     entries: Vec<RankBacklog>,
+    /// Per entry, its row.
+    rows: Vec<u32>,
     stamp: u32,
 }
 
@@ -432,6 +436,7 @@ impl RowBacklogs {
         now: Tick,
     ) {
         self.entries.clear();
+        self.rows.clear();
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
             self.marks.iter_mut().for_each(|m| *m = (0, 0));
@@ -443,6 +448,7 @@ impl RowBacklogs {
         let Self {
             marks,
             entries,
+            rows,
             stamp,
         } = self;
         for (ns, ledger) in ledgers.iter().enumerate() {
@@ -468,11 +474,17 @@ impl RowBacklogs {
                             // At most one entry per row: fits u32 as the rows do.
                             *mark = (*stamp, entries.len() as u32);
                             entries.push(add);
+                            rows.push(row as u32);
                         }
                     }
                 }
             });
         }
+    }
+
+    /// The rows holding a backlog this pick, each once, in no particular order.
+    pub(super) fn rows(&self) -> &[u32] {
+        &self.rows
     }
 
     #[inline(always)]
@@ -564,22 +576,22 @@ impl<'v> Samples<'v> {
     /// The store's samples mirrored per row when the view is the store (slots resolved once per
     /// layout and slot epoch, rows re-read when written), else through the view; nothing when
     /// load signals are off.
+    /// On the mirrored path, also the mirror's [`DecodeColumn`], up to date for this pick.
     pub(super) fn new(
         load_signals: bool,
         load: &'v dyn LoadView,
         candidates: &'v [Candidate],
         dense: &DenseRanks,
         cache: &'v mut super::dense::SlotCache,
-    ) -> Self {
+    ) -> (Self, Option<&'v mut DecodeColumn>) {
         if !load_signals {
-            Samples::Off
+            (Samples::Off, None)
         } else if let Some(load) = load.slots() {
-            Samples::Mirror {
-                rows: cache.samples(dense, load.store),
-                oldest: load.oldest(),
-            }
+            let oldest = load.oldest();
+            let (rows, column) = cache.samples_with_column(dense, load.store, oldest);
+            (Samples::Mirror { rows, oldest }, Some(column))
         } else {
-            Samples::View { load, candidates }
+            (Samples::View { load, candidates }, None)
         }
     }
 
@@ -651,6 +663,7 @@ fn row_backlogs_empty() -> &'static RowBacklogs {
     static EMPTY: RowBacklogs = RowBacklogs {
         marks: Vec::new(),
         entries: Vec::new(),
+        rows: Vec::new(),
         stamp: 0,
     };
     &EMPTY
@@ -813,6 +826,24 @@ impl Lowest {
         }
     }
 
+    /// [`Self::add`] for rows offered out of row order: a tie keeps the lowest row first, as
+    /// offering them in row order would.
+    #[inline]
+    fn add_unordered(&mut self, row: usize, cost: Cost) {
+        if self.ties != 0
+            && cost
+                == (Cost {
+                    num: self.num,
+                    den: self.den,
+                })
+        {
+            self.ties += 1;
+            self.first = self.first.min(row);
+        } else {
+            self.add(row, cost);
+        }
+    }
+
     fn best(self) -> Option<Best> {
         (self.ties > 0).then_some(Best {
             cost: Cost {
@@ -909,6 +940,128 @@ fn gather_mirrored(
     }
 }
 
+/// The decode gather of the production path: from the mirror's [`DecodeColumn`] when every
+/// row is a candidate of one nonzero capacity ([`gather_column`]), else [`gather_mirrored`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn gather_decode(
+    dense: &DenseRanks,
+    block_size: u32,
+    mirror: &[RowSample],
+    table: &[u16],
+    backlogs: &RowBacklogs,
+    oldest: u64,
+    tokens: u64,
+    column: Option<(&mut DecodeColumn, &mut Vec<(u32, u64)>)>,
+) -> Gathered {
+    if let Some((column, saved)) = column
+        && block_size > 0
+        && let Some(den) = dense.uniform_kv_blocks.filter(|&d| d > 0)
+        && column.keys().len() == dense.len()
+        && dense.all_candidates(table)
+        && let Some(gathered) = gather_column(
+            column,
+            backlogs,
+            saved,
+            RequestSize::new(tokens).blocks(block_size),
+            den,
+        )
+    {
+        return gathered;
+    }
+    gather_mirrored(dense, block_size, mirror, table, backlogs, oldest, tokens)
+}
+
+/// Numerators below which [`gather_column`] adds the request's blocks without saturating (and
+/// so keeps distinct backlogs distinct).
+const COLUMN_LIMIT: u64 = 1 << 62;
+
+/// What [`gather_mirrored`] gathers, for a layout where every row is a candidate and declares
+/// one nonzero block size and one nonzero KV capacity `den` (so costs compare by numerator),
+/// read from the mirror's [`DecodeColumn`]: the lowest decode backlog over the column and the
+/// rows holding it (two tight passes with no per-rank branch on the sample or the row), with
+/// the ledger's few backlogged rows set aside during them and tallied after, out of row order.
+/// `None` where the column cannot answer exactly (a fresh field equal to the column's "no
+/// cost", or numerators near saturation): the caller then runs [`gather_mirrored`].
+#[inline(never)]
+fn gather_column(
+    column: &mut DecodeColumn,
+    backlogs: &RowBacklogs,
+    saved: &mut Vec<(u32, u64)>,
+    request_blocks: u64,
+    den: u64,
+) -> Option<Gathered> {
+    if !column.exact() || request_blocks >= COLUMN_LIMIT {
+        return None;
+    }
+    let any_fresh = column.fresh() > 0;
+    let keys = column.keys_mut();
+    // The backlogged rows leave the dense passes (their cost is not their key)...
+    saved.clear();
+    for &row in backlogs.rows() {
+        if let Some(key) = keys.get_mut(row as usize)
+            && *key != DecodeColumn::NONE
+        {
+            saved.push((row, *key));
+            *key = DecodeColumn::NONE;
+        }
+    }
+    let dense = lowest_key(keys);
+    // ...and come back before anything returns.
+    for &(row, key) in saved.iter() {
+        if let Some(k) = keys.get_mut(row as usize) {
+            *k = key;
+        }
+    }
+    let mut free = match dense {
+        None => Lowest::default(),
+        Some((key, _, _)) if key >= COLUMN_LIMIT => return None,
+        Some((key, ties, first)) => Lowest {
+            num: key + request_blocks,
+            den,
+            ties,
+            first,
+        },
+    };
+    let mut stalled = Lowest::default();
+    for &(row, key) in saved.iter() {
+        let backlog = backlogs.get(row as usize);
+        let cost = Cost {
+            num: key
+                .saturating_add(request_blocks)
+                .saturating_add(backlog.decode_blocks),
+            den,
+        };
+        let tier = if backlog.stalled {
+            &mut stalled
+        } else {
+            &mut free
+        };
+        tier.add_unordered(row as usize, cost);
+    }
+    Some(Gathered {
+        tally: Tally {
+            any_fresh,
+            free: free.best(),
+            stalled: stalled.best(),
+        },
+        candidates: keys.len(),
+    })
+}
+
+/// The lowest key other than [`DecodeColumn::NONE`], how many rows hold it and the first of
+/// them: a branch-free minimum, then a count from the first row holding it.
+#[inline(always)]
+fn lowest_key(keys: &[u64]) -> Option<(u64, usize, usize)> {
+    let lowest = keys.iter().fold(DecodeColumn::NONE, |m, &k| m.min(k));
+    if lowest == DecodeColumn::NONE {
+        return None;
+    }
+    let first = keys.iter().position(|&k| k == lowest)?;
+    let ties = keys[first..].iter().filter(|&&k| k == lowest).count();
+    Some((lowest, ties, first))
+}
+
 /// The two tiers [`gather_mirrored`] tallies, and where it reads a row's ledger backlog.
 struct Tallies<'b> {
     free: Lowest,
@@ -984,6 +1137,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             eligible,
             rows: row_backlogs,
             kv: _,
+            saved,
         } = scratch;
         let dense: &DenseRanks = match ctx.dense {
             Some(dense) if dense.len() == candidates.len() => dense,
@@ -1004,7 +1158,8 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         let ledgers = resolved.as_slice();
         // Samples mirrored per row when the view is the store (slots resolved once per layout
         // and slot epoch, rows re-read when written), else through the view.
-        let samples = Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
+        let (samples, column) =
+            Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
         // On the store's path, the ledger's few pending legs are laid onto rows first.
         let backlogs = Backlogs::new(
             ledger,
@@ -1053,7 +1208,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                             None => Scored::UNSCORED,
                         },
                     },
-                    Some(gather_mirrored(
+                    Some(gather_decode(
                         dense,
                         block_size,
                         mirror,
@@ -1061,6 +1216,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                         row_backlogs_empty(),
                         oldest,
                         tokens,
+                        column.map(|c| (c, saved)),
                     )),
                     true,
                     &mut advance,
@@ -1080,8 +1236,15 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                             None => Scored::UNSCORED,
                         },
                     },
-                    Some(gather_mirrored(
-                        dense, block_size, mirror, table, by_row, oldest, tokens,
+                    Some(gather_decode(
+                        dense,
+                        block_size,
+                        mirror,
+                        table,
+                        by_row,
+                        oldest,
+                        tokens,
+                        column.map(|c| (c, saved)),
                     )),
                     true,
                     &mut advance,
@@ -1227,27 +1390,30 @@ pub(crate) fn record_pair(
     tokens: u64,
     now: Tick,
 ) -> super::ledger::DispatchId {
-    let mut legs = Vec::with_capacity(2);
-    if let Some(p) = prefill {
-        legs.push(DispatchLeg {
-            worker: p.worker.clone(),
-            rank: p.rank(),
-            prefill_tokens: tokens,
-            decode_blocks: 0,
-            request_blocks: blocks_of(tokens, p.block_size),
-            stall_exempt: false,
-        });
-    }
     let blocks = blocks_of(tokens, decode.block_size);
-    legs.push(DispatchLeg {
+    let decode_leg = DispatchLeg {
         worker: decode.worker.clone(),
         rank: decode.rank(),
         prefill_tokens: 0,
         decode_blocks: blocks,
         request_blocks: blocks,
         stall_exempt: prefill.is_some(),
-    });
-    ledger.record_dispatch(&legs, now)
+    };
+    // The legs on the stack: a pick allocates no list for them.
+    match prefill {
+        Some(p) => {
+            let prefill_leg = DispatchLeg {
+                worker: p.worker.clone(),
+                rank: p.rank(),
+                prefill_tokens: tokens,
+                decode_blocks: 0,
+                request_blocks: blocks_of(tokens, p.block_size),
+                stall_exempt: false,
+            };
+            ledger.record_dispatch(&[prefill_leg, decode_leg], now)
+        }
+        None => ledger.record_dispatch(&[decode_leg], now),
+    }
 }
 
 pub(crate) fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {

@@ -1702,3 +1702,105 @@ fn the_row_mirror_catches_up_from_the_store_change_log_and_equals_a_reread() {
     assert_eq!(cache.samples(&layout, &store), &reread(&store)[..]);
     assert_eq!((cache.resolutions(), cache.refills()), (2, 1));
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// On pools where every rank is a candidate of one capacity (one model, every namespace
+    /// eligible, no prefill pool), the production path reads the mirror's decode column
+    /// (`dense::DecodeColumn`, patched per re-read row and rebuilt when a sample ages out) and
+    /// sets the ledger's backlogged rows aside: it picks exactly what the per-rank view path
+    /// picks while samples arrive at different times and age out, and dispatches pile up.
+    #[test]
+    fn the_column_path_matches_the_view_path_on_uniform_pools(
+        arb in proptest::collection::vec(arb_candidate(), 1..40),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        aggregated in any::<bool>(),
+        steps in proptest::collection::vec(arb_step(), 1..60),
+        huge in proptest::bool::weighted(0.1),
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        let mut candidates = Vec::new();
+        let mut store = LoadStore::new();
+        store.set_live_and_retain((1..6).map(InstanceId));
+        let mut sequence = 1;
+        let model: std::sync::Arc<str> = MODELS[0].into();
+        let role = if aggregated { CandidateRole::Aggregated } else { CandidateRole::Decode };
+        for (i, a) in arb.iter().enumerate() {
+            if !seen.insert((a.ns, a.id)) {
+                continue;
+            }
+            for (offset, (dp_rank, rank_declared)) in
+                dp_ranks(0, Some(a.ranks)).expect("small").enumerate()
+            {
+                candidates.push(Candidate {
+                    worker: key(NAMESPACES[a.ns], a.id),
+                    role,
+                    model: model.clone(),
+                    dp_rank,
+                    rank_declared,
+                    block_size: Some(16),
+                    total_kv_blocks: Some(100),
+                    max_num_batched_tokens: Some(1000),
+                });
+                if let Some(s) = stored(a.id, offset as u32, samples[(i * 3 + offset) % samples.len()], sequence) {
+                    store.apply(s);
+                    sequence += 1;
+                }
+            }
+        }
+        let layout = DenseRanks::build(&candidates);
+        let namespaces: Vec<Namespace> = NAMESPACES.iter().map(|&n| Namespace::new(n)).collect();
+        let (mut slotted, mut viewed) = (PickerState::new(), PickerState::new());
+        let mut now = secs(100);
+        for step in steps {
+            match step {
+                Step::Pick { tokens, advance_ms, .. } => {
+                    now = now.plus(Duration::from_millis(advance_ms % 1500));
+                    let req = PickRequest {
+                        model: MODELS[0],
+                        eligible_namespaces: &namespaces,
+                        estimated_prompt_tokens: tokens,
+                        load_signals: true,
+                    };
+                    let view = super::candidates::StoreView { store: &store, now, max_age: Duration::from_secs(3) };
+                    let fast = LoadBasedPicker.pick(
+                        &mut PickContext::new(&req, &candidates, &view, &mut slotted, now).with_layout(&layout),
+                    );
+                    let plain = NoSlots(super::candidates::StoreView { store: &store, now, max_age: Duration::from_secs(3) });
+                    let slow = LoadBasedPicker.pick(&mut PickContext::new(&req, &candidates, &plain, &mut viewed, now));
+                    prop_assert_eq!(fast, slow);
+                }
+                Step::Sample { ns, id } => {
+                    // A new sample for one rank, received now (a fresh field of `u64::MAX`
+                    // now and then: the column's "no cost" value).
+                    let decode = if huge { u64::MAX - (id % 2) } else { id * 7 % 50 + ns as u64 };
+                    let fresh = SampleState::Fresh {
+                        active_decode_blocks: (ns != 2).then_some(decode),
+                        active_prefill_tokens: Some(id * 11 % 300),
+                        kv_used_blocks: None,
+                    };
+                    if let Some(mut s) = stored(id, (ns % 2) as u32, fresh, sequence) {
+                        s.received_at = now;
+                        store.apply(s);
+                        sequence += 1;
+                    }
+                    if ns == 1 {
+                        for state in [&mut slotted.ledger, &mut viewed.ledger] {
+                            for n in NAMESPACES {
+                                state.sample_arrived(&key(n, id), now);
+                            }
+                        }
+                    }
+                }
+                Step::End { nth } => {
+                    let gone = (nth % 5) as u64 + 1;
+                    if nth % 2 == 0 {
+                        store.drop_publisher(crate::ids::PublisherId(gone));
+                    } else {
+                        now = now.plus(Duration::from_millis(2500));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1111,3 +1111,44 @@ proptest! {
         })?;
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    /// The same on single pools (one model, every namespace eligible, no prefill pool, one
+    /// block size, temperature 0), where every rank is a candidate of an aggregated score and
+    /// the gather skips ranks on the mirror's decode column (`KvPass::gather_keyed`).
+    #[test]
+    fn kv_aware_keyed_gather_matches_the_reference_on_single_pools(
+        arb in proptest::collection::vec(arb_candidate(), 1..30),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        block_size in prop_oneof![Just(16u32), Just(32), Just(48)],
+        overlap in proptest::collection::vec(0u32..6, 12),
+        aggregated in any::<bool>(),
+        params in kv_params(),
+        steps in proptest::collection::vec(kv_step(), 1..40),
+        small_prompts in any::<bool>(),
+    ) {
+        let role = if aggregated { CandidateRole::Aggregated } else { CandidateRole::Decode };
+        let arb = arb
+            .into_iter()
+            .map(|a| ArbCandidate { model: 0, role, ..a })
+            .collect();
+        let steps = steps
+            .into_iter()
+            .map(|step| match step {
+                KvStep::Pick { isl, unit, advance_ms, .. } => KvStep::Pick {
+                    model: 0,
+                    isl: if small_prompts { isl % 4 } else { isl },
+                    unit,
+                    advance_ms,
+                },
+                step => step,
+            })
+            .collect();
+        let params = KvPickParams { router_temperature: 0.0, ..params };
+        check_against_reference(Session {
+            arb, samples, block_sizes: vec![block_size; 6], overlap, unsorted: false,
+            eligible_mask: 7, load_signals: true, params, steps, all_capacity: true,
+        })?;
+    }
+}
