@@ -1031,6 +1031,20 @@ struct KvTally {
     stalled: Lowest,
 }
 
+impl KvTally {
+    /// Tallies a costed rank in the stalled or the free tier; `true` when it went to the free
+    /// one, whose lowest cost bounds the ranks still worth costing.
+    #[inline(always)]
+    fn place(&mut self, row: usize, cost: f64, stalled: bool) -> bool {
+        if stalled {
+            self.stalled.add(row, cost);
+        } else {
+            self.free.add(row, cost);
+        }
+        !stalled
+    }
+}
+
 /// The tier a choice was made in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Tier {
@@ -1185,13 +1199,8 @@ impl KvPass<'_> {
                 continue;
             }
             let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
-            if stalled {
-                tally.stalled.add(i, cost);
-            } else {
-                tally.free.add(i, cost);
-                if prunes {
-                    bound = decode_bound(tally.free.cost);
-                }
+            if tally.place(i, cost, stalled) && prunes {
+                bound = decode_bound(tally.free.cost);
             }
         }
         tally
@@ -1230,10 +1239,7 @@ impl KvPass<'_> {
                 continue;
             }
             let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
-            if stalled {
-                tally.stalled.add(i, cost);
-            } else {
-                tally.free.add(i, cost);
+            if tally.place(i, cost, stalled) {
                 bound = decode_bound(tally.free.cost);
             }
         }
