@@ -652,6 +652,18 @@ enum Shape {
     Ignored,
 }
 
+impl Shape {
+    /// The shape of each element when a value of this shape is an array.
+    fn element(self) -> Shape {
+        match self {
+            Shape::Messages => Shape::Message,
+            Shape::Content => Shape::Part,
+            Shape::Prompt => Shape::Text,
+            _ => Shape::Ignored,
+        }
+    }
+}
+
 /// The texts found in one value.
 struct Walked(PromptTexts);
 
@@ -704,12 +716,7 @@ impl<'de> Visitor<'de> for Shape {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Walked, A::Error> {
-        let item = match self {
-            Shape::Messages => Shape::Message,
-            Shape::Content => Shape::Part,
-            Shape::Prompt => Shape::Text,
-            _ => Shape::Ignored,
-        };
+        let item = self.element();
         let mut texts = PromptTexts::default();
         while let Some(Walked(found)) = seq.next_element_seed(item)? {
             texts.merge(found);

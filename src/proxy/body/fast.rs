@@ -211,12 +211,7 @@ impl Scanner<'_> {
     }
 
     fn array(&mut self, shape: Shape) -> Option<PromptTexts> {
-        let item = match shape {
-            Shape::Messages => Shape::Message,
-            Shape::Content => Shape::Part,
-            Shape::Prompt => Shape::Text,
-            _ => Shape::Ignored,
-        };
+        let item = shape.element();
         let mut texts = PromptTexts::default();
         if self.open(b'[', b']')? {
             return Some(texts);
