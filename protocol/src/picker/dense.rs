@@ -152,14 +152,8 @@ impl DenseRanks {
         }
         self.group_roles.resize(self.groups.len(), 0);
         self.group_role_rows.resize(self.groups.len() * 4, 0);
-        self.uniform_block_size = match self.block_size.split_first() {
-            Some((&first, rest)) if rest.iter().all(|&b| b == first) => Some(first),
-            _ => None,
-        };
-        self.uniform_kv_blocks = match self.total_kv_blocks.split_first() {
-            Some((&first, rest)) if rest.iter().all(|&b| b == first) => Some(first),
-            _ => None,
-        };
+        self.uniform_block_size = uniform(&self.block_size);
+        self.uniform_kv_blocks = uniform(&self.total_kv_blocks);
         for ((&group, &role), row) in self.group.iter().zip(&self.role).zip(&self.rows) {
             if let Some(roles) = self.group_roles.get_mut(group as usize) {
                 *roles |= role_bit(role);
@@ -641,6 +635,12 @@ impl SlotEntry {
         }));
         self.column.stale_all();
     }
+}
+
+/// The value every element of `values` holds, when there is one (`None` for an empty slice).
+fn uniform<T: Copy + PartialEq>(values: &[T]) -> Option<T> {
+    let (&first, rest) = values.split_first()?;
+    rest.iter().all(|&v| v == first).then_some(first)
 }
 
 /// Each mirrored row's decode backlog as a pick scores it ([`RowSample::decode_base`]), one `u64`
