@@ -4,8 +4,11 @@
 //! A *pass* connects a read-only client (optionally over TLS, optionally authenticating),
 //! reads `v1/instances/<ns>/`, `v1/mdc/<ns>/` and `v1/event_channels/namespace/<ns>/` (the last
 //! with the namespace percent-encoded, as Dynamo writes event-plane keys) at one revision R,
-//! emits `Init`, one `InitApply` per record and `InitDone`, then watches every prefix from
-//! R + 1 and emits `Apply` / `Delete` in order. A pass talks to one endpoint: the first of the
+//! streaming them: `Init` once the first page arrived, one `InitApply` per record as its page
+//! arrives, `InitDone` after the last page; then watches every prefix from R + 1 and emits
+//! `Apply` / `Delete` in order. A pass that fails between `Init` and `InitDone` (a range get
+//! failing, R compacted, the seed timeout) ends without `InitDone`, and the next pass's `Init`
+//! makes the reducer discard the partial resync. A pass talks to one endpoint: the first of the
 //! list, starting after the member the previous pass ended on, that completes the seed. A pass
 //! ends on a dropped connection, a closed or cancelled watch, or a compacted start revision;
 //! the next pass starts from scratch after a backoff (no jitter) that doubles on

@@ -272,39 +272,51 @@ async fn lease_expiry_arrives_as_delete() {
     source.stop().await;
 }
 
+/// Puts `{}` under `prefix` followed by each id; returns etcd's revision after the last.
+async fn put_keys(admin: &mut Client, prefix: &str, ids: std::ops::Range<u32>) -> i64 {
+    let mut revision = 0;
+    for i in ids {
+        let put = admin.put(format!("{prefix}{i}"), "{}", None).await.unwrap();
+        revision = put.header().unwrap().revision();
+    }
+    revision
+}
+
+/// Compacts everything up to `revision`, physically.
+async fn compact(admin: &mut Client, revision: i64) {
+    admin
+        .compact(revision, Some(CompactionOptions::new().with_physical()))
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
     let logs = Logs::default();
     let _guard = logs.install();
     let server = EtcdServer::start().await;
     let mut admin = server.client().await;
-    for i in 0..3 {
-        admin
-            .put(format!("v1/instances/{NS}/c/generate/{i}"), "{}", None)
-            .await
-            .unwrap();
-    }
-    // Capacity 1: once `Init` is read the source holds its snapshot (revision R) and blocks
-    // handing it over, before any watch is opened.
+    // The last prefix the source reads, so its one page is the snapshot's last.
+    let channels = format!("v1/event_channels/namespace/{NS}/t/");
+    put_keys(&mut admin, &channels, 0..3).await;
+    // Capacity 1: once `Init` and two of the three records are read, the third fills the
+    // channel and the source, every page read at revision R, blocks handing over `InitDone`,
+    // before any watch is opened.
     let (tx, mut rx) = mpsc::channel(1);
     let source = EtcdSource::spawn(config(&server), tx).unwrap();
     assert_eq!(next(&mut rx).await, SourceEvent::Init);
-    admin
-        .put(format!("v1/instances/{NS}/c/generate/3"), "{}", None)
-        .await
-        .unwrap();
-    let last = admin
-        .put(format!("v1/instances/{NS}/c/generate/4"), "{}", None)
-        .await
-        .unwrap();
-    let now = last.header().unwrap().revision();
+    let mut first = BTreeMap::new();
+    for _ in 0..2 {
+        match next(&mut rx).await {
+            SourceEvent::InitApply { key, value } => first.insert(key, value),
+            other => panic!("expected a record, got {other:?}"),
+        };
+    }
+    let now = put_keys(&mut admin, &channels, 3..5).await;
     // Compact to the current revision: R + 1 is gone by the time the watch asks for it.
-    admin
-        .compact(now, Some(CompactionOptions::new().with_physical()))
-        .await
-        .unwrap();
+    compact(&mut admin, now).await;
 
-    let first = rest_of_resync(&mut rx).await;
+    first.extend(rest_of_resync(&mut rx).await);
     assert_eq!(first.len(), 3);
     let second = resync(&mut rx).await;
     assert_eq!(
@@ -320,14 +332,58 @@ async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
 
     // And the new pass watches normally.
     source.connected().wait_for(|c| *c).await.unwrap();
-    admin
-        .delete(format!("v1/instances/{NS}/c/generate/0"), None)
-        .await
-        .unwrap();
+    admin.delete(format!("{channels}0"), None).await.unwrap();
     assert_eq!(
         next(&mut rx).await,
         SourceEvent::Delete {
-            key: format!("v1/instances/{NS}/c/generate/0")
+            key: format!("{channels}0")
+        }
+    );
+    source.stop().await;
+}
+
+#[tokio::test]
+async fn a_compaction_during_the_paged_read_is_recovered_by_a_full_resync() {
+    let logs = Logs::default();
+    let _guard = logs.install();
+    let server = EtcdServer::start().await;
+    let mut admin = server.client().await;
+    // The first prefix the source reads: the later prefixes are read at R after these.
+    let cards = format!("v1/mdc/{NS}/c/generate/");
+    put_keys(&mut admin, &cards, 0..3).await;
+    // Capacity 1: once `Init` and the first record are read, the second fills the channel and
+    // the source blocks handing over the third, `Init` out, the later prefixes not yet read.
+    let (tx, mut rx) = mpsc::channel(1);
+    let source = EtcdSource::spawn(config(&server), tx).unwrap();
+    assert_eq!(next(&mut rx).await, SourceEvent::Init);
+    assert!(matches!(next(&mut rx).await, SourceEvent::InitApply { .. }));
+    let now = put_keys(&mut admin, &cards, 3..5).await;
+    compact(&mut admin, now).await;
+
+    // The rest of the first page, then the pass ends on the next page at the compacted R:
+    // no `InitDone`, and the next pass opens with `Init` (the reducer discards the partial one).
+    for _ in 0..2 {
+        assert!(matches!(next(&mut rx).await, SourceEvent::InitApply { .. }));
+    }
+    let second = resync(&mut rx).await;
+    assert_eq!(
+        second.len(),
+        5,
+        "the resync after compaction holds every key"
+    );
+    assert!(
+        logs.text().contains("required revision has been compacted"),
+        "logs: {}",
+        logs.text()
+    );
+
+    // And the new pass watches normally.
+    source.connected().wait_for(|c| *c).await.unwrap();
+    admin.delete(format!("{cards}0"), None).await.unwrap();
+    assert_eq!(
+        next(&mut rx).await,
+        SourceEvent::Delete {
+            key: format!("{cards}0")
         }
     );
     source.stop().await;

@@ -1,7 +1,12 @@
-//! One discovery pass: connect, seed from range gets at one revision, then fold the watches.
+//! One discovery pass: connect, stream the range gets at one revision, then fold the watches.
 //!
 //! Only two RPC families are issued: range gets (`KvClient::get`) and watches
 //! (`WatchClient::watch`). The pass keeps the `Client` only to hold the channel open.
+//!
+//! The snapshot is streamed: `Init` goes out once the first page arrived, each page's records
+//! as that page arrives (the reducer parses page n while etcd serves page n + 1), `InitDone`
+//! after the last page of the last prefix. A pass that fails after `Init` simply ends; the next
+//! pass's `Init` makes the reducer discard the partial resync.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,8 +14,8 @@ use std::time::Duration;
 
 use continuum_protocol::discovery::SourceEvent;
 use etcd_client::{
-    Certificate, Client, ConnectOptions, EventType, GetOptions, Identity, KvClient, TlsOptions,
-    WatchClient, WatchOptions, WatchResponse, WatchStream,
+    Certificate, Client, ConnectOptions, EventType, GetOptions, GetResponse, Identity, KvClient,
+    TlsOptions, WatchClient, WatchOptions, WatchResponse, WatchStream,
 };
 use futures::stream::{self, BoxStream, StreamExt};
 use tokio::sync::{mpsc, watch};
@@ -21,15 +26,16 @@ use super::EtcdSourceError;
 use super::config::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_protocol::discovery::keys::WatchedPrefix;
 
-/// Dial, optional Authenticate and the range gets share this bound; so does opening the watches.
-/// The watch streams themselves are unbounded.
+/// Dial, optional Authenticate, the range gets and handing their records over share this bound;
+/// so does opening the watches. The watch streams themselves are unbounded.
 pub const SEED_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Per-endpoint TCP (and TLS) dial bound, so a blackholed member leaves time for the next.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Keys per range-get page. Pages keep each response well under the decoding limit.
-const PAGE_SIZE: i64 = 512;
+/// Keys per range-get page at first. A page of 2,048 typical cards is a few MB, far under the
+/// decoding limit; a page above it halves the limit (down to one key) and is read again.
+const PAGE_SIZE: i64 = 2048;
 
 /// Largest gRPC message accepted: four times the reducer's 16 MiB record ceiling, so one page of
 /// typical cards or one oversized record (which the reducer then refuses and counts) fits.
@@ -59,14 +65,22 @@ impl PassOutcome {
     }
 }
 
-/// The seeded state of a pass.
+/// The seeded state of a pass: the snapshot was handed over whole.
 struct Seed {
     /// Held so the balanced channel's endpoint set stays alive while the watches run.
     _client: Client,
     endpoint: String,
     watch: WatchClient,
     revision: i64,
-    records: Vec<(String, Vec<u8>)>,
+    records: usize,
+}
+
+/// A member that answered the first range page; nothing was emitted yet.
+struct Opened {
+    client: Client,
+    watch: WatchClient,
+    pager: Pager,
+    first: GetResponse,
 }
 
 /// Runs one pass to its end. Events go to `events` in order; `connected` is true while every
@@ -79,7 +93,8 @@ pub async fn run_pass(
     events: &mpsc::Sender<SourceEvent>,
     connected: &watch::Sender<bool>,
 ) -> PassOutcome {
-    let seeded = tokio::time::timeout(SEED_TIMEOUT, seed(cfg, endpoints, cursor, prefixes)).await;
+    let seeded =
+        tokio::time::timeout(SEED_TIMEOUT, seed(cfg, endpoints, cursor, prefixes, events)).await;
     let seed = match seeded {
         Ok(Ok(seed)) => seed,
         Ok(Err(error)) => return PassOutcome::early(error),
@@ -91,7 +106,7 @@ pub async fn run_pass(
     outcome
 }
 
-/// Hands the snapshot over, opens the watches and folds them until the pass ends.
+/// Opens the watches and folds them until the pass ends.
 async fn watch_phase(
     cfg: &EtcdSourceConfig,
     seed: Seed,
@@ -104,16 +119,11 @@ async fn watch_phase(
         endpoint,
         mut watch,
         revision,
-        records,
+        records: record_count,
     } = seed;
-    let record_count = records.len();
 
-    // The snapshot goes out before the watches open: a slow consumer delays the watches, and
+    // The snapshot went out before the watches open: a slow consumer delays the watches, and
     // if etcd compacts past `revision` meanwhile the watch is refused and the next pass resyncs.
-    if let Err(end) = emit_snapshot(events, records).await {
-        return PassOutcome::early(end);
-    }
-
     let opened = tokio::time::timeout(
         SEED_TIMEOUT,
         open_watches(&mut watch, prefixes, revision.saturating_add(1)),
@@ -171,28 +181,63 @@ async fn watch_phase(
     }
 }
 
-/// Seeds from the first endpoint that works, starting at `cursor`, which then points at it.
+/// Seeds from the first endpoint that answers a range page, starting at `cursor`, which then
+/// points at it, and streams the snapshot from that member.
 ///
 /// One endpoint per pass: etcd-client balances every RPC over all its endpoints, so one dead
 /// member would fail a share of the range gets and watches of every pass. Trying members in
-/// turn fails over at once instead.
+/// turn fails over at once instead. Failover stops once `Init` went out: a later failure ends
+/// the pass, and the next one starts after the member that failed.
 async fn seed(
     cfg: &EtcdSourceConfig,
     endpoints: &[String],
     cursor: &AtomicUsize,
     prefixes: &[WatchedPrefix],
+    events: &mpsc::Sender<SourceEvent>,
 ) -> Result<Seed, EtcdSourceError> {
     let options = connect_options(cfg).await?;
+    let (endpoint, opened) = open_first(endpoints, cursor, &options, prefixes).await?;
+    let Opened {
+        client,
+        watch,
+        mut pager,
+        first,
+    } = opened;
+    let streamed = stream_snapshot(&mut pager, prefixes, first, events).await;
+    let records = match streamed {
+        Ok(records) => records,
+        Err(error) => {
+            cursor.fetch_add(1, Ordering::Relaxed);
+            return Err(error);
+        }
+    };
+    let revision = pager.revision.ok_or(EtcdSourceError::MissingHeader)?;
+    Ok(Seed {
+        _client: client,
+        endpoint: endpoint.to_owned(),
+        watch,
+        revision,
+        records,
+    })
+}
+
+/// The first member, from `cursor` on, that connects and serves the first range page.
+async fn open_first<'a>(
+    endpoints: &'a [String],
+    cursor: &AtomicUsize,
+    options: &ConnectOptions,
+    prefixes: &[WatchedPrefix],
+) -> Result<(&'a str, Opened), EtcdSourceError> {
     let start = cursor.load(Ordering::Relaxed);
     let mut last_error =
         EtcdSourceError::Connect(etcd_client::Error::InvalidArgs("no endpoints".to_owned()));
     for attempt in 0..endpoints.len() {
         let index = (start + attempt) % endpoints.len();
         let endpoint = &endpoints[index];
-        match seed_from(endpoint, options.clone(), prefixes).await {
-            Ok(seed) => {
+        match open(endpoint, options.clone(), prefixes).await {
+            Ok(opened) => {
                 cursor.store(index, Ordering::Relaxed);
-                return Ok(seed);
+                return Ok((endpoint, opened));
             }
             Err(error) => {
                 if endpoints.len() > 1 {
@@ -218,85 +263,158 @@ async fn connect_options(cfg: &EtcdSourceConfig) -> Result<ConnectOptions, EtcdS
     Ok(options)
 }
 
-async fn seed_from(
+async fn open(
     endpoint: &str,
     options: ConnectOptions,
     prefixes: &[WatchedPrefix],
-) -> Result<Seed, EtcdSourceError> {
+) -> Result<Opened, EtcdSourceError> {
     // With credentials this runs the Authenticate RPC; otherwise the dial is lazy and the
     // first range get below makes it.
     let client = Client::connect([endpoint], Some(options))
         .await
         .map_err(EtcdSourceError::Connect)?;
-    let mut kv = client
+    let kv = client
         .kv_client()
         .max_decoding_message_size(MAX_MESSAGE_BYTES);
     let watch = client
         .watch_client()
         .max_decoding_message_size(MAX_MESSAGE_BYTES);
-
-    // The first page fixes the revision; every later page and prefix is read at that same
-    // revision, so the snapshot is one consistent cut of all prefixes and one watch start
-    // (`revision + 1`) is gapless and duplicate-free for every prefix.
-    let mut revision = None;
-    let mut records = Vec::new();
-    for prefix in prefixes {
-        range_prefix(&mut kv, prefix, &mut revision, &mut records).await?;
-    }
-    let revision = revision.ok_or(EtcdSourceError::MissingHeader)?;
-    Ok(Seed {
-        _client: client,
-        endpoint: endpoint.to_owned(),
+    let mut pager = Pager {
+        kv,
+        revision: None,
+        limit: PAGE_SIZE,
+    };
+    // No prefix means no revision to start the watches from: the same end as a headerless page.
+    let head = prefixes.first().ok_or(EtcdSourceError::MissingHeader)?;
+    let first = pager.page(head, head.prefix.as_bytes().to_vec()).await?;
+    Ok(Opened {
+        client,
         watch,
-        revision,
-        records,
+        pager,
+        first,
     })
 }
 
-async fn range_prefix(
-    kv: &mut KvClient,
-    prefix: &WatchedPrefix,
-    revision: &mut Option<i64>,
-    records: &mut Vec<(String, Vec<u8>)>,
-) -> Result<(), EtcdSourceError> {
-    let end = prefix.range_end();
-    let mut from = prefix.prefix.as_bytes().to_vec();
-    loop {
-        let mut options = GetOptions::new()
-            .with_range(end.clone())
-            .with_limit(PAGE_SIZE);
-        if let Some(at) = *revision {
-            options = options.with_revision(at);
-        }
-        let mut response =
-            kv.get(from, Some(options))
-                .await
-                .map_err(|source| EtcdSourceError::Range {
-                    prefix: prefix.kind,
-                    source,
-                })?;
-        if revision.is_none() {
-            let header = response.header().ok_or(EtcdSourceError::MissingHeader)?;
-            *revision = Some(header.revision());
-        }
-        let more = response.more();
-        let kvs = response.take_kvs();
-        let Some(last) = kvs.last().map(|kv| kv.key().to_vec()) else {
-            return Ok(());
-        };
-        for kv in kvs {
-            let (key, value) = kv.into_key_value();
-            if let Some(key) = utf8_key(prefix.kind, key) {
-                records.push((key, value));
+/// Emits `Init`, every record of every prefix page by page as the pages arrive, then
+/// `InitDone`; returns how many records went out.
+///
+/// The first page fixed the revision; every later page and prefix is read at that same
+/// revision, so the snapshot is one consistent cut of all prefixes and one watch start
+/// (`revision + 1`) is gapless and duplicate-free for every prefix. If that revision is
+/// compacted mid-read, the page fails and so does the pass.
+async fn stream_snapshot(
+    pager: &mut Pager,
+    prefixes: &[WatchedPrefix],
+    first: GetResponse,
+    events: &mpsc::Sender<SourceEvent>,
+) -> Result<usize, EtcdSourceError> {
+    send(events, SourceEvent::Init).await?;
+    let mut records = 0;
+    let mut pending = Some(first);
+    for prefix in prefixes {
+        let mut from = prefix.prefix.as_bytes().to_vec();
+        loop {
+            let response = match pending.take() {
+                Some(response) => response,
+                None => pager.page(prefix, from).await?,
+            };
+            let (sent, next) = hand_over(prefix.kind, response, events).await?;
+            records += sent;
+            match next {
+                Some(key) => from = key,
+                None => break,
             }
         }
-        if !more {
-            return Ok(());
-        }
-        // The next page starts just after the last key seen.
-        from = last;
-        from.push(0);
     }
+    send(events, SourceEvent::InitDone).await?;
+    Ok(records)
+}
+
+/// Sends one page's records as `InitApply`; returns how many went out and the key the next
+/// page starts from, if etcd holds more.
+async fn hand_over(
+    kind: &'static str,
+    mut response: GetResponse,
+    events: &mpsc::Sender<SourceEvent>,
+) -> Result<(usize, Option<Vec<u8>>), EtcdSourceError> {
+    let more = response.more();
+    let kvs = response.take_kvs();
+    // The next page starts just after the last key seen.
+    let next = kvs.last().filter(|_| more).map(|kv| {
+        let mut from = kv.key().to_vec();
+        from.push(0);
+        from
+    });
+    let mut sent = 0;
+    for kv in kvs {
+        let (key, value) = kv.into_key_value();
+        if let Some(key) = utf8_key(kind, key) {
+            send(events, SourceEvent::InitApply { key, value }).await?;
+            sent += 1;
+        }
+    }
+    Ok((sent, next))
+}
+
+/// Range pages of one pass: all at the first page's revision, `limit` keys at most.
+struct Pager {
+    kv: KvClient,
+    /// Fixed by the first page's header.
+    revision: Option<i64>,
+    limit: i64,
+}
+
+impl Pager {
+    /// One page of `prefix` from `from`. A page above the decoding limit is read again with
+    /// half the limit (and the rest of the pass keeps the smaller one); one key that alone
+    /// exceeds it fails the pass.
+    async fn page(
+        &mut self,
+        prefix: &WatchedPrefix,
+        from: Vec<u8>,
+    ) -> Result<GetResponse, EtcdSourceError> {
+        loop {
+            let mut options = GetOptions::new()
+                .with_range(prefix.range_end())
+                .with_limit(self.limit);
+            if let Some(at) = self.revision {
+                options = options.with_revision(at);
+            }
+            match self.kv.get(from.clone(), Some(options)).await {
+                Ok(response) => return self.pinned(response),
+                Err(source) if self.limit > 1 && is_message_too_large(&source) => {
+                    self.limit /= 2;
+                    debug!(
+                        prefix = prefix.kind,
+                        limit = self.limit,
+                        "An etcd range page exceeded the decoding limit; halved the page."
+                    );
+                }
+                Err(source) => {
+                    return Err(EtcdSourceError::Range {
+                        prefix: prefix.kind,
+                        source,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Fixes the revision from the first page's header.
+    fn pinned(&mut self, response: GetResponse) -> Result<GetResponse, EtcdSourceError> {
+        if self.revision.is_none() {
+            let header = response.header().ok_or(EtcdSourceError::MissingHeader)?;
+            self.revision = Some(header.revision());
+        }
+        Ok(response)
+    }
+}
+
+/// True for tonic's refusal of a response above `max_decoding_message_size`. Matched on the
+/// message: its status code (`OutOfRange`) is also etcd's "future revision".
+fn is_message_too_large(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::GRpcStatus(status)
+        if status.message().contains("decoded message length too large"))
 }
 
 async fn tls_options(tls: &EtcdTls) -> Result<TlsOptions, EtcdSourceError> {
@@ -430,17 +548,6 @@ fn utf8_key(kind: &'static str, key: Vec<u8>) -> Option<String> {
             None
         }
     }
-}
-
-async fn emit_snapshot(
-    events: &mpsc::Sender<SourceEvent>,
-    records: Vec<(String, Vec<u8>)>,
-) -> Result<(), EtcdSourceError> {
-    send(events, SourceEvent::Init).await?;
-    for (key, value) in records {
-        send(events, SourceEvent::InitApply { key, value }).await?;
-    }
-    send(events, SourceEvent::InitDone).await
 }
 
 async fn send_all(

@@ -213,6 +213,38 @@ fn idempotent_resync_returns_false_and_keeps_timestamps() {
     assert_eq!(r.take_counts().get(Kind::Resync), 2);
 }
 
+/// A source that streams its pages ends a failed pass after `Init` without `InitDone`; the next
+/// pass's `Init` must discard the partial resync, not merge it.
+#[test]
+fn a_new_init_discards_a_partial_resync() {
+    let mut r = reducer();
+    put_endpoint(&mut r, "decode", 9);
+    put_endpoint(&mut r, "decode", 10);
+    let record = |id| SourceEvent::InitApply {
+        key: endpoint_key("dyn", "decode", "generate", id),
+        value: serde_json::to_vec(&endpoint("dyn", "decode", "generate", id)).expect("json"),
+    };
+    r.apply(SourceEvent::Init, T1);
+    assert!(!r.apply(record(11), T1));
+    // The pass failed mid-read; the next one starts over and does not hold 11.
+    r.apply(SourceEvent::Init, T1);
+    assert!(r.is_resyncing());
+    assert!(!r.apply(record(10), T1));
+    assert_eq!(
+        r.view().workers().len(),
+        2,
+        "nothing changes before InitDone"
+    );
+    assert!(r.apply(SourceEvent::InitDone, T1));
+    let ids: Vec<u64> = r.view().workers().map(|w| w.key.instance_id.0).collect();
+    assert_eq!(
+        ids,
+        vec![10],
+        "the partial resync's record is gone, so is 9"
+    );
+    assert!(r.is_synced() && !r.is_resyncing());
+}
+
 #[test]
 fn resync_swaps_atomically_at_init_done() {
     let mut r = reducer();
