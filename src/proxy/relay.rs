@@ -46,6 +46,10 @@ where
 /// Most bytes one relayed frame gathers from upstream frames that are already waiting.
 pub const MAX_COALESCED_FRAME_BYTES: usize = 64 * 1024;
 
+/// The first allocation of a gathered frame: a burst of a few dozen small SSE events fits
+/// without growing it (growing copies what was gathered so far, once per doubling).
+const GATHER_CAPACITY: usize = 4096;
+
 /// Empty polls the relay makes, with bytes gathered, before handing them over. Each one wakes
 /// the relay's own task again at once (`wake_by_ref`): the scheduler runs it after the tasks
 /// already queued, among them the upstream client's connection task, which the poll just woke to
@@ -192,7 +196,8 @@ impl Gathered {
             (None, _) => self.first = Some(data),
             (Some(_), Some(more)) => more.extend_from_slice(&data),
             (Some(first), None) => {
-                let mut more = BytesMut::with_capacity(first.len() + data.len());
+                let capacity = (first.len() + data.len()).max(GATHER_CAPACITY);
+                let mut more = BytesMut::with_capacity(capacity);
                 more.extend_from_slice(first);
                 more.extend_from_slice(&data);
                 self.more = Some(more);
