@@ -523,24 +523,30 @@ impl Connection {
         };
         let connection = self.builder.serve_connection(TokioIo::new(stream), service);
         tokio::pin!(connection);
+        // The side futures are polled only when they were woken: most wakes of this task are the
+        // connection's own (every relayed frame of a streamed answer).
+        let mut evicted = Gated::new(self.conn.evict.notified());
+        let mut idle = Gated::new(self.conn.idle_for(self.options.idle_timeout));
+        let mut stopped = Gated::new(self.stop.wait_for(|stop| *stop));
         let mut draining = false;
         loop {
             tokio::select! {
+                biased;
                 result = connection.as_mut() => {
                     if let Err(error) = result {
                         debug!(error = %error, "A client connection ended with an error.");
                     }
                     break;
                 }
-                () = self.conn.evict.notified() => {
+                () = &mut evicted => {
                     debug!("Closing an idle client connection at the connection cap.");
                     break;
                 }
-                () = self.conn.idle_for(self.options.idle_timeout) => {
+                () = &mut idle => {
                     debug!("Closing a client connection idle for server.idle_timeout.");
                     break;
                 }
-                _ = self.stop.wait_for(|stop| *stop), if !draining => {
+                _ = &mut stopped, if !draining => {
                     connection.as_mut().graceful_shutdown();
                     draining = true;
                 }
@@ -548,6 +554,69 @@ impl Connection {
         }
         lock(&self.table).open.remove(&self.id);
         self.metrics.open.dec();
+    }
+}
+
+/// A future polled only on its first poll and after its own waker fired, not at every poll of
+/// the task around it.
+///
+/// The connection task selects over the connection and three side futures (eviction, idle
+/// timeout, shutdown); a plain `select!` polls all of them at every wake of the task, and each
+/// poll of a registered `Notified` or `watch` future takes a lock. Almost every wake is the
+/// connection's (a streamed answer wakes the task once per relayed frame), so the side futures
+/// get a waker of their own that marks them woken and wakes the task.
+struct Gated<F> {
+    future: Pin<Box<F>>,
+    signal: Arc<Signal>,
+    /// `signal` as a waker, made once.
+    waker: std::task::Waker,
+}
+
+/// What a [`Gated`] future's waker sets.
+struct Signal {
+    woken: std::sync::atomic::AtomicBool,
+    task: futures::task::AtomicWaker,
+}
+
+impl std::task::Wake for Signal {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl<F: Future> Gated<F> {
+    fn new(future: F) -> Self {
+        let signal = Arc::new(Signal {
+            // The first poll registers the future's waker.
+            woken: std::sync::atomic::AtomicBool::new(true),
+            task: futures::task::AtomicWaker::new(),
+        });
+        Self {
+            future: Box::pin(future),
+            waker: std::task::Waker::from(signal.clone()),
+            signal,
+        }
+    }
+}
+
+impl<F: Future> Future for Gated<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = &mut *self;
+        // Registered before the flag is read: a wake between the two is not lost.
+        this.signal.task.register(cx.waker());
+        if !this.signal.woken.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        this.future
+            .as_mut()
+            .poll(&mut Context::from_waker(&this.waker))
     }
 }
 
@@ -562,6 +631,31 @@ mod tests {
         assert_eq!(effective_max_connections(100, Some(1024)), 100);
         assert_eq!(effective_max_connections(4096, Some(10)), 1);
         assert_eq!(effective_max_connections(4096, Some(1_048_576)), 4096);
+    }
+
+    /// A gated future is polled once to register, then only after its own waker fired.
+    #[tokio::test(start_paused = true)]
+    async fn a_gated_future_is_polled_only_when_woken() {
+        let notify = Arc::new(Notify::new());
+        let polls = Arc::new(AtomicUsize::new(0));
+        let mut gated = Gated::new({
+            let (notify, polls) = (notify.clone(), polls.clone());
+            let mut notified = Box::pin(async move { notify.notified().await });
+            std::future::poll_fn(move |cx| {
+                polls.fetch_add(1, Ordering::SeqCst);
+                notified.as_mut().poll(cx)
+            })
+        });
+        for _ in 0..3 {
+            assert!(futures::poll!(&mut gated).is_pending());
+        }
+        assert_eq!(polls.load(Ordering::SeqCst), 1);
+        notify.notify_one();
+        // Paused time: were the wake lost, the runtime would jump to the hour's end.
+        tokio::time::timeout(Duration::from_secs(3600), gated)
+            .await
+            .expect("the notification reaches the gated future");
+        assert_eq!(polls.load(Ordering::SeqCst), 2);
     }
 
     #[test]

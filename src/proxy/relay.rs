@@ -2,11 +2,15 @@
 //! arrives (SSE; frames already waiting leave together), with a final SSE error event if the
 //! upstream fails mid-stream.
 
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use axum::body::Body;
 use axum::http::{HeaderValue, Response, header};
 use bytes::{Bytes, BytesMut};
-use futures::{FutureExt, StreamExt};
-use http_body_util::{BodyExt, BodyStream, Limited};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Frame;
 use serde_json::json;
 use tracing::warn;
 
@@ -42,22 +46,28 @@ where
 /// Most bytes one relayed frame gathers from upstream frames that are already waiting.
 pub const MAX_COALESCED_FRAME_BYTES: usize = 64 * 1024;
 
-/// Scheduler passes the relay waits, with nothing new, before handing gathered bytes over: the
-/// upstream client's connection task hands the next frame it already holds over after two
-/// (observed on hyper 1.x with tokio's multi-thread scheduler: one to run the connection task,
-/// one for the hand-over).
-const IDLE_YIELDS: u32 = 2;
+/// The first allocation of a gathered frame: a burst of a few dozen small SSE events fits
+/// without growing it (growing copies what was gathered so far, once per doubling).
+const GATHER_CAPACITY: usize = 4096;
+
+/// Empty polls the relay makes, with bytes gathered, before handing them over. Each one wakes
+/// the relay's own task again at once (`wake_by_ref`): the scheduler runs it after the tasks
+/// already queued, among them the upstream client's connection task, which taking a frame woke to
+/// decode the next one it holds (hyper's body channel holds one frame: the connection task
+/// decodes the next only once the previous one is taken). Two, measured: with one, the bench's
+/// nine-event burst left frame by frame (docs/performance.md, "Proxy vs nginx").
+const IDLE_POLLS: u32 = 2;
 
 /// Passes upstream data frames on as they arrive, never waiting for more than is already there.
 ///
-/// The upstream client hands a response body over one frame at a time (a zero-capacity channel
-/// from its connection task), and the server writes every frame it is given with its own
-/// `writev`. An SSE answer whose nine events arrived in one TCP read would leave as nine writes.
-/// So after a frame the relay gathers whatever else is ready: it polls again, and when nothing is
-/// ready it yields to the scheduler ([`IDLE_YIELDS`] times, letting the connection task decode
-/// the next frame it already holds) before handing the gathered bytes over. A live token stream,
-/// whose next event is not there yet, costs those scheduler passes per event; nothing is held
-/// longer, and a gathered frame never exceeds [`MAX_COALESCED_FRAME_BYTES`].
+/// The upstream client hands a response body over one frame at a time (a one-frame channel from
+/// its connection task), and the server writes every frame it is given with its own `writev`. An
+/// SSE answer whose nine events arrived in one TCP read would leave as nine writes. So after a
+/// frame the relay ([`Relay`]) gathers whatever else is ready: it polls again, and when nothing
+/// is ready it lets the scheduler run the connection task ([`IDLE_POLLS`] times) before handing
+/// the gathered bytes over. A live token stream, whose next event is not there yet, costs those
+/// scheduler passes per event; nothing is held longer, and a gathered frame stops growing once
+/// it reaches [`MAX_COALESCED_FRAME_BYTES`].
 pub fn streamed<B>(upstream: Response<B>, backend: &str) -> Response<Body>
 where
     B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
@@ -67,44 +77,99 @@ where
     headers::response(&mut parts.headers);
     // The relayed length may differ (a closing error event), so the body goes chunked.
     parts.headers.remove(header::CONTENT_LENGTH);
-    // The backend name rides in the stream's state: no per-chunk copy.
-    let state = Some((BodyStream::new(body), backend.to_owned()));
-    let stream = futures::stream::unfold(state, |state| async move {
-        let (mut frames, backend) = state?;
-        let mut gathered = Gathered::default();
-        // The first frame: wait for it.
-        while gathered.is_empty() {
-            match frames.next().await {
-                None => return None,
-                Some(item) => {
-                    if let Some(end) = gathered.take(item, &backend) {
-                        return end.emit(gathered, None);
+    Response::from_parts(parts, Body::new(Relay::new(body, backend)))
+}
+
+/// The streamed relay's body: polls the upstream body directly (no stream adapters between the
+/// two bodies) and hands over what it gathered.
+pub struct Relay<B> {
+    /// `None` once the upstream ended or failed.
+    upstream: Option<B>,
+    /// For the log line of a failure (in the body's state: no per-frame copy).
+    backend: Box<str>,
+    gathered: Gathered,
+    /// Empty polls in a row since the last frame gathered.
+    idle_polls: u32,
+}
+
+impl<B> Relay<B> {
+    fn new(upstream: B, backend: &str) -> Self {
+        Self {
+            upstream: Some(upstream),
+            backend: backend.into(),
+            gathered: Gathered::default(),
+            idle_polls: 0,
+        }
+    }
+
+    /// The gathered bytes as the next frame (`None` when nothing was gathered).
+    fn hand_over(&mut self) -> Option<Result<Frame<Bytes>, Infallible>> {
+        self.idle_polls = 0;
+        std::mem::take(&mut self.gathered)
+            .into_bytes()
+            .map(|bytes| Ok(Frame::data(bytes)))
+    }
+}
+
+impl<B> hyper::body::Body for Relay<B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let this = &mut *self;
+        loop {
+            let Some(upstream) = this.upstream.as_mut() else {
+                return Poll::Ready(this.hand_over());
+            };
+            if this.gathered.len() >= MAX_COALESCED_FRAME_BYTES {
+                return Poll::Ready(this.hand_over());
+            }
+            match Pin::new(upstream).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    // Trailers and empty frames carry nothing for the client.
+                    if let Ok(data) = frame.into_data()
+                        && !data.is_empty()
+                    {
+                        this.gathered.push(data);
+                        this.idle_polls = 0;
                     }
+                }
+                Poll::Ready(None) => {
+                    this.upstream = None;
+                    return Poll::Ready(this.hand_over());
+                }
+                Poll::Ready(Some(Err(error))) => {
+                    this.upstream = None;
+                    warn!(backend = %this.backend, %error, "An upstream stream failed after it started.");
+                    this.gathered.push(error_event(&error.to_string()));
+                    return Poll::Ready(this.hand_over());
+                }
+                // Nothing gathered: wait for the upstream (its waker is registered).
+                Poll::Pending if this.gathered.is_empty() => return Poll::Pending,
+                Poll::Pending if this.idle_polls == IDLE_POLLS => {
+                    return Poll::Ready(this.hand_over());
+                }
+                Poll::Pending => {
+                    this.idle_polls += 1;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
                 }
             }
         }
-        // Then whatever is ready, yielding to the scheduler (at most `IDLE_YIELDS` times in a
-        // row) when nothing is.
-        let mut idle_yields = 0;
-        while gathered.len() < MAX_COALESCED_FRAME_BYTES {
-            match frames.next().now_or_never() {
-                Some(None) => return Ending::Finished.emit(gathered, None),
-                Some(Some(item)) => {
-                    if let Some(end) = gathered.take(item, &backend) {
-                        return end.emit(gathered, None);
-                    }
-                    idle_yields = 0;
-                }
-                None if idle_yields == IDLE_YIELDS => break,
-                None => {
-                    tokio::task::yield_now().await;
-                    idle_yields += 1;
-                }
-            }
-        }
-        Ending::Finished.emit(gathered, Some((frames, backend)))
-    });
-    Response::from_parts(parts, Body::from_stream(stream))
+    }
+
+    /// True once the upstream ended and its last bytes are out: the server then ends the chunked
+    /// body with the last frame's write.
+    fn is_end_stream(&self) -> bool {
+        self.upstream.is_none() && self.gathered.is_empty()
+    }
 }
 
 /// Data frames gathered into one relayed frame.
@@ -112,14 +177,6 @@ where
 struct Gathered {
     first: Option<Bytes>,
     more: Option<BytesMut>,
-}
-
-/// Why gathering stopped early.
-enum Ending {
-    /// The gathered bytes go out (and the stream goes on or ends, as the caller says).
-    Finished,
-    /// The upstream failed: the gathered bytes, then a closing error event.
-    Failed(Bytes),
 }
 
 impl Gathered {
@@ -135,35 +192,13 @@ impl Gathered {
         }
     }
 
-    /// Takes one upstream item; `Some` when the stream ends with it.
-    fn take(
-        &mut self,
-        item: Result<hyper::body::Frame<Bytes>, impl std::fmt::Display>,
-        backend: &str,
-    ) -> Option<Ending> {
-        match item {
-            Ok(frame) => {
-                // Trailers and empty frames carry nothing for the client.
-                if let Ok(data) = frame.into_data()
-                    && !data.is_empty()
-                {
-                    self.push(data);
-                }
-                None
-            }
-            Err(error) => {
-                warn!(backend, %error, "An upstream stream failed after it started.");
-                Some(Ending::Failed(error_event(&error.to_string())))
-            }
-        }
-    }
-
     fn push(&mut self, data: Bytes) {
         match (&mut self.first, &mut self.more) {
             (None, _) => self.first = Some(data),
             (Some(_), Some(more)) => more.extend_from_slice(&data),
             (Some(first), None) => {
-                let mut more = BytesMut::with_capacity(first.len() + data.len());
+                let capacity = (first.len() + data.len()).max(GATHER_CAPACITY);
+                let mut more = BytesMut::with_capacity(capacity);
                 more.extend_from_slice(first);
                 more.extend_from_slice(&data);
                 self.more = Some(more);
@@ -179,32 +214,6 @@ impl Gathered {
     }
 }
 
-type RelayState<B> = Option<(BodyStream<B>, String)>;
-
-impl Ending {
-    /// The next relayed frame (gathered bytes, a closing error event, or both) and the state
-    /// after it: `next` goes on, `None` ends the stream once this frame is out.
-    fn emit<B>(
-        self,
-        gathered: Gathered,
-        next: RelayState<B>,
-    ) -> Option<(Result<Bytes, std::convert::Infallible>, RelayState<B>)> {
-        let data = gathered.into_bytes();
-        let bytes = match (self, data) {
-            (Ending::Finished, Some(data)) => data,
-            (Ending::Finished, None) => return None,
-            (Ending::Failed(event), None) => event,
-            (Ending::Failed(event), Some(data)) => {
-                let mut both = BytesMut::with_capacity(data.len() + event.len());
-                both.extend_from_slice(&data);
-                both.extend_from_slice(&event);
-                both.freeze()
-            }
-        };
-        Some((Ok(bytes), next))
-    }
-}
-
 /// An OpenAI-style error as a final SSE event.
 fn error_event(message: &str) -> Bytes {
     let body = json!({"error": {"message": format!("the upstream stream failed: {message}"),
@@ -214,9 +223,12 @@ fn error_event(message: &str) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::time::Duration;
+
+    use futures::StreamExt;
     use http_body_util::StreamBody;
-    use hyper::body::Frame;
+
+    use super::*;
 
     type Item = Result<Frame<Bytes>, std::io::Error>;
 
@@ -296,5 +308,55 @@ mod tests {
         ];
         let frames = relayed_frames(streamed(upstream(items), "b")).await;
         assert_eq!(frames, vec![Bytes::from_static(b"data: {\"i\":0}\n\n")]);
+    }
+
+    /// A body fed by a channel: frames arrive when the test sends them.
+    fn fed() -> (
+        tokio::sync::mpsc::UnboundedSender<Item>,
+        Response<StreamBody<tokio_stream::wrappers::UnboundedReceiverStream<Item>>>,
+    ) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let body = StreamBody::new(tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
+        (tx, Response::new(body))
+    }
+
+    /// An event that arrives alone goes out at once: the relay does not wait for a next one.
+    /// (Paused time: were the relay to wait, the runtime would jump to the hour's end and the
+    /// `timeout` would fail the test; nothing here depends on how long anything takes.)
+    #[tokio::test(start_paused = true)]
+    async fn a_lone_event_is_not_held_back_waiting_for_more() {
+        let (tx, resp) = fed();
+        let mut body = streamed(resp, "b").into_body();
+        let hour = Duration::from_secs(3600);
+        for i in 0..3 {
+            tx.send(event(i)).expect("relay alive");
+            let frame = tokio::time::timeout(hour, body.frame())
+                .await
+                .expect("the event goes out while the upstream stays open")
+                .expect("a frame")
+                .expect("the relay never fails");
+            assert_eq!(
+                frame.into_data().expect("data"),
+                format!("data: {{\"i\":{i}}}\n\n")
+            );
+        }
+        drop(tx);
+        let end = tokio::time::timeout(hour, body.frame())
+            .await
+            .expect("the end");
+        assert!(end.is_none());
+    }
+
+    /// The last gathered frame says the body ends with it, so the server writes the chunked
+    /// body's end with it instead of polling once more.
+    #[tokio::test]
+    async fn the_last_frame_ends_the_body() {
+        let items: Vec<Item> = (0..3).map(event).collect();
+        let mut body = streamed(upstream(items), "b").into_body();
+        assert!(!hyper::body::Body::is_end_stream(&body));
+        let frame = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().expect("data").len(), 3 * 15);
+        assert!(hyper::body::Body::is_end_stream(&body));
+        assert!(body.frame().await.is_none());
     }
 }
