@@ -171,6 +171,28 @@ impl RequestCost {
         self.params.prefill_load_scale >= 0.0
     }
 
+    /// Whole blocks that [`Self::cost`] adds, at least, to the decode blocks of a rank holding
+    /// none of the prompt (overlap 0): the prefill term at no prefill backlog, floored, plus
+    /// the prompt's `ceil(isl / bs)` decode blocks. With overlap 0 every term of the formula is
+    /// monotone in the backlogs (the credit's product with 0 is the same for every load) and
+    /// float operations are monotone, so such a rank with `d` decode blocks costs at least
+    /// `floor + d`, both integers converting exactly: a pass may skip it on its decode blocks
+    /// against a bound this much lower than [`Self::bounded_below_by_decode`]'s. `None` where
+    /// no bound holds (a negative or NaN prefill scale) or a term is not below 2^52.
+    pub fn zero_overlap_floor(&self) -> Option<u64> {
+        const LIMIT: f64 = 4_503_599_627_370_496.0; // 2^52
+        if !self.bounded_below_by_decode() || self.request_blocks >= 1 << 52 {
+            return None;
+        }
+        let (adjusted_prefill, _, _) = self.parts(CandidateLoad::default());
+        let prefill = self.params.prefill_load_scale * adjusted_prefill;
+        if !(0.0..LIMIT).contains(&prefill) {
+            return None;
+        }
+        // Non-negative and below 2^52: the truncation is the floor; the sum stays below 2^53.
+        Some(prefill as u64 + self.request_blocks)
+    }
+
     /// [`overlap_only_cost`] with this request's size, block size and credit.
     #[inline(always)]
     pub fn overlap_only(&self, overlap_blocks: u64) -> f64 {
@@ -447,6 +469,49 @@ mod tests {
             );
             if hoisted.bounded_below_by_decode() {
                 proptest::prop_assert!(sane(hoisted.cost(load)) >= decode as f64);
+            }
+        }
+
+        /// What a pass relies on when it skips a rank holding none of the prompt: with
+        /// `F = floor(lowest)`, decode blocks above `F - zero_overlap_floor()` cost strictly
+        /// more than `lowest`, whatever the prefill backlog.
+        #[test]
+        fn a_rank_without_overlap_costs_at_least_its_floor(
+            isl in proptest::prop_oneof![0u64..200_000, proptest::prelude::any::<u64>()],
+            block in proptest::sample::select(vec![16u32, 64, 100, 1_000, 65_536]),
+            prefill in proptest::prop_oneof![
+                proptest::strategy::Just(0u64),
+                0u64..100_000,
+                proptest::prelude::any::<u64>()
+            ],
+            decode in proptest::prop_oneof![0u64..20_000, proptest::prelude::any::<u64>()],
+            lowest in proptest::prop_oneof![
+                proptest::strategy::Strategy::prop_map(0u64..30_000, |v| v as f64),
+                0.0f64..30_000.0,
+                0.0f64..9.0e15
+            ],
+            credit in proptest::sample::select(vec![0.0, 0.5, 1.0, 2.0, -1.0, 1e300, f64::INFINITY, f64::NAN]),
+            scale in proptest::sample::select(vec![0.0, 0.5, 1.0, 3.0, -2.0, 1e-300, f64::INFINITY, f64::NAN]),
+        ) {
+            let params = CostParams {
+                overlap_score_credit: credit,
+                prefill_load_scale: scale,
+            };
+            let hoisted = RequestCost::new(isl, bs(block), params);
+            let Some(floor) = hoisted.zero_overlap_floor() else {
+                return Ok(());
+            };
+            let bound = (lowest as u64).saturating_sub(floor);
+            // The drawn decode blocks, and the fewest the bound skips (where ties are won).
+            for decode in [decode, bound.saturating_add(1)] {
+                let load = CandidateLoad {
+                    overlap_blocks: 0,
+                    active_prefill_tokens: prefill,
+                    active_decode_blocks: decode,
+                };
+                if decode > bound {
+                    proptest::prop_assert!(sane(hoisted.cost(load)) > lowest, "{load:?}");
+                }
             }
         }
     }

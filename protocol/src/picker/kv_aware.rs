@@ -1161,8 +1161,9 @@ impl KvPass<'_> {
     /// fresh backlog, so it is no longer tallied once one does. Where the cost is at least the
     /// rank's decode blocks ([`RequestCost::bounded_below_by_decode`]; not conditional
     /// disaggregation's decode score), a rank whose sample's decode blocks already exceed the
-    /// lowest free cost so far loses to it whatever its overlap and ledger backlog: it is
-    /// skipped before either is read or the formula computed (such a rank, stalled or not,
+    /// lowest free cost so far loses to it whatever its overlap and ledger backlog (a rank
+    /// holding none of the prompt: exceed it less the prompt's own cost, [`DecodeBounds`]): it
+    /// is skipped before its backlog is read or the formula computed (such a rank, stalled or not,
     /// cannot decide: the stalled tier only counts when no free rank has a cost). Not inlined:
     /// its own function keeps its live values in registers.
     #[inline(never)]
@@ -1180,8 +1181,8 @@ impl KvPass<'_> {
         if prunes && let Some(keys) = self.keys {
             return self.gather_keyed(keys, backlog);
         }
-        // Decode blocks above which a rank loses to the lowest free cost (none yet: no bound).
-        let mut bound = u64::MAX;
+        let floor = self.formula.zero_overlap_floor();
+        let mut bounds = DecodeBounds::NONE;
         for (i, (row, sample)) in rows.iter().zip(mirror).enumerate() {
             let Some(ns) = self.namespace(row) else {
                 continue;
@@ -1195,12 +1196,12 @@ impl KvPass<'_> {
             let Some(load) = load else {
                 continue;
             };
-            if load.1 > bound {
+            if bounds.loses(load.1, || self.overlaps.get(i)) {
                 continue;
             }
             let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
             if tally.place(i, cost, stalled) && prunes {
-                bound = decode_bound(tally.free.cost);
+                bounds = DecodeBounds::below(tally.free.cost, floor);
             }
         }
         tally
@@ -1221,9 +1222,10 @@ impl KvPass<'_> {
             free: Lowest::NONE,
             stalled: Lowest::NONE,
         };
-        let mut bound = u64::MAX;
+        let floor = self.formula.zero_overlap_floor();
+        let mut bounds = DecodeBounds::NONE;
         for (i, &key) in keys.iter().enumerate() {
-            if key > bound {
+            if bounds.loses(key, || self.overlaps.get(i)) {
                 continue;
             }
             let (Some(row), Some(sample)) = (rows.get(i), mirror.get(i)) else {
@@ -1235,12 +1237,12 @@ impl KvPass<'_> {
             let (Some(load), _) = self.load(sample) else {
                 continue;
             };
-            if load.1 > bound {
+            if load.1 > bounds.any {
                 continue;
             }
             let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
             if tally.place(i, cost, stalled) {
-                bound = decode_bound(tally.free.cost);
+                bounds = DecodeBounds::below(tally.free.cost, floor);
             }
         }
         tally
@@ -1292,6 +1294,43 @@ impl KvPass<'_> {
             Some(i) => Gathered::Chosen(i, reason),
             None => Gathered::NotApplicable,
         }
+    }
+}
+
+/// Decode blocks above which a rank loses to the lowest free cost so far (`u64::MAX`: no bound
+/// yet): `any` for every rank ([`decode_bound`]), `no_overlap` for a rank holding none of the
+/// prompt, which also pays for the whole prompt ([`RequestCost::zero_overlap_floor`]: it costs
+/// at least `floor + d`, so `d > floor(lowest) - floor` gives a cost of at least
+/// `floor(lowest) + 1 > lowest`). On a large fleet few ranks hold a prefix, and the prompt's
+/// own blocks dwarf the spread of decode backlogs, so most ranks lose on their key alone.
+#[derive(Clone, Copy, Debug)]
+struct DecodeBounds {
+    any: u64,
+    no_overlap: u64,
+}
+
+impl DecodeBounds {
+    const NONE: DecodeBounds = DecodeBounds {
+        any: u64::MAX,
+        no_overlap: u64::MAX,
+    };
+
+    /// The bounds below a new lowest free cost.
+    #[inline(always)]
+    fn below(lowest: f64, floor: Option<u64>) -> Self {
+        let any = decode_bound(lowest);
+        let no_overlap = match floor {
+            Some(floor) if any != u64::MAX => any.saturating_sub(floor),
+            _ => any,
+        };
+        DecodeBounds { any, no_overlap }
+    }
+
+    /// Whether a rank whose sample holds `decode` blocks loses whatever its ledger backlog;
+    /// `overlap` (its blocks of the prompt) is read only for a rank between the two bounds.
+    #[inline(always)]
+    fn loses(&self, decode: u64, overlap: impl FnOnce() -> u64) -> bool {
+        decode > self.any || (decode > self.no_overlap && overlap() == 0)
     }
 }
 

@@ -1152,3 +1152,31 @@ proptest! {
         })?;
     }
 }
+
+/// The skip bound of a rank holding none of the prompt sits exactly where its cost passes the
+/// lowest: a rank costing the lowest exactly (a tie the cursor must count) is still scored.
+#[test]
+fn a_rank_without_overlap_is_skipped_only_past_a_tie() {
+    use crate::kv::cost::{CandidateLoad, CostParams, RequestCost};
+    // 1,600 tokens in blocks of 16: 100 prefill blocks and 100 decode blocks on top of `d`.
+    let formula = RequestCost::new(1_600, BlockSize::new(16).unwrap(), CostParams::default());
+    let floor = formula.zero_overlap_floor();
+    assert_eq!(floor, Some(200));
+    let cost = |d| {
+        formula.cost(CandidateLoad {
+            overlap_blocks: 0,
+            active_prefill_tokens: 0,
+            active_decode_blocks: d,
+        })
+    };
+    let lowest = cost(50);
+    assert_eq!(lowest, 250.0);
+    let bounds = DecodeBounds::below(lowest, floor);
+    assert!(!bounds.loses(50, || 0), "a tie is scored");
+    assert!(bounds.loses(51, || 0) && cost(51) > lowest);
+    assert!(!bounds.loses(51, || 1), "a rank holding a block is scored");
+    assert!(bounds.loses(251, || 1_000), "past the lowest itself every rank loses");
+    // No bound before a first cost, and none below a cost past the exact range.
+    assert!(!DecodeBounds::NONE.loses(u64::MAX - 1, || 0));
+    assert!(!DecodeBounds::below(f64::INFINITY, floor).loses(u64::MAX - 1, || 0));
+}
