@@ -1175,7 +1175,10 @@ fn a_rank_without_overlap_is_skipped_only_past_a_tie() {
     assert!(!bounds.loses(50, || 0), "a tie is scored");
     assert!(bounds.loses(51, || 0) && cost(51) > lowest);
     assert!(!bounds.loses(51, || 1), "a rank holding a block is scored");
-    assert!(bounds.loses(251, || 1_000), "past the lowest itself every rank loses");
+    assert!(
+        bounds.loses(251, || 1_000),
+        "past the lowest itself every rank loses"
+    );
     // No bound before a first cost, and none below a cost past the exact range.
     assert!(!DecodeBounds::NONE.loses(u64::MAX - 1, || 0));
     assert!(!DecodeBounds::below(f64::INFINITY, floor).loses(u64::MAX - 1, || 0));
