@@ -82,7 +82,7 @@ where
 
 /// The streamed relay's body: polls the upstream body directly (no stream adapters between the
 /// two bodies) and hands over what it gathered.
-pub struct Relay<B> {
+struct Relay<B> {
     /// `None` once the upstream ended or failed.
     upstream: Option<B>,
     /// For the log line of a failure (in the body's state: no per-frame copy).

@@ -290,6 +290,33 @@ async fn compact(admin: &mut Client, revision: i64) {
         .unwrap();
 }
 
+/// After a compaction ended a pass (having logged `why`): the next pass resyncs the five keys
+/// under `prefix`, then watches normally (the delete of `{prefix}0` arrives).
+async fn recovered(
+    rx: &mut mpsc::Receiver<SourceEvent>,
+    logs: &Logs,
+    source: &EtcdSource,
+    admin: &mut Client,
+    prefix: &str,
+    why: &str,
+) {
+    let second = resync(rx).await;
+    assert_eq!(
+        second.len(),
+        5,
+        "the resync after compaction holds every key"
+    );
+    assert!(logs.text().contains(why), "logs: {}", logs.text());
+    source.connected().wait_for(|c| *c).await.unwrap();
+    admin.delete(format!("{prefix}0"), None).await.unwrap();
+    assert_eq!(
+        next(rx).await,
+        SourceEvent::Delete {
+            key: format!("{prefix}0")
+        }
+    );
+}
+
 #[tokio::test]
 async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
     let logs = Logs::default();
@@ -318,27 +345,15 @@ async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
 
     first.extend(rest_of_resync(&mut rx).await);
     assert_eq!(first.len(), 3);
-    let second = resync(&mut rx).await;
-    assert_eq!(
-        second.len(),
-        5,
-        "the resync after compaction holds every key"
-    );
-    assert!(
-        logs.text().contains("was compacted"),
-        "logs: {}",
-        logs.text()
-    );
-
-    // And the new pass watches normally.
-    source.connected().wait_for(|c| *c).await.unwrap();
-    admin.delete(format!("{channels}0"), None).await.unwrap();
-    assert_eq!(
-        next(&mut rx).await,
-        SourceEvent::Delete {
-            key: format!("{channels}0")
-        }
-    );
+    recovered(
+        &mut rx,
+        &logs,
+        &source,
+        &mut admin,
+        &channels,
+        "was compacted",
+    )
+    .await;
     source.stop().await;
 }
 
@@ -365,27 +380,8 @@ async fn a_compaction_during_the_paged_read_is_recovered_by_a_full_resync() {
     for _ in 0..2 {
         assert!(matches!(next(&mut rx).await, SourceEvent::InitApply { .. }));
     }
-    let second = resync(&mut rx).await;
-    assert_eq!(
-        second.len(),
-        5,
-        "the resync after compaction holds every key"
-    );
-    assert!(
-        logs.text().contains("required revision has been compacted"),
-        "logs: {}",
-        logs.text()
-    );
-
-    // And the new pass watches normally.
-    source.connected().wait_for(|c| *c).await.unwrap();
-    admin.delete(format!("{cards}0"), None).await.unwrap();
-    assert_eq!(
-        next(&mut rx).await,
-        SourceEvent::Delete {
-            key: format!("{cards}0")
-        }
-    );
+    let why = "required revision has been compacted";
+    recovered(&mut rx, &logs, &source, &mut admin, &cards, why).await;
     source.stop().await;
 }
 
