@@ -19,10 +19,11 @@
 //! `call` to an idle actor, the floor a picker behind a mailbox would add to every decision.
 //!
 //! `PICKER_ONLY=scaling_N` runs only the store-slot pass at N ranks (`kv_scaling_N`: the same
-//! with the `KvAwarePicker`), and `PICKER_PICKS=n` sets the number of timed picks: together they
+//! with the `KvAwarePicker`; `idle_scaling_N`: every rank reporting no backlog), and `PICKER_PICKS=n` sets the number of timed picks: together they
 //! make a short run for `valgrind --tool=callgrind --toggle-collect='*LoadBasedPicker*pick*'`
 //! (`'*KvAwarePicker*pick*'`; instruction counts per pick, comparable whatever the machine's
-//! load).
+//! load). Measuring, the timed picks follow a warm-up that fills the ledger's dispatch history
+//! to its cap (a router's steady state; `PICKER_WARMUP=n` sets another).
 
 use std::collections::{HashMap, VecDeque};
 use std::hint::black_box;
@@ -33,8 +34,8 @@ use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::kv::index::RankOverlap;
 use continuum_protocol::picker::{
     BlockOverlaps, Candidate, CandidateRole, DenseRanks, DynamoWorkerPicker, KvAwarePicker,
-    KvPickInput, KvPickParams, LoadBasedPicker, LoadView, PickContext, PickOutcome, PickRequest,
-    PickerState, SampleState,
+    KvPickInput, KvPickParams, LoadBasedPicker, LoadView, MAX_LEDGER_DISPATCHES, PickContext,
+    PickOutcome, PickRequest, PickerState, SampleState,
 };
 use continuum_protocol::time::Tick;
 use criterion::Criterion;
@@ -209,9 +210,26 @@ impl<'a> Driver<'a> {
     }
 }
 
+/// Picks before the timed ones. Measuring, the ledger's dispatch history is first filled to its
+/// cap ([`MAX_LEDGER_DISPATCHES`]): until then each dispatch remembered takes memory the process
+/// never touched (a page fault every ~85 picks, +3–5 µs each, which set the p99 of earlier
+/// runs), while a router that has served that many requests reuses it. Under `cargo test`, a
+/// few.
+fn warm_up(picks: usize) -> usize {
+    let measuring = std::env::args().any(|a| a == "--bench");
+    std::env::var("PICKER_WARMUP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if measuring {
+            MAX_LEDGER_DISPATCHES + 1_000
+        } else {
+            1_000.min(picks)
+        })
+}
+
 fn percentiles(fleet: &Fleet, view: &str, load: &dyn LoadView, picks: usize) {
     let mut driver = Driver::new(fleet, load);
-    for _ in 0..1_000.min(picks) {
+    for _ in 0..warm_up(picks) {
         driver.step();
     }
     let mut nanos = Vec::with_capacity(picks);
@@ -289,8 +307,9 @@ fn overlaps_for(fleet: &Fleet) -> Vec<BlockOverlaps> {
 /// `StoreView` (samples mirrored per layout row) with the layout built once. Run at 10 / 100 /
 /// 1,000 / 10,000 decode ranks for the scaling curve, with the `LoadBasedPicker` (`kv` false)
 /// and the `KvAwarePicker` (an aggregated-style formula pass over every rank with one rank in
-/// eight holding part of the prompt).
-fn store_percentiles(ranks: u64, picks: usize, kv: bool) {
+/// eight holding part of the prompt). `idle`: every rank reports no backlog (a quiet fleet:
+/// the ranks without a pending dispatch all tie, and the cursor rotates among them).
+fn store_percentiles(ranks: u64, picks: usize, kv: bool, idle: bool) {
     use continuum_protocol::event_plane::ActiveLoad;
     use continuum_protocol::ids::PublisherId;
     use continuum_protocol::load_store::{LoadSample, LoadStore};
@@ -310,6 +329,11 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool) {
         } = sample_for(w, c.rank().0)
         else {
             continue;
+        };
+        let (active_decode_blocks, active_prefill_tokens, kv_used_blocks) = if idle {
+            (Some(0), Some(0), Some(0))
+        } else {
+            (active_decode_blocks, active_prefill_tokens, kv_used_blocks)
         };
         store.apply(LoadSample {
             load: ActiveLoad {
@@ -334,7 +358,7 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool) {
     if kv {
         driver.kv = Some(overlaps_for(&fleet));
     }
-    for _ in 0..1_000.min(picks) {
+    for _ in 0..warm_up(picks) {
         driver.step();
     }
     let mut nanos = Vec::with_capacity(picks);
@@ -347,7 +371,11 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool) {
     }
     nanos.sort_unstable();
     let at = |q: f64| nanos[((nanos.len() - 1) as f64 * q) as usize];
-    let picker = if kv { "kv_aware" } else { "store_slots" };
+    let picker = match (kv, idle) {
+        (true, _) => "kv_aware",
+        (false, false) => "store_slots",
+        (false, true) => "store_slots_idle",
+    };
     println!(
         "scaling/decode_{ranks}_ranks/{picker}: n={} p50={:.2}µs p99={:.2}µs max={:.2}µs ns_per_rank_p50={:.2} (slot resolutions {})",
         nanos.len(),
@@ -390,14 +418,21 @@ fn main() {
         .unwrap_or(if measuring { 20_000 } else { 50 });
     let only = std::env::var("PICKER_ONLY").unwrap_or_default();
     if let Some(ranks) = only.strip_prefix("scaling_").and_then(|v| v.parse().ok()) {
-        store_percentiles(ranks, picks, false);
+        store_percentiles(ranks, picks, false, false);
+        return;
+    }
+    if let Some(ranks) = only
+        .strip_prefix("idle_scaling_")
+        .and_then(|v| v.parse().ok())
+    {
+        store_percentiles(ranks, picks, false, true);
         return;
     }
     if let Some(ranks) = only
         .strip_prefix("kv_scaling_")
         .and_then(|v| v.parse().ok())
     {
-        store_percentiles(ranks, picks, true);
+        store_percentiles(ranks, picks, true, false);
         return;
     }
     // PICKER_VIEW=dense or =hashmap narrows the percentile pass to one view (for profiling).
@@ -412,9 +447,10 @@ fn main() {
     }
     for kv in [false, true] {
         for ranks in [10, 100, 1_000, 10_000] {
-            store_percentiles(ranks, picks, kv);
+            store_percentiles(ranks, picks, kv, false);
         }
     }
+    store_percentiles(1_000, picks, false, true);
     let floor = &fleets[0];
     if view != "dense" {
         view_floor(floor, "hashmap_view", &map_load(floor), picks);
