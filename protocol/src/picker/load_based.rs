@@ -940,36 +940,37 @@ fn gather_mirrored(
     }
 }
 
-/// The decode gather of the production path: from the mirror's [`DecodeColumn`] when every
-/// row is a candidate of one nonzero capacity ([`gather_column`]), else [`gather_mirrored`].
+/// The decode choice of the production path: from the mirror's [`DecodeColumn`] when every
+/// row is a candidate of one nonzero capacity ([`gather_column`], then [`choose_column`]),
+/// else [`gather_mirrored`] and the pass's own choice.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn gather_decode(
+fn decide_mirrored<F: FnMut(usize, usize, Row) -> Scored>(
+    pass: RowPass<'_, F>,
     dense: &DenseRanks,
     block_size: u32,
     mirror: &[RowSample],
-    table: &[u16],
     backlogs: &RowBacklogs,
     oldest: u64,
     tokens: u64,
     column: Option<(&mut DecodeColumn, &mut Vec<(u32, u64)>)>,
-) -> Gathered {
+    advance: &mut impl FnMut() -> u64,
+) -> Option<(usize, SelectionReason)> {
     if let Some((column, saved)) = column
         && block_size > 0
         && let Some(den) = dense.uniform_kv_blocks.filter(|&d| d > 0)
         && column.keys().len() == dense.len()
-        && dense.all_candidates(table)
-        && let Some(gathered) = gather_column(
-            column,
-            backlogs,
-            saved,
-            RequestSize::new(tokens).blocks(block_size),
-            den,
-        )
+        && dense.all_candidates(pass.table)
     {
-        return gathered;
+        let request_blocks = RequestSize::new(tokens).blocks(block_size);
+        if let Some(gathered) = gather_column(column, backlogs, saved, request_blocks, den) {
+            return choose_column(column, saved, backlogs, request_blocks, &gathered, advance);
+        }
     }
-    gather_mirrored(dense, block_size, mirror, table, backlogs, oldest, tokens)
+    let gathered = gather_mirrored(
+        dense, block_size, mirror, pass.table, backlogs, oldest, tokens,
+    );
+    decide(pass, Some(gathered), true, advance)
 }
 
 /// Numerators below which [`gather_column`] adds the request's blocks without saturating (and
@@ -1060,6 +1061,140 @@ fn lowest_key(keys: &[u64]) -> Option<(u64, usize, usize)> {
     let first = keys.iter().position(|&k| k == lowest)?;
     let ties = keys[first..].iter().filter(|&&k| k == lowest).count();
     Some((lowest, ties, first))
+}
+
+/// What [`RowPass::choose`] chooses after [`gather_column`] gathered (every row a candidate,
+/// with load signals): a rotation is the cursor's row itself, and a tie past the first is
+/// counted off the column ([`column_tie`]) instead of re-scoring the rows.
+#[inline(never)]
+fn choose_column(
+    column: &mut DecodeColumn,
+    saved: &mut [(u32, u64)],
+    backlogs: &RowBacklogs,
+    request_blocks: u64,
+    gathered: &Gathered,
+    advance: &mut impl FnMut() -> u64,
+) -> Option<(usize, SelectionReason)> {
+    if gathered.candidates == 0 {
+        return None;
+    }
+    let cursor = advance();
+    let tally = &gathered.tally;
+    let rotated = |reason| Some((nth(gathered.candidates, cursor), reason));
+    if !tally.any_fresh {
+        return rotated(SelectionReason::RoundRobinStale);
+    }
+    let (stalled, best) = match (tally.free, tally.stalled) {
+        (Some(best), _) => (false, best),
+        (None, Some(best)) => (true, best),
+        (None, None) => return rotated(SelectionReason::RoundRobin),
+    };
+    let wanted = nth(best.ties, cursor);
+    if wanted == 0 {
+        return Some((best.first, SelectionReason::Load));
+    }
+    column_tie(
+        column,
+        saved,
+        backlogs,
+        request_blocks,
+        stalled,
+        best.cost,
+        wanted,
+    )
+    .map(|row| (row, SelectionReason::Load))
+}
+
+/// The `wanted`-th row (from 0, in row order) costing `cost` in the tier `stalled`, after
+/// [`gather_column`] (which set aside the `saved` backlogged rows): the rows without a backlog
+/// tie when their key plus the request's blocks is the cost (free tier only), counted 64 keys
+/// at a time; the backlogged rows tie by their key, backlog and tier, merged in row order.
+fn column_tie(
+    column: &mut DecodeColumn,
+    saved: &mut [(u32, u64)],
+    backlogs: &RowBacklogs,
+    request_blocks: u64,
+    stalled: bool,
+    cost: Cost,
+    wanted: usize,
+) -> Option<usize> {
+    saved.sort_unstable_by_key(|&(row, _)| row);
+    // Rows without a backlog are free: in the stalled tier only backlogged rows tie. A target
+    // equal to `NONE` would match the rows set aside; `gather_column` keeps keys below it.
+    let target = (!stalled)
+        .then(|| cost.num.checked_sub(request_blocks))
+        .flatten()
+        .filter(|&t| t != DecodeColumn::NONE);
+    let keys = column.keys_mut();
+    for &(row, _) in saved.iter() {
+        if let Some(key) = keys.get_mut(row as usize) {
+            *key = DecodeColumn::NONE;
+        }
+    }
+    let found = (|| {
+        let mut remaining = wanted;
+        let mut from = 0;
+        for &(row, key) in saved.iter() {
+            let backlog = backlogs.get(row as usize);
+            let ties = backlog.stalled == stalled
+                && key
+                    .saturating_add(request_blocks)
+                    .saturating_add(backlog.decode_blocks)
+                    == cost.num;
+            if !ties {
+                continue;
+            }
+            let row = row as usize;
+            let between = keys.get(from..row).unwrap_or_default();
+            let count = target.map_or(0, |t| count_key(between, t));
+            if remaining < count {
+                return target
+                    .and_then(|t| nth_key(between, t, remaining))
+                    .map(|i| from + i);
+            }
+            remaining -= count;
+            if remaining == 0 {
+                return Some(row);
+            }
+            remaining -= 1;
+            from = row + 1;
+        }
+        let rest = keys.get(from..).unwrap_or_default();
+        target
+            .and_then(|t| nth_key(rest, t, remaining))
+            .map(|i| from + i)
+    })();
+    for &(row, key) in saved.iter() {
+        if let Some(k) = keys.get_mut(row as usize) {
+            *k = key;
+        }
+    }
+    found
+}
+
+/// How many of `keys` are `target` (branch-free, so the compiler vectorises it).
+#[inline(always)]
+fn count_key(keys: &[u64], target: u64) -> usize {
+    keys.iter().map(|&k| usize::from(k == target)).sum()
+}
+
+/// The position of the `n`-th (from 0) key equal to `target`: whole blocks of 64 keys counted
+/// and skipped, then one block walked.
+fn nth_key(keys: &[u64], target: u64, mut n: usize) -> Option<usize> {
+    const BLOCK: usize = 64;
+    for (b, block) in keys.chunks(BLOCK).enumerate() {
+        let count = count_key(block, target);
+        if n < count {
+            return block
+                .iter()
+                .enumerate()
+                .filter(|&(_, &k)| k == target)
+                .nth(n)
+                .map(|(i, _)| b * BLOCK + i);
+        }
+        n -= count;
+    }
+    None
 }
 
 /// The two tiers [`gather_mirrored`] tallies, and where it reads a row's ledger backlog.
@@ -1197,7 +1332,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                         oldest,
                     },
                     Backlogs::Empty,
-                ) if let Some(block_size) = dense.uniform_block_size => decide(
+                ) if let Some(block_size) = dense.uniform_block_size => decide_mirrored(
                     RowPass {
                         rows,
                         table,
@@ -1208,17 +1343,13 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                             None => Scored::UNSCORED,
                         },
                     },
-                    Some(gather_decode(
-                        dense,
-                        block_size,
-                        mirror,
-                        table,
-                        row_backlogs_empty(),
-                        oldest,
-                        tokens,
-                        column.map(|c| (c, saved)),
-                    )),
-                    true,
+                    dense,
+                    block_size,
+                    mirror,
+                    row_backlogs_empty(),
+                    oldest,
+                    tokens,
+                    column.map(|c| (c, saved)),
                     &mut advance,
                 ),
                 (
@@ -1227,7 +1358,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                         oldest,
                     },
                     Backlogs::ByRow(by_row),
-                ) if let Some(block_size) = dense.uniform_block_size => decide(
+                ) if let Some(block_size) = dense.uniform_block_size => decide_mirrored(
                     RowPass {
                         rows,
                         table,
@@ -1236,17 +1367,13 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                             None => Scored::UNSCORED,
                         },
                     },
-                    Some(gather_decode(
-                        dense,
-                        block_size,
-                        mirror,
-                        table,
-                        by_row,
-                        oldest,
-                        tokens,
-                        column.map(|c| (c, saved)),
-                    )),
-                    true,
+                    dense,
+                    block_size,
+                    mirror,
+                    by_row,
+                    oldest,
+                    tokens,
+                    column.map(|c| (c, saved)),
                     &mut advance,
                 ),
                 _ => decide(
@@ -1420,4 +1547,26 @@ pub(crate) fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {
     block_size
         .filter(|&b| b > 0)
         .map_or(0, |b| tokens.div_ceil(u64::from(b)))
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::{count_key, nth_key};
+
+    proptest! {
+        /// Counting a key off 64 at a time finds what a walk over every key finds, across
+        /// block edges.
+        #[test]
+        fn the_nth_key_is_the_walks_nth(
+            keys in proptest::collection::vec(0u64..4, 0..300),
+            target in 0u64..4,
+            n in 0usize..200,
+        ) {
+            let walked = keys.iter().enumerate().filter(|&(_, &k)| k == target).nth(n).map(|(i, _)| i);
+            prop_assert_eq!(nth_key(&keys, target, n), walked);
+            prop_assert_eq!(count_key(&keys, target), keys.iter().filter(|&&k| k == target).count());
+        }
+    }
 }
