@@ -189,30 +189,28 @@ impl DenseRanks {
             .map(|&(_, row)| row as usize)
     }
 
-    /// The rows of `instance`, ascending, searching `by_instance` from position `from` on (a
-    /// caller walking instances in ascending order passes the position this returned last, so a
-    /// walk of `m` sorted instances costs `O(m log(n / m))` instead of `O(m log n)`). Returns the
-    /// rows and the position of the first entry not below `instance`.
+    /// The entries of `instance` (`(instance, row)`, rows ascending) and the position just
+    /// past them in the layout's instance order. `guess` is where they may start: a caller
+    /// walking instances in ascending order passes the position this returned for the last
+    /// one, and a list holding most ranks finds the next instance right there; otherwise (a
+    /// list holding few ranks) one hash lookup finds them. The guess is only tried: any value
+    /// gives the same entries. No entries: an empty slice and `guess`.
     #[inline]
-    pub(super) fn rows_of_from(
+    pub(super) fn entries_of(
         &self,
         instance: InstanceId,
-        from: usize,
-    ) -> (impl Iterator<Item = usize> + '_, usize) {
-        let tail = self.by_instance.get(from..).unwrap_or_default();
-        // Galloping: the bracket `[lo, hi)` holding the first entry not below `instance`.
-        let (mut lo, mut step) = (0usize, 1usize);
-        while lo + step <= tail.len() && tail[lo + step - 1].0 < instance {
-            lo += step;
-            step *= 2;
-        }
-        let hi = (lo + step).min(tail.len());
-        let start = from + lo + tail[lo..hi].partition_point(|&(i, _)| i < instance);
-        let rows = self.by_instance[start.min(self.by_instance.len())..]
-            .iter()
-            .take_while(move |&&(i, _)| i == instance)
-            .map(|&(_, row)| row as usize);
-        (rows, start)
+        guess: usize,
+    ) -> (&[(InstanceId, u32)], usize) {
+        let entries = &self.by_instance[..];
+        let start = match entries.get(guess) {
+            Some(&(i, _)) if i == instance => Some(guess),
+            _ => self.instance_start.get(&instance).map(|&p| p as usize),
+        };
+        let Some(tail) = start.and_then(|s| entries.get(s..)) else {
+            return (&[], guess);
+        };
+        let len = tail.iter().take_while(|&&(i, _)| i == instance).count();
+        (&tail[..len], start.unwrap_or(guess) + len)
     }
 
     /// Whether `table` (per `(group, role)`, [`Row::table_index`]) makes every row of the
@@ -655,6 +653,9 @@ pub(super) struct DecodeColumn {
     /// Per row: the decode backlog (the fresh field, or 0 when quiet), or [`DecodeColumn::NONE`]
     /// (silent under load, or fresh without the field).
     keys: Vec<u64>,
+    /// Per row: the key narrowed to 32 bits (`min(key, u32::MAX)`), for scans comparing whole
+    /// blocks of keys against a bound below `u32::MAX` (four to a 128-bit register).
+    narrow: Vec<u32>,
     /// Per row: [`DecodeColumn::FRESH`] and [`DecodeColumn::COLLIDES`] bits.
     class: Vec<u8>,
     /// Rows fresh with the decode field.
@@ -680,6 +681,12 @@ impl DecodeColumn {
     /// Per row, the decode backlog or [`Self::NONE`].
     pub(super) fn keys(&self) -> &[u64] {
         &self.keys
+    }
+
+    /// Per row, [`Self::keys`] narrowed to `min(key, u32::MAX)`: against a bound below
+    /// `u32::MAX`, a narrowed key is at most the bound exactly when its key is.
+    pub(super) fn narrow(&self) -> &[u32] {
+        &self.narrow
     }
 
     /// Per row, mutable: a pass may set rows aside and must put them back.
@@ -742,6 +749,7 @@ impl DecodeColumn {
         }
         let Self {
             keys,
+            narrow,
             class,
             fresh,
             collisions,
@@ -752,13 +760,17 @@ impl DecodeColumn {
         } = self;
         for &row in dirty.iter() {
             let row = row as usize;
-            let (Some(sample), Some(key), Some(cls)) =
-                (samples.get(row), keys.get_mut(row), class.get_mut(row))
-            else {
+            let (Some(sample), Some(key), Some(short), Some(cls)) = (
+                samples.get(row),
+                keys.get_mut(row),
+                narrow.get_mut(row),
+                class.get_mut(row),
+            ) else {
                 continue;
             };
             Self::count(fresh, collisions, *cls, false);
             (*key, *cls) = Self::classify(sample, oldest);
+            *short = Self::narrowed(*key);
             Self::count(fresh, collisions, *cls, true);
             // The row's `at` now bounds the range on its side of `oldest`.
             if sample.at > oldest {
@@ -785,8 +797,14 @@ impl DecodeColumn {
         }
     }
 
+    #[inline]
+    fn narrowed(key: u64) -> u32 {
+        u32::try_from(key).unwrap_or(u32::MAX)
+    }
+
     fn rebuild(&mut self, samples: &[RowSample], oldest: u64) {
         self.keys.clear();
+        self.narrow.clear();
         self.class.clear();
         self.dirty.clear();
         self.fresh = 0;
@@ -796,6 +814,7 @@ impl DecodeColumn {
         for sample in samples {
             let (key, class) = Self::classify(sample, oldest);
             self.keys.push(key);
+            self.narrow.push(Self::narrowed(key));
             self.class.push(class);
             Self::count(&mut self.fresh, &mut self.collisions, class, true);
             if sample.at > oldest {

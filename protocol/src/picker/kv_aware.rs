@@ -307,6 +307,8 @@ struct OverlapRows {
     /// Per row: the stamp it was written in and its blocks then.
     marks: Vec<(u32, u32)>,
     stamp: u32,
+    /// The rows holding at least one block this pick, each once, in the lists' order.
+    held: Vec<u32>,
 }
 
 impl OverlapRows {
@@ -315,13 +317,6 @@ impl OverlapRows {
     /// row holds what a binary search finds. Returns false (the caller then looks overlaps up
     /// per rank) when some list is not.
     fn fill(&mut self, dense: &DenseRanks, overlaps: &[BlockOverlaps]) -> bool {
-        let strictly_sorted = overlaps.iter().all(|o| {
-            o.ranks
-                .is_sorted_by(|a, b| (a.worker, a.dp_rank) < (b.worker, b.dp_rank))
-        });
-        if !strictly_sorted {
-            return false;
-        }
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
             self.marks.iter_mut().for_each(|m| *m = (0, 0));
@@ -330,30 +325,53 @@ impl OverlapRows {
         if self.marks.len() < dense.len() {
             self.marks.resize(dense.len(), (0, 0));
         }
+        self.held.clear();
         for (j, list) in overlaps.iter().enumerate() {
-            // The first list of a block size answers for it (`KvPickInput::overlap`).
-            if overlaps[..j]
+            // The first list of a block size answers for it (`KvPickInput::overlap`); every
+            // list must be sorted all the same.
+            let answers = !overlaps[..j]
                 .iter()
-                .any(|o| o.block_size == list.block_size)
-            {
-                continue;
-            }
-            // The list is sorted by worker: each search starts where the last one ended.
-            let mut from = 0;
+                .any(|o| o.block_size == list.block_size);
+            // The order is checked while walking (rows stamped before a disorder is found are
+            // never read: the caller looks overlaps up instead, and the next fill restamps).
+            let mut last: Option<(u64, u32)> = None;
+            // The list is sorted by worker: the ranks of one worker share its entries, and the
+            // next worker's entries are guessed to follow the last one's.
+            let (mut worker, mut entries, mut guess) = (None, &[][..], 0);
             for o in &list.ranks {
-                let (rows, start) = dense.rows_of_from(o.worker, from);
-                from = start;
-                for row in rows {
+                let at = (o.worker.0, o.dp_rank.0);
+                if last.is_some_and(|last| last >= at) {
+                    return false;
+                }
+                last = Some(at);
+                if !answers {
+                    continue;
+                }
+                if worker != Some(o.worker) {
+                    let next;
+                    (entries, next) = dense.entries_of(o.worker, guess);
+                    (worker, guess) = (Some(o.worker), next);
+                }
+                for &(_, row) in entries {
+                    let row = row as usize;
                     if dense.rank[row] == o.dp_rank
                         && dense.block_size[row] == list.block_size.get()
                         && let Some(mark) = self.marks.get_mut(row)
                     {
+                        if o.blocks > 0 && mark.0 != self.stamp {
+                            self.held.push(row as u32);
+                        }
                         *mark = (self.stamp, o.blocks);
                     }
                 }
             }
         }
         true
+    }
+
+    /// The rows holding at least one block (after a [`Self::fill`] that returned true).
+    fn held(&self) -> &[u32] {
+        &self.held
     }
 
     #[inline]
@@ -649,19 +667,17 @@ impl KvAwarePicker {
         }
         // The column's keys are the decode blocks of an aggregated score's load when every row
         // is a candidate; with a fresh row among them the quiet tier cannot decide.
-        let keys = ctx
-            .column
-            .filter(|c| {
-                scoring == Scoring::Aggregated
-                    && c.fresh() > 0
-                    && c.keys().len() == mirror.len()
-                    && ctx.dense.all_candidates(table)
-            })
-            .map(DecodeColumn::keys);
+        let column = ctx.column.filter(|c| {
+            scoring == Scoring::Aggregated
+                && c.fresh() > 0
+                && c.keys().len() == mirror.len()
+                && ctx.dense.all_candidates(table)
+        });
         let pass = KvPass {
             rows: &ctx.dense.rows,
             mirror,
-            keys,
+            keys: column.map(DecodeColumn::keys),
+            narrow: column.map(DecodeColumn::narrow).unwrap_or_default(),
             table,
             overlaps,
             oldest,
@@ -1017,6 +1033,18 @@ impl Lowest {
             self.ties += 1;
         }
     }
+
+    /// [`Self::add`] for rows offered out of row order: a tie keeps the lowest row first, as
+    /// offering them in row order would (a tied row is offered once either way).
+    #[inline(always)]
+    fn add_any_order(&mut self, row: usize, cost: f64) {
+        if self.ties != 0 && cost == self.cost {
+            self.ties += 1;
+            self.first = self.first.min(row);
+        } else {
+            self.add(row, cost);
+        }
+    }
 }
 
 /// What one pass over a phase's rows found: whether a rank carries the phase's fresh backlog,
@@ -1040,6 +1068,17 @@ impl KvTally {
             self.stalled.add(row, cost);
         } else {
             self.free.add(row, cost);
+        }
+        !stalled
+    }
+
+    /// [`Self::place`] for rows offered out of row order.
+    #[inline(always)]
+    fn place_any_order(&mut self, row: usize, cost: f64, stalled: bool) -> bool {
+        if stalled {
+            self.stalled.add_any_order(row, cost);
+        } else {
+            self.free.add_any_order(row, cost);
         }
         !stalled
     }
@@ -1075,6 +1114,8 @@ struct KvPass<'p> {
     /// The mirror's [`DecodeColumn`] keys, when every row is a candidate, the scoring is
     /// aggregated and some row is fresh with the decode field ([`KvPass::gather_keyed`]).
     keys: Option<&'p [u64]>,
+    /// The same keys narrowed ([`DecodeColumn::narrow`]).
+    narrow: &'p [u32],
     table: &'p [u16],
     overlaps: &'p OverlapRows,
     oldest: u64,
@@ -1209,13 +1250,18 @@ impl KvPass<'_> {
 
     /// [`Self::gather`] where the column's `keys` stand for every row's decode blocks (every
     /// row a candidate, aggregated scoring, the bound applies) and some row is fresh with the
-    /// decode field (so the quiet tier cannot decide and is not tallied): a rank is skipped on
-    /// its key alone (8 bytes; "no cost" is the largest key, skipped once a bound exists), and
-    /// only the others read their row, sample, overlap and backlog, as [`Self::gather`] does.
+    /// decode field (so the quiet tier cannot decide and is not tallied). The ranks holding
+    /// part of the prompt are scored first (few, and the likely winners: the bound they set is
+    /// tight); then the others, skipped on their keys against [`DecodeBounds::no_overlap`]
+    /// alone, [`KEY_BLOCK`] narrowed keys at a time where the bound allows ("no cost" is the
+    /// largest key). Only a rank that may still win or tie
+    /// reads its row, sample and backlog, as [`Self::gather`] does. Ranks are tallied out of
+    /// row order ([`KvTally::place_any_order`]): what a rank is skipped on is a strict loss to
+    /// the lowest free cost so far, never a tie, so the tiers end as a pass in row order ends.
     #[inline(never)]
     fn gather_keyed<B: Fn(usize, u16) -> RankBacklog>(&self, keys: &[u64], backlog: &B) -> KvTally {
         let n = self.rows.len().min(self.mirror.len()).min(keys.len());
-        let (rows, mirror, keys) = (&self.rows[..n], &self.mirror[..n], &keys[..n]);
+        let keys = &keys[..n];
         let mut tally = KvTally {
             any_fresh: true,
             quiet: Lowest::NONE,
@@ -1224,26 +1270,54 @@ impl KvPass<'_> {
         };
         let floor = self.formula.zero_overlap_floor();
         let mut bounds = DecodeBounds::NONE;
-        for (i, &key) in keys.iter().enumerate() {
-            if bounds.loses(key, || self.overlaps.get(i)) {
-                continue;
+        let mut offer = |i: usize, key: u64, bounds: &mut DecodeBounds| {
+            if key > bounds.any {
+                return;
             }
-            let (Some(row), Some(sample)) = (rows.get(i), mirror.get(i)) else {
-                continue;
+            let (Some(row), Some(sample)) = (self.rows.get(i), self.mirror.get(i)) else {
+                return;
             };
             let Some(ns) = self.namespace(row) else {
-                continue;
+                return;
             };
             let (Some(load), _) = self.load(sample) else {
-                continue;
+                return;
             };
             if load.1 > bounds.any {
-                continue;
+                return;
             }
             let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
-            if tally.place(i, cost, stalled) {
-                bounds = DecodeBounds::below(tally.free.cost, floor);
+            if tally.place_any_order(i, cost, stalled) {
+                *bounds = DecodeBounds::below(tally.free.cost, floor);
             }
+        };
+        // A rank holding part of the prompt loses only on the bound for any rank.
+        for &row in self.overlaps.held() {
+            let i = row as usize;
+            if let Some(&key) = keys.get(i) {
+                offer(i, key, &mut bounds);
+            }
+        }
+        let mut i = 0;
+        while i < n {
+            // Against a bound below `u32::MAX`, a block whose narrowed keys all exceed it is
+            // skipped whole (compared four at a time, no branch per rank).
+            let end = (i + KEY_BLOCK).min(n);
+            if let Ok(bound) = u32::try_from(bounds.no_overlap)
+                && let Some(block) = self.narrow.get(i..end)
+                && !block.iter().fold(false, |any, &k| any | (k <= bound))
+            {
+                i = end;
+                continue;
+            }
+            for (j, &key) in keys[i..end].iter().enumerate() {
+                // The ranks holding part of the prompt were offered above.
+                if key > bounds.no_overlap || self.overlaps.get(i + j) != 0 {
+                    continue;
+                }
+                offer(i + j, key, &mut bounds);
+            }
+            i = end;
         }
         tally
     }
@@ -1296,6 +1370,9 @@ impl KvPass<'_> {
         }
     }
 }
+
+/// Keys [`KvPass::gather_keyed`] skips at once when every one of them loses.
+const KEY_BLOCK: usize = 32;
 
 /// Decode blocks above which a rank loses to the lowest free cost so far (`u64::MAX`: no bound
 /// yet): `any` for every rank ([`decode_bound`]), `no_overlap` for a rank holding none of the
