@@ -689,9 +689,10 @@ impl DecodeColumn {
         &self.narrow
     }
 
-    /// Per row, mutable: a pass may set rows aside and must put them back.
-    pub(super) fn keys_mut(&mut self) -> &mut [u64] {
-        &mut self.keys
+    /// Per row, the keys and their narrowed copies, mutable: a pass may set rows aside (both
+    /// to their "no cost" value) and must put them back.
+    pub(super) fn keys_mut(&mut self) -> (&mut [u64], &mut [u32]) {
+        (&mut self.keys, &mut self.narrow)
     }
 
     /// Rows fresh with the decode field (every row a candidate: whether one carries the
@@ -798,7 +799,7 @@ impl DecodeColumn {
     }
 
     #[inline]
-    fn narrowed(key: u64) -> u32 {
+    pub(super) fn narrowed(key: u64) -> u32 {
         u32::try_from(key).unwrap_or(u32::MAX)
     }
 

@@ -996,7 +996,7 @@ fn gather_column(
         return None;
     }
     let any_fresh = column.fresh() > 0;
-    let keys = column.keys_mut();
+    let (keys, narrow) = column.keys_mut();
     // The backlogged rows leave the dense passes (their cost is not their key)...
     saved.clear();
     for &row in backlogs.rows() {
@@ -1007,13 +1007,10 @@ fn gather_column(
             *key = DecodeColumn::NONE;
         }
     }
-    let dense = lowest_key(keys);
+    set_aside(narrow, saved);
+    let dense = lowest_key(keys, narrow);
     // ...and come back before anything returns.
-    for &(row, key) in saved.iter() {
-        if let Some(k) = keys.get_mut(row as usize) {
-            *k = key;
-        }
-    }
+    put_back(keys, narrow, saved);
     let mut free = match dense {
         None => Lowest::default(),
         Some((key, _, _)) if key >= COLUMN_LIMIT => return None,
@@ -1051,16 +1048,49 @@ fn gather_column(
 }
 
 /// The lowest key other than [`DecodeColumn::NONE`], how many rows hold it and the first of
-/// them: a branch-free minimum, then a count from the first row holding it.
+/// them: a branch-free minimum, then a count from the first row holding it. Over the narrowed
+/// keys (half the bytes) when their minimum is below `u32::MAX`, which then is the lowest key
+/// and held by exactly the rows whose narrowed key it is; else over the keys themselves.
 #[inline(always)]
-fn lowest_key(keys: &[u64]) -> Option<(u64, usize, usize)> {
+fn lowest_key(keys: &[u64], narrow: &[u32]) -> Option<(u64, usize, usize)> {
+    if narrow.len() == keys.len() {
+        let lowest = narrow.iter().fold(u32::MAX, |m, &k| m.min(k));
+        if lowest != u32::MAX {
+            let first = narrow.iter().position(|&k| k == lowest)?;
+            return Some((
+                u64::from(lowest),
+                count_key(&narrow[first..], lowest),
+                first,
+            ));
+        }
+    }
     let lowest = keys.iter().fold(DecodeColumn::NONE, |m, &k| m.min(k));
     if lowest == DecodeColumn::NONE {
         return None;
     }
     let first = keys.iter().position(|&k| k == lowest)?;
-    let ties = keys[first..].iter().filter(|&&k| k == lowest).count();
-    Some((lowest, ties, first))
+    Some((lowest, count_key(&keys[first..], lowest), first))
+}
+
+/// Sets the narrowed keys of the `saved` rows to "no cost" (their keys already are).
+fn set_aside(narrow: &mut [u32], saved: &[(u32, u64)]) {
+    for &(row, _) in saved {
+        if let Some(k) = narrow.get_mut(row as usize) {
+            *k = u32::MAX;
+        }
+    }
+}
+
+/// Puts the `saved` rows' keys (and narrowed keys) back.
+fn put_back(keys: &mut [u64], narrow: &mut [u32], saved: &[(u32, u64)]) {
+    for &(row, key) in saved {
+        if let Some(k) = keys.get_mut(row as usize) {
+            *k = key;
+        }
+        if let Some(k) = narrow.get_mut(row as usize) {
+            *k = DecodeColumn::narrowed(key);
+        }
+    }
 }
 
 /// What [`RowPass::choose`] chooses after [`gather_column`] gathered (every row a candidate,
@@ -1125,12 +1155,31 @@ fn column_tie(
         .then(|| cost.num.checked_sub(request_blocks))
         .flatten()
         .filter(|&t| t != DecodeColumn::NONE);
-    let keys = column.keys_mut();
+    let (keys, narrow) = column.keys_mut();
     for &(row, _) in saved.iter() {
         if let Some(key) = keys.get_mut(row as usize) {
             *key = DecodeColumn::NONE;
         }
     }
+    set_aside(narrow, saved);
+    // A target below `u32::MAX` is counted off the narrowed keys (the rows holding it are the
+    // rows whose narrowed key it is), a larger one off the keys.
+    let narrowed = target
+        .and_then(|t| u32::try_from(t).ok())
+        .filter(|&t| t != u32::MAX && narrow.len() == keys.len());
+    let count = |from: usize, to: usize| match (narrowed, target) {
+        (Some(t), _) => count_key(narrow.get(from..to).unwrap_or_default(), t),
+        (None, Some(t)) => count_key(keys.get(from..to).unwrap_or_default(), t),
+        (None, None) => 0,
+    };
+    let nth = |from: usize, to: usize, n: usize| {
+        match (narrowed, target) {
+            (Some(t), _) => nth_key(narrow.get(from..to).unwrap_or_default(), t, n),
+            (None, Some(t)) => nth_key(keys.get(from..to).unwrap_or_default(), t, n),
+            (None, None) => None,
+        }
+        .map(|i| from + i)
+    };
     let found = (|| {
         let mut remaining = wanted;
         let mut from = 0;
@@ -1145,42 +1194,32 @@ fn column_tie(
                 continue;
             }
             let row = row as usize;
-            let between = keys.get(from..row).unwrap_or_default();
-            let count = target.map_or(0, |t| count_key(between, t));
-            if remaining < count {
-                return target
-                    .and_then(|t| nth_key(between, t, remaining))
-                    .map(|i| from + i);
+            let between = count(from, row);
+            if remaining < between {
+                return nth(from, row, remaining);
             }
-            remaining -= count;
+            remaining -= between;
             if remaining == 0 {
                 return Some(row);
             }
             remaining -= 1;
             from = row + 1;
         }
-        let rest = keys.get(from..).unwrap_or_default();
-        target
-            .and_then(|t| nth_key(rest, t, remaining))
-            .map(|i| from + i)
+        nth(from, keys.len(), remaining)
     })();
-    for &(row, key) in saved.iter() {
-        if let Some(k) = keys.get_mut(row as usize) {
-            *k = key;
-        }
-    }
+    put_back(keys, narrow, saved);
     found
 }
 
 /// How many of `keys` are `target` (branch-free, so the compiler vectorises it).
 #[inline(always)]
-fn count_key(keys: &[u64], target: u64) -> usize {
+fn count_key<K: Copy + PartialEq>(keys: &[K], target: K) -> usize {
     keys.iter().map(|&k| usize::from(k == target)).sum()
 }
 
 /// The position of the `n`-th (from 0) key equal to `target`: whole blocks of 64 keys counted
 /// and skipped, then one block walked.
-fn nth_key(keys: &[u64], target: u64, mut n: usize) -> Option<usize> {
+fn nth_key<K: Copy + PartialEq>(keys: &[K], target: K, mut n: usize) -> Option<usize> {
     const BLOCK: usize = 64;
     for (b, block) in keys.chunks(BLOCK).enumerate() {
         let count = count_key(block, target);
