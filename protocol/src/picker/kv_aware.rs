@@ -1254,10 +1254,10 @@ impl KvPass<'_> {
     /// part of the prompt are scored first (few, and the likely winners: the bound they set is
     /// tight); then the others, skipped on their keys against [`DecodeBounds::no_overlap`]
     /// alone, [`KEY_BLOCK`] narrowed keys at a time where the bound allows ("no cost" is the
-    /// largest key). Only a rank that may still win or tie
-    /// reads its row, sample and backlog, as [`Self::gather`] does. Ranks are tallied out of
-    /// row order ([`KvTally::place_any_order`]): what a rank is skipped on is a strict loss to
-    /// the lowest free cost so far, never a tie, so the tiers end as a pass in row order ends.
+    /// largest key). Only a rank that may still win or tie reads its row, sample and backlog,
+    /// as [`Self::gather`] does. Ranks are tallied out of row order
+    /// ([`KvTally::place_any_order`]): what a rank is skipped on is a strict loss to the lowest
+    /// free cost so far, never a tie, so the tiers end as a pass in row order ends.
     #[inline(never)]
     fn gather_keyed<B: Fn(usize, u16) -> RankBacklog>(&self, keys: &[u64], backlog: &B) -> KvTally {
         let n = self.rows.len().min(self.mirror.len()).min(keys.len());

@@ -1167,12 +1167,12 @@ fn column_tie(
     let narrowed = target
         .and_then(|t| u32::try_from(t).ok())
         .filter(|&t| t != u32::MAX && narrow.len() == keys.len());
-    let count = |from: usize, to: usize| match (narrowed, target) {
+    let count_in = |from: usize, to: usize| match (narrowed, target) {
         (Some(t), _) => count_key(narrow.get(from..to).unwrap_or_default(), t),
         (None, Some(t)) => count_key(keys.get(from..to).unwrap_or_default(), t),
         (None, None) => 0,
     };
-    let nth = |from: usize, to: usize, n: usize| {
+    let nth_in = |from: usize, to: usize, n: usize| {
         match (narrowed, target) {
             (Some(t), _) => nth_key(narrow.get(from..to).unwrap_or_default(), t, n),
             (None, Some(t)) => nth_key(keys.get(from..to).unwrap_or_default(), t, n),
@@ -1194,9 +1194,9 @@ fn column_tie(
                 continue;
             }
             let row = row as usize;
-            let between = count(from, row);
+            let between = count_in(from, row);
             if remaining < between {
-                return nth(from, row, remaining);
+                return nth_in(from, row, remaining);
             }
             remaining -= between;
             if remaining == 0 {
@@ -1205,7 +1205,7 @@ fn column_tie(
             remaining -= 1;
             from = row + 1;
         }
-        nth(from, keys.len(), remaining)
+        nth_in(from, keys.len(), remaining)
     })();
     put_back(keys, narrow, saved);
     found
