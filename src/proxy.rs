@@ -34,6 +34,7 @@
 
 pub mod backends;
 pub mod body;
+pub mod h1;
 pub mod headers;
 pub mod pool;
 pub mod relay;
@@ -315,7 +316,8 @@ impl Proxy {
                         ResponseVerdict::Serving => backend.record_success(),
                     }
                     let relayed = if request.body.stream {
-                        Ok(relay::streamed(resp, backend.name()))
+                        let idle_polls = resp.body().relay_idle_polls();
+                        Ok(relay::streamed_with(resp, backend.name(), idle_polls))
                     } else {
                         relay::buffered(resp, backend.name()).await
                     };

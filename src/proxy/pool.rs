@@ -1,50 +1,118 @@
-//! A per-backend pool of HTTP/1.1 connections for plain-`http` backends, over
-//! `hyper::client::conn::http1` (the hot path; HTTPS backends keep the pooled hyper-util client of
-//! [`super::upstream`], which negotiates h2 or http/1.1 by ALPN).
+//! A per-backend pool of HTTP/1.1 connections for plain-`http` backends (the hot path; HTTPS
+//! backends keep the pooled hyper-util client of [`super::upstream`], which negotiates h2 or
+//! http/1.1 by ALPN). The exchange itself is [`super::h1`]'s codec, run by the request's own task:
+//! no task per connection, no channel between the socket and the response body.
 //!
 //! Why not the hyper-util legacy client here: per request it hashes the pool key (SipHash) twice,
 //! checks a connection out through a waiter queue, spawns a task that waits for the connection to
-//! be ready again and puts it back, and rebuilds the request's URI. This pool is one `Mutex`ed
-//! stack per backend: a request pops the most recently used idle connection, and its response body
-//! pushes the connection back when it ends.
+//! be ready again and puts it back, and rebuilds the request's URI. Why not hyper's
+//! `client::conn::http1` either (this pool's first version): each connection is a task of its own
+//! that hands the answer over one frame at a time, so every upstream chunk cost a poll of both
+//! tasks. This pool is one `Mutex`ed stack per backend: a request pops the most recently used idle
+//! connection, and its response body pushes the connection back when it ends.
 //!
 //! Bounds, as the legacy client had them:
 //! - **Connect timeout**: dialling (name resolution + TCP connect) is bounded by
 //!   `connect_timeout`; a failure is [`UpstreamError::Connect`] (nothing was sent, so the proxy
 //!   may try another replica).
+//! - **Head timeout**: writing the request and reading the response head are bounded by the
+//!   caller's `head_timeout`; the head itself by [`super::h1::MAX_HEAD_BYTES`].
 //! - **Idle cap**: at most `max_idle` idle connections are kept; one more going idle is closed.
 //! - **Idle timeout**: an idle connection older than `idle_timeout` is never reused, and a reaper
 //!   task (started with the first idle connection, ending with the pool) closes them every
 //!   `idle_timeout`, so an idle connection lives at most twice that long.
 //! - A response body dropped before its end (client gone) closes its connection: it is never
-//!   reused with bytes of an old answer in flight.
-//! - A pooled connection the backend closed meanwhile hands the request back unsent
-//!   (`try_send_request`); it is then sent once on a fresh connection.
+//!   reused with bytes of an old answer in flight. Nor is one whose answer said `Connection:
+//!   close`, was delimited by the close, or was followed by bytes nobody asked for.
+//! - A pooled connection is checked before use with one non-blocking read: one the backend closed
+//!   meanwhile (or that holds stray bytes) is dropped, and one that refuses the request's first
+//!   byte is given up for a fresh connection (nothing was sent on it).
 
+use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use axum::http::{HeaderValue, Request, Response, Uri, header, uri};
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::{Frame, Incoming, SizeHint};
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
+use axum::http::{HeaderValue, Request, Response, header, uri};
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Frame, SizeHint};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::upstream::{UpstreamError, chain};
+use super::h1::{self, ChunkedDecoder, Decoded, Framing, ProtocolError};
+use super::upstream::UpstreamError;
 
-type Sender = http1::SendRequest<Full<Bytes>>;
+/// A read asks for at least this much free buffer; the buffer grows by [`READ_RESERVE`].
+const READ_MIN: usize = 4096;
+const READ_RESERVE: usize = 16 * 1024;
+
+/// One backend connection: the socket and what was read from it and not yet consumed.
+#[derive(Debug)]
+struct Conn {
+    io: TcpStream,
+    buf: BytesMut,
+}
+
+impl Conn {
+    fn new(io: TcpStream) -> Self {
+        Self {
+            io,
+            buf: BytesMut::new(),
+        }
+    }
+
+    /// Reads what the socket holds into the buffer (`Ok(0)`: the backend closed it).
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.buf.capacity() - self.buf.len() < READ_MIN {
+            self.buf.reserve(READ_RESERVE);
+        }
+        loop {
+            ready!(self.io.poll_read_ready(cx))?;
+            match self.io.try_read_buf(&mut self.buf) {
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                read => return Poll::Ready(read),
+            }
+        }
+    }
+
+    async fn fill(&mut self) -> io::Result<usize> {
+        std::future::poll_fn(|cx| self.poll_fill(cx)).await
+    }
+
+    /// Whether an idle connection can carry a request: nothing arrived on it meanwhile (no
+    /// close, no stray bytes). One non-blocking read at most.
+    fn is_reusable(&mut self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        self.buf.reserve(READ_MIN);
+        matches!(self.io.try_read_buf(&mut self.buf), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+
+    /// Writes the whole request. `Err((wrote_any, error))`.
+    async fn write(&mut self, head: &[u8], body: &[u8]) -> Result<(), (bool, io::Error)> {
+        let first = match self.io.write(head).await {
+            Ok(0) => return Err((false, io::ErrorKind::WriteZero.into())),
+            Ok(n) => n,
+            Err(error) => return Err((false, error)),
+        };
+        let rest = async {
+            self.io.write_all(&head[first..]).await?;
+            self.io.write_all(body).await
+        };
+        rest.await.map_err(|error| (true, error))
+    }
+}
 
 #[derive(Debug)]
 struct Idle {
-    sender: Sender,
+    conn: Conn,
     since: Instant,
 }
-
 #[derive(Debug)]
 struct Inner {
     /// Idle connections, most recently used last.
@@ -134,70 +202,107 @@ impl ConnPool {
 
     async fn exchange(
         &self,
-        mut req: Request<Full<Bytes>>,
+        req: Request<Full<Bytes>>,
     ) -> Result<Response<PooledBody>, UpstreamError> {
-        if req.uri().authority().is_some() {
-            let origin = req
-                .uri()
-                .path_and_query()
-                .cloned()
-                .map_or_else(|| Uri::from_static("/"), Uri::from);
-            *req.uri_mut() = origin;
-        }
-        req.headers_mut()
-            .insert(header::HOST, self.inner.host_header.clone());
-        if let Some(mut sender) = self.checkout().await {
-            match sender.try_send_request(req).await {
-                Ok(resp) => return Ok(self.wrap(resp, sender)),
-                Err(mut error) => match error.take_message() {
-                    // Not sent (the backend closed the idle connection): once more, fresh.
-                    Some(unsent) => req = unsent,
-                    None => return Err(UpstreamError::Transport(chain(&error.into_error()))),
-                },
+        let (parts, mut body) = req.into_parts();
+        // A `Full` body is one frame (or none).
+        let body = match body.frame().await {
+            Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
+            _ => Bytes::new(),
+        };
+        let mut headers = parts.headers;
+        headers.insert(header::HOST, self.inner.host_header.clone());
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let mut head = Vec::with_capacity(256 + body.len().min(h1::INLINE_BODY_BYTES));
+        let inline = h1::encode_request(&parts.method, path, &headers, &body, &mut head);
+        let body = if inline { &[][..] } else { &body[..] };
+        let closes = h1::request_closes(&headers);
+
+        let mut conn = match self.checkout() {
+            Some(mut conn) => match conn.write(&head, body).await {
+                Ok(()) => conn,
+                // Refused before a byte went out (the backend closed it meanwhile): once more,
+                // on a fresh connection.
+                Err((false, _)) => self.fresh(&head, body).await?,
+                Err((true, error)) => {
+                    return Err(UpstreamError::Transport(format!(
+                        "sending the request: {error}"
+                    )));
+                }
+            },
+            None => self.fresh(&head, body).await?,
+        };
+        let head = loop {
+            match h1::parse_head(&mut conn.buf, &parts.method) {
+                Ok(Some(head)) => break head,
+                Ok(None) => {}
+                Err(error) => return Err(UpstreamError::Transport(error.to_string())),
             }
+            match conn.fill().await {
+                Ok(0) => {
+                    return Err(UpstreamError::Transport(
+                        "the backend closed the connection before a response head".to_owned(),
+                    ));
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    return Err(UpstreamError::Transport(format!(
+                        "reading the response: {error}"
+                    )));
+                }
+            }
+        };
+        let state = match head.framing {
+            Framing::Length(left) => BodyState::Length { left },
+            Framing::Chunked => BodyState::Chunked(ChunkedDecoder::default()),
+            Framing::UntilClose => BodyState::UntilClose,
+        };
+        let mut body = PooledBody {
+            conn: Some(conn),
+            state,
+            reuse: head.keep_alive && !closes,
+            pool: Arc::downgrade(&self.inner),
+        };
+        if matches!(body.state, BodyState::Length { left: 0 }) {
+            // No body to read: the connection is free at once.
+            body.finish();
         }
-        let mut sender = self.connect().await?;
-        match sender.try_send_request(req).await {
-            Ok(resp) => Ok(self.wrap(resp, sender)),
+        let mut response = Response::new(body);
+        *response.status_mut() = head.status;
+        *response.version_mut() = head.version;
+        *response.headers_mut() = head.headers;
+        Ok(response)
+    }
+
+    /// A new connection with the request written on it.
+    async fn fresh(&self, head: &[u8], body: &[u8]) -> Result<Conn, UpstreamError> {
+        let mut conn = self.connect().await?;
+        match conn.write(head, body).await {
+            Ok(()) => Ok(conn),
             // Nothing was written: another replica may take it.
-            Err(error) if error.message().is_some() => {
-                Err(UpstreamError::Connect(chain(&error.into_error())))
-            }
-            Err(error) => Err(UpstreamError::Transport(chain(&error.into_error()))),
+            Err((false, error)) => Err(UpstreamError::Connect(format!(
+                "sending to {}:{}: {error}",
+                self.inner.host, self.inner.port
+            ))),
+            Err((true, error)) => Err(UpstreamError::Transport(format!(
+                "sending the request: {error}"
+            ))),
         }
     }
 
-    fn wrap(&self, resp: Response<Incoming>, sender: Sender) -> Response<PooledBody> {
-        let pool = Arc::downgrade(&self.inner);
-        resp.map(|inner| PooledBody {
-            inner,
-            giveback: Some((sender, pool)),
-        })
-    }
-
-    /// The most recently used idle connection that is still open and ready.
-    async fn checkout(&self) -> Option<Sender> {
+    /// The most recently used idle connection that is still open, with nothing arrived on it.
+    fn checkout(&self) -> Option<Conn> {
         loop {
-            let Idle { mut sender, since } = lock(&self.inner.idle).pop()?;
-            if since.elapsed() >= self.inner.idle_timeout || sender.is_closed() {
-                continue;
-            }
-            if sender.is_ready() {
-                return Some(sender);
-            }
-            // Its last answer ended a moment ago and the connection task has not yet made it
-            // ready again: wait for that (or its close), bounded.
-            if let Ok(Ok(())) =
-                tokio::time::timeout(self.inner.connect_timeout, sender.ready()).await
-            {
-                return Some(sender);
+            let Idle { mut conn, since } = lock(&self.inner.idle).pop()?;
+            if since.elapsed() < self.inner.idle_timeout && conn.is_reusable() {
+                return Some(conn);
             }
         }
     }
 
-    async fn connect(&self) -> Result<Sender, UpstreamError> {
+    async fn connect(&self) -> Result<Conn, UpstreamError> {
         let inner = &self.inner;
-        let dial = tokio::net::TcpStream::connect((inner.host.as_str(), inner.port));
+        let dial = TcpStream::connect((inner.host.as_str(), inner.port));
         let stream = match tokio::time::timeout(inner.connect_timeout, dial).await {
             Err(_) => {
                 return Err(UpstreamError::Connect(format!(
@@ -216,31 +321,20 @@ impl ConnPool {
         if let Err(error) = stream.set_nodelay(true) {
             debug!(%error, "Could not set TCP_NODELAY on a backend connection.");
         }
-        let (sender, connection) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| UpstreamError::Connect(chain(&e)))?;
-        tokio::spawn(async move {
-            if let Err(error) = connection.await {
-                debug!(%error, "A backend connection ended with an error.");
-            }
-        });
-        Ok(sender)
+        Ok(Conn::new(stream))
     }
 }
 
 impl Inner {
-    /// Takes `sender` back after its answer ended: kept (up to `max_idle`) or closed.
-    fn put(self: &Arc<Self>, sender: Sender) {
-        if sender.is_closed() {
-            return;
-        }
+    /// Takes `conn` back after its answer ended: kept (up to `max_idle`) or closed.
+    fn put(self: &Arc<Self>, conn: Conn) {
         {
             let mut idle = lock(&self.idle);
             if idle.len() >= self.max_idle {
                 return;
             }
             idle.push(Idle {
-                sender,
+                conn,
                 since: Instant::now(),
             });
         }
@@ -259,12 +353,12 @@ async fn reap(pool: Weak<Inner>, every: Duration) {
         ticks.tick().await;
         let Some(pool) = pool.upgrade() else { return };
         let now = Instant::now();
-        // Dropped outside the lock (closing a connection wakes its task).
+        // Dropped outside the lock.
         let expired: Vec<Idle> = {
             let mut idle = lock(&pool.idle);
             let (expired, kept) = std::mem::take(&mut *idle)
                 .into_iter()
-                .partition(|c| now.duration_since(c.since) >= every || c.sender.is_closed());
+                .partition(|c| now.duration_since(c.since) >= every);
             *idle = kept;
             expired
         };
@@ -272,48 +366,128 @@ async fn reap(pool: Weak<Inner>, every: Duration) {
     }
 }
 
-/// A backend's response body: gives its connection back to the pool when it ends.
+/// Why a pooled response body failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("reading the response body: {0}")]
+    Io(#[from] io::Error),
+    #[error("the backend closed the connection before the response body's end")]
+    Truncated,
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+}
+
+#[derive(Debug)]
+enum BodyState {
+    Length { left: u64 },
+    Chunked(ChunkedDecoder),
+    UntilClose,
+    Done,
+}
+
+/// A backend's response body, read by the task that polls it: gives its connection back to the
+/// pool when it ends (when the connection may carry another request).
 #[derive(Debug)]
 pub struct PooledBody {
-    inner: Incoming,
-    giveback: Option<(Sender, Weak<Inner>)>,
+    /// `None` once the body ended or failed.
+    conn: Option<Conn>,
+    state: BodyState,
+    /// Whether the connection goes back to the pool at the body's end.
+    reuse: bool,
+    pool: Weak<Inner>,
 }
 
 impl PooledBody {
-    fn give_back(&mut self) {
-        if let Some((sender, pool)) = self.giveback.take()
-            && let Some(pool) = pool.upgrade()
+    /// The body ended: its connection goes back to the pool (when it may be reused and nothing
+    /// beyond the answer arrived) or is closed.
+    fn finish(&mut self) {
+        self.state = BodyState::Done;
+        if let Some(conn) = self.conn.take()
+            && self.reuse
+            && conn.buf.is_empty()
+            && let Some(pool) = self.pool.upgrade()
         {
-            pool.put(sender);
+            pool.put(conn);
         }
+    }
+
+    fn fail(&mut self, error: BodyError) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        self.state = BodyState::Done;
+        self.conn = None;
+        Poll::Ready(Some(Err(error)))
     }
 }
 
 impl hyper::body::Body for PooledBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => self.give_back(),
-            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.give_back(),
-            // A failed body: its connection is not reused.
-            Poll::Ready(Some(Err(_))) => self.giveback = None,
-            _ => {}
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = &mut *self;
+        loop {
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match &mut this.state {
+                BodyState::Done => return Poll::Ready(None),
+                BodyState::Length { left: 0 } => {
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                BodyState::Length { left } if !conn.buf.is_empty() => {
+                    let take = usize::try_from(*left)
+                        .unwrap_or(usize::MAX)
+                        .min(conn.buf.len());
+                    let data = conn.buf.split_to(take).freeze();
+                    *left -= take as u64;
+                    if *left == 0 {
+                        this.finish();
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                BodyState::Chunked(decoder) => match decoder.decode(&mut conn.buf) {
+                    Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                    Ok(Decoded::End) => {
+                        this.finish();
+                        return Poll::Ready(None);
+                    }
+                    Ok(Decoded::NeedMore) => {}
+                    Err(error) => return this.fail(error.into()),
+                },
+                BodyState::UntilClose if !conn.buf.is_empty() => {
+                    let data = conn.buf.split().freeze();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                BodyState::Length { .. } | BodyState::UntilClose => {}
+            }
+            let Some(conn) = this.conn.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match ready!(conn.poll_fill(cx)) {
+                Ok(0) if matches!(this.state, BodyState::UntilClose) => {
+                    this.finish();
+                    return Poll::Ready(None);
+                }
+                Ok(0) => return this.fail(BodyError::Truncated),
+                Ok(_) => {}
+                Err(error) => return this.fail(error.into()),
+            }
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        matches!(self.state, BodyState::Done | BodyState::Length { left: 0 })
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match self.state {
+            BodyState::Length { left } => SizeHint::with_exact(left),
+            BodyState::Done => SizeHint::with_exact(0),
+            _ => SizeHint::default(),
+        }
     }
 }
 
@@ -517,5 +691,165 @@ mod tests {
         assert_eq!(at("backend"), "backend");
         assert_eq!(at("backend:8000"), "backend:8000");
         assert_eq!(at("[::1]:8000"), "[::1]:8000");
+    }
+
+    /// A backend that answers the requests it reads, on any connection, with `replies` in turn
+    /// (closing the connection after a reply marked so). Returns its address and the
+    /// accepted-connection count.
+    async fn scripted(
+        replies: Vec<(&'static [u8], bool)>,
+    ) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let replies = Arc::new(Mutex::new(replies.into_iter()));
+        let counter = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                let replies = replies.clone();
+                tokio::spawn(async move {
+                    let (mut buf, mut chunk) = (Vec::new(), [0u8; 1024]);
+                    loop {
+                        // One whole request: its head and its content-length body.
+                        let request_end = loop {
+                            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                                let length: usize = head
+                                    .lines()
+                                    .find_map(|l| l.strip_prefix("content-length: "))
+                                    .and_then(|n| n.trim().parse().ok())
+                                    .unwrap_or(0);
+                                if buf.len() >= end + 4 + length {
+                                    break end + 4 + length;
+                                }
+                            }
+                            match socket.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        };
+                        buf.drain(..request_end);
+                        let Some((reply, close)) = lock_replies(&replies).next() else {
+                            return;
+                        };
+                        if socket.write_all(reply).await.is_err() || close {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    fn lock_replies<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    async fn body_of(pool: &ConnPool, addr: std::net::SocketAddr) -> Result<Bytes, BodyError> {
+        let resp = pool
+            .send(request(addr), Duration::from_secs(10))
+            .await
+            .expect("a response head");
+        resp.into_body().collect().await.map(|b| b.to_bytes())
+    }
+
+    #[tokio::test]
+    async fn chunked_answers_are_decoded_and_their_connection_reused() {
+        const CHUNKED: &[u8] = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nx-trailer: t\r\n\r\n";
+        let (addr, accepted) = scripted(vec![(CHUNKED, false), (CHUNKED, false)]).await;
+        let pool = pool(addr, Duration::from_secs(3600), 8);
+        for _ in 0..2 {
+            assert_eq!(
+                &body_of(&pool, addr).await.expect("body")[..],
+                b"hello world"
+            );
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        assert_eq!(pool.idle_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_short_is_an_error_and_its_connection_is_not_kept() {
+        let (addr, accepted) = scripted(vec![
+            (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort", true),
+            (
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhel",
+                true,
+            ),
+            (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+        ])
+        .await;
+        let pool = pool(addr, Duration::from_secs(3600), 8);
+        for _ in 0..2 {
+            let error = body_of(&pool, addr).await.expect_err("cut short");
+            assert!(matches!(error, BodyError::Truncated), "{error}");
+            assert_eq!(pool.idle_count(), 0);
+        }
+        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    /// `Connection: close`, bytes after the answer, or a body delimited by the close: the
+    /// connection is never reused.
+    #[tokio::test]
+    async fn connections_that_cannot_carry_another_request_are_not_reused() {
+        let (addr, accepted) = scripted(vec![
+            (
+                b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+                false,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokSTRAY",
+                false,
+            ),
+            (b"HTTP/1.0 200 OK\r\n\r\nall of it", true),
+            (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
+        ])
+        .await;
+        let pool = pool(addr, Duration::from_secs(3600), 8);
+        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"ok");
+        assert_eq!(pool.idle_count(), 0);
+        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"ok");
+        assert_eq!(pool.idle_count(), 0);
+        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"all of it");
+        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+        assert_eq!(pool.idle_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_malformed_or_late_head_is_an_error_not_a_hang() {
+        let (addr, _) = scripted(vec![
+            (b"HTTP/1.1 200 OK\r\ncontent-length: nope\r\n\r\n", false),
+            (b"HTTP/1.1 200 OK\r\n", false),
+            (b"", true),
+        ])
+        .await;
+        let pool = pool(addr, Duration::from_secs(3600), 8);
+        let error = pool
+            .send(request(addr), Duration::from_secs(10))
+            .await
+            .expect_err("malformed");
+        assert!(
+            matches!(&error, UpstreamError::Transport(m) if m.contains("content-length")),
+            "{error}"
+        );
+        let error = pool
+            .send(request(addr), Duration::from_millis(300))
+            .await
+            .expect_err("late");
+        assert!(matches!(error, UpstreamError::Timeout(_)), "{error}");
+        let error = pool
+            .send(request(addr), Duration::from_secs(10))
+            .await
+            .expect_err("closed");
+        assert!(
+            matches!(&error, UpstreamError::Transport(m) if m.contains("before a response head")),
+            "{error}"
+        );
     }
 }

@@ -55,8 +55,10 @@ const GATHER_CAPACITY: usize = 4096;
 /// already queued, among them the upstream client's connection task, which taking a frame woke to
 /// decode the next one it holds (hyper's body channel holds one frame: the connection task
 /// decodes the next only once the previous one is taken). Two, measured: with one, the bench's
-/// nine-event burst left frame by frame (docs/performance.md, "Proxy vs nginx").
-const IDLE_POLLS: u32 = 2;
+/// nine-event burst left frame by frame (docs/performance.md, "Proxy vs nginx"). A body the
+/// relay's own poll reads from the socket (the connection pool's, [`super::pool`]) has nothing
+/// more to wait for once it is pending: [`streamed_with`] gives it none.
+pub const IDLE_POLLS: u32 = 2;
 
 /// Passes upstream data frames on as they arrive, never waiting for more than is already there.
 ///
@@ -73,11 +75,20 @@ where
     B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: std::fmt::Display + Send,
 {
+    streamed_with(upstream, backend, IDLE_POLLS)
+}
+
+/// [`streamed`] with `idle_polls` empty polls before gathered bytes are handed over.
+pub fn streamed_with<B>(upstream: Response<B>, backend: &str, idle_polls: u32) -> Response<Body>
+where
+    B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: std::fmt::Display + Send,
+{
     let (mut parts, body) = upstream.into_parts();
     headers::response(&mut parts.headers);
     // The relayed length may differ (a closing error event), so the body goes chunked.
     parts.headers.remove(header::CONTENT_LENGTH);
-    Response::from_parts(parts, Body::new(Relay::new(body, backend)))
+    Response::from_parts(parts, Body::new(Relay::new(body, backend, idle_polls)))
 }
 
 /// The streamed relay's body: polls the upstream body directly (no stream adapters between the
@@ -90,15 +101,18 @@ struct Relay<B> {
     gathered: Gathered,
     /// Empty polls in a row since the last frame gathered.
     idle_polls: u32,
+    /// Empty polls before gathered bytes are handed over.
+    max_idle_polls: u32,
 }
 
 impl<B> Relay<B> {
-    fn new(upstream: B, backend: &str) -> Self {
+    fn new(upstream: B, backend: &str, max_idle_polls: u32) -> Self {
         Self {
             upstream: Some(upstream),
             backend: backend.into(),
             gathered: Gathered::default(),
             idle_polls: 0,
+            max_idle_polls,
         }
     }
 
@@ -153,7 +167,7 @@ where
                 }
                 // Nothing gathered: wait for the upstream (its waker is registered).
                 Poll::Pending if this.gathered.is_empty() => return Poll::Pending,
-                Poll::Pending if this.idle_polls == IDLE_POLLS => {
+                Poll::Pending if this.idle_polls >= this.max_idle_polls => {
                     return Poll::Ready(this.hand_over());
                 }
                 Poll::Pending => {
@@ -325,8 +339,14 @@ mod tests {
     /// `timeout` would fail the test; nothing here depends on how long anything takes.)
     #[tokio::test(start_paused = true)]
     async fn a_lone_event_is_not_held_back_waiting_for_more() {
+        for idle_polls in [IDLE_POLLS, 0] {
+            lone_events_go_out_at_once(idle_polls).await;
+        }
+    }
+
+    async fn lone_events_go_out_at_once(idle_polls: u32) {
         let (tx, resp) = fed();
-        let mut body = streamed(resp, "b").into_body();
+        let mut body = streamed_with(resp, "b", idle_polls).into_body();
         let hour = Duration::from_secs(3600);
         for i in 0..3 {
             tx.send(event(i)).expect("relay alive");
@@ -345,6 +365,24 @@ mod tests {
             .await
             .expect("the end");
         assert!(end.is_none());
+    }
+
+    /// Without empty polls (a body read by the relay's own poll), what is ready is still
+    /// gathered into one frame, and handed over as soon as the upstream is pending.
+    #[tokio::test(start_paused = true)]
+    async fn without_empty_polls_what_is_ready_still_leaves_as_one() {
+        let (tx, resp) = fed();
+        let mut body = streamed_with(resp, "b", 0).into_body();
+        let hour = Duration::from_secs(3600);
+        for i in 0..4 {
+            tx.send(event(i)).expect("relay alive");
+        }
+        let frame = tokio::time::timeout(hour, body.frame())
+            .await
+            .expect("handed over while the upstream stays open")
+            .expect("a frame")
+            .expect("the relay never fails");
+        assert_eq!(frame.into_data().expect("data").len(), 4 * 15);
     }
 
     /// The last gathered frame says the body ends with it, so the server writes the chunked

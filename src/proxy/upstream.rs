@@ -16,7 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::pki_types::CertificateDer;
 
-use super::pool::{ConnPool, PooledBody};
+use super::pool::{BodyError, ConnPool, PooledBody};
 
 /// Why an upstream exchange failed before a response head arrived.
 #[derive(Debug, thiserror::Error)]
@@ -278,17 +278,42 @@ pub enum UpstreamBody {
     Client(Incoming),
 }
 
+impl UpstreamBody {
+    /// The empty polls the streamed relay makes before handing gathered bytes over: none for a
+    /// pooled body (the relay's own poll reads its socket: pending means nothing is there), the
+    /// relay's default for the client's (its connection task hands frames over one at a time).
+    pub fn relay_idle_polls(&self) -> u32 {
+        match self {
+            UpstreamBody::Pooled(_) => 0,
+            UpstreamBody::Client(_) => super::relay::IDLE_POLLS,
+        }
+    }
+}
+
+/// Why an upstream response body failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamBodyError {
+    #[error(transparent)]
+    Pooled(#[from] BodyError),
+    #[error(transparent)]
+    Client(#[from] hyper::Error),
+}
+
 impl hyper::body::Body for UpstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = UpstreamBodyError;
 
     fn poll_frame(
         self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, UpstreamBodyError>>> {
         match self.get_mut() {
-            UpstreamBody::Pooled(body) => std::pin::Pin::new(body).poll_frame(cx),
-            UpstreamBody::Client(body) => std::pin::Pin::new(body).poll_frame(cx),
+            UpstreamBody::Pooled(body) => std::pin::Pin::new(body)
+                .poll_frame(cx)
+                .map_err(UpstreamBodyError::from),
+            UpstreamBody::Client(body) => std::pin::Pin::new(body)
+                .poll_frame(cx)
+                .map_err(UpstreamBodyError::from),
         }
     }
 
