@@ -593,84 +593,79 @@ mod tests {
 
     #[test]
     fn the_framing_follows_rfc_9112() {
-        let framing = |head: &str, method: &Method| {
-            head_of(format!("{head}\r\n\r\n").as_bytes(), method)
-                .map(|h| h.map(|h| (h.framing, h.keep_alive)).expect("complete"))
-        };
-        let post = &Method::POST;
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ncontent-length: 5", post),
-            Ok((Framing::Length(5), true))
-        );
-        assert_eq!(
-            framing(
+        use Framing::{Chunked, Length, UntilClose};
+        let (post, head) = (&Method::POST, &Method::HEAD);
+        let cases: &[(&str, &Method, Result<(Framing, bool), ProtocolError>)] = &[
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 5",
+                post,
+                Ok((Length(5), true)),
+            ),
+            (
                 "HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\ncontent-length: 5",
-                post
+                post,
+                Ok((Length(5), true)),
             ),
-            Ok((Framing::Length(5), true))
-        );
-        for bad in ["5, 6", "-1", "+5", "0x5", "", "99999999999999999999"] {
-            assert_eq!(
-                framing(&format!("HTTP/1.1 200 OK\r\ncontent-length: {bad}"), post),
-                Err(ProtocolError::ContentLength),
-                "{bad:?}"
-            );
-        }
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: chunked", post),
-            Ok((Framing::Chunked, true))
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, Chunked", post),
-            Ok((Framing::Chunked, true))
-        );
-        // Both: the coding wins and the connection is not reused.
-        assert_eq!(
-            framing(
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked",
+                post,
+                Ok((Chunked, true)),
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, Chunked",
+                post,
+                Ok((Chunked, true)),
+            ),
+            // Both: the coding wins and the connection is not reused.
+            (
                 "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 5",
-                post
+                post,
+                Ok((Chunked, false)),
             ),
-            Ok((Framing::Chunked, false))
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip", post),
-            Ok((Framing::UntilClose, false))
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK", post),
-            Ok((Framing::UntilClose, false))
-        );
-        assert_eq!(
-            framing("HTTP/1.1 204 No Content", post),
-            Ok((Framing::Length(0), true))
-        );
-        assert_eq!(
-            framing("HTTP/1.1 304 Not Modified\r\ncontent-length: 7", post),
-            Ok((Framing::Length(0), true))
-        );
-        assert_eq!(
-            framing("HTTP/1.1 200 OK\r\ncontent-length: 7", &Method::HEAD),
-            Ok((Framing::Length(0), true))
-        );
-        // Persistence.
-        assert_eq!(
-            framing(
+            (
+                "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip",
+                post,
+                Ok((UntilClose, false)),
+            ),
+            ("HTTP/1.1 200 OK", post, Ok((UntilClose, false))),
+            ("HTTP/1.1 204 No Content", post, Ok((Length(0), true))),
+            (
+                "HTTP/1.1 304 Not Modified\r\ncontent-length: 7",
+                post,
+                Ok((Length(0), true)),
+            ),
+            (
+                "HTTP/1.1 200 OK\r\ncontent-length: 7",
+                head,
+                Ok((Length(0), true)),
+            ),
+            // Persistence.
+            (
                 "HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: Close",
-                post
+                post,
+                Ok((Length(0), false)),
             ),
-            Ok((Framing::Length(0), false))
-        );
-        assert_eq!(
-            framing("HTTP/1.0 200 OK\r\ncontent-length: 0", post),
-            Ok((Framing::Length(0), false))
-        );
-        assert_eq!(
-            framing(
+            (
+                "HTTP/1.0 200 OK\r\ncontent-length: 0",
+                post,
+                Ok((Length(0), false)),
+            ),
+            (
                 "HTTP/1.0 200 OK\r\ncontent-length: 0\r\nconnection: keep-alive",
-                post
+                post,
+                Ok((Length(0), true)),
             ),
-            Ok((Framing::Length(0), true))
-        );
+        ];
+        for (text, method, expected) in cases {
+            let got = head_of(format!("{text}\r\n\r\n").as_bytes(), method)
+                .map(|h| h.map(|h| (h.framing, h.keep_alive)).expect("complete"));
+            assert_eq!(&got, expected, "{text:?}");
+        }
+        for bad in ["5, 6", "-1", "+5", "0x5", "", "99999999999999999999"] {
+            let text = format!("HTTP/1.1 200 OK\r\ncontent-length: {bad}\r\n\r\n");
+            let got = head_of(text.as_bytes(), post).map(|h| h.map(|h| h.framing));
+            assert_eq!(got, Err(ProtocolError::ContentLength), "{bad:?}");
+        }
     }
 
     #[test]
