@@ -148,8 +148,9 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, P
                 Err(error) => return Err(ProtocolError::Head(error.to_string())),
             };
             let start = buf.as_ptr() as usize;
-            // The head is within `MAX_HEAD_BYTES` (< u32::MAX) of the buffer's start.
-            let at = |slice: &[u8]| (slice.as_ptr() as usize - start) as u32;
+            // httparse's slices lie in `buf`; the spans are checked against the head below all
+            // the same (a span outside it is an error, not a panic).
+            let at = |slice: &[u8]| (slice.as_ptr() as usize).wrapping_sub(start) as u32;
             for (span, field) in spans.iter_mut().zip(response.headers.iter()) {
                 let name = field.name.as_bytes();
                 *span = (
@@ -184,12 +185,19 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, P
         };
         let mut headers = HeaderMap::with_capacity(count);
         for &(name_at, name_len, value_at, value_len) in &spans[..count] {
+            let outside = || ProtocolError::Head("a header field outside the head".to_owned());
             let (name_at, value_at) = (name_at as usize, value_at as usize);
-            let name = HeaderName::from_bytes(&head[name_at..name_at + name_len as usize])
+            let name = head
+                .get(name_at..name_at + name_len as usize)
+                .ok_or_else(outside)?;
+            let value_end = value_at + value_len as usize;
+            if value_end > head.len() {
+                return Err(outside());
+            }
+            let name =
+                HeaderName::from_bytes(name).map_err(|e| ProtocolError::Head(e.to_string()))?;
+            let value = HeaderValue::from_maybe_shared(head.slice(value_at..value_end))
                 .map_err(|e| ProtocolError::Head(e.to_string()))?;
-            let value =
-                HeaderValue::from_maybe_shared(head.slice(value_at..value_at + value_len as usize))
-                    .map_err(|e| ProtocolError::Head(e.to_string()))?;
             headers.append(name, value);
         }
         let (framing, delimited) = framing(&headers, status, method)?;
