@@ -603,7 +603,8 @@ mod tests {
     fn the_framing_follows_rfc_9112() {
         use Framing::{Chunked, Length, UntilClose};
         let (post, head) = (&Method::POST, &Method::HEAD);
-        let cases: &[(&str, &Method, Result<(Framing, bool), ProtocolError>)] = &[
+        type Case<'a> = (&'a str, &'a Method, Result<(Framing, bool), ProtocolError>);
+        let cases: &[Case] = &[
             (
                 "HTTP/1.1 200 OK\r\ncontent-length: 5",
                 post,
