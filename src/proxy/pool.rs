@@ -66,17 +66,16 @@ impl Conn {
     }
 
     /// Reads what the socket holds into the buffer (`Ok(0)`: the backend closed it).
+    ///
+    /// Through `AsyncRead::poll_read`, not `try_read_buf`: tokio clears the socket's readiness
+    /// after a short read (the socket is drained, epoll will say when more arrives), so the next
+    /// read waits for that instead of trying a `recvfrom` that fails with `EAGAIN` (one wasted
+    /// system call per read with `try_read_buf`, measured: docs/performance.md).
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < READ_MIN {
             self.buf.reserve(READ_RESERVE);
         }
-        loop {
-            ready!(self.io.poll_read_ready(cx))?;
-            match self.io.try_read_buf(&mut self.buf) {
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                read => return Poll::Ready(read),
-            }
-        }
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.io), cx, &mut self.buf)
     }
 
     async fn fill(&mut self) -> io::Result<usize> {
