@@ -317,7 +317,7 @@ impl Proxy {
                     }
                     let relayed = if request.body.stream {
                         let idle_polls = resp.body().relay_idle_polls();
-                        Ok(relay::streamed_with(resp, backend.name(), idle_polls))
+                        Ok(relay::streamed(resp, backend.name(), idle_polls))
                     } else {
                         relay::buffered(resp, backend.name()).await
                     };

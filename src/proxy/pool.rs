@@ -143,9 +143,9 @@ impl std::fmt::Debug for ConnPool {
     }
 }
 
-fn lock(idle: &Mutex<Vec<Idle>>) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+fn lock<T>(guarded: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Pushes and pops only: a panic elsewhere leaves the stack consistent.
-    idle.lock().unwrap_or_else(PoisonError::into_inner)
+    guarded.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl ConnPool {
@@ -731,7 +731,7 @@ mod tests {
                             }
                         };
                         buf.drain(..request_end);
-                        let Some((reply, close)) = lock_replies(&replies).next() else {
+                        let Some((reply, close)) = lock(&replies).next() else {
                             return;
                         };
                         if socket.write_all(reply).await.is_err() || close {
@@ -742,10 +742,6 @@ mod tests {
             }
         });
         (addr, accepted)
-    }
-
-    fn lock_replies<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-        m.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     async fn body_of(pool: &ConnPool, addr: std::net::SocketAddr) -> Result<Bytes, BodyError> {

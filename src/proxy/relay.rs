@@ -57,7 +57,7 @@ const GATHER_CAPACITY: usize = 4096;
 /// decodes the next only once the previous one is taken). Two, measured: with one, the bench's
 /// nine-event burst left frame by frame (docs/performance.md, "Proxy vs nginx"). A body the
 /// relay's own poll reads from the socket (the connection pool's, [`super::pool`]) has nothing
-/// more to wait for once it is pending: [`streamed_with`] gives it none.
+/// more to wait for once it is pending: [`streamed`] is given none for it.
 pub const IDLE_POLLS: u32 = 2;
 
 /// Passes upstream data frames on as they arrive, never waiting for more than is already there.
@@ -66,20 +66,12 @@ pub const IDLE_POLLS: u32 = 2;
 /// its connection task), and the server writes every frame it is given with its own `writev`. An
 /// SSE answer whose nine events arrived in one TCP read would leave as nine writes. So after a
 /// frame the relay ([`Relay`]) gathers whatever else is ready: it polls again, and when nothing
-/// is ready it lets the scheduler run the connection task ([`IDLE_POLLS`] times) before handing
-/// the gathered bytes over. A live token stream, whose next event is not there yet, costs those
-/// scheduler passes per event; nothing is held longer, and a gathered frame stops growing once
-/// it reaches [`MAX_COALESCED_FRAME_BYTES`].
-pub fn streamed<B>(upstream: Response<B>, backend: &str) -> Response<Body>
-where
-    B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
-    B::Error: std::fmt::Display + Send,
-{
-    streamed_with(upstream, backend, IDLE_POLLS)
-}
-
-/// [`streamed`] with `idle_polls` empty polls before gathered bytes are handed over.
-pub fn streamed_with<B>(upstream: Response<B>, backend: &str, idle_polls: u32) -> Response<Body>
+/// is ready it lets the scheduler run the connection task `idle_polls` times before handing the
+/// gathered bytes over ([`IDLE_POLLS`] for a body another task hands over, none for one the
+/// relay's own poll reads from its socket). A live token stream, whose next event is not there
+/// yet, costs those scheduler passes per event; nothing is held longer, and a gathered frame
+/// stops growing once it reaches [`MAX_COALESCED_FRAME_BYTES`].
+pub fn streamed<B>(upstream: Response<B>, backend: &str, idle_polls: u32) -> Response<Body>
 where
     B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: std::fmt::Display + Send,
@@ -271,7 +263,7 @@ mod tests {
             .map(event)
             .chain([Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))])
             .collect();
-        let frames = relayed_frames(streamed(upstream(items), "b")).await;
+        let frames = relayed_frames(streamed(upstream(items), "b", IDLE_POLLS)).await;
         assert_eq!(frames.len(), 1, "{frames:?}");
         let text = String::from_utf8(frames[0].to_vec()).unwrap();
         assert!(text.starts_with("data: {\"i\":0}\n\n") && text.ends_with("data: [DONE]\n\n"));
@@ -282,7 +274,7 @@ mod tests {
     async fn a_gathered_frame_stays_within_its_bound() {
         let chunk = Bytes::from(vec![b'x'; 1000]);
         let items: Vec<Item> = (0..200).map(|_| Ok(Frame::data(chunk.clone()))).collect();
-        let frames = relayed_frames(streamed(upstream(items), "b")).await;
+        let frames = relayed_frames(streamed(upstream(items), "b", IDLE_POLLS)).await;
         assert!(frames.len() >= 3, "{} frames", frames.len());
         assert!(
             frames
@@ -300,7 +292,7 @@ mod tests {
             Err(std::io::Error::other("reset")),
             event(2),
         ];
-        let frames = relayed_frames(streamed(upstream(items), "b")).await;
+        let frames = relayed_frames(streamed(upstream(items), "b", IDLE_POLLS)).await;
         assert_eq!(frames.len(), 1, "{frames:?}");
         let text = String::from_utf8(frames[0].to_vec()).unwrap();
         assert!(
@@ -320,7 +312,7 @@ mod tests {
             event(0),
             Ok(Frame::trailers(Default::default())),
         ];
-        let frames = relayed_frames(streamed(upstream(items), "b")).await;
+        let frames = relayed_frames(streamed(upstream(items), "b", IDLE_POLLS)).await;
         assert_eq!(frames, vec![Bytes::from_static(b"data: {\"i\":0}\n\n")]);
     }
 
@@ -346,7 +338,7 @@ mod tests {
 
     async fn lone_events_go_out_at_once(idle_polls: u32) {
         let (tx, resp) = fed();
-        let mut body = streamed_with(resp, "b", idle_polls).into_body();
+        let mut body = streamed(resp, "b", idle_polls).into_body();
         let hour = Duration::from_secs(3600);
         for i in 0..3 {
             tx.send(event(i)).expect("relay alive");
@@ -372,7 +364,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn without_empty_polls_what_is_ready_still_leaves_as_one() {
         let (tx, resp) = fed();
-        let mut body = streamed_with(resp, "b", 0).into_body();
+        let mut body = streamed(resp, "b", 0).into_body();
         let hour = Duration::from_secs(3600);
         for i in 0..4 {
             tx.send(event(i)).expect("relay alive");
@@ -390,7 +382,7 @@ mod tests {
     #[tokio::test]
     async fn the_last_frame_ends_the_body() {
         let items: Vec<Item> = (0..3).map(event).collect();
-        let mut body = streamed(upstream(items), "b").into_body();
+        let mut body = streamed(upstream(items), "b", IDLE_POLLS).into_body();
         assert!(!hyper::body::Body::is_end_stream(&body));
         let frame = body.frame().await.expect("a frame").expect("data");
         assert_eq!(frame.into_data().expect("data").len(), 3 * 15);
