@@ -26,8 +26,8 @@ pub mod view;
 
 pub use keys::{Keyspace, decode_segment, encode_segment};
 pub use records::{
-    Capacity, DisaggregatedEndpoint, EventTopic, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE,
-    MAX_RETAINED_CARD_BYTES, Role, TcpAddress,
+    Capacity, CardJson, DisaggregatedEndpoint, EventTopic, MAX_RECORD_BYTES,
+    MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES, Role, TcpAddress,
 };
 pub use reducer::{DiscoveryReducer, ViewChanges};
 pub use snapshot::{

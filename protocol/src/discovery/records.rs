@@ -311,7 +311,7 @@ pub struct CardRecord {
     pub instance_id: InstanceId,
     pub fields: CardFields,
     /// The card verbatim, unless it exceeded [`MAX_RETAINED_CARD_BYTES`].
-    pub card: Option<Arc<serde_json::Value>>,
+    pub card: Option<CardJson>,
     /// The opaque card was dropped for size.
     pub card_trimmed: bool,
 }
@@ -320,6 +320,41 @@ impl CardRecord {
     /// Legacy cards leave both component and endpoint empty and join on instance id alone.
     pub fn is_legacy(&self) -> bool {
         self.component.is_empty() && self.endpoint.is_empty()
+    }
+}
+
+/// A model card kept verbatim: the JSON text of its `card_json` member as the fleet wrote it,
+/// valid JSON by construction (it is only ever cut from a parsed record) and at most
+/// [`MAX_RETAINED_CARD_BYTES`]. Cloning shares the text.
+///
+/// Equality is by meaning, as for a parsed card: the same text, or texts that parse to equal
+/// JSON values (a card re-serialised with other spacing is the same card). Only the texts of
+/// two different cards are ever parsed, and only when they are compared.
+#[derive(Clone, Debug)]
+pub struct CardJson(Arc<str>);
+
+impl CardJson {
+    /// The card's text, verbatim.
+    pub fn text(&self) -> &str {
+        &self.0
+    }
+
+    /// The card as a JSON value (parsed on each call: for operators and tests, never on a hot
+    /// path).
+    pub fn value(&self) -> serde_json::Value {
+        // Valid JSON by construction; `Null` only if that were ever broken.
+        serde_json::from_str(&self.0).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// Whether both hold the same text allocation (a card shared, not copied).
+    pub fn ptr_eq(a: &CardJson, b: &CardJson) -> bool {
+        Arc::ptr_eq(&a.0, &b.0)
+    }
+}
+
+impl PartialEq for CardJson {
+    fn eq(&self, other: &CardJson) -> bool {
+        CardJson::ptr_eq(self, other) || self.0 == other.0 || self.value() == other.value()
     }
 }
 
@@ -364,8 +399,51 @@ pub enum Record {
     Skipped(Skip),
 }
 
+/// Cards remembered by [`CardMemo`].
+pub const CARD_MEMO_ENTRIES: usize = 8;
+/// Cards above this size are never remembered, so the memo keeps at most
+/// `CARD_MEMO_ENTRIES × CARD_MEMO_MAX_BYTES` of card text alive beyond its records.
+pub const CARD_MEMO_MAX_BYTES: usize = 64 * 1024;
+
+/// The cards parsed last, by text. The workers of one deployment publish the same card (the
+/// record around it names the instance), so a resync reads each distinct card once and every
+/// worker shares its text and typed subset instead of holding a copy. A few entries, compared by
+/// bytes (length first); a card not found is parsed as always and replaces the oldest entry.
+#[derive(Debug, Default)]
+pub struct CardMemo {
+    recent: std::collections::VecDeque<(CardJson, CardFields)>,
+}
+
+impl CardMemo {
+    fn find(&self, text: &str) -> Option<(CardJson, CardFields)> {
+        self.recent
+            .iter()
+            .find(|(card, _)| card.text() == text)
+            .map(|(card, fields)| (card.clone(), fields.clone()))
+    }
+
+    fn remember(&mut self, card: &CardJson, fields: &CardFields) {
+        if card.text().len() > CARD_MEMO_MAX_BYTES {
+            return;
+        }
+        if self.recent.len() == CARD_MEMO_ENTRIES {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((card.clone(), fields.clone()));
+    }
+}
+
 /// Parses `value`, held under `key` (already classified) in `keyspace`.
 pub fn parse_record(key: &ParsedKey, value: &[u8]) -> Result<Record, RecordError> {
+    parse_record_with(key, value, &mut CardMemo::default())
+}
+
+/// [`parse_record`], reading a card from `memo` when it was parsed lately.
+pub fn parse_record_with(
+    key: &ParsedKey,
+    value: &[u8],
+    memo: &mut CardMemo,
+) -> Result<Record, RecordError> {
     if value.len() > MAX_RECORD_BYTES {
         return Err(RecordError::Oversized(value.len()));
     }
@@ -384,7 +462,7 @@ pub fn parse_record(key: &ParsedKey, value: &[u8]) -> Result<Record, RecordError
     }
     match keyspace {
         Keyspace::Instances => parse_endpoint(raw),
-        Keyspace::Cards => parse_card(key, raw),
+        Keyspace::Cards => parse_card(key, raw, memo),
         Keyspace::Channels => parse_channel(key, raw),
         Keyspace::Sources => parse_source(raw),
     }
@@ -419,7 +497,11 @@ fn parse_endpoint(raw: RawRecord<'_>) -> Result<Record, RecordError> {
     }))
 }
 
-fn parse_card(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordError> {
+fn parse_card(
+    key: &ParsedKey,
+    raw: RawRecord<'_>,
+    memo: &mut CardMemo,
+) -> Result<Record, RecordError> {
     let suffix_in_value = raw
         .model_suffix
         .as_ref()
@@ -438,24 +520,23 @@ fn parse_card(key: &ParsedKey, raw: RawRecord<'_>) -> Result<Record, RecordError
     let (fields, card, card_trimmed) = match raw.card_json {
         None => (CardFields::unreadable(), None, false),
         Some(raw_card) => {
+            // The text was validated as JSON when the record was read; the typed subset is read
+            // straight from it, and no generic tree of the card is ever built.
             let text = raw_card.get();
-            if text.len() > MAX_RETAINED_CARD_BYTES {
-                // Only the typed subset is built; the opaque blob is never materialised.
-                let fields = serde_json::from_str::<RawCard>(text)
+            let read = || {
+                serde_json::from_str::<RawCard>(text)
                     .map(RawCard::into_fields)
-                    .unwrap_or_else(|_| CardFields::unreadable());
-                (fields, None, true)
+                    .unwrap_or_else(|_| CardFields::unreadable())
+            };
+            if text.len() > MAX_RETAINED_CARD_BYTES {
+                (read(), None, true)
+            } else if let Some((card, fields)) = memo.find(text) {
+                (fields, Some(card), false)
             } else {
-                // One text parse per card: the subset is read from the retained value itself.
-                match serde_json::from_str::<serde_json::Value>(text) {
-                    Ok(value) => {
-                        let fields = RawCard::deserialize(&value)
-                            .map(RawCard::into_fields)
-                            .unwrap_or_else(|_| CardFields::unreadable());
-                        (fields, Some(Arc::new(value)), false)
-                    }
-                    Err(_) => (CardFields::unreadable(), None, false),
-                }
+                let card = CardJson(Arc::from(text));
+                let fields = read();
+                memo.remember(&card, &fields);
+                (fields, Some(card), false)
             }
         }
     };
@@ -1075,6 +1156,70 @@ mod tests {
     const CARD_KEY: &str = "v1/mdc/dynamo/backend/generate/1a";
     const CH_KEY: &str =
         "v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/topic/kv_metrics/5";
+
+    fn memo_card(memo: &mut CardMemo, id: u64, card_json: &str) -> CardRecord {
+        let key = format!("v1/mdc/dynamo/backend/generate/{id:x}");
+        let (_, parsed) = classify("dynamo", &key).expect("key in namespace");
+        let value = format!(
+            r#"{{"type":"Model","component":"backend","endpoint":"generate","instance_id":{id},"card_json":{card_json}}}"#
+        );
+        match parse_record_with(&parsed.expect("key shape"), value.as_bytes(), memo) {
+            Ok(Record::Card(card)) => card,
+            other => panic!("expected a card, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn workers_publishing_the_same_card_share_it() {
+        let mut memo = CardMemo::default();
+        let text =
+            r#"{"display_name":"m","worker_type":"decode","runtime_config":{"total_kv_blocks":7}}"#;
+        let a = memo_card(&mut memo, 1, text);
+        let b = memo_card(&mut memo, 2, text);
+        let (Some(card_a), Some(card_b)) = (&a.card, &b.card) else {
+            panic!("cards retained")
+        };
+        assert!(CardJson::ptr_eq(card_a, card_b), "one text for both");
+        assert_eq!(a.fields, b.fields);
+        assert_eq!(b.instance_id, InstanceId(2), "the record's own id");
+        assert_eq!(b.fields.capacity.total_kv_blocks, Some(7));
+        // Another card is parsed on its own, and a memo never changes what a card reads as.
+        let other = memo_card(&mut memo, 3, &text.replace(":7}", ":8}"));
+        assert_eq!(other.fields.capacity.total_kv_blocks, Some(8));
+        assert!(!CardJson::ptr_eq(
+            card_a,
+            other.card.as_ref().expect("card")
+        ));
+        let fresh = memo_card(&mut CardMemo::default(), 2, text);
+        assert_eq!(fresh, b);
+    }
+
+    #[test]
+    fn the_card_memo_is_bounded_in_entries_and_size() {
+        let mut memo = CardMemo::default();
+        for n in 0..3 * CARD_MEMO_ENTRIES as u64 {
+            memo_card(&mut memo, n + 1, &format!(r#"{{"display_name":"m{n}"}}"#));
+            assert!(memo.recent.len() <= CARD_MEMO_ENTRIES);
+        }
+        let big = format!(
+            r#"{{"display_name":"{}"}}"#,
+            "x".repeat(CARD_MEMO_MAX_BYTES)
+        );
+        let a = memo_card(&mut memo, 1, &big);
+        let b = memo_card(&mut memo, 2, &big);
+        assert!(
+            !CardJson::ptr_eq(
+                a.card.as_ref().expect("retained"),
+                b.card.as_ref().expect("retained")
+            ),
+            "a card above CARD_MEMO_MAX_BYTES is never remembered"
+        );
+        assert!(
+            memo.recent
+                .iter()
+                .all(|(card, _)| card.text().len() <= CARD_MEMO_MAX_BYTES)
+        );
+    }
 
     #[test]
     fn ids_as_number_or_hex_string_normalise() {

@@ -10,15 +10,15 @@
 //! card's instance id, a publisher id) claimed by more than one key are refused together: the
 //! router cannot tell the genuine record from a forged one, and refusing both is order-free.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use tracing::{debug, warn};
 
 use super::keys::{Keyspace, ParsedKey, classify};
 use super::records::{
-    CardClaim, CardFields, CardRecord, ChannelRecord, EndpointRecord, MAX_RECORD_BYTES,
-    MAX_RECORDS_PER_KEYSPACE, Record, RecordError, Role, SourceRecord, clip, parse_record,
+    CardClaim, CardFields, CardMemo, CardRecord, ChannelRecord, EndpointRecord, MAX_RECORD_BYTES,
+    MAX_RECORDS_PER_KEYSPACE, Record, RecordError, Role, SourceRecord, clip, parse_record_with,
 };
 use super::view::{NamespaceView, Publisher, Worker};
 use super::{DiscoveryCounts, DiscoveryEventKind, SourceEvent};
@@ -47,6 +47,8 @@ pub struct DiscoveryReducer {
     role_conflicts: BTreeMap<InstanceId, (Role, Role)>,
     /// What changed in the view since the last [`DiscoveryReducer::take_changes`].
     changes: ViewChanges,
+    /// The cards parsed last, shared by the workers that publish the same card.
+    memo: CardMemo,
 }
 
 /// The workers (by instance id) and whether the publishers changed in a view since the consumer
@@ -86,6 +88,7 @@ impl DiscoveryReducer {
             conflicts: BTreeMap::new(),
             role_conflicts: BTreeMap::new(),
             changes: ViewChanges::default(),
+            memo: CardMemo::default(),
         }
     }
 
@@ -141,14 +144,14 @@ impl DiscoveryReducer {
                     debug!(key = %clip(&key), "Took a resync record outside a resync as a put.");
                     return self.put_live(&key, &value, now);
                 };
-                let mut dirty = Dirty::default();
                 let outcome = ingest(
                     self.namespace.as_str(),
+                    &mut self.memo,
                     &mut staging.held,
                     Some(&self.held),
                     &key,
                     &value,
-                    &mut dirty,
+                    &mut Dirty::discarded(),
                 );
                 note(
                     &mut self.counts,
@@ -165,11 +168,12 @@ impl DiscoveryReducer {
                     // A watch event inside a resync is newer than the range get: keep it.
                     ingest(
                         self.namespace.as_str(),
+                        &mut self.memo,
                         &mut staging.held,
                         None,
                         &key,
                         &value,
-                        &mut Dirty::default(),
+                        &mut Dirty::discarded(),
                     );
                 }
                 self.put_live(&key, &value, now)
@@ -180,7 +184,7 @@ impl DiscoveryReducer {
                         self.namespace.as_str(),
                         &mut staging.held,
                         &key,
-                        &mut Dirty::default(),
+                        &mut Dirty::discarded(),
                     );
                 }
                 self.delete_live(&key, now)
@@ -192,6 +196,7 @@ impl DiscoveryReducer {
         let mut dirty = Dirty::default();
         let outcome = ingest(
             self.namespace.as_str(),
+            &mut self.memo,
             &mut self.held,
             None,
             key,
@@ -423,7 +428,7 @@ fn materialise_worker(
 }
 
 /// The record behind an identity claimed by exactly one key.
-fn unique<'a, T>(keys: &[String], slots: &'a BTreeMap<String, Slot<T>>) -> Option<&'a T> {
+fn unique<'a, T>(keys: &[String], slots: &'a HashMap<String, Slot<T>>) -> Option<&'a T> {
     match keys {
         [only] => slots.get(only).map(|s| s.rec.as_ref()),
         _ => None,
@@ -472,9 +477,21 @@ fn log_duplicate(namespace: &Namespace, identity: &Identity, keys: &[String]) {
 
 type Digest = [u8; 32];
 
+/// What a held value is recognised by: its XXH3-128. Not a security boundary, and it need not
+/// be one: a value is only ever compared with the value held under the same key, so a
+/// collision could only make the router keep the record it already holds for a key, which
+/// whoever can write that key could have written anyway. It makes an unchanged put (and an
+/// idempotent resync) cost a hash per record at memory speed; a cryptographic digest was a
+/// quarter of a resync's reducer time.
+type ValueDigest = u128;
+
+fn value_digest(value: &[u8]) -> ValueDigest {
+    xxhash_rust::xxh3::xxh3_128(value)
+}
+
 #[derive(Debug)]
 struct Slot<T> {
-    digest: Digest,
+    digest: ValueDigest,
     rec: Arc<T>,
 }
 
@@ -521,6 +538,9 @@ impl Identity {
     }
 
     fn mark(&self, dirty: &mut Dirty) {
+        if dirty.discard {
+            return;
+        }
         match self {
             Identity::Generate(id) | Identity::ScopedCard(id, ..) | Identity::LegacyCard(id) => {
                 dirty.workers.insert(*id);
@@ -538,16 +558,29 @@ struct Dirty {
     workers: BTreeSet<InstanceId>,
     publishers: BTreeSet<PublisherId>,
     identities: BTreeSet<Identity>,
+    /// Nothing is recorded: a staging set's changes are all re-derived when the resync ends.
+    discard: bool,
+}
+
+impl Dirty {
+    fn discarded() -> Self {
+        Self {
+            discard: true,
+            ..Self::default()
+        }
+    }
 }
 
 #[derive(Debug, Default)]
 struct Held {
     /// Set on a resync's staging set only: its capacity evicts by [`Rank`] instead of refusing.
     admission: Option<Box<Admission>>,
-    endpoints: BTreeMap<String, Slot<EndpointRecord>>,
-    cards: BTreeMap<String, Slot<CardRecord>>,
-    channels: BTreeMap<String, Slot<ChannelRecord>>,
-    sources: BTreeMap<String, Slot<SourceRecord>>,
+    // Held records by key: hashed (std's keyed hasher: the fleet writes the keys), looked up
+    // several times per put and never walked in order.
+    endpoints: HashMap<String, Slot<EndpointRecord>>,
+    cards: HashMap<String, Slot<CardRecord>>,
+    channels: HashMap<String, Slot<ChannelRecord>>,
+    sources: HashMap<String, Slot<SourceRecord>>,
     endpoint_ids: BTreeMap<InstanceId, Vec<String>>,
     scoped_cards: BTreeMap<(InstanceId, String, String), Vec<String>>,
     legacy_cards: BTreeMap<InstanceId, Vec<String>>,
@@ -584,6 +617,16 @@ fn card_identity(card: &CardRecord) -> Identity {
 }
 
 impl Held {
+    /// The keys `keyspace` holds, in no particular order.
+    fn keys(&self, keyspace: Keyspace) -> Box<dyn Iterator<Item = &String> + '_> {
+        match keyspace {
+            Keyspace::Instances => Box::new(self.endpoints.keys()),
+            Keyspace::Cards => Box::new(self.cards.keys()),
+            Keyspace::Channels => Box::new(self.channels.keys()),
+            Keyspace::Sources => Box::new(self.sources.keys()),
+        }
+    }
+
     fn len(&self, keyspace: Keyspace) -> usize {
         match keyspace {
             Keyspace::Instances => self.endpoints.len(),
@@ -597,7 +640,7 @@ impl Held {
         self.digest(keyspace, key).is_some()
     }
 
-    fn digest(&self, keyspace: Keyspace, key: &str) -> Option<Digest> {
+    fn digest(&self, keyspace: Keyspace, key: &str) -> Option<ValueDigest> {
         match keyspace {
             Keyspace::Instances => self.endpoints.get(key).map(|s| s.digest),
             Keyspace::Cards => self.cards.get(key).map(|s| s.digest),
@@ -702,7 +745,7 @@ impl Held {
         &mut self,
         keyspace: Keyspace,
         key: &str,
-        digest: Digest,
+        digest: ValueDigest,
         rec: HeldRecord,
         dirty: &mut Dirty,
     ) {
@@ -782,7 +825,9 @@ impl Staging {
 // newcomer that ranks better than the worst held record evicts it, and either way exactly one
 // record is left out and counted `over_capacity`. Ranks are re-evaluated whenever a partner
 // record (the card of an endpoint, the endpoint of a card) arrives or leaves; a channel joins
-// when a held endpoint lies in its scope.
+// when a held endpoint lies in its scope. Ranks are kept only for a keyspace that has reached
+// capacity during the resync: every record it holds is ranked once at that moment (the same
+// ranks the records' current partners give), so a resync under capacity ranks nothing.
 
 /// How much a held record is worth keeping; lower is better.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -820,8 +865,10 @@ struct Admission {
     workers: BTreeSet<InstanceId>,
     /// Publishers of the live view when the resync started.
     publishers: BTreeSet<PublisherId>,
-    /// Held keys per keyspace, best first.
-    order: [BTreeSet<(Rank, String)>; 4],
+    /// Held keys per keyspace, best first: `None` until the keyspace first reaches capacity
+    /// (only then is a record ever chosen by rank), built then from every record it holds and
+    /// kept in step after. A resync that stays under capacity never ranks a record.
+    order: [Option<BTreeSet<(Rank, String)>>; 4],
     /// Held generate endpoints per (component, endpoint) scope, for channels to join.
     scopes: BTreeMap<(String, String), usize>,
 }
@@ -855,7 +902,9 @@ impl Admission {
     }
 
     fn forget(&mut self, keyspace: Keyspace, key: &str) {
-        let set = &mut self.order[keyspace_slot(keyspace)];
+        let Some(set) = self.order[keyspace_slot(keyspace)].as_mut() else {
+            return;
+        };
         let mut probe = (Rank::ALL[0], key.to_owned());
         for rank in Rank::ALL {
             probe.0 = rank;
@@ -910,15 +959,47 @@ impl Held {
         }
     }
 
-    /// Re-files one held key under its current rank (no-op outside a resync).
+    /// Whether the admission order of `keyspace` is kept (a resync whose keyspace reached
+    /// capacity).
+    fn ordered(&self, keyspace: Keyspace) -> bool {
+        self.admission
+            .as_ref()
+            .is_some_and(|a| a.order[keyspace_slot(keyspace)].is_some())
+    }
+
+    /// Re-files one held key under its current rank (no-op outside a resync or while its
+    /// keyspace is unordered).
     fn rerank(&mut self, keyspace: Keyspace, key: &str) {
+        if !self.ordered(keyspace) {
+            return;
+        }
         let Some(mut admission) = self.admission.take() else {
             return;
         };
         admission.forget(keyspace, key);
         if let Some(rec) = self.record(keyspace, key) {
             let rank = self.rank(&admission, &rec);
-            admission.order[keyspace_slot(keyspace)].insert((rank, key.to_owned()));
+            if let Some(set) = admission.order[keyspace_slot(keyspace)].as_mut() {
+                set.insert((rank, key.to_owned()));
+            }
+        }
+        self.admission = Some(admission);
+    }
+
+    /// Ranks every record `keyspace` holds, once, when a resync first needs to choose among
+    /// them (no-op outside a resync or once ordered).
+    fn order_keyspace(&mut self, keyspace: Keyspace) {
+        let Some(mut admission) = self.admission.take() else {
+            return;
+        };
+        if admission.order[keyspace_slot(keyspace)].is_none() {
+            let mut set = BTreeSet::new();
+            for key in self.keys(keyspace) {
+                if let Some(rec) = self.record(keyspace, key) {
+                    set.insert((self.rank(&admission, &rec), key.clone()));
+                }
+            }
+            admission.order[keyspace_slot(keyspace)] = Some(set);
         }
         self.admission = Some(admission);
     }
@@ -926,7 +1007,7 @@ impl Held {
     /// Re-files every held record that joins worker `id`: its endpoints and cards. A channel's
     /// rank is taken when it arrives (the etcd source reads channels after endpoints).
     fn rerank_worker(&mut self, id: InstanceId) {
-        if self.admission.is_none() {
+        if !self.ordered(Keyspace::Instances) && !self.ordered(Keyspace::Cards) {
             return;
         }
         let mut keys: Vec<(Keyspace, String)> = Vec::new();
@@ -949,14 +1030,15 @@ impl Held {
     /// At capacity during a resync: the held key `rec` (under `key`) would evict, if it ranks
     /// better than the worst one held. `None` outside a resync or when the newcomer is worst.
     fn eviction_candidate(
-        &self,
+        &mut self,
         keyspace: Keyspace,
         key: &str,
         rec: &HeldRecord,
     ) -> Option<String> {
+        self.order_keyspace(keyspace);
         let admission = self.admission.as_ref()?;
         let rank = self.rank(admission, rec);
-        let (worst_rank, worst_key) = admission.order[keyspace_slot(keyspace)].last()?;
+        let (worst_rank, worst_key) = admission.order[keyspace_slot(keyspace)].as_ref()?.last()?;
         ((rank, key) < (*worst_rank, worst_key.as_str())).then(|| worst_key.clone())
     }
 
@@ -1013,6 +1095,7 @@ enum Outcome {
 /// the live parse (and its `Arc`ed card), so an idempotent resync costs a hash per record.
 fn ingest(
     namespace: &str,
+    memo: &mut CardMemo,
     held: &mut Held,
     reuse: Option<&Held>,
     key: &str,
@@ -1039,7 +1122,7 @@ fn ingest(
             reason: RecordError::Oversized(value.len()).to_string(),
         };
     }
-    let digest: Digest = blake3::hash(value).into();
+    let digest = value_digest(value);
     if held.digest(keyspace, key) == Some(digest) {
         return Outcome::Unchanged;
     }
@@ -1048,7 +1131,7 @@ fn ingest(
         .and_then(|live| live.record(keyspace, key));
     let record = match reused {
         Some(rec) => rec,
-        None => match parse_record(&parsed, value) {
+        None => match parse_record_with(&parsed, value, memo) {
             Ok(Record::Endpoint(r)) => HeldRecord::Endpoint(Arc::new(r)),
             Ok(Record::Card(r)) => {
                 if let Some(release) = &r.fields.release {

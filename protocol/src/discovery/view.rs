@@ -12,7 +12,7 @@ use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
 use super::keys::encode_segment;
-use super::records::{Capacity, DisaggregatedEndpoint, EventTopic, Role, TcpAddress};
+use super::records::{Capacity, CardJson, DisaggregatedEndpoint, EventTopic, Role, TcpAddress};
 use crate::ids::{DpRank, InstanceId, Namespace, PublisherId, WorkerKey};
 use crate::kv::artifacts::CardArtifacts;
 use crate::time::UnixMillis;
@@ -39,7 +39,7 @@ pub struct Worker {
     pub artifacts: Arc<CardArtifacts>,
     /// The full card, stored once at parse time (`None` without a card or when it exceeded
     /// `MAX_RETAINED_CARD_BYTES`). Never serialised.
-    pub card: Option<Arc<serde_json::Value>>,
+    pub card: Option<CardJson>,
     /// Request-plane address from the Endpoint record. Internal, never serialised.
     pub(crate) transport: Option<String>,
     pub first_seen: UnixMillis,
@@ -95,15 +95,11 @@ impl Worker {
         rank.0 >= start && u64::from(rank.0) < u64::from(start) + u64::from(size)
     }
 
-    /// Equal apart from `first_seen` / `last_updated`.
+    /// Equal apart from `first_seen` / `last_updated`. The typed fields are compared first, so
+    /// the cards (compared by meaning, see [`CardJson`]) are only looked at when all else is
+    /// equal.
     pub fn same_content(&self, other: &Worker) -> bool {
-        let cards_equal = match (&self.card, &other.card) {
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b) || a == b,
-            (None, None) => true,
-            _ => false,
-        };
-        cards_equal
-            && self.key == other.key
+        self.key == other.key
             && self.component == other.component
             && self.endpoint == other.endpoint
             && self.role == other.role
@@ -115,6 +111,7 @@ impl Worker {
             && self.disaggregated_endpoint == other.disaggregated_endpoint
             && (Arc::ptr_eq(&self.artifacts, &other.artifacts) || self.artifacts == other.artifacts)
             && self.transport == other.transport
+            && self.card == other.card
     }
 
     /// The worker object of `GET /admin/dynamo/workers`.

@@ -1,9 +1,7 @@
 //! One test per reducer rule; each name states the rule.
 
-use std::sync::Arc;
-
 use continuum_protocol::discovery::{
-    DiscoveryEventKind as Kind, DiscoveryReducer, Keyspace, MAX_RECORD_BYTES,
+    CardJson, DiscoveryEventKind as Kind, DiscoveryReducer, Keyspace, MAX_RECORD_BYTES,
     MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES, Role, SourceEvent,
 };
 use continuum_protocol::ids::{InstanceId, PublisherId};
@@ -98,8 +96,8 @@ fn unreadable_typed_card_subset_keeps_the_worker_and_the_raw_card() {
     assert_eq!(w.role, Role::Decode, "the component still claims decode");
     assert_eq!(w.model, None);
     assert_eq!(
-        w.card.as_deref(),
-        Some(&json!(["a future", {"card": "shape"}]))
+        w.card.as_ref().map(|c| c.value()),
+        Some(json!(["a future", {"card": "shape"}]))
     );
     assert!(r.take_counts().iter().all(|(k, _)| k == Kind::Put));
 }
@@ -123,8 +121,44 @@ fn card_is_stored_once_and_shared_across_updates() {
         .and_then(|w| w.card.clone())
         .expect("card");
     assert!(
-        Arc::ptr_eq(&first, &second),
+        CardJson::ptr_eq(&first, &second),
         "re-joining a worker must not copy its card"
+    );
+}
+
+#[test]
+fn a_card_rewritten_with_other_spacing_is_the_same_card() {
+    let mut r = reducer();
+    put_endpoint(&mut r, "decode", 5);
+    put_card(&mut r, "decode", 5, Some("decode"));
+    let key = card_key("dyn", "decode", "generate", 5);
+    let pretty =
+        serde_json::to_vec_pretty(&card("dyn", "decode", 5, Some("decode"))).expect("json");
+    assert!(
+        !r.apply(put_raw(&key, &pretty), T1),
+        "the same card in other bytes changes no worker"
+    );
+    let w = r.view().worker(InstanceId(5)).expect("worker");
+    assert_eq!(w.last_updated, T0);
+    assert_eq!(
+        w.card.as_ref().map(CardJson::value),
+        Some(card("dyn", "decode", 5, Some("decode"))["card_json"].clone())
+    );
+}
+
+#[test]
+fn a_card_member_the_router_does_not_read_still_changes_the_worker() {
+    let mut r = reducer();
+    put_endpoint(&mut r, "decode", 6);
+    put_card(&mut r, "decode", 6, Some("decode"));
+    let mut c = card("dyn", "decode", 6, Some("decode"));
+    c["card_json"]["slug"] = json!("another-slug");
+    assert!(r.apply(put(&card_key("dyn", "decode", "generate", 6), &c), T1));
+    let w = r.view().worker(InstanceId(6)).expect("worker");
+    assert_eq!(w.last_updated, T1);
+    assert_eq!(
+        w.card.as_ref().map(|c| c.value()["slug"].clone()),
+        Some(json!("another-slug"))
     );
 }
 
