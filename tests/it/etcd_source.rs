@@ -367,7 +367,8 @@ async fn a_compaction_during_the_paged_read_is_recovered_by_a_full_resync() {
     let cards = format!("v1/mdc/{NS}/c/generate/");
     put_keys(&mut admin, &cards, 0..3).await;
     // Capacity 1: once `Init` and the first record are read, the second fills the channel and
-    // the source blocks handing over the third, `Init` out, the later prefixes not yet read.
+    // the source blocks handing over the third, `Init` out. The source reads one page ahead, so
+    // the next prefix's page may already be read at R; the prefixes after it are not.
     let (tx, mut rx) = mpsc::channel(1);
     let source = EtcdSource::spawn(config(&server), tx).unwrap();
     assert_eq!(next(&mut rx).await, SourceEvent::Init);

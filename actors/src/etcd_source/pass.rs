@@ -302,6 +302,10 @@ async fn open(
 /// revision, so the snapshot is one consistent cut of all prefixes and one watch start
 /// (`revision + 1`) is gapless and duplicate-free for every prefix. If that revision is
 /// compacted mid-read, the page fails and so does the pass.
+///
+/// One page is read ahead: while page n is handed over (as fast as the reducer folds it),
+/// etcd already serves page n + 1, so etcd's serving and the router's folding overlap instead
+/// of taking turns. At most two pages are held at once (each under the decoding limit).
 async fn stream_snapshot(
     pager: &mut Pager,
     prefixes: &[WatchedPrefix],
@@ -310,50 +314,63 @@ async fn stream_snapshot(
 ) -> Result<usize, EtcdSourceError> {
     send(events, SourceEvent::Init).await?;
     let mut records = 0;
-    let mut pending = Some(first);
-    for prefix in prefixes {
-        let mut from = prefix.prefix.as_bytes().to_vec();
-        loop {
-            let response = match pending.take() {
-                Some(response) => response,
-                None => pager.page(prefix, from).await?,
-            };
-            let (sent, next) = hand_over(prefix.kind, response, events).await?;
-            records += sent;
-            match next {
-                Some(key) => from = key,
-                None => break,
+    let mut at = 0;
+    let mut response = first;
+    loop {
+        let Some(prefix) = prefixes.get(at) else {
+            break;
+        };
+        // The read after this page: the rest of this prefix, else the next prefix from its
+        // start, else none.
+        let ahead = match next_from(&response) {
+            Some(from) => Some((at, from)),
+            None => prefixes
+                .get(at + 1)
+                .map(|next| (at + 1, next.prefix.as_bytes().to_vec())),
+        };
+        let read_ahead = async {
+            match ahead {
+                Some((index, from)) => Some((index, pager.page(&prefixes[index], from).await)),
+                None => None,
             }
+        };
+        let (handed, read) = tokio::join!(hand_over(prefix.kind, response, events), read_ahead);
+        records += handed?;
+        match read {
+            Some((index, page)) => {
+                at = index;
+                response = page?;
+            }
+            None => break,
         }
     }
     send(events, SourceEvent::InitDone).await?;
     Ok(records)
 }
 
-/// Sends one page's records as `InitApply`; returns how many went out and the key the next
-/// page starts from, if etcd holds more.
+/// The key the page after `response` starts from, if etcd holds more of its prefix.
+fn next_from(response: &GetResponse) -> Option<Vec<u8>> {
+    let last = response.kvs().last().filter(|_| response.more())?;
+    let mut from = last.key().to_vec();
+    from.push(0);
+    Some(from)
+}
+
+/// Sends one page's records as `InitApply`; returns how many went out.
 async fn hand_over(
     kind: &'static str,
     mut response: GetResponse,
     events: &mpsc::Sender<SourceEvent>,
-) -> Result<(usize, Option<Vec<u8>>), EtcdSourceError> {
-    let more = response.more();
-    let kvs = response.take_kvs();
-    // The next page starts just after the last key seen.
-    let next = kvs.last().filter(|_| more).map(|kv| {
-        let mut from = kv.key().to_vec();
-        from.push(0);
-        from
-    });
+) -> Result<usize, EtcdSourceError> {
     let mut sent = 0;
-    for kv in kvs {
+    for kv in response.take_kvs() {
         let (key, value) = kv.into_key_value();
         if let Some(key) = utf8_key(kind, key) {
             send(events, SourceEvent::InitApply { key, value }).await?;
             sent += 1;
         }
     }
-    Ok((sent, next))
+    Ok(sent)
 }
 
 /// Range pages of one pass: all at the first page's revision, `limit` keys at most.
