@@ -258,19 +258,23 @@ impl Tree {
         (self.live + self.live / ARENA_SLACK_DIV + ARENA_SLACK_MIN).min(max_arena)
     }
 
-    /// A child of `parent`; `remaining` is how many blocks the store being applied still has
-    /// (this one included), `max_arena` the arena's ceiling.
+    /// A child of `parent` owned by `owner`; `remaining` is how many blocks the store being
+    /// applied still has (this one included), `max_arena` the arena's ceiling. The node is born
+    /// owned, so its run bits are computed once, with its final owners.
     fn create(
         &mut self,
         parent: NodeIdx,
         hash: LocalBlockHash,
+        owner: Slot,
         remaining: usize,
         max_arena: usize,
     ) -> NodeIdx {
+        let mut owners = Owners::default();
+        owners.add(owner);
         let node = Node {
             children: 0,
             edge_mode: false,
-            owners: Owners::default(),
+            owners,
         };
         let link = Link {
             tokens_hash: hash,
@@ -348,6 +352,7 @@ impl Tree {
     }
 
     /// Recomputes the run bits on both sides of `node` (see [`Runs`]).
+    #[inline]
     fn update_runs(&mut self, node: NodeIdx) {
         if node > ROOT + 1 {
             self.update_run(node - 1);
@@ -355,6 +360,17 @@ impl Tree {
         self.update_run(node);
     }
 
+    /// Clears the run bits on both sides of `node`, which is being freed: a freed node is
+    /// nobody's child and, being childless, has no child at the next index either.
+    #[inline]
+    fn clear_runs(&mut self, node: NodeIdx) {
+        if node > ROOT + 1 {
+            self.runs.set(node - 1, false);
+        }
+        self.runs.set(node, false);
+    }
+
+    #[inline]
     fn update_run(&mut self, i: NodeIdx) {
         let on = i != ROOT
             && self.links.get(i as usize + 1).is_some_and(|next| {
@@ -386,9 +402,14 @@ impl Tree {
     }
 
     fn remove_owner(&mut self, node: NodeIdx, slot: Slot) {
-        self.nodes[node as usize].owners.remove(slot);
-        self.update_runs(node);
-        self.prune(node);
+        let n = &mut self.nodes[node as usize];
+        n.owners.remove(slot);
+        if n.children == 0 && n.owners.is_empty() {
+            // Freed: `prune` clears its run bits.
+            self.prune(node);
+        } else {
+            self.update_runs(node);
+        }
     }
 
     /// Frees `node` and then its ancestors while they have neither owners nor children.
@@ -415,7 +436,7 @@ impl Tree {
                 p.edge_mode = false;
             }
             self.links[node as usize].parent = FREED;
-            self.update_runs(node);
+            self.clear_runs(node);
             self.free.insert(node);
             self.live -= 1;
             node = parent;
@@ -1282,6 +1303,7 @@ impl KvIndex {
                 {
                     return Err(Refusal::OverCapacity);
                 }
+                tree.add_owner(node, slot);
                 node
             }
             None => {
@@ -1291,12 +1313,12 @@ impl KvIndex {
                 tree.create(
                     parent,
                     block.tokens_hash,
+                    slot,
                     remaining,
                     limits.max_index_blocks + 1,
                 )
             }
         };
-        tree.add_owner(node, slot);
         match probe {
             Ok(at) => {
                 // The engine reused a hash for another block: move this rank's claim.

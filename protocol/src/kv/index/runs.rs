@@ -27,6 +27,7 @@ impl Runs {
             .is_some_and(|word| word & (1 << (i % 64)) != 0)
     }
 
+    #[inline]
     pub(super) fn set(&mut self, i: NodeIdx, on: bool) {
         let i = i as usize;
         if self.bits.len() <= i / 64 {
