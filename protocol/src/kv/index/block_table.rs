@@ -14,6 +14,8 @@ const EMPTY: NodeIdx = ROOT;
 const MIN_SLOTS: usize = 16;
 /// Slots per 64-byte cache line.
 const LINE_SLOTS: usize = 4;
+/// Keys whose home slots [`BlockTable::warm`] computes before it loads them.
+const WARM_BATCH: usize = 64;
 
 #[derive(Clone, Copy, Debug)]
 struct Slot {
@@ -66,19 +68,46 @@ impl BlockTable {
         (fold(key ^ self.seed, 0x9E37_79B9_7F4A_7C15) >> (64 - bits)) as usize
     }
 
-    /// Loads the home slot of every key so that the misses of a whole event overlap; the
-    /// operations that follow then find their slots in cache. Changes nothing.
-    pub(super) fn warm(&self, keys: impl Iterator<Item = u64>) {
+    /// Loads the cache line of every key's home slot, and the next line where a probe from
+    /// there may reach it, so that the misses of a whole event overlap; the operations that
+    /// follow then find their slots in cache. Changes nothing.
+    ///
+    /// In batches of [`WARM_BATCH`] keys: first their home slots (arithmetic only), then the
+    /// loads back to back, without a branch. The loop that issues the misses is then a few
+    /// instructions per key, so the reorder window holds many more of them in flight than
+    /// when each load waits behind its key's hashing.
+    pub(super) fn warm(&self, mut keys: impl Iterator<Item = u64>) {
         if self.slots.is_empty() {
             return;
         }
         let mask = self.slots.len() - 1;
+        // Where slot 0 sits in its cache line, in slots (the allocation is at least 16-byte
+        // aligned, so a slot never straddles two lines; were it not, this only warms less).
+        let first = (self.slots.as_ptr() as usize % 64) / std::mem::size_of::<Slot>();
+        let mut homes = [0usize; WARM_BATCH];
         let mut acc = 0u64;
-        for key in keys {
-            // The home slot's line and the next one: probes and backward shifts run past the
-            // end of a line often enough to stall there otherwise.
-            let home = self.home(key);
-            acc ^= self.slots[home].key ^ self.slots[(home + LINE_SLOTS) & mask].key;
+        loop {
+            let mut n = 0;
+            for (home, key) in homes.iter_mut().zip(keys.by_ref()) {
+                *home = self.home(key);
+                n += 1;
+            }
+            for home in &homes[..n] {
+                // A probe from one of the line's last two slots runs into the next line often
+                // enough to stall there otherwise; from the first two it rarely does (the
+                // table is at most 70 % full), and the second load then reads the home line
+                // again.
+                let pos = (first + home) % LINE_SLOTS;
+                let next = if pos >= LINE_SLOTS / 2 {
+                    home + LINE_SLOTS - pos
+                } else {
+                    *home
+                };
+                acc ^= self.slots[*home].key ^ self.slots[next & mask].key;
+            }
+            if n < WARM_BATCH {
+                break;
+            }
         }
         std::hint::black_box(acc);
     }
