@@ -177,6 +177,12 @@ struct Link {
     hint: NodeIdx,
 }
 
+/// Whether both owner sets are the same bitset (the condition of a run, see [`Runs`]).
+#[inline]
+fn same_mask(a: &Owners, b: &Owners) -> bool {
+    matches!((a, b), (Owners::Mask(a), Owners::Mask(b)) if a == b)
+}
+
 /// The rest of a node (its [`Link`] is in [`Tree::links`] at the same index).
 #[derive(Debug)]
 struct Node {
@@ -373,13 +379,14 @@ impl Tree {
     #[inline]
     fn update_run(&mut self, i: NodeIdx) {
         let on = i != ROOT
-            && self.links.get(i as usize + 1).is_some_and(|next| {
-                next.parent == i
-                    && matches!(
-                        (&self.nodes[i as usize].owners, &self.nodes[i as usize + 1].owners),
-                        (Owners::Mask(a), Owners::Mask(b)) if a == b
-                    )
-            });
+            && self
+                .links
+                .get(i as usize + 1)
+                .is_some_and(|next| next.parent == i)
+            && same_mask(
+                &self.nodes[i as usize].owners,
+                &self.nodes[i as usize + 1].owners,
+            );
         self.runs.set(i, on);
     }
 
@@ -1093,12 +1100,9 @@ impl KvIndex {
             let want = i != ROOT
                 && self.tree.links.get(i as usize + 1).is_some_and(|next| {
                     next.parent == i
-                        && matches!(
-                            (
-                                &self.tree.nodes[i as usize].owners,
-                                &self.tree.nodes[i as usize + 1].owners
-                            ),
-                            (Owners::Mask(a), Owners::Mask(b)) if a == b
+                        && same_mask(
+                            &self.tree.nodes[i as usize].owners,
+                            &self.tree.nodes[i as usize + 1].owners,
                         )
                 });
             if self.tree.runs.get(i) != want {
@@ -1249,27 +1253,37 @@ impl KvIndex {
         // misses overlap (a long store warms chunk by chunk, so the early slots stay cached).
         rank.blocks
             .warm(blocks.iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
+        // Whether `parent` was created by this store's previous block: then it has no child
+        // yet, and the block's node is new too (most of a store extends a chain this way).
+        let mut fresh = false;
         for (i, block) in blocks.iter().enumerate() {
             if i % WARM_CHUNK == 0 && i > 0 {
                 self.rank_mut(slot)
                     .blocks
                     .warm(blocks[i..].iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
             }
-            match self.attach(slot, parent, block, blocks.len() - i) {
-                Ok(node) => parent = node,
+            match self.attach(slot, parent, fresh, block, blocks.len() - i) {
+                Ok((node, created)) => {
+                    parent = node;
+                    fresh = created;
+                }
                 Err(Refusal::OverCapacity) => return KvEventResult::OverCapacity,
             }
         }
         KvEventResult::Applied
     }
 
+    /// Attaches one stored block under `parent`; returns its node and whether the node was
+    /// created. `fresh_parent`: `parent` was created by the previous block of this store, so
+    /// it has no child and the tree need not be asked for one.
     fn attach(
         &mut self,
         slot: Slot,
         parent: NodeIdx,
+        fresh_parent: bool,
         block: &StoredBlock,
         remaining: usize,
-    ) -> Result<NodeIdx, Refusal> {
+    ) -> Result<(NodeIdx, bool), Refusal> {
         let Self {
             tree,
             ranks,
@@ -1280,7 +1294,12 @@ impl KvIndex {
         let rank = ranks[slot as usize]
             .as_mut()
             .expect("slot_of only names occupied slots");
-        let child = tree.child(parent, block.tokens_hash);
+        let child = if fresh_parent {
+            debug_assert_eq!(tree.nodes[parent as usize].children, 0);
+            None
+        } else {
+            tree.child(parent, block.tokens_hash)
+        };
         let rank_blocks = rank.blocks.len();
         // One probe serves the check and the insert (it makes room first, so the slot stays
         // valid).
@@ -1288,7 +1307,7 @@ impl KvIndex {
         let existing = probe.ok().map(|at| rank.blocks.node_at(at));
         if existing.is_some() && existing == child {
             // Idempotent re-store of a block the rank already holds here.
-            return Ok(child.unwrap_or(ROOT));
+            return Ok((child.unwrap_or(ROOT), false));
         }
         if existing.is_none()
             && (rank_blocks >= limits.max_blocks_per_rank
@@ -1296,7 +1315,7 @@ impl KvIndex {
         {
             return Err(Refusal::OverCapacity);
         }
-        let node = match child {
+        let (node, created) = match child {
             Some(node) => {
                 if !tree.has_owner(node, slot)
                     && tree.nodes[node as usize].owners.len() >= limits.max_owners_per_node
@@ -1304,19 +1323,20 @@ impl KvIndex {
                     return Err(Refusal::OverCapacity);
                 }
                 tree.add_owner(node, slot);
-                node
+                (node, false)
             }
             None => {
                 if tree.live >= limits.max_index_blocks {
                     return Err(Refusal::OverCapacity);
                 }
-                tree.create(
+                let node = tree.create(
                     parent,
                     block.tokens_hash,
                     slot,
                     remaining,
                     limits.max_index_blocks + 1,
-                )
+                );
+                (node, true)
             }
         };
         match probe {
@@ -1330,7 +1350,7 @@ impl KvIndex {
                 *ownerships += 1;
             }
         }
-        Ok(node)
+        Ok((node, created))
     }
 }
 

@@ -30,18 +30,23 @@ impl Runs {
     #[inline]
     pub(super) fn set(&mut self, i: NodeIdx, on: bool) {
         let i = i as usize;
-        if self.bits.len() <= i / 64 {
-            if !on {
-                return;
-            }
-            self.bits.resize(i / 64 + 1, 0);
-        }
         let bit = 1 << (i % 64);
-        if on {
-            self.bits[i / 64] |= bit;
-        } else {
-            self.bits[i / 64] &= !bit;
+        match self.bits.get_mut(i / 64) {
+            Some(word) if on => *word |= bit,
+            Some(word) => *word &= !bit,
+            None if on => self.grow_to(i / 64)[i / 64] |= bit,
+            // Bits past the end are already clear.
+            None => {}
         }
+    }
+
+    /// Grows the bitset to hold word `word` (the arena grew); kept out of line so that
+    /// [`Self::set`], called for every change to the tree, stays a few instructions.
+    #[cold]
+    #[inline(never)]
+    fn grow_to(&mut self, word: usize) -> &mut [u64] {
+        self.bits.resize(word + 1, 0);
+        &mut self.bits
     }
 
     /// How many consecutive bits are set from bit `start` on, at most `limit`.
