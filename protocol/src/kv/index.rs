@@ -177,10 +177,19 @@ struct Link {
     hint: NodeIdx,
 }
 
-/// Whether both owner sets are the same bitset (the condition of a run, see [`Runs`]).
+/// Whether both owner sets hold the same slots in the same form: equal bitsets, or sorted
+/// lists with the same slots (refcounts aside). The condition of a run, see [`Runs`]; a bitset
+/// and a list never count as equal (only a missed run, never a wrong one). O(owners), which
+/// an owner change on a list already costs.
 #[inline]
-fn same_mask(a: &Owners, b: &Owners) -> bool {
-    matches!((a, b), (Owners::Mask(a), Owners::Mask(b)) if a == b)
+fn same_owners(a: &Owners, b: &Owners) -> bool {
+    match (a, b) {
+        (Owners::Mask(a), Owners::Mask(b)) => a == b,
+        (Owners::Many(a), Owners::Many(b)) => {
+            a.len() == b.len() && a.iter().zip(b.iter()).all(|(x, y)| x.slot == y.slot)
+        }
+        _ => false,
+    }
 }
 
 /// The rest of a node (its [`Link`] is in [`Tree::links`] at the same index).
@@ -383,7 +392,7 @@ impl Tree {
                 .links
                 .get(i as usize + 1)
                 .is_some_and(|next| next.parent == i)
-            && same_mask(
+            && same_owners(
                 &self.nodes[i as usize].owners,
                 &self.nodes[i as usize + 1].owners,
             );
@@ -752,35 +761,33 @@ impl KvIndex {
             }
             depth += 1;
             node = child;
-            if !list_mode {
-                // Down a run (consecutive arena indices, each the previous one's child with the
-                // same bitset owners, see `Runs`) nobody leaves: `mask` ⊆ this node's owners,
-                // which every node of the run has. A step only compares hashes, in the
-                // `tokens` column.
-                loop {
-                    let rest = hashes.len() - (i + 1);
-                    let run = self.tree.runs.ones_from(node, rest);
-                    if run == 0 {
-                        break;
-                    }
-                    let from = node as usize + 1;
-                    // Where the run ends the walk usually goes on at that node's hint, at
-                    // another place in the arena: load it now, so those misses overlap the
-                    // comparisons below instead of following them.
-                    let hint = self.tree.links[from + run - 1].hint as usize;
-                    lookahead ^= self.tree.links[hint].tokens_hash.0
-                        ^ u64::from(self.tree.nodes[hint].children)
-                        ^ u64::from(self.tree.runs.get(hint as NodeIdx));
-                    let matched = matching_prefix(
-                        &self.tree.links[from..from + run],
-                        &hashes[i + 1..i + 1 + run],
-                    );
-                    node += matched as NodeIdx;
-                    depth += matched as u32;
-                    i += matched;
-                    if matched < run {
-                        break;
-                    }
+            // Down a run (consecutive arena indices, each the previous one's child with the
+            // same owners, see `Runs`) nobody leaves: the ranks still matching (`mask` or
+            // `active`) are ⊆ this node's owners, which every node of the run has. A step
+            // only compares hashes, in the `tokens` column.
+            loop {
+                let rest = hashes.len() - (i + 1);
+                let run = self.tree.runs.ones_from(node, rest);
+                if run == 0 {
+                    break;
+                }
+                let from = node as usize + 1;
+                // Where the run ends the walk usually goes on at that node's hint, at
+                // another place in the arena: load it now, so those misses overlap the
+                // comparisons below instead of following them.
+                let hint = self.tree.links[from + run - 1].hint as usize;
+                lookahead ^= self.tree.links[hint].tokens_hash.0
+                    ^ u64::from(self.tree.nodes[hint].children)
+                    ^ u64::from(self.tree.runs.get(hint as NodeIdx));
+                let matched = matching_prefix(
+                    &self.tree.links[from..from + run],
+                    &hashes[i + 1..i + 1 + run],
+                );
+                node += matched as NodeIdx;
+                depth += matched as u32;
+                i += matched;
+                if matched < run {
+                    break;
                 }
             }
             i += 1;
@@ -1100,7 +1107,7 @@ impl KvIndex {
             let want = i != ROOT
                 && self.tree.links.get(i as usize + 1).is_some_and(|next| {
                     next.parent == i
-                        && same_mask(
+                        && same_owners(
                             &self.tree.nodes[i as usize].owners,
                             &self.tree.nodes[i as usize + 1].owners,
                         )

@@ -1,5 +1,6 @@
 //! Which arena slots continue a chain: bit `i` is set when node `i + 1` is a child of node `i`
-//! with exactly the same bitset owners.
+//! with exactly the same owners (both bitsets, equal; or both sorted lists, with the same
+//! slots).
 //!
 //! Down such a run a prefix walk learns nothing from the nodes themselves (nobody joins or
 //! leaves), so `find_matches` only compares the request's hashes with the `tokens_hash` column
