@@ -185,11 +185,15 @@ struct Link {
 fn same_owners(a: &Owners, b: &Owners) -> bool {
     match (a, b) {
         (Owners::Mask(a), Owners::Mask(b)) => a == b,
-        (Owners::Many(a), Owners::Many(b)) => {
-            a.len() == b.len() && a.iter().zip(b.iter()).all(|(x, y)| x.slot == y.slot)
-        }
+        (Owners::Many(a), Owners::Many(b)) => same_slots(a, b),
         _ => false,
     }
+}
+
+/// [`same_owners`] for two lists; out of line, so that the bitset case stays a compare.
+#[inline(never)]
+fn same_slots(a: &[Owner], b: &[Owner]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.slot == y.slot)
 }
 
 /// The rest of a node (its [`Link`] is in [`Tree::links`] at the same index).
@@ -385,7 +389,7 @@ impl Tree {
         self.runs.set(node, false);
     }
 
-    #[inline]
+    #[inline(always)]
     fn update_run(&mut self, i: NodeIdx) {
         let on = i != ROOT
             && self
