@@ -346,6 +346,9 @@ struct Report {
     /// Over the lookups matching at least [`LONG_MATCH`] blocks: (lookups, matched blocks,
     /// arena jumps), when the index reports jumps.
     long: Option<(usize, usize, usize)>,
+    /// On-CPU time of the whole replay loop (index calls, and building each call's event or
+    /// query outside the clock), where the kernel reports it (see [`on_cpu`]).
+    on_cpu: Option<Duration>,
 }
 
 /// A lookup this long is a tail lookup (multi-turn conversations).
@@ -365,6 +368,7 @@ fn replay<I: Index>(mut index: I, w: &Workload) -> Report {
     let mut not_applied = 0;
     let mut long = None;
     let base = reset_peak();
+    let cpu_start = on_cpu();
     for op in &w.ops {
         match op {
             Op::Lookup(r) => {
@@ -396,6 +400,7 @@ fn replay<I: Index>(mut index: I, w: &Workload) -> Report {
             }
         }
     }
+    let cpu = on_cpu().zip(cpu_start).map(|(end, start)| end.saturating_sub(start));
     let peak_heap = PEAK.load(Ordering::Relaxed).saturating_sub(base);
     drop(index);
     lookups.sort_unstable();
@@ -408,7 +413,17 @@ fn replay<I: Index>(mut index: I, w: &Workload) -> Report {
         peak_heap,
         sampled,
         long,
+        on_cpu: cpu,
     }
+}
+
+/// Time this thread has spent on a CPU so far (Linux `/proc/thread-self/schedstat`), if the
+/// kernel reports it: unlike the wall clock it leaves out the time the thread waited while
+/// other processes ran, which on a shared machine is most of the wall clock's noise.
+fn on_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let ns = stat.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(ns))
 }
 
 fn print(r: &Report, w: &Workload) -> f64 {
@@ -441,6 +456,12 @@ fn print(r: &Report, w: &Workload) -> f64 {
         r.peak_heap as f64 / (1024.0 * 1024.0),
         r.not_applied
     );
+    if let Some(cpu) = r.on_cpu {
+        println!(
+            "  replay loop on-CPU {:.3} s (index calls plus building their inputs; excludes time preempted)",
+            cpu.as_secs_f64()
+        );
+    }
     if let Some((n, blocks, jumps)) = r.long {
         println!(
             "  lookups matching >= {LONG_MATCH} blocks: {n}, {:.1} arena jumps each (one per {:.0} blocks)",

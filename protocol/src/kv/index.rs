@@ -177,6 +177,25 @@ struct Link {
     hint: NodeIdx,
 }
 
+/// Whether both owner sets hold the same slots in the same form: equal bitsets, or sorted
+/// lists with the same slots (refcounts aside). The condition of a run, see [`Runs`]; a bitset
+/// and a list never count as equal (only a missed run, never a wrong one). O(owners), which
+/// an owner change on a list already costs.
+#[inline]
+fn same_owners(a: &Owners, b: &Owners) -> bool {
+    match (a, b) {
+        (Owners::Mask(a), Owners::Mask(b)) => a == b,
+        (Owners::Many(a), Owners::Many(b)) => same_slots(a, b),
+        _ => false,
+    }
+}
+
+/// [`same_owners`] for two lists; out of line, so that the bitset case stays a compare.
+#[inline(never)]
+fn same_slots(a: &[Owner], b: &[Owner]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.slot == y.slot)
+}
+
 /// The rest of a node (its [`Link`] is in [`Tree::links`] at the same index).
 #[derive(Debug)]
 struct Node {
@@ -258,19 +277,23 @@ impl Tree {
         (self.live + self.live / ARENA_SLACK_DIV + ARENA_SLACK_MIN).min(max_arena)
     }
 
-    /// A child of `parent`; `remaining` is how many blocks the store being applied still has
-    /// (this one included), `max_arena` the arena's ceiling.
+    /// A child of `parent` owned by `owner`; `remaining` is how many blocks the store being
+    /// applied still has (this one included), `max_arena` the arena's ceiling. The node is born
+    /// owned, so its run bits are computed once, with its final owners.
     fn create(
         &mut self,
         parent: NodeIdx,
         hash: LocalBlockHash,
+        owner: Slot,
         remaining: usize,
         max_arena: usize,
     ) -> NodeIdx {
+        let mut owners = Owners::default();
+        owners.add(owner);
         let node = Node {
             children: 0,
             edge_mode: false,
-            owners: Owners::default(),
+            owners,
         };
         let link = Link {
             tokens_hash: hash,
@@ -348,6 +371,7 @@ impl Tree {
     }
 
     /// Recomputes the run bits on both sides of `node` (see [`Runs`]).
+    #[inline]
     fn update_runs(&mut self, node: NodeIdx) {
         if node > ROOT + 1 {
             self.update_run(node - 1);
@@ -355,15 +379,27 @@ impl Tree {
         self.update_run(node);
     }
 
+    /// Clears the run bits on both sides of `node`, which is being freed: a freed node is
+    /// nobody's child and, being childless, has no child at the next index either.
+    #[inline]
+    fn clear_runs(&mut self, node: NodeIdx) {
+        if node > ROOT + 1 {
+            self.runs.set(node - 1, false);
+        }
+        self.runs.set(node, false);
+    }
+
+    #[inline(always)]
     fn update_run(&mut self, i: NodeIdx) {
         let on = i != ROOT
-            && self.links.get(i as usize + 1).is_some_and(|next| {
-                next.parent == i
-                    && matches!(
-                        (&self.nodes[i as usize].owners, &self.nodes[i as usize + 1].owners),
-                        (Owners::Mask(a), Owners::Mask(b)) if a == b
-                    )
-            });
+            && self
+                .links
+                .get(i as usize + 1)
+                .is_some_and(|next| next.parent == i)
+            && same_owners(
+                &self.nodes[i as usize].owners,
+                &self.nodes[i as usize + 1].owners,
+            );
         self.runs.set(i, on);
     }
 
@@ -386,9 +422,14 @@ impl Tree {
     }
 
     fn remove_owner(&mut self, node: NodeIdx, slot: Slot) {
-        self.nodes[node as usize].owners.remove(slot);
-        self.update_runs(node);
-        self.prune(node);
+        let n = &mut self.nodes[node as usize];
+        n.owners.remove(slot);
+        if n.children == 0 && n.owners.is_empty() {
+            // Freed: `prune` clears its run bits.
+            self.prune(node);
+        } else {
+            self.update_runs(node);
+        }
     }
 
     /// Frees `node` and then its ancestors while they have neither owners nor children.
@@ -415,7 +456,7 @@ impl Tree {
                 p.edge_mode = false;
             }
             self.links[node as usize].parent = FREED;
-            self.update_runs(node);
+            self.clear_runs(node);
             self.free.insert(node);
             self.live -= 1;
             node = parent;
@@ -724,35 +765,33 @@ impl KvIndex {
             }
             depth += 1;
             node = child;
-            if !list_mode {
-                // Down a run (consecutive arena indices, each the previous one's child with the
-                // same bitset owners, see `Runs`) nobody leaves: `mask` ⊆ this node's owners,
-                // which every node of the run has. A step only compares hashes, in the
-                // `tokens` column.
-                loop {
-                    let rest = hashes.len() - (i + 1);
-                    let run = self.tree.runs.ones_from(node, rest);
-                    if run == 0 {
-                        break;
-                    }
-                    let from = node as usize + 1;
-                    // Where the run ends the walk usually goes on at that node's hint, at
-                    // another place in the arena: load it now, so those misses overlap the
-                    // comparisons below instead of following them.
-                    let hint = self.tree.links[from + run - 1].hint as usize;
-                    lookahead ^= self.tree.links[hint].tokens_hash.0
-                        ^ u64::from(self.tree.nodes[hint].children)
-                        ^ u64::from(self.tree.runs.get(hint as NodeIdx));
-                    let matched = matching_prefix(
-                        &self.tree.links[from..from + run],
-                        &hashes[i + 1..i + 1 + run],
-                    );
-                    node += matched as NodeIdx;
-                    depth += matched as u32;
-                    i += matched;
-                    if matched < run {
-                        break;
-                    }
+            // Down a run (consecutive arena indices, each the previous one's child with the
+            // same owners, see `Runs`) nobody leaves: the ranks still matching (`mask` or
+            // `active`) are ⊆ this node's owners, which every node of the run has. A step
+            // only compares hashes, in the `tokens` column.
+            loop {
+                let rest = hashes.len() - (i + 1);
+                let run = self.tree.runs.ones_from(node, rest);
+                if run == 0 {
+                    break;
+                }
+                let from = node as usize + 1;
+                // Where the run ends the walk usually goes on at that node's hint, at
+                // another place in the arena: load it now, so those misses overlap the
+                // comparisons below instead of following them.
+                let hint = self.tree.links[from + run - 1].hint as usize;
+                lookahead ^= self.tree.links[hint].tokens_hash.0
+                    ^ u64::from(self.tree.nodes[hint].children)
+                    ^ u64::from(self.tree.runs.get(hint as NodeIdx));
+                let matched = matching_prefix(
+                    &self.tree.links[from..from + run],
+                    &hashes[i + 1..i + 1 + run],
+                );
+                node += matched as NodeIdx;
+                depth += matched as u32;
+                i += matched;
+                if matched < run {
+                    break;
                 }
             }
             i += 1;
@@ -1072,12 +1111,9 @@ impl KvIndex {
             let want = i != ROOT
                 && self.tree.links.get(i as usize + 1).is_some_and(|next| {
                     next.parent == i
-                        && matches!(
-                            (
-                                &self.tree.nodes[i as usize].owners,
-                                &self.tree.nodes[i as usize + 1].owners
-                            ),
-                            (Owners::Mask(a), Owners::Mask(b)) if a == b
+                        && same_owners(
+                            &self.tree.nodes[i as usize].owners,
+                            &self.tree.nodes[i as usize + 1].owners,
                         )
                 });
             if self.tree.runs.get(i) != want {
@@ -1228,27 +1264,37 @@ impl KvIndex {
         // misses overlap (a long store warms chunk by chunk, so the early slots stay cached).
         rank.blocks
             .warm(blocks.iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
+        // Whether `parent` was created by this store's previous block: then it has no child
+        // yet, and the block's node is new too (most of a store extends a chain this way).
+        let mut fresh = false;
         for (i, block) in blocks.iter().enumerate() {
             if i % WARM_CHUNK == 0 && i > 0 {
                 self.rank_mut(slot)
                     .blocks
                     .warm(blocks[i..].iter().take(WARM_CHUNK).map(|b| b.block_hash.0));
             }
-            match self.attach(slot, parent, block, blocks.len() - i) {
-                Ok(node) => parent = node,
+            match self.attach(slot, parent, fresh, block, blocks.len() - i) {
+                Ok((node, created)) => {
+                    parent = node;
+                    fresh = created;
+                }
                 Err(Refusal::OverCapacity) => return KvEventResult::OverCapacity,
             }
         }
         KvEventResult::Applied
     }
 
+    /// Attaches one stored block under `parent`; returns its node and whether the node was
+    /// created. `fresh_parent`: `parent` was created by the previous block of this store, so
+    /// it has no child and the tree need not be asked for one.
     fn attach(
         &mut self,
         slot: Slot,
         parent: NodeIdx,
+        fresh_parent: bool,
         block: &StoredBlock,
         remaining: usize,
-    ) -> Result<NodeIdx, Refusal> {
+    ) -> Result<(NodeIdx, bool), Refusal> {
         let Self {
             tree,
             ranks,
@@ -1259,7 +1305,12 @@ impl KvIndex {
         let rank = ranks[slot as usize]
             .as_mut()
             .expect("slot_of only names occupied slots");
-        let child = tree.child(parent, block.tokens_hash);
+        let child = if fresh_parent {
+            debug_assert_eq!(tree.nodes[parent as usize].children, 0);
+            None
+        } else {
+            tree.child(parent, block.tokens_hash)
+        };
         let rank_blocks = rank.blocks.len();
         // One probe serves the check and the insert (it makes room first, so the slot stays
         // valid).
@@ -1267,7 +1318,7 @@ impl KvIndex {
         let existing = probe.ok().map(|at| rank.blocks.node_at(at));
         if existing.is_some() && existing == child {
             // Idempotent re-store of a block the rank already holds here.
-            return Ok(child.unwrap_or(ROOT));
+            return Ok((child.unwrap_or(ROOT), false));
         }
         if existing.is_none()
             && (rank_blocks >= limits.max_blocks_per_rank
@@ -1275,28 +1326,30 @@ impl KvIndex {
         {
             return Err(Refusal::OverCapacity);
         }
-        let node = match child {
+        let (node, created) = match child {
             Some(node) => {
                 if !tree.has_owner(node, slot)
                     && tree.nodes[node as usize].owners.len() >= limits.max_owners_per_node
                 {
                     return Err(Refusal::OverCapacity);
                 }
-                node
+                tree.add_owner(node, slot);
+                (node, false)
             }
             None => {
                 if tree.live >= limits.max_index_blocks {
                     return Err(Refusal::OverCapacity);
                 }
-                tree.create(
+                let node = tree.create(
                     parent,
                     block.tokens_hash,
+                    slot,
                     remaining,
                     limits.max_index_blocks + 1,
-                )
+                );
+                (node, true)
             }
         };
-        tree.add_owner(node, slot);
         match probe {
             Ok(at) => {
                 // The engine reused a hash for another block: move this rank's claim.
@@ -1308,7 +1361,7 @@ impl KvIndex {
                 *ownerships += 1;
             }
         }
-        Ok(node)
+        Ok((node, created))
     }
 }
 

@@ -51,6 +51,7 @@ pub(super) fn mask_slots(mask: u64) -> impl Iterator<Item = Slot> {
 }
 
 impl Owners {
+    #[inline]
     pub(super) fn len(&self) -> usize {
         match self {
             Owners::Mask(mask) => mask.count_ones() as usize,
@@ -58,6 +59,7 @@ impl Owners {
         }
     }
 
+    #[inline]
     pub(super) fn is_empty(&self) -> bool {
         match self {
             Owners::Mask(mask) => *mask == 0,
@@ -65,6 +67,7 @@ impl Owners {
         }
     }
 
+    #[inline]
     pub(super) fn contains(&self, slot: Slot) -> bool {
         match self {
             Owners::Mask(mask) => slot < MASK_SLOTS && mask & (1 << slot) != 0,
@@ -81,6 +84,9 @@ impl Owners {
         mask_owners(mask).chain(list.iter().copied())
     }
 
+    /// Adds one claim of `slot`. The bitset case (a new slot below 64 on a bitset) is a few
+    /// instructions and inlined into every store; the rest is out of line.
+    #[inline]
     pub(super) fn add(&mut self, slot: Slot) {
         if let Owners::Mask(mask) = self {
             let bit = 1u64.checked_shl(slot).unwrap_or(0);
@@ -88,6 +94,14 @@ impl Owners {
                 *mask |= bit;
                 return;
             }
+        }
+        self.add_to_list(slot);
+    }
+
+    /// [`Self::add`] where the result is a list: a slot ≥ 64, or a second claim of a slot.
+    #[inline(never)]
+    fn add_to_list(&mut self, slot: Slot) {
+        if let Owners::Mask(mask) = self {
             *self = Owners::Many(Box::new(mask_owners(*mask).collect()));
         }
         if let Owners::Many(owners) = self {
@@ -98,6 +112,9 @@ impl Owners {
         }
     }
 
+    /// Removes one claim of `slot` (nothing if it has none). Inlined for bitsets, like
+    /// [`Self::add`].
+    #[inline]
     pub(super) fn remove(&mut self, slot: Slot) {
         match self {
             Owners::Mask(mask) => {
@@ -105,20 +122,27 @@ impl Owners {
                     *mask &= !(1u64 << slot);
                 }
             }
-            Owners::Many(owners) => {
-                if let Ok(i) = owners.binary_search_by_key(&slot, |o| o.slot) {
-                    owners[i].refs -= 1;
-                    if owners[i].refs == 0 {
-                        owners.remove(i);
-                    }
-                }
-                if owners.len() <= MASK_SLOTS as usize
-                    && owners.iter().all(|o| o.slot < MASK_SLOTS && o.refs == 1)
-                {
-                    let mask = owners.iter().fold(0u64, |m, o| m | (1 << o.slot));
-                    *self = Owners::Mask(mask);
-                }
+            Owners::Many(_) => self.remove_from_list(slot),
+        }
+    }
+
+    /// [`Self::remove`] on a list; back to a bitset once that is exact again.
+    #[inline(never)]
+    fn remove_from_list(&mut self, slot: Slot) {
+        let Owners::Many(owners) = self else {
+            return;
+        };
+        if let Ok(i) = owners.binary_search_by_key(&slot, |o| o.slot) {
+            owners[i].refs -= 1;
+            if owners[i].refs == 0 {
+                owners.remove(i);
             }
+        }
+        if owners.len() <= MASK_SLOTS as usize
+            && owners.iter().all(|o| o.slot < MASK_SLOTS && o.refs == 1)
+        {
+            let mask = owners.iter().fold(0u64, |m, o| m | (1 << o.slot));
+            *self = Owners::Mask(mask);
         }
     }
 

@@ -1,5 +1,6 @@
 //! Which arena slots continue a chain: bit `i` is set when node `i + 1` is a child of node `i`
-//! with exactly the same bitset owners.
+//! with exactly the same owners (both bitsets, equal; or both sorted lists, with the same
+//! slots).
 //!
 //! Down such a run a prefix walk learns nothing from the nodes themselves (nobody joins or
 //! leaves), so `find_matches` only compares the request's hashes with the `tokens_hash` column
@@ -27,20 +28,26 @@ impl Runs {
             .is_some_and(|word| word & (1 << (i % 64)) != 0)
     }
 
+    #[inline]
     pub(super) fn set(&mut self, i: NodeIdx, on: bool) {
         let i = i as usize;
-        if self.bits.len() <= i / 64 {
-            if !on {
-                return;
-            }
-            self.bits.resize(i / 64 + 1, 0);
-        }
         let bit = 1 << (i % 64);
-        if on {
-            self.bits[i / 64] |= bit;
-        } else {
-            self.bits[i / 64] &= !bit;
+        match self.bits.get_mut(i / 64) {
+            Some(word) if on => *word |= bit,
+            Some(word) => *word &= !bit,
+            None if on => self.grow_to(i / 64)[i / 64] |= bit,
+            // Bits past the end are already clear.
+            None => {}
         }
+    }
+
+    /// Grows the bitset to hold word `word` (the arena grew); kept out of line so that
+    /// [`Self::set`], called for every change to the tree, stays a few instructions.
+    #[cold]
+    #[inline(never)]
+    fn grow_to(&mut self, word: usize) -> &mut [u64] {
+        self.bits.resize(word + 1, 0);
+        &mut self.bits
     }
 
     /// How many consecutive bits are set from bit `start` on, at most `limit`.

@@ -773,3 +773,53 @@ fn a_node_takes_forty_bytes_in_two_columns() {
     assert_eq!(std::mem::size_of::<Link>(), 16);
     assert_eq!(std::mem::size_of::<Node>(), 24);
 }
+
+#[test]
+fn a_chain_owned_past_slot_63_is_walked_as_a_run() {
+    // 70 workers: slots 64..69 keep their nodes' owners in sorted lists.
+    let workers: Vec<InstanceId> = (1..=70).map(InstanceId).collect();
+    let mut index = KvIndex::new(9);
+    index.set_live_and_retain(workers.iter().map(|w| (*w, BTreeSet::from([R0]))).collect());
+    let blocks: Vec<(u64, u64)> = (0..12).map(|i| (100 + i, 1_000 + i)).collect();
+    for w in &workers {
+        assert_eq!(
+            index.apply(&ev(*w, R0, 1, stored(None, &blocks))),
+            KvEventResult::Applied
+        );
+    }
+    index.check_invariants().unwrap();
+    let prompt = q(&(0..12).map(|i| 1_000 + i).collect::<Vec<_>>());
+    let at = |index: &KvIndex, depth: usize| {
+        let mut n = ROOT;
+        for hash in &prompt[..=depth] {
+            n = index.tree.child(n, *hash).expect("stored");
+        }
+        n
+    };
+    let node = |depth: usize| at(&index, depth);
+    // The chain's nodes hold list owners, and each continues the previous one's run.
+    assert!(matches!(
+        index.tree.nodes[node(0) as usize].owners,
+        Owners::Many(_)
+    ));
+    for depth in 0..11 {
+        assert_eq!(node(depth + 1), node(depth) + 1);
+        assert!(index.tree.runs.get(node(depth)));
+    }
+    // The last worker drops block 5: the run breaks there, and it leaves the walk at 5.
+    let last = *workers.last().expect("70 workers");
+    assert_eq!(
+        index.apply(&ev(last, R0, 2, removed(&[105]))),
+        KvEventResult::Applied
+    );
+    index.check_invariants().unwrap();
+    assert!(!index.tree.runs.get(at(&index, 4)));
+    assert!(!index.tree.runs.get(at(&index, 5)));
+    assert!(index.tree.runs.get(at(&index, 6)));
+    let mut want: Vec<RankOverlap> = workers.iter().map(|w| overlap(*w, R0, 12)).collect();
+    want.last_mut().expect("70 workers").blocks = 5;
+    assert_eq!(index.find_matches(&prompt), want);
+    // A prefix ending inside the run.
+    let short: Vec<RankOverlap> = workers.iter().map(|w| overlap(*w, R0, 3)).collect();
+    assert_eq!(index.find_matches(&prompt[..3]), short);
+}
