@@ -10,6 +10,10 @@
 //!    in sequence (16,384 is `MAX_RECORDS_PER_KEYSPACE`: a full fleet takes no new worker, so the
 //!    puts update workers, as a card refresh or a restart with new settings does).
 //!
+//! Every worker publishes the same card (as the workers of one deployment do; the record around
+//! it names the instance), so the router shares one card among them; `DISTINCT_CARDS=1` gives
+//! every worker its own `total_kv_blocks`, so no two cards are alike and none is shared.
+//!
 //! `cargo bench --features real-peers --bench discovery_scale [-- WORKERS PUTS]` (defaults 16384,
 //! 500; needs `etcd` on PATH or `ETCD_BIN`). A measurement script (`harness = false`): it prints
 //! percentiles, asserts nothing about time. The goals: resync ≤ 200 ms, put → snapshot p99 ≤ 20 ms.
@@ -128,8 +132,12 @@ async fn run(workers: u64, puts: u64) {
     let server = EtcdServer::start().await;
     let admin = server.client().await;
     let started = Instant::now();
+    let distinct = std::env::var_os("DISTINCT_CARDS").is_some_and(|v| v == "1");
     let records: Vec<(String, String)> = (0..workers)
-        .flat_map(|id| [instance(0x10_0000 + id), card(0x10_0000 + id, 16_384)])
+        .flat_map(|id| {
+            let blocks = if distinct { 1_000_000 + id } else { 16_384 };
+            [instance(0x10_0000 + id), card(0x10_0000 + id, blocks)]
+        })
         .collect();
     let bytes: usize = records.iter().map(|(k, v)| k.len() + v.len()).sum();
     for chunk in records.chunks(256) {

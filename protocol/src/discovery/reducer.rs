@@ -741,7 +741,9 @@ impl Held {
         }
     }
 
-    fn insert(
+    /// Holds `rec` under `key`, which `self` does not hold (the caller removed it or found it
+    /// absent: one hash of the key per put instead of a lookup before every step).
+    fn insert_absent(
         &mut self,
         keyspace: Keyspace,
         key: &str,
@@ -749,7 +751,7 @@ impl Held {
         rec: HeldRecord,
         dirty: &mut Dirty,
     ) {
-        self.remove(keyspace, key, dirty);
+        debug_assert!(!self.contains(keyspace, key));
         let identity = match rec {
             HeldRecord::Endpoint(rec) => {
                 if let Some(admission) = self.admission.as_mut() {
@@ -1123,9 +1125,11 @@ fn ingest(
         };
     }
     let digest = value_digest(value);
-    if held.digest(keyspace, key) == Some(digest) {
+    let held_digest = held.digest(keyspace, key);
+    if held_digest == Some(digest) {
         return Outcome::Unchanged;
     }
+    let is_held = held_digest.is_some();
     let reused = reuse
         .filter(|live| live.digest(keyspace, key) == Some(digest))
         .and_then(|live| live.record(keyspace, key));
@@ -1161,17 +1165,19 @@ fn ingest(
         },
     };
     let trimmed = record.card_trimmed();
-    if !held.contains(keyspace, key) && held.len(keyspace) >= MAX_RECORDS_PER_KEYSPACE {
+    if is_held {
+        held.remove(keyspace, key, dirty);
+    } else if held.len(keyspace) >= MAX_RECORDS_PER_KEYSPACE {
         let Some(worst) = held.eviction_candidate(keyspace, key, &record) else {
             return Outcome::OverCapacity(keyspace);
         };
         debug!(namespace, kept = %clip(key), left_out = %clip(&worst),
             "Resync at keyspace capacity: a better-ranked record replaced a worse one.");
         held.remove(keyspace, &worst, dirty);
-        held.insert(keyspace, key, digest, record, dirty);
+        held.insert_absent(keyspace, key, digest, record, dirty);
         return Outcome::HeldEvicting { keyspace, trimmed };
     }
-    held.insert(keyspace, key, digest, record, dirty);
+    held.insert_absent(keyspace, key, digest, record, dirty);
     if trimmed {
         Outcome::HeldTrimmed
     } else {
