@@ -316,10 +316,7 @@ async fn stream_snapshot(
     let mut records = 0;
     let mut at = 0;
     let mut response = first;
-    loop {
-        let Some(prefix) = prefixes.get(at) else {
-            break;
-        };
+    while let Some(prefix) = prefixes.get(at) {
         // The read after this page: the rest of this prefix, else the next prefix from its
         // start, else none.
         let ahead = match next_from(&response) {
