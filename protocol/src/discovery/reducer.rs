@@ -1007,7 +1007,8 @@ impl Held {
     }
 
     /// Re-files every held record that joins worker `id`: its endpoints and cards. A channel's
-    /// rank is taken when it arrives (the etcd source reads channels after endpoints).
+    /// rank is taken when its keyspace is first ordered or, after that, when it arrives (the
+    /// etcd source reads channels after endpoints).
     fn rerank_worker(&mut self, id: InstanceId) {
         if !self.ordered(Keyspace::Instances) && !self.ordered(Keyspace::Cards) {
             return;

@@ -391,7 +391,15 @@ impl Tree {
 
     #[inline(always)]
     fn update_run(&mut self, i: NodeIdx) {
-        let on = i != ROOT
+        let on = self.continues_run(i);
+        self.runs.set(i, on);
+    }
+
+    /// What run bit `i` must be (see [`Runs`]): node `i + 1` is node `i`'s child with the same
+    /// owners. False past the arena.
+    #[inline(always)]
+    fn continues_run(&self, i: NodeIdx) -> bool {
+        i != ROOT
             && self
                 .links
                 .get(i as usize + 1)
@@ -399,8 +407,7 @@ impl Tree {
             && same_owners(
                 &self.nodes[i as usize].owners,
                 &self.nodes[i as usize + 1].owners,
-            );
-        self.runs.set(i, on);
+            )
     }
 
     /// Loads these nodes (see [`BlockTable::warm`]). Changes nothing.
@@ -1108,14 +1115,7 @@ impl KvIndex {
         }
         for i in 0..self.tree.nodes.len() + 64 {
             let i = i as NodeIdx;
-            let want = i != ROOT
-                && self.tree.links.get(i as usize + 1).is_some_and(|next| {
-                    next.parent == i
-                        && same_owners(
-                            &self.tree.nodes[i as usize].owners,
-                            &self.tree.nodes[i as usize + 1].owners,
-                        )
-                });
+            let want = self.tree.continues_run(i);
             if self.tree.runs.get(i) != want {
                 return Err(format!("run bit of node {i} is not {want}"));
             }
