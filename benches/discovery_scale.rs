@@ -28,6 +28,12 @@ use continuum_router::daemon::{Daemon, RunOptions};
 use etcd_harness::EtcdServer;
 use futures::future::join_all;
 
+/// The daemon as shipped: the binary allocates through mimalloc (the default `mimalloc`
+/// feature), so the daemon measured here does too.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const NAMESPACE: &str = "scale";
 const MODEL: &str = "scale/model";
 
@@ -44,6 +50,10 @@ fn main() {
 }
 
 fn report(name: &str, mut samples: Vec<Duration>) {
+    if samples.len() <= 5 {
+        // A handful: each in the order taken (a cold first start shows as such).
+        println!("{name}: each {samples:?}");
+    }
     samples.sort();
     let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
     println!(
@@ -160,23 +170,32 @@ async fn run(workers: u64, puts: u64) {
     );
 
     // 0. The floor: etcd alone serving the same keys in pages, what any resync pays before the
-    //    router does anything; 512 keys is the source's page size, the larger pages say what
-    //    a larger page would buy.
-    for page_size in [512i64, 2048, 8192] {
+    //    router does anything; 2,048 keys is the source's page size, the others say what
+    //    another page size would buy, and serializable pages after the first (at the first
+    //    page's revision) what skipping etcd's read-index round trip would.
+    for (page_size, serializable) in [(512i64, false), (2048, false), (2048, true), (8192, false)] {
         let mut floor = Vec::new();
         for _ in 0..3 {
             let start = Instant::now();
             let mut kv = admin
                 .kv_client()
                 .max_decoding_message_size(64 * 1024 * 1024);
+            let mut revision = None;
             for prefix in ["v1/instances/", "v1/mdc/"] {
                 let end = format!("{}0", &prefix[..prefix.len() - 1]);
                 let mut from = prefix.to_owned();
                 loop {
-                    let options = etcd_client::GetOptions::new()
+                    let mut options = etcd_client::GetOptions::new()
                         .with_range(end.as_str())
                         .with_limit(page_size);
+                    if let Some(at) = revision {
+                        options = options.with_revision(at);
+                        if serializable {
+                            options = options.with_serializable();
+                        }
+                    }
                     let page = kv.get(from.as_str(), Some(options)).await.expect("range");
+                    revision = revision.or(page.header().map(|h| h.revision()));
                     let Some(last) = page.kvs().last() else { break };
                     from = format!("{}\0", last.key_str().expect("utf-8 key"));
                     if !page.more() {
@@ -188,8 +207,13 @@ async fn run(workers: u64, puts: u64) {
         }
         report(
             &format!(
-                "etcd alone: paged range read of the {} records, {page_size}-key pages",
-                records.len()
+                "etcd alone: paged range read of the {} records, {page_size}-key pages{}",
+                records.len(),
+                if serializable {
+                    ", serializable after the first"
+                } else {
+                    ""
+                }
             ),
             floor,
         );
