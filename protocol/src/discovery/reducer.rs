@@ -371,18 +371,14 @@ fn materialise_worker(
         role_conflicts.remove(&id);
         return None;
     };
-    let card =
-        match held
-            .scoped_cards
-            .get(&(id, endpoint.component.clone(), endpoint.endpoint.clone()))
-        {
-            Some(keys) => unique(keys, &held.cards),
-            // Legacy cards join on the instance id alone, only when no scoped card exists.
-            None => held
-                .legacy_cards
-                .get(&id)
-                .and_then(|keys| unique(keys, &held.cards)),
-        };
+    let card = match held.scoped_card_keys(id, &endpoint.component, &endpoint.endpoint) {
+        Some(keys) => unique(keys, &held.cards),
+        // Legacy cards join on the instance id alone, only when no scoped card exists.
+        None => held
+            .legacy_cards
+            .get(&id)
+            .and_then(|keys| unique(keys, &held.cards)),
+    };
     let role = match decide_role(&endpoint.component, card.map(|c| &c.fields)) {
         Ok(role) => {
             role_conflicts.remove(&id);
@@ -428,7 +424,7 @@ fn materialise_worker(
 }
 
 /// The record behind an identity claimed by exactly one key.
-fn unique<'a, T>(keys: &[String], slots: &'a HashMap<String, Slot<T>>) -> Option<&'a T> {
+fn unique<'a, T>(keys: &[String], slots: &'a KeyMap<Slot<T>>) -> Option<&'a T> {
     match keys {
         [only] => slots.get(only).map(|s| s.rec.as_ref()),
         _ => None,
@@ -537,6 +533,16 @@ impl Identity {
         }
     }
 
+    /// The worker an endpoint or card identity names.
+    fn worker(&self) -> Option<InstanceId> {
+        match self {
+            Identity::Generate(id) | Identity::ScopedCard(id, ..) | Identity::LegacyCard(id) => {
+                Some(*id)
+            }
+            Identity::Channel(_) | Identity::Source(_) => None,
+        }
+    }
+
     fn mark(&self, dirty: &mut Dirty) {
         if dirty.discard {
             return;
@@ -571,18 +577,25 @@ impl Dirty {
     }
 }
 
+/// Records by etcd key. The fleet writes the keys, so the hash is keyed with per-process random
+/// keys (aHash's, built to resist collision flooding, as std's SipHash is); a resync hashes
+/// every key at least twice and again at each growth of the map, where SipHash was 14 % of the
+/// reducer's time.
+type KeyMap<V> = HashMap<String, V, ahash::RandomState>;
+
 #[derive(Debug, Default)]
 struct Held {
     /// Set on a resync's staging set only: its capacity evicts by [`Rank`] instead of refusing.
     admission: Option<Box<Admission>>,
-    // Held records by key: hashed (std's keyed hasher: the fleet writes the keys), looked up
-    // several times per put and never walked in order.
-    endpoints: HashMap<String, Slot<EndpointRecord>>,
-    cards: HashMap<String, Slot<CardRecord>>,
-    channels: HashMap<String, Slot<ChannelRecord>>,
-    sources: HashMap<String, Slot<SourceRecord>>,
+    // Held records by key: hashed, looked up several times per put and never walked in order.
+    endpoints: KeyMap<Slot<EndpointRecord>>,
+    cards: KeyMap<Slot<CardRecord>>,
+    channels: KeyMap<Slot<ChannelRecord>>,
+    sources: KeyMap<Slot<SourceRecord>>,
     endpoint_ids: BTreeMap<InstanceId, Vec<String>>,
-    scoped_cards: BTreeMap<(InstanceId, String, String), Vec<String>>,
+    /// Scoped cards by instance, component and endpoint (nested so a lookup borrows the
+    /// names; no inner map is ever empty).
+    scoped_cards: BTreeMap<InstanceId, BTreeMap<String, BTreeMap<String, Vec<String>>>>,
     legacy_cards: BTreeMap<InstanceId, Vec<String>>,
     channel_ids: BTreeMap<PublisherId, Vec<String>>,
     source_ids: BTreeMap<PublisherId, Vec<String>>,
@@ -601,6 +614,45 @@ fn index_remove<K: Ord>(index: &mut BTreeMap<K, Vec<String>>, id: &K, key: &str)
         if keys.is_empty() {
             index.remove(id);
         }
+    }
+}
+
+fn scoped_add(held: &mut Held, card: &CardRecord, key: &str) {
+    let components = held.scoped_cards.entry(card.instance_id).or_default();
+    if !components.contains_key(card.component.as_str()) {
+        components.insert(card.component.clone(), BTreeMap::new());
+    }
+    let Some(endpoints) = components.get_mut(card.component.as_str()) else {
+        return;
+    };
+    if !endpoints.contains_key(card.endpoint.as_str()) {
+        endpoints.insert(card.endpoint.clone(), Vec::new());
+    }
+    let Some(keys) = endpoints.get_mut(card.endpoint.as_str()) else {
+        return;
+    };
+    if let Err(at) = keys.binary_search_by(|k| k.as_str().cmp(key)) {
+        keys.insert(at, key.to_owned());
+    }
+}
+
+fn scoped_remove(held: &mut Held, card: &CardRecord, key: &str) {
+    let Some(components) = held.scoped_cards.get_mut(&card.instance_id) else {
+        return;
+    };
+    if let Some(endpoints) = components.get_mut(card.component.as_str()) {
+        if let Some(keys) = endpoints.get_mut(card.endpoint.as_str()) {
+            keys.retain(|k| k != key);
+            if keys.is_empty() {
+                endpoints.remove(card.endpoint.as_str());
+            }
+        }
+        if endpoints.is_empty() {
+            components.remove(card.component.as_str());
+        }
+    }
+    if components.is_empty() {
+        held.scoped_cards.remove(&card.instance_id);
     }
 }
 
@@ -670,7 +722,7 @@ impl Held {
     fn identity_keys(&self, identity: &Identity) -> &[String] {
         let keys = match identity {
             Identity::Generate(id) => self.endpoint_ids.get(id),
-            Identity::ScopedCard(id, c, e) => self.scoped_cards.get(&(*id, c.clone(), e.clone())),
+            Identity::ScopedCard(id, c, e) => self.scoped_card_keys(*id, c, e),
             Identity::LegacyCard(id) => self.legacy_cards.get(id),
             Identity::Channel(p) => self.channel_ids.get(p),
             Identity::Source(p) => self.source_ids.get(p),
@@ -684,11 +736,15 @@ impl Held {
         for (id, keys) in self.endpoint_ids.iter().filter(|(_, k)| many(k)) {
             out.insert(Identity::Generate(*id), keys.clone());
         }
-        for ((id, c, e), keys) in self.scoped_cards.iter().filter(|(_, k)| many(k)) {
-            out.insert(
-                Identity::ScopedCard(*id, c.clone(), e.clone()),
-                keys.clone(),
-            );
+        for (id, components) in &self.scoped_cards {
+            for (c, endpoints) in components {
+                for (e, keys) in endpoints.iter().filter(|(_, k)| many(k)) {
+                    out.insert(
+                        Identity::ScopedCard(*id, c.clone(), e.clone()),
+                        keys.clone(),
+                    );
+                }
+            }
         }
         for (id, keys) in self.legacy_cards.iter().filter(|(_, k)| many(k)) {
             out.insert(Identity::LegacyCard(*id), keys.clone());
@@ -712,15 +768,12 @@ impl Held {
                 Identity::Generate(s.rec.instance_id)
             }),
             Keyspace::Cards => self.cards.remove(key).map(|s| {
-                let identity = card_identity(&s.rec);
-                match &identity {
-                    Identity::LegacyCard(id) => index_remove(&mut self.legacy_cards, id, key),
-                    Identity::ScopedCard(id, c, e) => {
-                        index_remove(&mut self.scoped_cards, &(*id, c.clone(), e.clone()), key)
-                    }
-                    _ => {}
+                if s.rec.is_legacy() {
+                    index_remove(&mut self.legacy_cards, &s.rec.instance_id, key);
+                } else {
+                    scoped_remove(self, &s.rec, key);
                 }
-                identity
+                card_identity(&s.rec)
             }),
             Keyspace::Channels => self.channels.remove(key).map(|s| {
                 index_remove(&mut self.channel_ids, &s.rec.publisher_id, key);
@@ -733,7 +786,7 @@ impl Held {
         };
         match identity {
             Some(identity) => {
-                self.after_change(keyspace, key, &identity);
+                self.after_change(keyspace, key, identity.worker());
                 identity.mark(dirty);
                 true
             }
@@ -752,43 +805,45 @@ impl Held {
         dirty: &mut Dirty,
     ) {
         debug_assert!(!self.contains(keyspace, key));
-        let identity = match rec {
+        let worker = match rec {
             HeldRecord::Endpoint(rec) => {
                 if let Some(admission) = self.admission.as_mut() {
                     admission.scope_changed(&rec, true);
                 }
                 index_add(&mut self.endpoint_ids, rec.instance_id, key);
-                let identity = Identity::Generate(rec.instance_id);
+                Identity::Generate(rec.instance_id).mark(dirty);
+                let id = rec.instance_id;
                 self.endpoints.insert(key.to_owned(), Slot { digest, rec });
-                identity
+                Some(id)
             }
             HeldRecord::Card(rec) => {
-                let identity = card_identity(&rec);
-                match &identity {
-                    Identity::LegacyCard(id) => index_add(&mut self.legacy_cards, *id, key),
-                    Identity::ScopedCard(id, c, e) => {
-                        index_add(&mut self.scoped_cards, (*id, c.clone(), e.clone()), key)
-                    }
-                    _ => {}
+                if rec.is_legacy() {
+                    index_add(&mut self.legacy_cards, rec.instance_id, key);
+                } else {
+                    scoped_add(self, &rec, key);
                 }
+                // A scoped card's identity copies two names: built only where it is recorded.
+                if !dirty.discard {
+                    card_identity(&rec).mark(dirty);
+                }
+                let id = rec.instance_id;
                 self.cards.insert(key.to_owned(), Slot { digest, rec });
-                identity
+                Some(id)
             }
             HeldRecord::Channel(rec) => {
                 index_add(&mut self.channel_ids, rec.publisher_id, key);
-                let identity = Identity::Channel(rec.publisher_id);
+                Identity::Channel(rec.publisher_id).mark(dirty);
                 self.channels.insert(key.to_owned(), Slot { digest, rec });
-                identity
+                None
             }
             HeldRecord::Source(rec) => {
                 index_add(&mut self.source_ids, rec.publisher_id, key);
-                let identity = Identity::Source(rec.publisher_id);
+                Identity::Source(rec.publisher_id).mark(dirty);
                 self.sources.insert(key.to_owned(), Slot { digest, rec });
-                identity
+                None
             }
         };
-        self.after_change(keyspace, key, &identity);
-        identity.mark(dirty);
+        self.after_change(keyspace, key, worker);
     }
 }
 
@@ -871,21 +926,43 @@ struct Admission {
     /// (only then is a record ever chosen by rank), built then from every record it holds and
     /// kept in step after. A resync that stays under capacity never ranks a record.
     order: [Option<BTreeSet<(Rank, String)>>; 4],
-    /// Held generate endpoints per (component, endpoint) scope, for channels to join.
-    scopes: BTreeMap<(String, String), usize>,
+    /// Held generate endpoints per component and endpoint, for channels to join (nested so a
+    /// lookup borrows the record's names; no inner map is ever empty).
+    scopes: BTreeMap<String, BTreeMap<String, usize>>,
 }
 
 impl Admission {
     fn scope_changed(&mut self, rec: &EndpointRecord, added: bool) {
-        let scope = (rec.component.clone(), rec.endpoint.clone());
-        let n = self.scopes.entry(scope.clone()).or_default();
+        let (component, endpoint) = (rec.component.as_str(), rec.endpoint.as_str());
         if added {
-            *n += 1;
-        } else {
+            match self
+                .scopes
+                .get_mut(component)
+                .and_then(|endpoints| endpoints.get_mut(endpoint))
+            {
+                Some(n) => *n += 1,
+                None => {
+                    *self
+                        .scopes
+                        .entry(component.to_owned())
+                        .or_default()
+                        .entry(endpoint.to_owned())
+                        .or_default() += 1;
+                }
+            }
+            return;
+        }
+        let Some(endpoints) = self.scopes.get_mut(component) else {
+            return;
+        };
+        if let Some(n) = endpoints.get_mut(endpoint) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                self.scopes.remove(&scope);
+                endpoints.remove(endpoint);
             }
+        }
+        if endpoints.is_empty() {
+            self.scopes.remove(component);
         }
     }
 
@@ -893,12 +970,11 @@ impl Admission {
     /// id, not a worker id: its scope is what ties it to workers).
     fn scope_has_endpoint(&self, component: Option<&str>, endpoint: Option<&str>) -> bool {
         match (component, endpoint) {
-            (Some(c), Some(e)) => self.scopes.contains_key(&(c.to_owned(), e.to_owned())),
-            (Some(c), None) => self
+            (Some(c), Some(e)) => self
                 .scopes
-                .range((c.to_owned(), String::new())..)
-                .next()
-                .is_some_and(|((held, _), _)| held == c),
+                .get(c)
+                .is_some_and(|endpoints| endpoints.contains_key(e)),
+            (Some(c), None) => self.scopes.contains_key(c),
             (None, _) => !self.scopes.is_empty(),
         }
     }
@@ -927,13 +1003,19 @@ fn keyspace_slot(keyspace: Keyspace) -> usize {
 }
 
 impl Held {
+    /// The keys claiming the scoped card `(id, component, endpoint)`, found without building
+    /// an owned map key (an instance has a handful of scopes at most).
+    fn scoped_card_keys(
+        &self,
+        id: InstanceId,
+        component: &str,
+        endpoint: &str,
+    ) -> Option<&Vec<String>> {
+        self.scoped_cards.get(&id)?.get(component)?.get(endpoint)
+    }
+
     fn has_card(&self, id: InstanceId) -> bool {
-        self.legacy_cards.contains_key(&id)
-            || self
-                .scoped_cards
-                .range((id, String::new(), String::new())..)
-                .next()
-                .is_some_and(|((card_id, _, _), _)| *card_id == id)
+        self.legacy_cards.contains_key(&id) || self.scoped_cards.contains_key(&id)
     }
 
     fn rank(&self, admission: &Admission, rec: &HeldRecord) -> Rank {
@@ -1019,9 +1101,11 @@ impl Held {
         }
         let scoped = self
             .scoped_cards
-            .range((id, String::new(), String::new())..)
-            .take_while(|((card_id, _, _), _)| *card_id == id)
-            .flat_map(|(_, keys)| keys);
+            .get(&id)
+            .into_iter()
+            .flat_map(|components| components.values())
+            .flat_map(|endpoints| endpoints.values())
+            .flatten();
         for key in scoped.chain(self.legacy_cards.get(&id).into_iter().flatten()) {
             keys.push((Keyspace::Cards, key.clone()));
         }
@@ -1046,18 +1130,18 @@ impl Held {
     }
 
     /// Keeps the admission order in step after `identity` gained or lost `key`.
-    fn after_change(&mut self, keyspace: Keyspace, key: &str, identity: &Identity) {
+    /// Keeps the admission order in step after `key` changed; `worker`: the instance its
+    /// identity names, if any ([`Identity::worker`]).
+    fn after_change(&mut self, keyspace: Keyspace, key: &str, worker: Option<InstanceId>) {
         if self.admission.is_none() {
             return;
         }
         if let Some(admission) = self.admission.as_mut() {
             admission.forget(keyspace, key);
         }
-        match identity {
-            Identity::Generate(id) | Identity::ScopedCard(id, ..) | Identity::LegacyCard(id) => {
-                self.rerank_worker(*id)
-            }
-            Identity::Channel(_) | Identity::Source(_) => self.rerank(keyspace, key),
+        match worker {
+            Some(id) => self.rerank_worker(id),
+            None => self.rerank(keyspace, key),
         }
     }
 }
@@ -1204,7 +1288,10 @@ fn note(
     let (kind, reason) = match outcome {
         Outcome::Ignored | Outcome::Unchanged => return,
         Outcome::Held | Outcome::Skipped => {
-            logs.bad_keys.remove(&key_digest(key));
+            // Usually empty: no key digest (BLAKE3) per good record then.
+            if !logs.bad_keys.is_empty() {
+                logs.bad_keys.remove(&key_digest(key));
+            }
             return;
         }
         Outcome::OverCapacity(keyspace) => {
