@@ -414,7 +414,41 @@ pub struct CardMemo {
     recent: std::collections::VecDeque<(CardJson, CardFields)>,
 }
 
+/// How many `"card_json"` spellings [`CardMemo::spot`] looks behind in one record.
+const CARD_MEMBER_TRIES: usize = 4;
+
 impl CardMemo {
+    /// A remembered card whose text follows a `"card_json":` in `value`, with its offset: a
+    /// candidate for [`parse_known_card`] to prove, found by bytes alone.
+    fn spot(&self, value: &[u8]) -> Option<(usize, (CardJson, CardFields))> {
+        if self.recent.is_empty() {
+            return None;
+        }
+        let is_space = |b: &u8| matches!(b, b' ' | b'\t' | b'\n' | b'\r');
+        let skip_space = |at: usize| {
+            at + value[at..]
+                .iter()
+                .position(|b| !is_space(b))
+                .unwrap_or(value.len() - at)
+        };
+        for found in memchr::memmem::find_iter(value, b"\"card_json\"").take(CARD_MEMBER_TRIES) {
+            let colon = skip_space(found + b"\"card_json\"".len());
+            if value.get(colon) != Some(&b':') {
+                continue;
+            }
+            let at = skip_space(colon + 1);
+            let rest = &value[at..];
+            if let Some((card, fields)) = self
+                .recent
+                .iter()
+                .find(|(card, _)| rest.starts_with(card.text().as_bytes()))
+            {
+                return Some((at, (card.clone(), fields.clone())));
+            }
+        }
+        None
+    }
+
     fn find(&self, text: &str) -> Option<(CardJson, CardFields)> {
         self.recent
             .iter()
@@ -422,8 +456,10 @@ impl CardMemo {
             .map(|(card, fields)| (card.clone(), fields.clone()))
     }
 
+    /// Remembers objects only: [`parse_known_card`]'s proof needs a value that ends where its
+    /// text ends, which a number (`5` of `56`) does not.
     fn remember(&mut self, card: &CardJson, fields: &CardFields) {
-        if card.text().len() > CARD_MEMO_MAX_BYTES {
+        if card.text().len() > CARD_MEMO_MAX_BYTES || !card.text().starts_with('{') {
             return;
         }
         if self.recent.len() == CARD_MEMO_ENTRIES {
@@ -447,9 +483,59 @@ pub fn parse_record_with(
     if value.len() > MAX_RECORD_BYTES {
         return Err(RecordError::Oversized(value.len()));
     }
+    let keyspace = key.keyspace();
+    if keyspace == Keyspace::Cards
+        && let Some(record) = parse_known_card(key, value, memo)
+    {
+        return Ok(record);
+    }
     let raw: RawRecord<'_> =
         serde_json::from_slice(value).map_err(|e| RecordError::Json(clip(&e.to_string())))?;
-    let keyspace = key.keyspace();
+    check_type(&raw, keyspace)?;
+    match keyspace {
+        Keyspace::Instances => parse_endpoint(raw),
+        Keyspace::Cards => parse_card(key, raw, memo, None),
+        Keyspace::Channels => parse_channel(key, raw),
+        Keyspace::Sources => parse_source(raw),
+    }
+}
+
+/// The text standing in for a remembered card in [`parse_known_card`]: a complete JSON value
+/// one byte long.
+const CARD_STAND_IN: &[u8] = b"0";
+
+/// A Model record whose card is one [`CardMemo`] remembers, read without scanning the card
+/// again: `None` when no remembered card sits as the record's `card_json` value, or when that
+/// is not proven (the caller then parses the record in full, which decides every error).
+///
+/// A candidate is a remembered card's text found right after a `"card_json":` in the bytes.
+/// The record is parsed with that text replaced by `0`, and the candidate is proven when the
+/// parsed `card_json` is exactly that `0` at exactly that offset: the bytes before it are the
+/// record's own, so the parser reaches the offset in the same state, as the value of the
+/// top-level `card_json`; there the original holds a complete JSON object (the card was
+/// validated at the same place when it was remembered, so also within the same nesting
+/// limit), which ends where its text ends, as the `0` does (a `0` that the next bytes would
+/// continue, as in `0.5`, is not exactly `0` and is refused); after it both parse the same
+/// bytes. So the original parses exactly as the stand-in did, with the remembered card as its
+/// `card_json`: the record the full parse would give, without reading the card's text.
+fn parse_known_card(key: &ParsedKey, value: &[u8], memo: &mut CardMemo) -> Option<Record> {
+    let (at, known) = memo.spot(value)?;
+    let text_len = known.0.text().len();
+    let mut stand_in = Vec::with_capacity(value.len() - text_len + CARD_STAND_IN.len());
+    stand_in.extend_from_slice(&value[..at]);
+    stand_in.extend_from_slice(CARD_STAND_IN);
+    stand_in.extend_from_slice(&value[at + text_len..]);
+    let raw: RawRecord<'_> = serde_json::from_slice(&stand_in).ok()?;
+    let found = raw.card_json?.get().as_bytes();
+    if found != CARD_STAND_IN || found.as_ptr() != stand_in[at..].as_ptr() {
+        return None;
+    }
+    check_type(&raw, Keyspace::Cards).ok()?;
+    parse_card(key, raw, memo, Some(known)).ok()
+}
+
+/// A record's own `type`, when it has one, must be its keyspace's.
+fn check_type(raw: &RawRecord<'_>, keyspace: Keyspace) -> Result<(), RecordError> {
     if let Some(found) = raw.kind.as_ref() {
         let found = found.as_str().unwrap_or("<non-string>");
         if found != keyspace.record_type() {
@@ -460,12 +546,7 @@ pub fn parse_record_with(
             });
         }
     }
-    match keyspace {
-        Keyspace::Instances => parse_endpoint(raw),
-        Keyspace::Cards => parse_card(key, raw, memo),
-        Keyspace::Channels => parse_channel(key, raw),
-        Keyspace::Sources => parse_source(raw),
-    }
+    Ok(())
 }
 
 fn text(field: Option<&Scalar>) -> String {
@@ -497,10 +578,13 @@ fn parse_endpoint(raw: RawRecord<'_>) -> Result<Record, RecordError> {
     }))
 }
 
+/// `known`: the card, already found in `memo` by [`parse_known_card`] (`raw.card_json` then
+/// holds its stand-in).
 fn parse_card(
     key: &ParsedKey,
     raw: RawRecord<'_>,
     memo: &mut CardMemo,
+    known: Option<(CardJson, CardFields)>,
 ) -> Result<Record, RecordError> {
     let suffix_in_value = raw
         .model_suffix
@@ -517,9 +601,10 @@ fn parse_card(
         .as_ref()
         .and_then(Scalar::as_id)
         .ok_or(RecordError::MissingInstanceId)?;
-    let (fields, card, card_trimmed) = match raw.card_json {
-        None => (CardFields::unreadable(), None, false),
-        Some(raw_card) => {
+    let (fields, card, card_trimmed) = match (known, raw.card_json) {
+        (Some((card, fields)), _) => (fields, Some(card), false),
+        (None, None) => (CardFields::unreadable(), None, false),
+        (None, Some(raw_card)) => {
             // The text was validated as JSON when the record was read; the typed subset is read
             // straight from it, and no generic tree of the card is ever built.
             let text = raw_card.get();
@@ -1192,6 +1277,104 @@ mod tests {
         ));
         let fresh = memo_card(&mut CardMemo::default(), 2, text);
         assert_eq!(fresh, b);
+    }
+
+    /// The card every [`remembered_card_cases`] record may carry, remembered first.
+    const KNOWN: &str =
+        r#"{"display_name":"m","worker_type":"decode","runtime_config":{"total_kv_blocks":7}}"#;
+
+    /// Parses `value` under a card key twice: with a memo that remembers [`KNOWN`] and with a
+    /// fresh one (the full parse). Returns both and the memo's copy of the card.
+    fn parse_both(
+        value: &str,
+    ) -> (
+        Result<Record, RecordError>,
+        Result<Record, RecordError>,
+        CardJson,
+    ) {
+        let mut memo = CardMemo::default();
+        let known = memo_card(&mut memo, 9, KNOWN).card.expect("retained");
+        let (_, parsed) = classify("dynamo", CARD_KEY).expect("key in namespace");
+        let parsed = parsed.expect("key shape");
+        let with_memo = parse_record_with(&parsed, value.as_bytes(), &mut memo);
+        (with_memo, parse_record(&parsed, value.as_bytes()), known)
+    }
+
+    #[test]
+    fn a_remembered_card_is_read_without_its_text_as_the_full_parse_reads_it() {
+        let head = r#""type":"Model","component":"backend","endpoint":"generate","instance_id":26"#;
+        // Shared: the record's card is the remembered one, however the record is spelled.
+        for value in [
+            format!(r#"{{{head},"card_json":{KNOWN}}}"#),
+            format!(r#"{{"card_json":{KNOWN},{head}}}"#),
+            format!("{{ {head} ,\n \"card_json\"\t:\r\n {KNOWN}\n}}\n"),
+            format!(r#"{{{head},"card_json":{KNOWN},"extra":{{"card_json":[1,2]}}}}"#),
+        ] {
+            let (with_memo, full, known) = parse_both(&value);
+            assert_eq!(with_memo, full, "{value}");
+            let Ok(Record::Card(card)) = with_memo else {
+                panic!("a card: {value}")
+            };
+            assert!(
+                CardJson::ptr_eq(card.card.as_ref().expect("card"), &known),
+                "{value}"
+            );
+            assert_eq!(card.instance_id, InstanceId(26));
+        }
+        // Not proven, or not a record: whatever the memo path gives is what the full parse
+        // gives, errors included.
+        let other = r#"{"display_name":"other"}"#;
+        for value in [
+            // The remembered text in a nested member before the real one.
+            format!(r#"{{{head},"meta":{{"card_json":{KNOWN}}},"card_json":{other}}}"#),
+            format!(r#"{{{head},"meta":{{"card_json":{KNOWN}}},"card_json":{KNOWN}}}"#),
+            format!(r#"{{{head},"meta":{{"card_json":{KNOWN}}}}}"#),
+            // ... before a real card that is the stand-in's own text.
+            format!(r#"{{{head},"meta":{{"card_json":{KNOWN}}},"card_json":0}}"#),
+            // Bytes after the card that a stand-in number would take as its own.
+            format!(r#"{{{head},"card_json":{KNOWN}.5}}"#),
+            format!(r#"{{{head},"card_json":{KNOWN}e5}}"#),
+            format!(r#"{{{head},"card_json":{KNOWN}0}}"#),
+            // A longer object that starts like the card is not the card.
+            format!(
+                r#"{{{head},"card_json":{}}}"#,
+                KNOWN.replace(":7}}", ":7},\"x\":1}")
+            ),
+            format!(r#"{{{head},"card_json":{KNOWN},"card_json":{KNOWN}}}"#),
+            format!(r#"{{{head},"card_json":{KNOWN}}}trailing"#),
+            format!(r#"{{{head},"card_json":{KNOWN}"#),
+            format!(r#"{{"type":"Endpoint","instance_id":26,"card_json":{KNOWN}}}"#),
+            format!(r#"{{"type":"Model","card_json":{KNOWN}}}"#),
+            format!(r#"{{{head},"model_suffix":"lora","card_json":{KNOWN}}}"#),
+            format!(r#"[{{"card_json":{KNOWN}}}]"#),
+        ] {
+            let (with_memo, full, _) = parse_both(&value);
+            assert_eq!(with_memo, full, "{value}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Members in any order, any JSON whitespace, decoys naming `card_json` elsewhere: a
+        /// memo never changes what a record reads as.
+        #[test]
+        fn a_card_memo_never_changes_a_record(
+            order in proptest::strategy::Strategy::prop_shuffle(proptest::sample::subsequence(vec![0usize, 1, 2, 3, 4, 5], 0..=6)),
+            spaces in proptest::collection::vec(proptest::sample::select(vec!["", " ", "\n", "\t ", "\r\n"]), 8),
+            card in proptest::sample::select(vec![KNOWN, r#"{"display_name":"other"}"#, "0", "null"]),
+        ) {
+            let members = [
+                r#""type":"Model""#.to_owned(),
+                r#""instance_id":26"#.to_owned(),
+                r#""component":"backend""#.to_owned(),
+                format!(r#""card_json"{}:{}{card}"#, spaces[0], spaces[1]),
+                format!(r#""meta":{{"card_json":{KNOWN}}}"#),
+                format!(r#""note":"card_json{}""#, spaces[2]),
+            ];
+            let body: Vec<String> = order.iter().map(|&i| members[i].clone()).collect();
+            let value = format!("{}{{{}{}}}{}", spaces[3], spaces[4], body.join(&format!(",{}", spaces[5])), spaces[6]);
+            let (with_memo, full, _) = parse_both(&value);
+            proptest::prop_assert_eq!(with_memo, full, "{}", value);
+        }
     }
 
     #[test]
