@@ -152,7 +152,10 @@ struct Shared {
     /// The event-bus listener's sessions and command API (`dynamo.event_bus`).
     event_bus: crate::event_bus::EventBus,
     /// The last applied SSE event id per pushed kv_cache_index source (outlives `root/kv_push`).
-    #[cfg_attr(not(feature = "dynamo-kv"), allow(dead_code))]
+    #[cfg_attr(
+        not(all(feature = "dynamo-kv", feature = "dynamo-event-bus")),
+        allow(dead_code)
+    )]
     kv_push: continuum_actors::kv_push::KvPushCursors,
     /// The product features this daemon runs (the compiled ones, or fewer in a test); the
     /// composition points below start nothing of a missing one.
