@@ -617,18 +617,20 @@ fn index_remove<K: Ord>(index: &mut BTreeMap<K, Vec<String>>, id: &K, key: &str)
     }
 }
 
+/// The value under `name`, inserted empty when absent; the owned name is built only then (an
+/// `entry` builds it for every lookup). `None` only if the map lost what was just inserted.
+fn named_entry<'a, V: Default>(map: &'a mut BTreeMap<String, V>, name: &str) -> Option<&'a mut V> {
+    if !map.contains_key(name) {
+        map.insert(name.to_owned(), V::default());
+    }
+    map.get_mut(name)
+}
+
 fn scoped_add(held: &mut Held, card: &CardRecord, key: &str) {
     let components = held.scoped_cards.entry(card.instance_id).or_default();
-    if !components.contains_key(card.component.as_str()) {
-        components.insert(card.component.clone(), BTreeMap::new());
-    }
-    let Some(endpoints) = components.get_mut(card.component.as_str()) else {
-        return;
-    };
-    if !endpoints.contains_key(card.endpoint.as_str()) {
-        endpoints.insert(card.endpoint.clone(), Vec::new());
-    }
-    let Some(keys) = endpoints.get_mut(card.endpoint.as_str()) else {
+    let Some(keys) = named_entry(components, &card.component)
+        .and_then(|endpoints| named_entry(endpoints, &card.endpoint))
+    else {
         return;
     };
     if let Err(at) = keys.binary_search_by(|k| k.as_str().cmp(key)) {
@@ -935,20 +937,10 @@ impl Admission {
     fn scope_changed(&mut self, rec: &EndpointRecord, added: bool) {
         let (component, endpoint) = (rec.component.as_str(), rec.endpoint.as_str());
         if added {
-            match self
-                .scopes
-                .get_mut(component)
-                .and_then(|endpoints| endpoints.get_mut(endpoint))
+            if let Some(n) = named_entry(&mut self.scopes, component)
+                .and_then(|endpoints| named_entry(endpoints, endpoint))
             {
-                Some(n) => *n += 1,
-                None => {
-                    *self
-                        .scopes
-                        .entry(component.to_owned())
-                        .or_default()
-                        .entry(endpoint.to_owned())
-                        .or_default() += 1;
-                }
+                *n += 1;
             }
             return;
         }
@@ -1129,7 +1121,6 @@ impl Held {
         ((rank, key) < (*worst_rank, worst_key.as_str())).then(|| worst_key.clone())
     }
 
-    /// Keeps the admission order in step after `identity` gained or lost `key`.
     /// Keeps the admission order in step after `key` changed; `worker`: the instance its
     /// identity names, if any ([`Identity::worker`]).
     fn after_change(&mut self, keyspace: Keyspace, key: &str, worker: Option<InstanceId>) {
