@@ -45,11 +45,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
+use axum::http::{HeaderMap, HeaderValue, Response};
 use bytes::Bytes;
 use continuum_actors::metrics::{Metrics, RoutingPath};
 use continuum_protocol::breaker::{BreakerConfig, ResponseVerdict, classify_response};
-use http_body_util::Full;
 use tracing::warn;
 
 pub use backends::{Backend, BackendPool, Clock, Scope, Selection};
@@ -270,11 +269,11 @@ impl Proxy {
         dispatch: &Dispatch,
         path: RoutingPath,
     ) -> Result<Response<Body>, ApiError> {
-        let mut outbound_headers =
-            headers::outbound(&request.headers, dispatch, request.authenticated);
+        let outbound_headers =
+            headers::Outbound::new(&request.headers, dispatch, request.authenticated);
         let mut last_error = None;
         let attempts = candidates.len().min(self.options.max_attempts.max(1));
-        for (attempt, backend) in candidates.iter().take(attempts).enumerate() {
+        for backend in candidates.iter().take(attempts) {
             if !backend.admit(self.pool.now()).is_admitted() {
                 continue;
             }
@@ -298,18 +297,15 @@ impl Proxy {
             } else {
                 request.body.outbound.clone()
             };
-            let mut req = Request::builder()
-                .method(Method::POST)
-                .uri(uri)
-                .body(Full::new(outbound))
-                .map_err(|e| ApiError::Internal(e.to_string()))?;
-            // The last possible attempt takes the headers; earlier ones copy them for a retry.
-            *req.headers_mut() = if attempt + 1 == attempts {
-                std::mem::take(&mut outbound_headers)
-            } else {
-                outbound_headers.clone()
-            };
-            match backend.send(req, self.options.response_head_timeout).await {
+            let sent = backend
+                .send(
+                    uri,
+                    &outbound_headers,
+                    outbound,
+                    self.options.response_head_timeout,
+                )
+                .await;
+            match sent {
                 Ok(resp) => {
                     match classify_response(resp.status().as_u16(), frontend_error_body(&resp)) {
                         ResponseVerdict::Failing => backend.record_failure(self.pool.now()),

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use axum::http::{Method, Request, Response};
+use axum::http::{Method, Request, Response, Uri};
 use bytes::Bytes;
 use continuum_protocol::breaker::{
     Admission, Breaker, BreakerConfig, BreakerState, HealthThresholds, HealthTracker,
@@ -23,6 +23,7 @@ use rustls::pki_types::CertificateDer;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
+use super::headers::Outbound;
 use super::pool::ConnPool;
 use super::upstream::{Target, Upstream, UpstreamBody, UpstreamError};
 use crate::config::schema::{BackendConfig, BackendRole, HealthCheckConfig};
@@ -83,23 +84,36 @@ impl Backend {
         &self.upstream
     }
 
-    /// Sends a request of the request path to this backend (its connection pool for plain
-    /// `http`, else its client), waiting at most `head_timeout` for the response head.
+    /// Sends a request of the request path (`POST`, these headers and body) to `uri` on this
+    /// backend (its connection pool for plain `http`, which encodes the headers straight into
+    /// the written request; else its client), waiting at most `head_timeout` for the response
+    /// head.
     pub async fn send(
         &self,
-        req: Request<Full<Bytes>>,
+        uri: Uri,
+        headers: &Outbound<'_>,
+        body: Bytes,
         head_timeout: Duration,
     ) -> Result<Response<UpstreamBody>, UpstreamError> {
         match &self.conns {
-            Some(pool) => Ok(pool
-                .send(req, head_timeout)
-                .await?
-                .map(UpstreamBody::Pooled)),
-            None => Ok(self
-                .upstream
-                .send(req, head_timeout)
-                .await?
-                .map(UpstreamBody::Client)),
+            Some(pool) => {
+                let path = uri.path_and_query().map_or("/", |p| p.as_str());
+                Ok(pool
+                    .send_fields(&Method::POST, path, headers.fields(), &body, head_timeout)
+                    .await?
+                    .map(UpstreamBody::Pooled))
+            }
+            None => {
+                let mut req = Request::new(Full::new(body));
+                *req.method_mut() = Method::POST;
+                *req.uri_mut() = uri;
+                *req.headers_mut() = headers.to_map();
+                Ok(self
+                    .upstream
+                    .send(req, head_timeout)
+                    .await?
+                    .map(UpstreamBody::Client))
+            }
         }
     }
 

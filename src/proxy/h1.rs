@@ -73,10 +73,10 @@ pub struct Head {
 /// Appends the request head (origin form, HTTP/1.1) and, when it is small, the body to `out`.
 /// `Content-Length` and `Transfer-Encoding` are this encoder's: the body is sent with its exact
 /// length. Returns whether the body was appended (else the caller writes it after the head).
-pub fn encode_request(
+pub fn encode_request<'h>(
     method: &Method,
     path_and_query: &str,
-    headers: &HeaderMap,
+    headers: impl IntoIterator<Item = (&'h HeaderName, &'h HeaderValue)>,
     body: &[u8],
     out: &mut Vec<u8>,
 ) -> bool {
@@ -112,12 +112,9 @@ pub fn encode_request(
     inline
 }
 
-/// Whether the request asked for the connection to close after its answer.
-pub fn request_closes(headers: &HeaderMap) -> bool {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .any(|value| has_token(value.as_bytes(), b"close"))
+/// Whether this request field asks for the connection to close after the answer.
+pub fn asks_to_close(name: &HeaderName, value: &HeaderValue) -> bool {
+    name == header::CONNECTION && has_token(value.as_bytes(), b"close")
 }
 
 /// Parses the response head at the start of `buf`, skipping informational (1xx) heads before
@@ -184,6 +181,7 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, P
             _ => Version::HTTP_11,
         };
         let mut headers = HeaderMap::with_capacity(count);
+        let mut control = Control::default();
         for &(name_at, name_len, value_at, value_len) in &spans[..count] {
             let outside = || ProtocolError::Head("a header field outside the head".to_owned());
             let (name_at, value_at) = (name_at as usize, value_at as usize);
@@ -191,8 +189,11 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, P
                 .get(name_at..name_at + name_len as usize)
                 .ok_or_else(outside)?;
             let value_end = value_at + value_len as usize;
-            if value_end > head.len() {
+            let Some(value) = head.get(value_at..value_end) else {
                 return Err(outside());
+            };
+            if control.read(name, value) {
+                continue;
             }
             let name =
                 HeaderName::from_bytes(name).map_err(|e| ProtocolError::Head(e.to_string()))?;
@@ -200,8 +201,14 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, P
                 .map_err(|e| ProtocolError::Head(e.to_string()))?;
             headers.append(name, value);
         }
-        let (framing, delimited) = framing(&headers, status, method)?;
-        let keep_alive = delimited && persistent(&headers, version);
+        // The names `Connection` lists are hop-by-hop by declaration, wherever they stood.
+        for named in control.named.drain(..) {
+            if let Ok(name) = HeaderName::from_bytes(named) {
+                headers.remove(name);
+            }
+        }
+        let (framing, delimited) = control.framing(status, method)?;
+        let keep_alive = delimited && control.persistent(version);
         return Ok(Some(Head {
             status,
             version,
@@ -212,69 +219,121 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, P
     }
 }
 
-/// The body's framing (RFC 9112 §6.3), and whether the connection may be reused after it (a
-/// body delimited by the close, or one that carried both `Transfer-Encoding` and
-/// `Content-Length`, is not).
-fn framing(
-    headers: &HeaderMap,
-    status: StatusCode,
-    method: &Method,
-) -> Result<(Framing, bool), ProtocolError> {
-    if *method == Method::HEAD
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED
-    {
-        return Ok((Framing::Length(0), true));
-    }
-    let mut codings = headers.get_all(header::TRANSFER_ENCODING).iter().peekable();
-    if codings.peek().is_some() {
-        let last = codings
-            .last()
-            .map(HeaderValue::as_bytes)
-            .unwrap_or_default();
-        let chunked = last
-            .rsplit(|&b| b == b',')
-            .next()
-            .is_some_and(|coding| coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-        let reusable = !headers.contains_key(header::CONTENT_LENGTH);
-        return Ok(if chunked {
-            (Framing::Chunked, reusable)
-        } else {
-            (Framing::UntilClose, false)
-        });
-    }
-    let mut length = None;
-    for value in headers.get_all(header::CONTENT_LENGTH) {
-        for part in value.as_bytes().split(|&b| b == b',') {
-            let part = part.trim_ascii();
-            if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
-                return Err(ProtocolError::ContentLength);
-            }
-            let n = std::str::from_utf8(part)
-                .ok()
-                .and_then(|s| s.parse::<u64>().ok())
-                .ok_or(ProtocolError::ContentLength)?;
-            if length.is_some_and(|seen| seen != n) {
-                return Err(ProtocolError::ContentLength);
-            }
-            length = Some(n);
-        }
-    }
-    Ok(match length {
-        Some(n) => (Framing::Length(n), true),
-        None => (Framing::UntilClose, false),
-    })
+/// The fields of a response head that frame its body and manage its connection
+/// (`Content-Length`, `Transfer-Encoding`, `Connection` and the names it lists, `Keep-Alive`),
+/// read in the head's one pass. They describe this message on this connection only, so they are
+/// consumed here and are not in [`Head::headers`] ([`Head::framing`] and [`Head::keep_alive`]
+/// carry what they said).
+#[derive(Debug)]
+struct Control<'h> {
+    /// The last `Transfer-Encoding` value (its final coding decides chunked).
+    transfer_encoding: Option<&'h [u8]>,
+    /// Whether any `Content-Length` came.
+    content_length: bool,
+    /// What the `Content-Length` values agreed on: `Err` for a malformed or conflicting one
+    /// (raised only when the length decides the framing).
+    length: Result<Option<u64>, ProtocolError>,
+    close: bool,
+    keep_alive: bool,
+    /// The other names `Connection` lists.
+    named: Vec<&'h [u8]>,
 }
 
-/// HTTP/1.1 persists unless `Connection: close`; HTTP/1.0 only with `Connection: keep-alive`.
-fn persistent(headers: &HeaderMap, version: Version) -> bool {
-    let mut close = false;
-    let mut keep_alive = false;
-    for value in headers.get_all(header::CONNECTION) {
-        close |= has_token(value.as_bytes(), b"close");
-        keep_alive |= has_token(value.as_bytes(), b"keep-alive");
+impl Default for Control<'_> {
+    fn default() -> Self {
+        Self {
+            transfer_encoding: None,
+            content_length: false,
+            length: Ok(None),
+            close: false,
+            keep_alive: false,
+            named: Vec::new(),
+        }
     }
-    !close && (version == Version::HTTP_11 || keep_alive)
+}
+
+impl<'h> Control<'h> {
+    /// Takes `name: value` when it is a control field (`true`), else leaves it (`false`).
+    fn read(&mut self, name: &[u8], value: &'h [u8]) -> bool {
+        let is = |control: &[u8]| name.eq_ignore_ascii_case(control);
+        match name.len() {
+            10 if is(b"connection") => {
+                for token in value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                    if token.eq_ignore_ascii_case(b"close") {
+                        self.close = true;
+                    } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                        self.keep_alive = true;
+                    } else if !token.is_empty() {
+                        self.named.push(token);
+                    }
+                }
+            }
+            10 if is(b"keep-alive") => {}
+            14 if is(b"content-length") => {
+                self.content_length = true;
+                self.length = self.length.clone().and_then(|seen| agreed(seen, value));
+            }
+            17 if is(b"transfer-encoding") => self.transfer_encoding = Some(value),
+            _ => return false,
+        }
+        true
+    }
+
+    /// The body's framing (RFC 9112 §6.3), and whether the connection may be reused after it (a
+    /// body delimited by the close, or one that carried both `Transfer-Encoding` and
+    /// `Content-Length`, is not).
+    fn framing(
+        &self,
+        status: StatusCode,
+        method: &Method,
+    ) -> Result<(Framing, bool), ProtocolError> {
+        if *method == Method::HEAD
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+        {
+            return Ok((Framing::Length(0), true));
+        }
+        if let Some(codings) = self.transfer_encoding {
+            let chunked = codings
+                .rsplit(|&b| b == b',')
+                .next()
+                .is_some_and(|coding| coding.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            return Ok(if chunked {
+                (Framing::Chunked, !self.content_length)
+            } else {
+                (Framing::UntilClose, false)
+            });
+        }
+        Ok(match self.length.clone()? {
+            Some(n) => (Framing::Length(n), true),
+            None => (Framing::UntilClose, false),
+        })
+    }
+
+    /// HTTP/1.1 persists unless `Connection: close`; HTTP/1.0 only with `Connection: keep-alive`.
+    fn persistent(&self, version: Version) -> bool {
+        !self.close && (version == Version::HTTP_11 || self.keep_alive)
+    }
+}
+
+/// The length a `Content-Length` value (a comma-separated list of equal lengths) agrees on with
+/// the length `seen` before it.
+fn agreed(mut seen: Option<u64>, value: &[u8]) -> Result<Option<u64>, ProtocolError> {
+    for part in value.split(|&b| b == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
+            return Err(ProtocolError::ContentLength);
+        }
+        let n = std::str::from_utf8(part)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+            .ok_or(ProtocolError::ContentLength)?;
+        if seen.is_some_and(|seen| seen != n) {
+            return Err(ProtocolError::ContentLength);
+        }
+        seen = Some(n);
+    }
+    Ok(seen)
 }
 
 fn has_token(list: &[u8], token: &[u8]) -> bool {
@@ -522,6 +581,42 @@ mod tests {
         );
     }
 
+    /// The framing and connection fields are the codec's: consumed in the head's pass (what they
+    /// said is in `framing` and `keep_alive`), with every name `Connection` lists, before or
+    /// after it; the rest stay, repeated names in their order.
+    #[test]
+    fn control_fields_are_consumed_and_the_rest_kept() {
+        let head = head_of(
+            b"HTTP/1.1 200 OK\r\nX-Before: 1\r\nContent-Length: 2\r\nSet-Cookie: a\r\n\
+              Connection: X-Before, close, , x-after\r\nKeep-Alive: timeout=5\r\n\
+              Set-Cookie: b\r\nx-after: 2\r\nDate: today\r\n\r\nok",
+            &Method::POST,
+        )
+        .expect("valid")
+        .expect("complete");
+        let mut kept: Vec<_> = head
+            .headers
+            .iter()
+            .map(|(k, v)| format!("{k}: {}", v.to_str().expect("ascii")))
+            .collect();
+        kept.sort();
+        assert_eq!(kept, ["date: today", "set-cookie: a", "set-cookie: b"]);
+        let cookies: Vec<_> = head.headers.get_all("set-cookie").iter().collect();
+        assert_eq!(cookies, ["a", "b"], "repeated values keep their order");
+        assert_eq!(head.framing, Framing::Length(2));
+        assert!(!head.keep_alive, "close");
+
+        let head = head_of(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
+            &Method::POST,
+        )
+        .expect("valid")
+        .expect("complete");
+        assert!(head.headers.is_empty());
+        assert_eq!(head.framing, Framing::Chunked);
+        assert!(head.keep_alive);
+    }
+
     #[test]
     fn a_head_is_parsed_and_consumed_and_the_body_start_stays() {
         let mut buf = BytesMut::from(
@@ -675,10 +770,12 @@ mod tests {
 
     #[test]
     fn a_request_asking_to_close_is_seen() {
-        let mut headers = HeaderMap::new();
-        assert!(!request_closes(&headers));
-        headers.insert(header::CONNECTION, HeaderValue::from_static("TE, close"));
-        assert!(request_closes(&headers));
+        let close =
+            |name: HeaderName, value| asks_to_close(&name, &HeaderValue::from_static(value));
+        assert!(close(header::CONNECTION, "TE, close"));
+        assert!(close(header::CONNECTION, "Close"));
+        assert!(!close(header::CONNECTION, "keep-alive"));
+        assert!(!close(HeaderName::from_static("x-connection"), "close"));
     }
 
     /// Decodes `wire` fed in pieces at `cuts`; returns the data and whether the body ended, or

@@ -131,35 +131,65 @@ fn request_only(name: &HeaderName) -> bool {
         || name == DISCLOSE_REQUEST
 }
 
+/// The body is validated JSON; OpenAI-wire servers (the Dynamo frontend among them) refuse a JSON
+/// body without this content type.
+static APPLICATION_JSON: HeaderValue = HeaderValue::from_static("application/json");
+
 /// The outbound header set: the client's headers minus hop-by-hop, pins, the router's own
-/// credentials and request-only headers, plus the dispatch's pins. Built in one pass over the
-/// client's headers (no clone-then-remove).
-pub fn outbound(client: &HeaderMap, dispatch: &Dispatch, drop_authorization: bool) -> HeaderMap {
-    let named: Vec<HeaderName> = connection_named(client).collect();
-    let mut headers = HeaderMap::with_capacity(client.keys_len() + dispatch.headers.len() + 1);
-    for (name, value) in client {
-        let dropped = HOP_BY_HOP.contains(name)
-            || named.contains(name)
+/// credentials and request-only headers, plus `content-type: application/json` and the
+/// dispatch's pins. A view over the client's headers: the connection pool encodes its
+/// [`fields`](Self::fields) straight into the request it writes (no map is built); the HTTPS
+/// client gets them as a map ([`to_map`](Self::to_map)).
+pub struct Outbound<'a> {
+    client: &'a HeaderMap,
+    dispatch: &'a Dispatch,
+    drop_authorization: bool,
+    /// The names the client's `Connection` header lists (hop-by-hop by declaration): empty, and
+    /// not allocated, for nearly every request.
+    named: Vec<HeaderName>,
+}
+
+impl<'a> Outbound<'a> {
+    pub fn new(client: &'a HeaderMap, dispatch: &'a Dispatch, drop_authorization: bool) -> Self {
+        Self {
+            client,
+            dispatch,
+            drop_authorization,
+            named: connection_named(client).collect(),
+        }
+    }
+
+    /// Whether a client header stays behind.
+    fn dropped(&self, name: &HeaderName) -> bool {
+        HOP_BY_HOP.contains(name)
+            || self.named.contains(name)
             // Stripped again right before dispatch, whatever middleware ran before.
             || is_pin_header(name.as_str())
             || is_rank_alias(name)
             || request_only(name)
             // The client's router key is not the backend's credential.
-            || (drop_authorization && name == header::AUTHORIZATION);
-        if !dropped {
+            || (self.drop_authorization && name == header::AUTHORIZATION)
+    }
+
+    /// The outbound fields in order: the client's that are forwarded, the content type, the
+    /// dispatch's pins (none of which a client field can carry: pins are dropped above).
+    pub fn fields(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> + '_ {
+        self.client
+            .iter()
+            .filter(|(name, _)| !self.dropped(name))
+            .chain(std::iter::once((&header::CONTENT_TYPE, &APPLICATION_JSON)))
+            .chain(self.dispatch.headers.iter())
+    }
+
+    /// The outbound fields as a header map.
+    pub fn to_map(&self) -> HeaderMap {
+        let mut headers =
+            HeaderMap::with_capacity(self.client.keys_len() + self.dispatch.headers.len() + 1);
+        for (name, value) in self.fields() {
             headers.append(name.clone(), value.clone());
         }
+        headers
     }
-    // The body is validated JSON; OpenAI-wire servers (the Dynamo frontend among them) refuse
-    // a JSON body without this content type.
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    for (name, value) in &dispatch.headers {
-        headers.insert(name.clone(), value.clone());
-    }
-    headers
 }
 
 /// Cleans an upstream response's headers before they reach the client.
@@ -198,7 +228,7 @@ mod tests {
             Some(DpRank(0)),
             Some((InstanceId(7), None)),
         );
-        let out = outbound(&client, &dispatch, true);
+        let out = Outbound::new(&client, &dispatch, true).to_map();
         let mut names: Vec<_> = out.keys().map(|k| k.as_str().to_owned()).collect();
         names.sort();
         assert_eq!(
@@ -215,6 +245,18 @@ mod tests {
         assert_eq!(out[DP_RANK], "0");
         assert_eq!(out[PREFILL_INSTANCE_ID], "7");
         assert_eq!(out[header::CONTENT_TYPE], "application/json");
-        assert!(outbound(&client, &Dispatch::none(), false).contains_key("authorization"));
+        assert!(
+            Outbound::new(&client, &Dispatch::none(), false)
+                .to_map()
+                .contains_key("authorization")
+        );
+        // The fields the pool encodes are the map's, in order.
+        let fields: Vec<_> = Outbound::new(&client, &dispatch, true)
+            .fields()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mapped: Vec<_> = out.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        assert_eq!(fields.len(), mapped.len());
+        assert!(fields.iter().all(|field| mapped.contains(field)));
     }
 }

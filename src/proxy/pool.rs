@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use axum::http::{HeaderValue, Request, Response, header, uri};
+use axum::http::{HeaderName, HeaderValue, Method, Request, Response, header, uri};
 use bytes::{Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, SizeHint};
@@ -49,6 +49,13 @@ use super::upstream::UpstreamError;
 /// A read asks for at least this much free buffer; the buffer grows by [`READ_RESERVE`].
 const READ_MIN: usize = 4096;
 const READ_RESERVE: usize = 16 * 1024;
+
+/// A field borrowed for less long (so that the pool's own `Host` can follow the caller's).
+fn shorter<'s, 'h: 's>(
+    field: (&'h HeaderName, &'h HeaderValue),
+) -> (&'s HeaderName, &'s HeaderValue) {
+    field
+}
 
 /// One backend connection: the socket and what was read from it and not yet consumed.
 #[derive(Debug)]
@@ -193,29 +200,64 @@ impl ConnPool {
         req: Request<Full<Bytes>>,
         head_timeout: Duration,
     ) -> Result<Response<PooledBody>, UpstreamError> {
-        match tokio::time::timeout(head_timeout, self.exchange(req)).await {
-            Err(_) => Err(UpstreamError::Timeout(head_timeout)),
-            Ok(result) => result,
-        }
-    }
-
-    async fn exchange(
-        &self,
-        req: Request<Full<Bytes>>,
-    ) -> Result<Response<PooledBody>, UpstreamError> {
         let (parts, mut body) = req.into_parts();
         // A `Full` body is one frame (or none).
         let body = match body.frame().await {
             Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
             _ => Bytes::new(),
         };
-        let mut headers = parts.headers;
-        headers.insert(header::HOST, self.inner.host_header.clone());
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        self.send_fields(&parts.method, path, &parts.headers, &body, head_timeout)
+            .await
+    }
+
+    /// Sends a request of these header fields (any `Host` among them is replaced by the
+    /// backend's) and body to `path_and_query`, waiting at most `head_timeout` for the response
+    /// head (dialling included). The fields are encoded straight into the written request: the
+    /// request path builds no header map for it ([`super::headers::Outbound::fields`]).
+    pub async fn send_fields<'h, H>(
+        &self,
+        method: &Method,
+        path_and_query: &str,
+        fields: H,
+        body: &[u8],
+        head_timeout: Duration,
+    ) -> Result<Response<PooledBody>, UpstreamError>
+    where
+        H: IntoIterator<Item = (&'h HeaderName, &'h HeaderValue)>,
+    {
+        let exchange = self.exchange(method, path_and_query, fields, body);
+        match tokio::time::timeout(head_timeout, exchange).await {
+            Err(_) => Err(UpstreamError::Timeout(head_timeout)),
+            Ok(result) => result,
+        }
+    }
+
+    async fn exchange<'h, H>(
+        &self,
+        method: &Method,
+        path_and_query: &str,
+        fields: H,
+        body: &[u8],
+    ) -> Result<Response<PooledBody>, UpstreamError>
+    where
+        H: IntoIterator<Item = (&'h HeaderName, &'h HeaderValue)>,
+    {
+        let host = (&header::HOST, &self.inner.host_header);
+        let mut closes = false;
+        let fields = fields
+            .into_iter()
+            .filter(|(name, _)| *name != header::HOST)
+            .inspect(|(name, value)| closes |= h1::asks_to_close(name, value));
         let mut head = Vec::with_capacity(256 + body.len().min(h1::INLINE_BODY_BYTES));
-        let inline = h1::encode_request(&parts.method, path, &headers, &body, &mut head);
-        let body = if inline { &[][..] } else { &body[..] };
-        let closes = h1::request_closes(&headers);
+        let inline = h1::encode_request(
+            method,
+            path_and_query,
+            fields.map(shorter).chain(std::iter::once(host)),
+            body,
+            &mut head,
+        );
+        let body = if inline { &[][..] } else { body };
 
         let mut conn = match self.checkout() {
             Some(mut conn) => match conn.write(&head, body).await {
@@ -232,7 +274,7 @@ impl ConnPool {
             None => self.fresh(&head, body).await?,
         };
         let head = loop {
-            match h1::parse_head(&mut conn.buf, &parts.method) {
+            match h1::parse_head(&mut conn.buf, method) {
                 Ok(Some(head)) => break head,
                 Ok(None) => {}
                 Err(error) => return Err(UpstreamError::Transport(error.to_string())),
