@@ -261,9 +261,7 @@ impl Scanner<'_> {
         let start = self.pos;
         let mut escaped = false;
         loop {
-            while !STOPS_A_STRING[usize::from(self.peek()?)] {
-                self.pos += 1;
-            }
+            self.pos = plain_run_end(self.bytes(), self.pos);
             match self.peek()? {
                 b'"' => break,
                 b'\\' => {
@@ -348,6 +346,39 @@ static STOPS_A_STRING: [bool; 256] = {
     table[b'\\' as usize] = true;
     table
 };
+
+/// Where the run of plain string bytes from `from` ends: the first byte that
+/// [stops a string](STOPS_A_STRING), or the end of `bytes`. Eight bytes at a time while eight
+/// remain (a quote, a backslash or a byte below 0x20 found by word arithmetic), then a table
+/// lookup per byte.
+fn plain_run_end(bytes: &[u8], from: usize) -> usize {
+    const ONES: u64 = u64::from_le_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_le_bytes([0x80; 8]);
+    // The high bit of every byte of `word` below `n` (n ≤ 0x80). A borrow can also flag a byte
+    // above a flagged one, never one below it: the lowest flag is always a true one.
+    let below = |word: u64, n: u8| word.wrapping_sub(ONES * u64::from(n)) & !word & HIGHS;
+    let mut at = from;
+    while let Some(chunk) = bytes.get(at..at + 8) {
+        let mut word = [0; 8];
+        word.copy_from_slice(chunk);
+        let word = u64::from_le_bytes(word);
+        // A byte equal to `b` is one below 1 once xored with `b`.
+        let stops = below(word ^ (ONES * u64::from(b'"')), 1)
+            | below(word ^ (ONES * u64::from(b'\\')), 1)
+            | below(word, 0x20);
+        if stops != 0 {
+            return at + (stops.trailing_zeros() / 8) as usize;
+        }
+        at += 8;
+    }
+    while bytes
+        .get(at)
+        .is_some_and(|&byte| !STOPS_A_STRING[usize::from(byte)])
+    {
+        at += 1;
+    }
+    at
+}
 
 /// The length of the escape at `at` (a `\`): two bytes for JSON's one-letter escapes, six for a
 /// `\u` code point, twelve for a surrogate pair; `None` for anything else.
@@ -701,8 +732,44 @@ mod tests {
             })
     }
 
+    /// The word-at-a-time run end is the byte loop's, at every offset of every length.
+    #[test]
+    fn plain_runs_end_where_the_byte_loop_says() {
+        let byte_loop = |bytes: &[u8], from: usize| {
+            (from..bytes.len())
+                .find(|&at| STOPS_A_STRING[usize::from(bytes[at])])
+                .unwrap_or(bytes.len())
+        };
+        let alphabet: &[u8] = b"a\"\\\x00\x1f\x20\x7f\x80\xff\x21\x5b\x5d";
+        for len in 0..20 {
+            for stop in 0..len {
+                for &byte in alphabet {
+                    let mut bytes = vec![b'x'; len];
+                    bytes[stop] = byte;
+                    for from in 0..=len {
+                        assert_eq!(
+                            plain_run_end(&bytes, from),
+                            byte_loop(&bytes, from),
+                            "{bytes:?} from {from}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        #[test]
+        fn plain_run_ends_agree_with_the_byte_loop(bytes in prop::collection::vec(any::<u8>(), 0..40), from in 0usize..41) {
+            let from = from.min(bytes.len());
+            let expected = (from..bytes.len())
+                .find(|&at| STOPS_A_STRING[usize::from(bytes[at])])
+                .unwrap_or(bytes.len());
+            prop_assert_eq!(plain_run_end(&bytes, from), expected);
+        }
+
 
         #[test]
         fn the_fast_path_agrees_with_the_slow_one(body in body()) {
