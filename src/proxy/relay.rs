@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use axum::http::{HeaderValue, Response, header};
 use bytes::{Bytes, BytesMut};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Frame;
 use serde_json::json;
 use tracing::warn;
@@ -24,23 +24,53 @@ pub const MAX_BUFFERED_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 pub async fn buffered<B>(upstream: Response<B>, backend: &str) -> Result<Response<Body>, ApiError>
 where
     B: hyper::body::Body<Data = Bytes>,
-    B::Error: std::fmt::Display + std::error::Error + Send + Sync + 'static,
+    B::Error: std::fmt::Display,
 {
     let (mut parts, body) = upstream.into_parts();
     headers::response(&mut parts.headers);
-    let bytes = Limited::new(body, MAX_BUFFERED_RESPONSE_BYTES)
-        .collect()
+    let bytes = collect_bounded(body, MAX_BUFFERED_RESPONSE_BYTES)
         .await
         .map_err(|error| {
             warn!(backend, %error, "An upstream response body failed or exceeded its bound.");
             ApiError::BadGateway(format!("the upstream response failed: {error}"))
-        })?
-        .to_bytes();
+        })?;
     // `insert` replaces every value the upstream sent under that name: no `remove` first.
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
     Ok(Response::from_parts(parts, Body::from(bytes)))
+}
+
+/// Why a buffered body could not be collected.
+#[derive(Debug, thiserror::Error)]
+enum CollectError<E> {
+    #[error("{0}")]
+    Body(E),
+    #[error("the body exceeds {0} bytes")]
+    TooLarge(usize),
+}
+
+/// The whole body, refused once it would exceed `limit` bytes. A body of one data frame (nearly
+/// every buffered answer: the connection pool hands over all of a body it read at once) is
+/// taken as it came; more frames are gathered into one buffer. Trailers are dropped.
+async fn collect_bounded<B>(body: B, limit: usize) -> Result<Bytes, CollectError<B::Error>>
+where
+    B: hyper::body::Body<Data = Bytes>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut gathered = Gathered::default();
+    while let Some(frame) = body.as_mut().frame().await {
+        let Ok(data) = frame.map_err(CollectError::Body)?.into_data() else {
+            continue;
+        };
+        if data.len() > limit.saturating_sub(gathered.len()) {
+            return Err(CollectError::TooLarge(limit));
+        }
+        if !data.is_empty() {
+            gathered.push(data);
+        }
+    }
+    Ok(gathered.into_bytes().unwrap_or_default())
 }
 
 /// Most bytes one relayed frame gathers from upstream frames that are already waiting.
@@ -255,6 +285,41 @@ mod tests {
 
     fn event(i: usize) -> Item {
         Ok(Frame::data(Bytes::from(format!("data: {{\"i\":{i}}}\n\n"))))
+    }
+
+    #[tokio::test]
+    async fn a_buffered_body_is_collected_whole_and_refused_beyond_its_bound() {
+        let items = || -> Vec<Item> {
+            vec![
+                event(0),
+                Ok(Frame::trailers(Default::default())),
+                Ok(Frame::data(Bytes::new())),
+                event(1),
+            ]
+        };
+        let whole = "data: {\"i\":0}\n\ndata: {\"i\":1}\n\n";
+        let body = upstream(items()).into_body();
+        let bytes = collect_bounded(body, whole.len()).await.expect("within");
+        assert_eq!(bytes, whole);
+        let body = upstream(items()).into_body();
+        let refused = collect_bounded(body, whole.len() - 1).await;
+        assert!(matches!(refused, Err(CollectError::TooLarge(_))));
+        let one = upstream(vec![event(7)]).into_body();
+        assert_eq!(
+            collect_bounded(one, 64).await.expect("one"),
+            "data: {\"i\":7}\n\n"
+        );
+        let empty = upstream(vec![]).into_body();
+        assert_eq!(collect_bounded(empty, 0).await.expect("empty"), "");
+        let failing = upstream(vec![event(0), Err(std::io::Error::other("reset"))]).into_body();
+        let failed = collect_bounded(failing, 64).await;
+        assert!(matches!(failed, Err(CollectError::Body(ref e)) if e.to_string() == "reset"));
+
+        let resp = buffered(upstream(items()), "b").await.expect("buffered");
+        assert_eq!(
+            resp.headers()[header::CONTENT_LENGTH],
+            whole.len().to_string()
+        );
     }
 
     #[tokio::test]
