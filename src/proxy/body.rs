@@ -3,10 +3,10 @@
 
 use std::fmt;
 
+use super::relay::CollectError;
 use axum::body::Body;
 use axum::http::{HeaderMap, header};
 use bytes::Bytes;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use serde_json::value::RawValue;
@@ -63,13 +63,13 @@ pub async fn read_bounded(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large(limit));
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.downcast_ref::<LengthLimitError>().is_some() => Err(too_large(limit)),
-        Err(error) if crate::wire::is_body_read_timeout(error.as_ref()) => {
+    match super::relay::collect_bounded(body, limit).await {
+        Ok(bytes) => Ok(bytes),
+        Err(CollectError::TooLarge(_)) => Err(too_large(limit)),
+        Err(CollectError::Body(error)) if crate::wire::is_body_read_timeout(&error) => {
             Err(ApiError::RequestTimeout(error.to_string()))
         }
-        Err(error) => Err(ApiError::BadRequest(format!(
+        Err(CollectError::Body(error)) => Err(ApiError::BadRequest(format!(
             "could not read the request body: {error}"
         ))),
     }

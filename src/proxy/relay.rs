@@ -41,9 +41,9 @@ where
     Ok(Response::from_parts(parts, Body::from(bytes)))
 }
 
-/// Why a buffered body could not be collected.
+/// Why a body (a buffered answer, a request body) could not be collected within its bound.
 #[derive(Debug, thiserror::Error)]
-enum CollectError<E> {
+pub enum CollectError<E> {
     #[error("{0}")]
     Body(E),
     #[error("the body exceeds {0} bytes")]
@@ -53,7 +53,7 @@ enum CollectError<E> {
 /// The whole body, refused once it would exceed `limit` bytes. A body of one data frame (nearly
 /// every buffered answer: the connection pool hands over all of a body it read at once) is
 /// taken as it came; more frames are gathered into one buffer. Trailers are dropped.
-async fn collect_bounded<B>(body: B, limit: usize) -> Result<Bytes, CollectError<B::Error>>
+pub async fn collect_bounded<B>(body: B, limit: usize) -> Result<Bytes, CollectError<B::Error>>
 where
     B: hyper::body::Body<Data = Bytes>,
 {
