@@ -180,7 +180,9 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, P
             Some(0) => Version::HTTP_10,
             _ => Version::HTTP_11,
         };
-        let mut headers = HeaderMap::with_capacity(count);
+        // Room for the two fields a relaying caller adds (its exact length, its own routing
+        // header) without the map growing: growing rehashes every field.
+        let mut headers = HeaderMap::with_capacity(count + 2);
         let mut control = Control::default();
         for &(name_at, name_len, value_at, value_len) in &spans[..count] {
             let outside = || ProtocolError::Head("a header field outside the head".to_owned());
