@@ -14,13 +14,18 @@
 #
 # Environment: DURATION (10s per measurement), CONNECTIONS (32), PROXY_CPU (1), GEN_CPU (0),
 # PORT_BASE (18080: upstream, +1 nginx, +2 router), CARGO_PROFILE (release), ROUTER_BIN (another
-# build of the router, e.g. to compare allocators or profiles).
+# build of the router, e.g. to compare allocators or profiles), MODES ("buffered sse"), ROUNDS (1:
+# with more, each point is measured ROUNDS times, nginx and the router in alternating order
+# (ABBA), every round is printed and the table gives each column's median; a shared machine's
+# speed drifts by more than the difference measured).
 # Needs: wrk, nginx (nginx-light), taskset (util-linux). Figures: docs/performance.md,
 # "Proxy vs nginx".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DURATION="${DURATION:-10s}"
+MODES="${MODES:-buffered sse}"
+ROUNDS="${ROUNDS:-1}"
 CONNECTIONS="${CONNECTIONS:-32}"
 PROXY_CPU="${PROXY_CPU:-1}"
 GEN_CPU="${GEN_CPU:-0}"
@@ -146,29 +151,58 @@ measure() {
   echo "$rps $p50 $p99 $errors"
 }
 
-echo "cores: $(nproc); proxy on cpu $PROXY_CPU, wrk + upstream on cpu $GEN_CPU; $DURATION per point"
+# median of the arguments
+median() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
+
+echo "cores: $(nproc); proxy on cpu $PROXY_CPU, wrk + upstream on cpu $GEN_CPU; $DURATION per point; $ROUNDS round(s)"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
-for mode in buffered sse; do
+for mode in $MODES; do
   for conns in "$CONNECTIONS" 1; do
     # A short warm-up of each path (connections, caches), then the measured runs.
     for port in $UP_PORT $NGINX_PORT $ROUTER_PORT; do
       taskset -c "$GEN_CPU" wrk -t1 -c"$conns" -d2s -s "$WORK/$mode.lua" \
         "http://127.0.0.1:$port/v1/chat/completions" >/dev/null
     done
-    read -r d_rps d_p50 d_p99 d_err <<<"$(measure direct "$mode" "$UP_PORT" "$conns")"
-    read -r n_rps n_p50 n_p99 n_err <<<"$(measure nginx "$mode" "$NGINX_PORT" "$conns")"
-    read -r r_rps r_p50 r_p99 r_err <<<"$(measure router "$mode" "$ROUTER_PORT" "$conns")"
+    D_RPS=() D_P50=() D_P99=() N_RPS=() N_P50=() N_P99=() R_RPS=() R_P50=() R_P99=() RATIO=()
+    d_err=none n_err=none r_err=none
+    for round in $(seq 1 "$ROUNDS"); do
+      read -r d_rps d_p50 d_p99 e <<<"$(measure direct "$mode" "$UP_PORT" "$conns")"
+      [ "$e" = none ] || d_err="$e"
+      if [ $((round % 2)) = 1 ]; then
+        read -r n_rps n_p50 n_p99 e <<<"$(measure nginx "$mode" "$NGINX_PORT" "$conns")"
+        [ "$e" = none ] || n_err="$e"
+        read -r r_rps r_p50 r_p99 e <<<"$(measure router "$mode" "$ROUTER_PORT" "$conns")"
+        [ "$e" = none ] || r_err="$e"
+      else
+        read -r r_rps r_p50 r_p99 e <<<"$(measure router "$mode" "$ROUTER_PORT" "$conns")"
+        [ "$e" = none ] || r_err="$e"
+        read -r n_rps n_p50 n_p99 e <<<"$(measure nginx "$mode" "$NGINX_PORT" "$conns")"
+        [ "$e" = none ] || n_err="$e"
+      fi
+      D_RPS+=("$d_rps") D_P50+=("$d_p50") D_P99+=("$d_p99")
+      N_RPS+=("$n_rps") N_P50+=("$n_p50") N_P99+=("$n_p99")
+      R_RPS+=("$r_rps") R_P50+=("$r_p50") R_P99+=("$r_p99")
+      RATIO+=("$(awk -v r="$r_rps" -v n="$n_rps" 'BEGIN {printf "%.3f", r / n}')")
+      if [ "$ROUNDS" -gt 1 ]; then
+        printf 'round %d (%s): req/s direct / nginx / router %.0f / %.0f / %.0f (router / nginx %.2f); added p50 nginx / router %.0f / %.0f µs\n' \
+          "$round" "$([ $((round % 2)) = 1 ] && echo "nginx first" || echo "router first")" \
+          "$d_rps" "$n_rps" "$r_rps" "${RATIO[-1]}" \
+          "$(awk -v a="$n_p50" -v b="$d_p50" 'BEGIN {print a - b}')" \
+          "$(awk -v a="$r_p50" -v b="$d_p50" 'BEGIN {print a - b}')"
+      fi
+    done
+    d_rps=$(median "${D_RPS[@]}") d_p50=$(median "${D_P50[@]}") d_p99=$(median "${D_P99[@]}")
     echo
-    echo "== $mode, $conns connection(s); load average $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "== $mode, $conns connection(s); load average $(cut -d' ' -f1-3 /proc/loadavg)$([ "$ROUNDS" -gt 1 ] && echo "; medians of $ROUNDS rounds")"
     printf '%-16s %12s %12s %12s %14s %14s  %s\n' target "req/s" "p50 µs" "p99 µs" "added p50 µs" "added p99 µs" errors
     printf '%-16s %12.0f %12.1f %12.1f %14s %14s  %s\n' direct "$d_rps" "$d_p50" "$d_p99" - - "$d_err"
-    for row in "nginx $n_rps $n_p50 $n_p99 $n_err" "continuum-router $r_rps $r_p50 $r_p99 $r_err"; do
-      read -r name rps p50 p99 err <<<"$row"
-      printf '%-16s %12.0f %12.1f %12.1f %14.1f %14.1f  %s\n' "$name" "$rps" "$p50" "$p99" \
-        "$(awk -v a="$p50" -v b="$d_p50" 'BEGIN {print a - b}')" \
-        "$(awk -v a="$p99" -v b="$d_p99" 'BEGIN {print a - b}')" "$err"
-    done
-    awk -v r="$r_rps" -v n="$n_rps" 'BEGIN {printf "continuum-router / nginx throughput: %.2f\n", r / n}'
+    # The added latency of each round against that round's direct figure, then its median.
+    added() { local -n got=$1 base=$2; local out=() i; for i in "${!got[@]}"; do out+=("$(awk -v a="${got[$i]}" -v b="${base[$i]}" 'BEGIN {print a - b}')"); done; median "${out[@]}"; }
+    printf '%-16s %12.0f %12.1f %12.1f %14.1f %14.1f  %s\n' nginx "$(median "${N_RPS[@]}")" \
+      "$(median "${N_P50[@]}")" "$(median "${N_P99[@]}")" "$(added N_P50 D_P50)" "$(added N_P99 D_P99)" "$n_err"
+    printf '%-16s %12.0f %12.1f %12.1f %14.1f %14.1f  %s\n' continuum-router "$(median "${R_RPS[@]}")" \
+      "$(median "${R_P50[@]}")" "$(median "${R_P99[@]}")" "$(added R_P50 D_P50)" "$(added R_P99 D_P99)" "$r_err"
+    echo "continuum-router / nginx throughput: $(median "${RATIO[@]}" | awk '{printf "%.2f", $1}')$([ "$ROUNDS" -gt 1 ] && echo " (median of the rounds' ratios)")"
   done
 done
 echo
