@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -32,6 +32,7 @@ use axum::http::Request;
 use bytes::Bytes;
 use continuum_actors::metrics::Metrics;
 use futures::future::Either;
+use futures::task::AtomicWaker;
 use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
@@ -541,29 +542,48 @@ impl Connection {
         let connection = self.builder.serve_connection(TokioIo::new(stream), service);
         tokio::pin!(connection);
         // The side futures are polled only when they were woken: most wakes of this task are the
-        // connection's own (every relayed frame of a streamed answer).
-        let mut evicted = Gated::new(self.conn.evict.notified());
-        let mut idle = Gated::new(self.conn.idle_for(self.options.idle_timeout));
-        let mut stopped = Gated::new(self.stop.wait_for(|stop| *stop));
+        // connection's own (every relayed frame of a streamed answer). The task's waker is
+        // registered once per poll for all three.
+        let task = Arc::new(AtomicWaker::new());
+        let mut evicted = Gated::new(self.conn.evict.notified(), &task);
+        let mut idle = Gated::new(self.conn.idle_for(self.options.idle_timeout), &task);
+        let mut stopped = Gated::new(self.stop.wait_for(|stop| *stop), &task);
         let mut draining = false;
         loop {
-            tokio::select! {
-                biased;
-                result = connection.as_mut() => {
+            let event = std::future::poll_fn(|cx| {
+                if let Poll::Ready(result) = connection.as_mut().poll(cx) {
+                    return Poll::Ready(Side::Ended(result));
+                }
+                // Registered before the flags are read: a wake between the two is not lost.
+                task.register(cx.waker());
+                if evicted.poll_if_woken().is_ready() {
+                    return Poll::Ready(Side::Evicted);
+                }
+                if idle.poll_if_woken().is_ready() {
+                    return Poll::Ready(Side::Idle);
+                }
+                if !draining && stopped.poll_if_woken().is_ready() {
+                    return Poll::Ready(Side::Stopped);
+                }
+                Poll::Pending
+            })
+            .await;
+            match event {
+                Side::Ended(result) => {
                     if let Err(error) = result {
                         debug!(error = %error, "A client connection ended with an error.");
                     }
                     break;
                 }
-                () = &mut evicted => {
+                Side::Evicted => {
                     debug!("Closing an idle client connection at the connection cap.");
                     break;
                 }
-                () = &mut idle => {
+                Side::Idle => {
                     debug!("Closing a client connection idle for server.idle_timeout.");
                     break;
                 }
-                _ = &mut stopped, if !draining => {
+                Side::Stopped => {
                     connection.as_mut().graceful_shutdown();
                     draining = true;
                 }
@@ -574,14 +594,26 @@ impl Connection {
     }
 }
 
+/// What ended a wait of the connection task.
+enum Side<E> {
+    /// The connection ended (with its result).
+    Ended(Result<(), E>),
+    Evicted,
+    Idle,
+    /// Shutdown began: drain the connection.
+    Stopped,
+}
+
 /// A future polled only on its first poll and after its own waker fired, not at every poll of
 /// the task around it.
 ///
-/// The connection task selects over the connection and three side futures (eviction, idle
+/// The connection task waits on the connection and three side futures (eviction, idle
 /// timeout, shutdown); a plain `select!` polls all of them at every wake of the task, and each
 /// poll of a registered `Notified` or `watch` future takes a lock. Almost every wake is the
 /// connection's (a streamed answer wakes the task once per relayed frame), so the side futures
-/// get a waker of their own that marks them woken and wakes the task.
+/// get a waker of their own that marks them woken and wakes the task through `task`, which the
+/// task registers its waker in once per poll for all of them (one registration per side future
+/// per poll cost ≈ 2.8 k instructions per SSE request; docs/performance.md, "Proxy vs nginx").
 struct Gated<F> {
     future: Pin<Box<F>>,
     signal: Arc<Signal>,
@@ -591,8 +623,9 @@ struct Gated<F> {
 
 /// What a [`Gated`] future's waker sets.
 struct Signal {
-    woken: std::sync::atomic::AtomicBool,
-    task: futures::task::AtomicWaker,
+    woken: AtomicBool,
+    /// Where the task around the gated futures registers its waker.
+    task: Arc<AtomicWaker>,
 }
 
 impl std::task::Wake for Signal {
@@ -607,11 +640,12 @@ impl std::task::Wake for Signal {
 }
 
 impl<F: Future> Gated<F> {
-    fn new(future: F) -> Self {
+    /// `future`, waking the task registered in `task`.
+    fn new(future: F, task: &Arc<AtomicWaker>) -> Self {
         let signal = Arc::new(Signal {
             // The first poll registers the future's waker.
-            woken: std::sync::atomic::AtomicBool::new(true),
-            task: futures::task::AtomicWaker::new(),
+            woken: AtomicBool::new(true),
+            task: task.clone(),
         });
         Self {
             future: Box::pin(future),
@@ -619,21 +653,19 @@ impl<F: Future> Gated<F> {
             signal,
         }
     }
-}
 
-impl<F: Future> Future for Gated<F> {
-    type Output = F::Output;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let this = &mut *self;
-        // Registered before the flag is read: a wake between the two is not lost.
-        this.signal.task.register(cx.waker());
-        if !this.signal.woken.swap(false, Ordering::AcqRel) {
+    /// Polls the future if its waker fired since its last poll (or it was never polled). The
+    /// caller registers the task's waker in `task` first, so that a wake after the flag is read
+    /// reaches the task.
+    fn poll_if_woken(&mut self) -> Poll<F::Output> {
+        if !self.signal.woken.load(Ordering::Acquire)
+            || !self.signal.woken.swap(false, Ordering::AcqRel)
+        {
             return Poll::Pending;
         }
-        this.future
+        self.future
             .as_mut()
-            .poll(&mut Context::from_waker(&this.waker))
+            .poll(&mut Context::from_waker(&self.waker))
     }
 }
 
@@ -655,21 +687,30 @@ mod tests {
     async fn a_gated_future_is_polled_only_when_woken() {
         let notify = Arc::new(Notify::new());
         let polls = Arc::new(AtomicUsize::new(0));
-        let mut gated = Gated::new({
-            let (notify, polls) = (notify.clone(), polls.clone());
-            let mut notified = Box::pin(async move { notify.notified().await });
-            std::future::poll_fn(move |cx| {
-                polls.fetch_add(1, Ordering::SeqCst);
-                notified.as_mut().poll(cx)
-            })
+        let task = Arc::new(AtomicWaker::new());
+        let mut gated = Gated::new(
+            {
+                let (notify, polls) = (notify.clone(), polls.clone());
+                let mut notified = Box::pin(async move { notify.notified().await });
+                std::future::poll_fn(move |cx| {
+                    polls.fetch_add(1, Ordering::SeqCst);
+                    notified.as_mut().poll(cx)
+                })
+            },
+            &task,
+        );
+        // The connection task's way of waiting on it.
+        let mut wait = std::future::poll_fn(|cx| {
+            task.register(cx.waker());
+            gated.poll_if_woken()
         });
         for _ in 0..3 {
-            assert!(futures::poll!(&mut gated).is_pending());
+            assert!(futures::poll!(&mut wait).is_pending());
         }
         assert_eq!(polls.load(Ordering::SeqCst), 1);
         notify.notify_one();
         // Paused time: were the wake lost, the runtime would jump to the hour's end.
-        tokio::time::timeout(Duration::from_secs(3600), gated)
+        tokio::time::timeout(Duration::from_secs(3600), wait)
             .await
             .expect("the notification reaches the gated future");
         assert_eq!(polls.load(Ordering::SeqCst), 2);
