@@ -205,7 +205,7 @@ impl Conn {
     /// One timer for the connection's life, checked when it fires and set again: busy, to a
     /// full `timeout` later; idle, to `timeout` after the last request ended. Requests neither
     /// wake this future nor move the timer (each did both before: a timer registered in the wheel
-    /// and removed again per request, ≈ 1.5 k instructions; docs/performance.md, "Proxy vs
+    /// and removed again per request, ≈ 2.5 k instructions; docs/performance.md, "Proxy vs
     /// nginx"). It still closes the connection exactly `timeout` after its last request ended.
     async fn idle_for(&self, timeout: Duration) {
         let timer = tokio::time::sleep(timeout);
@@ -287,8 +287,8 @@ fn lock(table: &SharedTable) -> std::sync::MutexGuard<'_, Table> {
 /// (its "want" signal), so every body's first poll is pending, and one the client already sent
 /// arrives before the task's next poll. That poll is made sure of (the task wakes itself), and
 /// the timer is armed there if the body is still pending; the deadline is fixed at the request's
-/// start either way. A timer per request cost ≈ 0.7 k instructions (registering it in the wheel
-/// and removing it again; docs/performance.md, "Proxy vs nginx").
+/// start either way: a body that came with its head no longer registers a timer in the wheel
+/// and removes it again.
 struct TimedBody {
     inner: Incoming,
     deadline: Instant,

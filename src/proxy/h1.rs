@@ -64,6 +64,9 @@ pub enum Framing {
 pub struct Head {
     pub status: StatusCode,
     pub version: Version,
+    /// The head's fields less the framing and connection ones (`Content-Length`,
+    /// `Transfer-Encoding`, `Connection` and the names it lists, `Keep-Alive`), which the codec
+    /// consumed into `framing` and `keep_alive`.
     pub headers: HeaderMap,
     pub framing: Framing,
     /// Whether the connection may carry another request once this body ended.
