@@ -18,13 +18,14 @@ use continuum_protocol::breaker::{
     HealthTransition,
 };
 use continuum_protocol::time::Tick;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::Full;
 use rustls::pki_types::CertificateDer;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 use super::headers::Outbound;
 use super::pool::ConnPool;
+use super::relay::collect_bounded;
 use super::upstream::{Target, Upstream, UpstreamBody, UpstreamError};
 use crate::config::schema::{BackendConfig, BackendRole, HealthCheckConfig};
 
@@ -99,7 +100,7 @@ impl Backend {
             Some(pool) => {
                 let path = uri.path_and_query().map_or("/", |p| p.as_str());
                 Ok(pool
-                    .send_fields(&Method::POST, path, headers.fields(), &body, head_timeout)
+                    .send(&Method::POST, path, headers.fields(), &body, head_timeout)
                     .await?
                     .map(UpstreamBody::Pooled))
             }
@@ -440,8 +441,7 @@ async fn probe(upstream: &Upstream, uri: &axum::http::Uri, timeout: Duration) ->
         let resp = upstream.send(req, timeout).await.ok()?;
         let ok = resp.status().is_success();
         // Drain a bounded body so the pooled connection can be reused.
-        Limited::new(resp.into_body(), MAX_HEALTH_BODY_BYTES)
-            .collect()
+        collect_bounded(resp.into_body(), MAX_HEALTH_BODY_BYTES)
             .await
             .ok()?;
         Some(ok)

@@ -34,9 +34,8 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use axum::http::{HeaderName, HeaderValue, Method, Request, Response, header, uri};
+use axum::http::{HeaderName, HeaderValue, Method, Response, header, uri};
 use bytes::{Bytes, BytesMut};
-use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, SizeHint};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -193,29 +192,11 @@ impl ConnPool {
         lock(&self.inner.idle).len()
     }
 
-    /// Sends `req` (its URI's path and query are sent in origin form; `Host` is the backend's),
-    /// waiting at most `head_timeout` for the response head (dialling included).
-    pub async fn send(
-        &self,
-        req: Request<Full<Bytes>>,
-        head_timeout: Duration,
-    ) -> Result<Response<PooledBody>, UpstreamError> {
-        let (parts, mut body) = req.into_parts();
-        // A `Full` body is one frame (or none).
-        let body = match body.frame().await {
-            Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
-            _ => Bytes::new(),
-        };
-        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-        self.send_fields(&parts.method, path, &parts.headers, &body, head_timeout)
-            .await
-    }
-
     /// Sends a request of these header fields (any `Host` among them is replaced by the
     /// backend's) and body to `path_and_query`, waiting at most `head_timeout` for the response
     /// head (dialling included). The fields are encoded straight into the written request: the
     /// request path builds no header map for it ([`super::headers::Outbound::fields`]).
-    pub async fn send_fields<'h, H>(
+    pub async fn send<'h, H>(
         &self,
         method: &Method,
         path_and_query: &str,
@@ -536,6 +517,7 @@ impl hyper::body::Body for PooledBody {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    use axum::http::HeaderMap;
     use http_body_util::BodyExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::sync::mpsc;
@@ -612,17 +594,19 @@ mod tests {
         ConnPool::new(&authority, Duration::from_secs(5), idle_timeout, max_idle).expect("pool")
     }
 
-    fn request(addr: std::net::SocketAddr) -> Request<Full<Bytes>> {
-        Request::post(format!("http://{addr}/v1/chat/completions"))
-            .body(Full::new(Bytes::from_static(b"{}")))
-            .expect("request")
-    }
+    const PATH: &str = "/v1/chat/completions";
 
     /// Sends `n` concurrent requests and reads every response to its end.
-    async fn burst(pool: &ConnPool, addr: std::net::SocketAddr, n: usize) {
+    async fn burst(pool: &ConnPool, n: usize) {
         let requests = (0..n).map(|_| async move {
             let resp = pool
-                .send(request(addr), Duration::from_secs(10))
+                .send(
+                    &Method::POST,
+                    PATH,
+                    &HeaderMap::new(),
+                    b"{}",
+                    Duration::from_secs(10),
+                )
                 .await
                 .expect("response");
             let body = resp.into_body().collect().await.expect("body").to_bytes();
@@ -647,7 +631,7 @@ mod tests {
         let mut up = backend(1, usize::MAX).await;
         let pool = pool(up.addr, Duration::from_secs(3600), 8);
         for _ in 0..5 {
-            burst(&pool, up.addr, 1).await;
+            burst(&pool, 1).await;
         }
         assert_eq!(up.accepted.load(Ordering::SeqCst), 1);
         assert_eq!(pool.idle_count(), 1);
@@ -661,7 +645,7 @@ mod tests {
     async fn idle_backend_connections_close_after_the_idle_timeout() {
         let mut up = backend(8, usize::MAX).await;
         let pool = pool(up.addr, Duration::from_millis(200), 64);
-        burst(&pool, up.addr, 8).await;
+        burst(&pool, 8).await;
         // The pool stays alive: only its reaper can close these.
         closed_within(&mut up.closed, 8).await;
         assert_eq!(pool.idle_count(), 0);
@@ -671,7 +655,7 @@ mod tests {
     async fn idle_backend_connections_beyond_the_cap_close_at_once() {
         let mut up = backend(8, usize::MAX).await;
         let pool = pool(up.addr, Duration::from_secs(3600), 2);
-        burst(&pool, up.addr, 8).await;
+        burst(&pool, 8).await;
         closed_within(&mut up.closed, 6).await;
         assert!(up.closed.try_recv().is_err(), "the 2 kept stay open");
         assert_eq!(pool.idle_count(), 2);
@@ -683,9 +667,9 @@ mod tests {
     async fn a_connection_the_backend_closed_is_not_reused() {
         let mut up = backend(1, 1).await;
         let pool = pool(up.addr, Duration::from_secs(3600), 8);
-        burst(&pool, up.addr, 1).await;
+        burst(&pool, 1).await;
         closed_within(&mut up.closed, 1).await;
-        burst(&pool, up.addr, 1).await;
+        burst(&pool, 1).await;
         assert_eq!(up.accepted.load(Ordering::SeqCst), 2);
     }
 
@@ -695,13 +679,19 @@ mod tests {
         let mut up = backend(1, usize::MAX).await;
         let pool = pool(up.addr, Duration::from_secs(3600), 8);
         let resp = pool
-            .send(request(up.addr), Duration::from_secs(10))
+            .send(
+                &Method::POST,
+                PATH,
+                &HeaderMap::new(),
+                b"{}",
+                Duration::from_secs(10),
+            )
             .await
             .expect("response");
         drop(resp);
         closed_within(&mut up.closed, 1).await;
         assert_eq!(pool.idle_count(), 0);
-        burst(&pool, up.addr, 1).await;
+        burst(&pool, 1).await;
         assert_eq!(up.accepted.load(Ordering::SeqCst), 2);
     }
 
@@ -712,7 +702,13 @@ mod tests {
         drop(listener);
         let pool = pool(addr, Duration::from_secs(3600), 8);
         let error = pool
-            .send(request(addr), Duration::from_secs(10))
+            .send(
+                &Method::POST,
+                PATH,
+                &HeaderMap::new(),
+                b"{}",
+                Duration::from_secs(10),
+            )
             .await
             .expect_err("nothing listens");
         assert!(error.is_connect(), "{error}");
@@ -786,9 +782,15 @@ mod tests {
         (addr, accepted)
     }
 
-    async fn body_of(pool: &ConnPool, addr: std::net::SocketAddr) -> Result<Bytes, BodyError> {
+    async fn body_of(pool: &ConnPool) -> Result<Bytes, BodyError> {
         let resp = pool
-            .send(request(addr), Duration::from_secs(10))
+            .send(
+                &Method::POST,
+                PATH,
+                &HeaderMap::new(),
+                b"{}",
+                Duration::from_secs(10),
+            )
             .await
             .expect("a response head");
         resp.into_body().collect().await.map(|b| b.to_bytes())
@@ -800,10 +802,7 @@ mod tests {
         let (addr, accepted) = scripted(vec![(CHUNKED, false), (CHUNKED, false)]).await;
         let pool = pool(addr, Duration::from_secs(3600), 8);
         for _ in 0..2 {
-            assert_eq!(
-                &body_of(&pool, addr).await.expect("body")[..],
-                b"hello world"
-            );
+            assert_eq!(&body_of(&pool).await.expect("body")[..], b"hello world");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
         assert_eq!(pool.idle_count(), 1);
@@ -822,11 +821,11 @@ mod tests {
         .await;
         let pool = pool(addr, Duration::from_secs(3600), 8);
         for _ in 0..2 {
-            let error = body_of(&pool, addr).await.expect_err("cut short");
+            let error = body_of(&pool).await.expect_err("cut short");
             assert!(matches!(error, BodyError::Truncated), "{error}");
             assert_eq!(pool.idle_count(), 0);
         }
-        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"ok");
+        assert_eq!(&body_of(&pool).await.expect("body")[..], b"ok");
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
     }
 
@@ -848,12 +847,12 @@ mod tests {
         ])
         .await;
         let pool = pool(addr, Duration::from_secs(3600), 8);
-        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"ok");
+        assert_eq!(&body_of(&pool).await.expect("body")[..], b"ok");
         assert_eq!(pool.idle_count(), 0);
-        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"ok");
+        assert_eq!(&body_of(&pool).await.expect("body")[..], b"ok");
         assert_eq!(pool.idle_count(), 0);
-        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"all of it");
-        assert_eq!(&body_of(&pool, addr).await.expect("body")[..], b"ok");
+        assert_eq!(&body_of(&pool).await.expect("body")[..], b"all of it");
+        assert_eq!(&body_of(&pool).await.expect("body")[..], b"ok");
         assert_eq!(accepted.load(Ordering::SeqCst), 4);
         assert_eq!(pool.idle_count(), 1);
     }
@@ -868,7 +867,13 @@ mod tests {
         .await;
         let pool = pool(addr, Duration::from_secs(3600), 8);
         let error = pool
-            .send(request(addr), Duration::from_secs(10))
+            .send(
+                &Method::POST,
+                PATH,
+                &HeaderMap::new(),
+                b"{}",
+                Duration::from_secs(10),
+            )
             .await
             .expect_err("malformed");
         assert!(
@@ -876,12 +881,24 @@ mod tests {
             "{error}"
         );
         let error = pool
-            .send(request(addr), Duration::from_millis(300))
+            .send(
+                &Method::POST,
+                PATH,
+                &HeaderMap::new(),
+                b"{}",
+                Duration::from_millis(300),
+            )
             .await
             .expect_err("late");
         assert!(matches!(error, UpstreamError::Timeout(_)), "{error}");
         let error = pool
-            .send(request(addr), Duration::from_secs(10))
+            .send(
+                &Method::POST,
+                PATH,
+                &HeaderMap::new(),
+                b"{}",
+                Duration::from_secs(10),
+            )
             .await
             .expect_err("closed");
         assert!(
