@@ -26,11 +26,11 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use continuum_protocol::ingress::{anthropic, responses};
 use futures::StreamExt;
-use http_body_util::{BodyExt, Limited};
 use serde_json::Value;
 
 use super::{AppState, admit};
 use crate::proxy::OpenAiRoute;
+use crate::proxy::relay::collect_bounded;
 use crate::route::Caller;
 
 /// Largest upstream error body read to convert it.
@@ -289,10 +289,8 @@ async fn send_chat(
 
 /// Reads a whole body of at most `limit` bytes.
 async fn collect(body: Body, limit: usize) -> Result<Bytes, String> {
-    Limited::new(body, limit)
-        .collect()
+    collect_bounded(body, limit)
         .await
-        .map(|c| c.to_bytes())
         .map_err(|e| format!("the upstream response failed or exceeded {limit} bytes: {e}"))
 }
 

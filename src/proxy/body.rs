@@ -3,7 +3,6 @@
 
 use std::fmt;
 
-use super::relay::CollectError;
 use axum::body::Body;
 use axum::http::{HeaderMap, header};
 use bytes::Bytes;
@@ -15,6 +14,7 @@ use continuum_protocol::picker::estimate::{
     TOKENS_PER_MESSAGE, TOKENS_PER_PROMPT, estimate_text_tokens,
 };
 
+use super::relay::{CollectError, collect_bounded};
 use crate::wire::error::ApiError;
 
 mod fast;
@@ -63,7 +63,7 @@ pub async fn read_bounded(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(too_large(limit));
     }
-    match super::relay::collect_bounded(body, limit).await {
+    match collect_bounded(body, limit).await {
         Ok(bytes) => Ok(bytes),
         Err(CollectError::TooLarge(_)) => Err(too_large(limit)),
         Err(CollectError::Body(error)) if crate::wire::is_body_read_timeout(&error) => {

@@ -770,7 +770,6 @@ mod tests {
             prop_assert_eq!(plain_run_end(&bytes, from), expected);
         }
 
-
         #[test]
         fn the_fast_path_agrees_with_the_slow_one(body in body()) {
             agree(body.as_bytes())?;
