@@ -154,6 +154,10 @@ measure() {
 # median of the arguments
 median() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {print (NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2)}'; }
 
+# added GOT BASE: the median over the rounds of GOT[i] - BASE[i] (each round's added latency
+# against that round's direct figure); GOT and BASE name arrays.
+added() { local -n got=$1 base=$2; local out=() i; for i in "${!got[@]}"; do out+=("$(awk -v a="${got[$i]}" -v b="${base[$i]}" 'BEGIN {print a - b}')"); done; median "${out[@]}"; }
+
 echo "cores: $(nproc); proxy on cpu $PROXY_CPU, wrk + upstream on cpu $GEN_CPU; $DURATION per point; $ROUNDS round(s)"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for mode in $MODES; do
@@ -196,8 +200,6 @@ for mode in $MODES; do
     echo "== $mode, $conns connection(s); load average $(cut -d' ' -f1-3 /proc/loadavg)$([ "$ROUNDS" -gt 1 ] && echo "; medians of $ROUNDS rounds")"
     printf '%-16s %12s %12s %12s %14s %14s  %s\n' target "req/s" "p50 µs" "p99 µs" "added p50 µs" "added p99 µs" errors
     printf '%-16s %12.0f %12.1f %12.1f %14s %14s  %s\n' direct "$d_rps" "$d_p50" "$d_p99" - - "$d_err"
-    # The added latency of each round against that round's direct figure, then its median.
-    added() { local -n got=$1 base=$2; local out=() i; for i in "${!got[@]}"; do out+=("$(awk -v a="${got[$i]}" -v b="${base[$i]}" 'BEGIN {print a - b}')"); done; median "${out[@]}"; }
     printf '%-16s %12.0f %12.1f %12.1f %14.1f %14.1f  %s\n' nginx "$(median "${N_RPS[@]}")" \
       "$(median "${N_P50[@]}")" "$(median "${N_P99[@]}")" "$(added N_P50 D_P50)" "$(added N_P99 D_P99)" "$n_err"
     printf '%-16s %12.0f %12.1f %12.1f %14.1f %14.1f  %s\n' continuum-router "$(median "${R_RPS[@]}")" \
