@@ -594,21 +594,20 @@ mod tests {
         ConnPool::new(&authority, Duration::from_secs(5), idle_timeout, max_idle).expect("pool")
     }
 
-    const PATH: &str = "/v1/chat/completions";
+    /// A small `POST` of the chat route through `pool`.
+    async fn post(
+        pool: &ConnPool,
+        head_timeout: Duration,
+    ) -> Result<Response<PooledBody>, UpstreamError> {
+        let path = "/v1/chat/completions";
+        pool.send(&Method::POST, path, &HeaderMap::new(), b"{}", head_timeout)
+            .await
+    }
 
     /// Sends `n` concurrent requests and reads every response to its end.
     async fn burst(pool: &ConnPool, n: usize) {
         let requests = (0..n).map(|_| async move {
-            let resp = pool
-                .send(
-                    &Method::POST,
-                    PATH,
-                    &HeaderMap::new(),
-                    b"{}",
-                    Duration::from_secs(10),
-                )
-                .await
-                .expect("response");
+            let resp = post(pool, Duration::from_secs(10)).await.expect("response");
             let body = resp.into_body().collect().await.expect("body").to_bytes();
             assert_eq!(&body[..], b"ok");
         });
@@ -678,14 +677,7 @@ mod tests {
     async fn a_body_dropped_before_its_end_closes_the_connection() {
         let mut up = backend(1, usize::MAX).await;
         let pool = pool(up.addr, Duration::from_secs(3600), 8);
-        let resp = pool
-            .send(
-                &Method::POST,
-                PATH,
-                &HeaderMap::new(),
-                b"{}",
-                Duration::from_secs(10),
-            )
+        let resp = post(&pool, Duration::from_secs(10))
             .await
             .expect("response");
         drop(resp);
@@ -701,14 +693,7 @@ mod tests {
         let addr = listener.local_addr().expect("addr");
         drop(listener);
         let pool = pool(addr, Duration::from_secs(3600), 8);
-        let error = pool
-            .send(
-                &Method::POST,
-                PATH,
-                &HeaderMap::new(),
-                b"{}",
-                Duration::from_secs(10),
-            )
+        let error = post(&pool, Duration::from_secs(10))
             .await
             .expect_err("nothing listens");
         assert!(error.is_connect(), "{error}");
@@ -783,14 +768,7 @@ mod tests {
     }
 
     async fn body_of(pool: &ConnPool) -> Result<Bytes, BodyError> {
-        let resp = pool
-            .send(
-                &Method::POST,
-                PATH,
-                &HeaderMap::new(),
-                b"{}",
-                Duration::from_secs(10),
-            )
+        let resp = post(pool, Duration::from_secs(10))
             .await
             .expect("a response head");
         resp.into_body().collect().await.map(|b| b.to_bytes())
@@ -866,39 +844,18 @@ mod tests {
         ])
         .await;
         let pool = pool(addr, Duration::from_secs(3600), 8);
-        let error = pool
-            .send(
-                &Method::POST,
-                PATH,
-                &HeaderMap::new(),
-                b"{}",
-                Duration::from_secs(10),
-            )
+        let error = post(&pool, Duration::from_secs(10))
             .await
             .expect_err("malformed");
         assert!(
             matches!(&error, UpstreamError::Transport(m) if m.contains("content-length")),
             "{error}"
         );
-        let error = pool
-            .send(
-                &Method::POST,
-                PATH,
-                &HeaderMap::new(),
-                b"{}",
-                Duration::from_millis(300),
-            )
+        let error = post(&pool, Duration::from_millis(300))
             .await
             .expect_err("late");
         assert!(matches!(error, UpstreamError::Timeout(_)), "{error}");
-        let error = pool
-            .send(
-                &Method::POST,
-                PATH,
-                &HeaderMap::new(),
-                b"{}",
-                Duration::from_secs(10),
-            )
+        let error = post(&pool, Duration::from_secs(10))
             .await
             .expect_err("closed");
         assert!(
