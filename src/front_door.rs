@@ -173,9 +173,20 @@ pub async fn serve_hot(
     route: OpenAiRoute,
     req: axum::extract::Request,
 ) -> Response {
-    let (mut parts, body) = req.into_parts();
-    strip::strip_request_pins(&mut parts.headers);
-    let mut response = openai(state, route, parts.headers, body).await;
+    let (parts, body) = req.into_parts();
+    serve_hot_parts(state, route, parts.headers, body).await
+}
+
+/// [`serve_hot`] for a request's header map and body (the front door's own HTTP/1.1 server,
+/// [`serve`]'s `fast`, builds no `Request`).
+pub async fn serve_hot_parts(
+    state: &AppState,
+    route: OpenAiRoute,
+    mut headers: HeaderMap,
+    body: Body,
+) -> Response {
+    strip::strip_request_pins(&mut headers);
+    let mut response = openai(state, route, headers, body).await;
     crate::wire::pins::strip_pin_headers(response.headers_mut());
     response
 }

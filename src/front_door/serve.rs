@@ -1,9 +1,12 @@
 //! The front door's connection layer: accepts TCP connections and serves the router over
 //! HTTP/1.1 or h2c (hyper-util's auto builder, as `axum::serve` did) with a timer, so that no
-//! client can hold a connection, and with it a file descriptor, for free.
+//! client can hold a connection, and with it a file descriptor, for free. A connection starts
+//! with the front door's own HTTP/1.1 server for the plain hot-route requests ([`fast`]), which
+//! hands it to hyper at its first other request.
 //!
 //! - **Header-read timeout** (HTTP/1.1): a connection waiting for a request must deliver the whole
-//!   head within `server.header_read_timeout` (hyper's timer).
+//!   head within `server.header_read_timeout` (while [`fast`] serves it, the idle timer with the
+//!   shorter of the two limits; then hyper's timer).
 //! - **Body-read timeout**: a request body must arrive whole within `server.body_read_timeout` of
 //!   its head; a late body fails the read and the handler answers 408.
 //! - **Idle timeout**: a connection with no request in flight (nothing sent yet, a stalled head,
@@ -21,7 +24,7 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -45,6 +48,8 @@ use tracing::{debug, info, warn};
 
 use crate::config::ServerConfig;
 use crate::wire::BodyReadTimeout;
+
+mod fast;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -182,15 +187,37 @@ struct Conn {
     idle_since: Mutex<Instant>,
     /// Signalled to close the connection now (evicted at the cap).
     evict: Notify,
+    /// How long the connection may wait for a request, in nanoseconds: `idle_timeout`, or, while
+    /// the front door's own server ([`fast`]) reads the heads, the shorter of it and
+    /// `header_read_timeout` (hyper's header timer takes that part over when it takes the
+    /// connection).
+    idle_limit: AtomicU64,
+    /// Shutdown began while a request was in flight: [`fast`] closes after its answer.
+    closing: AtomicBool,
 }
 
 impl Conn {
-    fn new() -> Arc<Self> {
-        Arc::new(Self {
+    fn new(idle_limit: Duration) -> Arc<Self> {
+        let conn = Arc::new(Self {
             in_flight: AtomicUsize::new(0),
             idle_since: Mutex::new(Instant::now()),
             evict: Notify::new(),
-        })
+            idle_limit: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
+        });
+        conn.set_idle_limit(idle_limit);
+        conn
+    }
+
+    fn idle_limit(&self) -> Duration {
+        Duration::from_nanos(self.idle_limit.load(Ordering::Relaxed))
+    }
+
+    /// Takes effect at the idle timer's next check: a limit only ever grows (at the hand-over to
+    /// hyper), and the timer armed for the shorter one fires first.
+    fn set_idle_limit(&self, limit: Duration) {
+        let nanos = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
+        self.idle_limit.store(nanos, Ordering::Relaxed);
     }
 
     fn idle_since(&self) -> Instant {
@@ -200,18 +227,20 @@ impl Conn {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Resolves once the connection has had no request in flight for `timeout`.
+    /// Resolves once the connection has had no request in flight for its idle limit
+    /// ([`Conn::idle_limit`], read at every check).
     ///
     /// One timer for the connection's life, checked when it fires and set again: busy, to a
     /// full `timeout` later; idle, to `timeout` after the last request ended. Requests neither
     /// wake this future nor move the timer (each did both before: a timer registered in the wheel
     /// and removed again per request, ≈ 2.5 k instructions; docs/performance.md, "Proxy vs
     /// nginx"). It still closes the connection exactly `timeout` after its last request ended.
-    async fn idle_for(&self, timeout: Duration) {
-        let timer = tokio::time::sleep(timeout);
+    async fn idle_for(&self) {
+        let timer = tokio::time::sleep(self.idle_limit());
         tokio::pin!(timer);
         loop {
             timer.as_mut().await;
+            let timeout = self.idle_limit();
             let now = Instant::now();
             let deadline = if self.in_flight.load(Ordering::Acquire) > 0 {
                 now + timeout
@@ -439,7 +468,11 @@ pub async fn serve(
             }
         };
         super::configure_accepted(&stream);
-        let conn = Conn::new();
+        let conn = Conn::new(if hot.is_some() {
+            options.idle_timeout.min(options.header_read_timeout)
+        } else {
+            options.idle_timeout
+        });
         let id = {
             let mut table = lock(&table);
             if table.open.len() >= cap {
@@ -495,97 +528,109 @@ struct Connection {
 
 impl Connection {
     async fn run(mut self, stream: TcpStream) {
-        let service = {
-            let (router, conn) = (self.router.clone(), self.conn.clone());
-            let hot = self.hot.clone();
-            let body_timeout = self.options.body_read_timeout;
-            hyper::service::service_fn(move |req: Request<Incoming>| {
-                let direct = hot.as_ref().and_then(|state| {
-                    Some((state, super::hot_route(req.method(), req.uri().path())?))
-                });
-                let in_flight = InFlight::start(conn.clone());
-                let req = req.map(|inner| {
-                    Body::new(TimedBody {
-                        inner,
-                        deadline: Instant::now() + body_timeout,
-                        timeout: body_timeout,
-                        yielded: false,
-                        timer: None,
-                    })
-                });
-                let tracked = |response: axum::response::Response| {
-                    response.map(|inner| {
-                        Body::new(TrackedBody {
-                            inner,
-                            _in_flight: in_flight,
-                        })
-                    })
-                };
-                match direct {
-                    Some((state, route)) => {
-                        let state = state.clone();
-                        Either::Left(async move {
-                            let response = super::serve_hot(&state, route, req).await;
-                            Ok::<_, Infallible>(tracked(response))
-                        })
-                    }
-                    None => {
-                        let mut router = router.clone();
-                        Either::Right(async move {
-                            let response = router.call(req).await?;
-                            Ok::<_, Infallible>(tracked(response))
-                        })
-                    }
-                }
-            })
-        };
-        let connection = self.builder.serve_connection(TokioIo::new(stream), service);
-        tokio::pin!(connection);
         // The side futures are polled only when they were woken: most wakes of this task are the
         // connection's own (every relayed frame of a streamed answer). The task's waker is
         // registered once per poll for all three.
+        let conn = self.conn.clone();
         let task = Arc::new(AtomicWaker::new());
-        let mut evicted = Gated::new(self.conn.evict.notified(), &task);
-        let mut idle = Gated::new(self.conn.idle_for(self.options.idle_timeout), &task);
-        let mut stopped = Gated::new(self.stop.wait_for(|stop| *stop), &task);
-        let mut draining = false;
-        loop {
-            let event = std::future::poll_fn(|cx| {
-                if let Poll::Ready(result) = connection.as_mut().poll(cx) {
-                    return Poll::Ready(Side::Ended(result));
-                }
-                // Registered before the flags are read: a wake between the two is not lost.
-                task.register(cx.waker());
-                if evicted.poll_if_woken().is_ready() {
-                    return Poll::Ready(Side::Evicted);
-                }
-                if idle.poll_if_woken().is_ready() {
-                    return Poll::Ready(Side::Idle);
-                }
-                if !draining && stopped.poll_if_woken().is_ready() {
-                    return Poll::Ready(Side::Stopped);
-                }
-                Poll::Pending
-            })
-            .await;
-            match event {
-                Side::Ended(result) => {
-                    if let Err(error) = result {
-                        debug!(error = %error, "A client connection ended with an error.");
+        let mut sides = Sides {
+            evicted: Gated::new(conn.evict.notified(), &task),
+            idle: Gated::new(conn.idle_for(), &task),
+            stopped: Gated::new(self.stop.wait_for(|stop| *stop), &task),
+            task,
+            draining: false,
+        };
+        let io = match self.hot.clone() {
+            Some(state) => {
+                let fast = fast::serve(stream, state, conn.clone(), self.options.body_read_timeout);
+                tokio::pin!(fast);
+                loop {
+                    match sides.wait(fast.as_mut()).await {
+                        Event::Ended(fast::End::HandOff(io)) => break Some(io),
+                        Event::Ended(fast::End::Closed(result)) => {
+                            if let Err(error) = result {
+                                debug!(%error, "A client connection ended with an error.");
+                            }
+                            break None;
+                        }
+                        Event::Evicted | Event::Idle => break None,
+                        Event::Stopped if conn.in_flight.load(Ordering::Acquire) == 0 => {
+                            break None;
+                        }
+                        Event::Stopped => {
+                            conn.closing.store(true, Ordering::Release);
+                            sides.draining = true;
+                        }
                     }
-                    break;
                 }
-                Side::Evicted => {
-                    debug!("Closing an idle client connection at the connection cap.");
-                    break;
-                }
-                Side::Idle => {
-                    debug!("Closing a client connection idle for server.idle_timeout.");
-                    break;
-                }
-                Side::Stopped => {
-                    connection.as_mut().graceful_shutdown();
-                    draining = true;
+            }
+            None => Some(fast::Rewound::new(stream, Bytes::new())),
+        };
+        if let Some(io) = io {
+            // hyper's header-read timer covers the waits for a head from here on.
+            conn.set_idle_limit(self.options.idle_timeout);
+            let service = {
+                let (router, conn) = (self.router.clone(), self.conn.clone());
+                let hot = self.hot.clone();
+                let body_timeout = self.options.body_read_timeout;
+                hyper::service::service_fn(move |req: Request<Incoming>| {
+                    let direct = hot.as_ref().and_then(|state| {
+                        Some((state, super::hot_route(req.method(), req.uri().path())?))
+                    });
+                    let in_flight = InFlight::start(conn.clone());
+                    let req = req.map(|inner| {
+                        Body::new(TimedBody {
+                            inner,
+                            deadline: Instant::now() + body_timeout,
+                            timeout: body_timeout,
+                            yielded: false,
+                            timer: None,
+                        })
+                    });
+                    let tracked = |response: axum::response::Response| {
+                        response.map(|inner| {
+                            Body::new(TrackedBody {
+                                inner,
+                                _in_flight: in_flight,
+                            })
+                        })
+                    };
+                    match direct {
+                        Some((state, route)) => {
+                            let state = state.clone();
+                            Either::Left(async move {
+                                let response = super::serve_hot(&state, route, req).await;
+                                Ok::<_, Infallible>(tracked(response))
+                            })
+                        }
+                        None => {
+                            let mut router = router.clone();
+                            Either::Right(async move {
+                                let response = router.call(req).await?;
+                                Ok::<_, Infallible>(tracked(response))
+                            })
+                        }
+                    }
+                })
+            };
+            let connection = self.builder.serve_connection(TokioIo::new(io), service);
+            tokio::pin!(connection);
+            if sides.draining {
+                connection.as_mut().graceful_shutdown();
+            }
+            loop {
+                match sides.wait(connection.as_mut()).await {
+                    Event::Ended(result) => {
+                        if let Err(error) = result {
+                            debug!(error = %error, "A client connection ended with an error.");
+                        }
+                        break;
+                    }
+                    Event::Evicted | Event::Idle => break,
+                    Event::Stopped => {
+                        connection.as_mut().graceful_shutdown();
+                        sides.draining = true;
+                    }
                 }
             }
         }
@@ -595,13 +640,50 @@ impl Connection {
 }
 
 /// What ended a wait of the connection task.
-enum Side<E> {
-    /// The connection ended (with its result).
-    Ended(Result<(), E>),
+enum Event<T> {
+    /// The connection (or the front door's own server on it) ended, with its output.
+    Ended(T),
     Evicted,
     Idle,
     /// Shutdown began: drain the connection.
     Stopped,
+}
+
+/// The connection task's side futures: eviction, the idle timer, shutdown.
+struct Sides<A, B, C> {
+    evicted: Gated<A>,
+    idle: Gated<B>,
+    stopped: Gated<C>,
+    /// Where the task registers its waker for the three.
+    task: Arc<AtomicWaker>,
+    /// Shutdown was seen (it is not waited for again).
+    draining: bool,
+}
+
+impl<A: Future, B: Future, C: Future> Sides<A, B, C> {
+    /// Polls `serving` until it ends or a side future does.
+    async fn wait<F: Future>(&mut self, mut serving: Pin<&mut F>) -> Event<F::Output> {
+        std::future::poll_fn(|cx| {
+            if let Poll::Ready(output) = serving.as_mut().poll(cx) {
+                return Poll::Ready(Event::Ended(output));
+            }
+            // Registered before the flags are read: a wake between the two is not lost.
+            self.task.register(cx.waker());
+            if self.evicted.poll_if_woken().is_ready() {
+                debug!("Closing an idle client connection at the connection cap.");
+                return Poll::Ready(Event::Evicted);
+            }
+            if self.idle.poll_if_woken().is_ready() {
+                debug!("Closing a client connection idle for server.idle_timeout.");
+                return Poll::Ready(Event::Idle);
+            }
+            if !self.draining && self.stopped.poll_if_woken().is_ready() {
+                return Poll::Ready(Event::Stopped);
+            }
+            Poll::Pending
+        })
+        .await
+    }
 }
 
 /// A future polled only on its first poll and after its own waker fired, not at every poll of

@@ -325,20 +325,23 @@ impl<'h> Control<'h> {
 /// the length `seen` before it.
 fn agreed(mut seen: Option<u64>, value: &[u8]) -> Result<Option<u64>, ProtocolError> {
     for part in value.split(|&b| b == b',') {
-        let part = part.trim_ascii();
-        if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
-            return Err(ProtocolError::ContentLength);
-        }
-        let n = std::str::from_utf8(part)
-            .ok()
-            .and_then(|s| s.parse::<u64>().ok())
-            .ok_or(ProtocolError::ContentLength)?;
+        let n = decimal(part.trim_ascii()).ok_or(ProtocolError::ContentLength)?;
         if seen.is_some_and(|seen| seen != n) {
             return Err(ProtocolError::ContentLength);
         }
         seen = Some(n);
     }
     Ok(seen)
+}
+
+/// A plain decimal length: 1 to 19 ASCII digits (so it cannot overflow), nothing else.
+pub fn decimal(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 19 {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &b| {
+        b.is_ascii_digit().then(|| n * 10 + u64::from(b - b'0'))
+    })
 }
 
 fn has_token(list: &[u8], token: &[u8]) -> bool {

@@ -462,3 +462,277 @@ async fn at_the_cap_idle_connections_are_evicted_and_new_ones_refused_when_all_a
     assert!(String::from_utf8_lossy(&seen).contains("data: [DONE]"));
     daemon.shutdown().await;
 }
+
+/// `POST path` with a body, keeping the connection.
+fn post_kept(path: &str, body: &[u8]) -> Vec<u8> {
+    let mut request = format!(
+        "POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(body);
+    request
+}
+
+/// Reads `stream` to its end (within 30 s); the answers' status lines, in order.
+async fn statuses(stream: &mut TcpStream) -> (Vec<String>, String) {
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut seen))
+        .await
+        .expect("the connection ends")
+        .expect("read");
+    let text = String::from_utf8_lossy(&seen).into_owned();
+    // An answer's status line follows the previous answer's body directly.
+    let lines = text
+        .match_indices("HTTP/1.")
+        .filter_map(|(at, _)| text[at..].split("\r\n").next())
+        .map(str::to_owned)
+        .collect();
+    (lines, text)
+}
+
+const CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+
+/// The front door's own HTTP/1.1 server serves plain hot-route requests and hands a connection
+/// to hyper at its first other request: pipelined requests of both kinds on one connection are
+/// all answered, in order, and the hot ones after the hand-over still reach the upstream.
+#[tokio::test]
+async fn pipelined_hot_and_other_requests_are_answered_in_order_on_one_connection() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = short_timeouts(&up).await;
+    let mut stream = TcpStream::connect(daemon.local_addr())
+        .await
+        .expect("connect");
+    let mut requests = post_kept("/v1/chat/completions", CHAT);
+    requests.extend(post_kept(
+        "/v1/completions?trace=1",
+        br#"{"model":"m","prompt":"p"}"#,
+    ));
+    requests.extend(b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n");
+    requests.extend(post_kept("/v1/chat/completions", CHAT));
+    requests.extend(post("/v1/chat/completions", b"not json"));
+    stream.write_all(&requests).await.expect("send");
+    let (lines, text) = statuses(&mut stream).await;
+    assert_eq!(
+        lines,
+        [
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 200 OK",
+            "HTTP/1.1 400 Bad Request"
+        ],
+        "{text}"
+    );
+    assert!(
+        text.contains("\"object\":\"list\""),
+        "the models list: {text}"
+    );
+    assert!(text.to_ascii_lowercase().contains("\r\ndate: "), "{text}");
+    let paths: Vec<String> = [
+        up.next_request().await,
+        up.next_request().await,
+        up.next_request().await,
+    ]
+    .into_iter()
+    .map(|r| r.path)
+    .collect();
+    assert_eq!(
+        paths,
+        [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/chat/completions"
+        ]
+    );
+    assert!(up.try_request().is_none());
+    daemon.shutdown().await;
+}
+
+/// A hot request's head and body trickling in a few bytes at a time is served (the head is
+/// parsed only once whole), and its answer's length frames it on a kept connection.
+#[tokio::test]
+async fn a_trickled_hot_request_is_served_and_the_connection_kept() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = short_timeouts(&up).await;
+    let mut stream = TcpStream::connect(daemon.local_addr())
+        .await
+        .expect("connect");
+    for piece in post_kept("/v1/chat/completions", CHAT).chunks(7) {
+        stream.write_all(piece).await.expect("send");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(up.next_request().await.body, Bytes::from_static(CHAT));
+    // The first answer, read by its length; then the kept connection serves a second request.
+    let mut seen = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let (head_end, length) = loop {
+        let n = tokio::time::timeout(Duration::from_secs(30), stream.read(&mut chunk))
+            .await
+            .expect("an answer")
+            .expect("read");
+        assert!(
+            n > 0,
+            "the connection closed: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&seen).to_ascii_lowercase();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length: "))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .expect("a content-length");
+            break (end + 4, length);
+        }
+    };
+    while seen.len() < head_end + length {
+        let n = stream.read(&mut chunk).await.expect("read");
+        assert!(n > 0, "the body was cut");
+        seen.extend_from_slice(&chunk[..n]);
+    }
+    assert!(seen.starts_with(b"HTTP/1.1 200 OK\r\n"));
+    assert_eq!(
+        seen.len(),
+        head_end + length,
+        "nothing beyond the answer's length"
+    );
+    serde_json::from_slice::<serde_json::Value>(&seen[head_end..]).expect("a JSON answer");
+    stream
+        .write_all(&post("/v1/chat/completions", CHAT))
+        .await
+        .expect("send again");
+    let (lines, text) = statuses(&mut stream).await;
+    assert_eq!(lines, ["HTTP/1.1 200 OK"], "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("connection: close"),
+        "{text}"
+    );
+    daemon.shutdown().await;
+}
+
+/// What the front door's own server leaves to hyper is answered as hyper always did: a chunked
+/// body, `Expect: 100-continue`, HTTP/1.0, an oversized declared length (413).
+#[tokio::test]
+async fn hot_requests_in_forms_left_to_hyper_are_still_answered() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = short_timeouts(&up).await;
+    let addr = daemon.local_addr();
+
+    let mut chunked = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n\
+        Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        .to_vec();
+    chunked.extend(format!("{:x}\r\n", CHAT.len()).as_bytes());
+    chunked.extend(CHAT);
+    chunked.extend(b"\r\n0\r\n\r\n");
+    let (status, _) = exchange(addr, &chunked).await.expect("chunked");
+    assert!(status.contains("200"), "{status}");
+    assert_eq!(up.next_request().await.body, Bytes::from_static(CHAT));
+
+    let mut expect = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nExpect: 100-continue\r\n\
+         Connection: close\r\nContent-Length: {}\r\n\r\n",
+        CHAT.len()
+    )
+    .into_bytes();
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(&expect).await.expect("head");
+    let mut interim = [0u8; 25];
+    tokio::time::timeout(Duration::from_secs(30), stream.read_exact(&mut interim))
+        .await
+        .expect("100 Continue")
+        .expect("read");
+    assert_eq!(&interim, b"HTTP/1.1 100 Continue\r\n\r\n");
+    expect.clear();
+    stream.write_all(CHAT).await.expect("body");
+    let (lines, _) = statuses(&mut stream).await;
+    assert_eq!(lines, ["HTTP/1.1 200 OK"]);
+    assert_eq!(up.next_request().await.body, Bytes::from_static(CHAT));
+
+    let mut old = format!(
+        "POST /v1/chat/completions HTTP/1.0\r\nContent-Length: {}\r\n\r\n",
+        CHAT.len()
+    )
+    .into_bytes();
+    old.extend(CHAT);
+    let (status, _) = exchange(addr, &old).await.expect("HTTP/1.0");
+    assert!(status.contains("200"), "{status}");
+    assert_eq!(up.next_request().await.body, Bytes::from_static(CHAT));
+
+    let oversized = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n\
+        Content-Length: 999999999\r\n\r\n";
+    let (status, _) = exchange(addr, oversized).await.expect("oversized");
+    assert!(status.contains("413"), "{status}");
+    assert!(up.try_request().is_none());
+    daemon.shutdown().await;
+}
+
+/// Shutdown closes a connection waiting for a request at once, and lets a streamed answer in
+/// flight finish (its last chunk included) before closing that connection, kept alive or not.
+#[tokio::test]
+async fn shutdown_closes_waiting_connections_and_lets_a_stream_finish() {
+    let mut up = FakeUpstream::start().await;
+    let yaml = format!(
+        "server:\n  header_read_timeout: 60s\n  idle_timeout: 60s\n\
+         backends:\n  - name: b1\n    url: \"{}\"\n    models: [m]\n    health_check:\n      \
+         enabled: false\n",
+        up.url()
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    let addr = daemon.local_addr();
+    let (tx, rx) = mpsc::unbounded_channel();
+    up.push(Reply::Sse(rx));
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    stream
+        .write_all(&post_kept("/v1/chat/completions", body))
+        .await
+        .expect("send");
+    up.next_request().await;
+    tx.send(Bytes::from_static(b"data: {\"n\":1}\n\n"))
+        .expect("send 1");
+    let mut seen = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"n\":1") {
+        let n = stream.read(&mut chunk).await.expect("read");
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&chunk[..n]);
+    }
+    let waiting = TcpStream::connect(addr).await.expect("connect");
+    let mut half_head = TcpStream::connect(addr).await.expect("connect");
+    half_head
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r")
+        .await
+        .expect("write");
+    // Let the router take both before it stops accepting.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let shutdown = tokio::spawn(daemon.shutdown());
+    tokio::time::timeout(Duration::from_secs(5), async {
+        closed_by_server(waiting).await;
+        closed_by_server(half_head).await;
+    })
+    .await
+    .expect("connections waiting for a request are closed at shutdown");
+    assert!(!shutdown.is_finished(), "shutdown waits for the stream");
+
+    tx.send(Bytes::from_static(b"data: [DONE]\n\n"))
+        .expect("send 2");
+    drop(tx);
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut seen))
+        .await
+        .expect("the stream ends and the connection closes")
+        .expect("read");
+    let text = String::from_utf8_lossy(&seen);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(
+        text.ends_with("data: [DONE]\n\n\r\n0\r\n\r\n"),
+        "a complete chunked body: {text}"
+    );
+    tokio::time::timeout(Duration::from_secs(30), shutdown)
+        .await
+        .expect("shutdown ends once the stream did")
+        .expect("shutdown task");
+}
