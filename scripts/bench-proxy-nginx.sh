@@ -16,8 +16,9 @@
 # PORT_BASE (18080: upstream, +1 nginx, +2 router), CARGO_PROFILE (release), ROUTER_BIN (another
 # build of the router, e.g. to compare allocators or profiles), MODES ("buffered sse"), ROUNDS (1:
 # with more, each point is measured ROUNDS times, nginx and the router in alternating order
-# (ABBA), every round is printed and the table gives each column's median; a shared machine's
-# speed drifts by more than the difference measured).
+# (ABBA), every round is printed and the table gives each column's median, and the router's added
+# p50 less nginx's as the median of the rounds' differences; a shared machine's speed drifts by
+# more than the difference measured).
 # Needs: wrk, nginx (nginx-light), taskset (util-linux). Figures: docs/performance.md,
 # "Proxy vs nginx".
 set -euo pipefail
@@ -205,6 +206,9 @@ for mode in $MODES; do
     printf '%-16s %12.0f %12.1f %12.1f %14.1f %14.1f  %s\n' continuum-router "$(median "${R_RPS[@]}")" \
       "$(median "${R_P50[@]}")" "$(median "${R_P99[@]}")" "$(added R_P50 D_P50)" "$(added R_P99 D_P99)" "$r_err"
     echo "continuum-router / nginx throughput: $(median "${RATIO[@]}" | awk '{printf "%.2f", $1}')$([ "$ROUNDS" -gt 1 ] && echo " (median of the rounds' ratios)")"
+    # The goal's comparison, paired within each round (both proxies measured minutes apart
+    # against the same upstream): the columns' medians above may come from different rounds.
+    echo "continuum-router added p50 - nginx added p50: $(added R_P50 N_P50 | awk '{printf "%.0f", $1}') µs$([ "$ROUNDS" -gt 1 ] && echo " (median of the rounds' differences)")"
   done
 done
 echo
