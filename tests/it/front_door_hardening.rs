@@ -1,6 +1,8 @@
 //! The front door under hostile clients, over real sockets: stalled connections under a 1,024
 //! file-descriptor limit (the daemon binary under `prlimit`), the header-read, body-read and idle
-//! timeouts, a long SSE stream that outlives them, h2c, and the memory a pinned body costs.
+//! timeouts, a long SSE stream that outlives them, h2c, and the memory a pinned body costs; the
+//! front door's own HTTP/1.1 server for the hot routes: pipelining, trickled heads, the forms it
+//! hands to hyper, and draining at shutdown.
 
 use crate::support;
 
@@ -265,18 +267,20 @@ async fn silent_stalled_and_slow_body_clients_are_cut_by_the_timeouts() {
     daemon.shutdown().await;
 }
 
-#[tokio::test]
-async fn an_sse_stream_outlives_the_idle_and_body_timeouts() {
-    let mut up = FakeUpstream::start().await;
-    let daemon = short_timeouts(&up).await;
-    let addr = daemon.local_addr();
+/// A streamed chat request sent with `request` (`post` or `post_kept`), answered by `up` with an
+/// SSE stream whose first event has arrived: the client's socket, the stream's sender and what
+/// was read so far.
+async fn first_event(
+    addr: SocketAddr,
+    up: &mut FakeUpstream,
+    request: fn(&str, &[u8]) -> Vec<u8>,
+) -> (TcpStream, mpsc::UnboundedSender<Bytes>, Vec<u8>) {
     let (tx, rx) = mpsc::unbounded_channel();
     up.push(Reply::Sse(rx));
-
     let mut stream = TcpStream::connect(addr).await.expect("connect");
     let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
     stream
-        .write_all(&post("/v1/chat/completions", body))
+        .write_all(&request("/v1/chat/completions", body))
         .await
         .expect("send");
     up.next_request().await;
@@ -289,6 +293,15 @@ async fn an_sse_stream_outlives_the_idle_and_body_timeouts() {
         assert!(n > 0, "the stream ended early");
         seen.extend_from_slice(&chunk[..n]);
     }
+    (stream, tx, seen)
+}
+
+#[tokio::test]
+async fn an_sse_stream_outlives_the_idle_and_body_timeouts() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = short_timeouts(&up).await;
+    let addr = daemon.local_addr();
+    let (mut stream, tx, mut seen) = first_event(addr, &mut up, post).await;
 
     // A connection opened now, idle, is closed once idle_timeout (= body_read_timeout) passed:
     // the stream has been open longer than both by then.
@@ -682,24 +695,7 @@ async fn shutdown_closes_waiting_connections_and_lets_a_stream_finish() {
     );
     let daemon = support::daemon::start(&yaml).await;
     let addr = daemon.local_addr();
-    let (tx, rx) = mpsc::unbounded_channel();
-    up.push(Reply::Sse(rx));
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
-    stream
-        .write_all(&post_kept("/v1/chat/completions", body))
-        .await
-        .expect("send");
-    up.next_request().await;
-    tx.send(Bytes::from_static(b"data: {\"n\":1}\n\n"))
-        .expect("send 1");
-    let mut seen = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("\"n\":1") {
-        let n = stream.read(&mut chunk).await.expect("read");
-        assert!(n > 0, "the stream ended early");
-        seen.extend_from_slice(&chunk[..n]);
-    }
+    let (mut stream, tx, mut seen) = first_event(addr, &mut up, post_kept).await;
     let waiting = TcpStream::connect(addr).await.expect("connect");
     let mut half_head = TcpStream::connect(addr).await.expect("connect");
     half_head
