@@ -707,6 +707,101 @@ mod tests {
         assert!(httpdate::parse_http_date(date).is_ok(), "{date}");
     }
 
+    mod generated {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A field from a vocabulary of the ones that decide, plus arbitrary names and values.
+        fn field() -> impl Strategy<Value = (String, Vec<u8>)> {
+            let value = proptest::collection::vec(any::<u8>(), 0..12);
+            prop_oneof![
+                1 => (Just("Content-Length".to_owned()), "[0-9 ,+-]{0,6}")
+                    .prop_map(|(n, v)| (n, v.into_bytes())),
+                1 => (Just("Transfer-Encoding".to_owned()), Just(b"chunked".to_vec())),
+                1 => (Just("Expect".to_owned()), Just(b"100-continue".to_vec())),
+                2 => (Just("Connection".to_owned()), "(close|keep-alive|upgrade|x)(, ?(close|x))?")
+                    .prop_map(|(n, v)| (n, v.into_bytes())),
+                6 => ("[A-Za-z][A-Za-z0-9-]{0,8}", "[ -~]{0,12}")
+                    .prop_map(|(n, v)| (n, v.into_bytes())),
+                2 => ("[ -~]{1,4}", value),
+            ]
+        }
+
+        fn request() -> impl Strategy<Value = (Vec<u8>, usize)> {
+            (
+                prop_oneof![
+                    4 => Just("POST /v1/chat/completions HTTP/1.1"),
+                    4 => Just("POST /v1/completions?a=b HTTP/1.1"),
+                    1 => Just("POST /v1/chat/completions HTTP/1.0"),
+                    1 => Just("GET /v1/completions HTTP/1.1"),
+                    1 => Just("POST /health HTTP/1.1"),
+                ],
+                proptest::collection::vec(field(), 0..5),
+                // Mostly one plain length among them, at any place.
+                proptest::option::weighted(0.8, "[0-9]{1,4}"),
+                any::<prop::sample::Index>(),
+                proptest::collection::vec(any::<u8>(), 0..16),
+                any::<prop::sample::Index>(),
+            )
+                .prop_map(|(line, mut fields, length, at, rest, cut)| {
+                    if let Some(length) = length {
+                        let at = at.index(fields.len() + 1);
+                        fields.insert(at, ("content-length".to_owned(), length.into_bytes()));
+                    }
+                    let mut bytes = format!("{line}\r\n").into_bytes();
+                    for (name, value) in &fields {
+                        bytes.extend_from_slice(name.as_bytes());
+                        bytes.extend_from_slice(b": ");
+                        bytes.extend_from_slice(value);
+                        bytes.extend_from_slice(b"\r\n");
+                    }
+                    bytes.extend_from_slice(b"\r\n");
+                    bytes.extend_from_slice(&rest);
+                    let cut = cut.index(bytes.len() + 1);
+                    (bytes, cut)
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2048))]
+
+            /// Whatever arrives, the parse never panics; a head it serves is consumed exactly
+            /// (what follows stays, every field is in the map, the length is the one field's)
+            /// and is a plain hot request; anything else leaves every byte for hyper.
+            #[test]
+            fn a_head_is_served_exactly_or_left_whole((bytes, cut) in request()) {
+                for input in [&bytes[..], &bytes[..cut]] {
+                    let mut buf = BytesMut::from(input);
+                    match parse(&mut buf, 5_000) {
+                        Parsed::Fast(request) => {
+                            let end = input
+                                .windows(4)
+                                .position(|w| w == b"\r\n\r\n")
+                                .expect("a whole head")
+                                + 4;
+                            prop_assert_eq!(&buf[..], &input[end..]);
+                            let head = String::from_utf8_lossy(&input[..end]).to_ascii_lowercase();
+                            prop_assert!(head.starts_with("post /v1/"));
+                            prop_assert!(head.contains(" http/1.1\r\n"));
+                            for refused in ["\r\ntransfer-encoding:", "\r\nexpect:", "upgrade"] {
+                                prop_assert!(!head.contains(refused), "{}", head);
+                            }
+                            let lengths: Vec<&str> = head
+                                .split("\r\n")
+                                .filter_map(|l| l.strip_prefix("content-length: "))
+                                .map(str::trim)
+                                .collect();
+                            prop_assert_eq!(lengths.len(), 1);
+                            prop_assert_eq!(lengths[0].parse::<usize>().ok(), Some(request.content_length));
+                            prop_assert_eq!(request.headers.len(), head.matches("\r\n").count() - 2);
+                        }
+                        Parsed::Partial | Parsed::HandOff => prop_assert_eq!(&buf[..], input),
+                    }
+                }
+            }
+        }
+    }
+
     #[tokio::test]
     async fn a_rewound_socket_reads_its_prefix_first() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
