@@ -732,3 +732,63 @@ async fn shutdown_closes_waiting_connections_and_lets_a_stream_finish() {
         .expect("shutdown ends once the stream did")
         .expect("shutdown task");
 }
+
+/// A client that leaves before its answer is whole takes the upstream request with it: the
+/// router drops the upstream exchange (the fake upstream's stream loses its reader), whether the
+/// answer was still being prepared (buffered) or streaming, and whether the front door's own
+/// server or hyper's (a chunked request body) served the request.
+#[tokio::test]
+async fn a_client_that_leaves_cancels_its_upstream_request() {
+    let mut up = FakeUpstream::start().await;
+    let yaml = format!(
+        "server:\n  header_read_timeout: 60s\n  idle_timeout: 60s\n\
+         backends:\n  - name: b1\n    url: \"{}\"\n    models: [m]\n    health_check:\n      \
+         enabled: false\n",
+        up.url()
+    );
+    let daemon = support::daemon::start(&yaml).await;
+    let addr = daemon.local_addr();
+    let buffered = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+    let streamed = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let mut chunked = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n\
+        Transfer-Encoding: chunked\r\n\r\n"
+        .to_vec();
+    chunked.extend(format!("{:x}\r\n", streamed.len()).as_bytes());
+    chunked.extend(streamed);
+    chunked.extend(b"\r\n0\r\n\r\n");
+    for (case, request, first_event) in [
+        (
+            "buffered, own server",
+            post_kept("/v1/chat/completions", buffered),
+            false,
+        ),
+        (
+            "streamed, own server",
+            post_kept("/v1/chat/completions", streamed),
+            true,
+        ),
+        ("streamed, hyper", chunked, true),
+    ] {
+        let (tx, rx) = mpsc::unbounded_channel();
+        up.push(Reply::Sse(rx));
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(&request).await.expect("send");
+        up.next_request().await;
+        if first_event {
+            tx.send(Bytes::from_static(b"data: {\"n\":1}\n\n"))
+                .expect("send 1");
+            let mut seen = Vec::new();
+            let mut chunk = [0u8; 4096];
+            while !String::from_utf8_lossy(&seen).contains("\"n\":1") {
+                let n = stream.read(&mut chunk).await.expect("read");
+                assert!(n > 0, "{case}: the stream ended early");
+                seen.extend_from_slice(&chunk[..n]);
+            }
+        }
+        drop(stream);
+        tokio::time::timeout(Duration::from_secs(10), tx.closed())
+            .await
+            .unwrap_or_else(|_| panic!("{case}: the upstream request outlived its client"));
+    }
+    daemon.shutdown().await;
+}

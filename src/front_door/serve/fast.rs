@@ -20,7 +20,7 @@
 //! late beyond `body_read_timeout` fails the handler's read with [`BodyReadTimeout`] (a 408),
 //! eviction and shutdown are the task's as for hyper's connections.
 
-use std::future::poll_fn;
+use std::future::{Future, poll_fn};
 use std::io;
 use std::mem::MaybeUninit;
 use std::pin::{Pin, pin};
@@ -255,10 +255,13 @@ pub async fn serve(
         let in_flight = InFlight::start(conn.clone());
         let (body, whole) =
             read_body(&mut stream, &mut buf, request.content_length, body_timeout).await;
-        let response =
-            super::super::serve_hot_parts(&state, request.route, request.headers, body).await;
+        let handler = super::super::serve_hot_parts(&state, request.route, request.headers, body);
+        let Some(response) = unless_gone(handler, &stream, &mut buf).await else {
+            // The client left: the handler, and with it the upstream request, is dropped.
+            return End::Closed(Ok(()));
+        };
         let keep = whole && !request.close && !conn.closing.load(Ordering::Acquire);
-        let written = write_response(&mut stream, &mut out, response, keep).await;
+        let written = write_response(&mut stream, &mut buf, &mut out, response, keep).await;
         drop(in_flight);
         if out.capacity() > 2 * READ_CHUNK {
             // A large answer's buffer is not kept for the connection's life.
@@ -271,6 +274,51 @@ pub async fn serve(
                 return End::Closed(Ok(()));
             }
             Err(error) => return End::Closed(Err(error)),
+        }
+    }
+}
+
+/// `future`'s output, or `None` once the client has closed the connection (or it failed) first.
+///
+/// As hyper's server does while a request is answered: an answer the client no longer waits for
+/// is not worked on (a long generation's upstream request is dropped with it). Bytes that arrive
+/// meanwhile (a pipelined request) stay in `buf`, and then, as in hyper, the connection is no
+/// longer watched for its end. It costs no system call of its own: the read that finds the
+/// socket empty here is the one the next head's wait would make.
+async fn unless_gone<F: Future>(
+    future: F,
+    stream: &TcpStream,
+    buf: &mut BytesMut,
+) -> Option<F::Output> {
+    let mut future = pin!(future);
+    poll_fn(|cx| {
+        if let Poll::Ready(output) = future.as_mut().poll(cx) {
+            return Poll::Ready(Some(output));
+        }
+        poll_gone(stream, buf, cx).map(|()| None)
+    })
+    .await
+}
+
+/// Ready once the client's socket reached its end or failed; see [`unless_gone`].
+fn poll_gone(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<()> {
+    if !buf.is_empty() {
+        return Poll::Pending;
+    }
+    loop {
+        match stream.poll_read_ready(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Err(_)) => return Poll::Ready(()),
+            Poll::Ready(Ok(())) => {}
+        }
+        if buf.capacity() - buf.len() < READ_ROOM {
+            buf.reserve(READ_CHUNK);
+        }
+        match stream.try_read_buf(buf) {
+            Ok(0) => return Poll::Ready(()),
+            Ok(_) => return Poll::Pending,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return Poll::Ready(()),
         }
     }
 }
@@ -334,6 +382,7 @@ impl hyper::body::Body for Failed {
 /// `Connection: close`). `keep` false adds `Connection: close`.
 async fn write_response(
     stream: &mut TcpStream,
+    buf: &mut BytesMut,
     out: &mut Vec<u8>,
     response: Response,
     keep: bool,
@@ -390,14 +439,16 @@ async fn write_response(
         }
         None => out.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n"),
     }
-    let whole = write_body(stream, out, body, length).await?;
+    let whole = write_body(stream, buf, out, body, length).await?;
     Ok(keep && whole)
 }
 
 /// Writes the body after the head already in `out`; `Ok(false)` when the body failed or did not
-/// match its length (the answer is cut: the connection must close).
+/// match its length (the answer is cut: the connection must close). While it waits for the
+/// body, the client's end is watched ([`unless_gone`]; `buf` keeps what arrives meanwhile).
 async fn write_body(
     stream: &mut TcpStream,
+    buf: &mut BytesMut,
     out: &mut Vec<u8>,
     body: Body,
     length: Option<u64>,
@@ -412,7 +463,9 @@ async fn write_body(
             Poll::Ready(frame) => frame,
             Poll::Pending => {
                 flush(stream, out).await?;
-                poll_fn(poll).await
+                unless_gone(poll_fn(poll), stream, buf)
+                    .await
+                    .ok_or_else(|| io::Error::from(io::ErrorKind::ConnectionAborted))?
             }
         };
         let data = match frame {
