@@ -51,6 +51,9 @@ pub const MAX_FAST_HEAD: usize = 64 * 1024;
 /// What the read buffer starts with and grows by.
 const READ_CHUNK: usize = 8 * 1024;
 
+/// What a request body's own buffer starts with and grows by at least (doubling beyond it).
+const BODY_CHUNK: usize = 64 * 1024;
+
 /// Room under which the read buffer is grown before a read.
 const READ_ROOM: usize = 1024;
 
@@ -343,23 +346,34 @@ async fn read_body(
     if buf.len() >= length {
         return (Body::from(buf.split_to(length).freeze()), true);
     }
-    // A body that did not come with its head: read into a buffer of its exact length (reads stop
-    // at the body's end, and the connection's buffer does not keep a large body's room), with a
-    // timer, armed only here.
+    // A body that did not come with its head: read into a buffer of its own (reads stop at the
+    // body's end, and the connection's buffer does not keep a large body's room), grown with what
+    // arrives, never with what the length only promises; with a timer, armed only here.
     let deadline = Instant::now() + timeout;
-    let mut body = BytesMut::with_capacity(length);
+    let mut body = BytesMut::with_capacity(body_room(0, length));
     body.extend_from_slice(&buf.split());
     while body.len() < length {
-        let error: BoxError =
-            match tokio::time::timeout_at(deadline, stream.read_buf(&mut body)).await {
-                Ok(Ok(0)) => "the client closed the connection before the body was whole".into(),
-                Ok(Ok(_)) => continue,
-                Ok(Err(error)) => Box::new(error),
-                Err(_) => Box::new(BodyReadTimeout(timeout)),
-            };
+        let remaining = length - body.len();
+        if body.capacity() == body.len() {
+            body.reserve(body_room(body.len(), length));
+        }
+        let mut limited = (&mut *stream).take(remaining as u64);
+        let read = limited.read_buf(&mut body);
+        let error: BoxError = match tokio::time::timeout_at(deadline, read).await {
+            Ok(Ok(0)) => "the client closed the connection before the body was whole".into(),
+            Ok(Ok(_)) => continue,
+            Ok(Err(error)) => Box::new(error),
+            Err(_) => Box::new(BodyReadTimeout(timeout)),
+        };
         return (Body::new(Failed(Some(error))), false);
     }
     (Body::from(body.freeze()), true)
+}
+
+/// How much a body buffer holding `have` of `length` bytes grows by when full: what is left, at
+/// most [`BODY_CHUNK`] or as much as it holds (so it doubles), whatever the length promises.
+fn body_room(have: usize, length: usize) -> usize {
+    length.saturating_sub(have).min(BODY_CHUNK.max(have))
 }
 
 /// A request body that fails at its first poll.
@@ -827,32 +841,50 @@ mod tests {
                     let mut buf = BytesMut::from(input);
                     match parse(&mut buf, 5_000) {
                         Parsed::Fast(request) => {
+                            // The head ends at the first empty line; httparse also takes a
+                            // bare LF as a line's end.
                             let end = input
-                                .windows(4)
-                                .position(|w| w == b"\r\n\r\n")
-                                .expect("a whole head")
-                                + 4;
+                                .windows(2)
+                                .enumerate()
+                                .find_map(|(at, w)| match w {
+                                    b"\n\n" => Some(at + 2),
+                                    b"\n\r" if input.get(at + 2) == Some(&b'\n') => Some(at + 3),
+                                    _ => None,
+                                })
+                                .expect("a whole head");
                             prop_assert_eq!(&buf[..], &input[end..]);
                             let head = String::from_utf8_lossy(&input[..end]).to_ascii_lowercase();
                             prop_assert!(head.starts_with("post /v1/"));
                             prop_assert!(head.contains(" http/1.1\r\n"));
-                            for refused in ["\r\ntransfer-encoding:", "\r\nexpect:", "upgrade"] {
+                            for refused in ["\ntransfer-encoding:", "\nexpect:", "upgrade"] {
                                 prop_assert!(!head.contains(refused), "{}", head);
                             }
                             let lengths: Vec<&str> = head
-                                .split("\r\n")
+                                .split('\n')
+                                .map(|l| l.trim_end_matches('\r'))
                                 .filter_map(|l| l.strip_prefix("content-length: "))
                                 .map(str::trim)
                                 .collect();
                             prop_assert_eq!(lengths.len(), 1);
                             prop_assert_eq!(lengths[0].parse::<usize>().ok(), Some(request.content_length));
-                            prop_assert_eq!(request.headers.len(), head.matches("\r\n").count() - 2);
+                            prop_assert_eq!(request.headers.len(), head.matches('\n').count() - 2);
                         }
                         Parsed::Partial | Parsed::HandOff => prop_assert_eq!(&buf[..], input),
                     }
                 }
             }
         }
+    }
+
+    /// A declared length is room promised, not given: the body's buffer grows with what came.
+    #[test]
+    fn a_body_buffer_grows_with_what_arrives() {
+        assert_eq!(body_room(0, 100), 100);
+        assert_eq!(body_room(0, 8_000_000), BODY_CHUNK);
+        assert_eq!(body_room(BODY_CHUNK, 8_000_000), BODY_CHUNK);
+        assert_eq!(body_room(1_000_000, 8_000_000), 1_000_000);
+        assert_eq!(body_room(7_900_000, 8_000_000), 100_000);
+        assert_eq!(body_room(8_000_000, 8_000_000), 0);
     }
 
     #[tokio::test]
