@@ -572,9 +572,11 @@ async fn a_trickled_hot_request_is_served_and_the_connection_kept() {
     let mut stream = TcpStream::connect(daemon.local_addr())
         .await
         .expect("connect");
+    stream.set_nodelay(true).expect("nodelay");
     for piece in post_kept("/v1/chat/completions", CHAT).chunks(7) {
         stream.write_all(piece).await.expect("send");
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        // Each piece its own segment, and the router a chance to read it alone.
+        tokio::task::yield_now().await;
     }
     assert_eq!(up.next_request().await.body, Bytes::from_static(CHAT));
     // The first answer, read by its length; then the kept connection serves a second request.
@@ -702,8 +704,12 @@ async fn shutdown_closes_waiting_connections_and_lets_a_stream_finish() {
         .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r")
         .await
         .expect("write");
-    // Let the router take both before it stops accepting.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The router has taken all three before it stops accepting.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while daemon.metrics().value("continuum_http_connections", &[]) != Some(3.0) {
+        assert!(Instant::now() < deadline, "the router did not take the connections");
+        tokio::task::yield_now().await;
+    }
 
     let shutdown = tokio::spawn(daemon.shutdown());
     tokio::time::timeout(Duration::from_secs(5), async {
