@@ -707,7 +707,10 @@ async fn shutdown_closes_waiting_connections_and_lets_a_stream_finish() {
     // The router has taken all three before it stops accepting.
     let deadline = Instant::now() + Duration::from_secs(30);
     while daemon.metrics().value("continuum_http_connections", &[]) != Some(3.0) {
-        assert!(Instant::now() < deadline, "the router did not take the connections");
+        assert!(
+            Instant::now() < deadline,
+            "the router did not take the connections"
+        );
         tokio::task::yield_now().await;
     }
 

@@ -258,7 +258,13 @@ pub async fn serve(
         let in_flight = InFlight::start(conn.clone());
         let (body, whole) =
             read_body(&mut stream, &mut buf, request.content_length, body_timeout).await;
-        let handler = super::super::serve_hot_parts(&state, request.route, request.headers, body);
+        // Pinned where it is made: the handler's future is large, and moving it costs a copy.
+        let handler = pin!(super::super::serve_hot_parts(
+            &state,
+            request.route,
+            request.headers,
+            body
+        ));
         let Some(response) = unless_gone(handler, &stream, &mut buf).await else {
             // The client left: the handler, and with it the upstream request, is dropped.
             return End::Closed(Ok(()));
@@ -289,11 +295,10 @@ pub async fn serve(
 /// longer watched for its end. It costs no system call of its own: the read that finds the
 /// socket empty here is the one the next head's wait would make.
 async fn unless_gone<F: Future>(
-    future: F,
+    mut future: Pin<&mut F>,
     stream: &TcpStream,
     buf: &mut BytesMut,
 ) -> Option<F::Output> {
-    let mut future = pin!(future);
     poll_fn(|cx| {
         if let Poll::Ready(output) = future.as_mut().poll(cx) {
             return Poll::Ready(Some(output));
@@ -477,7 +482,7 @@ async fn write_body(
             Poll::Ready(frame) => frame,
             Poll::Pending => {
                 flush(stream, out).await?;
-                unless_gone(poll_fn(poll), stream, buf)
+                unless_gone(pin!(poll_fn(poll)), stream, buf)
                     .await
                     .ok_or_else(|| io::Error::from(io::ErrorKind::ConnectionAborted))?
             }
