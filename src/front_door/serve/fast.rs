@@ -83,7 +83,7 @@ pub struct Request {
 }
 
 /// Parses the request head at the start of `buf`. On [`Parsed::Fast`] the head's bytes are
-/// consumed (the header values share them); otherwise `buf` is untouched.
+/// consumed (the header values share them); otherwise `buf` holds what it held.
 pub fn parse(buf: &mut BytesMut, max_body: usize) -> Parsed {
     if buf.is_empty() {
         return Parsed::Partial;
@@ -184,7 +184,7 @@ fn hot_route(target: &[u8]) -> Option<OpenAiRoute> {
 /// The fields of a request head that decide whether it is served here.
 #[derive(Debug, Default)]
 struct Control {
-    /// The `Content-Length` every such field agreed on; `None` for none.
+    /// The one `Content-Length` field's length; `None` for none.
     length: Option<usize>,
     close: bool,
 }
