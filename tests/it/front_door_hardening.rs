@@ -234,6 +234,17 @@ async fn short_timeouts(up: &FakeUpstream) -> continuum_router::daemon::Daemon {
     support::daemon::start(&yaml).await
 }
 
+/// The same with 60 s timeouts: nothing a test waits for is cut by them.
+async fn long_timeouts(up: &FakeUpstream) -> continuum_router::daemon::Daemon {
+    let yaml = format!(
+        "server:\n  header_read_timeout: 60s\n  idle_timeout: 60s\n\
+         backends:\n  - name: b1\n    url: \"{}\"\n    models: [m]\n    health_check:\n      \
+         enabled: false\n",
+        up.url()
+    );
+    support::daemon::start(&yaml).await
+}
+
 #[tokio::test]
 async fn silent_stalled_and_slow_body_clients_are_cut_by_the_timeouts() {
     let up = FakeUpstream::start().await;
@@ -286,14 +297,34 @@ async fn first_event(
     up.next_request().await;
     tx.send(Bytes::from_static(b"data: {\"n\":1}\n\n"))
         .expect("send 1");
+    let seen = read_until(&mut stream, "\"n\":1").await;
+    (stream, tx, seen)
+}
+
+/// Reads `stream` until what came contains `needle`; what came.
+async fn read_until(stream: &mut TcpStream, needle: &str) -> Vec<u8> {
     let mut seen = Vec::new();
     let mut chunk = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains("\"n\":1") {
+    while !String::from_utf8_lossy(&seen).contains(needle) {
         let n = stream.read(&mut chunk).await.expect("read");
-        assert!(n > 0, "the stream ended early");
+        assert!(n > 0, "the stream ended before {needle}");
         seen.extend_from_slice(&chunk[..n]);
     }
-    (stream, tx, seen)
+    seen
+}
+
+/// `POST path` with `body` as one chunk of a chunked body (a form the front door's own server
+/// leaves to hyper).
+fn post_chunked(path: &str, body: &[u8], close: bool) -> Vec<u8> {
+    let mut request = format!(
+        "POST {path} HTTP/1.1\r\nHost: router\r\nTransfer-Encoding: chunked\r\n{}\r\n{:x}\r\n",
+        if close { "Connection: close\r\n" } else { "" },
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(body);
+    request.extend_from_slice(b"\r\n0\r\n\r\n");
+    request
 }
 
 #[tokio::test]
@@ -636,12 +667,7 @@ async fn hot_requests_in_forms_left_to_hyper_are_still_answered() {
     let daemon = short_timeouts(&up).await;
     let addr = daemon.local_addr();
 
-    let mut chunked = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n\
-        Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-        .to_vec();
-    chunked.extend(format!("{:x}\r\n", CHAT.len()).as_bytes());
-    chunked.extend(CHAT);
-    chunked.extend(b"\r\n0\r\n\r\n");
+    let chunked = post_chunked("/v1/chat/completions", CHAT, true);
     let (status, _) = exchange(addr, &chunked).await.expect("chunked");
     assert!(status.contains("200"), "{status}");
     assert_eq!(up.next_request().await.body, Bytes::from_static(CHAT));
@@ -689,13 +715,7 @@ async fn hot_requests_in_forms_left_to_hyper_are_still_answered() {
 #[tokio::test]
 async fn shutdown_closes_waiting_connections_and_lets_a_stream_finish() {
     let mut up = FakeUpstream::start().await;
-    let yaml = format!(
-        "server:\n  header_read_timeout: 60s\n  idle_timeout: 60s\n\
-         backends:\n  - name: b1\n    url: \"{}\"\n    models: [m]\n    health_check:\n      \
-         enabled: false\n",
-        up.url()
-    );
-    let daemon = support::daemon::start(&yaml).await;
+    let daemon = long_timeouts(&up).await;
     let addr = daemon.local_addr();
     let (mut stream, tx, mut seen) = first_event(addr, &mut up, post_kept).await;
     let waiting = TcpStream::connect(addr).await.expect("connect");
@@ -749,22 +769,11 @@ async fn shutdown_closes_waiting_connections_and_lets_a_stream_finish() {
 #[tokio::test]
 async fn a_client_that_leaves_cancels_its_upstream_request() {
     let mut up = FakeUpstream::start().await;
-    let yaml = format!(
-        "server:\n  header_read_timeout: 60s\n  idle_timeout: 60s\n\
-         backends:\n  - name: b1\n    url: \"{}\"\n    models: [m]\n    health_check:\n      \
-         enabled: false\n",
-        up.url()
-    );
-    let daemon = support::daemon::start(&yaml).await;
+    let daemon = long_timeouts(&up).await;
     let addr = daemon.local_addr();
     let buffered = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
     let streamed = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
-    let mut chunked = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n\
-        Transfer-Encoding: chunked\r\n\r\n"
-        .to_vec();
-    chunked.extend(format!("{:x}\r\n", streamed.len()).as_bytes());
-    chunked.extend(streamed);
-    chunked.extend(b"\r\n0\r\n\r\n");
+    let chunked = post_chunked("/v1/chat/completions", streamed, false);
     for (case, request, first_event) in [
         (
             "buffered, own server",
@@ -786,13 +795,7 @@ async fn a_client_that_leaves_cancels_its_upstream_request() {
         if first_event {
             tx.send(Bytes::from_static(b"data: {\"n\":1}\n\n"))
                 .expect("send 1");
-            let mut seen = Vec::new();
-            let mut chunk = [0u8; 4096];
-            while !String::from_utf8_lossy(&seen).contains("\"n\":1") {
-                let n = stream.read(&mut chunk).await.expect("read");
-                assert!(n > 0, "{case}: the stream ended early");
-                seen.extend_from_slice(&chunk[..n]);
-            }
+            read_until(&mut stream, "\"n\":1").await;
         }
         drop(stream);
         tokio::time::timeout(Duration::from_secs(10), tx.closed())
