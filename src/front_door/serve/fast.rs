@@ -453,7 +453,7 @@ async fn write_response(
     match length {
         Some(n) => {
             out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(itoa(n, &mut [0; 20]));
+            out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
             out.extend_from_slice(b"\r\n\r\n");
         }
         None => out.extend_from_slice(b"transfer-encoding: chunked\r\n\r\n"),
@@ -535,19 +535,6 @@ async fn flush(stream: &mut TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
         out.clear();
     }
     Ok(())
-}
-
-/// `n` in decimal.
-fn itoa(mut n: u64, digits: &mut [u8; 20]) -> &[u8] {
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &digits[at..];
-        }
-    }
 }
 
 /// `n` in lowercase hexadecimal (a chunk's size line).
@@ -762,11 +749,6 @@ mod tests {
         ] {
             assert_eq!(decimal(bad), None, "{bad:?}");
         }
-        assert_eq!(itoa(0, &mut [0; 20]), b"0");
-        assert_eq!(
-            itoa(u64::MAX, &mut [0; 20]),
-            u64::MAX.to_string().as_bytes()
-        );
         assert_eq!(hex(0, &mut [0; 16]), b"0");
         assert_eq!(hex(0x1f2e, &mut [0; 16]), b"1f2e");
         assert_eq!(
