@@ -156,6 +156,11 @@ pub fn hot_route(method: &axum::http::Method, path: &str) -> Option<OpenAiRoute>
     if method != axum::http::Method::POST {
         return None;
     }
+    hot_path(path)
+}
+
+/// The hot route a `POST` to `path` (no query) names.
+pub fn hot_path(path: &str) -> Option<OpenAiRoute> {
     match path {
         "/v1/chat/completions" => Some(OpenAiRoute::ChatCompletions),
         "/v1/completions" => Some(OpenAiRoute::Completions),

@@ -109,7 +109,7 @@ pub fn parse(buf: &mut BytesMut, max_body: usize) -> Parsed {
         if request.version != Some(1) || request.method != Some("POST") {
             return Parsed::HandOff;
         }
-        let Some(route) = hot_route(request.path.unwrap_or_default().as_bytes()) else {
+        let Some(route) = hot_route(request.path.unwrap_or_default()) else {
             return Parsed::HandOff;
         };
         let start = buf.as_ptr() as usize;
@@ -168,17 +168,15 @@ pub fn parse(buf: &mut BytesMut, max_body: usize) -> Parsed {
     })
 }
 
-/// The hot route an origin-form request target names (its query aside).
-fn hot_route(target: &[u8]) -> Option<OpenAiRoute> {
-    let (route, rest) = if let Some(rest) = target.strip_prefix(b"/v1/chat/completions") {
-        (OpenAiRoute::ChatCompletions, rest)
-    } else {
-        (
-            OpenAiRoute::Completions,
-            target.strip_prefix(b"/v1/completions")?,
-        )
-    };
-    (rest.is_empty() || rest[0] == b'?').then_some(route)
+/// The hot route an origin-form request target names (its query aside;
+/// [`super::super::hot_path`] decides).
+fn hot_route(target: &str) -> Option<OpenAiRoute> {
+    // A byte scan: `split_once('?')` cost 135 instructions per request.
+    let end = target
+        .bytes()
+        .position(|b| b == b'?')
+        .unwrap_or(target.len());
+    super::super::hot_path(&target[..end])
 }
 
 /// The fields of a request head that decide whether it is served here.
