@@ -370,7 +370,7 @@ fn decorate(
         if let Ok(name) = HeaderValue::from_str(backend.name()) {
             headers.insert(headers::BACKEND_RESPONSE, name);
         }
-        for (name, value) in &dispatch.disclosed {
+        for (name, value) in dispatch.disclosed() {
             headers.insert(name.clone(), value.clone());
         }
     }
