@@ -47,6 +47,7 @@ fn backend(name: &str, url: &str, models: &[&str]) -> BackendConfig {
         global_prompts: Vec::new(),
         requires_single_leading_system: false,
         responses_api: Default::default(),
+        responses_only_models: Vec::new(),
     }
 }
 
