@@ -141,6 +141,7 @@ async fn router(upstream: SocketAddr) -> SocketAddr {
             global_prompts: Vec::new(),
             requires_single_leading_system: false,
             responses_api: Default::default(),
+            responses_only_models: Vec::new(),
         }],
         &DisaggregatedServingConfig::default(),
     );

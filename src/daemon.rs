@@ -1014,6 +1014,9 @@ impl ControlLoop {
         }
         // Sessions are regranted or closed in place; a new listen address, TLS files, `enabled`
         // or byte bounds restart only root/event_bus (at startup the tree spawns it afterwards).
+        self.shared
+            .event_bus
+            .set_coverage_namespaces(crate::event_bus::coverage_namespaces(&new));
         let bus = crate::event_bus::settings(&new.dynamo.event_bus);
         if plan.event_bus
             && self.shared.event_bus.reload(bus)

@@ -75,9 +75,21 @@ pub fn settings(config: &EventBusConfig) -> BusSettings {
     }
 }
 
+/// The namespaces the broker coverage gauges are exported for: every configured discovery
+/// namespace under `dynamo.enabled` and `dynamo.load.transport: broker`, none otherwise.
+pub fn coverage_namespaces(config: &Config) -> Vec<Namespace> {
+    if config.dynamo.enabled && config.dynamo.load.transport == LoadTransport::Broker {
+        config.dynamo.discovery.namespaces()
+    } else {
+        Vec::new()
+    }
+}
+
 /// Under `dynamo.load.transport: broker`, adds `broker_coverage` to a `GET /admin/dynamo/workers`
-/// body: for every discovered namespace, how many live, non-draining broker sessions cover it.
-/// Uncovered namespaces are where subscriptions stay pending and workers read as stale.
+/// body: for every configured namespace, whether a live, non-draining broker session covers it
+/// (`covered`), those sessions' ids (`brokers`), and how many broker-transport subscriptions wait
+/// there for one (`pending_subscriptions`). Uncovered namespaces are where subscriptions stay
+/// pending and workers read as stale.
 pub fn add_broker_coverage(view: &mut serde_json::Value, bus: &EventBus, config: &Config) {
     if config.dynamo.load.transport != LoadTransport::Broker {
         return;
@@ -97,11 +109,13 @@ pub fn add_broker_coverage(view: &mut serde_json::Value, bus: &EventBus, config:
     let coverage: Vec<serde_json::Value> = namespaces
         .into_iter()
         .map(|namespace| {
-            let sessions = bus.covering_sessions(&Namespace::new(namespace.clone()));
+            let seen = bus.namespace_coverage(&Namespace::new(namespace.clone()));
+            let brokers: Vec<&str> = seen.brokers.iter().map(ClientId::as_str).collect();
             serde_json::json!({
                 "namespace": namespace,
-                "sessions": sessions,
-                "covered": sessions > 0,
+                "covered": !brokers.is_empty(),
+                "brokers": brokers,
+                "pending_subscriptions": seen.pending_subscriptions,
             })
         })
         .collect();

@@ -194,14 +194,32 @@ impl Proxy {
     /// Whether `POST /v1/responses` for `model` goes to a backend's own `/v1/responses`: some
     /// enabled backend the key may use that serves the model is `responses_api: native`.
     pub fn responses_native(&self, model: &str, allowed: &[String]) -> bool {
+        self.any_serving(model, allowed, |b| {
+            b.responses_api == crate::config::schema::ResponsesApi::Native
+        })
+    }
+
+    /// Whether a backend the key may use that serves `model` lists it in
+    /// `responses_only_models`: an Anthropic request for it goes through `/v1/responses`.
+    pub fn responses_only(&self, model: &str, allowed: &[String]) -> bool {
+        self.any_serving(model, allowed, |b| {
+            b.responses_only_models.iter().any(|m| m == model)
+        })
+    }
+
+    /// Whether the config of some backend the key may use that serves `model` satisfies `pred`.
+    fn any_serving(
+        &self,
+        model: &str,
+        allowed: &[String],
+        pred: impl Fn(&crate::config::schema::BackendConfig) -> bool,
+    ) -> bool {
         let scope = Scope {
             allowed,
             only: None,
         };
         match self.pool.select(model, scope) {
-            Selection::Candidates(c) => c
-                .iter()
-                .any(|b| b.config().responses_api == crate::config::schema::ResponsesApi::Native),
+            Selection::Candidates(c) => c.iter().any(|b| pred(b.config())),
             _ => false,
         }
     }
@@ -370,7 +388,7 @@ fn decorate(
         if let Ok(name) = HeaderValue::from_str(backend.name()) {
             headers.insert(headers::BACKEND_RESPONSE, name);
         }
-        for (name, value) in &dispatch.disclosed {
+        for (name, value) in dispatch.disclosed() {
             headers.insert(name.clone(), value.clone());
         }
     }

@@ -67,7 +67,7 @@ use thiserror::Error;
 use tokio::sync::{oneshot, watch};
 use tracing::info;
 
-pub use self::coverage::{COVERAGE_DEBOUNCE, CoverageInterest};
+pub use self::coverage::{COVERAGE_DEBOUNCE, CoverageInterest, NamespaceCoverage};
 pub use self::metrics::EventBusMetrics;
 pub use self::session::SessionMsg;
 pub use self::settings::{BusEntry, BusSettings, BusTls};

@@ -38,6 +38,9 @@ use tracing::debug;
 pub const READ_BUFFER: usize = 2 * 1024;
 /// Budget for resolving, connecting and completing the ZMTP handshake.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on closing an event-bus stream ([`run_session_over`]): ending our side, then reading
+/// until the broker ends its own; the stream is dropped when this runs out.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Buffer bytes an idle subscription holds: read + frame + write buffers (2,624).
 pub const IDLE_BUFFER_BYTES: usize = READ_BUFFER + INITIAL_FRAME_BUFFER + WRITE_BUFFER;
 
@@ -316,7 +319,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpConn<S> {
 
     /// Reads until the peer closes or violates the protocol, sending every delivery to `sink`.
     /// Returns `Ok(())` when the sink's receiver is gone (the subscription was stopped).
-    pub async fn run(mut self, sink: &mpsc::Sender<ConnEvent>) -> Result<(), ZmtpConnError> {
+    pub async fn run(&mut self, sink: &mpsc::Sender<ConnEvent>) -> Result<(), ZmtpConnError> {
         let (mut at, mut end) = self.unread;
         loop {
             while at < end {
@@ -341,28 +344,52 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpConn<S> {
     }
 }
 
+impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpConn<S> {
+    /// Closes the stream in order within [`CLOSE_TIMEOUT`]: ends our side (an event-bus stream's
+    /// END_STREAM), then discards what still arrives until the peer ends its side or fails.
+    /// Either way the stream is dropped after.
+    async fn close(mut self) {
+        let closing = async {
+            if self.stream.shutdown().await.is_err() {
+                return;
+            }
+            while let Ok(n) = self.stream.read(&mut self.read_buf).await {
+                if n == 0 {
+                    return;
+                }
+            }
+        };
+        if tokio::time::timeout(CLOSE_TIMEOUT, closing).await.is_err() {
+            debug!(publisher_id = %self.publisher_id, "The stream did not close in time; dropped it.");
+        }
+    }
+}
+
 /// One connection attempt: connect, announce [`ConnEvent::Connected`], then stream deliveries.
 pub async fn run_session(
     config: &ZmtpConnConfig,
     sink: &mpsc::Sender<ConnEvent>,
 ) -> Result<(), ZmtpConnError> {
-    let conn = ZmtpConn::connect(config).await?;
-    announce_and_run(conn, config, sink).await
+    let mut conn = ZmtpConn::connect(config).await?;
+    announce_and_run(&mut conn, config, sink).await
 }
 
-/// [`run_session`] over a stream that is already connected (an event-bus `BusStream`).
+/// [`run_session`] over a stream that is already connected (an event-bus `BusStream`); when the
+/// session ends the stream is closed in order, bounded by [`CLOSE_TIMEOUT`].
 pub async fn run_session_over<S: AsyncRead + AsyncWrite + Unpin>(
     stream: S,
     peer: SocketAddr,
     config: &ZmtpConnConfig,
     sink: &mpsc::Sender<ConnEvent>,
 ) -> Result<(), ZmtpConnError> {
-    let conn = ZmtpConn::handshake_over(stream, peer, config).await?;
-    announce_and_run(conn, config, sink).await
+    let mut conn = ZmtpConn::handshake_over(stream, peer, config).await?;
+    let result = announce_and_run(&mut conn, config, sink).await;
+    conn.close().await;
+    result
 }
 
 async fn announce_and_run<S: AsyncRead + AsyncWrite + Unpin>(
-    conn: ZmtpConn<S>,
+    conn: &mut ZmtpConn<S>,
     config: &ZmtpConnConfig,
     sink: &mpsc::Sender<ConnEvent>,
 ) -> Result<(), ZmtpConnError> {

@@ -6,6 +6,7 @@
 //! | `json` | the borrowed JSON tree both request converters parse a body into (one parse, strings and keys borrowed, `serde_json::Value`'s semantics) |
 //! | `chat` | the chat-completions request parts the request converters serialise straight from that tree |
 //! | [`anthropic`] | Anthropic Messages API (`POST /v1/messages`, `/anthropic/v1/messages`): request → chat body, buffered chat response → `Message`, chat SSE chunks → Anthropic SSE events ([`anthropic::AnthropicStream`]), Anthropic error objects |
+//! | [`native`] | an Anthropic request for a `responses_only` model through a native `/v1/responses`: chat body → Responses request, Responses answer → chat completion, Responses SSE events → chat chunks ([`native::ResponsesToChat`]) |
 //! | [`prompts`] | per-backend `global_prompts` / `requires_single_leading_system` rewrites of a chat body, shared by dispatch and KV rendering |
 //! | `stream` | what both stream converters share: the upstream chunk read once and handed to a `ChatStreamConverter`, [`SseEvent`] |
 //! | [`responses`] | OpenAI Responses API (`POST /v1/responses`): request → chat body, buffered chat response → `Response`, chat SSE chunks → Responses events ([`responses::ResponsesStream`]), OpenAI error objects |
@@ -16,6 +17,7 @@
 pub mod anthropic;
 mod chat;
 mod json;
+pub mod native;
 pub mod prompts;
 pub mod responses;
 mod stream;

@@ -204,6 +204,11 @@ pub struct BackendConfig {
     /// completions, or `native`: passed through to the backend's own `/v1/responses`.
     #[serde(default)]
     pub responses_api: ResponsesApi,
+    /// Models this backend serves only through its own `/v1/responses`: an Anthropic Messages
+    /// request for one is converted to a Responses request and passed through natively, pinned
+    /// by model alone (seed "Native /v1/responses passthrough").
+    #[serde(default)]
+    pub responses_only_models: Vec<String>,
 }
 
 impl BackendConfig {

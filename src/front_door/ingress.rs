@@ -13,7 +13,9 @@
 //!
 //! `/v1/responses` for a model served by a `responses_api: native` backend passes through
 //! unconverted (route [`OpenAiRoute::Responses`]: pinned by model alone); `/v1/responses/compact`
-//! always passes through, unpinned.
+//! always passes through, unpinned. A Messages request for a model a backend lists in
+//! `responses_only_models` is converted to a Responses request and takes that same native
+//! passthrough (`continuum_protocol::ingress::native`), its answer converted back.
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,7 +26,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use continuum_protocol::ingress::{anthropic, responses};
+use continuum_protocol::ingress::{anthropic, native, responses};
 use futures::StreamExt;
 use serde_json::Value;
 
@@ -170,6 +172,13 @@ async fn messages(state: &AppState, mut headers: HeaderMap, body: Body) -> Respo
         Err(e) => return kind.refused(&e),
     };
     let id = fresh_id();
+    if state
+        .route
+        .proxy()
+        .responses_only(&req.model, &caller.allowed_backends)
+    {
+        return messages_via_responses(state, headers, caller, req, id, limits).await;
+    }
     let resp = send_chat(state, headers, caller, std::mem::take(&mut req.body)).await;
     if !resp.status().is_success() {
         return upstream_error(kind, resp).await;
@@ -184,6 +193,56 @@ async fn messages(state: &AppState, mut headers: HeaderMap, body: Body) -> Respo
         Err(message) => return kind.error(StatusCode::BAD_GATEWAY, &message, None),
     };
     match anthropic::chat_response_to_message(&chat, &req, id, &limits) {
+        Ok(message) => json_back(parts, &message),
+        Err(e) => kind.refused(&e),
+    }
+}
+
+/// A Messages request for a `responses_only` model: the converted chat body becomes a Responses
+/// request passed through to the backend's native `/v1/responses` (route
+/// [`OpenAiRoute::Responses`]: pinned by model alone, no `nvext.token_data`), and the Responses
+/// answer comes back through the chat shape into a `Message` or Anthropic events.
+async fn messages_via_responses(
+    state: &AppState,
+    mut headers: HeaderMap,
+    caller: Caller,
+    req: anthropic::ChatRequest,
+    id: u128,
+    limits: anthropic::Limits,
+) -> Response {
+    let kind = Kind::Anthropic;
+    let body = match native::chat_to_responses(&req.body) {
+        Ok(body) => body,
+        Err(e) => return kind.refused(&e),
+    };
+    headers.remove(header::CONTENT_LENGTH);
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let resp = state
+        .route
+        .serve(OpenAiRoute::Responses, headers, caller, Bytes::from(body))
+        .await;
+    if !resp.status().is_success() {
+        return upstream_error(kind, resp).await;
+    }
+    if req.stream {
+        let chat = native::ResponsesToChat::new(limits.max_chunk_bytes);
+        let conv = anthropic::AnthropicStream::new(&req, id, limits);
+        return stream_back(
+            resp,
+            Converter::AnthropicViaResponses(Box::new((chat, conv))),
+        );
+    }
+    let (parts, body) = resp.into_parts();
+    let answer = match collect(body, limits.max_chunk_bytes).await {
+        Ok(answer) => answer,
+        Err(message) => return kind.error(StatusCode::BAD_GATEWAY, &message, None),
+    };
+    let message = native::responses_to_chat_answer(&answer, limits.max_chunk_bytes)
+        .and_then(|chat| anthropic::chat_response_to_message(&chat, &req, id, &limits));
+    match message {
         Ok(message) => json_back(parts, &message),
         Err(e) => kind.refused(&e),
     }
@@ -332,6 +391,8 @@ fn json_back(mut parts: axum::http::response::Parts, body: &Value) -> Response {
 enum Converter {
     Anthropic(Box<anthropic::AnthropicStream>),
     Responses(Box<responses::ResponsesStream>),
+    /// A `responses_only` model's Responses events, through chat chunks, into Anthropic events.
+    AnthropicViaResponses(Box<(native::ResponsesToChat, anthropic::AnthropicStream)>),
 }
 
 impl Converter {
@@ -339,6 +400,14 @@ impl Converter {
         match self {
             Converter::Anthropic(c) => c.push(data).iter().for_each(|e| out.extend(e.to_bytes())),
             Converter::Responses(c) => c.push(data).iter().for_each(|e| out.extend(e.to_bytes())),
+            Converter::AnthropicViaResponses(c) => {
+                let (chat, conv) = &mut **c;
+                for chunk in chat.push(data) {
+                    conv.push(&chunk)
+                        .iter()
+                        .for_each(|e| out.extend(e.to_bytes()));
+                }
+            }
         }
     }
 
@@ -346,6 +415,9 @@ impl Converter {
         match self {
             Converter::Anthropic(c) => c.finish().iter().for_each(|e| out.extend(e.to_bytes())),
             Converter::Responses(c) => c.finish().iter().for_each(|e| out.extend(e.to_bytes())),
+            Converter::AnthropicViaResponses(c) => {
+                c.1.finish().iter().for_each(|e| out.extend(e.to_bytes()))
+            }
         }
     }
 
@@ -353,6 +425,7 @@ impl Converter {
         match self {
             Converter::Anthropic(c) => c.is_done(),
             Converter::Responses(c) => c.is_done(),
+            Converter::AnthropicViaResponses(c) => c.1.is_done(),
         }
     }
 }

@@ -19,6 +19,24 @@ pub const PREFILL_INSTANCE_ID: &str = "x-dynamo-prefill-instance-id";
 pub const DP_RANK: &str = "x-dynamo-dp-rank";
 pub const PREFILL_DP_RANK: &str = "x-dynamo-prefill-dp-rank";
 
+/// The pinned worker identities as a client that sent `x-backend` sees them: each pin's decimal
+/// value under the router's own name (no `x-dynamo-*` header is ever echoed).
+pub static DISCLOSED_PINS: [(&str, HeaderName); 4] = [
+    (
+        WORKER_INSTANCE_ID,
+        HeaderName::from_static("x-continuum-worker-instance-id"),
+    ),
+    (DP_RANK, HeaderName::from_static("x-continuum-dp-rank")),
+    (
+        PREFILL_INSTANCE_ID,
+        HeaderName::from_static("x-continuum-prefill-instance-id"),
+    ),
+    (
+        PREFILL_DP_RANK,
+        HeaderName::from_static("x-continuum-prefill-dp-rank"),
+    ),
+];
+
 /// Rank aliases the 1.6.1 frontend honours (dynamo-wire §14.1) that do not start with
 /// `x-dynamo-`; beside a pinned worker they would let a client choose the rank.
 const RANK_ALIASES: [&str; 3] = ["x-dp-rank", "x-data-parallel-rank", "x-prefill-dp-rank"];
@@ -36,15 +54,12 @@ const HOP_BY_HOP: [HeaderName; 9] = [
     HeaderName::from_static("proxy-connection"),
 ];
 
-/// Extra outbound headers chosen by routing (worker pins), and identities disclosed to a client
-/// that sent `x-backend`. Connection retries reuse the same `Dispatch` on another replica: the
-/// workers are never re-selected for one request.
+/// Extra outbound headers chosen by routing (worker pins). Connection retries reuse the same
+/// `Dispatch` on another replica: the workers are never re-selected for one request.
 #[derive(Clone, Debug, Default)]
 pub struct Dispatch {
     /// Written on the outbound request after the client's pins were stripped.
     pub headers: HeaderMap,
-    /// Added to the response only when the client sent `x-backend`.
-    pub disclosed: HeaderMap,
 }
 
 impl Dispatch {
@@ -71,10 +86,16 @@ impl Dispatch {
                 headers.insert(PREFILL_DP_RANK, decimal(u64::from(rank.0)));
             }
         }
-        Self {
-            headers,
-            disclosed: HeaderMap::new(),
-        }
+        Self { headers }
+    }
+
+    /// The identities added to the response only when the client sent `x-backend`: the pinned
+    /// workers (and ranks) under [`DISCLOSED_PINS`]' names, read from the pins (nothing is built
+    /// for a request that does not ask).
+    pub fn disclosed(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+        DISCLOSED_PINS
+            .iter()
+            .filter_map(|(pin, name)| Some((name, self.headers.get(*pin)?)))
     }
 }
 

@@ -103,6 +103,9 @@ pub struct ShimRouter {
     kv_applied: Mutex<Option<KvPickParams>>,
     /// Softmax units: a randomly keyed hash of a counter (the picker draws no randomness).
     draws: (std::collections::hash_map::RandomState, AtomicU64),
+    /// Per config, the namespaces whose shim pool may receive `nvext.token_data`
+    /// ([`token_data_namespaces`]), decided once per config.
+    token_data: Mutex<Option<(Arc<Config>, Vec<Namespace>)>>,
 }
 
 impl std::fmt::Debug for ShimRouter {
@@ -143,6 +146,7 @@ impl ShimRouter {
             kv_prep: Mutex::new(None),
             kv_applied: Mutex::new(None),
             draws: (Default::default(), AtomicU64::new(0)),
+            token_data: Mutex::new(None),
         }
     }
 
@@ -382,11 +386,28 @@ impl ShimRouter {
         };
         self.record(model, &routed, &prepared);
         let body = match &prepared {
-            Some(Ok(prompt)) if kv_config.send_token_data => with_token_data(body, &prompt.tokens),
+            Some(Ok(prompt))
+                if kv_config.send_token_data
+                    && self.token_data_fits(&config, &routed.pick.namespace) =>
+            {
+                with_token_data(body, &prompt.tokens)
+            }
             _ => None,
         };
         let pool = pool_of(&config, &routed.pick.namespace, allowed, &usable);
         Some(ShimDecision::new(routed, pool, body))
+    }
+
+    /// Whether the shim copy to `namespace`'s pool may carry the rendered tokens
+    /// ([`token_data_namespaces`], memoised per config).
+    fn token_data_fits(&self, config: &Arc<Config>, namespace: &Namespace) -> bool {
+        let mut memo = lock(&self.token_data);
+        let fresh = memo.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, config));
+        if !fresh {
+            *memo = Some((Arc::clone(config), token_data_namespaces(config)));
+        }
+        memo.as_ref()
+            .is_some_and(|(_, fits)| fits.contains(namespace))
     }
 
     /// Overlaps per block size of a prepared prompt, read under one guard of the shared index.
@@ -565,6 +586,32 @@ pub fn first_replica_rewrite(
     (!rewrite.is_noop()).then_some(rewrite)
 }
 
+/// The namespaces whose shim pool may receive `nvext.token_data` (seed "nvext.token_data"): every
+/// replica of the pool requires the body rewrite the prompt was rendered with (the first shim
+/// replica's `global_prompts` and `requires_single_leading_system`, [`first_replica_rewrite`]).
+/// A replica that rewrites differently would be handed tokens of a prompt it does not serve.
+pub fn token_data_namespaces(config: &Config) -> Vec<Namespace> {
+    let rendered = first_replica_rewrite(config).unwrap_or_default();
+    let rewrite_of = |name: &String| {
+        config
+            .backend(name)
+            .map(|b| b.prompt_rewrite())
+            .unwrap_or_default()
+    };
+    let shim = &config.dynamo.shim;
+    config
+        .dynamo
+        .discovery
+        .namespaces()
+        .into_iter()
+        .filter(|ns| {
+            shim.backends_for(ns.as_str())
+                .iter()
+                .all(|name| rewrite_of(name) == rendered)
+        })
+        .collect()
+}
+
 /// The client model id as the fleet names it (`shim.model_map`).
 fn mapped_model<'a>(config: &'a Config, client_model: &'a str) -> &'a str {
     config
@@ -672,6 +719,37 @@ mod tests {
             serde_json::json!({"token_data": [3], "greed_sampling": true})
         );
         assert_eq!(with_token_data(b"[1]", &[1]), None);
+    }
+
+    /// Two namespaces, one pool each; `b_prompts` are the second pool's second replica's
+    /// `global_prompts`.
+    fn two_pools(b_prompts: &str) -> Config {
+        let text = format!(
+            "backends:\n\
+             - {{name: a1, type: openai, url: \"http://127.0.0.1:1\", models: [m]}}\n\
+             - {{name: b1, type: openai, url: \"http://127.0.0.1:2\", models: [m]}}\n\
+             - {{name: b2, type: openai, url: \"http://127.0.0.1:3\", models: [m], \
+                 global_prompts: {b_prompts}}}\n\
+             dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      \
+             endpoints: [\"http://127.0.0.1:2379\"]\n      namespaces: [a, b]\n  shim:\n    \
+             pools:\n    - {{namespace: a, backends: [a1]}}\n    \
+             - {{namespace: b, backends: [b1, b2]}}\n"
+        );
+        Config::from_yaml_str(&text, &std::collections::HashMap::<String, String>::new())
+            .expect("config")
+    }
+
+    #[test]
+    fn token_data_is_withheld_from_pools_whose_replicas_rewrite_differently() {
+        let names = |config: &Config| -> Vec<String> {
+            token_data_namespaces(config)
+                .iter()
+                .map(|ns| ns.as_str().to_owned())
+                .collect()
+        };
+        assert_eq!(names(&two_pools("[]")), ["a", "b"]);
+        // b2 adds a system prompt the rendered tokens do not carry: pool b gets no token data.
+        assert_eq!(names(&two_pools("[\"be brief\"]")), ["a"]);
     }
 
     #[test]

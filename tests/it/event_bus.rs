@@ -1455,8 +1455,31 @@ async fn under_broker_transport_the_workers_view_shows_broker_coverage() {
     };
     assert_eq!(
         coverage().await,
-        serde_json::json!([{"namespace": "dynamo", "sessions": 0, "covered": false}])
+        serde_json::json!([{"namespace": "dynamo", "covered": false, "brokers": [],
+            "pending_subscriptions": 0}])
     );
+    // The gauges exist for the configured namespace although no subscription wants it yet.
+    let metrics = daemon.metrics().clone();
+    let gauges = |metrics: &Metrics| {
+        (
+            metrics.value(
+                "continuum_dynamo_broker_namespace_sessions",
+                &[("namespace", "dynamo")],
+            ),
+            metrics.value(
+                "continuum_dynamo_broker_pending_subscriptions",
+                &[("family", "kv_metrics"), ("namespace", "dynamo")],
+            ),
+            metrics.value(
+                "continuum_dynamo_broker_pending_subscriptions",
+                &[("family", "kv-events"), ("namespace", "dynamo")],
+            ),
+        )
+    };
+    poll("the configured namespace's gauges are exported", || {
+        (gauges(&metrics) == (Some(0.0), Some(0.0), Some(0.0))).then_some(())
+    })
+    .await;
     let h = Harness {
         bus: bus.clone(),
         metrics: daemon.metrics().clone(),
@@ -1469,8 +1492,13 @@ async fn under_broker_transport_the_workers_view_shows_broker_coverage() {
     h.wait_sessions(1).await;
     assert_eq!(
         coverage().await,
-        serde_json::json!([{"namespace": "dynamo", "sessions": 1, "covered": true}])
+        serde_json::json!([{"namespace": "dynamo", "covered": true,
+            "brokers": ["broker-a.dynamo"], "pending_subscriptions": 0}])
     );
+    poll("the covering session is exported", || {
+        (gauges(&metrics) == (Some(1.0), Some(0.0), Some(0.0))).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test]

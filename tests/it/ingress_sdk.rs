@@ -44,6 +44,7 @@ fn backend(url: &str) -> BackendConfig {
         global_prompts: Vec::new(),
         requires_single_leading_system: false,
         responses_api: Default::default(),
+        responses_only_models: Vec::new(),
     }
 }
 
@@ -276,6 +277,88 @@ async fn native_responses_pass_through() {
         assert_unpinned(&seen);
         assert_eq!(seen.json()["previous_response_id"], json!("resp_0"));
     }
+}
+
+/// A model a backend lists in `responses_only_models`, asked for through the Anthropic ingress,
+/// goes to the backend's own `/v1/responses` as a Responses request (pinned by model alone on the
+/// shim path) and comes back as an Anthropic `Message` or event stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_only_models_take_the_native_passthrough_from_the_anthropic_ingress() {
+    let mut up = FakeUpstream::start().await;
+    let mut only = backend(&up.url());
+    only.responses_api = continuum_router::config::schema::ResponsesApi::Native;
+    only.responses_only_models = vec!["m".into()];
+    let answer = json!({ "id": "resp_1", "object": "response", "status": "completed",
+        "output": [{ "type": "message", "role": "assistant",
+                     "content": [{ "type": "output_text", "text": "Bonjour." }] }],
+        "usage": { "input_tokens": 9, "output_tokens": 2 } });
+    up.push(Reply::Json(StatusCode::OK, answer, vec![]));
+    let (tx, rx) = mpsc::unbounded_channel();
+    for e in [
+        json!({ "type": "response.created", "response": { "status": "in_progress" } }),
+        json!({ "type": "response.output_text.delta", "output_index": 0, "delta": "Bon" }),
+        json!({ "type": "response.output_text.delta", "output_index": 0, "delta": "jour." }),
+        json!({ "type": "response.completed", "response": { "status": "completed",
+                "usage": { "input_tokens": 9, "output_tokens": 2 } } }),
+    ] {
+        tx.send(Bytes::from(format!(
+            "event: {}\ndata: {e}\n\n",
+            e["type"].as_str().expect("type")
+        )))
+        .expect("queued");
+    }
+    drop(tx);
+    up.push(Reply::Sse(rx));
+    let base = serve_router(&[only]).await;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = reqwest::Client::new();
+    let body = |stream: bool| {
+        json!({ "model": "m", "max_tokens": 16, "system": "Answer in French.", "stream": stream,
+                "messages": [{ "role": "user", "content": "Hello" }] })
+    };
+
+    let resp = client
+        .post(format!("{base}/v1/messages"))
+        .json(&body(false))
+        .send()
+        .await
+        .expect("router answers");
+    assert_eq!(resp.status(), 200);
+    let message: Value = resp.json().await.expect("json");
+    assert_eq!(message["type"], "message");
+    assert_eq!(
+        message["content"],
+        json!([{ "type": "text", "text": "Bonjour." }])
+    );
+    assert_eq!(message["stop_reason"], "end_turn");
+    assert_eq!(message["usage"]["output_tokens"], 2);
+    let seen = up.next_request().await;
+    assert_eq!(seen.path, "/v1/responses");
+    assert_unpinned(&seen);
+    let sent = seen.json();
+    assert_eq!(sent["model"], "m");
+    assert_eq!(sent["instructions"], "Answer in French.");
+    assert_eq!(sent["max_output_tokens"], 16);
+    assert_eq!(
+        sent["input"],
+        json!([{ "role": "user", "content": [{ "type": "input_text", "text": "Hello" }] }])
+    );
+    assert!(sent.get("messages").is_none());
+
+    let resp = client
+        .post(format!("{base}/v1/messages"))
+        .json(&body(true))
+        .send()
+        .await
+        .expect("router answers");
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.expect("stream");
+    assert!(text.starts_with("event: message_start"), "{text}");
+    assert!(text.contains("\"text\":\"Bon\"") && text.contains("\"text\":\"jour.\""));
+    assert!(text.contains("event: message_stop"), "{text}");
+    let seen = up.next_request().await;
+    assert_eq!(seen.path, "/v1/responses");
+    assert_eq!(seen.json()["stream"], json!(true));
 }
 
 /// Malformed bodies are 400s in each ingress's format and never reach the upstream; an upstream

@@ -340,3 +340,53 @@ async fn a_conditional_bypass_pins_only_the_decode_worker_on_the_unified_path() 
     );
     daemon.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_data_is_not_sent_when_the_pools_replicas_rewrite_differently() {
+    // Seed "nvext.token_data": not attached when the shim pool's replicas require different
+    // body rewrites. The second replica adds a system prompt: the rendered tokens (with the
+    // first replica's rewrite) fit neither replica's prompt for certain, so no copy carries them.
+    let etcd = EtcdServer::start().await;
+    let mut client = etcd.client().await;
+    put_worker(&mut client, "backend", "aggregated").await;
+    let mut shim = FakeUpstream::start().await;
+    let mut shim2 = FakeUpstream::start().await;
+    let unified = FakeUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kv_on = "    enabled: true\n    send_token_data: true\n";
+    let text = yaml(&etcd, &shim, &unified, kv_on)
+        .replace(
+            "  - name: unified\n",
+            &format!(
+                "  - name: shim2\n    type: openai\n    url: \"{}\"\n    models: [tiny]\n    \
+                 global_prompts: [\"Answer briefly.\"]\n    health_check:\n      enabled: false\n\
+                 \x20 - name: unified\n",
+                shim2.url()
+            ),
+        )
+        .replace("backends: [shim]", "backends: [shim, shim2]");
+    let daemon = start(&text, &dir).await;
+    wait_for_workers(&daemon, 1).await;
+    for _ in 0..2 {
+        shim.push(Reply::Json(http::StatusCode::OK, completion("ok"), vec![]));
+        shim2.push(Reply::Json(http::StatusCode::OK, completion("ok"), vec![]));
+        assert_eq!(chat(&daemon).await.status, 200);
+        let seen = shim
+            .try_request()
+            .or_else(|| shim2.try_request())
+            .expect("a shim replica got the request");
+        assert!(seen.headers.get("x-dynamo-worker-instance-id").is_some());
+        let body = seen.json();
+        assert!(body["nvext"].get("token_data").is_none(), "{body}");
+        assert_eq!(body["nvext"]["greed_sampling"], true);
+    }
+    // KV-aware selection itself still ran on the rendered prompt.
+    let selected = |result| {
+        metric(
+            &daemon,
+            "continuum_dynamo_kv_selection_total",
+            &[("result", result)],
+        )
+    };
+    assert_eq!(selected("overlap") + selected("no_overlap"), 2.0);
+}

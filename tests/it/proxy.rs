@@ -47,6 +47,7 @@ fn backend(name: &str, url: &str, models: &[&str]) -> BackendConfig {
         global_prompts: Vec::new(),
         requires_single_leading_system: false,
         responses_api: Default::default(),
+        responses_only_models: Vec::new(),
     }
 }
 
@@ -463,6 +464,49 @@ async fn the_backend_is_disclosed_only_when_asked_with_x_backend() {
     assert_eq!(resp.headers()["x-continuum-backend"], "b1");
     up.next_request().await;
     assert!(up.next_request().await.headers.get("x-backend").is_none());
+}
+
+#[tokio::test]
+async fn pinned_workers_are_disclosed_only_when_asked_with_x_backend() {
+    let mut up = FakeUpstream::start().await;
+    let h = harness(vec![backend("b1", &up.url(), &["m"])]);
+    let candidates = vec![h.proxy.pool().get("b1").expect("b1")];
+    let dispatch = Dispatch::pins(
+        InstanceId(0x1a2b_3c4d),
+        Some(DpRank(0)),
+        Some((InstanceId(42), Some(DpRank(1)))),
+    );
+    let names = [
+        "x-continuum-worker-instance-id",
+        "x-continuum-dp-rank",
+        "x-continuum-prefill-instance-id",
+        "x-continuum-prefill-dp-rank",
+    ];
+    for disclose in [true, false] {
+        let request = ClientRequest {
+            route: OpenAiRoute::ChatCompletions,
+            body: body::parse(Bytes::from(chat_body().to_string())).expect("parse"),
+            headers: Default::default(),
+            disclose,
+            authenticated: false,
+        };
+        let resp = h
+            .proxy
+            .dispatch(&request, &candidates, &dispatch, RoutingPath::Disaggregated)
+            .await
+            .expect("the replica answers");
+        up.next_request().await;
+        let headers = resp.headers();
+        assert!(headers.keys().all(|k| !k.as_str().starts_with("x-dynamo-")));
+        if disclose {
+            let seen: Vec<_> = names.iter().map(|n| headers[*n].clone()).collect();
+            assert_eq!(seen, ["439041101", "0", "42", "1"]);
+            assert_eq!(headers["x-continuum-backend"], "b1");
+        } else {
+            assert!(names.iter().all(|n| headers.get(*n).is_none()));
+            assert!(headers.get("x-continuum-backend").is_none());
+        }
+    }
 }
 
 #[tokio::test]

@@ -173,6 +173,7 @@ fn backend(url: &str, ca: Option<&Path>, health: bool) -> BackendConfig {
         global_prompts: Vec::new(),
         requires_single_leading_system: false,
         responses_api: Default::default(),
+        responses_only_models: Vec::new(),
     }
 }
 

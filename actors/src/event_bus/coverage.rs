@@ -1,9 +1,11 @@
 //! Broker coverage of what broker-transport subscriptions want: every running subscription
 //! holds a [`CoverageInterest`] for its (family, namespace) and marks it pending while no live
 //! broker session covers the namespace. A reporter task exports, 250 ms after the last change
-//! (of an interest or of the session table),
+//! (of an interest, of the configured namespaces or of the session table),
 //! `continuum_dynamo_broker_namespace_sessions{namespace}` and
-//! `continuum_dynamo_broker_pending_subscriptions{family, namespace}`, and
+//! `continuum_dynamo_broker_pending_subscriptions{family, namespace}` for every configured
+//! namespace ([`EventBus::set_coverage_namespaces`]; 0 when nothing covers or waits) and every
+//! namespace a subscription wants, and
 //! `continuum_dynamo_broker_subscriptions{family, broker}` (subscription streams each broker
 //! session carries). Namespaces come from discovery (configured, at most 16), never from an
 //! agent's hello; brokers are authenticated `brokers[].id` entries (at most 256).
@@ -32,10 +34,16 @@ struct Wanted {
     pending: usize,
 }
 
+/// The families a broker-transport subscription carries.
+const FAMILIES: [EventTopic; 2] = [EventTopic::KvMetrics, EventTopic::KvEvents];
+
 /// The wanted (family, namespace) pairs and the reporter's wake-up.
 #[derive(Default)]
 pub(crate) struct CoverageTable {
     wanted: Mutex<BTreeMap<Key, Wanted>>,
+    /// The configured discovery namespaces (under `transport: broker`), exported even when no
+    /// subscription wants them.
+    configured: Mutex<Vec<Namespace>>,
     carried: Mutex<BTreeMap<(EventTopic, ClientId), usize>>,
     dirty: Notify,
     reporter: OnceLock<()>,
@@ -128,6 +136,62 @@ impl EventBus {
     }
 }
 
+/// One namespace's broker coverage, as `GET /admin/dynamo/workers` shows it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NamespaceCoverage {
+    /// The live, non-draining broker sessions covering the namespace (their `brokers[].id`).
+    pub brokers: Vec<ClientId>,
+    /// Broker-transport subscriptions in the namespace waiting for a covering session.
+    pub pending_subscriptions: usize,
+}
+
+impl EventBus {
+    /// The configured namespaces the coverage gauges are exported for (0 when no broker covers
+    /// them and no subscription waits); an empty list outside `transport: broker`.
+    pub fn set_coverage_namespaces(&self, namespaces: Vec<Namespace>) {
+        let table = &self.shared.coverage;
+        {
+            let mut configured = table.configured.lock();
+            if *configured == namespaces {
+                return;
+            }
+            *configured = namespaces;
+        }
+        self.start_reporter();
+        table.changed();
+    }
+
+    /// `namespace`'s covering brokers and pending broker-transport subscriptions.
+    pub fn namespace_coverage(&self, namespace: &Namespace) -> NamespaceCoverage {
+        let pending_subscriptions = self
+            .shared
+            .coverage
+            .lock()
+            .iter()
+            .filter(|((_, ns), _)| ns == namespace)
+            .map(|(_, wanted)| wanted.pending)
+            .sum();
+        let mut brokers: Vec<ClientId> = self
+            .lock()
+            .sessions
+            .values()
+            .filter(|row| covering(row, namespace))
+            .map(|row| row.client_id.clone())
+            .collect();
+        brokers.sort();
+        brokers.dedup();
+        NamespaceCoverage {
+            brokers,
+            pending_subscriptions,
+        }
+    }
+}
+
+/// A live, non-draining broker session covering `namespace`.
+fn covering(row: &super::SessionRow, namespace: &Namespace) -> bool {
+    row.role == Role::Broker && !row.draining && row.coverage.covers_namespace(namespace)
+}
+
 impl EventBus {
     /// Starts the debounced reporter once (only with metrics; needs a tokio runtime).
     pub(crate) fn start_reporter(&self) {
@@ -186,22 +250,25 @@ async fn report(bus: EventBus) {
         let Some(metrics) = bus.metrics() else {
             return;
         };
-        let wanted = bus.shared.coverage.lock().clone();
+        let mut wanted = bus.shared.coverage.lock().clone();
+        // Every configured namespace is exported, wanted or not.
+        let configured = bus.shared.coverage.configured.lock().clone();
+        for namespace in configured {
+            for family in FAMILIES {
+                wanted.entry((family, namespace.clone())).or_default();
+            }
+        }
         let sessions: BTreeMap<&Namespace, usize> = {
             let state = bus.lock();
             wanted
                 .keys()
                 .map(|(_, namespace)| {
-                    let covering = state
+                    let n = state
                         .sessions
                         .values()
-                        .filter(|row| {
-                            row.role == Role::Broker
-                                && !row.draining
-                                && row.coverage.covers_namespace(namespace)
-                        })
+                        .filter(|row| covering(row, namespace))
                         .count();
-                    (namespace, covering)
+                    (namespace, n)
                 })
                 .collect()
         };

@@ -152,13 +152,72 @@ async fn an_idle_connection_holds_2624_buffer_bytes() {
 async fn dropping_the_receiver_stops_the_session() {
     let (listener, port) = listener().await;
     let peer = tokio::spawn(async move { accept_as_pub(&listener).await });
-    let conn = ZmtpConn::connect(&config(port, CONNECT_TIMEOUT))
+    let mut conn = ZmtpConn::connect(&config(port, CONNECT_TIMEOUT))
         .await
         .unwrap();
     let _stream = peer.await.unwrap();
     let (tx, rx) = mpsc::channel(1);
     drop(rx);
     assert!(conn.run(&tx).await.is_ok());
+}
+
+/// Plays a PUB over one end of an in-memory stream (an event-bus stream stands in the same way)
+/// up to the subscription; returns that end.
+async fn duplex_pub(mut end: tokio::io::DuplexStream) -> tokio::io::DuplexStream {
+    let mut buf = [0u8; 64 + 27 + 13];
+    end.read_exact(&mut buf[..64]).await.unwrap();
+    end.write_all(&pub_handshake(b"PUB")).await.unwrap();
+    end.read_exact(&mut buf[64..]).await.unwrap();
+    assert_eq!(&buf[64 + 27..], b"\x00\x0b\x01kv_metrics");
+    end
+}
+
+/// A stream session that ends (its receiver stopped) closes the stream in order: our side ends
+/// first, then it waits for the peer's end, at most `CLOSE_TIMEOUT` (seed: the broker connector's
+/// 1 s close timeout).
+#[tokio::test(start_paused = true)]
+async fn a_stream_session_closes_in_order_within_the_close_timeout() {
+    assert_eq!(CLOSE_TIMEOUT, Duration::from_secs(1));
+    let peer_at = SocketAddr::from(([10, 0, 0, 7], 5557));
+    for peer_answers in [false, true] {
+        let (ours, theirs) = tokio::io::duplex(4096);
+        let peer = tokio::spawn(async move {
+            let mut theirs = duplex_pub(theirs).await;
+            // Our END_STREAM reaches the peer before the stream is dropped.
+            let mut rest = Vec::new();
+            theirs.read_to_end(&mut rest).await.unwrap();
+            if peer_answers {
+                drop(theirs);
+                None
+            } else {
+                Some(theirs)
+            }
+        });
+        let (tx, mut rx) = mpsc::channel(4);
+        let session = tokio::spawn(async move {
+            let cfg = config(5557, CONNECT_TIMEOUT);
+            run_session_over(ours, peer_at, &cfg, &tx).await
+        });
+        assert!(matches!(rx.recv().await, Some(ConnEvent::Connected { .. })));
+        let stopped = Instant::now();
+        drop(rx);
+        assert!(session.await.unwrap().is_ok());
+        let held = peer.await.unwrap();
+        let waited = stopped.elapsed();
+        if peer_answers {
+            assert!(
+                waited < CLOSE_TIMEOUT,
+                "waited {waited:?} for a peer that ended"
+            );
+        } else {
+            // The paused clock jumps to the timer (rounded up to its millisecond tick).
+            assert!(
+                waited >= CLOSE_TIMEOUT && waited < CLOSE_TIMEOUT + Duration::from_millis(2),
+                "a silent peer is waited for 1 s, no more: {waited:?}"
+            );
+            drop(held);
+        }
+    }
 }
 
 /// Runs a session against a peer that sends `bytes` after accepting (and then holds the socket).

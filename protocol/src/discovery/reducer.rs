@@ -49,6 +49,8 @@ pub struct DiscoveryReducer {
     changes: ViewChanges,
     /// The cards parsed last, shared by the workers that publish the same card.
     memo: CardMemo,
+    /// The instances whose release string was logged.
+    released: ReleaseLog,
 }
 
 /// The workers (by instance id) and whether the publishers changed in a view since the consumer
@@ -89,6 +91,7 @@ impl DiscoveryReducer {
             role_conflicts: BTreeMap::new(),
             changes: ViewChanges::default(),
             memo: CardMemo::default(),
+            released: ReleaseLog::default(),
         }
     }
 
@@ -147,6 +150,7 @@ impl DiscoveryReducer {
                 let outcome = ingest(
                     self.namespace.as_str(),
                     &mut self.memo,
+                    &mut self.released,
                     &mut staging.held,
                     Some(&self.held),
                     &key,
@@ -169,6 +173,7 @@ impl DiscoveryReducer {
                     ingest(
                         self.namespace.as_str(),
                         &mut self.memo,
+                        &mut self.released,
                         &mut staging.held,
                         None,
                         &key,
@@ -197,6 +202,7 @@ impl DiscoveryReducer {
         let outcome = ingest(
             self.namespace.as_str(),
             &mut self.memo,
+            &mut self.released,
             &mut self.held,
             None,
             key,
@@ -1145,6 +1151,29 @@ struct LogState {
     capacity_logged: BTreeSet<Keyspace>,
 }
 
+/// The worker instances whose card's release string was logged: once per instance, not on
+/// every re-parse of its card. Bounded: at [`MAX_RECORDS_PER_KEYSPACE`] instances it forgets
+/// them all (a later card may then be logged once more).
+#[derive(Debug, Default)]
+struct ReleaseLog {
+    logged: BTreeSet<InstanceId>,
+}
+
+impl ReleaseLog {
+    /// Logs `release` for `instance` at debug, unless it was logged before.
+    fn note(&mut self, namespace: &str, instance: InstanceId, release: &str) {
+        if self.logged.contains(&instance) {
+            return;
+        }
+        if self.logged.len() >= MAX_RECORDS_PER_KEYSPACE {
+            self.logged.clear();
+        }
+        self.logged.insert(instance);
+        debug!(namespace, instance_id = %instance, %release,
+            "Worker card carries a release string.");
+    }
+}
+
 /// What one put did to a held set.
 #[derive(Debug)]
 enum Outcome {
@@ -1171,9 +1200,11 @@ enum Outcome {
 
 /// Folds one put into `held`. `reuse` is the live set during a resync: an unchanged value reuses
 /// the live parse (and its `Arc`ed card), so an idempotent resync costs a hash per record.
+#[allow(clippy::too_many_arguments)]
 fn ingest(
     namespace: &str,
     memo: &mut CardMemo,
+    released: &mut ReleaseLog,
     held: &mut Held,
     reuse: Option<&Held>,
     key: &str,
@@ -1215,8 +1246,7 @@ fn ingest(
             Ok(Record::Endpoint(r)) => HeldRecord::Endpoint(Arc::new(r)),
             Ok(Record::Card(r)) => {
                 if let Some(release) = &r.fields.release {
-                    debug!(namespace, instance_id = %r.instance_id, %release,
-                        "Worker card carries a release string.");
+                    released.note(namespace, r.instance_id, release);
                 }
                 HeldRecord::Card(Arc::new(r))
             }

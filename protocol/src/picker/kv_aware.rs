@@ -3,10 +3,12 @@
 //!
 //! Which phase the formula scores:
 //! * **Pair fleets** (some eligible namespace serves the model with prefill and decode workers):
-//!   decode is chosen by the load-only rule ([`load_based::score`] / [`load_based::select`]), then
-//!   prefill within the winner's namespace by the formula. With conditional disaggregation, decode
-//!   is scored by the formula's `max(0, decode_cost_blocks - overlap_credit_blocks)` instead, and
-//!   the decode winner may prefill locally (a *bypass*, see [`KvAwarePicker::bypasses`]).
+//!   the formula scores the prefill ranks of every namespace holding such a pair (seed
+//!   "Graph-local dispatch"), then decode is chosen within the prefill winner's namespace by the
+//!   load-only rule ([`load_based::score`] / [`load_based::select`]); namespaces without a pair
+//!   sit out. With conditional disaggregation, decode is scored by the formula's
+//!   `max(0, decode_cost_blocks - overlap_credit_blocks)` instead, and the decode winner may
+//!   prefill locally (a *bypass*, see [`KvAwarePicker::bypasses`]).
 //! * **Aggregated fleets** (no prefill/decode pair): the decode candidates prefill their own
 //!   requests, so the formula scores them; their decode blocks (`kv_used_blocks` on dynamo.vllm)
 //!   are the backlog, plus `active_prefill_tokens` when a sample carries it.
@@ -21,9 +23,10 @@
 //! block size has no formula cost; when no rank has one, the phase falls back to the load-only
 //! rule.
 //!
-//! Namespaces follow the load-based picker's rules exactly: pairs never cross namespaces, a
-//! prefill rank is chosen only beside a decode winner of its namespace, aggregated workers beside
-//! a prefill/decode pool sit out, and an aggregated winner gets no prefill (`no_prefill_pool`).
+//! Namespaces follow the load-based picker's pairing rules: pairs never cross namespaces,
+//! aggregated workers beside a prefill/decode pool sit out, and an aggregated winner gets no
+//! prefill (`no_prefill_pool`); only the order differs (the load-based picker compares decode
+//! across namespaces first).
 //! Without a KV input (no tokenizer, prompt too large, render failed, artifact unpinned) the whole
 //! pick is the load-based one and the outcome reports why.
 //!
@@ -870,6 +873,36 @@ impl KvAwarePicker {
         } else {
             None
         };
+        // Pair fleets: prefill first, scored across the namespaces holding a prefill/decode pair,
+        // then decode within the winner's namespace (graph-local dispatch).
+        let prefill_first = if pair_fleet {
+            plan_paired_prefill(dense, eligible, roles, table);
+            let cursor = cursors.advance(req.model, Phase::Prefill);
+            self.choose_phase(
+                &ctx,
+                &mut bufs,
+                members,
+                table,
+                Some(Scoring::Prefill),
+                Phase::Prefill,
+                cursor,
+            )
+        } else {
+            None
+        };
+        match prefill_first {
+            Some((p, _)) => plan_decode_in(
+                dense,
+                eligible,
+                u16::try_from(p.namespace).unwrap_or(NOT_ELIGIBLE),
+                table,
+            ),
+            // No prefill rank could be chosen: decode across the namespaces, unpaired.
+            None if pair_fleet => {
+                load_based::plan_decode(dense, eligible, namespaces.len(), roles, table);
+            }
+            None => {}
+        }
         let cursor = cursors.advance(req.model, Phase::Decode);
         let chosen = self.choose_phase(
             &ctx,
@@ -896,40 +929,25 @@ impl KvAwarePicker {
         let mut prefill: Option<(usize, &Candidate)> = None;
         let mut prefill_reason = SelectionReason::NoPrefillPool;
         let mut bypass = false;
-        let has_prefill = roles
-            .get(won.namespace)
-            .is_some_and(|&r| r & role_bit(CandidateRole::Prefill) != 0);
-        if decode.role == CandidateRole::Decode && has_prefill {
-            // The prefill ranks of the winner's namespace (a position taken from the table).
-            let ns = u16::try_from(won.namespace).unwrap_or(NOT_ELIGIBLE);
-            load_based::plan_prefill(dense, eligible, ns, table);
-            let cursor = cursors.advance(req.model, Phase::Prefill);
-            if let Some((p, reason)) = self.choose_phase(
-                &ctx,
-                &mut bufs,
-                members,
-                table,
-                Some(Scoring::Prefill),
-                Phase::Prefill,
-                cursor,
-            ) && let Some(c) = candidates.get(p.index)
-            {
-                let ledger_decode = ctx.backlog(won).decode_blocks;
-                bypass = conditional
-                    && self.bypasses(
-                        decode,
-                        ctx.overlap_at(won.index),
-                        ctx.overlap_at(p.index),
-                        ctx.sample(won.index),
-                        ledger_decode,
-                        kv.isl,
-                    );
-                if bypass {
-                    prefill_reason = SelectionReason::ConditionalBypass;
-                } else {
-                    prefill = Some((p.index, c));
-                    prefill_reason = reason;
-                }
+        if let Some((p, reason)) = prefill_first
+            && decode.role == CandidateRole::Decode
+            && let Some(c) = candidates.get(p.index)
+        {
+            let ledger_decode = ctx.backlog(won).decode_blocks;
+            bypass = conditional
+                && self.bypasses(
+                    decode,
+                    ctx.overlap_at(won.index),
+                    ctx.overlap_at(p.index),
+                    ctx.sample(won.index),
+                    ledger_decode,
+                    kv.isl,
+                );
+            if bypass {
+                prefill_reason = SelectionReason::ConditionalBypass;
+            } else {
+                prefill = Some((p.index, c));
+                prefill_reason = reason;
             }
         }
         // The rank that prefills decides the result: the prefill rank, else the decode winner.
@@ -975,6 +993,34 @@ fn tabled(dense: &DenseRanks, table: &[u16], paired: impl Fn(u16) -> bool) -> (u
         any_paired |= paired(ns);
     }
     (count, any_paired)
+}
+
+/// The prefill candidates of a pair fleet: the prefill rows of every eligible namespace that
+/// also holds a decode worker for the model (`roles` as [`load_based::plan_decode`] left them).
+fn plan_paired_prefill(dense: &DenseRanks, eligible: &[u16], roles: &[u8], table: &mut Vec<u16>) {
+    let paired = role_bit(CandidateRole::Prefill) | role_bit(CandidateRole::Decode);
+    table.clear();
+    table.resize(dense.groups() * 4, NOT_ELIGIBLE);
+    for (g, &ns) in eligible.iter().enumerate() {
+        if roles
+            .get(usize::from(ns))
+            .is_some_and(|&r| r & paired == paired)
+        {
+            table[Row::table_index(g, CandidateRole::Prefill)] = ns;
+        }
+    }
+}
+
+/// The decode candidates of the paired namespace at position `ns` (its aggregated workers sit
+/// out beside the pair pool).
+fn plan_decode_in(dense: &DenseRanks, eligible: &[u16], ns: u16, table: &mut Vec<u16>) {
+    table.clear();
+    table.resize(dense.groups() * 4, NOT_ELIGIBLE);
+    for (g, &p) in eligible.iter().enumerate() {
+        if p == ns {
+            table[Row::table_index(g, CandidateRole::Decode)] = ns;
+        }
+    }
 }
 
 /// Lists the rows `table` makes candidates, in row order, with their namespace positions.

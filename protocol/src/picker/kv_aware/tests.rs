@@ -349,9 +349,10 @@ fn vllm_prefill_pools_without_prefill_backlog_compete_on_overlap() {
 }
 
 #[test]
-fn mixed_namespaces_follow_the_load_based_rules() {
+fn mixed_namespaces_pair_within_the_paired_namespace() {
     // ns "a": prefill + decode + aggregated (the aggregated worker sits out even holding the
-    // prefix); ns "b": aggregated only. Prefill never crosses namespaces.
+    // prefix); ns "b": aggregated and prefill, no decode worker: no prefill candidate there, so
+    // in this pair fleet it sits out. Prefill never crosses namespaces.
     let candidates = vec![
         cand("a", 1, CandidateRole::Prefill),
         cand("a", 2, CandidateRole::Decode),
@@ -361,17 +362,42 @@ fn mixed_namespaces_follow_the_load_based_rules() {
     ];
     let mut h = Harness::new(candidates, FakeLoad::default(), &[(3, 4), (5, 4)]);
     h.namespaces = vec![Namespace::new("a"), Namespace::new("b")];
-    let mut seen = std::collections::BTreeSet::new();
     for _ in 0..6 {
         let (pick, _) = h.pick();
-        match ids(&pick) {
-            (2, Some(1)) => {}
-            (4, None) => assert_eq!(pick.reasons.prefill, SelectionReason::NoPrefillPool),
-            other => panic!("unexpected pair {other:?}"),
-        }
-        seen.insert(ids(&pick).0);
+        assert_eq!(ids(&pick), (2, Some(1)));
     }
-    assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![2, 4]);
+    // Without the pair namespace the aggregated one serves, unpaired.
+    h.namespaces = vec![Namespace::new("b")];
+    let (pick, _) = h.pick();
+    assert_eq!(ids(&pick), (4, None));
+    assert_eq!(pick.reasons.prefill, SelectionReason::NoPrefillPool);
+}
+
+#[test]
+fn prefill_is_scored_across_namespaces_and_decode_picked_within_the_winner() {
+    // Seed "Graph-local dispatch": ns "a" has the lighter decode worker, ns "b" the prefill
+    // worker holding the prompt. The load-only order (decode first) would pair D10 with P1,
+    // which holds nothing; the KV-aware order scores P1 (8) against P2 (isl 64, holds 4:
+    // 64/16 - 4 = 0, plus 0 decode blocks) across namespaces and decodes on D11 beside P2.
+    let load = FakeLoad::default()
+        .with("a", 10, fresh(Some(1), None))
+        .with("b", 11, fresh(Some(30), None))
+        .with("a", 1, fresh(Some(0), Some(0)))
+        .with("b", 2, fresh(Some(0), Some(0)));
+    let candidates = vec![
+        cand("a", 10, CandidateRole::Decode),
+        cand("b", 11, CandidateRole::Decode),
+        cand("a", 1, CandidateRole::Prefill),
+        cand("b", 2, CandidateRole::Prefill),
+    ];
+    let mut h = Harness::new(candidates, load, &[(2, 4)]);
+    h.namespaces = vec![Namespace::new("a"), Namespace::new("b")];
+    let (pick, result) = h.pick();
+    assert_eq!(ids(&pick), (11, Some(2)));
+    assert_eq!(pick.namespace, Namespace::new("b"));
+    assert_eq!(pick.reasons.prefill, SelectionReason::KvAware);
+    assert_eq!(pick.reasons.decode, SelectionReason::Load);
+    assert_eq!(result, KvSelectionResult::Overlap);
 }
 
 #[test]

@@ -822,3 +822,59 @@ fn watch_events_during_a_resync_survive_the_swap() {
     assert_eq!(ids, vec![101, 103]);
     assert!(r.is_synced() && !r.is_resyncing());
 }
+
+/// Counts the events whose message contains `needle` (a minimal tracing layer).
+struct CountEvents {
+    needle: &'static str,
+    seen: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CountEvents {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Message<'a>(&'a str, bool);
+        impl tracing::field::Visit for Message<'_> {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" && format!("{value:?}").contains(self.0) {
+                    self.1 = true;
+                }
+            }
+        }
+        let mut message = Message(self.needle, false);
+        event.record(&mut message);
+        if message.1 {
+            self.seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn a_cards_release_string_is_logged_once_per_instance() {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let subscriber = tracing_subscriber::registry().with(CountEvents {
+        needle: "release string",
+        seen: seen.clone(),
+    });
+    tracing::subscriber::with_default(subscriber, || {
+        let mut r = reducer();
+        put_endpoint(&mut r, "decode", 8);
+        let key = card_key("dyn", "decode", "generate", 8);
+        let mut c = card("dyn", "decode", 8, Some("decode"));
+        c["card_json"]["dynamo_version"] = json!("1.6.1");
+        r.apply(put(&key, &c), T0);
+        // Re-parses of the instance's card (another member, other spacing) log nothing more.
+        c["card_json"]["slug"] = json!("another-slug");
+        r.apply(put(&key, &c), T1);
+        let pretty = serde_json::to_vec_pretty(&c).expect("json");
+        r.apply(put_raw(&key, &pretty), T1);
+        assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), 1);
+        // Another instance with the same card is logged once too.
+        put_endpoint(&mut r, "decode", 9);
+        let mut other = c.clone();
+        other["instance_id"] = json!(9);
+        r.apply(put(&card_key("dyn", "decode", "generate", 9), &other), T1);
+        other["card_json"]["slug"] = json!("a-third-slug");
+        r.apply(put(&card_key("dyn", "decode", "generate", 9), &other), T1);
+    });
+    assert_eq!(seen.load(std::sync::atomic::Ordering::Relaxed), 2);
+}

@@ -287,7 +287,6 @@ impl ReferenceKv {
         } else {
             None
         };
-        let cursor = self.cursors.advance(req.model, Phase::Decode);
         let ledger = std::mem::take(&mut self.ledger);
         let ctx = Ctx {
             req,
@@ -297,6 +296,34 @@ impl ReferenceKv {
             ledger: &ledger,
             now,
         };
+        // Pair fleets: prefill across the paired namespaces first, decode within the winner's.
+        let prefill_first = if pair_fleet {
+            let members: Vec<Matched> = matched
+                .iter()
+                .copied()
+                .filter(|m| {
+                    paired(m.namespace) && candidates[m.index].role == CandidateRole::Prefill
+                })
+                .collect();
+            let cursor = self.cursors.advance(req.model, Phase::Prefill);
+            self.choose(
+                &ctx,
+                &members,
+                Some(Scoring::Prefill),
+                Phase::Prefill,
+                cursor,
+            )
+        } else {
+            None
+        };
+        let decode_pool: Vec<Matched> = match prefill_first {
+            Some((p, _)) => decode_pool
+                .into_iter()
+                .filter(|m| m.namespace == p.namespace)
+                .collect(),
+            None => decode_pool,
+        };
+        let cursor = self.cursors.advance(req.model, Phase::Decode);
         let Some((won, decode_reason)) =
             self.choose(&ctx, &decode_pool, decode_scoring, Phase::Decode, cursor)
         else {
@@ -310,45 +337,30 @@ impl ReferenceKv {
         let mut prefill: Option<&Candidate> = None;
         let mut prefill_reason = SelectionReason::NoPrefillPool;
         let mut bypass = false;
-        if decode.role == CandidateRole::Decode && roles[won.namespace].prefill {
-            let members: Vec<Matched> = matched
-                .iter()
-                .copied()
-                .filter(|m| {
-                    m.namespace == won.namespace
-                        && candidates[m.index].role == CandidateRole::Prefill
-                })
-                .collect();
-            let cursor = self.cursors.advance(req.model, Phase::Prefill);
-            if let Some((p, reason)) = self.choose(
-                &ctx,
-                &members,
-                Some(Scoring::Prefill),
-                Phase::Prefill,
-                cursor,
-            ) {
-                let p = &candidates[p.index];
-                let ledger_decode = ctx
-                    .ledger(won.namespace)
-                    .map(|l| l.backlog(decode.worker.instance_id, decode.rank(), now))
-                    .unwrap_or_default()
-                    .decode_blocks;
-                let picker = KvAwarePicker::new(self.params);
-                bypass = conditional
-                    && picker.bypasses(
-                        decode,
-                        ctx.overlap_of(decode),
-                        ctx.overlap_of(p),
-                        ctx.sample(won.index),
-                        ledger_decode,
-                        kv.isl,
-                    );
-                if bypass {
-                    prefill_reason = SelectionReason::ConditionalBypass;
-                } else {
-                    prefill = Some(p);
-                    prefill_reason = reason;
-                }
+        if let Some((p, reason)) = prefill_first
+            && decode.role == CandidateRole::Decode
+        {
+            let p = &candidates[p.index];
+            let ledger_decode = ctx
+                .ledger(won.namespace)
+                .map(|l| l.backlog(decode.worker.instance_id, decode.rank(), now))
+                .unwrap_or_default()
+                .decode_blocks;
+            let picker = KvAwarePicker::new(self.params);
+            bypass = conditional
+                && picker.bypasses(
+                    decode,
+                    ctx.overlap_of(decode),
+                    ctx.overlap_of(p),
+                    ctx.sample(won.index),
+                    ledger_decode,
+                    kv.isl,
+                );
+            if bypass {
+                prefill_reason = SelectionReason::ConditionalBypass;
+            } else {
+                prefill = Some(p);
+                prefill_reason = reason;
             }
         }
         let result = if bypass {
