@@ -126,3 +126,30 @@ async fn query_bytes_hyper_refuses_are_a_400_on_both_servers() {
     assert!(up.try_request().is_none(), "nothing was forwarded");
     daemon.shutdown().await;
 }
+
+/// No `Host`, two, or an invalid one (RFC 9112 §3.2): 400 from both servers, nothing forwarded.
+/// Both answered 200 and forwarded the request.
+#[tokio::test]
+async fn a_missing_repeated_or_invalid_host_is_a_400_on_both_servers() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = daemon(&up, "").await;
+    let addr = daemon.local_addr();
+    for fields in ["", "Host: r\r\nHost: r\r\n", "Host: a b/c\r\n"] {
+        let request = hot("/v1/chat/completions", fields);
+        let first = statuses(addr, &[&request], 1).await;
+        assert_eq!(first, ["HTTP/1.1 400 Bad Request"], "{fields:?}");
+        let after = statuses(addr, &[HEALTH, &request], 2).await;
+        assert_eq!(
+            after,
+            ["HTTP/1.1 200 OK", "HTTP/1.1 400 Bad Request"],
+            "{fields:?}"
+        );
+    }
+    let no_host = statuses(addr, &[b"GET /health HTTP/1.1\r\n\r\n"], 1).await;
+    assert_eq!(no_host, ["HTTP/1.1 400 Bad Request"]);
+    assert!(up.try_request().is_none(), "nothing was forwarded");
+    // HTTP/1.0 needs none.
+    let old = statuses(addr, &[b"GET /health HTTP/1.0\r\n\r\n"], 1).await;
+    assert_eq!(old, ["HTTP/1.0 200 OK"]);
+    daemon.shutdown().await;
+}
