@@ -2,7 +2,8 @@
 //! HTTP/1.1 or h2c (hyper-util's auto builder, as `axum::serve` did) with a timer, so that no
 //! client can hold a connection, and with it a file descriptor, for free. A connection starts
 //! with the front door's own HTTP/1.1 server for the plain hot-route requests ([`fast`]), which
-//! hands it to hyper at its first other request.
+//! hands it to hyper at its first other request: to the auto builder (HTTP/1.1, or h2c's
+//! preface) when it served nothing yet, to HTTP/1.1 only after it served a request.
 //!
 //! - **Header-read timeout** (HTTP/1.1): a connection waiting for a request must deliver the whole
 //!   head within `server.header_read_timeout` (while [`fast`] serves it, the idle timer with the
@@ -441,6 +442,7 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(options.header_read_timeout);
     builder.http2().timer(TokioTimer::new());
+    let h1_builder = Arc::new(builder.clone().http1_only());
     let builder = Arc::new(builder);
     let table = SharedTable::default();
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -505,6 +507,7 @@ pub async fn serve(
             table: table.clone(),
             options,
             builder: builder.clone(),
+            h1_builder: h1_builder.clone(),
             stop: stop_rx.clone(),
             metrics: conn_metrics.clone(),
             _alive: alive_tx.clone(),
@@ -526,6 +529,9 @@ struct Connection {
     table: SharedTable,
     options: ServeOptions,
     builder: Arc<auto::Builder<TokioExecutor>>,
+    /// `builder` for HTTP/1.1 only: for a connection the front door's own server handed over
+    /// after serving a request on it.
+    h1_builder: Arc<auto::Builder<TokioExecutor>>,
     stop: watch::Receiver<bool>,
     metrics: ConnMetrics,
     _alive: mpsc::Sender<Infallible>,
@@ -551,7 +557,9 @@ impl Connection {
                 tokio::pin!(fast);
                 loop {
                     match sides.wait(fast.as_mut()).await {
-                        Event::Ended(fast::End::HandOff(io)) => break Some(io),
+                        Event::Ended(fast::End::HandOff { io, served }) => {
+                            break Some((io, served));
+                        }
                         Event::Ended(fast::End::Closed(result)) => {
                             if let Err(error) = result {
                                 debug!(%error, "A client connection ended with an error.");
@@ -569,9 +577,9 @@ impl Connection {
                     }
                 }
             }
-            None => Some(fast::Rewound::new(stream, Bytes::new())),
+            None => Some((fast::Rewound::new(stream, Bytes::new()), false)),
         };
-        if let Some(io) = io {
+        if let Some((io, served)) = io {
             // hyper's header-read timer covers the waits for a head from here on.
             conn.set_idle_limit(self.options.idle_timeout);
             let service = {
@@ -621,7 +629,14 @@ impl Connection {
                     }
                 })
             };
-            let connection = self.builder.serve_connection(TokioIo::new(io), service);
+            // A connection that already carried a request is HTTP/1.1: the auto builder would
+            // take h2c's preface after it for a new connection's (it sniffs at the hand-over).
+            let builder = if served {
+                &self.h1_builder
+            } else {
+                &self.builder
+            };
+            let connection = builder.serve_connection(TokioIo::new(io), service);
             tokio::pin!(connection);
             if sides.draining {
                 connection.as_mut().graceful_shutdown();

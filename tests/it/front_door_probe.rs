@@ -153,3 +153,40 @@ async fn a_missing_repeated_or_invalid_host_is_a_400_on_both_servers() {
     assert_eq!(old, ["HTTP/1.0 200 OK"]);
     daemon.shutdown().await;
 }
+
+/// h2c's connection preface and an empty SETTINGS frame.
+const H2_START: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0";
+
+/// After a request served on a connection, h2c's preface is not taken as a new connection's: the
+/// connection stays HTTP/1.1 (hyper's HTTP/1.1 server refuses the preface and closes it). It was
+/// answered in HTTP/2 (SETTINGS, WINDOW_UPDATE, GOAWAY). A new connection's preface is still h2c.
+#[tokio::test]
+async fn a_served_connection_never_switches_to_http2() {
+    let up = FakeUpstream::start().await;
+    let daemon = daemon(&up, "").await;
+    let addr = daemon.local_addr();
+    for first in [hot("/v1/chat/completions", "Host: r\r\n"), HEALTH.to_vec()] {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream
+            .write_all(&[&first, H2_START].concat())
+            .await
+            .expect("send");
+        let mut buf = Vec::new();
+        let (head, _) = answer(&mut stream, &mut buf).await.expect("the answer");
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        while fill(&mut stream, &mut buf).await {}
+        assert!(
+            buf.is_empty() || buf.starts_with(b"HTTP/1.1 4"),
+            "only HTTP/1.1 after an HTTP/1.1 answer: {buf:?}"
+        );
+    }
+    let mut fresh = TcpStream::connect(addr).await.expect("connect");
+    fresh.write_all(H2_START).await.expect("send");
+    let mut buf = Vec::new();
+    while buf.len() < 9 {
+        assert!(fill(&mut fresh, &mut buf).await, "h2c's SETTINGS");
+    }
+    assert_eq!(buf[3], 4, "a new connection's preface is answered with SETTINGS: {buf:?}");
+    drop(fresh);
+    daemon.shutdown().await;
+}

@@ -292,7 +292,12 @@ pub enum End {
     /// on an error).
     Closed(io::Result<()>),
     /// hyper serves the connection from here on.
-    HandOff(Rewound),
+    HandOff {
+        io: Rewound,
+        /// Whether a request was served here first: the connection is HTTP/1.1 then, and hyper
+        /// must not take bytes that follow as h2c's preface.
+        served: bool,
+    },
 }
 
 /// Serves plain hot-route requests on `stream` until the connection ends or a request is one
@@ -305,11 +310,15 @@ pub async fn serve(
 ) -> End {
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let mut out = Vec::new();
+    let mut served = false;
     loop {
         let request = loop {
             match parse(&mut buf, state.route.max_request_body_bytes()) {
                 Parsed::Fast(request) => break request,
-                Parsed::HandOff => return End::HandOff(Rewound::new(stream, buf.freeze())),
+                Parsed::HandOff => {
+                    let io = Rewound::new(stream, buf.freeze());
+                    return End::HandOff { io, served };
+                }
                 Parsed::Partial => {}
             }
             match read(&mut stream, &mut buf).await {
@@ -335,6 +344,7 @@ pub async fn serve(
         let keep = whole && !request.close && !conn.closing.load(Ordering::Acquire);
         let written = write_response(&mut stream, &mut buf, &mut out, response, keep).await;
         drop(in_flight);
+        served = true;
         if out.capacity() > 2 * READ_CHUNK {
             // A large answer's buffer is not kept for the connection's life.
             out = Vec::new();
