@@ -105,8 +105,8 @@ impl Config {
 pub struct ServerConfig {
     /// TCP address the front door (and `/admin/*`, `/metrics`) listens on.
     pub bind_address: SocketAddr,
-    /// An HTTP/1.1 connection waiting for a request (new or kept alive) must deliver the whole
-    /// request head within this time or it is closed.
+    /// An HTTP/1.1 request head must be whole within this time of its first byte (a new
+    /// connection's first head: of the connection's start) or the connection is closed.
     pub header_read_timeout: HumanDuration,
     /// A request body must arrive whole within this time after its head (else 408).
     pub body_read_timeout: HumanDuration,

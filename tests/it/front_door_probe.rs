@@ -190,3 +190,67 @@ async fn a_served_connection_never_switches_to_http2() {
     drop(fresh);
     daemon.shutdown().await;
 }
+
+/// Sends half a request head on a new connection and waits until the router closes it.
+async fn stall_until_closed(addr: SocketAddr) {
+    let mut stalled = TcpStream::connect(addr).await.expect("connect");
+    stalled
+        .write_all(b"GET /health HTTP/1.1\r\nHost: r")
+        .await
+        .expect("half a head");
+    let mut rest = Vec::new();
+    while fill(&mut stalled, &mut rest).await {}
+    assert!(rest.is_empty(), "closed without an answer");
+}
+
+/// Whether the router closed `stream` (its end, or a reset, is there to read).
+fn is_closed(stream: &TcpStream) -> bool {
+    match stream.try_read(&mut [0u8; 1]) {
+        Ok(0) => true,
+        Ok(_) => panic!("unexpected bytes"),
+        Err(error) => error.kind() != std::io::ErrorKind::WouldBlock,
+    }
+}
+
+/// With `header_read_timeout` 1 s and `idle_timeout` 3 s, on both servers: a kept-alive
+/// connection still serves after 2 s of quiet (it was closed `header_read_timeout` after each
+/// answer: the 10 s closes of the soak); a head stalled on it is closed `header_read_timeout`
+/// after its first byte; a quiet one is closed in the end. Each stalled new connection measures
+/// `header_read_timeout` (a new connection's first head is timed from its start), so no test
+/// reads a clock.
+#[tokio::test]
+async fn kept_alive_connections_wait_idle_timeout_and_stalled_heads_header_read_timeout() {
+    let up = FakeUpstream::start().await;
+    let daemon = daemon(&up, "  header_read_timeout: 1s\n  idle_timeout: 3s\n").await;
+    let addr = daemon.local_addr();
+    let request = hot("/v1/chat/completions", "Host: r\r\n");
+    let mut fast = TcpStream::connect(addr).await.expect("connect");
+    let mut hyper = TcpStream::connect(addr).await.expect("connect");
+    let mut buf = Vec::new();
+    for _ in 0..2 {
+        fast.write_all(&request).await.expect("send");
+        let (head, _) = answer(&mut fast, &mut buf).await.expect("served");
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        hyper.write_all(HEALTH).await.expect("send");
+        let (head, _) = answer(&mut hyper, &mut buf).await.expect("served");
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        // Two header-read timeouts in a row: 2 s of quiet on both.
+        stall_until_closed(addr).await;
+        stall_until_closed(addr).await;
+    }
+    // A head started on each and stalled: closed 1 s after its first byte, before a stalled
+    // head started 1 s after it (the idle timeout would close them 3 s after their answers).
+    fast.write_all(&request[..20]).await.expect("half a head");
+    hyper.write_all(&HEALTH[..20]).await.expect("half a head");
+    stall_until_closed(addr).await;
+    stall_until_closed(addr).await;
+    assert!(is_closed(&fast) && is_closed(&hyper));
+
+    // A quiet kept-alive connection is closed in the end (by the idle timeout).
+    let mut quiet = TcpStream::connect(addr).await.expect("connect");
+    quiet.write_all(&request).await.expect("send");
+    answer(&mut quiet, &mut buf).await.expect("served");
+    while fill(&mut quiet, &mut buf).await {}
+    assert!(buf.is_empty());
+    daemon.shutdown().await;
+}

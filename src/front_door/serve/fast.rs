@@ -14,9 +14,9 @@
 //! Why: hyper's server connection cost ≈ 12 k instructions per proxied request, this loop about
 //! a third of it (docs/performance.md, "Proxy vs nginx"; issue #16).
 //!
-//! The connection's limits stay those of [`super`]: the idle timer closes a connection that
-//! waited for a head longer than `min(header_read_timeout, idle_timeout)` (the header-read
-//! timeout measured as hyper does, from when the connection began to wait for the head), a body
+//! The connection's limits stay those of [`super`]: its timer closes a connection whose head
+//! is not whole `header_read_timeout` after its first byte (marked here when a read leaves a
+//! head partial, [`Conn::head_started`]) or that waited `idle_timeout` with no request, a body
 //! late beyond `body_read_timeout` fails the handler's read with [`BodyReadTimeout`] (a 408),
 //! eviction and shutdown are the task's as for hyper's connections.
 
@@ -319,6 +319,8 @@ pub async fn serve(
                     let io = Rewound::new(stream, buf.freeze());
                     return End::HandOff { io, served };
                 }
+                // A head that did not come whole: timed from here ([`Conn::idle_for`]).
+                Parsed::Partial if !buf.is_empty() => conn.head_started(),
                 Parsed::Partial => {}
             }
             match read(&mut stream, &mut buf).await {
@@ -643,16 +645,67 @@ fn push_date(out: &mut Vec<u8>) {
     });
 }
 
+/// h2c's connection preface.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Whether a connection's first bytes are (the start of) h2c's preface.
+fn h2_preface(first: &[u8]) -> bool {
+    !first.is_empty() && H2_PREFACE.starts_with(&first[..first.len().min(H2_PREFACE.len())])
+}
+
 /// The client's socket with the bytes already read from it in front: what hyper's server reads
 /// first when it takes a connection over.
 pub struct Rewound {
     prefix: Bytes,
     inner: TcpStream,
+    /// The connection whose HTTP/1.1 request heads hyper reads from here: bytes read while no
+    /// request is in flight start its header-read timer ([`Conn::head_started`]). `None` for h2c
+    /// (and until [`Rewound::timing_heads`]).
+    heads: Option<Arc<Conn>>,
+    /// The protocol is still to be told from the first bytes read (there was no prefix).
+    sniff: bool,
 }
 
 impl Rewound {
     pub fn new(inner: TcpStream, prefix: Bytes) -> Self {
-        Self { prefix, inner }
+        Self {
+            prefix,
+            inner,
+            heads: None,
+            sniff: false,
+        }
+    }
+
+    /// Times the request heads hyper reads on `conn` over HTTP/1.1: always when `http1` (the
+    /// connection already carried a request), else unless its first bytes are h2c's preface
+    /// (whose streams, not heads, keep it busy: its first head's timer is stopped).
+    pub fn timing_heads(mut self, conn: Arc<Conn>, http1: bool) -> Self {
+        if !http1 && self.prefix.is_empty() {
+            self.sniff = true;
+        } else if !http1 && h2_preface(&self.prefix) {
+            conn.head_done();
+            return self;
+        }
+        self.heads = Some(conn);
+        self
+    }
+
+    /// `read` came from the socket.
+    fn seen(&mut self, read: &[u8]) {
+        if read.is_empty() {
+            return;
+        }
+        if std::mem::take(&mut self.sniff)
+            && h2_preface(read)
+            && let Some(conn) = self.heads.take()
+        {
+            conn.head_done();
+        }
+        if let Some(conn) = &self.heads
+            && conn.in_flight.load(Ordering::Acquire) == 0
+        {
+            conn.head_started();
+        }
     }
 }
 
@@ -662,13 +715,17 @@ impl AsyncRead for Rewound {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if !self.prefix.is_empty() {
-            let n = self.prefix.len().min(buf.remaining());
-            buf.put_slice(&self.prefix[..n]);
-            self.prefix.advance(n);
+        let this = &mut *self;
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix[..n]);
+            this.prefix.advance(n);
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        this.seen(&buf.filled()[before..]);
+        polled
     }
 }
 
