@@ -12,6 +12,9 @@
 //!   wait and so closed every kept-alive connection `header_read_timeout` after its answer.
 //! - **Body-read timeout**: a request body must arrive whole within `server.body_read_timeout` of
 //!   its head; a late body fails the read and the handler answers 408.
+//! - **Send timeout**: an answer that could not be written on for `server.send_timeout` (the
+//!   client stopped reading) closes the connection and releases what it held, on both servers
+//!   ([`fast::Socket`]); a client that reads slowly but steadily is not cut.
 //! - **Idle timeout**: a connection with no request in flight (nothing sent yet, a stalled head,
 //!   an h2c connection without streams, a kept-alive connection) is closed after
 //!   `server.idle_timeout`. A request is in flight from its head until its response body ends,
@@ -76,6 +79,7 @@ pub struct ServeOptions {
     pub header_read_timeout: Duration,
     pub body_read_timeout: Duration,
     pub idle_timeout: Duration,
+    pub send_timeout: Duration,
     pub max_connections: usize,
 }
 
@@ -85,6 +89,7 @@ impl ServeOptions {
             header_read_timeout: server.header_read_timeout.get(),
             body_read_timeout: server.body_read_timeout.get(),
             idle_timeout: server.idle_timeout.get(),
+            send_timeout: server.send_timeout.get(),
             max_connections: server.max_connections,
         }
     }
@@ -593,6 +598,7 @@ impl Connection {
             task,
             draining: false,
         };
+        let stream = fast::Socket::new(stream, self.options.send_timeout);
         let io = match self.hot.clone() {
             Some(state) => {
                 let fast = fast::serve(stream, state, conn.clone(), self.options.body_read_timeout);
@@ -908,6 +914,7 @@ mod tests {
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(60),
+            send_timeout: Duration::from_secs(60),
             max_connections: 1,
         };
         let timed = |conn: &Arc<Conn>| {

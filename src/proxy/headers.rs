@@ -111,7 +111,10 @@ fn connection_named(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '
 fn has_underscore(name: &HeaderName) -> bool {
     let underscore = name.as_str().as_bytes().contains(&b'_');
     if underscore {
-        debug!(header = name.as_str(), "Dropped a request header whose name has '_'.");
+        debug!(
+            header = name.as_str(),
+            "Dropped a request header whose name has '_'."
+        );
     }
     underscore
 }

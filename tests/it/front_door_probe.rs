@@ -7,10 +7,12 @@ use crate::support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use bytes::Bytes;
 use continuum_router::daemon::Daemon;
-use support::upstream::FakeUpstream;
+use support::upstream::{FakeUpstream, Reply};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::mpsc;
 
 const CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#;
 
@@ -186,7 +188,10 @@ async fn a_served_connection_never_switches_to_http2() {
     while buf.len() < 9 {
         assert!(fill(&mut fresh, &mut buf).await, "h2c's SETTINGS");
     }
-    assert_eq!(buf[3], 4, "a new connection's preface is answered with SETTINGS: {buf:?}");
+    assert_eq!(
+        buf[3], 4,
+        "a new connection's preface is answered with SETTINGS: {buf:?}"
+    );
     drop(fresh);
     daemon.shutdown().await;
 }
@@ -252,5 +257,48 @@ async fn kept_alive_connections_wait_idle_timeout_and_stalled_heads_header_read_
     answer(&mut quiet, &mut buf).await.expect("served");
     while fill(&mut quiet, &mut buf).await {}
     assert!(buf.is_empty());
+    daemon.shutdown().await;
+}
+
+/// A client that never reads its streamed answer: once no byte could be written for
+/// `send_timeout`, the router closes the connection and drops its upstream request (the fake
+/// upstream's stream ends), on both servers. The connection stayed open and busy for ever (the
+/// idle timer never fires while a request is in flight), pinning the buffered answer.
+#[tokio::test]
+async fn a_client_that_never_reads_is_closed_after_send_timeout() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = daemon(&up, "  send_timeout: 1s\n  idle_timeout: 2s\n").await;
+    let addr = daemon.local_addr();
+    let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let mut request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(body);
+    // One 64 KiB event, sent (shared, not copied) until every buffer on the way is full.
+    let event = Bytes::from(format!("data: {}\n\n", "x".repeat(64 * 1024)));
+    for before in [&b""[..], HEALTH] {
+        let (tx, rx) = mpsc::unbounded_channel();
+        up.push(Reply::Sse(rx));
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .set_recv_buffer_size(4096)
+            .expect("a small receive buffer");
+        let mut stream = socket.connect(addr).await.expect("connect");
+        stream
+            .write_all(&[before, &request].concat())
+            .await
+            .expect("send");
+        up.next_request().await;
+        for _ in 0..2048 {
+            tx.send(event.clone()).expect("the stream is open");
+        }
+        tokio::time::timeout(Duration::from_secs(30), tx.closed())
+            .await
+            .expect("the router gave the stream up");
+        drop(stream);
+    }
     daemon.shutdown().await;
 }

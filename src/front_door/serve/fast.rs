@@ -36,7 +36,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use hyper::body::Frame;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
 use super::{BoxError, Conn, InFlight};
 use crate::front_door::AppState;
@@ -255,9 +255,9 @@ pub fn valid_host(value: &[u8]) -> bool {
             };
             let literal = &value[1..close];
             let literal_ok = !literal.is_empty()
-                && literal
-                    .iter()
-                    .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.') || reg_name_byte(b));
+                && literal.iter().all(|&b| {
+                    b.is_ascii_hexdigit() || matches!(b, b':' | b'.') || reg_name_byte(b)
+                });
             if !literal_ok {
                 return false;
             }
@@ -281,8 +281,21 @@ fn reg_name_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric()
         || matches!(
             b,
-            b'-' | b'.' | b'_' | b'~' | b'%' | b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*'
-                | b'+' | b',' | b';' | b'='
+            b'-' | b'.'
+                | b'_'
+                | b'~'
+                | b'%'
+                | b'!'
+                | b'$'
+                | b'&'
+                | b'\''
+                | b'('
+                | b')'
+                | b'*'
+                | b'+'
+                | b','
+                | b';'
+                | b'='
         )
 }
 
@@ -303,7 +316,7 @@ pub enum End {
 /// Serves plain hot-route requests on `stream` until the connection ends or a request is one
 /// for hyper.
 pub async fn serve(
-    mut stream: TcpStream,
+    mut stream: Socket,
     state: Arc<AppState>,
     conn: Arc<Conn>,
     body_timeout: Duration,
@@ -339,7 +352,7 @@ pub async fn serve(
             request.headers,
             body
         ));
-        let Some(response) = unless_gone(handler, &stream, &mut buf).await else {
+        let Some(response) = unless_gone(handler, &stream.inner, &mut buf).await else {
             // The client left: the handler, and with it the upstream request, is dropped.
             return End::Closed(Ok(()));
         };
@@ -407,7 +420,7 @@ fn poll_gone(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Po
 }
 
 /// One read into `buf`, growing it by [`READ_CHUNK`] when it has little room.
-async fn read(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+async fn read(stream: &mut Socket, buf: &mut BytesMut) -> io::Result<usize> {
     if buf.capacity() - buf.len() < READ_ROOM {
         buf.reserve(READ_CHUNK);
     }
@@ -418,7 +431,7 @@ async fn read(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
 /// body that is not whole within `timeout` of its head fails the handler's read with
 /// [`BodyReadTimeout`] (its 408); one the client broke off fails it with the read's error.
 async fn read_body(
-    stream: &mut TcpStream,
+    stream: &mut Socket,
     buf: &mut BytesMut,
     length: usize,
     timeout: Duration,
@@ -475,7 +488,7 @@ impl hyper::body::Body for Failed {
 /// `Ok(false)` when the connection cannot be kept (the body failed, or the answer says
 /// `Connection: close`). `keep` false adds `Connection: close`.
 async fn write_response(
-    stream: &mut TcpStream,
+    stream: &mut Socket,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     response: Response,
@@ -541,7 +554,7 @@ async fn write_response(
 /// match its length (the answer is cut: the connection must close). While it waits for the
 /// body, the client's end is watched ([`unless_gone`]; `buf` keeps what arrives meanwhile).
 async fn write_body(
-    stream: &mut TcpStream,
+    stream: &mut Socket,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     body: Body,
@@ -557,7 +570,7 @@ async fn write_body(
             Poll::Ready(frame) => frame,
             Poll::Pending => {
                 flush(stream, out).await?;
-                unless_gone(pin!(poll_fn(poll)), stream, buf)
+                unless_gone(pin!(poll_fn(poll)), &stream.inner, buf)
                     .await
                     .ok_or_else(|| io::Error::from(io::ErrorKind::ConnectionAborted))?
             }
@@ -604,7 +617,7 @@ async fn write_body(
     Ok(whole)
 }
 
-async fn flush(stream: &mut TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
+async fn flush(stream: &mut Socket, out: &mut Vec<u8>) -> io::Result<()> {
     if !out.is_empty() {
         stream.write_all(out).await?;
         out.clear();
@@ -645,6 +658,98 @@ fn push_date(out: &mut Vec<u8>) {
     });
 }
 
+/// The client's socket. A write that could not go on for `send_timeout` (the client stopped
+/// reading and the socket's buffer is full) fails with `TimedOut`: the connection closes, and
+/// the answer it held (up to the relay's bounds) is released. The timer is armed only when a
+/// write finds the socket full, and set again at each progress (nginx's `send_timeout`).
+pub struct Socket {
+    inner: TcpStream,
+    send_timeout: Duration,
+    /// The send timer, made at the first write that had to wait.
+    stalled: Option<Pin<Box<Sleep>>>,
+    /// Whether the timer runs for the current wait.
+    armed: bool,
+}
+
+impl Socket {
+    pub fn new(inner: TcpStream, send_timeout: Duration) -> Self {
+        Self {
+            inner,
+            send_timeout,
+            stalled: None,
+            armed: false,
+        }
+    }
+
+    /// A write's outcome under the send timer.
+    fn timed<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.armed = false;
+            return polled;
+        }
+        let deadline = Instant::now() + self.send_timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !std::mem::replace(&mut self.armed, true) {
+            stalled.as_mut().reset(deadline);
+        }
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took no answer bytes for server.send_timeout",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for Socket {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Socket {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.timed(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.timed(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 /// h2c's connection preface.
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
@@ -657,7 +762,7 @@ fn h2_preface(first: &[u8]) -> bool {
 /// first when it takes a connection over.
 pub struct Rewound {
     prefix: Bytes,
-    inner: TcpStream,
+    inner: Socket,
     /// The connection whose HTTP/1.1 request heads hyper reads from here: bytes read while no
     /// request is in flight start its header-read timer ([`Conn::head_started`]). `None` for h2c
     /// (and until [`Rewound::timing_heads`]).
@@ -667,7 +772,7 @@ pub struct Rewound {
 }
 
 impl Rewound {
-    pub fn new(inner: TcpStream, prefix: Bytes) -> Self {
+    pub fn new(inner: Socket, prefix: Bytes) -> Self {
         Self {
             prefix,
             inner,
@@ -747,7 +852,7 @@ impl AsyncWrite for Rewound {
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        self.inner.inner.is_write_vectored()
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -879,7 +984,15 @@ mod tests {
             let head = format!("POST /v1/chat/completions HTTP/1.1\r\n{fields}{body}");
             handed_off(head.as_bytes());
         }
-        for host in ["r", "router:8080", "10.0.0.1:80", "[::1]:8080", "[fe80::1%25eth0]", "a_b.c", ""] {
+        for host in [
+            "r",
+            "router:8080",
+            "10.0.0.1:80",
+            "[::1]:8080",
+            "[fe80::1%25eth0]",
+            "a_b.c",
+            "",
+        ] {
             let head = format!("POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{body}");
             let (request, _) = fast(head.as_bytes());
             assert_eq!(request.headers["host"], host);
@@ -1050,6 +1163,7 @@ mod tests {
         let (server, _) = accepted.expect("accept");
         client.write_all(b" world").await.expect("write");
         drop(client);
+        let server = Socket::new(server, Duration::from_secs(60));
         let mut rewound = Rewound::new(server, Bytes::from_static(b"hello"));
         let mut read = Vec::new();
         rewound.read_to_end(&mut read).await.expect("read");
