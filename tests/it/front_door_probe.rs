@@ -302,3 +302,28 @@ async fn a_client_that_never_reads_is_closed_after_send_timeout() {
     }
     daemon.shutdown().await;
 }
+
+/// Request header names with `_` never reach the backend, from either server: a backend that
+/// maps `_` to `-` would read `Transfer_Encoding` and `Content_Length` as framing. They were
+/// forwarded beside the router's own framing.
+#[tokio::test]
+async fn header_names_with_underscores_are_not_forwarded_from_either_server() {
+    let mut up = FakeUpstream::start().await;
+    let daemon = daemon(&up, "").await;
+    let addr = daemon.local_addr();
+    let request = hot(
+        "/v1/chat/completions",
+        "Host: r\r\nTransfer_Encoding: chunked\r\nContent_Length: 0\r\nX_Custom: 1\r\nX-Kept: 1\r\n",
+    );
+    for before in [&b""[..], HEALTH] {
+        let n = if before.is_empty() { 1 } else { 2 };
+        let answers = statuses(addr, &[before, &request], n).await;
+        assert_eq!(answers.last().map(String::as_str), Some("HTTP/1.1 200 OK"));
+        let seen = up.next_request().await;
+        assert_eq!(seen.body, CHAT);
+        assert_eq!(seen.headers["x-kept"], "1");
+        let names: Vec<_> = seen.headers.keys().map(|k| k.as_str()).collect();
+        assert!(names.iter().all(|n| !n.contains('_')), "{names:?}");
+    }
+    daemon.shutdown().await;
+}
