@@ -30,13 +30,18 @@ async fn daemon(up: &FakeUpstream, server: &str) -> Daemon {
 
 /// `POST target` with the chat body, `fields` (each ending in CRLF) and its length.
 fn hot(target: &str, fields: &str) -> Vec<u8> {
+    post(target, fields, CHAT)
+}
+
+/// `POST target` with `body`, `fields` (each ending in CRLF) and its length.
+fn post(target: &str, fields: &str, body: &[u8]) -> Vec<u8> {
     let mut request = format!(
         "POST {target} HTTP/1.1\r\n{fields}Content-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n",
-        CHAT.len()
+        body.len()
     )
     .into_bytes();
-    request.extend_from_slice(CHAT);
+    request.extend_from_slice(body);
     request
 }
 
@@ -270,13 +275,7 @@ async fn a_client_that_never_reads_is_closed_after_send_timeout() {
     let daemon = daemon(&up, "  send_timeout: 1s\n  idle_timeout: 2s\n").await;
     let addr = daemon.local_addr();
     let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
-    let mut request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    request.extend_from_slice(body);
+    let request = post("/v1/chat/completions", "Host: r\r\n", body);
     // One 64 KiB event, sent (shared, not copied) until every buffer on the way is full.
     let event = Bytes::from(format!("data: {}\n\n", "x".repeat(64 * 1024)));
     for before in [&b""[..], HEALTH] {
