@@ -23,7 +23,6 @@
 //!   open-file limit can carry) are open; a new connection beyond it closes the oldest idle one,
 //!   or is itself refused when every open connection has a request in flight. Both count in
 //!   `continuum_http_connections_shed_total{reason}`.
-//!
 //! - **Host**: an HTTP/1.1 request without exactly one `Host` field, or with one that is not
 //!   `host[:port]`, is answered 400 and its connection closed (RFC 9112 §3.2), on both servers.
 //!

@@ -173,9 +173,10 @@ pub fn parse(buf: &mut BytesMut, max_body: usize) -> Parsed {
 }
 
 /// The hot route an origin-form request target names (its query aside;
-/// [`super::super::hot_path`] decides). A query with a byte hyper's target parser refuses (`"`,
-/// `<`, `>`, `#`, `\`, `^`, a byte beyond ASCII, …) is not served here: hyper answers it (400),
-/// so both servers keep one rule.
+/// [`super::super::hot_path`] decides). A query with a byte beyond those `http::Uri` takes as
+/// they are (`"`, `<`, `>` among them, which hyper's server refuses with 400; `#`, which starts a
+/// fragment; a byte beyond ASCII) is not served here: hyper judges it, so both servers keep one
+/// rule.
 fn hot_route(target: &str) -> Option<OpenAiRoute> {
     // A byte scan: `split_once('?')` cost 135 instructions per request.
     let end = target
