@@ -222,7 +222,7 @@ fn is_closed(stream: &TcpStream) -> bool {
     }
 }
 
-/// With `header_read_timeout` 1 s and `idle_timeout` 3 s, on both servers: a kept-alive
+/// With `header_read_timeout` 1 s and `idle_timeout` 5 s, on both servers: a kept-alive
 /// connection still serves after 2 s of quiet (it was closed `header_read_timeout` after each
 /// answer: the 10 s closes of the soak); a head stalled on it is closed `header_read_timeout`
 /// after its first byte; a quiet one is closed in the end. Each stalled new connection measures
@@ -231,7 +231,7 @@ fn is_closed(stream: &TcpStream) -> bool {
 #[tokio::test]
 async fn kept_alive_connections_wait_idle_timeout_and_stalled_heads_header_read_timeout() {
     let up = FakeUpstream::start().await;
-    let daemon = daemon(&up, "  header_read_timeout: 1s\n  idle_timeout: 3s\n").await;
+    let daemon = daemon(&up, "  header_read_timeout: 1s\n  idle_timeout: 5s\n").await;
     let addr = daemon.local_addr();
     let request = hot("/v1/chat/completions", "Host: r\r\n");
     let mut fast = TcpStream::connect(addr).await.expect("connect");
@@ -249,7 +249,7 @@ async fn kept_alive_connections_wait_idle_timeout_and_stalled_heads_header_read_
         stall_until_closed(addr).await;
     }
     // A head started on each and stalled: closed 1 s after its first byte, before a stalled
-    // head started 1 s after it (the idle timeout would close them 3 s after their answers).
+    // head started 1 s after it (the idle timeout would close them 5 s after their answers).
     fast.write_all(&request[..20]).await.expect("half a head");
     hyper.write_all(&HEALTH[..20]).await.expect("half a head");
     stall_until_closed(addr).await;
