@@ -105,13 +105,16 @@ impl Config {
 pub struct ServerConfig {
     /// TCP address the front door (and `/admin/*`, `/metrics`) listens on.
     pub bind_address: SocketAddr,
-    /// An HTTP/1.1 connection waiting for a request (new or kept alive) must deliver the whole
-    /// request head within this time or it is closed.
+    /// An HTTP/1.1 request head must be whole within this time of its first byte (a new
+    /// connection's first head: of the connection's start) or the connection is closed.
     pub header_read_timeout: HumanDuration,
     /// A request body must arrive whole within this time after its head (else 408).
     pub body_read_timeout: HumanDuration,
     /// A connection with no request in flight is closed after this long (HTTP/1.1 and h2c).
     pub idle_timeout: HumanDuration,
+    /// A connection whose answer could not be written on for this long (the client stopped
+    /// reading) is closed.
+    pub send_timeout: HumanDuration,
     /// Client connections open at once; beyond it the oldest idle connection is closed to make
     /// room, or the new one is refused when every connection has a request in flight.
     pub max_connections: usize,
@@ -124,6 +127,7 @@ impl Default for ServerConfig {
             header_read_timeout: HumanDuration::from_secs(10),
             body_read_timeout: HumanDuration::from_secs(60),
             idle_timeout: HumanDuration::from_secs(60),
+            send_timeout: HumanDuration::from_secs(60),
             max_connections: 4096,
         }
     }

@@ -121,6 +121,7 @@ impl Validator {
             ("header_read_timeout", server.header_read_timeout),
             ("body_read_timeout", server.body_read_timeout),
             ("idle_timeout", server.idle_timeout),
+            ("send_timeout", server.send_timeout),
         ] {
             if value.get() < Duration::from_millis(100) || value.get() > Duration::from_secs(3600) {
                 self.err(

@@ -2,13 +2,19 @@
 //! HTTP/1.1 or h2c (hyper-util's auto builder, as `axum::serve` did) with a timer, so that no
 //! client can hold a connection, and with it a file descriptor, for free. A connection starts
 //! with the front door's own HTTP/1.1 server for the plain hot-route requests ([`fast`]), which
-//! hands it to hyper at its first other request.
+//! hands it to hyper at its first other request: to the auto builder (HTTP/1.1, or h2c's
+//! preface) when it served nothing yet, to HTTP/1.1 only after it served a request.
 //!
-//! - **Header-read timeout** (HTTP/1.1): a connection waiting for a request must deliver the whole
-//!   head within `server.header_read_timeout` (while [`fast`] serves it, the idle timer with the
-//!   shorter of the two limits; then hyper's timer).
+//! - **Header-read timeout** (HTTP/1.1): a request head must be whole within
+//!   `server.header_read_timeout` of its first byte (a new connection's first head: of the
+//!   connection's start), on both servers. The connection's own timer measures it
+//!   ([`Conn::idle_for`]), not hyper's, which starts when a kept-alive connection begins to
+//!   wait and so closed every kept-alive connection `header_read_timeout` after its answer.
 //! - **Body-read timeout**: a request body must arrive whole within `server.body_read_timeout` of
 //!   its head; a late body fails the read and the handler answers 408.
+//! - **Send timeout**: an answer that could not be written on for `server.send_timeout` (the
+//!   client stopped reading) closes the connection and releases what it held, on both servers
+//!   ([`fast::Socket`]); a client that reads slowly but steadily is not cut.
 //! - **Idle timeout**: a connection with no request in flight (nothing sent yet, a stalled head,
 //!   an h2c connection without streams, a kept-alive connection) is closed after
 //!   `server.idle_timeout`. A request is in flight from its head until its response body ends,
@@ -17,6 +23,8 @@
 //!   open-file limit can carry) are open; a new connection beyond it closes the oldest idle one,
 //!   or is itself refused when every open connection has a request in flight. Both count in
 //!   `continuum_http_connections_shed_total{reason}`.
+//! - **Host**: an HTTP/1.1 request without exactly one `Host` field, or with one that is not
+//!   `host[:port]`, is answered 400 and its connection closed (RFC 9112 §3.2), on both servers.
 //!
 //! Every accepted socket gets `TCP_NODELAY` (see [`super::listener`]).
 
@@ -31,7 +39,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::Request;
+use axum::http::{HeaderValue, Request, Version, header};
+use axum::response::IntoResponse as _;
 use bytes::Bytes;
 use continuum_actors::metrics::Metrics;
 use futures::future::Either;
@@ -48,6 +57,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::ServerConfig;
 use crate::wire::BodyReadTimeout;
+use crate::wire::error::ApiError;
 
 mod fast;
 
@@ -68,6 +78,7 @@ pub struct ServeOptions {
     pub header_read_timeout: Duration,
     pub body_read_timeout: Duration,
     pub idle_timeout: Duration,
+    pub send_timeout: Duration,
     pub max_connections: usize,
 }
 
@@ -77,6 +88,7 @@ impl ServeOptions {
             header_read_timeout: server.header_read_timeout.get(),
             body_read_timeout: server.body_read_timeout.get(),
             idle_timeout: server.idle_timeout.get(),
+            send_timeout: server.send_timeout.get(),
             max_connections: server.max_connections,
         }
     }
@@ -185,39 +197,43 @@ struct Conn {
     in_flight: AtomicUsize,
     /// When `in_flight` last dropped to 0 (or the connection opened).
     idle_since: Mutex<Instant>,
+    /// When the connection opened: what `head_since` counts from.
+    opened: Instant,
+    /// When the first byte of the request head being read arrived, in nanoseconds after
+    /// `opened`, plus one; 0 while no head is being read (between requests, and for h2c). A new
+    /// connection's first head is timed from its start.
+    head_since: AtomicU64,
+    /// `server.idle_timeout` and `server.header_read_timeout`.
+    idle_timeout: Duration,
+    header_read_timeout: Duration,
     /// Signalled to close the connection now (evicted at the cap).
     evict: Notify,
-    /// How long the connection may wait for a request, in nanoseconds: `idle_timeout`, or, while
-    /// the front door's own server ([`fast`]) reads the heads, the shorter of it and
-    /// `header_read_timeout` (hyper's header timer takes that part over when it takes the
-    /// connection).
-    idle_limit: AtomicU64,
     /// Shutdown began while a request was in flight: [`fast`] closes after its answer.
     closing: AtomicBool,
 }
 
+/// Why the connection's timer closes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expired {
+    /// No request in flight for `idle_timeout`.
+    Idle,
+    /// A request head not whole `header_read_timeout` after its first byte.
+    Head,
+}
+
 impl Conn {
-    fn new(idle_limit: Duration) -> Arc<Self> {
-        let conn = Arc::new(Self {
+    fn new(options: &ServeOptions) -> Arc<Self> {
+        let now = Instant::now();
+        Arc::new(Self {
             in_flight: AtomicUsize::new(0),
-            idle_since: Mutex::new(Instant::now()),
+            idle_since: Mutex::new(now),
+            opened: now,
+            head_since: AtomicU64::new(1),
+            idle_timeout: options.idle_timeout,
+            header_read_timeout: options.header_read_timeout,
             evict: Notify::new(),
-            idle_limit: AtomicU64::new(0),
             closing: AtomicBool::new(false),
-        });
-        conn.set_idle_limit(idle_limit);
-        conn
-    }
-
-    fn idle_limit(&self) -> Duration {
-        Duration::from_nanos(self.idle_limit.load(Ordering::Relaxed))
-    }
-
-    /// Takes effect at the idle timer's next check: a limit only ever grows (at the hand-over to
-    /// hyper), and the timer armed for the shorter one fires first.
-    fn set_idle_limit(&self, limit: Duration) {
-        let nanos = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
-        self.idle_limit.store(nanos, Ordering::Relaxed);
+        })
     }
 
     fn idle_since(&self) -> Instant {
@@ -227,41 +243,79 @@ impl Conn {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Resolves once the connection has had no request in flight for its idle limit
-    /// ([`Conn::idle_limit`], read at every check).
+    /// A request head's first byte arrived now (no-op when one is already being timed). [`fast`]
+    /// calls it only when a head did not come whole with its first read, so a plain hot request
+    /// reads no clock for it; for hyper, any read while no request is in flight does.
+    fn head_started(&self) {
+        if self.head_since.load(Ordering::Relaxed) == 0 {
+            let since = Instant::now().saturating_duration_since(self.opened);
+            let nanos = u64::try_from(since.as_nanos()).unwrap_or(u64::MAX - 1);
+            self.head_since.store(nanos + 1, Ordering::Relaxed);
+        }
+    }
+
+    /// No head is being read (a request started, or the connection is h2c).
+    fn head_done(&self) {
+        if self.head_since.load(Ordering::Relaxed) != 0 {
+            self.head_since.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn head_since(&self) -> Option<Instant> {
+        match self.head_since.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(self.opened + Duration::from_nanos(n - 1)),
+        }
+    }
+
+    /// Resolves once the connection has had no request in flight for `idle_timeout`, or a
+    /// request head has not come whole `header_read_timeout` after its first byte.
     ///
-    /// One timer for the connection's life, checked when it fires and set again: busy, to a
-    /// full `timeout` later; idle, to `timeout` after the last request ended. Requests neither
-    /// wake this future nor move the timer (each did both before: a timer registered in the wheel
-    /// and removed again per request, ≈ 2.5 k instructions; docs/performance.md, "Proxy vs
-    /// nginx"). It still closes the connection exactly `timeout` after its last request ended.
-    async fn idle_for(&self) {
-        let timer = tokio::time::sleep(self.idle_limit());
+    /// One timer for the connection's life, checked when it fires and set again: busy, to
+    /// `min(idle_timeout, header_read_timeout)` later; idle, to the idle deadline, the head's
+    /// deadline, or (no head being read) `header_read_timeout` later, whichever comes first. So
+    /// a head that starts after a check is seen at the next one, before its deadline, and each
+    /// deadline is met exactly. Requests neither wake this future nor move the timer (each did
+    /// both before: a timer registered in the wheel and removed again per request, ≈ 2.5 k
+    /// instructions; docs/performance.md, "Proxy vs nginx"): an idle connection's timer fires
+    /// every `header_read_timeout`, a busy one's every `min(idle_timeout,
+    /// header_read_timeout)`.
+    async fn idle_for(&self) -> Expired {
+        let check = self.idle_timeout.min(self.header_read_timeout);
+        let timer = tokio::time::sleep(check);
         tokio::pin!(timer);
         loop {
             timer.as_mut().await;
-            let timeout = self.idle_limit();
             let now = Instant::now();
-            let deadline = if self.in_flight.load(Ordering::Acquire) > 0 {
-                now + timeout
+            let next = if self.in_flight.load(Ordering::Acquire) > 0 {
+                now + check
             } else {
-                self.idle_since() + timeout
+                let idle = self.idle_since() + self.idle_timeout;
+                if now >= idle {
+                    return Expired::Idle;
+                }
+                let head = match self.head_since() {
+                    Some(since) if now >= since + self.header_read_timeout => {
+                        return Expired::Head;
+                    }
+                    Some(since) => since + self.header_read_timeout,
+                    None => now + self.header_read_timeout,
+                };
+                idle.min(head)
             };
-            if now >= deadline {
-                return;
-            }
-            timer.as_mut().reset(deadline);
+            timer.as_mut().reset(next);
         }
     }
 }
 
 /// Marks a request in flight until dropped (with the response body, or with the handler's
-/// future when the client goes away first).
+/// future when the client goes away first). Its head is whole: the header-read timer stops.
 struct InFlight(Arc<Conn>);
 
 impl InFlight {
     fn start(conn: Arc<Conn>) -> Self {
         conn.in_flight.fetch_add(1, Ordering::AcqRel);
+        conn.head_done();
         Self(conn)
     }
 }
@@ -431,11 +485,14 @@ pub async fn serve(
         .set(i64::try_from(cap).unwrap_or(i64::MAX));
 
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // The header-read timeout is the connection's own ([`Conn::idle_for`]): hyper's starts when
+    // a kept-alive connection begins to wait, not at the next request's first byte.
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(options.header_read_timeout);
+        .header_read_timeout(None);
     builder.http2().timer(TokioTimer::new());
+    let h1_builder = Arc::new(builder.clone().http1_only());
     let builder = Arc::new(builder);
     let table = SharedTable::default();
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -468,11 +525,7 @@ pub async fn serve(
             }
         };
         super::configure_accepted(&stream);
-        let conn = Conn::new(if hot.is_some() {
-            options.idle_timeout.min(options.header_read_timeout)
-        } else {
-            options.idle_timeout
-        });
+        let conn = Conn::new(&options);
         let id = {
             let mut table = lock(&table);
             if table.open.len() >= cap {
@@ -500,6 +553,7 @@ pub async fn serve(
             table: table.clone(),
             options,
             builder: builder.clone(),
+            h1_builder: h1_builder.clone(),
             stop: stop_rx.clone(),
             metrics: conn_metrics.clone(),
             _alive: alive_tx.clone(),
@@ -521,6 +575,9 @@ struct Connection {
     table: SharedTable,
     options: ServeOptions,
     builder: Arc<auto::Builder<TokioExecutor>>,
+    /// `builder` for HTTP/1.1 only: for a connection the front door's own server handed over
+    /// after serving a request on it.
+    h1_builder: Arc<auto::Builder<TokioExecutor>>,
     stop: watch::Receiver<bool>,
     metrics: ConnMetrics,
     _alive: mpsc::Sender<Infallible>,
@@ -540,13 +597,16 @@ impl Connection {
             task,
             draining: false,
         };
+        let stream = fast::Socket::new(stream, self.options.send_timeout);
         let io = match self.hot.clone() {
             Some(state) => {
                 let fast = fast::serve(stream, state, conn.clone(), self.options.body_read_timeout);
                 tokio::pin!(fast);
                 loop {
                     match sides.wait(fast.as_mut()).await {
-                        Event::Ended(fast::End::HandOff(io)) => break Some(io),
+                        Event::Ended(fast::End::HandOff { io, served }) => {
+                            break Some((io, served));
+                        }
                         Event::Ended(fast::End::Closed(result)) => {
                             if let Err(error) = result {
                                 debug!(%error, "A client connection ended with an error.");
@@ -564,11 +624,10 @@ impl Connection {
                     }
                 }
             }
-            None => Some(fast::Rewound::new(stream, Bytes::new())),
+            None => Some((fast::Rewound::new(stream, Bytes::new()), false)),
         };
-        if let Some(io) = io {
-            // hyper's header-read timer covers the waits for a head from here on.
-            conn.set_idle_limit(self.options.idle_timeout);
+        if let Some((io, served)) = io {
+            let io = io.timing_heads(conn.clone(), served);
             let service = {
                 let (router, conn) = (self.router.clone(), self.conn.clone());
                 let hot = self.hot.clone();
@@ -596,12 +655,15 @@ impl Connection {
                         })
                     };
                     match direct {
+                        _ if !host_is_valid(&req) => {
+                            Either::Left(Either::Right(std::future::ready(Ok(tracked(bad_host())))))
+                        }
                         Some((state, route)) => {
                             let state = state.clone();
-                            Either::Left(async move {
+                            Either::Left(Either::Left(async move {
                                 let response = super::serve_hot(&state, route, req).await;
                                 Ok::<_, Infallible>(tracked(response))
-                            })
+                            }))
                         }
                         None => {
                             let mut router = router.clone();
@@ -613,7 +675,14 @@ impl Connection {
                     }
                 })
             };
-            let connection = self.builder.serve_connection(TokioIo::new(io), service);
+            // A connection that already carried a request is HTTP/1.1: the auto builder would
+            // take h2c's preface after it for a new connection's (it sniffs at the hand-over).
+            let builder = if served {
+                &self.h1_builder
+            } else {
+                &self.builder
+            };
+            let connection = builder.serve_connection(TokioIo::new(io), service);
             tokio::pin!(connection);
             if sides.draining {
                 connection.as_mut().graceful_shutdown();
@@ -639,6 +708,34 @@ impl Connection {
     }
 }
 
+/// Whether an HTTP/1.x request's `Host` fields are what RFC 9112 §3.2 asks: exactly one, valid
+/// ([`fast::valid_host`]), in HTTP/1.1; at most one in HTTP/1.0. An HTTP/2 request names its
+/// authority in `:authority` and is not checked.
+fn host_is_valid<B>(req: &Request<B>) -> bool {
+    let version = req.version();
+    if version > Version::HTTP_11 {
+        return true;
+    }
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (None, _) => version < Version::HTTP_11,
+        (Some(host), None) => fast::valid_host(host.as_bytes()),
+        (Some(_), Some(_)) => false,
+    }
+}
+
+/// The answer to a request [`host_is_valid`] refuses: 400, and the connection closes after it.
+fn bad_host() -> axum::response::Response {
+    let error = ApiError::BadRequest(
+        "an HTTP/1.1 request needs exactly one Host header, with a valid host[:port]".into(),
+    );
+    let mut response = error.into_response();
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
 /// What ended a wait of the connection task.
 enum Event<T> {
     /// The connection (or the front door's own server on it) ended, with its output.
@@ -660,7 +757,7 @@ struct Sides<A, B, C> {
     draining: bool,
 }
 
-impl<A: Future, B: Future, C: Future> Sides<A, B, C> {
+impl<A: Future, B: Future<Output = Expired>, C: Future> Sides<A, B, C> {
     /// Polls `serving` until it ends or a side future does.
     async fn wait<F: Future>(&mut self, mut serving: Pin<&mut F>) -> Event<F::Output> {
         std::future::poll_fn(|cx| {
@@ -673,8 +770,16 @@ impl<A: Future, B: Future, C: Future> Sides<A, B, C> {
                 debug!("Closing an idle client connection at the connection cap.");
                 return Poll::Ready(Event::Evicted);
             }
-            if self.idle.poll_if_woken().is_ready() {
-                debug!("Closing a client connection idle for server.idle_timeout.");
+            if let Poll::Ready(expired) = self.idle.poll_if_woken() {
+                match expired {
+                    Expired::Idle => {
+                        debug!("Closing a client connection idle for server.idle_timeout.");
+                    }
+                    Expired::Head => debug!(
+                        "Closing a client connection whose request head took longer than \
+                         server.header_read_timeout."
+                    ),
+                }
                 return Poll::Ready(Event::Idle);
             }
             if !self.draining && self.stopped.poll_if_woken().is_ready() {
@@ -796,6 +901,52 @@ mod tests {
             .await
             .expect("the notification reaches the gated future");
         assert_eq!(polls.load(Ordering::SeqCst), 2);
+    }
+
+    /// The connection's timer on the paused clock: a new connection's first head is timed from
+    /// its start; a kept-alive connection waits `idle_timeout`, however long its request took;
+    /// a later head is timed from its first byte.
+    #[tokio::test(start_paused = true)]
+    async fn heads_are_timed_from_their_first_byte_and_waits_for_a_request_by_idle_timeout() {
+        use tokio::time::advance;
+        let options = ServeOptions {
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(60),
+            send_timeout: Duration::from_secs(60),
+            max_connections: 1,
+        };
+        let timed = |conn: &Arc<Conn>| {
+            let (conn, start) = (conn.clone(), Instant::now());
+            tokio::spawn(async move { (conn.idle_for().await, start.elapsed()) })
+        };
+
+        // Nothing sent: the first head's timer, from the connection's start.
+        let silent = Conn::new(&options);
+        let closed = timed(&silent).await.expect("timer");
+        assert_eq!(closed, (Expired::Head, Duration::from_secs(10)));
+
+        // A request of 30 s, then nothing: closed `idle_timeout` after its answer.
+        let kept = Conn::new(&options);
+        let timer = timed(&kept);
+        let request = InFlight::start(kept.clone());
+        advance(Duration::from_secs(30)).await;
+        drop(request);
+        let closed = timer.await.expect("timer");
+        assert_eq!(closed, (Expired::Idle, Duration::from_secs(90)));
+
+        // A request, 20 s of quiet, then a head's first byte that nothing follows: closed
+        // `header_read_timeout` after that byte.
+        let stalled = Conn::new(&options);
+        let timer = timed(&stalled);
+        drop(InFlight::start(stalled.clone()));
+        advance(Duration::from_secs(20)).await;
+        assert!(!timer.is_finished(), "kept alive past header_read_timeout");
+        stalled.head_started();
+        advance(Duration::from_secs(3)).await;
+        stalled.head_started();
+        let closed = timer.await.expect("timer");
+        assert_eq!(closed, (Expired::Head, Duration::from_secs(30)));
     }
 
     #[test]

@@ -175,6 +175,7 @@ fn server_timeouts_and_connection_cap_are_bounded() {
         "server.header_read_timeout",
         "server.body_read_timeout",
         "server.idle_timeout",
+        "server.send_timeout",
         "server.max_connections",
     ] {
         expect_clean_at(&c, key);
@@ -183,10 +184,12 @@ fn server_timeouts_and_connection_cap_are_bounded() {
     c.server.header_read_timeout = HumanDuration::from_millis(0);
     c.server.body_read_timeout = HumanDuration::from_millis(99);
     c.server.idle_timeout = HumanDuration::from_secs(3601);
+    c.server.send_timeout = HumanDuration::from_millis(50);
     c.server.max_connections = 0;
     expect_error(&c, "server.header_read_timeout", "between 100ms and 1h");
     expect_error(&c, "server.body_read_timeout", "between 100ms and 1h");
     expect_error(&c, "server.idle_timeout", "between 100ms and 1h");
+    expect_error(&c, "server.send_timeout", "between 100ms and 1h");
     expect_error(&c, "server.max_connections", "between 1 and 1000000");
     c.server.max_connections = 1_000_001;
     expect_error(&c, "server.max_connections", "between 1 and 1000000");

@@ -14,9 +14,9 @@
 //! Why: hyper's server connection cost ≈ 12 k instructions per proxied request, this loop about
 //! a third of it (docs/performance.md, "Proxy vs nginx"; issue #16).
 //!
-//! The connection's limits stay those of [`super`]: the idle timer closes a connection that
-//! waited for a head longer than `min(header_read_timeout, idle_timeout)` (the header-read
-//! timeout measured as hyper does, from when the connection began to wait for the head), a body
+//! The connection's limits stay those of [`super`]: its timer closes a connection whose head
+//! is not whole `header_read_timeout` after its first byte (marked here when a read leaves a
+//! head partial, [`Conn::head_started`]) or that waited `idle_timeout` with no request, a body
 //! late beyond `body_read_timeout` fails the handler's read with [`BodyReadTimeout`] (a 408),
 //! eviction and shutdown are the task's as for hyper's connections.
 
@@ -36,7 +36,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use hyper::body::Frame;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::time::Instant;
+use tokio::time::{Instant, Sleep};
 
 use super::{BoxError, Conn, InFlight};
 use crate::front_door::AppState;
@@ -129,6 +129,10 @@ pub fn parse(buf: &mut BytesMut, max_body: usize) -> Parsed {
         }
         (consumed, route, request.headers.len(), control)
     };
+    if control.hosts != 1 {
+        // No `Host`, or two: hyper's server answers it (400, [`super::host_is_valid`]).
+        return Parsed::HandOff;
+    }
     let Some(content_length) = control.length.filter(|&n| n <= max_body) else {
         // No length (a request without a body is the handler's 400, hyper's way) or more than
         // the handler accepts (its 413, which leaves the body unread: hyper closes after it).
@@ -169,14 +173,27 @@ pub fn parse(buf: &mut BytesMut, max_body: usize) -> Parsed {
 }
 
 /// The hot route an origin-form request target names (its query aside;
-/// [`super::super::hot_path`] decides).
+/// [`super::super::hot_path`] decides). A query with a byte beyond those `http::Uri` takes as
+/// they are (`"`, `<`, `>` among them, which hyper's server refuses with 400; `#`, which starts a
+/// fragment; a byte beyond ASCII) is not served here: hyper judges it, so both servers keep one
+/// rule.
 fn hot_route(target: &str) -> Option<OpenAiRoute> {
     // A byte scan: `split_once('?')` cost 135 instructions per request.
     let end = target
         .bytes()
         .position(|b| b == b'?')
         .unwrap_or(target.len());
+    let query = target.as_bytes().get(end + 1..).unwrap_or_default();
+    if !query.iter().all(|&b| plain_query_byte(b)) {
+        return None;
+    }
     super::super::hot_path(&target[..end])
+}
+
+/// A byte `http::Uri` takes as it is in a query (WHATWG's query state: `!`, `$`–`;`, `=`,
+/// `?`–`~`).
+fn plain_query_byte(b: u8) -> bool {
+    matches!(b, b'!' | b'$'..=b';' | b'=' | b'?'..=b'~')
 }
 
 /// The fields of a request head that decide whether it is served here.
@@ -185,6 +202,8 @@ struct Control {
     /// The one `Content-Length` field's length; `None` for none.
     length: Option<usize>,
     close: bool,
+    /// `Host` fields seen (each valid).
+    hosts: u8,
 }
 
 impl Control {
@@ -192,6 +211,11 @@ impl Control {
     fn read(&mut self, name: &[u8], value: &[u8]) -> bool {
         let is = |control: &[u8]| name.eq_ignore_ascii_case(control);
         match name.len() {
+            4 if is(b"host") => {
+                // A second one, or an invalid value, is hyper's server's 400.
+                self.hosts += 1;
+                self.hosts == 1 && valid_host(value)
+            }
             6 if is(b"expect") => false,
             7 if is(b"upgrade") => false,
             17 if is(b"transfer-encoding") => false,
@@ -221,30 +245,96 @@ impl Control {
     }
 }
 
+/// Whether a `Host` value is `uri-host [ ":" port ]` (RFC 9110 §7.2, RFC 3986 §3.2.2): a
+/// registered name (unreserved, sub-delims and %-escapes) or a bracketed IP literal, then an
+/// optional decimal port. Empty is valid (a target without an authority). A byte scan.
+pub fn valid_host(value: &[u8]) -> bool {
+    let (host, port) = match value.first() {
+        Some(b'[') => {
+            let Some(close) = value.iter().position(|&b| b == b']') else {
+                return false;
+            };
+            let literal = &value[1..close];
+            let literal_ok = !literal.is_empty()
+                && literal.iter().all(|&b| {
+                    b.is_ascii_hexdigit() || matches!(b, b':' | b'.') || reg_name_byte(b)
+                });
+            if !literal_ok {
+                return false;
+            }
+            (&value[..0], &value[close + 1..])
+        }
+        _ => {
+            let end = value.iter().position(|&b| b == b':').unwrap_or(value.len());
+            (&value[..end], &value[end..])
+        }
+    };
+    host.iter().all(|&b| reg_name_byte(b))
+        && match port.split_first() {
+            None => true,
+            Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+            Some(_) => false,
+        }
+}
+
+/// A byte of a registered name: unreserved, sub-delims or `%` (RFC 3986 §3.2.2).
+fn reg_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric()
+        || matches!(
+            b,
+            b'-' | b'.'
+                | b'_'
+                | b'~'
+                | b'%'
+                | b'!'
+                | b'$'
+                | b'&'
+                | b'\''
+                | b'('
+                | b')'
+                | b'*'
+                | b'+'
+                | b','
+                | b';'
+                | b'='
+        )
+}
+
 /// How the loop ended.
 pub enum End {
     /// The connection is done (closed by the client, by `Connection: close`, at shutdown, or
     /// on an error).
     Closed(io::Result<()>),
     /// hyper serves the connection from here on.
-    HandOff(Rewound),
+    HandOff {
+        io: Rewound,
+        /// Whether a request was served here first: the connection is HTTP/1.1 then, and hyper
+        /// must not take bytes that follow as h2c's preface.
+        served: bool,
+    },
 }
 
 /// Serves plain hot-route requests on `stream` until the connection ends or a request is one
 /// for hyper.
 pub async fn serve(
-    mut stream: TcpStream,
+    mut stream: Socket,
     state: Arc<AppState>,
     conn: Arc<Conn>,
     body_timeout: Duration,
 ) -> End {
     let mut buf = BytesMut::with_capacity(READ_CHUNK);
     let mut out = Vec::new();
+    let mut served = false;
     loop {
         let request = loop {
             match parse(&mut buf, state.route.max_request_body_bytes()) {
                 Parsed::Fast(request) => break request,
-                Parsed::HandOff => return End::HandOff(Rewound::new(stream, buf.freeze())),
+                Parsed::HandOff => {
+                    let io = Rewound::new(stream, buf.freeze());
+                    return End::HandOff { io, served };
+                }
+                // A head that did not come whole: timed from here ([`Conn::idle_for`]).
+                Parsed::Partial if !buf.is_empty() => conn.head_started(),
                 Parsed::Partial => {}
             }
             match read(&mut stream, &mut buf).await {
@@ -263,13 +353,14 @@ pub async fn serve(
             request.headers,
             body
         ));
-        let Some(response) = unless_gone(handler, &stream, &mut buf).await else {
+        let Some(response) = unless_gone(handler, &stream.inner, &mut buf).await else {
             // The client left: the handler, and with it the upstream request, is dropped.
             return End::Closed(Ok(()));
         };
         let keep = whole && !request.close && !conn.closing.load(Ordering::Acquire);
         let written = write_response(&mut stream, &mut buf, &mut out, response, keep).await;
         drop(in_flight);
+        served = true;
         if out.capacity() > 2 * READ_CHUNK {
             // A large answer's buffer is not kept for the connection's life.
             out = Vec::new();
@@ -330,7 +421,7 @@ fn poll_gone(stream: &TcpStream, buf: &mut BytesMut, cx: &mut Context<'_>) -> Po
 }
 
 /// One read into `buf`, growing it by [`READ_CHUNK`] when it has little room.
-async fn read(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+async fn read(stream: &mut Socket, buf: &mut BytesMut) -> io::Result<usize> {
     if buf.capacity() - buf.len() < READ_ROOM {
         buf.reserve(READ_CHUNK);
     }
@@ -341,7 +432,7 @@ async fn read(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
 /// body that is not whole within `timeout` of its head fails the handler's read with
 /// [`BodyReadTimeout`] (its 408); one the client broke off fails it with the read's error.
 async fn read_body(
-    stream: &mut TcpStream,
+    stream: &mut Socket,
     buf: &mut BytesMut,
     length: usize,
     timeout: Duration,
@@ -398,7 +489,7 @@ impl hyper::body::Body for Failed {
 /// `Ok(false)` when the connection cannot be kept (the body failed, or the answer says
 /// `Connection: close`). `keep` false adds `Connection: close`.
 async fn write_response(
-    stream: &mut TcpStream,
+    stream: &mut Socket,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     response: Response,
@@ -464,7 +555,7 @@ async fn write_response(
 /// match its length (the answer is cut: the connection must close). While it waits for the
 /// body, the client's end is watched ([`unless_gone`]; `buf` keeps what arrives meanwhile).
 async fn write_body(
-    stream: &mut TcpStream,
+    stream: &mut Socket,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     body: Body,
@@ -480,7 +571,7 @@ async fn write_body(
             Poll::Ready(frame) => frame,
             Poll::Pending => {
                 flush(stream, out).await?;
-                unless_gone(pin!(poll_fn(poll)), stream, buf)
+                unless_gone(pin!(poll_fn(poll)), &stream.inner, buf)
                     .await
                     .ok_or_else(|| io::Error::from(io::ErrorKind::ConnectionAborted))?
             }
@@ -527,7 +618,7 @@ async fn write_body(
     Ok(whole)
 }
 
-async fn flush(stream: &mut TcpStream, out: &mut Vec<u8>) -> io::Result<()> {
+async fn flush(stream: &mut Socket, out: &mut Vec<u8>) -> io::Result<()> {
     if !out.is_empty() {
         stream.write_all(out).await?;
         out.clear();
@@ -568,16 +659,159 @@ fn push_date(out: &mut Vec<u8>) {
     });
 }
 
+/// The client's socket. A write that could not go on for `send_timeout` (the client stopped
+/// reading and the socket's buffer is full) fails with `TimedOut`: the connection closes, and
+/// the answer it held (up to the relay's bounds) is released. The timer is armed only when a
+/// write finds the socket full, and set again at each progress (nginx's `send_timeout`).
+pub struct Socket {
+    inner: TcpStream,
+    send_timeout: Duration,
+    /// The send timer, made at the first write that had to wait.
+    stalled: Option<Pin<Box<Sleep>>>,
+    /// Whether the timer runs for the current wait.
+    armed: bool,
+}
+
+impl Socket {
+    pub fn new(inner: TcpStream, send_timeout: Duration) -> Self {
+        Self {
+            inner,
+            send_timeout,
+            stalled: None,
+            armed: false,
+        }
+    }
+
+    /// A write's outcome under the send timer.
+    fn timed<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.armed = false;
+            return polled;
+        }
+        let deadline = Instant::now() + self.send_timeout;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !std::mem::replace(&mut self.armed, true) {
+            stalled.as_mut().reset(deadline);
+        }
+        match stalled.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took no answer bytes for server.send_timeout",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for Socket {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Socket {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.timed(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.timed(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// h2c's connection preface.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Whether a connection's first bytes are (the start of) h2c's preface.
+fn h2_preface(first: &[u8]) -> bool {
+    !first.is_empty() && H2_PREFACE.starts_with(&first[..first.len().min(H2_PREFACE.len())])
+}
+
 /// The client's socket with the bytes already read from it in front: what hyper's server reads
 /// first when it takes a connection over.
 pub struct Rewound {
     prefix: Bytes,
-    inner: TcpStream,
+    inner: Socket,
+    /// The connection whose HTTP/1.1 request heads hyper reads from here: bytes read while no
+    /// request is in flight start its header-read timer ([`Conn::head_started`]). `None` for h2c
+    /// (and until [`Rewound::timing_heads`]).
+    heads: Option<Arc<Conn>>,
+    /// The protocol is still to be told from the first bytes read (there was no prefix).
+    sniff: bool,
 }
 
 impl Rewound {
-    pub fn new(inner: TcpStream, prefix: Bytes) -> Self {
-        Self { prefix, inner }
+    pub fn new(inner: Socket, prefix: Bytes) -> Self {
+        Self {
+            prefix,
+            inner,
+            heads: None,
+            sniff: false,
+        }
+    }
+
+    /// Times the request heads hyper reads on `conn` over HTTP/1.1: always when `http1` (the
+    /// connection already carried a request), else unless its first bytes are h2c's preface
+    /// (whose streams, not heads, keep it busy: its first head's timer is stopped).
+    pub fn timing_heads(mut self, conn: Arc<Conn>, http1: bool) -> Self {
+        if !http1 && self.prefix.is_empty() {
+            self.sniff = true;
+        } else if !http1 && h2_preface(&self.prefix) {
+            conn.head_done();
+            return self;
+        }
+        self.heads = Some(conn);
+        self
+    }
+
+    /// `read` came from the socket.
+    fn seen(&mut self, read: &[u8]) {
+        if read.is_empty() {
+            return;
+        }
+        if std::mem::take(&mut self.sniff)
+            && h2_preface(read)
+            && let Some(conn) = self.heads.take()
+        {
+            conn.head_done();
+        }
+        if let Some(conn) = &self.heads
+            && conn.in_flight.load(Ordering::Acquire) == 0
+        {
+            conn.head_started();
+        }
     }
 }
 
@@ -587,13 +821,17 @@ impl AsyncRead for Rewound {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        if !self.prefix.is_empty() {
-            let n = self.prefix.len().min(buf.remaining());
-            buf.put_slice(&self.prefix[..n]);
-            self.prefix.advance(n);
+        let this = &mut *self;
+        if !this.prefix.is_empty() {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix[..n]);
+            this.prefix.advance(n);
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+        this.seen(&buf.filled()[before..]);
+        polled
     }
 }
 
@@ -615,7 +853,7 @@ impl AsyncWrite for Rewound {
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        self.inner.inner.is_write_vectored()
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -671,7 +909,7 @@ mod tests {
 
         let (request, _) = fast(
             b"POST /v1/completions? HTTP/1.1\r\nconnection: keep-alive, Close\r\n\
-              content-length: 0\r\nx-empty:\r\n\r\n",
+              host: r\r\ncontent-length: 0\r\nx-empty:\r\n\r\n",
         );
         assert_eq!(request.route, OpenAiRoute::Completions);
         assert!(request.close);
@@ -698,6 +936,11 @@ mod tests {
             b"POST /v1/chat/completionsx HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
             b"POST /v1/completion HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
             b"POST /v1/chat/completions#x HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
+            // Query bytes hyper's target parser refuses (its 400).
+            b"POST /v1/chat/completions?a=\"b\" HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n",
+            b"POST /v1/chat/completions?<script> HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n",
+            b"POST /v1/completions?a#b HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n",
+            b"POST /v1/completions?\xc3\xa9 HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n",
             b"POST http://r/v1/chat/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
             b"POST /v1/chat/completions HTTP/1.0\r\ncontent-length: 0\r\n\r\n",
@@ -724,6 +967,37 @@ mod tests {
         }
         many.extend_from_slice(b"\r\n");
         handed_off(&many);
+    }
+
+    /// No `Host`, two, or an invalid one: hyper's server answers it (400).
+    #[test]
+    fn a_missing_repeated_or_invalid_host_goes_to_hyper() {
+        let body = "content-length: 2\r\n\r\n{}";
+        for fields in [
+            "",
+            "host: r\r\nhost: r\r\n",
+            "host: a b/c\r\n",
+            "host: r/x\r\n",
+            "host: user@r\r\n",
+            "host: r:80x\r\n",
+            "host: [::1\r\n",
+        ] {
+            let head = format!("POST /v1/chat/completions HTTP/1.1\r\n{fields}{body}");
+            handed_off(head.as_bytes());
+        }
+        for host in [
+            "r",
+            "router:8080",
+            "10.0.0.1:80",
+            "[::1]:8080",
+            "[fe80::1%25eth0]",
+            "a_b.c",
+            "",
+        ] {
+            let head = format!("POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{body}");
+            let (request, _) = fast(head.as_bytes());
+            assert_eq!(request.headers["host"], host);
+        }
     }
 
     #[test]
@@ -794,11 +1068,16 @@ mod tests {
                 any::<prop::sample::Index>(),
                 proptest::collection::vec(any::<u8>(), 0..16),
                 any::<prop::sample::Index>(),
+                // Mostly one `Host`, at the start.
+                proptest::option::weighted(0.8, "[a-z0-9.:]{0,6}"),
             )
-                .prop_map(|(line, mut fields, length, at, rest, cut)| {
+                .prop_map(|(line, mut fields, length, at, rest, cut, host)| {
                     if let Some(length) = length {
                         let at = at.index(fields.len() + 1);
                         fields.insert(at, ("content-length".to_owned(), length.into_bytes()));
+                    }
+                    if let Some(host) = host {
+                        fields.insert(0, ("Host".to_owned(), host.into_bytes()));
                     }
                     let mut bytes = format!("{line}\r\n").into_bytes();
                     for (name, value) in &fields {
@@ -851,6 +1130,8 @@ mod tests {
                                 .map(str::trim)
                                 .collect();
                             prop_assert_eq!(lengths.len(), 1);
+                            let hosts = head.split('\n').filter(|l| l.starts_with("host:")).count();
+                            prop_assert_eq!(hosts, 1);
                             prop_assert_eq!(lengths[0].parse::<usize>().ok(), Some(request.content_length));
                             prop_assert_eq!(request.headers.len(), head.matches('\n').count() - 2);
                         }
@@ -883,6 +1164,7 @@ mod tests {
         let (server, _) = accepted.expect("accept");
         client.write_all(b" world").await.expect("write");
         drop(client);
+        let server = Socket::new(server, Duration::from_secs(60));
         let mut rewound = Rewound::new(server, Bytes::from_static(b"hello"));
         let mut read = Vec::new();
         rewound.read_to_end(&mut read).await.expect("read");
