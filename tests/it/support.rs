@@ -9,6 +9,7 @@ pub mod dynamo;
 pub mod etcd;
 pub mod fake_kube;
 pub mod kv_prep;
+pub mod logs;
 pub mod otlp;
 pub mod process;
 pub mod upstream;
