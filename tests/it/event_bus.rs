@@ -986,6 +986,162 @@ async fn a_reload_that_rotates_a_token_closes_exactly_that_session_with_credenti
     h.wait_sessions(3).await;
 }
 
+/// Spec "What the listener enforces", *Certificate CA binding*: a certificate identity stays
+/// bound to the `client_ca` that verified its TLS connection. A reload that replaces the CA
+/// ends the certificate session at once (`credential_revoked`) and the connection's certificate
+/// no longer authenticates a new request, even before the listener restarts; the restarted
+/// listener refuses the old CA's certificate in the handshake and welcomes the new CA's.
+#[tokio::test]
+async fn certificate_identities_stay_bound_to_the_client_ca_that_verified_them() {
+    let mut h = start(64).await;
+    let hello = || broker_hello("broker-a.dynamo", &["dynamo"]);
+    let mut a = TestBroker::connect(&h, hello(), None, Some(&h.pki.client_a))
+        .await
+        .expect("the first CA's certificate authenticates broker-a");
+    let _b = TestBroker::as_broker(&h, "broker-b.dynamo").await;
+    h.wait_sessions(2).await;
+
+    // A second CA and a broker-a certificate it signed.
+    let second = tempfile::tempdir().expect("tempdir");
+    let second_ca = crate::support::bus_pki::ca(second.path(), "second-client-ca");
+    let second_a = crate::support::bus_pki::leaf(
+        second.path(),
+        "client-a",
+        "DNS:broker-a.dynamo",
+        "clientAuth",
+    );
+    let mut next = settings(&h.pki, 64);
+    next.tls.as_mut().expect("tls").client_ca = Some(second_ca);
+    assert!(h.bus.reload(next), "a new client_ca restarts the listener");
+    match a.next_event().await {
+        ClientEvent::Closed { code, .. } => assert_eq!(code, ErrorCode::CredentialRevoked),
+        other => panic!("expected credential_revoked, got {other:?}"),
+    }
+    // The token session keeps running.
+    h.wait_sessions(1).await;
+    // The old connection is still open, but its certificate was verified by the replaced CA.
+    let mut session = ClientSession::new(hello(), tick()).expect("valid hello");
+    let first = Bytes::from(session.poll_transmit().expect("hello line"));
+    let (response, _lines) = a.conn.session(None, Some("1"), first).await;
+    assert_eq!(
+        refusal(response).await,
+        (401, ErrorCode::CredentialRevoked)
+    );
+
+    // The restarted listener verifies against the new CA only.
+    h.tree
+        .restart("root/event_bus", WAIT)
+        .await
+        .expect("restart");
+    h.addr = poll("the listener binds again", || h.bus.local_addr()).await;
+    let failed = h.refusals("handshake_failed");
+    let old_cert = Client {
+        cert: Some(&h.pki.client_a),
+        ..H2
+    };
+    if let Ok(mut tls) = tls_connect(&h, old_cert).await {
+        // TLS 1.3: the server checks the client certificate after the client finished.
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(WAIT, tls.read(&mut byte))
+            .await
+            .expect("closed in time");
+        assert!(!matches!(read, Ok(n) if n > 0), "no byte after a refused certificate");
+    }
+    h.wait_refusals("handshake_failed", failed + 1.0).await;
+    TestBroker::connect(&h, hello(), None, Some(&second_a))
+        .await
+        .expect("the new CA's certificate authenticates broker-a");
+}
+
+/// Spec "What the listener enforces": a TLS handshake must complete within 10 s. A client that
+/// sends the first handshake byte and stalls is still connected at 9 s (tokio's paused clock)
+/// and refused as `handshake_timeout`, its connection closed, at 10 s.
+#[tokio::test]
+async fn a_stalled_tls_handshake_is_refused_at_10_s() {
+    let h = start(64).await;
+    let mut tcp = TcpStream::connect(h.addr).await.expect("connect");
+    tcp.write_all(&[0x16]).await.expect("write");
+    poll("the listener holds the connection", || {
+        (h.metrics.value("continuum_dynamo_event_bus_connections", &[]) == Some(1.0))
+            .then_some(())
+    })
+    .await;
+    let settle = async || {
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::pause();
+    settle().await;
+    tokio::time::advance(Duration::from_secs(9)).await;
+    settle().await;
+    assert_eq!(h.refusals("handshake_timeout"), 0.0, "still handshaking at 9 s");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    settle().await;
+    assert_eq!(h.refusals("handshake_timeout"), 1.0, "refused at 10 s");
+    tokio::time::resume();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(WAIT, tcp.read_to_end(&mut rest))
+        .await
+        .expect("the connection is closed");
+    assert!(rest.is_empty());
+    poll("the connection slot is given back", || {
+        (h.metrics.value("continuum_dynamo_event_bus_connections", &[]) == Some(0.0))
+            .then_some(())
+    })
+    .await;
+}
+
+/// Spec "Hot reload": a listener that cannot start logs `event bus listener failed to start;
+/// retrying` and retries every 30 s. Its port is taken at start; once it is free the listener
+/// is still down at 29 s (tokio's paused clock) and bound at 30 s.
+#[tokio::test(start_paused = true)]
+async fn a_listener_that_cannot_bind_retries_every_30_s() {
+    let logs = crate::support::logs::Logs::default();
+    let _guard = logs.install();
+    let pki = pki();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let mut wanted = settings(&pki, 4);
+    wanted.listen = taken.local_addr().expect("addr");
+    let metrics = Metrics::new("event-bus-retry-test").expect("metrics");
+    let bus = EventBus::new(wanted.clone(), Some(&metrics));
+    let (root, _task) = spawn_root(
+        vec![event_bus_spec(bus.clone())],
+        ActorTree::default(),
+        Some(metrics.clone()),
+    )
+    .await
+    .expect("root starts");
+    let failed = "event bus listener failed to start; retrying";
+    let mut yields = 0;
+    while !logs.text().contains(failed) {
+        assert!(yields < 10_000, "the first attempt fails: {}", logs.text());
+        tokio::task::yield_now().await;
+        yields += 1;
+    }
+    assert!(logs.text().contains("retry_s=30"), "{}", logs.text());
+    assert!(!bus.is_running());
+    drop(taken);
+    let settle = async || {
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::advance(Duration::from_secs(29)).await;
+    settle().await;
+    assert!(!bus.is_running(), "no retry before 30 s");
+    assert_eq!(logs.text().matches(failed).count(), 1);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    settle().await;
+    assert!(bus.is_running(), "bound on the retry at 30 s");
+    assert_eq!(bus.local_addr(), Some(wanted.listen));
+    assert_eq!(
+        metrics.value("continuum_dynamo_event_bus_listener_up", &[]),
+        Some(1.0)
+    );
+    root.stop(None);
+}
+
 #[tokio::test]
 async fn hostile_lines_after_the_welcome_cost_only_their_own_session() {
     let h = start(64).await;
