@@ -1076,7 +1076,9 @@ async fn a_stalled_tls_handshake_is_refused_at_10_s() {
     tokio::time::advance(Duration::from_secs(9)).await;
     settle().await;
     assert_eq!(h.refusals("handshake_timeout"), 0.0, "still handshaking at 9 s");
-    tokio::time::advance(Duration::from_secs(1)).await;
+    // To 10 s and a millisecond: the clock was paused off a millisecond boundary, and timer
+    // deadlines round up to the next one.
+    tokio::time::advance(Duration::from_millis(1_001)).await;
     settle().await;
     assert_eq!(h.refusals("handshake_timeout"), 1.0, "refused at 10 s");
     tokio::time::resume();
@@ -1140,6 +1142,161 @@ async fn a_listener_that_cannot_bind_retries_every_30_s() {
         Some(1.0)
     );
     root.stop(None);
+}
+
+/// A hand-driven HTTP/2 client over the listener's TLS: it answers nothing on its own (no PING
+/// acks, no window updates), so every frame the listener sends is seen.
+struct RawH2 {
+    tls: tokio_rustls::client::TlsStream<TcpStream>,
+    buf: Vec<u8>,
+}
+
+/// One HTTP/2 frame: type, flags, stream id, payload.
+type RawFrame = (u8, u8, u32, Vec<u8>);
+
+impl RawH2 {
+    async fn connect(h: &Harness) -> RawH2 {
+        let mut tls = tls_connect(h, H2).await.expect("TLS handshake");
+        tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .expect("preface");
+        let mut raw = RawH2 { tls, buf: vec![] };
+        raw.send(0x4, 0, 0, &[]).await; // SETTINGS
+        raw
+    }
+
+    async fn send(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let len = u32::try_from(payload.len()).expect("small frame");
+        let mut frame = len.to_be_bytes()[1..].to_vec();
+        frame.extend([kind, flags]);
+        frame.extend(stream.to_be_bytes());
+        frame.extend(payload);
+        self.tls.write_all(&frame).await.expect("write frame");
+        self.tls.flush().await.expect("flush");
+    }
+
+    /// A session request as a header block of literals (no indexing, no Huffman) and the
+    /// hello line as its first DATA frame, the stream left open.
+    async fn session(&mut self, bearer: &str, hello: &[u8]) {
+        let mut block = Vec::new();
+        for (name, value) in [
+            (":method", "POST"),
+            (":scheme", "https"),
+            (":path", SESSION_PATH),
+            (":authority", "localhost"),
+            ("authorization", bearer),
+            (VERSION_HEADER, "1"),
+        ] {
+            block.push(0x00);
+            for text in [name, value] {
+                block.push(u8::try_from(text.len()).ok().filter(|n| *n < 127).expect("short"));
+                block.extend(text.as_bytes());
+            }
+        }
+        self.send(0x1, 0x4, 1, &block).await; // HEADERS, END_HEADERS
+        self.send(0x0, 0, 1, hello).await; // DATA
+    }
+
+    fn parse(&mut self) -> Option<RawFrame> {
+        let header = self.buf.get(..9)?;
+        let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+        if self.buf.len() < 9 + len {
+            return None;
+        }
+        let (kind, flags) = (header[3], header[4]);
+        let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff;
+        let payload = self.buf[9..9 + len].to_vec();
+        self.buf.drain(..9 + len);
+        Some((kind, flags, stream, payload))
+    }
+
+    /// The next frame, waiting for it (real time).
+    async fn next(&mut self) -> RawFrame {
+        loop {
+            if let Some(frame) = self.parse() {
+                return frame;
+            }
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(WAIT, self.tls.read(&mut chunk))
+                .await
+                .expect("a frame in time")
+                .expect("read");
+            assert!(n > 0, "the listener closed the connection");
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// Every frame already readable, without waiting (safe on the paused clock).
+    fn ready(&mut self) -> Vec<RawFrame> {
+        use futures::FutureExt as _;
+        let mut chunk = [0u8; 4096];
+        while let Some(Ok(n)) = self.tls.read(&mut chunk).now_or_never() {
+            if n == 0 {
+                break;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+        std::iter::from_fn(|| self.parse()).collect()
+    }
+}
+
+const PING: u8 = 0x6;
+
+/// Spec "What the listener enforces": HTTP/2 keepalive PINGs run every 20 s. A welcomed session
+/// whose client then goes quiet gets no PING by 19 s after its last frame (tokio's paused clock)
+/// and one by 21 s.
+#[tokio::test]
+async fn the_listener_pings_a_quiet_connection_after_20_s() {
+    let h = start(64).await;
+    let mut raw = RawH2::connect(&h).await;
+    let id = "broker-a.dynamo";
+    let mut session = ClientSession::new(broker_hello(id, &["dynamo"]), tick()).expect("hello");
+    let hello = session.poll_transmit().expect("hello line");
+    raw.session(&format!("Bearer {}", token(id)), &hello).await;
+    // Until the answer's head and first data (the welcome); the listener's SETTINGS acked.
+    let (mut head, mut welcome) = (false, false);
+    while !(head && welcome) {
+        let (kind, flags, stream, payload) = raw.next().await;
+        match kind {
+            0x4 if flags & 0x1 == 0 => raw.send(0x4, 0x1, 0, &[]).await,
+            // `:status: 200` is the static table's entry 8.
+            0x1 if stream == 1 => {
+                assert_eq!(payload.first(), Some(&0x88), "200: {payload:?}");
+                head = true;
+            }
+            0x0 if stream == 1 => welcome = true,
+            0x7 => panic!("GOAWAY: {payload:?}"),
+            _ => {}
+        }
+    }
+    h.wait_sessions(1).await;
+
+    let settle = async || {
+        for _ in 0..50 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::pause();
+    settle().await;
+    tokio::time::advance(Duration::from_secs(19)).await;
+    settle().await;
+    let early = raw.ready();
+    assert!(
+        early.iter().all(|f| f.0 != PING),
+        "no PING within 19 s: {early:?}"
+    );
+    tokio::time::advance(Duration::from_secs(2)).await;
+    settle().await;
+    tokio::time::resume();
+    loop {
+        let (kind, flags, _, payload) = raw.next().await;
+        if kind == PING {
+            assert_eq!(flags & 0x1, 0, "a PING, not an ack");
+            assert_eq!(payload.len(), 8);
+            break;
+        }
+    }
+    assert_eq!(h.bus.session_count(), 1, "the session is still up");
 }
 
 #[tokio::test]
