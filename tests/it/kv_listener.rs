@@ -492,6 +492,8 @@ async fn malformed_and_oversized_sse_is_counted_and_refused_and_the_stream_goes_
 /// and the refusal is counted; with loopback allowed, the same source is dialled.
 #[tokio::test]
 async fn the_agent_dials_its_sources_only_inside_allow_cidr() {
+    // The agent's /metrics is read with reqwest (rustls): this test may run alone.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let pki = pki();
     // No router is needed: the sources are read whether or not a session is up.
     let bus: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
