@@ -189,7 +189,9 @@ pub const MAX_ALLOW_CIDRS: usize = 64;
 /// the setting out instead).
 pub fn parse_allow_cidrs(cidrs: &[String]) -> Result<Vec<IpNet>, String> {
     if cidrs.is_empty() {
-        return Err("an empty CIDR list refuses every publisher; list CIDRs or leave it out".into());
+        return Err(
+            "an empty CIDR list refuses every publisher; list CIDRs or leave it out".into(),
+        );
     }
     if cidrs.len() > MAX_ALLOW_CIDRS {
         return Err(format!(

@@ -804,16 +804,22 @@ mod tests {
             allow_cidrs: cidrs.iter().map(|c| c.to_string()).collect(),
             ..cli.clone()
         };
-        let cfg = BrokerConfig::resolve_kv_listener(with(&["10.0.0.0/8", "fd00::/8"]))
-            .expect("resolves");
+        let cfg =
+            BrokerConfig::resolve_kv_listener(with(&["10.0.0.0/8", "fd00::/8"])).expect("resolves");
         assert_eq!(
             cfg.allow_cidrs,
-            Some(vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()])
+            Some(vec![
+                "10.0.0.0/8".parse().unwrap(),
+                "fd00::/8".parse().unwrap()
+            ])
         );
         let error = BrokerConfig::resolve_kv_listener(with(&["192.168.0.0/16"]))
             .expect_err("10.1.2.3 is outside")
             .to_string();
-        assert!(error.contains("vllm-1") && error.contains("outside"), "{error}");
+        assert!(
+            error.contains("vllm-1") && error.contains("outside"),
+            "{error}"
+        );
         assert!(BrokerConfig::resolve_kv_listener(with(&["ten/8"])).is_err());
         let many: Vec<String> = (0..65).map(|i| format!("10.{i}.0.0/16")).collect();
         let many: Vec<&str> = many.iter().map(String::as_str).collect();
@@ -842,5 +848,4 @@ mod tests {
             "an empty list would refuse every source"
         );
     }
-
 }

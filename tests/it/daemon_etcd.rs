@@ -254,7 +254,10 @@ async fn the_workers_view_is_enabled_false_whenever_discovery_is_off() {
         if admin_get(&daemon, "/admin/dynamo/workers").await == disabled {
             break;
         }
-        assert!(std::time::Instant::now() < deadline, "discovery switched off");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "discovery switched off"
+        );
         ticks.tick().await;
     }
     daemon.shutdown().await;

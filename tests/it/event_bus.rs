@@ -1023,10 +1023,7 @@ async fn certificate_identities_stay_bound_to_the_client_ca_that_verified_them()
     let mut session = ClientSession::new(hello(), tick()).expect("valid hello");
     let first = Bytes::from(session.poll_transmit().expect("hello line"));
     let (response, _lines) = a.conn.session(None, Some("1"), first).await;
-    assert_eq!(
-        refusal(response).await,
-        (401, ErrorCode::CredentialRevoked)
-    );
+    assert_eq!(refusal(response).await, (401, ErrorCode::CredentialRevoked));
 
     // The restarted listener verifies against the new CA only.
     h.tree
@@ -1045,7 +1042,10 @@ async fn certificate_identities_stay_bound_to_the_client_ca_that_verified_them()
         let read = tokio::time::timeout(WAIT, tls.read(&mut byte))
             .await
             .expect("closed in time");
-        assert!(!matches!(read, Ok(n) if n > 0), "no byte after a refused certificate");
+        assert!(
+            !matches!(read, Ok(n) if n > 0),
+            "no byte after a refused certificate"
+        );
     }
     h.wait_refusals("handshake_failed", failed + 1.0).await;
     TestBroker::connect(&h, hello(), None, Some(&second_a))
@@ -1062,8 +1062,10 @@ async fn a_stalled_tls_handshake_is_refused_at_10_s() {
     let mut tcp = TcpStream::connect(h.addr).await.expect("connect");
     tcp.write_all(&[0x16]).await.expect("write");
     poll("the listener holds the connection", || {
-        (h.metrics.value("continuum_dynamo_event_bus_connections", &[]) == Some(1.0))
-            .then_some(())
+        (h.metrics
+            .value("continuum_dynamo_event_bus_connections", &[])
+            == Some(1.0))
+        .then_some(())
     })
     .await;
     let settle = async || {
@@ -1075,7 +1077,11 @@ async fn a_stalled_tls_handshake_is_refused_at_10_s() {
     settle().await;
     tokio::time::advance(Duration::from_secs(9)).await;
     settle().await;
-    assert_eq!(h.refusals("handshake_timeout"), 0.0, "still handshaking at 9 s");
+    assert_eq!(
+        h.refusals("handshake_timeout"),
+        0.0,
+        "still handshaking at 9 s"
+    );
     // To 10 s and a millisecond: the clock was paused off a millisecond boundary, and timer
     // deadlines round up to the next one.
     tokio::time::advance(Duration::from_millis(1_001)).await;
@@ -1088,8 +1094,10 @@ async fn a_stalled_tls_handshake_is_refused_at_10_s() {
         .expect("the connection is closed");
     assert!(rest.is_empty());
     poll("the connection slot is given back", || {
-        (h.metrics.value("continuum_dynamo_event_bus_connections", &[]) == Some(0.0))
-            .then_some(())
+        (h.metrics
+            .value("continuum_dynamo_event_bus_connections", &[])
+            == Some(0.0))
+        .then_some(())
     })
     .await;
 }
@@ -1189,7 +1197,12 @@ impl RawH2 {
         ] {
             block.push(0x00);
             for text in [name, value] {
-                block.push(u8::try_from(text.len()).ok().filter(|n| *n < 127).expect("short"));
+                block.push(
+                    u8::try_from(text.len())
+                        .ok()
+                        .filter(|n| *n < 127)
+                        .expect("short"),
+                );
                 block.extend(text.as_bytes());
             }
         }

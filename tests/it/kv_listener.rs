@@ -512,9 +512,10 @@ async fn the_agent_dials_its_sources_only_inside_allow_cidr() {
         &["--allow-cidr", "10.0.0.0/8"],
     )
     .await;
-    poll("the dial outside --allow-cidr is refused and counted", async || {
-        (outside.value(refused).await >= 1.0).then_some(())
-    })
+    poll(
+        "the dial outside --allow-cidr is refused and counted",
+        async || (outside.value(refused).await >= 1.0).then_some(()),
+    )
     .await;
     assert!(
         tokio::time::timeout(Duration::ZERO, publisher.accept())

@@ -300,7 +300,10 @@ async fn model_map_is_read_at_routing_time_and_responses_compact_stays_unpinned(
     assert_eq!(
         daemon
             .metrics()
-            .value("continuum_dynamo_discovery_events_total", &[("kind", "restart")])
+            .value(
+                "continuum_dynamo_discovery_events_total",
+                &[("kind", "restart")]
+            )
             .unwrap_or(0.0),
         0.0,
         "model_map reloads without restarting the watcher"

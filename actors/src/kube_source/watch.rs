@@ -841,13 +841,19 @@ current-context: x
             tokio::time::advance(Duration::from_secs(30)).await;
             attempt.await
         };
-        assert!(abandoned.is_err(), "the first pass gives up at its setup budget");
+        assert!(
+            abandoned.is_err(),
+            "the first pass gives up at its setup budget"
+        );
         assert_eq!(builds.load(std::sync::atomic::Ordering::SeqCst), 1);
         assert!(clients.pending.is_some(), "the abandoned build is kept");
 
         release.send(()).expect("release the build");
         drop(release);
-        clients.client().await.expect("the next pass gets the held build's client");
+        clients
+            .client()
+            .await
+            .expect("the next pass gets the held build's client");
         assert_eq!(
             builds.load(std::sync::atomic::Ordering::SeqCst),
             1,

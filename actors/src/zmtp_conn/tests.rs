@@ -293,7 +293,9 @@ fn allowlists_parse_one_to_sixty_four_cidrs_of_either_family() {
     assert!(parse_allow_cidrs(&[]).is_err(), "empty refuses everything");
     assert!(parse_allow_cidrs(&list(&["10.0.0.0/8", "not-a-cidr"])).is_err());
     assert!(parse_allow_cidrs(&list(&["10.0.0.0/33"])).is_err());
-    let many: Vec<String> = (0..=MAX_ALLOW_CIDRS).map(|i| format!("10.{i}.0.0/16")).collect();
+    let many: Vec<String> = (0..=MAX_ALLOW_CIDRS)
+        .map(|i| format!("10.{i}.0.0/16"))
+        .collect();
     assert!(parse_allow_cidrs(&many[..MAX_ALLOW_CIDRS]).is_ok());
     assert!(parse_allow_cidrs(&many).is_err());
 }
