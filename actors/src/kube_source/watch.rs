@@ -811,14 +811,14 @@ current-context: x
     async fn an_abandoned_client_build_is_awaited_by_the_next_pass_not_spawned_again() {
         let builds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let (release, held) = std::sync::mpsc::channel::<()>();
-        let held = Arc::new(std::sync::Mutex::new(held));
+        let held = Arc::new(crate::lock::Mutex::new(held));
         let runtime = tokio::runtime::Handle::current();
         let build: Build = {
             let builds = builds.clone();
             Arc::new(move || {
                 builds.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 // The first build hangs (a stuck exec plugin) until released.
-                let _ = held.lock().map(|rx| rx.recv());
+                let _ = held.lock().recv();
                 let _entered = runtime.enter();
                 Ok(Client::try_from(Config::new(
                     "http://127.0.0.1:1".parse().expect("uri"),
