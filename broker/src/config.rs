@@ -750,16 +750,7 @@ mod tests {
             assert!(KvSource::parse(bad).is_err(), "{bad}");
         }
         let dir = tempfile::tempdir().expect("tempdir");
-        let token = dir.path().join("token");
-        std::fs::write(&token, "secret-token\n").expect("token");
-        let cli = KvListenerCli {
-            bus_url: Some("https://127.0.0.1:7443".into()),
-            client_id: Some("kv-listener-a".into()),
-            token_file: Some(token),
-            ca_file: Some(dir.path().join("ca.pem")),
-            sources: vec!["vllm-1=7@tcp://127.0.0.1:5557".into()],
-            ..KvListenerCli::default()
-        };
+        let cli = kv_cli(dir.path(), &["vllm-1=7@tcp://127.0.0.1:5557"]);
         let cfg = BrokerConfig::resolve_kv_listener(cli.clone()).expect("resolves");
         assert_eq!(cfg.role, Role::KvListener);
         assert_eq!(cfg.replay_events, DEFAULT_REPLAY_EVENTS);
@@ -780,24 +771,32 @@ mod tests {
         assert!(BrokerConfig::resolve_kv_listener(tiny).is_err());
     }
 
+    /// A kv-listener command line with a token file in `dir` and `sources`.
+    fn kv_cli(dir: &Path, sources: &[&str]) -> KvListenerCli {
+        let token = dir.join("token");
+        std::fs::write(&token, "secret-token\n").expect("token");
+        KvListenerCli {
+            bus_url: Some("https://127.0.0.1:7443".into()),
+            client_id: Some("kv-listener-a".into()),
+            token_file: Some(token),
+            ca_file: Some(dir.join("ca.pem")),
+            sources: sources.iter().map(|s| s.to_string()).collect(),
+            ..KvListenerCli::default()
+        }
+    }
+
     /// `--allow-cidr`: the router's `direct_allow_cidrs` rule (1–64 CIDRs; unset allows any
     /// address), from the flag or the file; an IP source outside it is refused at startup.
     #[test]
     fn kv_listener_allow_cidrs_follow_the_routers_direct_allow_rule() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let token = dir.path().join("token");
-        std::fs::write(&token, "secret-token\n").expect("token");
-        let cli = KvListenerCli {
-            bus_url: Some("https://127.0.0.1:7443".into()),
-            client_id: Some("kv-listener-a".into()),
-            token_file: Some(token),
-            ca_file: Some(dir.path().join("ca.pem")),
-            sources: vec![
-                "vllm-1=7@tcp://10.1.2.3:5557".into(),
-                "vllm-2=8@tcp://worker-0.dynamo.svc:5557".into(),
+        let cli = kv_cli(
+            dir.path(),
+            &[
+                "vllm-1=7@tcp://10.1.2.3:5557",
+                "vllm-2=8@tcp://worker-0.dynamo.svc:5557",
             ],
-            ..KvListenerCli::default()
-        };
+        );
         let unset = BrokerConfig::resolve_kv_listener(cli.clone()).expect("resolves");
         assert_eq!(unset.allow_cidrs, None, "unset allows any address");
         let with = |cidrs: &[&str]| KvListenerCli {

@@ -1107,10 +1107,10 @@ fn assert_broker_network_policy(what: &str, docs: &[Value]) {
     );
 }
 
-#[test]
-fn the_event_broker_kustomization_is_least_privilege_and_hardened() {
-    let dir = "deploy/kubernetes/event-broker";
-    let docs = match Command::new("kubectl")
+/// An agent's Kustomize directory rendered with `kubectl kustomize`, or (without kubectl) its
+/// `files` themselves.
+fn agent_kustomization(dir: &str, files: &[&str]) -> Vec<Value> {
+    match Command::new("kubectl")
         .arg("kustomize")
         .arg(root().join(dir))
         .output()
@@ -1123,18 +1123,26 @@ fn the_event_broker_kustomization_is_least_privilege_and_hardened() {
             );
             yaml_docs(&String::from_utf8(out.stdout).expect("UTF-8"))
         }
-        // Without kubectl: the files themselves.
-        Err(_) => [
+        Err(_) => files
+            .iter()
+            .flat_map(|f| yaml_docs(&read(&format!("{dir}/{f}.yaml"))))
+            .collect(),
+    }
+}
+
+#[test]
+fn the_event_broker_kustomization_is_least_privilege_and_hardened() {
+    let dir = "deploy/kubernetes/event-broker";
+    let docs = agent_kustomization(
+        dir,
+        &[
             "serviceaccount",
             "role",
             "secret",
             "deployment",
             "networkpolicy",
-        ]
-        .iter()
-        .flat_map(|f| yaml_docs(&read(&format!("{dir}/{f}.yaml"))))
-        .collect(),
-    };
+        ],
+    );
     assert_broker_rbac(dir, &docs);
     assert_broker_deployment(dir, find(&docs, "Deployment"), None);
     assert_broker_network_policy(dir, &docs);
@@ -1176,6 +1184,21 @@ fn the_event_broker_chart_renders_the_same_shape() {
     for name in ["serviceaccount.yaml", "secret.yaml", "configmap.yaml"] {
         assert!(!template(name).is_empty(), "{name}");
     }
+}
+
+/// The kv_listener's egress: the bus, the publishers and DNS; no API server ports (the rule for
+/// any destination is DNS only).
+fn assert_kv_listener_egress(what: &str, docs: &[Value]) {
+    let policy = find(docs, "NetworkPolicy");
+    let egress = policy["spec"]["egress"].as_array().expect("egress");
+    assert_eq!(egress.len(), 3, "{what}: {egress:?}");
+    assert!(
+        egress
+            .iter()
+            .filter(|r| r["to"].is_null())
+            .all(|r| r["ports"][0]["port"] == json!(53)),
+        "{what}: the API server rule (any destination) is the broker's only: {egress:?}"
+    );
 }
 
 #[test]
@@ -1229,18 +1252,7 @@ fn the_event_broker_chart_runs_the_kv_listener_without_kubernetes_access() {
         template("role.yaml").is_empty(),
         "no Role or RoleBinding for the kv_listener"
     );
-    // Egress: the bus, the publishers and DNS; no API server ports.
-    let docs = template("networkpolicy.yaml");
-    let policy = find(&docs, "NetworkPolicy");
-    let egress = policy["spec"]["egress"].as_array().expect("egress");
-    assert_eq!(egress.len(), 3, "{egress:?}");
-    assert!(
-        egress
-            .iter()
-            .filter(|r| r["to"].is_null())
-            .all(|r| r["ports"][0]["port"] == json!(53)),
-        "the API server rule (any destination) is the broker's only: {egress:?}"
-    );
+    assert_kv_listener_egress("kv_listener chart", &template("networkpolicy.yaml"));
     // A role the chart does not know, or a kv_listener without sources, fails the render.
     let helpers = read(&format!("{BROKER_CHART}/templates/_helpers.tpl"));
     assert!(helpers.contains("(has .Values.role (list \"broker\" \"kv_listener\"))"));
@@ -1258,25 +1270,10 @@ fn the_event_broker_chart_runs_the_kv_listener_without_kubernetes_access() {
 #[test]
 fn the_kv_listener_kustomization_is_hardened_and_reads_no_kubernetes_api() {
     let dir = "deploy/kubernetes/kv-listener";
-    let docs = match Command::new("kubectl")
-        .arg("kustomize")
-        .arg(root().join(dir))
-        .output()
-    {
-        Ok(out) => {
-            assert!(
-                out.status.success(),
-                "kubectl kustomize {dir}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            yaml_docs(&String::from_utf8(out.stdout).expect("UTF-8"))
-        }
-        // Without kubectl: the files themselves.
-        Err(_) => ["serviceaccount", "secret", "deployment", "networkpolicy"]
-            .iter()
-            .flat_map(|f| yaml_docs(&read(&format!("{dir}/{f}.yaml"))))
-            .collect(),
-    };
+    let docs = agent_kustomization(
+        dir,
+        &["serviceaccount", "secret", "deployment", "networkpolicy"],
+    );
     let deployment = find(&docs, "Deployment");
     assert_agent_deployment(
         dir,
@@ -1330,17 +1327,7 @@ fn the_kv_listener_kustomization_is_hardened_and_reads_no_kubernetes_api() {
         pod["serviceAccountName"], sa["metadata"]["name"],
         "{dir}: its own ServiceAccount"
     );
-    // Egress: the bus, the publishers and DNS; no API server rule.
-    let policy = find(&docs, "NetworkPolicy");
-    let egress = policy["spec"]["egress"].as_array().expect("egress");
-    assert_eq!(egress.len(), 3, "{egress:?}");
-    assert!(
-        egress
-            .iter()
-            .filter(|r| r["to"].is_null())
-            .all(|r| r["ports"][0]["port"] == json!(53)),
-        "{egress:?}"
-    );
+    assert_kv_listener_egress(dir, &docs);
     assert_broker_network_policy(dir, &docs);
     let secret = find(&docs, "Secret");
     assert!(

@@ -16,6 +16,7 @@ use continuum_protocol::ids::Namespace;
 use etcd_client::{Client, CompactionOptions, LeaseGrantOptions, Permission, PutOptions};
 use support::etcd::{CapturedKv, EtcdServer, captured_kvs};
 use support::logs::Logs;
+use support::paused::settle;
 use tokio::sync::mpsc;
 
 /// Longest wait for one event. Lease expiry (TTL 2 s, checked every 500 ms) is the slowest.
@@ -262,20 +263,24 @@ async fn recovered(
     );
 }
 
-#[tokio::test]
-async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
-    let logs = Logs::default();
-    let _guard = logs.install();
-    let server = EtcdServer::start().await;
-    let mut admin = server.client().await;
-    // The last prefix the source reads, so its one page is the snapshot's last.
+/// Three records under the event-channel prefix (the last one the source reads, so its one page
+/// is the snapshot's last), and a source whose consumer read `Init` and two of them: on a
+/// capacity-1 channel the third fills it and the source, every page read at revision R, blocks
+/// handing over `InitDone`, before any watch is opened. The prefix, the source, its receiver and
+/// the two records read.
+async fn stalled_before_init_done(
+    server: &EtcdServer,
+    admin: &mut Client,
+) -> (
+    String,
+    EtcdSource,
+    mpsc::Receiver<SourceEvent>,
+    BTreeMap<String, Vec<u8>>,
+) {
     let channels = format!("v1/event_channels/namespace/{NS}/t/");
-    put_keys(&mut admin, &channels, 0..3).await;
-    // Capacity 1: once `Init` and two of the three records are read, the third fills the
-    // channel and the source, every page read at revision R, blocks handing over `InitDone`,
-    // before any watch is opened.
+    put_keys(admin, &channels, 0..3).await;
     let (tx, mut rx) = mpsc::channel(1);
-    let source = EtcdSource::spawn(config(&server), tx).unwrap();
+    let source = EtcdSource::spawn(config(server), tx).unwrap();
     assert_eq!(next(&mut rx).await, SourceEvent::Init);
     let mut first = BTreeMap::new();
     for _ in 0..2 {
@@ -284,6 +289,16 @@ async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
             other => panic!("expected a record, got {other:?}"),
         };
     }
+    (channels, source, rx, first)
+}
+
+#[tokio::test]
+async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
+    let logs = Logs::default();
+    let _guard = logs.install();
+    let server = EtcdServer::start().await;
+    let mut admin = server.client().await;
+    let (channels, source, mut rx, mut first) = stalled_before_init_done(&server, &mut admin).await;
     let now = put_keys(&mut admin, &channels, 3..5).await;
     // Compact to the current revision: R + 1 is gone by the time the watch asks for it.
     compact(&mut admin, now).await;
@@ -341,16 +356,8 @@ async fn a_pass_stalled_while_seeding_ends_at_the_30_s_seed_timeout() {
     let _guard = logs.install();
     let server = EtcdServer::start().await;
     let mut admin = server.client().await;
-    let channels = format!("v1/event_channels/namespace/{NS}/t/");
-    put_keys(&mut admin, &channels, 0..3).await;
-    // Capacity 1: `Init` and two records read, the third fills the channel and the source
-    // blocks handing over `InitDone`, inside the seed phase (every page already read).
-    let (tx, mut rx) = mpsc::channel(1);
-    let source = EtcdSource::spawn(config(&server), tx).unwrap();
-    assert_eq!(next(&mut rx).await, SourceEvent::Init);
-    for _ in 0..2 {
-        assert!(matches!(next(&mut rx).await, SourceEvent::InitApply { .. }));
-    }
+    // Blocked inside the seed phase.
+    let (_, source, mut rx, _) = stalled_before_init_done(&server, &mut admin).await;
     let timed_out = format!(
         "connecting and seeding took longer than {:?}",
         continuum_actors::etcd_source::SEED_TIMEOUT
@@ -359,11 +366,6 @@ async fn a_pass_stalled_while_seeding_ends_at_the_30_s_seed_timeout() {
         continuum_actors::etcd_source::SEED_TIMEOUT,
         Duration::from_secs(30)
     );
-    let settle = async || {
-        for _ in 0..20 {
-            tokio::task::yield_now().await;
-        }
-    };
     tokio::time::pause();
     settle().await;
     tokio::time::advance(Duration::from_secs(29)).await;

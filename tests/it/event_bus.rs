@@ -16,6 +16,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::support::bus_pki::{Pki, pki};
+use crate::support::paused::settle;
 use bytes::Bytes;
 use continuum_actors::event_bus::{
     BusEntry, BusSettings, BusStream, BusStreamError, BusTls, EventBus, event_bus_spec,
@@ -1068,11 +1069,6 @@ async fn a_stalled_tls_handshake_is_refused_at_10_s() {
         .then_some(())
     })
     .await;
-    let settle = async || {
-        for _ in 0..50 {
-            tokio::task::yield_now().await;
-        }
-    };
     tokio::time::pause();
     settle().await;
     tokio::time::advance(Duration::from_secs(9)).await;
@@ -1132,11 +1128,6 @@ async fn a_listener_that_cannot_bind_retries_every_30_s() {
     assert!(logs.text().contains("retry_s=30"), "{}", logs.text());
     assert!(!bus.is_running());
     drop(taken);
-    let settle = async || {
-        for _ in 0..50 {
-            tokio::task::yield_now().await;
-        }
-    };
     tokio::time::advance(Duration::from_secs(29)).await;
     settle().await;
     assert!(!bus.is_running(), "no retry before 30 s");
@@ -1283,12 +1274,6 @@ async fn the_listener_pings_a_quiet_connection_after_20_s() {
         }
     }
     h.wait_sessions(1).await;
-
-    let settle = async || {
-        for _ in 0..50 {
-            tokio::task::yield_now().await;
-        }
-    };
     tokio::time::pause();
     settle().await;
     tokio::time::advance(Duration::from_secs(19)).await;

@@ -11,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use support::paused::settle;
 use support::upstream::{FakeUpstream, Reply};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -777,11 +778,6 @@ async fn shutdown_held_by_a_stream_that_never_ends_returns_at_the_10_s_bound() {
     let addr = daemon.local_addr();
     // The upstream's sender stays alive: the stream never ends.
     let (_stream, _upstream, _) = first_event(addr, &mut up, post_kept).await;
-    let settle = async || {
-        for _ in 0..50 {
-            tokio::task::yield_now().await;
-        }
-    };
     tokio::time::pause();
     let shutdown = tokio::spawn(daemon.shutdown());
     settle().await;

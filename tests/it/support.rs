@@ -11,6 +11,7 @@ pub mod fake_kube;
 pub mod kv_prep;
 pub mod logs;
 pub mod otlp;
+pub mod paused;
 pub mod process;
 pub mod upstream;
 pub mod zmq;

@@ -66,8 +66,9 @@ async fn next_start(
         .expect("sender alive")
 }
 
-#[tokio::test(start_paused = true)]
-async fn failed_child_restarts_after_backoff_and_is_counted() {
+/// Makes child `a` fail with `how`: it restarts once after its backoff, its sibling is never
+/// touched, the tree stops cleanly. The failure `a`'s row recorded.
+async fn fail_one_child(how: ProbeMsg) -> String {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let tree = ActorTree::default();
     let (root, handle) = spawn_root(vec![probe("a", &tx), probe("b", &tx)], tree.clone(), None)
@@ -76,14 +77,13 @@ async fn failed_child_restarts_after_backoff_and_is_counted() {
     let (_, a) = next_start(&mut rx).await;
     let (_, b) = next_start(&mut rx).await;
 
-    a.send_message(ProbeMsg::Fail).expect("a alive");
+    a.send_message(how).expect("a alive");
     let (name, a2) = next_start(&mut rx).await;
     assert_eq!(name, "a");
     assert_ne!(a.get_id(), a2.get_id());
     let row = tree.get("root/a").expect("row for a");
     assert_eq!(row.restarts, 1);
     assert_eq!(row.state, ActorState::Running);
-    assert_eq!(row.last_failure.as_deref(), Some("probe told to fail"));
     // The sibling was never touched.
     assert_eq!(tree.get("root/b").expect("row").restarts, 0);
     assert!(b.get_status() == ractor::ActorStatus::Running);
@@ -91,6 +91,12 @@ async fn failed_child_restarts_after_backoff_and_is_counted() {
     root.stop(None);
     handle.await.expect("root stops");
     assert!(tree.list().iter().all(|r| r.state == ActorState::Stopped));
+    row.last_failure.expect("the failure is recorded")
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_child_restarts_after_backoff_and_is_counted() {
+    assert_eq!(fail_one_child(ProbeMsg::Fail).await, "probe told to fail");
 }
 
 /// The release profile unwinds (docs/deviations.md, section 3): a panic in an actor's handler is
@@ -108,29 +114,8 @@ async fn a_panicking_child_is_caught_and_restarted_and_the_release_profile_unwin
         profiles.is_empty(),
         "a profile sets panic (abort would bypass supervision): {profiles:?}"
     );
-
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    let tree = ActorTree::default();
-    let (root, handle) = spawn_root(vec![probe("a", &tx), probe("b", &tx)], tree.clone(), None)
-        .await
-        .expect("root starts");
-    let (_, a) = next_start(&mut rx).await;
-    let (_, b) = next_start(&mut rx).await;
-
-    a.send_message(ProbeMsg::Panic).expect("a alive");
-    let (name, a2) = next_start(&mut rx).await;
-    assert_eq!(name, "a");
-    assert_ne!(a.get_id(), a2.get_id());
-    let row = tree.get("root/a").expect("row for a");
-    assert_eq!(row.restarts, 1);
-    assert_eq!(row.state, ActorState::Running);
-    let failure = row.last_failure.expect("the panic is recorded");
+    let failure = fail_one_child(ProbeMsg::Panic).await;
     assert!(failure.contains("probe told to panic"), "{failure}");
-    assert_eq!(tree.get("root/b").expect("row").restarts, 0);
-    assert!(b.get_status() == ractor::ActorStatus::Running);
-
-    root.stop(None);
-    handle.await.expect("root stops");
 }
 
 #[tokio::test(start_paused = true)]

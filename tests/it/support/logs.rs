@@ -1,6 +1,6 @@
 //! Per-test log capture: the code under test runs on the test's current-thread runtime, so a
 //! thread-local default subscriber sees all of its logs (tests/it/etcd_source.rs,
-//! tests/it/event_bus.rs).
+//! tests/it/event_bus.rs, tests/it/features.rs).
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
