@@ -301,15 +301,7 @@ impl DiscoveryState {
             task.abort();
         }
         let stopped = match self.source.take() {
-            Some(RunningSource::Etcd(source)) => {
-                tokio::time::timeout(SOURCE_STOP_GRACE, source.stop())
-                    .await
-                    .is_ok()
-            }
-            Some(RunningSource::Kube(task)) => {
-                task.abort();
-                true
-            }
+            Some(source) => stop_source(source).await,
             None => true,
         };
         if !stopped {
@@ -318,6 +310,20 @@ impl DiscoveryState {
         let all = self.registry_actor.set_connected(&self.namespace, false);
         if let Some(metrics) = &self.metrics {
             metrics.set_discovery_connected(all);
+        }
+    }
+}
+
+/// Stops a source: an etcd source gets [`SOURCE_STOP_GRACE`] to end its pass loop and is
+/// aborted after it; a Kubernetes watch task is aborted at once. Whether it stopped in time.
+async fn stop_source(source: RunningSource) -> bool {
+    match source {
+        RunningSource::Etcd(source) => tokio::time::timeout(SOURCE_STOP_GRACE, source.stop())
+            .await
+            .is_ok(),
+        RunningSource::Kube(task) => {
+            task.abort();
+            true
         }
     }
 }
@@ -397,5 +403,67 @@ fn counted_kind(kind: &str) -> DiscoveryEventKind {
         "mismatch" => DiscoveryEventKind::Mismatch,
         "duplicate" => DiscoveryEventKind::Duplicate,
         _ => DiscoveryEventKind::Malformed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sends on drop: tells the test the task was dropped (aborted or ended).
+    struct Dropped(Option<tokio::sync::oneshot::Sender<()>>);
+
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            if let Some(tx) = self.0.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    /// Spec "Reload class", *Startup and shutdown*: stopping a watcher waits up to a 5 s grace
+    /// period, then aborts it. A source task that ignores its stop signal is still running at
+    /// 4.9 s (tokio's paused clock), the stop gives up at 5 s, and the task is aborted.
+    #[tokio::test(start_paused = true)]
+    async fn a_source_that_ignores_stop_is_aborted_after_the_5_s_grace() {
+        assert_eq!(SOURCE_STOP_GRACE, Duration::from_secs(5));
+        let (stop, _ignored) = tokio::sync::oneshot::channel::<()>();
+        let (dropped_tx, mut dropped) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let _guard = Dropped(Some(dropped_tx));
+            std::future::pending::<()>().await;
+        });
+        let source = RunningSource::Etcd(EtcdSource::from_task(task, stop));
+        let start = tokio::time::Instant::now();
+        let stopping = tokio::spawn(stop_source(source));
+        let settle = async || {
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+        };
+        settle().await;
+        tokio::time::advance(Duration::from_millis(4_900)).await;
+        settle().await;
+        assert!(!stopping.is_finished(), "still within the grace");
+        assert!(dropped.try_recv().is_err(), "not aborted yet");
+        let stopped = stopping.await.expect("stop_source");
+        assert!(!stopped, "the grace ran out");
+        assert_eq!(start.elapsed(), SOURCE_STOP_GRACE);
+        tokio::time::timeout(Duration::from_secs(1), &mut dropped)
+            .await
+            .expect("the task is aborted after the grace")
+            .expect("the guard reports its drop");
+    }
+
+    /// A source that honours its stop signal ends at once, well inside the grace.
+    #[tokio::test(start_paused = true)]
+    async fn a_source_that_stops_ends_without_waiting_for_the_grace() {
+        let (stop, stopped_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let _ = stopped_rx.await;
+        });
+        let start = tokio::time::Instant::now();
+        assert!(stop_source(RunningSource::Etcd(EtcdSource::from_task(task, stop))).await);
+        assert_eq!(start.elapsed(), Duration::ZERO);
     }
 }

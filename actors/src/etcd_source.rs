@@ -202,12 +202,25 @@ impl EtcdSource {
     }
 
     /// Stops the loop and waits for it to finish.
+    /// Cancel-safe: dropped before the task ended (a caller's grace ran out), the source is
+    /// dropped with it and its task aborted.
     pub async fn stop(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        if let Some(task) = self.task.take() {
+        if let Some(task) = self.task.as_mut() {
             let _ = task.await;
+        }
+        self.task = None;
+    }
+
+    /// A source around a task the test controls (it may ignore `stop`).
+    #[cfg(test)]
+    pub(crate) fn from_task(task: JoinHandle<()>, stop: oneshot::Sender<()>) -> Self {
+        Self {
+            connected: watch::channel(false).1,
+            stop: Some(stop),
+            task: Some(task),
         }
     }
 }

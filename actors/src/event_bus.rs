@@ -236,7 +236,12 @@ impl EventBus {
                     (Some(entry), AuthBy::Token(hash)) => {
                         entry.token_hash.is_none_or(|stored| !stored.ct_eq(&hash))
                     }
-                    (Some(_), AuthBy::Certificate) => settings.tls_client_ca().is_none(),
+                    // A certificate identity is bound to the CA that verified its connection:
+                    // a client_ca removed or replaced ends it (the connection's CA is gone).
+                    (Some(_), AuthBy::Certificate) => {
+                        settings.tls_client_ca().is_none()
+                            || settings.tls_client_ca() != state.settings.tls_client_ca()
+                    }
                 };
                 let message = if revoked {
                     SessionMsg::Close(

@@ -183,6 +183,35 @@ pub fn parse_endpoint(endpoint: &str) -> Option<(String, u16)> {
     Some((host.to_owned(), port.parse().ok()?))
 }
 
+/// Most entries of a dial allowlist (`dynamo.load.direct_allow_cidrs`, the kv-listener's
+/// `--allow-cidr`).
+pub const MAX_ALLOW_CIDRS: usize = 64;
+
+/// Parses a dial allowlist as the router's `dynamo.load.direct_allow_cidrs` is validated: one
+/// to [`MAX_ALLOW_CIDRS`] IPv4 or IPv6 CIDRs (an empty list would refuse every publisher; leave
+/// the setting out instead).
+pub fn parse_allow_cidrs(cidrs: &[String]) -> Result<Vec<IpNet>, String> {
+    if cidrs.is_empty() {
+        return Err(
+            "an empty CIDR list refuses every publisher; list CIDRs or leave it out".into(),
+        );
+    }
+    if cidrs.len() > MAX_ALLOW_CIDRS {
+        return Err(format!(
+            "{} CIDRs given; at most {MAX_ALLOW_CIDRS} are accepted",
+            cidrs.len()
+        ));
+    }
+    cidrs
+        .iter()
+        .map(|cidr| {
+            cidr.trim()
+                .parse::<IpNet>()
+                .map_err(|_| format!("{cidr:?} is not an IPv4 or IPv6 CIDR (like 10.0.0.0/8)"))
+        })
+        .collect()
+}
+
 /// The addresses the dial policy allows, in resolution order.
 pub fn allowed_addresses(
     addresses: &[SocketAddr],

@@ -94,7 +94,12 @@ pub async fn start(config: BrokerConfig, shutdown: watch::Receiver<bool>) -> any
         )],
         metrics::Agent::KvListener => {
             synced_tx.send_replace(true);
-            crate::kv_listener::spawn_sources(&config.sources, &feeds, metrics.clone())
+            crate::kv_listener::spawn_sources(
+                &config.sources,
+                config.allow_cidrs.as_ref(),
+                &feeds,
+                metrics.clone(),
+            )
         }
     };
     let shared = Shared {

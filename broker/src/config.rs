@@ -10,6 +10,7 @@ use clap::Parser;
 use continuum_protocol::event_bus::message::{AnnouncedSource, ClientId, Hello, Role};
 use continuum_protocol::ids::Namespace;
 use continuum_protocol::ids::PublisherId;
+use ipnet::IpNet;
 use serde::Deserialize;
 
 /// Longest accepted token file (a bearer token is far shorter; this only bounds the read).
@@ -194,6 +195,9 @@ pub struct BrokerConfig {
     pub sources: Vec<KvSource>,
     /// kv_listener only: batches each source's replay ring holds.
     pub replay_events: usize,
+    /// kv_listener only: the addresses its sources may be dialled at (`--allow-cidr`, the rule
+    /// of the router's `dynamo.load.direct_allow_cidrs`); `None` allows any address.
+    pub allow_cidrs: Option<Vec<IpNet>>,
 }
 
 /// One source of a kv-listener: the backend name it announces, the kv-events publisher it reads
@@ -246,7 +250,7 @@ pub const DEFAULT_KV_LISTENER_LISTEN: &str = "0.0.0.0:9465";
              the streams the router commands, resuming after last_event_id.",
     after_help = "Every setting can also come from --config FILE (YAML, the same names with \
                   underscores: bus_url, client_id, token_file, client_cert, client_key, ca_file, \
-                  server_name, sources, listen, max_streams, replay_events). See \
+                  server_name, sources, allow_cidrs, listen, max_streams, replay_events). See \
                   docs/event-bus.md, \"continuum-kv-listener\"."
 )]
 pub struct KvListenerCli {
@@ -283,6 +287,16 @@ pub struct KvListenerCli {
         value_delimiter = ','
     )]
     pub sources: Vec<String>,
+    /// The networks the sources' publishers may be dialled in (repeat or comma-separate; 1–64
+    /// IPv4/IPv6 CIDRs, like the router's dynamo.load.direct_allow_cidrs): a host name is
+    /// resolved once and only an allowed address is dialled [default: any address].
+    #[arg(
+        long = "allow-cidr",
+        value_name = "CIDR",
+        env = "CONTINUUM_KV_LISTENER_ALLOW_CIDRS",
+        value_delimiter = ','
+    )]
+    pub allow_cidrs: Vec<String>,
     /// Address of /health, /ready and /metrics [default: 0.0.0.0:9465].
     #[arg(long, value_name = "ADDR", env = "CONTINUUM_KV_LISTENER_LISTEN")]
     pub listen: Option<SocketAddr>,
@@ -306,6 +320,7 @@ struct KvListenerFile {
     ca_file: Option<PathBuf>,
     server_name: Option<String>,
     sources: Option<Vec<String>>,
+    allow_cidrs: Option<Vec<String>>,
     listen: Option<SocketAddr>,
     max_streams: Option<usize>,
     replay_events: Option<usize>,
@@ -438,6 +453,7 @@ impl BrokerConfig {
         if !(16..=1_048_576).contains(&replay_events) {
             bail!("replay_events must be 16..=1048576");
         }
+        let allow_cidrs = allow_cidrs(cli.allow_cidrs, file.allow_cidrs, &sources)?;
         let config = Self {
             bus,
             server_name,
@@ -452,6 +468,7 @@ impl BrokerConfig {
             role: Role::KvListener,
             sources,
             replay_events,
+            allow_cidrs,
         };
         // The hello's own bounds (name syntax, 1..=256 distinct backends), checked now.
         config
@@ -527,6 +544,7 @@ impl BrokerConfig {
             role: Role::Broker,
             sources: vec![],
             replay_events: 0,
+            allow_cidrs: None,
         })
     }
 
@@ -546,6 +564,36 @@ impl BrokerConfig {
                 .collect(),
         }
     }
+}
+
+/// The kv-listener's dial allowlist: the flag's list, else the file's, checked as the router
+/// checks `dynamo.load.direct_allow_cidrs`. A source given as an IP address outside the list is
+/// refused now (it could never be dialled); a host name is checked after it resolves.
+fn allow_cidrs(
+    flag: Vec<String>,
+    file: Option<Vec<String>>,
+    sources: &[KvSource],
+) -> anyhow::Result<Option<Vec<IpNet>>> {
+    let given = if flag.is_empty() { file } else { Some(flag) };
+    let Some(given) = given else {
+        return Ok(None);
+    };
+    let nets = continuum_actors::zmtp_conn::parse_allow_cidrs(&given)
+        .map_err(|e| anyhow::anyhow!("allow_cidrs: {e}"))?;
+    for source in sources {
+        let Some((host, _)) = continuum_actors::zmtp_conn::parse_endpoint(&source.endpoint) else {
+            continue;
+        };
+        if let Ok(ip) = host.parse::<std::net::IpAddr>()
+            && !nets.iter().any(|net| net.contains(&ip))
+        {
+            bail!(
+                "source {:?}: {ip} is outside allow_cidrs, so it could never be dialled",
+                source.backend
+            );
+        }
+    }
+    Ok(Some(nets))
 }
 
 fn read_bounded(path: &Path, limit: u64, what: &str) -> anyhow::Result<String> {
@@ -702,16 +750,7 @@ mod tests {
             assert!(KvSource::parse(bad).is_err(), "{bad}");
         }
         let dir = tempfile::tempdir().expect("tempdir");
-        let token = dir.path().join("token");
-        std::fs::write(&token, "secret-token\n").expect("token");
-        let cli = KvListenerCli {
-            bus_url: Some("https://127.0.0.1:7443".into()),
-            client_id: Some("kv-listener-a".into()),
-            token_file: Some(token),
-            ca_file: Some(dir.path().join("ca.pem")),
-            sources: vec!["vllm-1=7@tcp://127.0.0.1:5557".into()],
-            ..KvListenerCli::default()
-        };
+        let cli = kv_cli(dir.path(), &["vllm-1=7@tcp://127.0.0.1:5557"]);
         let cfg = BrokerConfig::resolve_kv_listener(cli.clone()).expect("resolves");
         assert_eq!(cfg.role, Role::KvListener);
         assert_eq!(cfg.replay_events, DEFAULT_REPLAY_EVENTS);
@@ -730,5 +769,82 @@ mod tests {
         let mut tiny = cli;
         tiny.replay_events = Some(1);
         assert!(BrokerConfig::resolve_kv_listener(tiny).is_err());
+    }
+
+    /// A kv-listener command line with a token file in `dir` and `sources`.
+    fn kv_cli(dir: &Path, sources: &[&str]) -> KvListenerCli {
+        let token = dir.join("token");
+        std::fs::write(&token, "secret-token\n").expect("token");
+        KvListenerCli {
+            bus_url: Some("https://127.0.0.1:7443".into()),
+            client_id: Some("kv-listener-a".into()),
+            token_file: Some(token),
+            ca_file: Some(dir.join("ca.pem")),
+            sources: sources.iter().map(|s| s.to_string()).collect(),
+            ..KvListenerCli::default()
+        }
+    }
+
+    /// `--allow-cidr`: the router's `direct_allow_cidrs` rule (1–64 CIDRs; unset allows any
+    /// address), from the flag or the file; an IP source outside it is refused at startup.
+    #[test]
+    fn kv_listener_allow_cidrs_follow_the_routers_direct_allow_rule() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cli = kv_cli(
+            dir.path(),
+            &[
+                "vllm-1=7@tcp://10.1.2.3:5557",
+                "vllm-2=8@tcp://worker-0.dynamo.svc:5557",
+            ],
+        );
+        let unset = BrokerConfig::resolve_kv_listener(cli.clone()).expect("resolves");
+        assert_eq!(unset.allow_cidrs, None, "unset allows any address");
+        let with = |cidrs: &[&str]| KvListenerCli {
+            allow_cidrs: cidrs.iter().map(|c| c.to_string()).collect(),
+            ..cli.clone()
+        };
+        let cfg =
+            BrokerConfig::resolve_kv_listener(with(&["10.0.0.0/8", "fd00::/8"])).expect("resolves");
+        assert_eq!(
+            cfg.allow_cidrs,
+            Some(vec![
+                "10.0.0.0/8".parse().unwrap(),
+                "fd00::/8".parse().unwrap()
+            ])
+        );
+        let error = BrokerConfig::resolve_kv_listener(with(&["192.168.0.0/16"]))
+            .expect_err("10.1.2.3 is outside")
+            .to_string();
+        assert!(
+            error.contains("vllm-1") && error.contains("outside"),
+            "{error}"
+        );
+        assert!(BrokerConfig::resolve_kv_listener(with(&["ten/8"])).is_err());
+        let many: Vec<String> = (0..65).map(|i| format!("10.{i}.0.0/16")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        assert!(BrokerConfig::resolve_kv_listener(with(&many)).is_err());
+        // The file's list, when no flag is given.
+        let file = dir.path().join("kv.yaml");
+        std::fs::write(&file, "allow_cidrs: [\"10.0.0.0/8\"]\n").expect("file");
+        let from_file = KvListenerCli {
+            config: Some(file.clone()),
+            ..cli.clone()
+        };
+        assert_eq!(
+            BrokerConfig::resolve_kv_listener(from_file)
+                .expect("resolves")
+                .allow_cidrs
+                .map(|n| n.len()),
+            Some(1)
+        );
+        std::fs::write(&file, "allow_cidrs: []\n").expect("file");
+        let empty = KvListenerCli {
+            config: Some(file),
+            ..cli
+        };
+        assert!(
+            BrokerConfig::resolve_kv_listener(empty).is_err(),
+            "an empty list would refuse every source"
+        );
     }
 }

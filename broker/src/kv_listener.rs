@@ -29,6 +29,7 @@ use continuum_protocol::event_plane::{StreamExpectation, decode_delivery};
 use continuum_protocol::kv::events::{KvEventsError, decode_router_events};
 use continuum_protocol::zmtp::ZmtpLimits;
 use http_body_util::BodyExt as _;
+use ipnet::IpNet;
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, info, warn};
 
@@ -164,31 +165,45 @@ pub fn draw_epoch() -> u64 {
     u64::from_be_bytes(bytes) & 0xff_ffff
 }
 
-/// Starts one kv-events subscription per source; they run until aborted.
+/// Starts one kv-events subscription per source; they run until aborted. `allow_cidrs`
+/// (`--allow-cidr`) is the router's `direct_allow_cidrs` dial rule: the same ZMTP client resolves
+/// each source once and dials only an allowed address.
 pub fn spawn_sources(
     sources: &[KvSource],
+    allow_cidrs: Option<&Vec<IpNet>>,
     feeds: &Feeds,
     metrics: Metrics,
 ) -> Vec<tokio::task::JoinHandle<()>> {
+    if allow_cidrs.is_none() {
+        warn!(
+            "No --allow-cidr: the sources' publishers are dialled at any address they resolve to; \
+             list the worker Pod CIDRs."
+        );
+    }
     sources
         .iter()
         .filter_map(|source| {
             let feed = feeds.get(&source.backend)?.clone();
+            let config = source_config(source, allow_cidrs.cloned());
             let (source, metrics) = (source.clone(), metrics.clone());
-            Some(tokio::spawn(run_source(source, feed, metrics)))
+            Some(tokio::spawn(run_source(source, config, feed, metrics)))
         })
         .collect()
 }
 
-async fn run_source(source: KvSource, feed: Arc<Feed>, metrics: Metrics) {
-    let config = ZmtpConnConfig {
+/// One source's kv-events subscription, with production bounds and the dial allowlist.
+pub fn source_config(source: &KvSource, allow_cidrs: Option<Vec<IpNet>>) -> ZmtpConnConfig {
+    ZmtpConnConfig {
         publisher_id: source.publisher_id,
         endpoint: source.endpoint.clone(),
         topic: b"kv-events".to_vec(),
         limits: ZmtpLimits::KV_EVENTS,
-        allow_cidrs: None,
+        allow_cidrs,
         connect_timeout: CONNECT_TIMEOUT,
-    };
+    }
+}
+
+async fn run_source(source: KvSource, config: ZmtpConnConfig, feed: Arc<Feed>, metrics: Metrics) {
     let mut backoff = Backoff::new(crate::agent::REDIAL);
     loop {
         let (tx, mut rx) = mpsc::channel(1);
@@ -233,6 +248,13 @@ async fn run_source(source: KvSource, feed: Arc<Feed>, metrics: Metrics) {
             metrics.sources_connected.dec();
         }
         if let Ok(Err(error)) = ended {
+            // Policy refusals and protocol violations count, as the router counts its own.
+            if error.counted_result().is_some() {
+                metrics
+                    .source_events
+                    .with_label_values(&["transport_refused"])
+                    .inc();
+            }
             warn!(backend = %source.backend, %error, "The source's kv-events subscription ended.");
         }
         let lasted = connected_at.map_or(Duration::ZERO, |at| at.elapsed());

@@ -86,7 +86,15 @@ pub struct Metrics {
 }
 
 /// `result` of `continuum_kv_listener_source_events_total`.
-pub const SOURCE_EVENT_RESULTS: &[&str] = &["accepted", "malformed", "oversized", "over_capacity"];
+/// `transport_refused` counts ended subscriptions, not batches: a dial `--allow-cidr` refused, a
+/// ZMTP violation, or a stalled handshake (the router's `transport_refused`).
+pub const SOURCE_EVENT_RESULTS: &[&str] = &[
+    "accepted",
+    "malformed",
+    "oversized",
+    "over_capacity",
+    "transport_refused",
+];
 /// `result` of `continuum_kv_listener_stream_starts_total`: exact resume, no `last_event_id`,
 /// or the reset reason.
 pub const STREAM_START_RESULTS: &[&str] = &["exact", "fresh", "evicted", "unknown_epoch"];
@@ -191,7 +199,7 @@ impl Metrics {
         let source_events = counter_if(
             !broker,
             "source_events_total",
-            "kv-events batches read from the sources, by result (accepted, malformed, oversized, over_capacity).",
+            "kv-events batches read from the sources, by result (accepted, malformed, oversized, over_capacity); transport_refused counts subscriptions ended by the dial allowlist or a protocol violation.",
             "result",
         );
         let sources_connected = gauge_if(

@@ -220,6 +220,49 @@ async fn dynamo_records_become_the_fleet_view_and_follow_the_cluster() {
     daemon.shutdown().await;
 }
 
+/// `GET /admin/dynamo/workers` on the daemon's own handler (the front door's tests use a stub):
+/// with `dynamo.enabled: false` it answers 200 `{"enabled": false}` and nothing else, at startup
+/// and after a reload that switches a running discovery off; switched on in between, the fleet
+/// appears.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_view_is_enabled_false_whenever_discovery_is_off() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    let mut client = etcd.client().await;
+    write_like_dynamo(&mut client, &captured_kvs("disagg-workers-only.raw.json")).await;
+    let on = yaml(&etcd.endpoint(), "dyntest");
+    let off = on.replace("dynamo:\n  enabled: true", "dynamo:\n  enabled: false");
+    assert_ne!(on, off);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let daemon = start(&off, &dir).await;
+    let disabled = serde_json::json!({"enabled": false});
+    assert_eq!(admin_get(&daemon, "/admin/dynamo/workers").await, disabled);
+
+    let path = dir.path().join("router.yaml");
+    std::fs::write(&path, &on).expect("rewrite config");
+    let _ = daemon.reload().await.expect("reload accepted");
+    wait_for(daemon.registry(), |s| s.workers().len() == 2).await;
+    let view = admin_get(&daemon, "/admin/dynamo/workers").await;
+    assert_eq!(view["enabled"], true);
+    assert_eq!(view["workers"].as_array().map(Vec::len), Some(2));
+
+    std::fs::write(&path, &off).expect("rewrite config");
+    let _ = daemon.reload().await.expect("reload accepted");
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut ticks = tokio::time::interval(Duration::from_millis(20));
+    loop {
+        if admin_get(&daemon, "/admin/dynamo/workers").await == disabled {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "discovery switched off"
+        );
+        ticks.tick().await;
+    }
+    daemon.shutdown().await;
+}
+
 /// Writes `n` generate endpoints with ids 1..=n and no model card under a component that sorts
 /// before every real one: junk keys that fill an instances range get in key order first.
 async fn write_orphan_endpoints(client: &mut Client, namespace: &str, n: u64) {

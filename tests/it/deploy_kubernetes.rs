@@ -48,7 +48,7 @@ fn reader_rule(group: &str, resource: &str) -> Value {
 fn every_kustomize_file_is_valid_yaml() {
     let mut files = Vec::new();
     yaml_files(&root().join("deploy/kubernetes"), &mut files);
-    assert_eq!(files.len(), 20, "{files:?}");
+    assert_eq!(files.len(), 25, "{files:?}");
     for f in files {
         let text = std::fs::read_to_string(&f).expect("readable");
         assert!(!yaml_docs(&text).is_empty(), "{}", f.display());
@@ -1107,10 +1107,10 @@ fn assert_broker_network_policy(what: &str, docs: &[Value]) {
     );
 }
 
-#[test]
-fn the_event_broker_kustomization_is_least_privilege_and_hardened() {
-    let dir = "deploy/kubernetes/event-broker";
-    let docs = match Command::new("kubectl")
+/// An agent's Kustomize directory rendered with `kubectl kustomize`, or (without kubectl) its
+/// `files` themselves.
+fn agent_kustomization(dir: &str, files: &[&str]) -> Vec<Value> {
+    match Command::new("kubectl")
         .arg("kustomize")
         .arg(root().join(dir))
         .output()
@@ -1123,18 +1123,26 @@ fn the_event_broker_kustomization_is_least_privilege_and_hardened() {
             );
             yaml_docs(&String::from_utf8(out.stdout).expect("UTF-8"))
         }
-        // Without kubectl: the files themselves.
-        Err(_) => [
+        Err(_) => files
+            .iter()
+            .flat_map(|f| yaml_docs(&read(&format!("{dir}/{f}.yaml"))))
+            .collect(),
+    }
+}
+
+#[test]
+fn the_event_broker_kustomization_is_least_privilege_and_hardened() {
+    let dir = "deploy/kubernetes/event-broker";
+    let docs = agent_kustomization(
+        dir,
+        &[
             "serviceaccount",
             "role",
             "secret",
             "deployment",
             "networkpolicy",
-        ]
-        .iter()
-        .flat_map(|f| yaml_docs(&read(&format!("{dir}/{f}.yaml"))))
-        .collect(),
-    };
+        ],
+    );
     assert_broker_rbac(dir, &docs);
     assert_broker_deployment(dir, find(&docs, "Deployment"), None);
     assert_broker_network_policy(dir, &docs);
@@ -1178,11 +1186,31 @@ fn the_event_broker_chart_renders_the_same_shape() {
     }
 }
 
+/// The kv_listener's egress: the bus, the publishers and DNS; no API server ports (the rule for
+/// any destination is DNS only).
+fn assert_kv_listener_egress(what: &str, docs: &[Value]) {
+    let policy = find(docs, "NetworkPolicy");
+    let egress = policy["spec"]["egress"].as_array().expect("egress");
+    assert_eq!(egress.len(), 3, "{what}: {egress:?}");
+    assert!(
+        egress
+            .iter()
+            .filter(|r| r["to"].is_null())
+            .all(|r| r["ports"][0]["port"] == json!(53)),
+        "{what}: the API server rule (any destination) is the broker's only: {egress:?}"
+    );
+}
+
 #[test]
 fn the_event_broker_chart_runs_the_kv_listener_without_kubernetes_access() {
     let values = &yaml_docs(&read(&format!("{BROKER_CHART}/values.yaml")))[0];
     assert_eq!(values["role"], json!("broker"), "the default role");
     assert_eq!(values["kvListener"]["replayEvents"], json!(4096));
+    assert_eq!(
+        values["kvListener"]["allowCidrs"],
+        json!([]),
+        "unset by default, as the router's direct_allow_cidrs"
+    );
     let template = |name: &str| {
         stripped(&for_role(
             &read(&format!("{BROKER_CHART}/templates/{name}")),
@@ -1196,7 +1224,7 @@ fn the_event_broker_chart_runs_the_kv_listener_without_kubernetes_access() {
         deployment,
         Some(values),
         "continuum-kv-listener",
-        &["--source", "--replay-events"],
+        &["--source", "--replay-events", "--allow-cidr"],
     );
     let pod = &deployment["spec"]["template"]["spec"];
     let c = &pod["containers"][0];
@@ -1224,18 +1252,7 @@ fn the_event_broker_chart_runs_the_kv_listener_without_kubernetes_access() {
         template("role.yaml").is_empty(),
         "no Role or RoleBinding for the kv_listener"
     );
-    // Egress: the bus, the publishers and DNS; no API server ports.
-    let docs = template("networkpolicy.yaml");
-    let policy = find(&docs, "NetworkPolicy");
-    let egress = policy["spec"]["egress"].as_array().expect("egress");
-    assert_eq!(egress.len(), 3, "{egress:?}");
-    assert!(
-        egress
-            .iter()
-            .filter(|r| r["to"].is_null())
-            .all(|r| r["ports"][0]["port"] == json!(53)),
-        "the API server rule (any destination) is the broker's only: {egress:?}"
-    );
+    assert_kv_listener_egress("kv_listener chart", &template("networkpolicy.yaml"));
     // A role the chart does not know, or a kv_listener without sources, fails the render.
     let helpers = read(&format!("{BROKER_CHART}/templates/_helpers.tpl"));
     assert!(helpers.contains("(has .Values.role (list \"broker\" \"kv_listener\"))"));
@@ -1243,5 +1260,85 @@ fn the_event_broker_chart_runs_the_kv_listener_without_kubernetes_access() {
     assert!(
         read(&format!("{BROKER_CHART}/templates/deployment.yaml"))
             .starts_with("{{- include \"continuum-event-broker.checkRole\" . }}")
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// continuum-kv-listener: deploy/kubernetes/kv-listener (the chart is the broker's, role
+// kv_listener, above)
+
+#[test]
+fn the_kv_listener_kustomization_is_hardened_and_reads_no_kubernetes_api() {
+    let dir = "deploy/kubernetes/kv-listener";
+    let docs = agent_kustomization(
+        dir,
+        &["serviceaccount", "secret", "deployment", "networkpolicy"],
+    );
+    let deployment = find(&docs, "Deployment");
+    assert_agent_deployment(
+        dir,
+        deployment,
+        None,
+        "continuum-kv-listener",
+        &["--source", "--replay-events", "--allow-cidr"],
+    );
+    let pod = &deployment["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(pod["automountServiceAccountToken"], json!(false), "{dir}");
+    let flags = flags_of(c);
+    assert!(
+        !flags.iter().any(|f| f == "--dynamo-namespace"),
+        "{flags:?}"
+    );
+    assert_flags_known(dir, env!("CARGO_BIN_EXE_continuum-kv-listener"), &flags);
+    // The example's settings are ones the binary accepts (its --allow-cidr holds its --source).
+    let args: Vec<&str> = c["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let value = |flag: &str| {
+        args.iter()
+            .skip_while(|a| **a != flag)
+            .nth(1)
+            .copied()
+            .unwrap_or_else(|| panic!("{flag} value"))
+    };
+    let cidrs: Vec<String> = value("--allow-cidr")
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    assert!(continuum_actors::zmtp_conn::parse_allow_cidrs(&cidrs).is_ok());
+    assert!(
+        continuum_event_broker::config::KvSource::parse(value("--source")).is_ok(),
+        "{dir}: --source"
+    );
+    // No API access at all: no Role, no binding, no token mounted.
+    for kind in ["Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"] {
+        assert!(
+            docs.iter().all(|d| d["kind"] != json!(kind)),
+            "{dir}: no {kind}"
+        );
+    }
+    let sa = find(&docs, "ServiceAccount");
+    assert_eq!(sa["automountServiceAccountToken"], json!(false));
+    assert_eq!(
+        pod["serviceAccountName"], sa["metadata"]["name"],
+        "{dir}: its own ServiceAccount"
+    );
+    assert_kv_listener_egress(dir, &docs);
+    assert_broker_network_policy(dir, &docs);
+    let secret = find(&docs, "Secret");
+    assert!(
+        secret["stringData"]["token"].is_string() || secret["data"]["token"].is_string(),
+        "the token Secret"
+    );
+    let volumes = pod["volumes"].as_array().expect("volumes");
+    assert!(
+        volumes
+            .iter()
+            .any(|v| v["secret"]["secretName"] == secret["metadata"]["name"]),
+        "{dir}: the Deployment mounts the token Secret"
     );
 }

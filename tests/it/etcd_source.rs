@@ -7,8 +7,6 @@
 use crate::support;
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSource, EtcdSourceConfig, EtcdTls};
@@ -17,6 +15,8 @@ use continuum_protocol::discovery::SourceEvent;
 use continuum_protocol::ids::Namespace;
 use etcd_client::{Client, CompactionOptions, LeaseGrantOptions, Permission, PutOptions};
 use support::etcd::{CapturedKv, EtcdServer, captured_kvs};
+use support::logs::Logs;
+use support::paused::settle;
 use tokio::sync::mpsc;
 
 /// Longest wait for one event. Lease expiry (TTL 2 s, checked every 500 ms) is the slowest.
@@ -95,60 +95,6 @@ async fn write_like_dynamo(client: &mut Client, kvs: &[CapturedKv]) {
             )
             .await
             .expect("put a captured key");
-    }
-}
-
-/// Per-test log capture: the source runs on this test's current-thread runtime, so a
-/// thread-local default subscriber sees all of its logs.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-/// Keeps the capture installed; prints it when the test fails.
-struct LogGuard {
-    logs: Logs,
-    _default: tracing::subscriber::DefaultGuard,
-}
-
-impl Drop for LogGuard {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("captured logs:\n{}", self.logs.text());
-        }
-    }
-}
-
-impl Logs {
-    fn install(&self) -> LogGuard {
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::DEBUG)
-            .with_ansi(false)
-            .with_writer(self.clone())
-            .finish();
-        LogGuard {
-            logs: self.clone(),
-            _default: tracing::subscriber::set_default(subscriber),
-        }
-    }
-
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-impl Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
-    type Writer = Logs;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
     }
 }
 
@@ -317,20 +263,24 @@ async fn recovered(
     );
 }
 
-#[tokio::test]
-async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
-    let logs = Logs::default();
-    let _guard = logs.install();
-    let server = EtcdServer::start().await;
-    let mut admin = server.client().await;
-    // The last prefix the source reads, so its one page is the snapshot's last.
+/// Three records under the event-channel prefix (the last one the source reads, so its one page
+/// is the snapshot's last), and a source whose consumer read `Init` and two of them: on a
+/// capacity-1 channel the third fills it and the source, every page read at revision R, blocks
+/// handing over `InitDone`, before any watch is opened. The prefix, the source, its receiver and
+/// the two records read.
+async fn stalled_before_init_done(
+    server: &EtcdServer,
+    admin: &mut Client,
+) -> (
+    String,
+    EtcdSource,
+    mpsc::Receiver<SourceEvent>,
+    BTreeMap<String, Vec<u8>>,
+) {
     let channels = format!("v1/event_channels/namespace/{NS}/t/");
-    put_keys(&mut admin, &channels, 0..3).await;
-    // Capacity 1: once `Init` and two of the three records are read, the third fills the
-    // channel and the source, every page read at revision R, blocks handing over `InitDone`,
-    // before any watch is opened.
+    put_keys(admin, &channels, 0..3).await;
     let (tx, mut rx) = mpsc::channel(1);
-    let source = EtcdSource::spawn(config(&server), tx).unwrap();
+    let source = EtcdSource::spawn(config(server), tx).unwrap();
     assert_eq!(next(&mut rx).await, SourceEvent::Init);
     let mut first = BTreeMap::new();
     for _ in 0..2 {
@@ -339,6 +289,16 @@ async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
             other => panic!("expected a record, got {other:?}"),
         };
     }
+    (channels, source, rx, first)
+}
+
+#[tokio::test]
+async fn a_compacted_watch_start_is_recovered_by_a_full_resync() {
+    let logs = Logs::default();
+    let _guard = logs.install();
+    let server = EtcdServer::start().await;
+    let mut admin = server.client().await;
+    let (channels, source, mut rx, mut first) = stalled_before_init_done(&server, &mut admin).await;
     let now = put_keys(&mut admin, &channels, 3..5).await;
     // Compact to the current revision: R + 1 is gone by the time the watch asks for it.
     compact(&mut admin, now).await;
@@ -383,6 +343,48 @@ async fn a_compaction_during_the_paged_read_is_recovered_by_a_full_resync() {
     }
     let why = "required revision has been compacted";
     recovered(&mut rx, &logs, &source, &mut admin, &cards, why).await;
+    source.stop().await;
+}
+
+/// Spec "Get-then-watch and resync", *Seed timeout*: connect and seed share a fixed 30 s bound.
+/// A consumer that stops reading mid-resync stalls the pass while etcd keeps answering (its
+/// HTTP/2 keep-alive pings too); on tokio's paused clock the pass is still seeding at 29 s and
+/// ends at 30 s with the seed timeout, and the next pass resyncs every record.
+#[tokio::test]
+async fn a_pass_stalled_while_seeding_ends_at_the_30_s_seed_timeout() {
+    let logs = Logs::default();
+    let _guard = logs.install();
+    let server = EtcdServer::start().await;
+    let mut admin = server.client().await;
+    // Blocked inside the seed phase.
+    let (_, source, mut rx, _) = stalled_before_init_done(&server, &mut admin).await;
+    let timed_out = format!(
+        "connecting and seeding took longer than {:?}",
+        continuum_actors::etcd_source::SEED_TIMEOUT
+    );
+    assert_eq!(
+        continuum_actors::etcd_source::SEED_TIMEOUT,
+        Duration::from_secs(30)
+    );
+    tokio::time::pause();
+    settle().await;
+    tokio::time::advance(Duration::from_secs(29)).await;
+    settle().await;
+    assert!(
+        !logs.text().contains(&timed_out),
+        "still seeding at 29 s: {}",
+        logs.text()
+    );
+    assert!(!*source.connected().borrow());
+    tokio::time::advance(Duration::from_secs(2)).await;
+    settle().await;
+    assert!(logs.text().contains(&timed_out), "logs: {}", logs.text());
+    tokio::time::resume();
+
+    // The stalled pass's last record, then a fresh pass: a full resync, then the watches.
+    assert!(matches!(next(&mut rx).await, SourceEvent::InitApply { .. }));
+    assert_eq!(resync(&mut rx).await.len(), 3);
+    source.connected().wait_for(|c| *c).await.unwrap();
     source.stop().await;
 }
 

@@ -16,6 +16,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::support::bus_pki::{Pki, pki};
+use crate::support::paused::settle;
 use bytes::Bytes;
 use continuum_actors::event_bus::{
     BusEntry, BusSettings, BusStream, BusStreamError, BusTls, EventBus, event_bus_spec,
@@ -984,6 +985,316 @@ async fn a_reload_that_rotates_a_token_closes_exactly_that_session_with_credenti
     .await
     .expect("the rotated token is welcomed");
     h.wait_sessions(3).await;
+}
+
+/// Spec "What the listener enforces", *Certificate CA binding*: a certificate identity stays
+/// bound to the `client_ca` that verified its TLS connection. A reload that replaces the CA
+/// ends the certificate session at once (`credential_revoked`) and the connection's certificate
+/// no longer authenticates a new request, even before the listener restarts; the restarted
+/// listener refuses the old CA's certificate in the handshake and welcomes the new CA's.
+#[tokio::test]
+async fn certificate_identities_stay_bound_to_the_client_ca_that_verified_them() {
+    let mut h = start(64).await;
+    let hello = || broker_hello("broker-a.dynamo", &["dynamo"]);
+    let mut a = TestBroker::connect(&h, hello(), None, Some(&h.pki.client_a))
+        .await
+        .expect("the first CA's certificate authenticates broker-a");
+    let _b = TestBroker::as_broker(&h, "broker-b.dynamo").await;
+    h.wait_sessions(2).await;
+
+    // A second CA and a broker-a certificate it signed.
+    let second = tempfile::tempdir().expect("tempdir");
+    let second_ca = crate::support::bus_pki::ca(second.path(), "second-client-ca");
+    let second_a = crate::support::bus_pki::leaf(
+        second.path(),
+        "client-a",
+        "DNS:broker-a.dynamo",
+        "clientAuth",
+    );
+    let mut next = settings(&h.pki, 64);
+    next.tls.as_mut().expect("tls").client_ca = Some(second_ca);
+    assert!(h.bus.reload(next), "a new client_ca restarts the listener");
+    match a.next_event().await {
+        ClientEvent::Closed { code, .. } => assert_eq!(code, ErrorCode::CredentialRevoked),
+        other => panic!("expected credential_revoked, got {other:?}"),
+    }
+    // The token session keeps running.
+    h.wait_sessions(1).await;
+    // The old connection is still open, but its certificate was verified by the replaced CA.
+    let mut session = ClientSession::new(hello(), tick()).expect("valid hello");
+    let first = Bytes::from(session.poll_transmit().expect("hello line"));
+    let (response, _lines) = a.conn.session(None, Some("1"), first).await;
+    assert_eq!(refusal(response).await, (401, ErrorCode::CredentialRevoked));
+
+    // The restarted listener verifies against the new CA only.
+    h.tree
+        .restart("root/event_bus", WAIT)
+        .await
+        .expect("restart");
+    h.addr = poll("the listener binds again", || h.bus.local_addr()).await;
+    let failed = h.refusals("handshake_failed");
+    let old_cert = Client {
+        cert: Some(&h.pki.client_a),
+        ..H2
+    };
+    if let Ok(mut tls) = tls_connect(&h, old_cert).await {
+        // TLS 1.3: the server checks the client certificate after the client finished.
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(WAIT, tls.read(&mut byte))
+            .await
+            .expect("closed in time");
+        assert!(
+            !matches!(read, Ok(n) if n > 0),
+            "no byte after a refused certificate"
+        );
+    }
+    h.wait_refusals("handshake_failed", failed + 1.0).await;
+    TestBroker::connect(&h, hello(), None, Some(&second_a))
+        .await
+        .expect("the new CA's certificate authenticates broker-a");
+}
+
+/// Spec "What the listener enforces": a TLS handshake must complete within 10 s. A client that
+/// sends the first handshake byte and stalls is still connected at 9 s (tokio's paused clock)
+/// and refused as `handshake_timeout`, its connection closed, at 10 s.
+#[tokio::test]
+async fn a_stalled_tls_handshake_is_refused_at_10_s() {
+    let h = start(64).await;
+    let mut tcp = TcpStream::connect(h.addr).await.expect("connect");
+    tcp.write_all(&[0x16]).await.expect("write");
+    poll("the listener holds the connection", || {
+        (h.metrics
+            .value("continuum_dynamo_event_bus_connections", &[])
+            == Some(1.0))
+        .then_some(())
+    })
+    .await;
+    tokio::time::pause();
+    settle().await;
+    tokio::time::advance(Duration::from_secs(9)).await;
+    settle().await;
+    assert_eq!(
+        h.refusals("handshake_timeout"),
+        0.0,
+        "still handshaking at 9 s"
+    );
+    // To 10 s and a millisecond: the clock was paused off a millisecond boundary, and timer
+    // deadlines round up to the next one.
+    tokio::time::advance(Duration::from_millis(1_001)).await;
+    settle().await;
+    assert_eq!(h.refusals("handshake_timeout"), 1.0, "refused at 10 s");
+    tokio::time::resume();
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(WAIT, tcp.read_to_end(&mut rest))
+        .await
+        .expect("the connection is closed");
+    assert!(rest.is_empty());
+    poll("the connection slot is given back", || {
+        (h.metrics
+            .value("continuum_dynamo_event_bus_connections", &[])
+            == Some(0.0))
+        .then_some(())
+    })
+    .await;
+}
+
+/// Spec "Hot reload": a listener that cannot start logs `event bus listener failed to start;
+/// retrying` and retries every 30 s. Its port is taken at start; once it is free the listener
+/// is still down at 29 s (tokio's paused clock) and bound at 30 s.
+#[tokio::test(start_paused = true)]
+async fn a_listener_that_cannot_bind_retries_every_30_s() {
+    let logs = crate::support::logs::Logs::default();
+    let _guard = logs.install();
+    let pki = pki();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let mut wanted = settings(&pki, 4);
+    wanted.listen = taken.local_addr().expect("addr");
+    let metrics = Metrics::new("event-bus-retry-test").expect("metrics");
+    let bus = EventBus::new(wanted.clone(), Some(&metrics));
+    let (root, _task) = spawn_root(
+        vec![event_bus_spec(bus.clone())],
+        ActorTree::default(),
+        Some(metrics.clone()),
+    )
+    .await
+    .expect("root starts");
+    let failed = "event bus listener failed to start; retrying";
+    let mut yields = 0;
+    while !logs.text().contains(failed) {
+        assert!(yields < 10_000, "the first attempt fails: {}", logs.text());
+        tokio::task::yield_now().await;
+        yields += 1;
+    }
+    assert!(logs.text().contains("retry_s=30"), "{}", logs.text());
+    assert!(!bus.is_running());
+    drop(taken);
+    tokio::time::advance(Duration::from_secs(29)).await;
+    settle().await;
+    assert!(!bus.is_running(), "no retry before 30 s");
+    assert_eq!(logs.text().matches(failed).count(), 1);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    settle().await;
+    assert!(bus.is_running(), "bound on the retry at 30 s");
+    assert_eq!(bus.local_addr(), Some(wanted.listen));
+    assert_eq!(
+        metrics.value("continuum_dynamo_event_bus_listener_up", &[]),
+        Some(1.0)
+    );
+    root.stop(None);
+}
+
+/// A hand-driven HTTP/2 client over the listener's TLS: it answers nothing on its own (no PING
+/// acks, no window updates), so every frame the listener sends is seen.
+struct RawH2 {
+    tls: tokio_rustls::client::TlsStream<TcpStream>,
+    buf: Vec<u8>,
+}
+
+/// One HTTP/2 frame: type, flags, stream id, payload.
+type RawFrame = (u8, u8, u32, Vec<u8>);
+
+impl RawH2 {
+    async fn connect(h: &Harness) -> RawH2 {
+        let mut tls = tls_connect(h, H2).await.expect("TLS handshake");
+        tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .expect("preface");
+        let mut raw = RawH2 { tls, buf: vec![] };
+        raw.send(0x4, 0, 0, &[]).await; // SETTINGS
+        raw
+    }
+
+    async fn send(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let len = u32::try_from(payload.len()).expect("small frame");
+        let mut frame = len.to_be_bytes()[1..].to_vec();
+        frame.extend([kind, flags]);
+        frame.extend(stream.to_be_bytes());
+        frame.extend(payload);
+        self.tls.write_all(&frame).await.expect("write frame");
+        self.tls.flush().await.expect("flush");
+    }
+
+    /// A session request as a header block of literals (no indexing, no Huffman) and the
+    /// hello line as its first DATA frame, the stream left open.
+    async fn session(&mut self, bearer: &str, hello: &[u8]) {
+        let mut block = Vec::new();
+        for (name, value) in [
+            (":method", "POST"),
+            (":scheme", "https"),
+            (":path", SESSION_PATH),
+            (":authority", "localhost"),
+            ("authorization", bearer),
+            (VERSION_HEADER, "1"),
+        ] {
+            block.push(0x00);
+            for text in [name, value] {
+                block.push(
+                    u8::try_from(text.len())
+                        .ok()
+                        .filter(|n| *n < 127)
+                        .expect("short"),
+                );
+                block.extend(text.as_bytes());
+            }
+        }
+        self.send(0x1, 0x4, 1, &block).await; // HEADERS, END_HEADERS
+        self.send(0x0, 0, 1, hello).await; // DATA
+    }
+
+    fn parse(&mut self) -> Option<RawFrame> {
+        let header = self.buf.get(..9)?;
+        let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+        if self.buf.len() < 9 + len {
+            return None;
+        }
+        let (kind, flags) = (header[3], header[4]);
+        let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff;
+        let payload = self.buf[9..9 + len].to_vec();
+        self.buf.drain(..9 + len);
+        Some((kind, flags, stream, payload))
+    }
+
+    /// The next frame, waiting for it (real time).
+    async fn next(&mut self) -> RawFrame {
+        loop {
+            if let Some(frame) = self.parse() {
+                return frame;
+            }
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(WAIT, self.tls.read(&mut chunk))
+                .await
+                .expect("a frame in time")
+                .expect("read");
+            assert!(n > 0, "the listener closed the connection");
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// Every frame already readable, without waiting (safe on the paused clock).
+    fn ready(&mut self) -> Vec<RawFrame> {
+        use futures::FutureExt as _;
+        let mut chunk = [0u8; 4096];
+        while let Some(Ok(n)) = self.tls.read(&mut chunk).now_or_never() {
+            if n == 0 {
+                break;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+        std::iter::from_fn(|| self.parse()).collect()
+    }
+}
+
+const PING: u8 = 0x6;
+
+/// Spec "What the listener enforces": HTTP/2 keepalive PINGs run every 20 s. A welcomed session
+/// whose client then goes quiet gets no PING by 19 s after its last frame (tokio's paused clock)
+/// and one by 21 s.
+#[tokio::test]
+async fn the_listener_pings_a_quiet_connection_after_20_s() {
+    let h = start(64).await;
+    let mut raw = RawH2::connect(&h).await;
+    let id = "broker-a.dynamo";
+    let mut session = ClientSession::new(broker_hello(id, &["dynamo"]), tick()).expect("hello");
+    let hello = session.poll_transmit().expect("hello line");
+    raw.session(&format!("Bearer {}", token(id)), &hello).await;
+    // Until the answer's head and first data (the welcome); the listener's SETTINGS acked.
+    let (mut head, mut welcome) = (false, false);
+    while !(head && welcome) {
+        let (kind, flags, stream, payload) = raw.next().await;
+        match kind {
+            0x4 if flags & 0x1 == 0 => raw.send(0x4, 0x1, 0, &[]).await,
+            // `:status: 200` is the static table's entry 8.
+            0x1 if stream == 1 => {
+                assert_eq!(payload.first(), Some(&0x88), "200: {payload:?}");
+                head = true;
+            }
+            0x0 if stream == 1 => welcome = true,
+            0x7 => panic!("GOAWAY: {payload:?}"),
+            _ => {}
+        }
+    }
+    h.wait_sessions(1).await;
+    tokio::time::pause();
+    settle().await;
+    tokio::time::advance(Duration::from_secs(19)).await;
+    settle().await;
+    let early = raw.ready();
+    assert!(
+        early.iter().all(|f| f.0 != PING),
+        "no PING within 19 s: {early:?}"
+    );
+    tokio::time::advance(Duration::from_secs(2)).await;
+    settle().await;
+    tokio::time::resume();
+    loop {
+        let (kind, flags, _, payload) = raw.next().await;
+        if kind == PING {
+            assert_eq!(flags & 0x1, 0, "a PING, not an ack");
+            assert_eq!(payload.len(), 8);
+            break;
+        }
+    }
+    assert_eq!(h.bus.session_count(), 1, "the session is still up");
 }
 
 #[tokio::test]

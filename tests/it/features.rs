@@ -5,10 +5,9 @@
 //! dials, and requests route normally. Each test has a full-feature contrast, so it can fail.
 //! (A real slim build runs the unit tests under `cargo test --no-default-features --lib`.)
 
+use crate::support::logs::Logs;
 use crate::support::upstream::{FakeUpstream, Reply, completion};
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::http::StatusCode;
@@ -34,34 +33,6 @@ fn yaml(etcd: std::net::SocketAddr, bus: std::net::SocketAddr, backend: &str) ->
          dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"http://{etcd}\"]\n  \
          kv:\n    enabled: true\n  event_bus:\n    enabled: true\n    listen: \"{bus}\"\n"
     )
-}
-
-/// The log lines written while the guard lives, on this thread (the current-thread test
-/// runtime polls the daemon's startup here).
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().expect("capture").extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().expect("capture")).into_owned()
-    }
 }
 
 async fn start(config: Config, features: Features) -> Daemon {
@@ -133,12 +104,10 @@ async fn without_dynamo_the_keys_warn_the_routes_404_nothing_starts_and_requests
     assert!(warnings.iter().all(features::is_inactive_warning));
 
     // The log: the daemon says so at startup.
-    let captured = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(captured.clone())
-        .with_ansi(false)
-        .finish();
-    let guard = tracing::subscriber::set_default(subscriber);
+    // (Logs: this thread's default subscriber; the current-thread test runtime polls the
+    // daemon's startup here.)
+    let captured = Logs::default();
+    let guard = captured.install();
     let daemon = start(config, Features::NONE).await;
     drop(guard);
     let log = captured.text();

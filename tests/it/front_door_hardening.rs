@@ -11,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use support::paused::settle;
 use support::upstream::{FakeUpstream, Reply};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -760,6 +761,36 @@ async fn shutdown_closes_waiting_connections_and_lets_a_stream_finish() {
         .await
         .expect("shutdown ends once the stream did")
         .expect("shutdown task");
+}
+
+/// The daemon's whole shutdown is bounded by 10 s (`daemon::SHUTDOWN_BOUND`; the spec's
+/// discovery shutdown of at most 10 s sits inside it). A streamed answer whose upstream never
+/// ends holds the drain: on tokio's paused clock shutdown is still waiting at 9.9 s and has
+/// returned at 10 s.
+#[tokio::test]
+async fn shutdown_held_by_a_stream_that_never_ends_returns_at_the_10_s_bound() {
+    assert_eq!(
+        continuum_router::daemon::SHUTDOWN_BOUND,
+        Duration::from_secs(10)
+    );
+    let mut up = FakeUpstream::start().await;
+    let daemon = long_timeouts(&up).await;
+    let addr = daemon.local_addr();
+    // The upstream's sender stays alive: the stream never ends.
+    let (_stream, _upstream, _) = first_event(addr, &mut up, post_kept).await;
+    tokio::time::pause();
+    let shutdown = tokio::spawn(daemon.shutdown());
+    settle().await;
+    tokio::time::advance(Duration::from_millis(9_900)).await;
+    settle().await;
+    assert!(!shutdown.is_finished(), "the drain waits for the stream");
+    // To 10 s and a millisecond: the clock was paused off a millisecond boundary, and timer
+    // deadlines round up to the next one.
+    tokio::time::advance(Duration::from_millis(101)).await;
+    settle().await;
+    assert!(shutdown.is_finished(), "shutdown returns at its 10 s bound");
+    tokio::time::resume();
+    shutdown.await.expect("shutdown task");
 }
 
 /// A client that leaves before its answer is whole takes the upstream request with it: the

@@ -14,6 +14,9 @@
 //!   agent, which answers the foreign `last_event_id` with a `reset` and its ring; the index
 //!   still equals the direct one, and batches after the drain arrive through the second agent.
 //!
+//! * `--allow-cidr` (the router's `direct_allow_cidrs` rule): a source whose name resolves only
+//!   outside the list is never dialled and counts `transport_refused`; inside it, it is dialled.
+//!
 //! * hostile SSE (an event over 2 MiB, a bad id, an unknown type, data that is not a batch) from
 //!   a kv_listener session (the event-bus test agent) is counted and skipped; the consumer keeps
 //!   reading, applies the next valid event and reopens with its id as `last_event_id`.
@@ -78,6 +81,17 @@ struct Agent {
 
 impl Agent {
     async fn spawn(id: &str, bus: SocketAddr, pki: &Pki, source: &str) -> Agent {
+        Self::spawn_with(id, bus, pki, source, &[]).await
+    }
+
+    /// [`Agent::spawn`] with more flags.
+    async fn spawn_with(
+        id: &str,
+        bus: SocketAddr,
+        pki: &Pki,
+        source: &str,
+        flags: &[&str],
+    ) -> Agent {
         let token_file = tempfile::NamedTempFile::new().expect("token file");
         std::fs::write(token_file.path(), format!("{}\n", token(id))).expect("write token");
         let mut child = Command::new(env!("CARGO_BIN_EXE_continuum-kv-listener"))
@@ -88,6 +102,7 @@ impl Agent {
             .arg("--ca-file")
             .arg(&pki.ca)
             .args(["--source", source])
+            .args(flags)
             .args(["--listen", "127.0.0.1:0"])
             .env("RUST_LOG", "info,continuum_event_broker=debug")
             .stdin(Stdio::null())
@@ -470,4 +485,57 @@ async fn malformed_and_oversized_sse_is_counted_and_refused_and_the_stream_goes_
     assert_eq!(source.last_event_id, Some(7));
     actor.stop(None);
     let _ = task.await;
+}
+
+/// The agent's dials follow the router's `direct_allow_cidrs` rule: `localhost` resolves to
+/// loopback, which `--allow-cidr 10.0.0.0/8` leaves out, so the publisher port is never dialled
+/// and the refusal is counted; with loopback allowed, the same source is dialled.
+#[tokio::test]
+async fn the_agent_dials_its_sources_only_inside_allow_cidr() {
+    // The agent's /metrics is read with reqwest (rustls): this test may run alone.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let pki = pki();
+    // No router is needed: the sources are read whether or not a session is up.
+    let bus: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+    let publisher = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("publisher port");
+    let port = publisher.local_addr().expect("addr").port();
+    let source = format!("{BACKEND}=7@tcp://localhost:{port}");
+    let refused = r#"continuum_kv_listener_source_events_total{result="transport_refused"}"#;
+
+    let outside = Agent::spawn_with(
+        LISTENER_A,
+        bus,
+        &pki,
+        &source,
+        &["--allow-cidr", "10.0.0.0/8"],
+    )
+    .await;
+    poll(
+        "the dial outside --allow-cidr is refused and counted",
+        async || (outside.value(refused).await >= 1.0).then_some(()),
+    )
+    .await;
+    assert!(
+        tokio::time::timeout(Duration::ZERO, publisher.accept())
+            .await
+            .is_err(),
+        "nothing dialled the publisher"
+    );
+    drop(outside);
+
+    let inside = Agent::spawn_with(
+        LISTENER_B,
+        bus,
+        &pki,
+        &source,
+        &["--allow-cidr", "127.0.0.0/8,::1/128"],
+    )
+    .await;
+    tokio::time::timeout(WAIT, publisher.accept())
+        .await
+        .expect("the allowed source is dialled")
+        .expect("accept");
+    assert_eq!(inside.value(refused).await, 0.0);
 }

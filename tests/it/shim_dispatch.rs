@@ -265,3 +265,116 @@ async fn a_refusal_in_a_streaming_head_is_the_seed_503_on_every_ingress() {
     }
     daemon.shutdown().await;
 }
+
+/// The daemon of [`model_map_is_read_at_routing_time_and_responses_compact_stays_unpinned`]:
+/// one native-Responses shim replica serving the client's id `alias` (the fleet's display name
+/// is `tiny`), with `shim.model_map` when `map` is set.
+fn alias_yaml(etcd: &EtcdServer, shim: &FakeUpstream, map: bool) -> String {
+    let model_map = if map {
+        "    model_map:\n      alias: tiny\n"
+    } else {
+        ""
+    };
+    format!(
+        "server:\n  bind_address: \"127.0.0.1:0\"\n\
+         disaggregated_serving:\n  enabled: true\n\
+         backends:\n  - name: shim\n    type: openai\n    responses_api: native\n    url: \"{}\"\n    \
+         models: [alias]\n    health_check:\n      enabled: false\n\
+         dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{}\"]\n      \
+         namespace: dyntest\n  shim:\n    backends: [shim]\n{model_map}",
+        shim.url(),
+        etcd.endpoint()
+    )
+}
+
+/// The decimal pins a request reached the shim with (none when unpinned).
+fn pins(seen: &support::upstream::Recorded) -> Vec<u64> {
+    let mut pins: Vec<u64> = seen
+        .headers
+        .iter()
+        .filter(|(name, _)| {
+            matches!(
+                name.as_str(),
+                "x-dynamo-worker-instance-id" | "x-dynamo-prefill-instance-id"
+            )
+        })
+        .map(|(_, v)| v.to_str().expect("ascii").parse().expect("decimal"))
+        .collect();
+    pins.sort();
+    pins
+}
+
+/// Spec "Request flow" (2) and "Reload class": `shim.model_map` maps the client's model id to
+/// the fleet's display name when the request is routed, for candidate matching only (the body
+/// keeps the client's id), and a reload that adds it pins the very next request without
+/// touching the discovery watcher. Spec "Anthropic Messages and Responses ingresses": through
+/// that map `/v1/responses` to a native shim replica is pinned by model, while
+/// `POST /v1/responses/compact` is passed through without pins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_map_is_read_at_routing_time_and_responses_compact_stays_unpinned() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (etcd, ids) = fleet().await;
+    let mut shim = FakeUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("router.yaml");
+    std::fs::write(&path, alias_yaml(&etcd, &shim, false)).expect("write config");
+    let daemon = support::daemon::start_file(&path).await;
+    support::daemon::wait_for_workers(&daemon, 2).await;
+    let client = reqwest::Client::new();
+    let post = |route: &str, body: Value| {
+        client
+            .post(format!("http://{}{route}", daemon.local_addr()))
+            .json(&body)
+            .send()
+    };
+    let chat_body = json!({"model": "alias", "messages": [{"role": "user", "content": "hi"}]});
+
+    // No map: no worker serves `alias`, so the request goes to the replica unpinned.
+    shim.push(Reply::Json(http::StatusCode::OK, completion("ok"), vec![]));
+    let resp = post("/v1/chat/completions", chat_body.clone())
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(pins(&shim.next_request().await), Vec::<u64>::new());
+
+    // The map, reloaded: the next request is pinned to the real workers; the discovery
+    // watcher was not touched and the body still names the client's model.
+    let generation = daemon.registry().generation();
+    std::fs::write(&path, alias_yaml(&etcd, &shim, true)).expect("rewrite config");
+    let _ = daemon.reload().await.expect("reload accepted");
+    shim.push(Reply::Json(http::StatusCode::OK, completion("ok"), vec![]));
+    let resp = post("/v1/chat/completions", chat_body).await.expect("send");
+    assert_eq!(resp.status(), 200);
+    let seen = shim.next_request().await;
+    assert_eq!(pins(&seen), ids, "pinned through shim.model_map");
+    assert_eq!(seen.json()["model"], json!("alias"));
+    assert_eq!(daemon.registry().generation(), generation);
+    assert_eq!(
+        daemon
+            .metrics()
+            .value(
+                "continuum_dynamo_discovery_events_total",
+                &[("kind", "restart")]
+            )
+            .unwrap_or(0.0),
+        0.0,
+        "model_map reloads without restarting the watcher"
+    );
+
+    // Native Responses: pinned by model; compact: never pinned.
+    let answer = json!({"id": "resp_1", "object": "response"});
+    let responses_body = json!({"model": "alias", "input": "hi"});
+    for (route, pinned) in [
+        ("/v1/responses", ids.clone()),
+        ("/v1/responses/compact", vec![]),
+    ] {
+        shim.push(Reply::Json(http::StatusCode::OK, answer.clone(), vec![]));
+        let resp = post(route, responses_body.clone()).await.expect("send");
+        assert_eq!(resp.status(), 200, "{route}");
+        let seen = shim.next_request().await;
+        assert_eq!(seen.path, route);
+        assert_eq!(pins(&seen), pinned, "{route}");
+        assert_eq!(seen.json()["model"], json!("alias"), "{route}");
+    }
+    daemon.shutdown().await;
+}

@@ -463,12 +463,23 @@ impl RequestCtx {
             .get(header::AUTHORIZATION)
             .and_then(|value| bearer_token(value.as_bytes()));
         let state = self.conn.bus.lock();
+        // The certificate was verified by the client_ca this listener started with: once a
+        // reload replaced that CA, the connection's certificate identity no longer counts.
+        let ca_current = state.settings.tls_client_ca() == self.conn.settings.tls_client_ca();
+        let stale_cert = !ca_current && !self.sans.is_empty();
         let presented = Presented {
             token,
-            cert_dns_sans: &self.sans,
+            cert_dns_sans: if ca_current { &self.sans } else { &[] },
         };
         let id = authenticate(&state.credentials, &state.revoked, presented).map_err(|code| {
+            let code = match code {
+                ErrorCode::Unauthenticated if stale_cert => ErrorCode::CredentialRevoked,
+                code => code,
+            };
             let message = match code {
+                ErrorCode::CredentialRevoked if stale_cert => {
+                    "the client CA that verified this connection was replaced by a reload"
+                }
                 ErrorCode::CredentialRevoked => "this credential was revoked by a reload",
                 ErrorCode::Forbidden => "the certificate names another entry than the token",
                 _ => "no valid bearer token or client certificate",

@@ -2,6 +2,7 @@
 //! deadlines, and the relist-after-backoff rule.
 
 use std::fmt::Debug;
+use std::sync::Arc;
 use std::time::Duration;
 
 use continuum_protocol::backoff::Backoff;
@@ -30,17 +31,27 @@ use super::{
     WorkerMetadataChange, WorkerMetadataUpdate,
 };
 
+/// Builds an inferred client on the blocking pool.
+type Build = Arc<dyn Fn() -> Result<Client, KubeSourceError> + Send + Sync>;
+
 /// Builds clients, keeping a build abandoned by the setup timeout for the next pass to await.
 pub struct ClientSource {
     connect: KubeConnect,
     pending: Option<JoinHandle<Result<Client, KubeSourceError>>>,
+    build: Build,
 }
 
 impl ClientSource {
     pub fn new(connect: KubeConnect) -> Self {
+        Self::with_build(connect, Arc::new(build_inferred_client))
+    }
+
+    /// A source whose inferred builds run `build` (tests count and hold them).
+    fn with_build(connect: KubeConnect, build: Build) -> Self {
         Self {
             connect,
             pending: None,
+            build,
         }
     }
 
@@ -56,9 +67,10 @@ impl ClientSource {
                     })?;
             return Ok(Client::try_from(Config::new(uri))?);
         }
+        let build = self.build.clone();
         let handle = self
             .pending
-            .get_or_insert_with(|| tokio::task::spawn_blocking(build_inferred_client));
+            .get_or_insert_with(|| tokio::task::spawn_blocking(move || build()));
         let joined = handle.await;
         self.pending = None;
         joined.map_err(|e| KubeSourceError::Join(e.to_string()))?
@@ -68,27 +80,32 @@ impl ClientSource {
 /// Runs on the blocking pool: reading kubeconfig and running exec plugins may block.
 fn build_inferred_client() -> Result<Client, KubeSourceError> {
     let runtime = tokio::runtime::Handle::current();
-    let config = match Config::incluster() {
-        Ok(config) => config,
-        Err(in_cluster) => {
-            let mut kubeconfig = Kubeconfig::read().map_err(|e| KubeSourceError::NoConfig {
-                in_cluster: in_cluster.to_string(),
-                kubeconfig: e.to_string(),
-            })?;
-            never_interactive(&mut kubeconfig);
-            runtime
-                .block_on(Config::from_custom_kubeconfig(
-                    kubeconfig,
-                    &KubeConfigOptions::default(),
-                ))
-                .map_err(|e| KubeSourceError::NoConfig {
-                    in_cluster: in_cluster.to_string(),
-                    kubeconfig: e.to_string(),
-                })?
-        }
-    };
+    let config = inferred_config(Config::incluster, || {
+        let mut kubeconfig = Kubeconfig::read().map_err(|e| e.to_string())?;
+        never_interactive(&mut kubeconfig);
+        runtime
+            .block_on(Config::from_custom_kubeconfig(
+                kubeconfig,
+                &KubeConfigOptions::default(),
+            ))
+            .map_err(|e| e.to_string())
+    })?;
     let _entered = runtime.enter();
     Ok(Client::try_from(config)?)
+}
+
+/// In-cluster credentials first; only when they are missing, `KUBECONFIG` / `~/.kube/config`.
+fn inferred_config<E: std::fmt::Display>(
+    in_cluster: impl FnOnce() -> Result<Config, E>,
+    kubeconfig: impl FnOnce() -> Result<Config, String>,
+) -> Result<Config, KubeSourceError> {
+    match in_cluster() {
+        Ok(config) => Ok(config),
+        Err(in_cluster) => kubeconfig().map_err(|kubeconfig| KubeSourceError::NoConfig {
+            in_cluster: in_cluster.to_string(),
+            kubeconfig,
+        }),
+    }
 }
 
 /// A hung interactive exec plugin must not be able to wait on a terminal forever.
@@ -752,6 +769,99 @@ current-context: x
                 .as_ref()
                 .is_some_and(|a| a.exec.is_none())
         );
+    }
+
+    /// Spec "List, watch, and relist": in-cluster credentials are tried before the kubeconfig,
+    /// which is read only when they are missing; when both fail the error names both.
+    #[test]
+    fn in_cluster_credentials_are_tried_before_the_kubeconfig() {
+        let cluster = || Config::new("https://10.0.0.1:443".parse().expect("uri"));
+        let from_cluster = inferred_config(
+            || Ok::<_, String>(cluster()),
+            || panic!("the kubeconfig is not read when in-cluster credentials exist"),
+        )
+        .expect("in-cluster");
+        assert_eq!(from_cluster.cluster_url, cluster().cluster_url);
+        let from_file = inferred_config(
+            || Err("KUBERNETES_SERVICE_HOST unset"),
+            || Ok(Config::new("https://127.0.0.1:6443".parse().expect("uri"))),
+        )
+        .expect("kubeconfig");
+        assert_eq!(from_file.cluster_url.port_u16(), Some(6443));
+        match inferred_config(
+            || Err("KUBERNETES_SERVICE_HOST unset"),
+            || Err("no ~/.kube/config".to_string()),
+        ) {
+            Err(KubeSourceError::NoConfig {
+                in_cluster,
+                kubeconfig,
+            }) => {
+                assert_eq!(in_cluster, "KUBERNETES_SERVICE_HOST unset");
+                assert_eq!(kubeconfig, "no ~/.kube/config");
+            }
+            other => panic!("expected NoConfig, got {other:?}"),
+        }
+    }
+
+    /// Spec: "an abandoned client build is awaited by the next pass rather than spawned twice".
+    /// A build held on the blocking pool outlives the pass whose 30 s setup budget gave up on it
+    /// (tokio's paused clock); the next call awaits that same build, and only the call after it
+    /// starts a new one.
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_client_build_is_awaited_by_the_next_pass_not_spawned_again() {
+        let builds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let held = Arc::new(crate::lock::Mutex::new(held));
+        let runtime = tokio::runtime::Handle::current();
+        let build: Build = {
+            let builds = builds.clone();
+            Arc::new(move || {
+                builds.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                // The first build hangs (a stuck exec plugin) until released.
+                let _ = held.lock().recv();
+                let _entered = runtime.enter();
+                Ok(Client::try_from(Config::new(
+                    "http://127.0.0.1:1".parse().expect("uri"),
+                ))?)
+            })
+        };
+        let mut clients = ClientSource::with_build(KubeConnect::Infer, build);
+        let abandoned = {
+            let attempt = tokio::time::timeout(Duration::from_secs(30), clients.client());
+            tokio::pin!(attempt);
+            assert!(futures::poll!(&mut attempt).is_pending());
+            // The build runs on a blocking thread (which holds tokio's paused clock still):
+            // once it started, move the clock past the pass's budget by hand.
+            let mut spins = 0u32;
+            while builds.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                assert!(spins < 10_000_000, "the build starts");
+                spins += 1;
+                tokio::task::yield_now().await;
+            }
+            tokio::time::advance(Duration::from_secs(30)).await;
+            attempt.await
+        };
+        assert!(
+            abandoned.is_err(),
+            "the first pass gives up at its setup budget"
+        );
+        assert_eq!(builds.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(clients.pending.is_some(), "the abandoned build is kept");
+
+        release.send(()).expect("release the build");
+        drop(release);
+        clients
+            .client()
+            .await
+            .expect("the next pass gets the held build's client");
+        assert_eq!(
+            builds.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "awaited, not spawned twice"
+        );
+        assert!(clients.pending.is_none());
+        clients.client().await.expect("a fresh build");
+        assert_eq!(builds.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 
     #[test]

@@ -343,6 +343,22 @@ fn endpoints_parse_and_the_policy_filters_addresses() {
     assert!(allowed_addresses(&addresses, Some(&[])).is_empty());
 }
 
+#[test]
+fn allowlists_parse_one_to_sixty_four_cidrs_of_either_family() {
+    let list = |items: &[&str]| items.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let nets = parse_allow_cidrs(&list(&["10.0.0.0/8", " fd00::/8 "])).expect("valid");
+    assert_eq!(nets.len(), 2);
+    assert!(nets[1].contains(&"fd00::1".parse::<IpAddr>().unwrap()));
+    assert!(parse_allow_cidrs(&[]).is_err(), "empty refuses everything");
+    assert!(parse_allow_cidrs(&list(&["10.0.0.0/8", "not-a-cidr"])).is_err());
+    assert!(parse_allow_cidrs(&list(&["10.0.0.0/33"])).is_err());
+    let many: Vec<String> = (0..=MAX_ALLOW_CIDRS)
+        .map(|i| format!("10.{i}.0.0/16"))
+        .collect();
+    assert!(parse_allow_cidrs(&many[..MAX_ALLOW_CIDRS]).is_ok());
+    assert!(parse_allow_cidrs(&many).is_err());
+}
+
 #[tokio::test]
 async fn bad_endpoints_and_refused_connections_are_typed_errors() {
     let bad = ZmtpConnConfig::kv_metrics(VECTOR_PUBLISHER, "udp-ish", None);

@@ -10,11 +10,12 @@ use continuum_actors::tree::{ActorState, ActorTree};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 
-/// A child that reports each start and fails when told.
+/// A child that reports each start and fails (or panics) when told.
 struct Probe;
 
 enum ProbeMsg {
     Fail,
+    Panic,
 }
 
 impl Actor for Probe {
@@ -39,6 +40,7 @@ impl Actor for Probe {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             ProbeMsg::Fail => Err("probe told to fail".into()),
+            ProbeMsg::Panic => panic!("probe told to panic"),
         }
     }
 }
@@ -64,8 +66,9 @@ async fn next_start(
         .expect("sender alive")
 }
 
-#[tokio::test(start_paused = true)]
-async fn failed_child_restarts_after_backoff_and_is_counted() {
+/// Makes child `a` fail with `how`: it restarts once after its backoff, its sibling is never
+/// touched, the tree stops cleanly. The failure `a`'s row recorded.
+async fn fail_one_child(how: ProbeMsg) -> String {
     let (tx, mut rx) = mpsc::unbounded_channel();
     let tree = ActorTree::default();
     let (root, handle) = spawn_root(vec![probe("a", &tx), probe("b", &tx)], tree.clone(), None)
@@ -74,14 +77,13 @@ async fn failed_child_restarts_after_backoff_and_is_counted() {
     let (_, a) = next_start(&mut rx).await;
     let (_, b) = next_start(&mut rx).await;
 
-    a.send_message(ProbeMsg::Fail).expect("a alive");
+    a.send_message(how).expect("a alive");
     let (name, a2) = next_start(&mut rx).await;
     assert_eq!(name, "a");
     assert_ne!(a.get_id(), a2.get_id());
     let row = tree.get("root/a").expect("row for a");
     assert_eq!(row.restarts, 1);
     assert_eq!(row.state, ActorState::Running);
-    assert_eq!(row.last_failure.as_deref(), Some("probe told to fail"));
     // The sibling was never touched.
     assert_eq!(tree.get("root/b").expect("row").restarts, 0);
     assert!(b.get_status() == ractor::ActorStatus::Running);
@@ -89,6 +91,31 @@ async fn failed_child_restarts_after_backoff_and_is_counted() {
     root.stop(None);
     handle.await.expect("root stops");
     assert!(tree.list().iter().all(|r| r.state == ActorState::Stopped));
+    row.last_failure.expect("the failure is recorded")
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_child_restarts_after_backoff_and_is_counted() {
+    assert_eq!(fail_one_child(ProbeMsg::Fail).await, "probe told to fail");
+}
+
+/// The release profile unwinds (docs/deviations.md, section 3): a panic in an actor's handler is
+/// caught by ractor, reported to the supervisor as a failure and restarted like any other, and
+/// the process (the sibling, the root) keeps running.
+#[tokio::test(start_paused = true)]
+async fn a_panicking_child_is_caught_and_restarted_and_the_release_profile_unwinds() {
+    let manifest = include_str!("../../../Cargo.toml");
+    let profiles: Vec<&str> = manifest
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .filter(|l| l.replace(' ', "").starts_with("panic="))
+        .collect();
+    assert!(
+        profiles.is_empty(),
+        "a profile sets panic (abort would bypass supervision): {profiles:?}"
+    );
+    let failure = fail_one_child(ProbeMsg::Panic).await;
+    assert!(failure.contains("probe told to panic"), "{failure}");
 }
 
 #[tokio::test(start_paused = true)]

@@ -529,6 +529,91 @@ fn duplicate_generate_instance_ids_give_no_worker_until_the_extra_is_deleted() {
     );
 }
 
+/// Warnings the reducer logs while `body` runs, one JSON object per event.
+fn warnings(body: impl FnOnce()) -> Vec<serde_json::Value> {
+    #[derive(Clone, Default)]
+    struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let sink = Sink::default();
+    let writer = sink.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .json()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, body);
+    let text = String::from_utf8(sink.0.lock().unwrap().clone()).expect("UTF-8 logs");
+    text.lines()
+        .map(|line| serde_json::from_str(line).expect("one JSON event per line"))
+        .collect()
+}
+
+/// Spec "Duplicate identities": the warning names the record kind, the identity, the conflict
+/// count and at most four keys; each distinct conflicting key set is logged once (a repeated
+/// put or an identical resync logs nothing).
+#[test]
+fn a_duplicate_warning_names_kind_identity_count_and_at_most_four_keys_once_per_key_set() {
+    let mut r = reducer();
+    let components = ["c0", "c1", "c2", "c3", "c4", "c5"];
+    let logged = warnings(|| {
+        for c in components {
+            put_endpoint(&mut r, c, 20);
+        }
+    });
+    // One warning per distinct key set: 2, 3, 4, 5 and 6 keys.
+    assert_eq!(logged.len(), 5, "{logged:#?}");
+    let last = &logged[4]["fields"];
+    assert_eq!(
+        last["message"],
+        "Refused discovery records that claim one identity."
+    );
+    assert_eq!(last["namespace"], "dyn");
+    assert_eq!(last["record"], "generate endpoint");
+    assert_eq!(last["identity"], format!("instance {}", InstanceId(20)));
+    assert_eq!(last["conflicts"], 6);
+    let keys = last["keys"].as_str().expect("keys");
+    let named: Vec<&str> = components
+        .iter()
+        .filter(|c| keys.contains(&format!("/{c}/generate/")))
+        .copied()
+        .collect();
+    assert_eq!(named.len(), 4, "at most four keys: {keys}");
+    assert_eq!(r.take_counts().get(Kind::Duplicate), 5);
+
+    // The same key set again: a repeated put, then an identical resync.
+    let again = warnings(|| {
+        put_endpoint(&mut r, "c3", 20);
+        r.apply(SourceEvent::Init, T1);
+        for c in components {
+            r.apply(
+                SourceEvent::InitApply {
+                    key: endpoint_key("dyn", c, "generate", 20),
+                    value: serde_json::to_vec(&endpoint("dyn", c, "generate", 20)).unwrap(),
+                },
+                T1,
+            );
+        }
+        r.apply(SourceEvent::InitDone, T1);
+    });
+    assert!(again.is_empty(), "logged once per key set: {again:#?}");
+    assert_eq!(r.take_counts().get(Kind::Duplicate), 0);
+
+    // A new key set (one extra deleted) is a new warning; the last one leaving ends them.
+    let shrunk = warnings(|| {
+        r.apply(del(&endpoint_key("dyn", "c5", "generate", 20)), T1);
+    });
+    assert_eq!(shrunk.len(), 1, "{shrunk:#?}");
+    assert_eq!(shrunk[0]["fields"]["conflicts"], 5);
+}
+
 #[test]
 fn duplicate_base_cards_leave_the_worker_without_a_card() {
     let mut r = reducer();
