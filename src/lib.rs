@@ -10,7 +10,6 @@
 //! | [`proxy`] | the request path's transport: backend pool, health, breakers, dispatch, relay |
 //! | [`readiness`] | first-pass tracking behind `GET /ready` |
 //! | [`route`] | the request path's orchestrator: Dynamo pins first, unified fallback; [`route::dynamo`] picks and pins |
-//! | `replay` | `continuum-router replay`: offline policy replay of traces through the real pickers (`dynamo-kv` builds) |
 //! | [`telemetry`] | logs and OTLP trace export |
 //! | [`wire`] | HTTP vocabulary below the request path: `ApiError`, pin headers, the body-read timeout |
 
@@ -24,8 +23,6 @@ pub mod http_metrics;
 pub mod kv;
 pub mod proxy;
 pub mod readiness;
-#[cfg(feature = "dynamo-kv")]
-pub mod replay;
 pub mod route;
 pub mod telemetry;
 pub mod wire;

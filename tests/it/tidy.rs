@@ -13,7 +13,7 @@ fn repo_root() -> PathBuf {
 fn rust_files() -> Vec<PathBuf> {
     let mut out = Vec::new();
     for top in [
-        "src", "protocol", "actors", "demo", "tests", "benches", "build.rs",
+        "src", "protocol", "actors", "demo", "prompt", "replay", "tests", "benches", "build.rs",
     ] {
         collect(&repo_root().join(top), &mut out);
     }
@@ -281,6 +281,8 @@ fn nothing_reads_a_path_outside_the_repository() {
         "actors",
         "protocol",
         "demo",
+        "prompt",
+        "replay",
         "tests",
         "benches",
         "scripts",
