@@ -1,7 +1,8 @@
-//! continuum-replay, behind `continuum-router replay`: offline policy replay. A trace (Mooncake JSONL or an OpenAI-style
-//! request log) is replayed against a simulated fleet once per policy, through the real pickers,
-//! the real load store and the real KV index, and the policies are compared on prefix-hit rate,
-//! cached tokens, modelled TTFT and end-to-end latency, load imbalance and selection reasons.
+//! continuum-replay, behind `continuum-router replay`: offline policy replay. A trace (Mooncake
+//! JSONL or an OpenAI-style request log) is replayed against a simulated fleet once per policy,
+//! through the real pickers, the real load store and the real KV index, and the policies are
+//! compared on prefix-hit rate, cached tokens, modelled TTFT and end-to-end latency, load
+//! imbalance and selection reasons.
 //! See `docs/replay.md`.
 //!
 //! | module | what it holds |
