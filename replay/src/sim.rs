@@ -281,7 +281,187 @@ struct Sim<'a> {
     draws: u64,
 }
 
-impl Sim<'_> {
+impl<'a> Sim<'a> {
+    /// The fleet of `candidates`, idle, every worker live in the store and the index.
+    fn new(cfg: &'a SimConfig, candidates: &[Candidate]) -> Self {
+        let mut sim = Sim {
+            cfg,
+            workers: candidates
+                .iter()
+                .map(|c| SimWorker {
+                    id: c.worker.instance_id,
+                    decodes: c.role != CandidateRole::Prefill,
+                    lru: BlockLru::new(usize::try_from(cfg.capacity_blocks).unwrap_or(usize::MAX)),
+                    event_id: 0,
+                    lane_free_us: 0,
+                    prefill_tokens: 0,
+                    active_blocks: 0,
+                    published_tick: None,
+                    sequence: 0,
+                })
+                .collect(),
+            store: LoadStore::new(),
+            index: KvIndex::new(splitmix64(cfg.seed)),
+            state: PickerState::new(),
+            due: BinaryHeap::new(),
+            events: Vec::new(),
+            interval_us: u64::try_from(cfg.load_interval.as_micros())
+                .unwrap_or(u64::MAX)
+                .max(1),
+            draws: 0,
+        };
+        sim.store
+            .set_live_and_retain(sim.workers.iter().map(|w| w.id));
+        sim.index.set_live_and_retain(
+            sim.workers
+                .iter()
+                .map(|w| (w.id, BTreeSet::from([DpRank(0)])))
+                .collect(),
+        );
+        sim
+    }
+
+    /// Step 2: the picker decides as `ShimRouter::decide` does. Returns the outcome and the
+    /// overlaps the kv policy read from the index (none for the other policies).
+    fn pick(
+        &mut self,
+        picking: &Picking<'_>,
+        request: &TraceRequest,
+        now: Tick,
+    ) -> (KvPickOutcome, Vec<BlockOverlaps>) {
+        let isl = request.input_tokens;
+        answer_arrivals(&mut self.state.ledger, &self.store);
+        self.state.ledger.expire(now);
+        let pick_request = PickRequest {
+            model: MODEL,
+            eligible_namespaces: &picking.namespaces,
+            estimated_prompt_tokens: isl,
+            load_signals: picking.policy != Policy::RoundRobin,
+        };
+        let mut overlaps = Vec::new();
+        let unit = self.draw_unit();
+        if picking.policy == Policy::Kv {
+            overlaps.push(BlockOverlaps {
+                block_size: self.cfg.block_size,
+                ranks: self.index.find_matches(&request.blocks),
+            });
+        }
+        let outcome = {
+            let view = StoreView {
+                store: &self.store,
+                now,
+                max_age: self.cfg.max_staleness,
+            };
+            let mut ctx = PickContext::new(
+                &pick_request,
+                picking.candidates,
+                &view,
+                &mut self.state,
+                now,
+            )
+            .with_layout(&picking.layout);
+            match picking.policy {
+                Policy::Kv => {
+                    let input = KvPickInput {
+                        isl,
+                        overlaps: &overlaps,
+                        unit,
+                    };
+                    picking.kv_picker.pick_kv(&mut ctx, Ok(&input))
+                }
+                Policy::Load | Policy::RoundRobin => KvPickOutcome {
+                    outcome: LoadBasedPicker.pick(&mut ctx),
+                    kv: None,
+                },
+            }
+        };
+        (outcome, overlaps)
+    }
+
+    /// Steps 3 and 4 for a placed request: the caches serve and learn the prompt, the latency
+    /// model times it, the workers' load changes until its events, and `run` counts it. Returns
+    /// the blocks the prefilling worker's cache held.
+    fn serve(
+        &mut self,
+        request: &TraceRequest,
+        arrival: u64,
+        placement: &Placement,
+        overlaps: &[BlockOverlaps],
+        policy: Policy,
+        run: &mut PolicyRun,
+    ) -> usize {
+        let cfg = self.cfg;
+        let bs = u64::from(cfg.block_size.get());
+        let isl = request.input_tokens;
+        let (decode, prefill) = (placement.decode, placement.prefill);
+        // The prefilling worker: the pair's prefill worker, else the decode worker itself.
+        let prefiller = prefill.unwrap_or(decode);
+        let hit = self.serve_blocks(prefiller, &request.blocks, run);
+        if policy == Policy::Kv {
+            let predicted = overlaps
+                .first()
+                .map_or(0, |o| o.of(self.workers[prefiller].id, DpRank(0)));
+            if predicted != hit as u64 {
+                run.index_disagreements += 1;
+            }
+        }
+        let cached_tokens = (hit as u64 * bs).min(isl);
+        let uncached = isl - cached_tokens;
+        let start = arrival.max(self.workers[prefiller].lane_free_us);
+        let prefill_done = start.saturating_add(cfg.latency.prefill_us(uncached));
+        let blocks = (isl + request.output_tokens).div_ceil(bs);
+        let prompt_blocks = isl.div_ceil(bs);
+        // A pair: the decode worker's own prefix cache serves what it holds, the rest of the
+        // prompt's KV is transferred, and decoding starts when it has arrived.
+        let first_token = match prefill {
+            Some(_) => {
+                let held = self.serve_blocks(decode, &request.blocks, run);
+                let transferred = isl - (held as u64 * bs).min(isl);
+                run.transferred_tokens += transferred;
+                prefill_done.saturating_add(cfg.latency.transfer_us(transferred))
+            }
+            None => prefill_done,
+        };
+        let finish = first_token.saturating_add(cfg.latency.decode_us(request.output_tokens));
+        let held_by_prefiller = if prefill.is_some() { prompt_blocks } else { 0 };
+        {
+            let w = &mut self.workers[prefiller];
+            w.lane_free_us = prefill_done;
+            w.prefill_tokens += uncached;
+            w.active_blocks += held_by_prefiller;
+        }
+        self.workers[decode].active_blocks += blocks;
+        self.schedule(
+            prefill_done,
+            WorkerEvent::PrefillDone {
+                worker: prefiller,
+                tokens: uncached,
+                blocks: held_by_prefiller,
+            },
+        );
+        self.schedule(
+            finish,
+            WorkerEvent::Finished {
+                worker: decode,
+                blocks,
+                dispatch: placement.dispatch,
+            },
+        );
+
+        run.requests += 1;
+        run.requests_per_worker[decode] += 1;
+        if let Some(p) = prefill {
+            run.requests_per_worker[p] += 1;
+        }
+        run.input_tokens += isl;
+        run.cached_tokens += cached_tokens;
+        run.prompt_blocks += request.blocks.len() as u64;
+        run.hit_blocks += hit as u64;
+        run.ttft_us.push(first_token - arrival);
+        run.e2e_us.push(finish - arrival);
+        hit
+    }
+
     /// Publishes `worker`'s load as of the last tick at or before `t_us` (the state before any
     /// change at `t_us`), if that tick was not published yet.
     fn flush(&mut self, worker: usize, t_us: u64) {
@@ -452,149 +632,70 @@ pub fn simulate(
     candidates: &[Candidate],
     progress: &mut dyn FnMut(u64),
 ) -> PolicyRun {
-    let n_workers = candidates.len();
-    let layout = DenseRanks::build(candidates);
-    let n_decoders = candidates
-        .iter()
-        .filter(|c| c.role != CandidateRole::Prefill)
-        .count()
-        .max(1);
-    let bs = u64::from(cfg.block_size.get());
-    let mut sim = Sim {
-        cfg,
-        workers: candidates
-            .iter()
-            .map(|c| SimWorker {
-                id: c.worker.instance_id,
-                decodes: c.role != CandidateRole::Prefill,
-                lru: BlockLru::new(usize::try_from(cfg.capacity_blocks).unwrap_or(usize::MAX)),
-                event_id: 0,
-                lane_free_us: 0,
-                prefill_tokens: 0,
-                active_blocks: 0,
-                published_tick: None,
-                sequence: 0,
-            })
-            .collect(),
-        store: LoadStore::new(),
-        index: KvIndex::new(splitmix64(cfg.seed)),
-        state: PickerState::new(),
-        due: BinaryHeap::new(),
-        events: Vec::new(),
-        interval_us: u64::try_from(cfg.load_interval.as_micros())
-            .unwrap_or(u64::MAX)
-            .max(1),
-        draws: 0,
+    let mut sim = Sim::new(cfg, candidates);
+    let picking = Picking {
+        policy,
+        candidates,
+        layout: DenseRanks::build(candidates),
+        kv_picker: KvAwarePicker::new(cfg.kv),
+        namespaces: [Namespace::new(NAMESPACE)],
     };
-    sim.store
-        .set_live_and_retain(sim.workers.iter().map(|w| w.id));
-    sim.index.set_live_and_retain(
-        sim.workers
-            .iter()
-            .map(|w| (w.id, BTreeSet::from([DpRank(0)])))
-            .collect(),
-    );
-    let worker_of = |id: InstanceId| sim_index(candidates, id);
-    let kv_picker = KvAwarePicker::new(cfg.kv);
-    let namespaces = [Namespace::new(NAMESPACE)];
-    let buckets = cfg.buckets.max(1);
-    let span_us = trace
-        .last()
-        .map_or(0, |r| arrival_us(r, cfg.speedup))
-        .max(1);
-    let bucket_of =
-        |t: u64| ((t as u128 * buckets as u128 / (span_us as u128 + 1)) as usize).min(buckets - 1);
+    let mut series = Series::new(cfg, trace, candidates);
     let mut run = PolicyRun {
         policy: Some(policy),
-        requests_per_worker: vec![0; n_workers],
-        bucket_starts_s: (0..buckets)
-            .map(|b| (b as f64 * span_us as f64 / buckets as f64) / 1e6)
-            .collect(),
+        requests_per_worker: vec![0; candidates.len()],
+        bucket_starts_s: series.starts_s(),
         ..PolicyRun::default()
     };
-    let mut bucket_hits = vec![(0u64, 0u64); buckets];
-    let mut bucket_load = vec![vec![(0u64, 0u64); buckets]; n_workers];
-    let (mut imbalance_sum, mut imbalance_n) = (0f64, 0u64);
-
     for (i, request) in trace.iter().enumerate() {
         if i % 256 == 0 {
             progress(i as u64);
         }
         let arrival = arrival_us(request, cfg.speedup);
         sim.advance(arrival);
-        let bucket = bucket_of(arrival);
-        let mut max_load = 0u64;
-        let mut total_load = 0u64;
-        for (w, worker) in sim.workers.iter().enumerate() {
-            let slot = &mut bucket_load[w][bucket];
-            slot.0 += worker.active_blocks;
-            slot.1 += 1;
-            if worker.decodes {
-                max_load = max_load.max(worker.active_blocks);
-                total_load += worker.active_blocks;
-            }
-        }
-        if total_load > 0 {
-            imbalance_sum += max_load as f64 * n_decoders as f64 / total_load as f64;
-            imbalance_n += 1;
-        }
-
+        let bucket = series.bucket_of(arrival);
+        series.sample_load(&sim.workers, bucket);
         let now = Tick(Duration::from_micros(arrival));
-        let isl = request.input_tokens;
-        answer_arrivals(&mut sim.state.ledger, &sim.store);
-        sim.state.ledger.expire(now);
-        let pick_request = PickRequest {
-            model: MODEL,
-            eligible_namespaces: &namespaces,
-            estimated_prompt_tokens: isl,
-            load_signals: policy != Policy::RoundRobin,
+        let (outcome, overlaps) = sim.pick(&picking, request, now);
+        let Some(placement) = Placement::of(outcome, candidates, &mut run) else {
+            continue;
         };
-        let mut overlaps = Vec::new();
-        let unit = sim.draw_unit();
-        if policy == Policy::Kv {
-            overlaps.push(BlockOverlaps {
-                block_size: cfg.block_size,
-                ranks: sim.index.find_matches(&request.blocks),
-            });
-        }
-        let outcome = {
-            let view = StoreView {
-                store: &sim.store,
-                now,
-                max_age: cfg.max_staleness,
-            };
-            match policy {
-                Policy::Kv => {
-                    let input = KvPickInput {
-                        isl,
-                        overlaps: &overlaps,
-                        unit,
-                    };
-                    let mut ctx =
-                        PickContext::new(&pick_request, candidates, &view, &mut sim.state, now)
-                            .with_layout(&layout);
-                    kv_picker.pick_kv(&mut ctx, Ok(&input))
-                }
-                Policy::Load | Policy::RoundRobin => KvPickOutcome {
-                    outcome: LoadBasedPicker.pick(
-                        &mut PickContext::new(
-                            &pick_request,
-                            candidates,
-                            &view,
-                            &mut sim.state,
-                            now,
-                        )
-                        .with_layout(&layout),
-                    ),
-                    kv: None,
-                },
-            }
-        };
+        let hit = sim.serve(request, arrival, &placement, &overlaps, policy, &mut run);
+        series.hits[bucket].0 += hit as u64;
+        series.hits[bucket].1 += request.blocks.len() as u64;
+    }
+    progress(trace.len() as u64);
+    series.finish(&mut run);
+    run
+}
+
+/// What a policy picks with: the fleet's candidates, their dense rank layout, the pickers.
+struct Picking<'a> {
+    policy: Policy,
+    candidates: &'a [Candidate],
+    layout: DenseRanks,
+    kv_picker: KvAwarePicker,
+    namespaces: [Namespace; 1],
+}
+
+/// Where a pick placed a request, as indices into the simulated workers.
+struct Placement {
+    decode: usize,
+    /// The pair's prefill worker (disaggregated fleets only).
+    prefill: Option<usize>,
+    dispatch: Option<DispatchId>,
+}
+
+impl Placement {
+    /// The placement `outcome` picked, counting its selection reasons, kv result and bypass into
+    /// `run`; `None` (counted unrouted) when nothing was picked or the pick names a worker
+    /// outside the fleet.
+    fn of(outcome: KvPickOutcome, candidates: &[Candidate], run: &mut PolicyRun) -> Option<Self> {
         let pick = match outcome.outcome {
             PickOutcome::Picked(pick) => pick,
             PickOutcome::NoCandidates(_) => {
                 run.unrouted += 1;
-                continue;
+                return None;
             }
         };
         for (role, reason) in pick.reasons.labels() {
@@ -607,16 +708,17 @@ pub fn simulate(
                 .entry(result.as_label().to_owned())
                 .or_default() += 1;
         }
+        let worker_of = |id: InstanceId| sim_index(candidates, id);
         let Some(decode) = worker_of(pick.decode.worker.instance_id) else {
             run.unrouted += 1;
-            continue;
+            return None;
         };
         let prefill = match &pick.prefill {
             Some(p) => match worker_of(p.worker.instance_id) {
                 Some(p) => Some(p),
                 None => {
                     run.unrouted += 1;
-                    continue;
+                    return None;
                 }
             },
             None => None,
@@ -624,94 +726,103 @@ pub fn simulate(
         if outcome.kv == Some(KvSelectionResult::Bypass) {
             run.bypasses += 1;
         }
-        // The prefilling worker: the pair's prefill worker, else the decode worker itself.
-        let prefiller = prefill.unwrap_or(decode);
-        let hit = sim.serve_blocks(prefiller, &request.blocks, &mut run);
-        if policy == Policy::Kv {
-            let predicted = overlaps
-                .first()
-                .map_or(0, |o| o.of(sim.workers[prefiller].id, DpRank(0)));
-            if predicted != hit as u64 {
-                run.index_disagreements += 1;
-            }
-        }
-        let cached_tokens = (hit as u64 * bs).min(isl);
-        let uncached = isl - cached_tokens;
-        let start = arrival.max(sim.workers[prefiller].lane_free_us);
-        let prefill_done = start.saturating_add(cfg.latency.prefill_us(uncached));
-        let blocks = (isl + request.output_tokens).div_ceil(bs);
-        let prompt_blocks = isl.div_ceil(bs);
-        // A pair: the decode worker's own prefix cache serves what it holds, the rest of the
-        // prompt's KV is transferred, and decoding starts when it has arrived.
-        let first_token = match prefill {
-            Some(_) => {
-                let held = sim.serve_blocks(decode, &request.blocks, &mut run);
-                let transferred = isl - (held as u64 * bs).min(isl);
-                run.transferred_tokens += transferred;
-                prefill_done.saturating_add(cfg.latency.transfer_us(transferred))
-            }
-            None => prefill_done,
-        };
-        let finish = first_token.saturating_add(cfg.latency.decode_us(request.output_tokens));
-        let held_by_prefiller = if prefill.is_some() { prompt_blocks } else { 0 };
-        {
-            let w = &mut sim.workers[prefiller];
-            w.lane_free_us = prefill_done;
-            w.prefill_tokens += uncached;
-            w.active_blocks += held_by_prefiller;
-        }
-        sim.workers[decode].active_blocks += blocks;
-        sim.schedule(
-            prefill_done,
-            WorkerEvent::PrefillDone {
-                worker: prefiller,
-                tokens: uncached,
-                blocks: held_by_prefiller,
-            },
-        );
-        sim.schedule(
-            finish,
-            WorkerEvent::Finished {
-                worker: decode,
-                blocks,
-                dispatch: pick.dispatch,
-            },
-        );
-
-        run.requests += 1;
-        run.requests_per_worker[decode] += 1;
-        if let Some(p) = prefill {
-            run.requests_per_worker[p] += 1;
-        }
-        run.input_tokens += isl;
-        run.cached_tokens += cached_tokens;
-        run.prompt_blocks += request.blocks.len() as u64;
-        run.hit_blocks += hit as u64;
-        bucket_hits[bucket].0 += hit as u64;
-        bucket_hits[bucket].1 += request.blocks.len() as u64;
-        run.ttft_us.push(first_token - arrival);
-        run.e2e_us.push(finish - arrival);
-    }
-    progress(trace.len() as u64);
-    run.load_imbalance = if imbalance_n == 0 {
-        1.0
-    } else {
-        imbalance_sum / imbalance_n as f64
-    };
-    run.hit_rate_series = bucket_hits
-        .iter()
-        .map(|(hit, total)| (*total > 0).then(|| *hit as f64 / *total as f64))
-        .collect();
-    run.worker_load_series = bucket_load
-        .iter()
-        .map(|per_bucket| {
-            per_bucket
-                .iter()
-                .map(|(sum, n)| (*n > 0).then(|| *sum as f64 / *n as f64))
-                .collect()
+        Some(Self {
+            decode,
+            prefill,
+            dispatch: pick.dispatch,
         })
-        .collect();
-    run
+    }
+}
+
+/// The run's time series: arrivals fall into `cfg.buckets` equal buckets of the trace's span;
+/// per bucket, the block hit rate and each worker's mean active blocks; over all arrivals, the
+/// decode workers' load imbalance.
+struct Series {
+    buckets: usize,
+    span_us: u64,
+    decoders: usize,
+    /// Per bucket: (hit blocks, prompt blocks).
+    hits: Vec<(u64, u64)>,
+    /// Per worker, per bucket: (sum of active blocks, arrivals seen).
+    load: Vec<Vec<(u64, u64)>>,
+    imbalance_sum: f64,
+    imbalance_n: u64,
+}
+
+impl Series {
+    fn new(cfg: &SimConfig, trace: &[TraceRequest], candidates: &[Candidate]) -> Self {
+        let buckets = cfg.buckets.max(1);
+        Self {
+            buckets,
+            span_us: trace
+                .last()
+                .map_or(0, |r| arrival_us(r, cfg.speedup))
+                .max(1),
+            decoders: candidates
+                .iter()
+                .filter(|c| c.role != CandidateRole::Prefill)
+                .count()
+                .max(1),
+            hits: vec![(0, 0); buckets],
+            load: vec![vec![(0, 0); buckets]; candidates.len()],
+            imbalance_sum: 0.0,
+            imbalance_n: 0,
+        }
+    }
+
+    /// Bucket start times, seconds.
+    fn starts_s(&self) -> Vec<f64> {
+        (0..self.buckets)
+            .map(|b| (b as f64 * self.span_us as f64 / self.buckets as f64) / 1e6)
+            .collect()
+    }
+
+    fn bucket_of(&self, t: u64) -> usize {
+        ((t as u128 * self.buckets as u128 / (self.span_us as u128 + 1)) as usize)
+            .min(self.buckets - 1)
+    }
+
+    /// The workers' active blocks as an arrival in `bucket` sees them.
+    fn sample_load(&mut self, workers: &[SimWorker], bucket: usize) {
+        let mut max_load = 0u64;
+        let mut total_load = 0u64;
+        for (w, worker) in workers.iter().enumerate() {
+            let slot = &mut self.load[w][bucket];
+            slot.0 += worker.active_blocks;
+            slot.1 += 1;
+            if worker.decodes {
+                max_load = max_load.max(worker.active_blocks);
+                total_load += worker.active_blocks;
+            }
+        }
+        if total_load > 0 {
+            self.imbalance_sum += max_load as f64 * self.decoders as f64 / total_load as f64;
+            self.imbalance_n += 1;
+        }
+    }
+
+    fn finish(self, run: &mut PolicyRun) {
+        run.load_imbalance = if self.imbalance_n == 0 {
+            1.0
+        } else {
+            self.imbalance_sum / self.imbalance_n as f64
+        };
+        run.hit_rate_series = self
+            .hits
+            .iter()
+            .map(|(hit, total)| (*total > 0).then(|| *hit as f64 / *total as f64))
+            .collect();
+        run.worker_load_series = self
+            .load
+            .iter()
+            .map(|per_bucket| {
+                per_bucket
+                    .iter()
+                    .map(|(sum, n)| (*n > 0).then(|| *sum as f64 / *n as f64))
+                    .collect()
+            })
+            .collect();
+    }
 }
 
 fn sim_index(candidates: &[Candidate], id: InstanceId) -> Option<usize> {
