@@ -8,13 +8,21 @@ use super::values::{is_model_name, is_public_ip};
 use super::*;
 
 impl Validator {
+    /// In this order (diagnostics keep document order): etcd, Kubernetes, file, then what the
+    /// chosen source implies.
     pub(super) fn discovery(&mut self, config: &Config) {
-        let dynamo = &config.dynamo;
-        let discovery = &dynamo.discovery;
-        let etcd = &discovery.etcd;
-        let source = discovery.source;
+        self.etcd(config);
+        self.kubernetes(config);
+        self.file(config);
+        self.source(config);
+    }
 
-        // etcd formats are checked whatever the source: a typo there is still a typo.
+    /// `dynamo.discovery.etcd`: endpoints, TLS, auth, backoff and namespaces. etcd formats are
+    /// checked whatever the source: a typo there is still a typo.
+    fn etcd(&mut self, config: &Config) {
+        let dynamo = &config.dynamo;
+        let etcd = &dynamo.discovery.etcd;
+        let source = dynamo.discovery.source;
         let base = "dynamo.discovery.etcd";
         if etcd.endpoints.is_empty() && dynamo.enabled && source == DiscoverySource::Etcd {
             self.err(
@@ -58,6 +66,36 @@ impl Validator {
             );
         }
         let plaintext = schemes.contains_key(&false);
+        self.etcd_tls_and_auth(etcd, plaintext);
+        if dynamo.enabled
+            && source == DiscoverySource::Etcd
+            && dynamo.load.transport == LoadTransport::Direct
+        {
+            for path in external {
+                self.warn(
+                    path,
+                    "etcd endpoint is a public address but load.transport is direct, which \
+                     assumes the router runs inside the cluster; use transport: broker from outside",
+                );
+            }
+        }
+        self.backoff(
+            &format!("{base}.watch_reconnect_backoff"),
+            &etcd.watch_reconnect_backoff,
+        );
+        self.namespaces(
+            base,
+            "namespace",
+            &etcd.namespace,
+            "namespaces",
+            &etcd.namespaces,
+            false,
+        );
+    }
+
+    /// `dynamo.discovery.etcd.tls` and `.auth`; `plaintext`: an endpoint is http://.
+    fn etcd_tls_and_auth(&mut self, etcd: &EtcdConfig, plaintext: bool) {
+        let base = "dynamo.discovery.etcd";
         if let Some(tls) = &etcd.tls {
             if plaintext {
                 self.err(
@@ -118,33 +156,12 @@ impl Validator {
                 );
             }
         }
-        if dynamo.enabled
-            && source == DiscoverySource::Etcd
-            && dynamo.load.transport == LoadTransport::Direct
-        {
-            for path in external {
-                self.warn(
-                    path,
-                    "etcd endpoint is a public address but load.transport is direct, which \
-                     assumes the router runs inside the cluster; use transport: broker from outside",
-                );
-            }
-        }
-        self.backoff(
-            &format!("{base}.watch_reconnect_backoff"),
-            &etcd.watch_reconnect_backoff,
-        );
+    }
 
-        self.namespaces(
-            base,
-            "namespace",
-            &etcd.namespace,
-            "namespaces",
-            &etcd.namespaces,
-            false,
-        );
-
-        let kube = &discovery.kubernetes;
+    /// `dynamo.discovery.kubernetes`: backoff, and the namespaces when it is the source.
+    fn kubernetes(&mut self, config: &Config) {
+        let source = config.dynamo.discovery.source;
+        let kube = &config.dynamo.discovery.kubernetes;
         let kbase = "dynamo.discovery.kubernetes";
         self.backoff(
             &format!("{kbase}.watch_reconnect_backoff"),
@@ -167,7 +184,13 @@ impl Validator {
                 true,
             );
         }
-        let file = &discovery.file;
+    }
+
+    /// `dynamo.discovery.file`: root, ttl, rescan interval, and the namespaces when it is the
+    /// source.
+    fn file(&mut self, config: &Config) {
+        let source = config.dynamo.discovery.source;
+        let file = &config.dynamo.discovery.file;
         let fbase = "dynamo.discovery.file";
         if file
             .root
@@ -204,7 +227,14 @@ impl Validator {
                 false,
             );
         }
-        match source {
+    }
+
+    /// What the chosen source implies: warnings for `simulated`, ignored model keys for
+    /// `kubernetes`, the `kubernetes_pods` rules.
+    fn source(&mut self, config: &Config) {
+        let kube = &config.dynamo.discovery.kubernetes;
+        let kbase = "dynamo.discovery.kubernetes";
+        match config.dynamo.discovery.source {
             DiscoverySource::Etcd | DiscoverySource::File => {}
             DiscoverySource::Simulated => self.warn(
                 "dynamo.discovery.source",

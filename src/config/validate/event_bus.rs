@@ -7,11 +7,18 @@ use super::values::{is_broker_id, listeners_collide};
 use super::*;
 
 impl Validator {
+    /// In this order (diagnostics keep document order): the listener, its bounds, the brokers.
     pub(super) fn event_bus(&mut self, config: &Config) {
+        self.event_bus_listener(config);
+        self.event_bus_bounds(&config.dynamo.event_bus);
+        self.event_bus_brokers(config);
+    }
+
+    /// `transport: broker` needs the bus; an enabled bus needs Dynamo, its own port, TLS and
+    /// brokers.
+    fn event_bus_listener(&mut self, config: &Config) {
         let bus = &config.dynamo.event_bus;
         let base = "dynamo.event_bus";
-        let namespaces = config.dynamo.discovery.namespace_names();
-
         if config.dynamo.load.transport == LoadTransport::Broker && !bus.enabled {
             self.err(
                 "dynamo.load.transport",
@@ -63,6 +70,11 @@ impl Validator {
                 );
             }
         }
+    }
+
+    /// Sessions, streams, buffers, heartbeats and the number of brokers.
+    fn event_bus_bounds(&mut self, bus: &EventBusConfig) {
+        let base = "dynamo.event_bus";
         if bus.max_sessions == 0 || bus.max_sessions > MAX_EVENT_BUS_SESSIONS {
             self.err(
                 format!("{base}.max_sessions"),
@@ -120,6 +132,12 @@ impl Validator {
                 ),
             );
         }
+    }
+
+    /// Each `brokers[]` entry: a unique id, a credential, and the grants of its role.
+    fn event_bus_brokers(&mut self, config: &Config) {
+        let bus = &config.dynamo.event_bus;
+        let base = "dynamo.event_bus";
         let has_client_ca = bus.tls.as_ref().is_some_and(|tls| tls.client_ca.is_some());
         let mut ids = BTreeSet::new();
         for (i, broker) in bus.brokers.iter().enumerate() {
@@ -148,7 +166,14 @@ impl Validator {
                 ),
                 _ => {}
             }
-            match broker.role {
+            self.broker_grants(config, &path, broker);
+        }
+    }
+
+    /// A broker is granted Dynamo namespaces, a kv_listener backends.
+    fn broker_grants(&mut self, config: &Config, path: &str, broker: &BrokerConfig) {
+        let namespaces = config.dynamo.discovery.namespace_names();
+        match broker.role {
                 BrokerRole::Broker => {
                     if !broker.backends.is_empty() {
                         self.err(
@@ -198,6 +223,5 @@ impl Validator {
                     }
                 }
             }
-        }
     }
 }
