@@ -358,7 +358,6 @@ impl Placement {
     }
 }
 
-
 fn sim_index(candidates: &[Candidate], id: InstanceId) -> Option<usize> {
     candidates.iter().position(|c| c.worker.instance_id == id)
 }

@@ -29,7 +29,6 @@ pub use values::{
     is_prefixed_hex, normalize_endpoint,
 };
 
-
 /// Most etcd endpoints accepted.
 pub const MAX_ETCD_ENDPOINTS: usize = 16;
 /// Shortest `dynamo.discovery.file.rescan_interval` accepted.

@@ -63,10 +63,7 @@ fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
     }
 }
 
-fn policy<'a>(
-    summary: &'a Summary,
-    name: &str,
-) -> &'a continuum_replay::report::PolicySummary {
+fn policy<'a>(summary: &'a Summary, name: &str) -> &'a continuum_replay::report::PolicySummary {
     summary
         .policies
         .iter()

@@ -444,7 +444,9 @@ fn crate_modules_named(text: &str, top_level_file: bool) -> Vec<String> {
 
 /// A crate's top-level modules and the ones each names (`<src>/M.rs` and everything under
 /// `<src>/M/`, test code left out; `src` is relative to the repository root).
-fn module_graph(src: &str) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+fn module_graph(
+    src: &str,
+) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
     let src = repo_root().join(src);
     let mut graph = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
     let mut files = Vec::new();
@@ -564,7 +566,14 @@ fn import_cycles_are_the_strongly_connected_modules() {
     };
     assert!(import_cycles(&graph(&[("a", "b"), ("b", "c")])).is_empty());
     assert_eq!(
-        import_cycles(&graph(&[("c", "a"), ("a", "b"), ("b", "c"), ("c", "d"), ("d", "e"), ("e", "d")])),
+        import_cycles(&graph(&[
+            ("c", "a"),
+            ("a", "b"),
+            ("b", "c"),
+            ("c", "d"),
+            ("d", "e"),
+            ("e", "d")
+        ])),
         [vec!["a", "b", "c"], vec!["d", "e"]]
     );
 }

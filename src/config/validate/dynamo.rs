@@ -132,59 +132,59 @@ impl Validator {
         let shim = &config.dynamo.shim;
         let base = "dynamo.shim";
         let mut pool_of: BTreeMap<&str, usize> = BTreeMap::new();
-            let mut owner: BTreeMap<&str, usize> = BTreeMap::new();
-            for (i, pool) in shim.pools.iter().enumerate() {
-                let path = format!("{base}.pools[{i}]");
-                if !namespaces.contains(&pool.namespace) {
-                    self.err(
-                        format!("{path}.namespace"),
-                        format!(
-                            "{:?} is not a configured Dynamo namespace ({})",
-                            pool.namespace,
-                            namespaces.join(", ")
-                        ),
-                    );
-                } else if let Some(first) = pool_of.insert(pool.namespace.as_str(), i) {
-                    self.err(
-                        format!("{path}.namespace"),
-                        format!(
-                            "namespace {:?} already has a pool (pools[{first}]); each \
+        let mut owner: BTreeMap<&str, usize> = BTreeMap::new();
+        for (i, pool) in shim.pools.iter().enumerate() {
+            let path = format!("{base}.pools[{i}]");
+            if !namespaces.contains(&pool.namespace) {
+                self.err(
+                    format!("{path}.namespace"),
+                    format!(
+                        "{:?} is not a configured Dynamo namespace ({})",
+                        pool.namespace,
+                        namespaces.join(", ")
+                    ),
+                );
+            } else if let Some(first) = pool_of.insert(pool.namespace.as_str(), i) {
+                self.err(
+                    format!("{path}.namespace"),
+                    format!(
+                        "namespace {:?} already has a pool (pools[{first}]); each \
                              namespace needs exactly one",
-                            pool.namespace
-                        ),
-                    );
-                }
-                if pool.backends.is_empty() {
-                    self.err(
-                        format!("{path}.backends"),
-                        "a pool needs at least one backend",
-                    );
-                }
-                self.shim_backend_list(config, &format!("{path}.backends"), &pool.backends);
-                for (j, backend) in pool.backends.iter().enumerate() {
-                    if let Some(&first) = owner.get(backend.as_str()) {
-                        if first != i {
-                            self.err(
-                                format!("{path}.backends[{j}]"),
-                                format!(
-                                    "backend {backend:?} already belongs to pools[{first}]; a \
+                        pool.namespace
+                    ),
+                );
+            }
+            if pool.backends.is_empty() {
+                self.err(
+                    format!("{path}.backends"),
+                    "a pool needs at least one backend",
+                );
+            }
+            self.shim_backend_list(config, &format!("{path}.backends"), &pool.backends);
+            for (j, backend) in pool.backends.iter().enumerate() {
+                if let Some(&first) = owner.get(backend.as_str()) {
+                    if first != i {
+                        self.err(
+                            format!("{path}.backends[{j}]"),
+                            format!(
+                                "backend {backend:?} already belongs to pools[{first}]; a \
                                      replica may belong to at most one pool"
-                                ),
-                            );
-                        }
-                    } else {
-                        owner.insert(backend.as_str(), i);
+                            ),
+                        );
                     }
+                } else {
+                    owner.insert(backend.as_str(), i);
                 }
             }
-            for namespace in namespaces {
-                if !pool_of.contains_key(namespace.as_str()) {
-                    self.err(
-                        format!("{base}.pools"),
-                        format!("namespace {namespace:?} has no shim pool"),
-                    );
-                }
+        }
+        for namespace in namespaces {
+            if !pool_of.contains_key(namespace.as_str()) {
+                self.err(
+                    format!("{base}.pools"),
+                    format!("namespace {namespace:?} has no shim pool"),
+                );
             }
+        }
     }
 
     /// Rules shared by `shim.backends` and each `shim.pools[].backends`.

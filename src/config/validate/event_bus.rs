@@ -174,54 +174,54 @@ impl Validator {
     fn broker_grants(&mut self, config: &Config, path: &str, broker: &BrokerConfig) {
         let namespaces = config.dynamo.discovery.namespace_names();
         match broker.role {
-                BrokerRole::Broker => {
-                    if !broker.backends.is_empty() {
-                        self.err(
-                            format!("{path}.backends"),
-                            "backends grants apply to role kv_listener; a broker is granted \
+            BrokerRole::Broker => {
+                if !broker.backends.is_empty() {
+                    self.err(
+                        format!("{path}.backends"),
+                        "backends grants apply to role kv_listener; a broker is granted \
                              namespaces",
-                        );
-                    }
-                    if broker.namespaces.is_empty() {
-                        self.warn(
-                            format!("{path}.namespaces"),
-                            "empty namespaces allowlist: this broker may serve any Dynamo \
-                             namespace",
-                        );
-                    }
-                    for (j, namespace) in broker.namespaces.iter().enumerate() {
-                        if let Err(message) = check_namespace(namespace) {
-                            self.err(format!("{path}.namespaces[{j}]"), message);
-                        } else if !namespaces.contains(namespace) {
-                            self.warn(
-                                format!("{path}.namespaces[{j}]"),
-                                format!("{namespace:?} is not a configured Dynamo namespace"),
-                            );
-                        }
-                    }
+                    );
                 }
-                BrokerRole::KvListener => {
-                    if !broker.namespaces.is_empty() {
-                        self.err(
-                            format!("{path}.namespaces"),
-                            "role kv_listener is granted backends, not namespaces",
+                if broker.namespaces.is_empty() {
+                    self.warn(
+                        format!("{path}.namespaces"),
+                        "empty namespaces allowlist: this broker may serve any Dynamo \
+                             namespace",
+                    );
+                }
+                for (j, namespace) in broker.namespaces.iter().enumerate() {
+                    if let Err(message) = check_namespace(namespace) {
+                        self.err(format!("{path}.namespaces[{j}]"), message);
+                    } else if !namespaces.contains(namespace) {
+                        self.warn(
+                            format!("{path}.namespaces[{j}]"),
+                            format!("{namespace:?} is not a configured Dynamo namespace"),
                         );
-                    }
-                    if broker.backends.is_empty() {
-                        self.err(
-                            format!("{path}.backends"),
-                            "role kv_listener needs at least one granted backend",
-                        );
-                    }
-                    for (j, backend) in broker.backends.iter().enumerate() {
-                        if config.backend(backend).is_none() {
-                            self.warn(
-                                format!("{path}.backends[{j}]"),
-                                format!("backend {backend:?} is not defined in backends[]"),
-                            );
-                        }
                     }
                 }
             }
+            BrokerRole::KvListener => {
+                if !broker.namespaces.is_empty() {
+                    self.err(
+                        format!("{path}.namespaces"),
+                        "role kv_listener is granted backends, not namespaces",
+                    );
+                }
+                if broker.backends.is_empty() {
+                    self.err(
+                        format!("{path}.backends"),
+                        "role kv_listener needs at least one granted backend",
+                    );
+                }
+                for (j, backend) in broker.backends.iter().enumerate() {
+                    if config.backend(backend).is_none() {
+                        self.warn(
+                            format!("{path}.backends[{j}]"),
+                            format!("backend {backend:?} is not defined in backends[]"),
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -96,7 +96,12 @@ fn code_only(text: &str) -> String {
             i += 2 + hashes;
             while i < chars.len() {
                 let closes = chars[i] == '"'
-                    && chars[i + 1..].iter().take(hashes).filter(|c| **c == '#').count() == hashes;
+                    && chars[i + 1..]
+                        .iter()
+                        .take(hashes)
+                        .filter(|c| **c == '#')
+                        .count()
+                        == hashes;
                 if closes {
                     out.push('"');
                     out.extend(std::iter::repeat_n('#', hashes));
@@ -297,7 +302,11 @@ fn the_size_scan_sees_code_only() {
     assert_eq!(code.lines().count(), text.lines().count(), "lines hold");
     assert_eq!(
         function_lengths(&code),
-        [("a".to_owned(), 5), ("raw".to_owned(), 4), ("t".to_owned(), 3)]
+        [
+            ("a".to_owned(), 5),
+            ("raw".to_owned(), 4),
+            ("t".to_owned(), 3)
+        ]
     );
     assert_eq!(
         function_lengths(&without_test_modules(&code)),
