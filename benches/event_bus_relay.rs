@@ -22,10 +22,7 @@
 //!
 //! Needs the openssl CLI for the listener's certificate (the tests' `tests/it/support/bus_pki.rs`).
 
-#![allow(
-    clippy::too_many_lines,
-    reason = "test code is exempt from the 120-line limit"
-)]
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
 
 #[path = "../tests/it/support/bus_pki.rs"]
 mod bus_pki;

@@ -19,13 +19,8 @@
 //! | [`telemetry`] | logs and OTLP trace export |
 //! | [`wire`] | HTTP vocabulary below the request path: `ApiError`, pin headers, the body-read timeout |
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::too_many_lines,
-        reason = "test code is exempt from the 120-line limit; product code is linted in the non-test build"
-    )
-)]
+// Test code is exempt from the 120-line limit; product code is linted in the non-test build.
+#![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
 
 pub mod build_info;
 pub mod config;

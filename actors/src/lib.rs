@@ -51,13 +51,8 @@
 //! | [`event_bus`] | the event-bus listener, BrokerSupervisor, BrokerSessionActor, the `EventBus` command API and `BusStream` |
 //! | [`kube_source`] | Kubernetes discovery watch shells (Pods; DynamoWorkerMetadata ⋈ EndpointSlice) |
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::too_many_lines,
-        reason = "test code is exempt from the 120-line limit; product code is linted in the non-test build"
-    )
-)]
+// Test code is exempt from the 120-line limit; product code is linted in the non-test build.
+#![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
 
 pub mod clock;
 pub mod discovery;

@@ -12,13 +12,8 @@
 //! The bounds (fuel, sizes, permits, deadline) are `continuum_protocol::kv::prompt`'s; this crate
 //! does the IO around them.
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::too_many_lines,
-        reason = "test code is exempt from the 120-line limit; product code is linted in the non-test build"
-    )
-)]
+// Test code is exempt from the 120-line limit; product code is linted in the non-test build.
+#![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
 
 pub mod render;
 pub mod template;

@@ -13,13 +13,8 @@
 //! | [`report`] | `summary.json` and the stdout table |
 //! | [`plots`] | the SVG plots |
 
-#![cfg_attr(
-    test,
-    allow(
-        clippy::too_many_lines,
-        reason = "test code is exempt from the 120-line limit; product code is linted in the non-test build"
-    )
-)]
+// Test code is exempt from the 120-line limit; product code is linted in the non-test build.
+#![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
 
 use std::io::IsTerminal;
 use std::path::PathBuf;

@@ -1029,10 +1029,7 @@ impl KvIndex {
 
     /// Structural invariants (for tests): edges, child counts, owner refcounts and the
     /// ownership total all agree with the rank maps; no node is both ownerless and childless.
-    #[expect(
-        clippy::too_many_lines,
-        reason = "over 120 lines: on tests/it/tidy/long_functions.txt, which only shrinks; split it"
-    )]
+    #[expect(clippy::too_many_lines, reason = "on tests/it/tidy/long_functions.txt")]
     pub fn check_invariants(&self) -> Result<(), String> {
         let free: BTreeSet<NodeIdx> = self.tree.free.iter().collect();
         if free.len() != self.tree.free.len()
