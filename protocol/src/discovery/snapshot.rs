@@ -354,9 +354,15 @@ impl DynamoSnapshot {
                     changes.added.push(new.clone());
                     apply.push((key, Some(new.clone())));
                 }
+                (Some(old), Some(new)) if Arc::ptr_eq(old, new) => {}
                 (Some(old), Some(new)) => {
-                    if !Arc::ptr_eq(old, new) && !old.same_content(new) {
+                    if !old.same_content(new) {
                         changes.changed.push((old.clone(), new.clone()));
+                        apply.push((key, Some(new.clone())));
+                    } else if **old != **new {
+                        // Same content, newer timestamps (the view changed the worker and back
+                        // between two patches): no consumer has anything to redo, but readers see
+                        // the view's `last_updated`, as a snapshot built whole shows it.
                         apply.push((key, Some(new.clone())));
                     }
                 }
