@@ -18,6 +18,8 @@
 //! 500; needs `etcd` on PATH or `ETCD_BIN`). A measurement script (`harness = false`): it prints
 //! percentiles, asserts nothing about time. The goals: resync ≤ 200 ms, put → snapshot p99 ≤ 20 ms.
 
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
+
 #[path = "../tests/it/support/etcd.rs"]
 mod etcd_harness;
 

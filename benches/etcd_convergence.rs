@@ -5,6 +5,8 @@
 //! `ETCD_BIN`). Prints percentiles; a measurement script, not a criterion bench, because each
 //! sample is one round trip through an external process.
 
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
+
 #[path = "../tests/it/support/etcd.rs"]
 mod etcd_harness;
 

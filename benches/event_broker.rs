@@ -14,6 +14,8 @@
 //! deadline ([`STEP_TIMEOUT`]), and the idle streams open [`OPEN_CONCURRENCY`] at a time, so a
 //! stuck step fails with its name instead of hanging the run.
 
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
+
 #[path = "../tests/it/support/bus_pki.rs"]
 mod bus_pki;
 

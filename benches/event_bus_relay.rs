@@ -22,6 +22,8 @@
 //!
 //! Needs the openssl CLI for the listener's certificate (the tests' `tests/it/support/bus_pki.rs`).
 
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
+
 #[path = "../tests/it/support/bus_pki.rs"]
 mod bus_pki;
 

@@ -12,6 +12,8 @@
 //! checks the harness runs; `INGRESS_BENCH_ITERATIONS=n` runs only n conversions of each 6 kB
 //! request and n chat parses, for callgrind's instruction counts (docs/performance.md).
 
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
+
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

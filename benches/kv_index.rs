@@ -13,6 +13,8 @@
 //! default the in-repo `benches/fixtures/mooncake/conversation_trace.jsonl.gz`); without `--bench`
 //! (as under `cargo test --benches`) it replays the first 300 requests as a smoke test.
 
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
+
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 

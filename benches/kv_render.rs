@@ -7,6 +7,8 @@
 //! then the same for the mocker's byte-level tiny model. Under `cargo test --benches` (no
 //! `--bench`) a short pass only checks the harness runs.
 
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
+
 use std::hint::black_box;
 use std::path::Path;
 use std::sync::Arc;

@@ -72,7 +72,7 @@ for slim in "" "dynamo" "dynamo,dynamo-kv" "dynamo,dynamo-event-bus"; do
 done
 # The slimmest graph has none of the features' optional dependencies (cargo tree fails on a
 # package that is not in the graph).
-for dep in tokenizers minijinja minijinja-contrib plotters indicatif continuum-demo; do
+for dep in tokenizers minijinja minijinja-contrib plotters indicatif continuum-demo continuum-prompt continuum-replay; do
   if cargo tree -p continuum-router --no-default-features -e normal -i "$dep" >/dev/null 2>&1; then
     echo "the --no-default-features build depends on $dep"
     exit 1

@@ -3,25 +3,19 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`template`] | [`ChatTemplate`]: HF chat templates on minijinja, no loader, bounded fuel |
-//! | [`render`] | [`PromptRenderer`]: permits, deadline, tokenization, block hashes |
 //! | [`hook`] | [`KvPromptPrep`]: the prompt preparation hook `route::dynamo` calls |
 //! | [`prep`] | [`ArtifactPromptPrep`]: the production `KvPromptPrep` over pinned fleet artifacts |
-//! | [`token_cache`] | [`PromptTokenizer`]: exact, bounded prefix cache so follow-up turns tokenize only what is new |
-
+//! | `template`, `render`, `token_cache` | re-exported from the `continuum-prompt` crate (prompt/): [`ChatTemplate`], [`PromptRenderer`], [`PromptTokenizer`] |
 //!
-//! Only [`hook`] is compiled without the `dynamo-kv` Cargo feature: the rest (and its tokenizers
-//! and minijinja dependencies) is not, and no implementation of the hook is installed.
+//! Only [`hook`] is compiled without the `dynamo-kv` Cargo feature: the rest (and the
+//! continuum-prompt crate with its tokenizers and minijinja dependencies) is not, and no
+//! implementation of the hook is installed.
 
 pub mod hook;
 #[cfg(feature = "dynamo-kv")]
 pub mod prep;
 #[cfg(feature = "dynamo-kv")]
-pub mod render;
-#[cfg(feature = "dynamo-kv")]
-pub mod template;
-#[cfg(feature = "dynamo-kv")]
-pub mod token_cache;
+pub use continuum_prompt::{render, template, token_cache};
 
 pub use hook::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 #[cfg(feature = "dynamo-kv")]

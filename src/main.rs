@@ -1,6 +1,7 @@
 //! The `continuum-router` binary: parse the command line, then hand over to the library. The
 //! `demo` subcommand composes the daemon with the simulated fleet of the `continuum-demo` crate,
-//! which the library does not contain.
+//! and the `replay` subcommand calls the offline replay of the `continuum-replay` crate; the
+//! library contains neither.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -55,7 +56,7 @@ enum Command {
     },
     /// Replay a trace offline through each routing policy and compare them.
     #[cfg(feature = "dynamo-kv")]
-    Replay(Box<continuum_router::replay::ReplayArgs>),
+    Replay(Box<continuum_replay::ReplayArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -92,9 +93,9 @@ fn main() -> ExitCode {
             _,
         ) => demo::run_demo(bind, publish_interval),
         #[cfg(feature = "dynamo-kv")]
-        (Some(Command::Replay(args)), _) => match continuum_router::replay::run(&args) {
+        (Some(Command::Replay(args)), _) => match continuum_replay::run(&args) {
             Ok(summary) => {
-                print!("{}", continuum_router::replay::report::table(&summary));
+                print!("{}", continuum_replay::report::table(&summary));
                 ExitCode::SUCCESS
             }
             Err(error) => {

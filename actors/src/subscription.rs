@@ -252,6 +252,7 @@ fn conn_config(target: &SubscriptionTarget, policy: &DialPolicy) -> ZmtpConnConf
 
 /// The connection loop of one subscription: connect, fold, back off, repeat; a redial (a new
 /// target from the actor) ends the session or the backoff wait and dials the new target now.
+#[expect(clippy::too_many_lines, reason = "on tests/it/tidy/long_functions.txt")]
 async fn run_subscription(
     args: SubscriptionArgs,
     mut redials: watch::Receiver<SubscriptionTarget>,

@@ -14,6 +14,9 @@
 //! requests through the normal shim path to the simulated frontends the router's embedded demo
 //! config names ([`Simulation::frontend_addrs`] fills in their URLs).
 
+// Test code is exempt from the 120-line limit; product code is linted in the non-test build.
+#![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
+
 pub mod fleet;
 pub mod shim;
 pub mod zmq_pub;

@@ -14,16 +14,15 @@
 //! with the workers that served it and recorded in a bounded journal ([`ShimState::served`]).
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use continuum_protocol::discovery::registration::WorkerType;
@@ -33,7 +32,11 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tracing::{debug, error};
 
-use crate::fleet::{Booking, Fleet, RankLoad, SimWorker};
+use crate::fleet::{Fleet, RankLoad, SimWorker};
+
+mod reply;
+
+use reply::{Reply, stream_reply};
 
 /// Journal entries kept per frontend (oldest dropped first).
 pub const MAX_JOURNAL: usize = 4096;
@@ -304,6 +307,57 @@ fn parse(body: &[u8], route: Route) -> Option<(String, Ask)> {
     ))
 }
 
+/// The prefill leg of a disaggregated request: the pinned prefill worker must be known and own
+/// the pinned rank; the prompt is booked on it for the simulated prefill time (it has run when
+/// this returns, before the decode worker is checked, as upstream does). `Err` is the refusal,
+/// already recorded.
+async fn prefill_leg(
+    state: &ShimState,
+    headers: &HeaderMap,
+    prompt_tokens: u64,
+    mut entry: ServedRequest,
+) -> Result<ServedRequest, Response> {
+    let Some(prefill_id) = header_u64(headers, &PREFILL_HEADERS).map(InstanceId) else {
+        error!(
+            namespace = %state.namespace,
+            "Prefill worker ID required in Direct routing mode but none found in request. \
+             Expected prefill_worker_id to be set via x-dynamo-prefill-instance-id header by \
+             external router (e.g., EPP)."
+        );
+        entry.status = 500;
+        state.record(entry);
+        return Err(failed_500());
+    };
+    let prefill_rank = header_rank(headers, &PREFILL_RANK_HEADERS);
+    let Some(prefill) = state
+        .worker(prefill_id, &[WorkerType::Prefill])
+        .filter(|w| w.owns_rank(prefill_rank))
+    else {
+        error!(
+            namespace = %state.namespace,
+            "Remote prefill failed, failing request error=InvalidRequest: \
+             nvext.prefill_worker_id={} does not identify a known worker",
+            prefill_id.0
+        );
+        entry.status = 400;
+        state.record(entry);
+        return Err(invalid_400());
+    };
+    // The prefill runs before the decode worker is checked, as upstream does.
+    let booking = prefill.book(
+        prefill_rank,
+        RankLoad {
+            prefill_tokens: prompt_tokens,
+            decode_blocks: prompt_tokens.div_ceil(u64::from(prefill.spec.block_size)),
+        },
+    );
+    // Simulated engine time: the prefill booking holds published load while it "runs".
+    tokio::time::sleep(state.pace.prefill).await;
+    entry.prefill = Some((prefill_id, prefill_rank));
+    drop(booking);
+    Ok(entry)
+}
+
 async fn generate(
     State(state): State<Arc<ShimState>>,
     headers: HeaderMap,
@@ -329,53 +383,15 @@ async fn generate(
     };
     let decode_id = header_u64(&headers, &WORKER_HEADERS).map(InstanceId);
     let decode_rank = header_rank(&headers, &RANK_HEADERS);
-    let mut prefill_booking = None;
     let decode_types: &[WorkerType] = if state.disaggregated() {
-        let Some(prefill_id) = header_u64(&headers, &PREFILL_HEADERS).map(InstanceId) else {
-            error!(
-                namespace = %state.namespace,
-                "Prefill worker ID required in Direct routing mode but none found in request. \
-                 Expected prefill_worker_id to be set via x-dynamo-prefill-instance-id header by \
-                 external router (e.g., EPP)."
-            );
-            entry.status = 500;
-            state.record(entry);
-            return failed_500();
+        entry = match prefill_leg(&state, &headers, ask.prompt_tokens, entry).await {
+            Ok(entry) => entry,
+            Err(refusal) => return refusal,
         };
-        let prefill_rank = header_rank(&headers, &PREFILL_RANK_HEADERS);
-        let Some(prefill) = state
-            .worker(prefill_id, &[WorkerType::Prefill])
-            .filter(|w| w.owns_rank(prefill_rank))
-        else {
-            error!(
-                namespace = %state.namespace,
-                "Remote prefill failed, failing request error=InvalidRequest: \
-                 nvext.prefill_worker_id={} does not identify a known worker",
-                prefill_id.0
-            );
-            entry.status = 400;
-            state.record(entry);
-            return invalid_400();
-        };
-        // The prefill runs before the decode worker is checked, as upstream does.
-        let booking = prefill.book(
-            prefill_rank,
-            RankLoad {
-                prefill_tokens: ask.prompt_tokens,
-                decode_blocks: ask
-                    .prompt_tokens
-                    .div_ceil(u64::from(prefill.spec.block_size)),
-            },
-        );
-        // Simulated engine time: the prefill booking holds published load while it "runs".
-        tokio::time::sleep(state.pace.prefill).await;
-        entry.prefill = Some((prefill_id, prefill_rank));
-        prefill_booking = Some(booking);
         &[WorkerType::Decode]
     } else {
         &[WorkerType::Aggregated, WorkerType::Decode]
     };
-    drop(prefill_booking);
     let Some(decode_id) = decode_id else {
         debug!(
             namespace = %state.namespace,
@@ -449,120 +465,6 @@ async fn generate(
     }
 }
 
-/// The generated answer.
-struct Reply {
-    id: String,
-    model: String,
-    route: Route,
-    prompt_tokens: u64,
-    max_tokens: u64,
-    created: u64,
-}
-
-/// Deterministic filler text, one short word per token.
-fn token(i: u64) -> String {
-    const WORDS: [&str; 8] = [
-        "route", "load", "pick", "decode", "prefill", "rank", "fleet", "kv",
-    ];
-    let word = WORDS[(i % WORDS.len() as u64) as usize];
-    if i == 0 {
-        word.to_owned()
-    } else {
-        format!(" {word}")
-    }
-}
-
-impl Reply {
-    fn usage(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.max_tokens,
-            "total_tokens": self.prompt_tokens + self.max_tokens,
-        })
-    }
-
-    fn buffered(&self) -> Value {
-        let text: String = (0..self.max_tokens).map(token).collect();
-        match self.route {
-            Route::ChatCompletions => json!({
-                "id": self.id,
-                "choices": [{"index": 0, "message": {"content": text, "refusal": null, "role": "assistant"}, "finish_reason": "length", "logprobs": null}],
-                "created": self.created,
-                "model": self.model,
-                "object": "chat.completion",
-                "usage": self.usage(),
-            }),
-            Route::Completions => json!({
-                "id": self.id,
-                "choices": [{"text": text, "index": 0, "finish_reason": "length"}],
-                "created": self.created,
-                "model": self.model,
-                "system_fingerprint": null,
-                "object": "text_completion",
-                "usage": self.usage(),
-            }),
-        }
-    }
-
-    /// The SSE chunk carrying token `i`, or the closing chunk when `i == max_tokens`.
-    fn chunk(&self, i: u64) -> Value {
-        let last = i >= self.max_tokens;
-        match self.route {
-            Route::ChatCompletions => {
-                let delta = if last {
-                    json!({})
-                } else if i == 0 {
-                    json!({"content": token(i), "role": "assistant"})
-                } else {
-                    json!({"content": token(i)})
-                };
-                json!({
-                    "id": self.id,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": if last { json!("length") } else { Value::Null }, "logprobs": null}],
-                    "created": self.created,
-                    "model": self.model,
-                    "object": "chat.completion.chunk",
-                })
-            }
-            Route::Completions => json!({
-                "id": self.id,
-                "choices": [{"text": if last { String::new() } else { token(i) }, "index": 0, "finish_reason": if last { json!("length") } else { Value::Null }}],
-                "created": self.created,
-                "model": self.model,
-                "object": "text_completion",
-            }),
-        }
-    }
-}
-
-/// Streams one SSE event per token with `per_token` between them, then `[DONE]`. The decode
-/// booking lives as long as the stream, so a client that goes away releases it.
-fn stream_reply(reply: Reply, per_token: Duration, booking: Booking) -> Response {
-    let state = (reply, 0u64, Some(booking));
-    let events = futures::stream::unfold(state, move |(reply, i, booking)| async move {
-        let booking = booking?;
-        if i > reply.max_tokens {
-            drop(booking);
-            return Some((
-                Ok::<_, Infallible>(Bytes::from_static(b"data: [DONE]\n\n")),
-                (reply, i + 1, None),
-            ));
-        }
-        if i > 0 {
-            // Simulated per-token engine time: tokens stream as a real engine's would.
-            tokio::time::sleep(per_token).await;
-        }
-        let event = Bytes::from(format!("data: {}\n\n", reply.chunk(i)));
-        Some((Ok(event), (reply, i + 1, Some(booking))))
-    });
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream")
-        .header(header::CACHE_CONTROL, "no-cache")
-        .body(Body::from_stream(events))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -577,23 +479,5 @@ mod tests {
         assert_eq!(header_u64(&h, &PREFILL_HEADERS), None);
         assert_eq!(header_rank(&h, &RANK_HEADERS), DpRank(1));
         assert_eq!(header_rank(&h, &PREFILL_RANK_HEADERS), DpRank(0));
-    }
-
-    #[test]
-    fn a_stream_ends_with_a_finish_chunk() {
-        let reply = Reply {
-            id: "chatcmpl-demo-0".into(),
-            model: "demo-disagg".into(),
-            route: Route::ChatCompletions,
-            prompt_tokens: 3,
-            max_tokens: 2,
-            created: 1,
-        };
-        assert_eq!(reply.chunk(0)["choices"][0]["delta"]["role"], "assistant");
-        assert_eq!(reply.chunk(2)["choices"][0]["finish_reason"], "length");
-        assert_eq!(
-            reply.buffered()["choices"][0]["message"]["content"],
-            "route load"
-        );
     }
 }

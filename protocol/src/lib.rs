@@ -21,6 +21,9 @@
 //! | [`ingress`] | Anthropic Messages API ⇄ OpenAI chat-completions converters (requests, responses, SSE streams, error objects) |
 //! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
 
+// Test code is exempt from the 120-line limit; product code is linted in the non-test build.
+#![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
+
 pub mod backoff;
 pub mod breaker;
 pub mod discovery;
@@ -32,6 +35,12 @@ pub mod ingress;
 pub mod kube;
 pub mod kv;
 pub mod load_store;
+// The two pickers' `pick` are over 120 lines (tests/it/tidy/long_functions.txt); the attribute
+// sits here so the picker files stay untouched while they are being reworked (issue 30 item 2).
+#[expect(
+    clippy::too_many_lines,
+    reason = "LoadBasedPicker::pick, KvAwarePicker::pick_with"
+)]
 pub mod picker;
 pub mod subscription_plan;
 pub mod time;

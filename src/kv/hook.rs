@@ -6,9 +6,6 @@
 //! Until one is installed every request scores without a KV term (`tokenizer_unavailable`). The
 //! trait lives here, below `route`, so the implementation never imports the request path.
 
-use std::sync::Arc;
-
-use continuum_protocol::kv::LocalBlockHash;
 use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::picker::KvUnavailable;
 use futures::future::BoxFuture;
@@ -27,28 +24,9 @@ pub struct KvPrepRequest<'a> {
 
 // Why a prompt could not be prepared is the picker's `KvUnavailable` (each value is a
 // `continuum_dynamo_kv_selection_total` result, and the pick falls back to load-based
-// selection). The prepared prompt is defined here rather than in the renderer so the hook, and
-// `route::dynamo` above it, compile without `dynamo-kv`.
-
-/// A prompt ready for the index: its token ids and, per block size, its LocalBlockHashes (what
-/// `KvIndex::find_matches` takes).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PreparedPrompt {
-    pub tokens: Arc<[u32]>,
-    /// Input sequence length in tokens (`tokens.len()`), the `isl` of the cost formula.
-    pub isl: usize,
-    pub hashes: Vec<(BlockSize, Vec<LocalBlockHash>)>,
-}
-
-impl PreparedPrompt {
-    /// The hashes for `size`, if it was one of the sizes asked for.
-    pub fn hashes_for(&self, size: BlockSize) -> Option<&[LocalBlockHash]> {
-        self.hashes
-            .iter()
-            .find(|(s, _)| *s == size)
-            .map(|(_, h)| h.as_slice())
-    }
-}
+// selection). The prepared prompt is `continuum_protocol::kv::prompt::PreparedPrompt`, below
+// the renderer, so the hook and `route::dynamo` above it compile without `dynamo-kv`.
+pub use continuum_protocol::kv::prompt::PreparedPrompt;
 
 /// Renders, tokenizes and hashes a request's prompt for the KV-aware picker. Implementations do
 /// their CPU work off the async threads (the blocking pool) and bound it.

@@ -191,6 +191,8 @@ fn the_code_map_names_every_module_of_every_crate() {
         "protocol/src",
         "demo/src",
         "broker/src",
+        "prompt/src",
+        "replay/src",
     ] {
         let modules = top_level_modules(&root.join(crate_src));
         assert!(!modules.is_empty(), "{crate_src} has modules");

@@ -12,6 +12,8 @@
 //! `if !support::process::own_process(module_path!(), "test_fn_name") { return; }`.
 //! Run one module with `cargo test --test it NAME::`.
 
+#![allow(clippy::too_many_lines, reason = "test code is exempt")]
+
 mod support;
 
 mod admin_config;

@@ -6,8 +6,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use continuum_router::replay::report::Summary;
-use continuum_router::replay::{Policy, ReplayArgs, run};
+use continuum_replay::report::Summary;
+use continuum_replay::{Policy, ReplayArgs, run};
 
 /// Four disjoint prefix families of `FAMILY_IDS` Mooncake ids (512 tokens each); every request is
 /// its family's prefix plus `UNIQUE_IDS` ids of its own. Request `r` belongs to family
@@ -63,10 +63,7 @@ fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
     }
 }
 
-fn policy<'a>(
-    summary: &'a Summary,
-    name: &str,
-) -> &'a continuum_router::replay::report::PolicySummary {
+fn policy<'a>(summary: &'a Summary, name: &str) -> &'a continuum_replay::report::PolicySummary {
     summary
         .policies
         .iter()
@@ -235,7 +232,7 @@ fn prefill_decode_pairs_prefill_where_the_prefix_is_and_transfer_the_rest() {
     assert!((kv.ttft_ms.mean - mean).abs() < 1e-9, "{}", kv.ttft_ms.mean);
 }
 
-fn conditional(dir: &Path, threshold: Option<f64>) -> continuum_router::replay::report::Summary {
+fn conditional(dir: &Path, threshold: Option<f64>) -> continuum_replay::report::Summary {
     let trace = dir.join("families.jsonl");
     std::fs::write(&trace, family_trace()).unwrap();
     let mut a = args(&trace, &dir.join("out"), &[Policy::Kv]);

@@ -281,6 +281,7 @@ impl DynamoSnapshot {
     /// pointers (a memcpy-like pass, no allocation per worker); the model grouping is redone
     /// only when a worker joins, leaves or changes its model. Updates of namespaces not listed
     /// are ignored; if two share a namespace, the first wins.
+    #[expect(clippy::too_many_lines, reason = "on tests/it/tidy/long_functions.txt")]
     pub fn patch(
         &self,
         namespaces: &[Namespace],

@@ -415,6 +415,7 @@ struct ChatBody<'a> {
 /// The body is parsed once into a borrowed tree ([`super::json`]) and the chat body written
 /// straight from it: the cost is about that of one `serde_json` parse and one write of the body
 /// (docs/performance.md, "Ingress conversion").
+#[expect(clippy::too_many_lines, reason = "on tests/it/tidy/long_functions.txt")]
 pub fn messages_to_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, IngressError> {
     if body.len() > limits.max_body_bytes {
         return Err(IngressError::new(

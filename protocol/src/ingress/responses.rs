@@ -464,6 +464,7 @@ struct ChatBody<'a> {
 /// 413 above `limits.max_body_bytes` (checked before parsing); 400 for anything malformed or
 /// unsupported. Unknown fields are ignored. One parse into a borrowed tree, the chat body
 /// written straight from it (as [`super::anthropic::messages_to_chat`]).
+#[expect(clippy::too_many_lines, reason = "on tests/it/tidy/long_functions.txt")]
 pub fn responses_to_chat(body: &[u8], limits: &Limits) -> Result<ChatRequest, IngressError> {
     if body.len() > limits.max_body_bytes {
         return Err(IngressError::new(

@@ -1030,6 +1030,14 @@ impl KvIndex {
     /// Structural invariants (for tests): edges, child counts, owner refcounts and the
     /// ownership total all agree with the rank maps; no node is both ownerless and childless.
     pub fn check_invariants(&self) -> Result<(), String> {
+        let free = self.check_arena()?;
+        self.check_nodes(&free)?;
+        self.check_ownership(&free)
+    }
+
+    /// The free set names distinct slots of the arena, the arena stays under its ceiling, and
+    /// every node has its link. Returns the free set.
+    fn check_arena(&self) -> Result<BTreeSet<NodeIdx>, String> {
         let free: BTreeSet<NodeIdx> = self.tree.free.iter().collect();
         if free.len() != self.tree.free.len()
             || free
@@ -1050,9 +1058,6 @@ impl KvIndex {
                 self.limits.max_index_blocks
             ));
         }
-        let mut children = vec![0u32; self.tree.nodes.len()];
-        let mut live = 0;
-        let mut edged = 0;
         if self.tree.links.len() != self.tree.nodes.len() {
             return Err(format!(
                 "{} links for {} nodes",
@@ -1060,6 +1065,16 @@ impl KvIndex {
                 self.tree.nodes.len()
             ));
         }
+        Ok(free)
+    }
+
+    /// Every live node: its parent's edge or hint names it, its hint names a child, it is owned
+    /// or a parent, its owners are sorted and bounded; the live and edge counts, the run bits and
+    /// the child counts agree.
+    fn check_nodes(&self, free: &BTreeSet<NodeIdx>) -> Result<(), String> {
+        let mut children = vec![0u32; self.tree.nodes.len()];
+        let mut live = 0;
+        let mut edged = 0;
         for (i, node) in self.tree.nodes.iter().enumerate().skip(1) {
             let link = self.tree.links[i];
             if free.contains(&(i as NodeIdx)) {
@@ -1125,6 +1140,12 @@ impl KvIndex {
                 return Err(format!("node {i} child count {}", node.children));
             }
         }
+        Ok(())
+    }
+
+    /// The ranks' block tables and the nodes' owner entries hold the same references, and the
+    /// ownership total counts them.
+    fn check_ownership(&self, free: &BTreeSet<NodeIdx>) -> Result<(), String> {
         let mut refs: BTreeMap<(NodeIdx, Slot), u32> = BTreeMap::new();
         let mut total = 0;
         for (slot, rank) in self.ranks.iter().enumerate() {

@@ -2,6 +2,7 @@
 //! rendering and block hashing bounds"): pure numbers and checks, so the daemon's renderer only
 //! does the IO (blocking pool, permits, clocks) around them.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::LocalBlockHash;
@@ -195,5 +196,26 @@ mod tests {
             "render_unavailable"
         );
         assert_eq!(PrepareFailureKind::Unsupported.label(), "unsupported");
+    }
+}
+
+/// A prompt ready for the index: its token ids and, per block size, its LocalBlockHashes (what
+/// `KvIndex::find_matches` takes). The daemon's renderer produces it; the KV preparation hook and
+/// the request path above it read it, so it lives here, below both.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreparedPrompt {
+    pub tokens: Arc<[u32]>,
+    /// Input sequence length in tokens (`tokens.len()`), the `isl` of the cost formula.
+    pub isl: usize,
+    pub hashes: Vec<(BlockSize, Vec<LocalBlockHash>)>,
+}
+
+impl PreparedPrompt {
+    /// The hashes for `size`, if it was one of the sizes asked for.
+    pub fn hashes_for(&self, size: BlockSize) -> Option<&[LocalBlockHash]> {
+        self.hashes
+            .iter()
+            .find(|(s, _)| *s == size)
+            .map(|(_, h)| h.as_slice())
     }
 }

@@ -6,11 +6,11 @@ use proptest::prelude::*;
 use serde_json::json;
 
 use super::*;
-use crate::kv::template::SpecialTokens;
+use crate::template::SpecialTokens;
 
 fn fixture(name: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/models/TinyLlama_v1.1")
+        .join("../tests/fixtures/models/TinyLlama_v1.1")
         .join(name)
 }
 

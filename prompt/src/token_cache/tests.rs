@@ -9,12 +9,12 @@ use serde_json::json;
 use tokenizers::Tokenizer;
 
 use super::*;
-use crate::kv::render::PromptRenderer;
-use crate::kv::template::{ChatTemplate, SpecialTokens};
+use crate::render::PromptRenderer;
+use crate::template::{ChatTemplate, SpecialTokens};
 use continuum_protocol::kv::prompt::RenderLimits;
 
 fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
 /// Loaded once per test binary (parsing the 32,000-token vocabulary is slow unoptimised).

@@ -24,7 +24,7 @@ use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::kv::mooncake::local_hashes;
 use continuum_protocol::kv::prompt::RenderLimits;
 
-use crate::kv::{ChatTemplate, PromptRenderer, SpecialTokens};
+use continuum_prompt::{ChatTemplate, PromptRenderer, SpecialTokens};
 
 /// A longer line is skipped (a 1 MiB prompt, JSON-escaped, fits comfortably).
 pub const MAX_LINE_BYTES: usize = 8 << 20;

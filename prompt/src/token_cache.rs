@@ -32,7 +32,7 @@
 //! per tokenizer, least recently used evicted first; a prompt larger than a quarter of the byte
 //! budget is never cached. The defaults ([`DEFAULT_CACHE_LIMITS`]: 64 prompts, 8 MiB) hold 64
 //! conversations of 8k tokens; the daemon keeps at most 16 renderers
-//! ([`MAX_RENDERERS`](crate::kv::prep::MAX_RENDERERS)), so at most 128 MiB in all.
+//! (the daemon's `kv::prep::MAX_RENDERERS`), so at most 128 MiB in all.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};

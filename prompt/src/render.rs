@@ -25,7 +25,7 @@ use super::token_cache::{CacheLimits, CacheStats, DEFAULT_CACHE_LIMITS, PromptTo
 /// than this many turns meaningless, and it bounds the context built before fuel counts).
 const MAX_MESSAGES: usize = 65_536;
 
-pub use super::hook::PreparedPrompt;
+pub use continuum_protocol::kv::prompt::PreparedPrompt;
 
 /// Why a prompt was not prepared; [`PrepareError::kind`] is the metric label.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
