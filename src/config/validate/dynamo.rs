@@ -242,7 +242,8 @@ impl Validator {
                         format!(
                             "shim replica {name:?} has other global_prompts or \
                              requires_single_leading_system than {first:?}; KV-aware selection \
-                             renders with the first replica's"
+                             renders with the first replica's, and nvext.token_data is not sent \
+                             to this pool"
                         ),
                     );
                 }

@@ -143,6 +143,7 @@ impl Validator {
                     self.err(format!("{path}.models[{j}]"), "model id is listed twice");
                 }
             }
+            self.responses_only_models(&path, backend);
             let hc = &backend.health_check;
             let hc_path = format!("{path}.health_check");
             if hc.interval.get().is_zero() {
@@ -177,6 +178,35 @@ impl Validator {
                 self.err(
                     format!("{hc_path}.path"),
                     "health check path must start with '/' and contain no whitespace",
+                );
+            }
+        }
+    }
+
+    /// `backends[].responses_only_models`: each a model the backend serves (`models`, when it
+    /// lists any), once, on a backend whose `/v1/responses` is passed through natively: a
+    /// Messages request for one is sent to the backend's own `/v1/responses`.
+    fn responses_only_models(&mut self, path: &str, backend: &BackendConfig) {
+        if !backend.responses_only_models.is_empty()
+            && backend.responses_api != ResponsesApi::Native
+        {
+            self.err(
+                format!("{path}.responses_only_models"),
+                "responses_only_models needs responses_api: native (the models are served \
+                 through the backend's own /v1/responses)",
+            );
+        }
+        let mut seen = BTreeSet::new();
+        for (j, model) in backend.responses_only_models.iter().enumerate() {
+            let at = format!("{path}.responses_only_models[{j}]");
+            if model.trim().is_empty() {
+                self.err(at, "model id must not be empty");
+            } else if !seen.insert(model.as_str()) {
+                self.err(at, "model id is listed twice");
+            } else if !backend.models.is_empty() && !backend.models.contains(model) {
+                self.err(
+                    at,
+                    format!("model {model:?} is not in this backend's models (list it there too)"),
                 );
             }
         }

@@ -1548,3 +1548,30 @@ fn responses_api_parses_converted_and_native() {
     );
     assert!(Config::from_yaml_str(&bad, &BTreeMap::new()).is_err());
 }
+
+#[test]
+fn responses_only_models_are_served_models_of_a_native_backend() {
+    let mut c = base();
+    c.backends[1].responses_only_models = strings(&["m"]);
+    expect_error(
+        &c,
+        "backends[1].responses_only_models",
+        "needs responses_api: native",
+    );
+    c.backends[1].responses_api = ResponsesApi::Native;
+    expect_clean_at(&c, "backends[1].responses_only_models");
+    c.backends[1].models = strings(&["other"]);
+    expect_error(
+        &c,
+        "backends[1].responses_only_models[0]",
+        "not in this backend's models",
+    );
+    c.backends[1].models = strings(&["other", "m"]);
+    c.backends[1].responses_only_models = strings(&["m", "m", " "]);
+    expect_error(&c, "backends[1].responses_only_models[1]", "listed twice");
+    expect_error(
+        &c,
+        "backends[1].responses_only_models[2]",
+        "must not be empty",
+    );
+}
