@@ -226,6 +226,8 @@ struct Inner {
     build_info: IntGaugeVec,
     unreachable_workers: IntGauge,
     workers_marked_unreachable: prometheus::IntCounter,
+    mid_stream_fallback: IntCounterVec,
+    mid_stream_tokens_resent: prometheus::IntCounter,
     /// `continuum_dynamo_event_bus_*` (actors/src/event_bus/metrics.rs).
     event_bus: crate::event_bus::EventBusMetrics,
     /// Which dp_ranks of a worker have gauge series, so a departed worker's series can all be
@@ -418,6 +420,20 @@ impl Metrics {
                 r.register(Box::new(counter.clone()))?;
                 counter
             },
+            mid_stream_fallback: counter_vec(
+                r,
+                "continuum_mid_stream_fallback_total",
+                "Streams cut after their first byte, by ingress, reason and what followed.",
+                &["ingress", "reason", "result"],
+            )?,
+            mid_stream_tokens_resent: {
+                let counter = prometheus::IntCounter::new(
+                    "continuum_mid_stream_fallback_tokens_resent_total",
+                    "Completion tokens sent again as the partial answer of a continuation request.",
+                )?;
+                r.register(Box::new(counter.clone()))?;
+                counter
+            },
             event_bus: crate::event_bus::EventBusMetrics::register(r)?,
             registry,
             meter_provider,
@@ -570,6 +586,20 @@ impl Metrics {
     /// `count` workers were just marked unreachable.
     pub fn workers_marked_unreachable(&self, count: u64) {
         self.inner.workers_marked_unreachable.inc_by(count);
+    }
+
+    /// One mid-stream cut: `ingress`, `reason` and `result` are closed sets
+    /// (`src/route/mid_stream.rs`, docs/observability.md).
+    pub fn mid_stream_fallback(&self, ingress: &str, reason: &str, result: &str) {
+        self.inner
+            .mid_stream_fallback
+            .with_label_values(&[ingress, reason, result])
+            .inc();
+    }
+
+    /// Completion tokens re-sent in a continuation request.
+    pub fn mid_stream_tokens_resent(&self, tokens: u64) {
+        self.inner.mid_stream_tokens_resent.inc_by(tokens);
     }
 
     /// Exports one (worker, dp_rank) sample. A `None` field removes that gauge's series.

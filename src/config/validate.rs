@@ -12,6 +12,8 @@ use std::time::Duration;
 use super::schema::*;
 use super::{Diagnostic, Severity};
 
+mod mid_stream;
+
 /// Most etcd endpoints accepted.
 pub const MAX_ETCD_ENDPOINTS: usize = 16;
 /// Shortest `dynamo.discovery.file.rescan_interval` accepted.
@@ -55,6 +57,9 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     v.event_bus(config);
     v.kv_cache_index(config);
     let mut out = v.out;
+    out.extend(mid_stream::validate(
+        &config.disaggregated_serving.mid_stream_fallback,
+    ));
     // Keys of a feature this build lacks are validated like the others, then flagged.
     out.extend(super::features::inactive(
         config,

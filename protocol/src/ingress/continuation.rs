@@ -102,6 +102,7 @@ pub struct ChatSplice {
     done: bool,
     /// Completion tokens sent before the continuation started.
     sent_tokens: u64,
+    error_code: Option<String>,
 }
 
 /// The continuation's first content may arrive with `role`: the client already has one.
@@ -127,10 +128,16 @@ impl ChatSplice {
             finished: false,
             done: false,
             sent_tokens: 0,
+            error_code: None,
         }
     }
 
-    /// The answer text that reached the client so far (original part).
+    /// The code of the error chunk that cut the stream, when one did.
+    pub fn error_code(&self) -> Option<&str> {
+        self.error_code.as_deref()
+    }
+
+    /// The answer text that reached the client so far.
     pub fn text(&self) -> &str {
         &self.text
     }
@@ -173,7 +180,7 @@ impl ChatSplice {
         self.partial.drain(..start);
         if self.partial.len() > self.max_event_bytes {
             self.partial.clear();
-            fed.cut = Some(CutReason::ErrorEvent);
+            fed.cut = Some(CutReason::Closed);
         }
         fed
     }
@@ -217,6 +224,8 @@ impl ChatSplice {
     /// Switches to the continuation: its chunks are rewritten from now on.
     pub fn start_continuation(&mut self) {
         self.sent_tokens = self.tokens_sent();
+        // A later continuation estimates from the whole text kept (the usage seen is stale).
+        self.usage_tokens = None;
         self.phase = Phase::Continuation;
         self.partial.clear();
         self.finished = false;
@@ -241,15 +250,18 @@ impl ChatSplice {
             out.extend_from_slice(b"data: [DONE]\n\n");
             return None;
         }
+        // Not a JSON object: a partial event the relay's failure event was glued to (a closed
+        // upstream), or garbage; either way the stream cannot go on from it.
         let Ok(Value::Object(mut chunk)) = serde_json::from_slice::<Value>(data) else {
-            return Some(CutReason::ErrorEvent);
+            return Some(CutReason::Closed);
         };
-        if chunk.contains_key("error") || self.done {
-            return if self.done {
-                None
-            } else {
-                Some(CutReason::ErrorEvent)
-            };
+        if self.done {
+            return None;
+        }
+        if let Some(error) = chunk.get("error") {
+            let code = error.get("code").or_else(|| error.get("type"));
+            self.error_code = code.map(|c| c.as_str().map_or_else(|| c.to_string(), str::to_owned));
+            return Some(CutReason::ErrorEvent);
         }
         self.read_chunk(&chunk);
         match self.phase {
@@ -322,7 +334,7 @@ impl ChatSplice {
         } else if !content.is_empty() {
             self.in_reasoning = false;
         }
-        if self.phase == Phase::Original && !content.is_empty() {
+        if !content.is_empty() {
             if self.text.len() + content.len() > self.max_text_bytes {
                 self.refusal.get_or_insert(Refusal::OverCap);
             } else {
