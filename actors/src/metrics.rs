@@ -181,6 +181,49 @@ label_enum! {
     }
 }
 
+label_enum! {
+    /// `continuum_mid_stream_fallback_total{ingress}`.
+    MidStreamIngress {
+        ChatCompletions => "chat_completions",
+    }
+}
+
+label_enum! {
+    /// `continuum_mid_stream_fallback_total{reason}`: why the stream counts as cut.
+    MidStreamReason {
+        /// The upstream failed or closed before its terminal event.
+        Closed => "closed",
+        /// No event within `inactivity_timeout`.
+        Stalled => "stalled",
+        /// An error chunk instead of content.
+        ErrorEvent => "error_event",
+    }
+}
+
+label_enum! {
+    /// `continuum_mid_stream_fallback_total{result}`: what followed the cut.
+    MidStreamResult {
+        /// A fallback target answered; its stream continues the client's.
+        Continued => "continued",
+        /// Every attempt's fallback failed or stalled before its head.
+        FallbackFailed => "fallback_failed",
+        /// No unified candidate besides the excluded ones.
+        NoFallback => "no_fallback",
+        /// The retry budget refused.
+        BudgetExhausted => "budget_exhausted",
+        /// `max_attempts` continuations were already made.
+        AttemptsExhausted => "attempts_exhausted",
+        /// The cut fell inside a tool call.
+        RefusedToolCall => "refused_tool_call",
+        /// The cut fell inside a reasoning block.
+        RefusedReasoning => "refused_reasoning",
+        /// The answer text exceeded `max_buffered_bytes`.
+        DisarmedOverCap => "disarmed_over_cap",
+        /// Several choices, or a body the continuation cannot be built from.
+        RefusedUnsupported => "refused_unsupported",
+    }
+}
+
 /// One load sample's gauge values. `None` (a nil field upstream) exports no series.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerLoadGauges {
@@ -588,12 +631,17 @@ impl Metrics {
         self.inner.workers_marked_unreachable.inc_by(count);
     }
 
-    /// One mid-stream cut: `ingress`, `reason` and `result` are closed sets
-    /// (`src/route/mid_stream.rs`, docs/observability.md).
-    pub fn mid_stream_fallback(&self, ingress: &str, reason: &str, result: &str) {
+    /// One mid-stream cut (`src/route/mid_stream.rs`).
+    pub fn mid_stream_fallback(
+        &self,
+        ingress: MidStreamIngress,
+        reason: MidStreamReason,
+        result: MidStreamResult,
+    ) {
+        let labels = [ingress.as_label(), reason.as_label(), result.as_label()];
         self.inner
             .mid_stream_fallback
-            .with_label_values(&[ingress, reason, result])
+            .with_label_values(&labels)
             .inc();
     }
 
@@ -810,6 +858,14 @@ impl Inner {
         for phase in DisaggregatedPhase::ALL {
             self.disaggregated_errors
                 .with_label_values(&[phase.as_label()]);
+        }
+        for ingress in MidStreamIngress::ALL {
+            for reason in MidStreamReason::ALL {
+                for result in MidStreamResult::ALL {
+                    let labels = [ingress.as_label(), reason.as_label(), result.as_label()];
+                    self.mid_stream_fallback.with_label_values(&labels);
+                }
+            }
         }
         for kind in ActorKind::ALL {
             self.actor_restarts.with_label_values(&[kind.as_label()]);

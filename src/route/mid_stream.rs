@@ -17,8 +17,8 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::Response;
 use bytes::Bytes;
-use continuum_actors::metrics::RoutingPath;
-use continuum_protocol::ingress::continuation::{ChatSplice, CutReason, error_event};
+use continuum_actors::metrics::{MidStreamIngress, MidStreamReason, MidStreamResult, RoutingPath};
+use continuum_protocol::ingress::continuation::{ChatSplice, CutReason, Refusal, error_event};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tracing::info;
@@ -207,8 +207,9 @@ impl Armed {
                 Some(body) => self.upstream = Some(body),
                 None => {
                     let message = format!(
-                        "the upstream stream was cut ({}) and could not be continued ({result})",
-                        cut.as_label()
+                        "the upstream stream was cut ({}) and could not be continued ({})",
+                        cut.as_label(),
+                        result.as_label()
                     );
                     out.extend(error_event(&message, "bad_gateway"));
                 }
@@ -220,23 +221,23 @@ impl Armed {
     }
 
     /// The continuation's body, or why there is none (the `result` label either way).
-    async fn continuation(&mut self) -> (&'static str, Option<Body>) {
+    async fn continuation(&mut self) -> (MidStreamResult, Option<Body>) {
         if let Some(refusal) = self.splice.refusal() {
-            return (refusal.as_label(), None);
+            return (refused(refusal), None);
         }
         let Ok(outbound) = self.splice.continuation_body(&self.request.body.outbound) else {
-            return ("refused_unsupported", None);
+            return (MidStreamResult::RefusedUnsupported, None);
         };
-        let mut result = "attempts_exhausted";
+        let mut result = MidStreamResult::AttemptsExhausted;
         while self.attempts_left > 0 {
             if !self.budget.try_acquire(&self.config) {
-                return ("budget_exhausted", None);
+                return (MidStreamResult::BudgetExhausted, None);
             }
             self.attempts_left -= 1;
             match self.dispatch(Bytes::from(outbound.clone())).await {
                 Ok(body) => {
                     self.splice.start_continuation();
-                    return ("continued", Some(body));
+                    return (MidStreamResult::Continued, Some(body));
                 }
                 Err(why) => result = why,
             }
@@ -246,7 +247,7 @@ impl Armed {
 
     /// Sends the continuation to the unified candidates minus the excluded ones; the head must
     /// arrive within the inactivity timeout.
-    async fn dispatch(&mut self, outbound: Bytes) -> Result<Body, &'static str> {
+    async fn dispatch(&mut self, outbound: Bytes) -> Result<Body, MidStreamResult> {
         let scope = Scope {
             allowed: &self.allowed,
             only: None,
@@ -255,12 +256,12 @@ impl Armed {
         let candidates: Vec<_> = self
             .proxy
             .candidates_for(request.route, &request.body.model, scope)
-            .map_err(|_| "no_fallback")?
+            .map_err(|_| MidStreamResult::NoFallback)?
             .into_iter()
             .filter(|b| !self.excluded.iter().any(|name| name == b.name()))
             .collect();
         if candidates.is_empty() {
-            return Err("no_fallback");
+            return Err(MidStreamResult::NoFallback);
         }
         let continuation = ClientRequest {
             body: ParsedBody {
@@ -280,25 +281,40 @@ impl Armed {
                 }
                 Ok(resp.into_body())
             }
-            Ok(Ok(_)) | Ok(Err(_)) | Err(_) => Err("fallback_failed"),
+            Ok(Ok(_)) | Ok(Err(_)) | Err(_) => Err(MidStreamResult::FallbackFailed),
         }
     }
 
     /// The counter and the span event (never any prompt or answer text).
-    fn observe(&self, cut: CutReason, result: &'static str) {
+    fn observe(&self, cut: CutReason, result: MidStreamResult) {
         let resent = self.splice.tokens_sent();
+        let reason = match cut {
+            CutReason::Closed => MidStreamReason::Closed,
+            CutReason::Stalled => MidStreamReason::Stalled,
+            CutReason::ErrorEvent => MidStreamReason::ErrorEvent,
+        };
         info!(
             ingress = "chat_completions",
-            reason = cut.as_label(),
-            result,
+            reason = reason.as_label(),
+            result = result.as_label(),
             tokens_resent = resent,
             "mid-stream fallback"
         );
         if let Some(metrics) = self.proxy.metrics() {
-            metrics.mid_stream_fallback("chat_completions", cut.as_label(), result);
-            if result == "continued" {
+            metrics.mid_stream_fallback(MidStreamIngress::ChatCompletions, reason, result);
+            if result == MidStreamResult::Continued {
                 metrics.mid_stream_tokens_resent(resent);
             }
         }
+    }
+}
+
+/// The `result` label of a refused continuation.
+fn refused(refusal: Refusal) -> MidStreamResult {
+    match refusal {
+        Refusal::ToolCall => MidStreamResult::RefusedToolCall,
+        Refusal::Reasoning => MidStreamResult::RefusedReasoning,
+        Refusal::OverCap => MidStreamResult::DisarmedOverCap,
+        Refusal::Unsupported => MidStreamResult::RefusedUnsupported,
     }
 }

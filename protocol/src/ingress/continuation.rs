@@ -53,18 +53,6 @@ pub enum Refusal {
     Unsupported,
 }
 
-impl Refusal {
-    /// The metric label (`result`).
-    pub fn as_label(self) -> &'static str {
-        match self {
-            Self::ToolCall => "refused_tool_call",
-            Self::Reasoning => "refused_reasoning",
-            Self::OverCap => "disarmed_over_cap",
-            Self::Unsupported => "refused_unsupported",
-        }
-    }
-}
-
 /// What [`ChatSplice::feed`] found besides the bytes to relay.
 #[derive(Debug, Default)]
 pub struct Fed {
