@@ -318,3 +318,37 @@ fn refused(refusal: Refusal) -> MidStreamResult {
         Refusal::Unsupported => MidStreamResult::RefusedUnsupported,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The budget allows `ratio` × streams + `min_per_s` × window continuations over the last
+    /// window, and forgets what left it (paused clock).
+    #[tokio::test(start_paused = true)]
+    async fn the_retry_budget_slides_over_its_window() {
+        let budget = RetryBudget::default();
+        let config = MidStreamFallbackConfig {
+            budget_ratio: 0.5,
+            budget_min_per_s: 0.0,
+            ..MidStreamFallbackConfig::default()
+        };
+        for _ in 0..4 {
+            budget.record_stream();
+        }
+        assert!(budget.try_acquire(&config));
+        assert!(budget.try_acquire(&config));
+        assert!(!budget.try_acquire(&config), "2 of 4 streams is the ratio");
+        tokio::time::advance(BUDGET_WINDOW).await;
+        assert!(
+            !budget.try_acquire(&config),
+            "no streams left in the window"
+        );
+        let floor = MidStreamFallbackConfig {
+            budget_min_per_s: 0.1,
+            ..config
+        };
+        assert!(budget.try_acquire(&floor), "the floor allows one per 10 s");
+        assert!(!budget.try_acquire(&floor));
+    }
+}

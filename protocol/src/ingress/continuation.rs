@@ -281,10 +281,10 @@ impl ChatSplice {
                 }
             }
         }
-        if self.phase == Phase::Original {
-            if let Some(tokens) = usage_tokens(chunk) {
-                self.usage_tokens = Some(tokens);
-            }
+        if self.phase == Phase::Original
+            && let Some(tokens) = usage_tokens(chunk)
+        {
+            self.usage_tokens = Some(tokens);
         }
         let choices = chunk.get("choices").and_then(Value::as_array);
         for choice in choices.into_iter().flatten() {
