@@ -264,19 +264,29 @@ async fn a_stalled_stream_is_continued() {
     continued_after("stalled").await;
 }
 
+/// b1 streams what `send` sends, the client reads it up to `until`, then b1 is cut; returns
+/// everything the client got.
+async fn cut_once(
+    f: &mut Fleet,
+    send: impl FnOnce(&mpsc::UnboundedSender<Bytes>),
+    until: &str,
+) -> Vec<u8> {
+    let (tx1, rx1) = mpsc::unbounded_channel();
+    f.b1.push(Reply::SseThenCut(rx1));
+    let resp = f.stream().await;
+    f.b1.next_request().await;
+    send(&tx1);
+    let mut body = resp.into_body();
+    let seen = read_until(&mut body, until).await;
+    drop(tx1);
+    rest_of(seen, body).await
+}
+
 #[tokio::test]
 async fn a_fallback_that_fails_too_ends_with_one_error_event() {
     let mut f = fleet(|_| {}).await;
-    let (tx1, rx1) = mpsc::unbounded_channel();
-    f.b1.push(Reply::SseThenCut(rx1));
     f.b2.push(Reply::status(500));
-    let resp = f.stream().await;
-    f.b1.next_request().await;
-    send_original(&tx1);
-    let mut body = resp.into_body();
-    let seen = read_until(&mut body, " wor").await;
-    drop(tx1);
-    let bytes = rest_of(seen, body).await;
+    let bytes = cut_once(&mut f, send_original, " wor").await;
     let (answer, _, finals, dones, errors) = read(&bytes);
     assert_eq!(answer, "Hello wor");
     assert_eq!((finals, dones, errors), (0, 0, 1));
@@ -291,15 +301,7 @@ async fn an_exhausted_budget_ends_with_one_error_event_and_no_continuation() {
         c.budget_min_per_s = 0.0;
     })
     .await;
-    let (tx1, rx1) = mpsc::unbounded_channel();
-    f.b1.push(Reply::SseThenCut(rx1));
-    let resp = f.stream().await;
-    f.b1.next_request().await;
-    send_original(&tx1);
-    let mut body = resp.into_body();
-    let seen = read_until(&mut body, " wor").await;
-    drop(tx1);
-    let bytes = rest_of(seen, body).await;
+    let bytes = cut_once(&mut f, send_original, " wor").await;
     let (answer, _, _, dones, errors) = read(&bytes);
     assert_eq!((answer.as_str(), dones, errors), ("Hello wor", 0, 1));
     assert_eq!(f.count("closed", "budget_exhausted"), 1);
@@ -330,16 +332,12 @@ async fn a_client_leaving_during_the_continuation_drops_the_upstream_request() {
 #[tokio::test]
 async fn a_cut_inside_a_tool_call_is_not_continued() {
     let mut f = fleet(|_| {}).await;
-    let (tx1, rx1) = mpsc::unbounded_channel();
-    f.b1.push(Reply::SseThenCut(rx1));
-    let resp = f.stream().await;
-    f.b1.next_request().await;
-    let call = json!({"tool_calls": [{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{\"a"}}]});
-    tx1.send(chunk("orig", call, None)).expect("b1 streaming");
-    let mut body = resp.into_body();
-    let seen = read_until(&mut body, "tool_calls").await;
-    drop(tx1);
-    let bytes = rest_of(seen, body).await;
+    let call = json!({"tool_calls": [{"index": 0, "id": "c",
+                                        "function": {"name": "f", "arguments": "{\"a"}}]});
+    let send = |tx: &mpsc::UnboundedSender<Bytes>| {
+        tx.send(chunk("orig", call, None)).expect("b1 streaming");
+    };
+    let bytes = cut_once(&mut f, send, "tool_calls").await;
     let (_, _, _, dones, errors) = read(&bytes);
     assert_eq!((dones, errors), (0, 1));
     assert_eq!(f.count("closed", "refused_tool_call"), 1);
