@@ -343,3 +343,13 @@ async fn a_cut_inside_a_tool_call_is_not_continued() {
     assert_eq!(f.count("closed", "refused_tool_call"), 1);
     assert!(f.b2.try_request().is_none());
 }
+
+#[tokio::test]
+async fn switched_off_a_cut_stream_ends_as_before_without_a_continuation() {
+    let mut f = fleet(|c| c.enabled = false).await;
+    let bytes = cut_once(&mut f, send_original, " wor").await;
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(text.contains("the upstream stream failed"), "{text}");
+    assert!(f.b2.try_request().is_none());
+    assert_eq!(f.count("closed", "continued"), 0);
+}

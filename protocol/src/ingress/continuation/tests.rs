@@ -261,3 +261,31 @@ fn an_ordinary_end_is_never_a_cut_and_crlf_events_are_read() {
     let mut out = Vec::new();
     assert_eq!(splice.end(&mut out), None);
 }
+
+#[test]
+fn a_second_continuation_carries_the_text_of_both_parts_before_it() {
+    let mut splice = ChatSplice::new(1024, 1024);
+    let mut out = Vec::new();
+    out.extend(splice.feed(content_event(ID, "one ").as_bytes()).out);
+    assert_eq!(splice.end(&mut out), Some(CutReason::Closed));
+    splice.start_continuation();
+    out.extend(splice.feed(content_event("c1", "two ").as_bytes()).out);
+    assert_eq!(splice.end(&mut out), Some(CutReason::Closed));
+    let body = splice
+        .continuation_body(br#"{"messages":[{"role":"user","content":"q"}]}"#)
+        .expect("body");
+    let body: Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(body["messages"][1]["content"], json!("one two "));
+    splice.start_continuation();
+    let rest = content_event("c2", "three") + &chunk("c2", MODEL, 5, json!({}), Some("stop"));
+    out.extend(splice.feed(rest.as_bytes()).out);
+    assert_eq!(splice.end(&mut out), None);
+    let spliced = seen(&out);
+    assert_eq!(spliced.text, "one two three");
+    assert_eq!((spliced.finals, spliced.dones), (1, 1));
+    assert!(spliced.ids.iter().all(|(id, ..)| *id == json!(ID)));
+}
+
+fn content_event(id: &str, text: &str) -> String {
+    chunk(id, MODEL, CREATED, json!({"content": text}), None)
+}
