@@ -141,6 +141,7 @@ pub fn arm(
         request: request.clone(),
         allowed: allowed.to_vec(),
         excluded,
+        span: tracing::Span::current(),
     };
     let stream = futures::stream::unfold(armed, |mut armed| async move {
         let bytes = armed.next().await?;
@@ -161,6 +162,8 @@ struct Armed {
     request: ClientRequest,
     allowed: Vec<String>,
     excluded: Vec<String>,
+    /// The request's span: the fallback's event is recorded on it.
+    span: tracing::Span,
 }
 
 impl Armed {
@@ -293,6 +296,7 @@ impl Armed {
             CutReason::Stalled => MidStreamReason::Stalled,
             CutReason::ErrorEvent => MidStreamReason::ErrorEvent,
         };
+        let _request = self.span.enter();
         info!(
             ingress = "chat_completions",
             reason = reason.as_label(),
