@@ -41,6 +41,8 @@ pub mod relay;
 pub mod upstream;
 
 use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -55,7 +57,9 @@ pub use backends::{Backend, BackendPool, Clock, Scope, Selection};
 pub use body::ParsedBody;
 pub use headers::Dispatch;
 
-use crate::config::schema::{BackendConfig, Config, DisaggregatedServingConfig};
+use crate::config::schema::{
+    BackendConfig, Config, DisaggregatedServingConfig, MidStreamFallbackConfig,
+};
 use crate::wire::error::ApiError;
 use upstream::{Upstream, UpstreamError};
 
@@ -138,6 +142,8 @@ pub struct Proxy {
     options: ProxyOptions,
     disaggregated: AtomicBool,
     fallback_to_unified: AtomicBool,
+    /// `disaggregated_serving.mid_stream_fallback` (read by the route's mid-stream fallback).
+    mid_stream: ArcSwap<MidStreamFallbackConfig>,
     metrics: Option<Metrics>,
 }
 
@@ -150,6 +156,7 @@ impl Proxy {
             options,
             disaggregated: AtomicBool::new(false),
             fallback_to_unified: AtomicBool::new(true),
+            mid_stream: ArcSwap::default(),
             metrics,
         }
     }
@@ -165,6 +172,13 @@ impl Proxy {
         self.disaggregated.store(disagg.enabled, Ordering::Release);
         self.fallback_to_unified
             .store(disagg.fallback_to_unified, Ordering::Release);
+        self.mid_stream
+            .store(Arc::new(disagg.mid_stream_fallback.clone()));
+    }
+
+    /// `disaggregated_serving.mid_stream_fallback` in the current configuration.
+    pub fn mid_stream_fallback(&self) -> Arc<MidStreamFallbackConfig> {
+        self.mid_stream.load_full()
     }
 
     pub fn pool(&self) -> &BackendPool {
@@ -372,6 +386,10 @@ fn frontend_error_body<B>(resp: &Response<B>) -> bool {
 }
 
 /// Routing headers on every relayed response; identities only when asked with `x-backend`.
+/// The backend that answered (a response extension, for a mid-stream continuation to exclude).
+#[derive(Clone, Debug)]
+pub struct ServedBy(pub Arc<str>);
+
 fn decorate(
     mut resp: Response<Body>,
     request: &ClientRequest,
@@ -379,6 +397,8 @@ fn decorate(
     dispatch: &Dispatch,
     path: RoutingPath,
 ) -> Response<Body> {
+    resp.extensions_mut()
+        .insert(ServedBy(Arc::from(backend.name())));
     let headers = resp.headers_mut();
     headers.insert(
         headers::ROUTING_PATH,

@@ -20,6 +20,7 @@
 //! `crate::proxy`'s; this module never touches a socket.
 
 pub mod dynamo;
+pub mod mid_stream;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,6 +54,8 @@ pub struct Router {
     dynamo: ArcSwapOption<ShimRouter>,
     /// `continuum_http_*` (absent in tests that build a router without a registry).
     http: Option<HttpMetrics>,
+    /// Mid-stream fallback's retry budget.
+    budget: Arc<mid_stream::RetryBudget>,
 }
 
 impl std::fmt::Debug for Router {
@@ -68,6 +71,7 @@ impl Router {
             proxy,
             dynamo: ArcSwapOption::empty(),
             http: None,
+            budget: Arc::default(),
         }
     }
 
@@ -129,7 +133,19 @@ impl Router {
             Err(error) => return error.into_response(),
         };
         match self.route(&request, &caller.allowed_backends).await {
-            Ok(resp) => resp,
+            Ok(resp) => {
+                let shim_pool = resp.extensions().get::<ShimPool>().map(|p| p.0.clone());
+                let excluded = shim_pool.unwrap_or_default();
+                let allowed = &caller.allowed_backends;
+                mid_stream::arm(
+                    &self.proxy,
+                    &self.budget,
+                    &request,
+                    allowed,
+                    &excluded,
+                    resp,
+                )
+            }
             Err(error) => error.into_response(),
         }
     }
@@ -220,6 +236,11 @@ impl Router {
         let guard = plan
             .dispatch_id
             .map(|id| DispatchGuard::new(dynamo.clone(), id));
+        let shim_pool = ShimPool(plan.pool.clone());
+        let settled = settled.map(|mut resp| {
+            resp.extensions_mut().insert(shim_pool);
+            resp
+        });
         settled.map(|resp| match guard {
             Some(guard) => resp.map(|body| {
                 Body::from_stream(futures::StreamExt::map(
@@ -315,6 +336,11 @@ impl Router {
             .await
     }
 }
+
+/// The shim replicas a pinned request went to (a response extension): a mid-stream
+/// continuation never goes to them (direct-mode frontends cannot serve without pins).
+#[derive(Clone, Debug)]
+struct ShimPool(Vec<String>);
 
 /// Validates the bounded body (`model` required; a repeated `model`/`stream`/`nvext` key or
 /// nesting deeper than 128 is a 400) and strips its pins (the only case that re-encodes it).

@@ -181,6 +181,49 @@ label_enum! {
     }
 }
 
+label_enum! {
+    /// `continuum_mid_stream_fallback_total{ingress}`.
+    MidStreamIngress {
+        ChatCompletions => "chat_completions",
+    }
+}
+
+label_enum! {
+    /// `continuum_mid_stream_fallback_total{reason}`: why the stream counts as cut.
+    MidStreamReason {
+        /// The upstream failed or closed before its terminal event.
+        Closed => "closed",
+        /// No event within `inactivity_timeout`.
+        Stalled => "stalled",
+        /// An error chunk instead of content.
+        ErrorEvent => "error_event",
+    }
+}
+
+label_enum! {
+    /// `continuum_mid_stream_fallback_total{result}`: what followed the cut.
+    MidStreamResult {
+        /// A fallback target answered; its stream continues the client's.
+        Continued => "continued",
+        /// Every attempt's fallback failed or stalled before its head.
+        FallbackFailed => "fallback_failed",
+        /// No unified candidate besides the excluded ones.
+        NoFallback => "no_fallback",
+        /// The retry budget refused.
+        BudgetExhausted => "budget_exhausted",
+        /// `max_attempts` continuations were already made.
+        AttemptsExhausted => "attempts_exhausted",
+        /// The cut fell inside a tool call.
+        RefusedToolCall => "refused_tool_call",
+        /// The cut fell inside a reasoning block.
+        RefusedReasoning => "refused_reasoning",
+        /// The answer text exceeded `max_buffered_bytes`.
+        DisarmedOverCap => "disarmed_over_cap",
+        /// Several choices, or a body the continuation cannot be built from.
+        RefusedUnsupported => "refused_unsupported",
+    }
+}
+
 /// One load sample's gauge values. `None` (a nil field upstream) exports no series.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerLoadGauges {
@@ -226,6 +269,8 @@ struct Inner {
     build_info: IntGaugeVec,
     unreachable_workers: IntGauge,
     workers_marked_unreachable: prometheus::IntCounter,
+    mid_stream_fallback: IntCounterVec,
+    mid_stream_tokens_resent: prometheus::IntCounter,
     /// `continuum_dynamo_event_bus_*` (actors/src/event_bus/metrics.rs).
     event_bus: crate::event_bus::EventBusMetrics,
     /// Which dp_ranks of a worker have gauge series, so a departed worker's series can all be
@@ -419,6 +464,20 @@ impl Metrics {
                 r.register(Box::new(counter.clone()))?;
                 counter
             },
+            mid_stream_fallback: counter_vec(
+                r,
+                "continuum_mid_stream_fallback_total",
+                "Streams cut after their first byte, by ingress, reason and what followed.",
+                &["ingress", "reason", "result"],
+            )?,
+            mid_stream_tokens_resent: {
+                let counter = prometheus::IntCounter::new(
+                    "continuum_mid_stream_fallback_tokens_resent_total",
+                    "Completion tokens sent again as the partial answer of a continuation request.",
+                )?;
+                r.register(Box::new(counter.clone()))?;
+                counter
+            },
             event_bus: crate::event_bus::EventBusMetrics::register(r)?,
             registry,
             meter_provider,
@@ -571,6 +630,25 @@ impl Metrics {
     /// `count` workers were just marked unreachable.
     pub fn workers_marked_unreachable(&self, count: u64) {
         self.inner.workers_marked_unreachable.inc_by(count);
+    }
+
+    /// One mid-stream cut (`src/route/mid_stream.rs`).
+    pub fn mid_stream_fallback(
+        &self,
+        ingress: MidStreamIngress,
+        reason: MidStreamReason,
+        result: MidStreamResult,
+    ) {
+        let labels = [ingress.as_label(), reason.as_label(), result.as_label()];
+        self.inner
+            .mid_stream_fallback
+            .with_label_values(&labels)
+            .inc();
+    }
+
+    /// Completion tokens re-sent in a continuation request.
+    pub fn mid_stream_tokens_resent(&self, tokens: u64) {
+        self.inner.mid_stream_tokens_resent.inc_by(tokens);
     }
 
     /// Exports one (worker, dp_rank) sample. A `None` field removes that gauge's series.
@@ -781,6 +859,14 @@ impl Inner {
         for phase in DisaggregatedPhase::ALL {
             self.disaggregated_errors
                 .with_label_values(&[phase.as_label()]);
+        }
+        for ingress in MidStreamIngress::ALL {
+            for reason in MidStreamReason::ALL {
+                for result in MidStreamResult::ALL {
+                    let labels = [ingress.as_label(), reason.as_label(), result.as_label()];
+                    self.mid_stream_fallback.with_label_values(&labels);
+                }
+            }
         }
         for kind in ActorKind::ALL {
             self.actor_restarts.with_label_values(&[kind.as_label()]);

@@ -279,6 +279,8 @@ pub struct DisaggregatedServingConfig {
     pub enabled: bool,
     /// After a shim failure, retry once on a unified backend without worker pins.
     pub fallback_to_unified: bool,
+    /// Continuing a chat-completions stream cut after its first byte (issue 31).
+    pub mid_stream_fallback: MidStreamFallbackConfig,
 }
 
 impl Default for DisaggregatedServingConfig {
@@ -286,6 +288,38 @@ impl Default for DisaggregatedServingConfig {
         Self {
             enabled: false,
             fallback_to_unified: true,
+            mid_stream_fallback: MidStreamFallbackConfig::default(),
+        }
+    }
+}
+
+/// `disaggregated_serving.mid_stream_fallback`: a streamed chat completion cut after the client
+/// received bytes is continued on a unified fallback target (docs/runtime-semantics.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MidStreamFallbackConfig {
+    pub enabled: bool,
+    /// Continuation attempts per request.
+    pub max_attempts: u32,
+    /// No upstream event for this long counts as a cut (a stalled engine).
+    pub inactivity_timeout: HumanDuration,
+    /// Continuations allowed as a fraction of the streamed requests of the last 10 s.
+    pub budget_ratio: f64,
+    /// Continuations per second always allowed on top of the ratio.
+    pub budget_min_per_s: f64,
+    /// Answer text kept per stream for a continuation; beyond it continuation is disarmed.
+    pub max_buffered_bytes: usize,
+}
+
+impl Default for MidStreamFallbackConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_attempts: 1,
+            inactivity_timeout: HumanDuration::from_secs(30),
+            budget_ratio: 0.2,
+            budget_min_per_s: 1.0,
+            max_buffered_bytes: 1024 * 1024,
         }
     }
 }

@@ -22,6 +22,7 @@ mod discovery;
 mod dynamo;
 mod event_bus;
 mod front;
+mod mid_stream;
 mod values;
 
 pub use values::{
@@ -72,6 +73,9 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     v.event_bus(config);
     v.kv_cache_index(config);
     let mut out = v.out;
+    out.extend(mid_stream::validate(
+        &config.disaggregated_serving.mid_stream_fallback,
+    ));
     // Keys of a feature this build lacks are validated like the others, then flagged.
     out.extend(super::features::inactive(
         config,

@@ -49,6 +49,7 @@ mod kube_pods;
 mod kv_listener;
 mod kv_render;
 mod kv_shim_dispatch;
+mod mid_stream;
 mod observability_assets;
 mod observability_prometheus;
 mod otlp_actor_starts;

@@ -91,6 +91,7 @@ fn harness_with(
         &DisaggregatedServingConfig {
             enabled: disagg,
             fallback_to_unified: false,
+            ..DisaggregatedServingConfig::default()
         },
     );
     let (control, _rx) = mpsc::channel(1);

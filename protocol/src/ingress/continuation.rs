@@ -1,0 +1,422 @@
+//! Mid-stream continuation of an OpenAI chat-completions stream (issue 31), sans-IO.
+//!
+//! [`ChatSplice`] watches a relayed chat-completions SSE stream event by event: only complete SSE
+//! events leave (a partial event at a cut never reached the client, so it never counts), the
+//! text that left is kept (bounded) for a continuation, and each event is classified — content,
+//! the `finish_reason` chunk, `[DONE]`, or an upstream error chunk (a cut). After a cut,
+//! [`ChatSplice::continuation_body`] builds the continuation request (the original request plus a
+//! trailing assistant message with the text so far, `continue_final_message: true`,
+//! `add_generation_prompt: false`, the token limits reduced by what was sent), and
+//! [`ChatSplice::start_continuation`] switches to rewriting the continuation's chunks to the
+//! original stream's `id`, `model`, `created` and choice index, with `usage` merged, so the
+//! client sees one stream with one final chunk and one `[DONE]`.
+//!
+//! A cut inside a tool call or a reasoning block cannot be continued safely:
+//! [`ChatSplice::refusal`] says so, and the caller ends the stream with [`error_event`].
+
+use serde_json::{Map, Value, json};
+
+use crate::picker::estimate_text_tokens;
+
+/// Why a stream counts as cut.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CutReason {
+    /// The upstream connection failed or closed before the terminal event.
+    Closed,
+    /// No event within the inactivity timeout.
+    Stalled,
+    /// The upstream sent an error chunk instead of content.
+    ErrorEvent,
+}
+
+impl CutReason {
+    /// The metric label.
+    pub fn as_label(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Stalled => "stalled",
+            Self::ErrorEvent => "error_event",
+        }
+    }
+}
+
+/// Why a cut stream cannot be continued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The cut fell inside a tool call's arguments.
+    ToolCall,
+    /// The cut fell inside a reasoning block.
+    Reasoning,
+    /// The kept text exceeded its cap (continuation was disarmed).
+    OverCap,
+    /// More than one choice (`n > 1`) or a chunk this splice cannot read.
+    Unsupported,
+}
+
+/// What [`ChatSplice::feed`] found besides the bytes to relay.
+#[derive(Debug, Default)]
+pub struct Fed {
+    /// Complete events to hand to the client, in order.
+    pub out: Vec<u8>,
+    /// The stream was cut by an upstream error chunk (nothing after it is relayed).
+    pub cut: Option<CutReason>,
+}
+
+/// Which stream the splice is reading.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Original,
+    Continuation,
+}
+
+/// Per-stream state of an armed chat-completions stream. See the module doc.
+#[derive(Debug)]
+pub struct ChatSplice {
+    phase: Phase,
+    /// Bytes after the last complete event (never relayed until the event completes).
+    partial: Vec<u8>,
+    max_event_bytes: usize,
+    max_text_bytes: usize,
+    id: Option<Value>,
+    model: Option<Value>,
+    created: Option<Value>,
+    index: Option<Value>,
+    text: String,
+    /// `usage.completion_tokens` of the last original chunk that carried usage.
+    usage_tokens: Option<u64>,
+    refusal: Option<Refusal>,
+    in_reasoning: bool,
+    finished: bool,
+    done: bool,
+    /// Completion tokens sent before the continuation started.
+    sent_tokens: u64,
+    error_code: Option<String>,
+}
+
+/// The continuation's first content may arrive with `role`: the client already has one.
+const STRIPPED_DELTA_KEYS: [&str; 1] = ["role"];
+
+impl ChatSplice {
+    /// A splice keeping at most `max_text_bytes` of answer text, refusing events larger than
+    /// `max_event_bytes` (a cut).
+    pub fn new(max_text_bytes: usize, max_event_bytes: usize) -> Self {
+        Self {
+            phase: Phase::Original,
+            partial: Vec::new(),
+            max_event_bytes,
+            max_text_bytes,
+            id: None,
+            model: None,
+            created: None,
+            index: None,
+            text: String::new(),
+            usage_tokens: None,
+            refusal: None,
+            in_reasoning: false,
+            finished: false,
+            done: false,
+            sent_tokens: 0,
+            error_code: None,
+        }
+    }
+
+    /// The code of the error chunk that cut the stream, when one did.
+    pub fn error_code(&self) -> Option<&str> {
+        self.error_code.as_deref()
+    }
+
+    /// The answer text that reached the client so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Whether the stream reached its terminal event (`finish_reason` or `[DONE]`).
+    pub fn ended(&self) -> bool {
+        self.finished || self.done
+    }
+
+    /// Why a cut now could not be continued (`None`: it can).
+    pub fn refusal(&self) -> Option<Refusal> {
+        if self.in_reasoning && self.refusal.is_none() {
+            return Some(Refusal::Reasoning);
+        }
+        self.refusal
+    }
+
+    /// Completion tokens already sent: the last `usage.completion_tokens` seen, else the
+    /// tokenizer-free estimate of the text.
+    pub fn tokens_sent(&self) -> u64 {
+        self.usage_tokens
+            .unwrap_or_else(|| estimate_text_tokens(&self.text))
+    }
+
+    /// Reads upstream bytes; returns the complete events to relay and whether an error chunk cut
+    /// the stream. After a cut the rest of `bytes` is dropped.
+    pub fn feed(&mut self, bytes: &[u8]) -> Fed {
+        let mut fed = Fed::default();
+        self.partial.extend_from_slice(bytes);
+        let mut start = 0;
+        while let Some((end, next)) = event_end(&self.partial[start..]) {
+            let event = self.partial[start..start + end].to_vec();
+            start += next;
+            if let Some(reason) = self.event(&event, &mut fed.out) {
+                fed.cut = Some(reason);
+                self.partial.clear();
+                return fed;
+            }
+        }
+        self.partial.drain(..start);
+        if self.partial.len() > self.max_event_bytes {
+            self.partial.clear();
+            fed.cut = Some(CutReason::Closed);
+        }
+        fed
+    }
+
+    /// The upstream ended: `None` for an ordinary end (bytes to relay, maybe a closing `[DONE]`
+    /// in `out`), else the stream was cut.
+    pub fn end(&mut self, out: &mut Vec<u8>) -> Option<CutReason> {
+        self.partial.clear();
+        if !self.ended() {
+            return Some(CutReason::Closed);
+        }
+        if self.phase == Phase::Continuation && !self.done {
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            self.done = true;
+        }
+        None
+    }
+
+    /// The continuation request for `original` (the client's chat body): a trailing assistant
+    /// message with the text so far, `continue_final_message: true`, `add_generation_prompt:
+    /// false`, and `max_tokens` / `max_completion_tokens` reduced by the tokens sent (at least 1).
+    pub fn continuation_body(&self, original: &[u8]) -> Result<Vec<u8>, String> {
+        let mut body: Map<String, Value> =
+            serde_json::from_slice(original).map_err(|e| format!("not a chat body: {e}"))?;
+        let messages = body
+            .get_mut("messages")
+            .and_then(Value::as_array_mut)
+            .ok_or("the chat body has no messages")?;
+        messages.push(json!({"role": "assistant", "content": self.text}));
+        body.insert("continue_final_message".into(), Value::Bool(true));
+        body.insert("add_generation_prompt".into(), Value::Bool(false));
+        let sent = self.tokens_sent();
+        for key in ["max_tokens", "max_completion_tokens"] {
+            if let Some(limit) = body.get(key).and_then(Value::as_u64) {
+                body.insert(key.into(), json!(limit.saturating_sub(sent).max(1)));
+            }
+        }
+        serde_json::to_vec(&body).map_err(|e| e.to_string())
+    }
+
+    /// Switches to the continuation: its chunks are rewritten from now on.
+    pub fn start_continuation(&mut self) {
+        self.sent_tokens = self.tokens_sent();
+        // A later continuation estimates from the whole text kept (the usage seen is stale).
+        self.usage_tokens = None;
+        self.phase = Phase::Continuation;
+        self.partial.clear();
+        self.finished = false;
+        self.done = false;
+    }
+
+    /// One complete event (without its blank line); appends what to relay to `out`.
+    fn event(&mut self, event: &[u8], out: &mut Vec<u8>) -> Option<CutReason> {
+        let Some(data) = sse_data(event) else {
+            // Comments and non-data fields pass through on the original stream only.
+            if self.phase == Phase::Original {
+                out.extend_from_slice(event);
+                out.extend_from_slice(b"\n\n");
+            }
+            return None;
+        };
+        if data.trim_ascii() == b"[DONE]" {
+            if self.done {
+                return None;
+            }
+            self.done = true;
+            out.extend_from_slice(b"data: [DONE]\n\n");
+            return None;
+        }
+        // Not a JSON object: a partial event the relay's failure event was glued to (a closed
+        // upstream), or garbage; either way the stream cannot go on from it.
+        let Ok(Value::Object(mut chunk)) = serde_json::from_slice::<Value>(data) else {
+            return Some(CutReason::Closed);
+        };
+        if self.done {
+            return None;
+        }
+        if let Some(error) = chunk.get("error") {
+            let code = error.get("code").or_else(|| error.get("type"));
+            self.error_code = code.map(|c| c.as_str().map_or_else(|| c.to_string(), str::to_owned));
+            return Some(CutReason::ErrorEvent);
+        }
+        self.read_chunk(&chunk);
+        match self.phase {
+            Phase::Original => {
+                out.extend_from_slice(event);
+                out.extend_from_slice(b"\n\n");
+            }
+            Phase::Continuation => {
+                self.rewrite(&mut chunk);
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
+                out.extend_from_slice(b"\n\n");
+            }
+        }
+        None
+    }
+
+    /// Records identity, text, usage and the tool-call / reasoning state of one chunk.
+    fn read_chunk(&mut self, chunk: &Map<String, Value>) {
+        // A continuation whose original sent no chunk gives the stream its identity.
+        if self.phase == Phase::Original || self.index.is_none() {
+            for (slot, key) in [
+                (&mut self.id, "id"),
+                (&mut self.model, "model"),
+                (&mut self.created, "created"),
+            ] {
+                if slot.is_none() {
+                    *slot = chunk.get(key).cloned();
+                }
+            }
+        }
+        if self.phase == Phase::Original
+            && let Some(tokens) = usage_tokens(chunk)
+        {
+            self.usage_tokens = Some(tokens);
+        }
+        let choices = chunk.get("choices").and_then(Value::as_array);
+        for choice in choices.into_iter().flatten() {
+            self.read_choice(choice);
+        }
+    }
+
+    fn read_choice(&mut self, choice: &Value) {
+        if self.phase == Phase::Original || self.index.is_none() {
+            let index = choice.get("index").cloned().unwrap_or(json!(0));
+            match &self.index {
+                None => self.index = Some(index),
+                Some(seen) if *seen != index => self.refusal = Some(Refusal::Unsupported),
+                Some(_) => {}
+            }
+        }
+        if choice.get("finish_reason").is_some_and(|r| !r.is_null()) {
+            self.finished = true;
+        }
+        let Some(delta) = choice.get("delta") else {
+            return;
+        };
+        let reasoning = ["reasoning_content", "reasoning"].iter().any(|k| {
+            delta
+                .get(k)
+                .and_then(Value::as_str)
+                .is_some_and(|s| !s.is_empty())
+        });
+        if delta.get("tool_calls").is_some_and(|t| !t.is_null()) {
+            self.refusal.get_or_insert(Refusal::ToolCall);
+        }
+        let content = delta.get("content").and_then(Value::as_str).unwrap_or("");
+        if reasoning {
+            self.in_reasoning = true;
+        } else if !content.is_empty() {
+            self.in_reasoning = false;
+        }
+        if !content.is_empty() {
+            if self.text.len() + content.len() > self.max_text_bytes {
+                self.refusal.get_or_insert(Refusal::OverCap);
+            } else {
+                self.text.push_str(content);
+            }
+        }
+    }
+
+    /// A continuation chunk as the original stream's: identity, choice index, no second `role`,
+    /// and `usage` merged.
+    fn rewrite(&self, chunk: &mut Map<String, Value>) {
+        for (key, value) in [
+            ("id", &self.id),
+            ("model", &self.model),
+            ("created", &self.created),
+        ] {
+            if let Some(value) = value {
+                chunk.insert(key.into(), value.clone());
+            }
+        }
+        if let Some(choices) = chunk.get_mut("choices").and_then(Value::as_array_mut) {
+            for choice in choices {
+                if let Some(index) = &self.index {
+                    choice["index"] = index.clone();
+                }
+                if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
+                    for key in STRIPPED_DELTA_KEYS {
+                        delta.remove(key);
+                    }
+                }
+            }
+        }
+        if let Some(usage) = chunk.get_mut("usage").and_then(Value::as_object_mut) {
+            let sent = self.sent_tokens;
+            let completion = usage
+                .get("completion_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0)
+                .saturating_add(sent);
+            // The continuation's prompt is the original prompt plus the text sent.
+            let prompt = usage
+                .get("prompt_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0)
+                .saturating_sub(sent);
+            usage.insert("completion_tokens".into(), json!(completion));
+            usage.insert("prompt_tokens".into(), json!(prompt));
+            usage.insert("total_tokens".into(), json!(prompt + completion));
+        }
+    }
+}
+
+/// `usage.completion_tokens` of a chunk, when it carries usage.
+fn usage_tokens(chunk: &Map<String, Value>) -> Option<u64> {
+    chunk.get("usage")?.get("completion_tokens")?.as_u64()
+}
+
+/// The end of the first complete SSE event in `buf`: (event length, bytes to skip past its
+/// blank line). Accepts `\n\n` and `\r\n\r\n`.
+fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut i = 0;
+    while i + 1 < buf.len() {
+        if buf[i] == b'\n' {
+            if buf[i + 1] == b'\n' {
+                return Some((i, i + 2));
+            }
+            if buf[i + 1] == b'\r' && buf.get(i + 2) == Some(&b'\n') {
+                let end = if i > 0 && buf[i - 1] == b'\r' {
+                    i - 1
+                } else {
+                    i
+                };
+                return Some((end, i + 3));
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The `data:` payload of one event (its first `data:` line; chat chunks have one).
+fn sse_data(event: &[u8]) -> Option<&[u8]> {
+    event.split(|&b| b == b'\n').find_map(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let rest = line.strip_prefix(b"data:")?;
+        Some(rest.strip_prefix(b" ").unwrap_or(rest))
+    })
+}
+
+/// The one well-formed error event that ends a stream that could not be continued.
+pub fn error_event(message: &str, code: &str) -> Vec<u8> {
+    let body = json!({"error": {"message": message, "type": code, "code": code}});
+    format!("data: {body}\n\n").into_bytes()
+}
+
+#[cfg(test)]
+mod tests;

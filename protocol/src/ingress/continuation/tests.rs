@@ -1,0 +1,291 @@
+//! Splicing an interrupted chat stream with its continuation yields the uninterrupted stream's
+//! content, identity and terminal events, wherever the cut falls.
+
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+use super::*;
+
+const ID: &str = "chatcmpl-original";
+const MODEL: &str = "m";
+const CREATED: u64 = 1_700_000_000;
+
+fn chunk(id: &str, model: &str, created: u64, delta: Value, finish: Option<&str>) -> String {
+    let c = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+    format!("data: {c}\n\n")
+}
+
+/// A whole upstream stream of `tokens`: role chunk, content chunks, final chunk, usage, `[DONE]`.
+fn stream(id: &str, model: &str, created: u64, tokens: &[String], prompt: u64) -> String {
+    let mut s = chunk(
+        id,
+        model,
+        created,
+        json!({"role": "assistant", "content": ""}),
+        None,
+    );
+    for t in tokens {
+        s += &chunk(id, model, created, json!({"content": t}), None);
+    }
+    s += &chunk(id, model, created, json!({}), Some("stop"));
+    let usage = json!({"id": id, "object": "chat.completion.chunk", "created": created,
+        "model": model, "choices": [], "usage": {"prompt_tokens": prompt,
+        "completion_tokens": tokens.len(), "total_tokens": prompt + tokens.len() as u64}});
+    s += &format!("data: {usage}\n\n");
+    s + "data: [DONE]\n\n"
+}
+
+/// Content, identities, final chunks, `[DONE]`s and the last usage of a relayed stream.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    text: String,
+    ids: Vec<(Value, Value, Value, Value)>,
+    finals: usize,
+    dones: usize,
+    errors: usize,
+    roles: usize,
+}
+
+fn seen(bytes: &[u8]) -> Seen {
+    let text = std::str::from_utf8(bytes).expect("whole events are whole UTF-8");
+    let mut s = Seen {
+        text: String::new(),
+        ids: Vec::new(),
+        finals: 0,
+        dones: 0,
+        errors: 0,
+        roles: 0,
+    };
+    for event in text.split("\n\n").filter(|e| !e.is_empty()) {
+        let data = event.strip_prefix("data: ").expect("data events only");
+        if data == "[DONE]" {
+            s.dones += 1;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).expect("json");
+        if v.get("error").is_some() {
+            s.errors += 1;
+            continue;
+        }
+        for c in v["choices"].as_array().expect("choices") {
+            s.text += c["delta"]["content"].as_str().unwrap_or("");
+            s.finals += usize::from(!c["finish_reason"].is_null());
+            s.roles += usize::from(c["delta"].get("role").is_some());
+            s.ids.push((
+                v["id"].clone(),
+                v["model"].clone(),
+                v["created"].clone(),
+                c["index"].clone(),
+            ));
+        }
+    }
+    s
+}
+
+fn feed_in_frames(splice: &mut ChatSplice, bytes: &[u8], frames: &[usize]) -> (Vec<u8>, bool) {
+    let mut out = Vec::new();
+    let mut rest = bytes;
+    let mut sizes = frames.iter().cycle();
+    while !rest.is_empty() {
+        let n = (*sizes.next().unwrap_or(&1)).clamp(1, rest.len());
+        let fed = splice.feed(&rest[..n]);
+        out.extend(fed.out);
+        if fed.cut.is_some() {
+            return (out, true);
+        }
+        rest = &rest[n..];
+    }
+    (out, false)
+}
+
+fn tokens() -> impl Strategy<Value = Vec<String>> {
+    prop::collection::vec("[a-z é日本🦀]{1,4}", 1..24)
+}
+
+proptest! {
+    #[test]
+    fn a_spliced_stream_is_the_uninterrupted_one(
+        tokens in tokens(),
+        cut_permille in 0u32..1000,
+        frames in prop::collection::vec(1usize..40, 1..6),
+    ) {
+        let whole = stream(ID, MODEL, CREATED, &tokens, 7);
+        // The cut falls anywhere before the final chunk ends: mid-event, mid-UTF-8 included.
+        let final_at = whole.find("\"finish_reason\":\"stop\"").expect("final");
+        let cut = (final_at as u64 * u64::from(cut_permille) / 1000) as usize;
+        let original = &whole.as_bytes()[..cut];
+
+        let mut splice = ChatSplice::new(1 << 20, 1 << 20);
+        let (mut out, _) = feed_in_frames(&mut splice, original, &frames);
+        prop_assert_eq!(splice.end(&mut out), Some(CutReason::Closed));
+        prop_assert_eq!(splice.refusal(), None);
+        let full: String = tokens.concat();
+        let kept = splice.text().to_owned();
+        prop_assert!(full.starts_with(&kept));
+
+        // The continuation produces the rest, as another stream with its own identity.
+        let rest: Vec<String> = tokenize_rest(&full[kept.len()..]);
+        let body = splice
+            .continuation_body(br#"{"model":"m","messages":[{"role":"user","content":"q"}],"max_tokens":100}"#)
+            .expect("body");
+        let body: Value = serde_json::from_slice(&body).expect("json");
+        prop_assert_eq!(&body["messages"][1]["content"], &json!(kept));
+        prop_assert_eq!(&body["continue_final_message"], &json!(true));
+        prop_assert_eq!(&body["add_generation_prompt"], &json!(false));
+        splice.start_continuation();
+        let sent = splice.tokens_sent();
+        let continuation = stream("chatcmpl-other", "other-model", 1, &rest, 7 + sent);
+        let (more, cut_again) = feed_in_frames(&mut splice, continuation.as_bytes(), &frames);
+        prop_assert!(!cut_again);
+        out.extend(more);
+        prop_assert_eq!(splice.end(&mut out), None);
+
+        let spliced = seen(&out);
+        let expected = seen(whole.as_bytes());
+        prop_assert_eq!(&spliced.text, &expected.text);
+        prop_assert_eq!(spliced.finals, 1);
+        prop_assert_eq!(spliced.dones, 1);
+        prop_assert_eq!(spliced.errors, 0);
+        prop_assert!(spliced.roles <= 1);
+        // The original's identity, or the continuation's when no original chunk got out.
+        let identity = if splice_reached_client(&whole, cut) {
+            (json!(ID), json!(MODEL), json!(CREATED), json!(0))
+        } else {
+            (json!("chatcmpl-other"), json!("other-model"), json!(1), json!(0))
+        };
+        prop_assert!(spliced.ids.iter().all(|i| *i == identity), "{:?}", spliced.ids);
+        // Usage: the original prompt, the completion tokens of both parts.
+        let usage = last_usage(&out);
+        prop_assert_eq!(&usage["prompt_tokens"], &json!(7));
+        prop_assert_eq!(&usage["completion_tokens"], &json!(sent + rest.len() as u64));
+    }
+
+    #[test]
+    fn an_uninterrupted_stream_passes_unchanged(
+        tokens in tokens(),
+        frames in prop::collection::vec(1usize..40, 1..6),
+    ) {
+        let whole = stream(ID, MODEL, CREATED, &tokens, 7);
+        let mut splice = ChatSplice::new(1 << 20, 1 << 20);
+        let (mut out, cut) = feed_in_frames(&mut splice, whole.as_bytes(), &frames);
+        prop_assert!(!cut);
+        prop_assert_eq!(splice.end(&mut out), None);
+        prop_assert_eq!(out, whole.into_bytes());
+    }
+}
+
+/// Whether the first event was complete before the cut.
+fn splice_reached_client(whole: &str, cut: usize) -> bool {
+    whole.find("\n\n").is_some_and(|end| end + 2 <= cut)
+}
+
+fn tokenize_rest(rest: &str) -> Vec<String> {
+    let chars: Vec<char> = rest.chars().collect();
+    chars.chunks(3).map(|c| c.iter().collect()).collect()
+}
+
+fn last_usage(out: &[u8]) -> Value {
+    let text = std::str::from_utf8(out).expect("utf8");
+    text.split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v.get("usage").cloned())
+        .last()
+        .expect("usage")
+}
+
+#[test]
+fn an_error_chunk_cuts_and_is_not_relayed() {
+    let mut splice = ChatSplice::new(1024, 1024);
+    let mut bytes = chunk(ID, MODEL, CREATED, json!({"content": "Hi"}), None);
+    bytes += "data: {\"error\":{\"message\":\"engine died\"}}\n\n";
+    let fed = splice.feed(bytes.as_bytes());
+    assert_eq!(fed.cut, Some(CutReason::ErrorEvent));
+    assert!(
+        !String::from_utf8(fed.out)
+            .expect("utf8")
+            .contains("engine died")
+    );
+    assert_eq!(splice.text(), "Hi");
+}
+
+#[test]
+fn tool_calls_reasoning_and_the_text_cap_refuse_a_continuation() {
+    let mut splice = ChatSplice::new(1024, 1024);
+    splice.feed(
+        chunk(
+            ID,
+            MODEL,
+            CREATED,
+            json!({"tool_calls": [{"index": 0}]}),
+            None,
+        )
+        .as_bytes(),
+    );
+    assert_eq!(splice.refusal(), Some(Refusal::ToolCall));
+
+    let mut splice = ChatSplice::new(1024, 1024);
+    splice.feed(chunk(ID, MODEL, CREATED, json!({"reasoning_content": "hm"}), None).as_bytes());
+    assert_eq!(splice.refusal(), Some(Refusal::Reasoning));
+    splice.feed(chunk(ID, MODEL, CREATED, json!({"content": "ok"}), None).as_bytes());
+    assert_eq!(splice.refusal(), None, "reasoning ended when content began");
+
+    let mut splice = ChatSplice::new(3, 1024);
+    splice.feed(chunk(ID, MODEL, CREATED, json!({"content": "four"}), None).as_bytes());
+    assert_eq!(splice.refusal(), Some(Refusal::OverCap));
+}
+
+#[test]
+fn the_token_limits_shrink_by_what_was_sent() {
+    let mut splice = ChatSplice::new(1024, 1024);
+    let usage = json!({"id": ID, "choices": [{"index": 0, "delta": {"content": "a b"}}],
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 5}});
+    splice.feed(format!("data: {usage}\n\n").as_bytes());
+    assert_eq!(splice.tokens_sent(), 5);
+    let body = splice
+        .continuation_body(br#"{"messages":[],"max_tokens":8,"max_completion_tokens":4}"#)
+        .expect("body");
+    let body: Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(body["max_tokens"], json!(3));
+    assert_eq!(body["max_completion_tokens"], json!(1));
+    assert!(splice.continuation_body(b"[1]").is_err());
+}
+
+#[test]
+fn an_ordinary_end_is_never_a_cut_and_crlf_events_are_read() {
+    let mut splice = ChatSplice::new(1024, 1024);
+    let bytes = chunk(ID, MODEL, CREATED, json!({}), Some("stop")).replace("\n\n", "\r\n\r\n");
+    let fed = splice.feed(bytes.as_bytes());
+    assert_eq!(fed.cut, None);
+    let mut out = Vec::new();
+    assert_eq!(splice.end(&mut out), None);
+}
+
+#[test]
+fn a_second_continuation_carries_the_text_of_both_parts_before_it() {
+    let mut splice = ChatSplice::new(1024, 1024);
+    let mut out = Vec::new();
+    out.extend(splice.feed(content_event(ID, "one ").as_bytes()).out);
+    assert_eq!(splice.end(&mut out), Some(CutReason::Closed));
+    splice.start_continuation();
+    out.extend(splice.feed(content_event("c1", "two ").as_bytes()).out);
+    assert_eq!(splice.end(&mut out), Some(CutReason::Closed));
+    let body = splice
+        .continuation_body(br#"{"messages":[{"role":"user","content":"q"}]}"#)
+        .expect("body");
+    let body: Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(body["messages"][1]["content"], json!("one two "));
+    splice.start_continuation();
+    let rest = content_event("c2", "three") + &chunk("c2", MODEL, 5, json!({}), Some("stop"));
+    out.extend(splice.feed(rest.as_bytes()).out);
+    assert_eq!(splice.end(&mut out), None);
+    let spliced = seen(&out);
+    assert_eq!(spliced.text, "one two three");
+    assert_eq!((spliced.finals, spliced.dones), (1, 1));
+    assert!(spliced.ids.iter().all(|(id, ..)| *id == json!(ID)));
+}
+
+fn content_event(id: &str, text: &str) -> String {
+    chunk(id, MODEL, CREATED, json!({"content": text}), None)
+}

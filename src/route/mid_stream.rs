@@ -1,0 +1,358 @@
+//! Mid-stream fallback for `POST /v1/chat/completions` streams (issue 31): the IO around
+//! `continuum_protocol::ingress::continuation::ChatSplice`.
+//!
+//! An armed stream relays whole SSE events only. When the upstream fails or closes before its
+//! terminal event, stalls past `inactivity_timeout`, or sends an error chunk, the rest of the
+//! answer is asked of a unified fallback target (the failed backend and the shim pool excluded;
+//! workers are never re-selected) with the continuation body, and its chunks are rewritten into
+//! the same client stream. A cut that cannot be continued (tool call, reasoning, text over the
+//! cap, attempts or retry budget exhausted, no fallback, the fallback failing too) ends the stream
+//! with one error event. Dropping the client body drops the upstream request.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::Response;
+use bytes::Bytes;
+use continuum_actors::metrics::{MidStreamIngress, MidStreamReason, MidStreamResult, RoutingPath};
+use continuum_protocol::ingress::continuation::{ChatSplice, CutReason, Refusal, error_event};
+use http_body_util::BodyExt;
+use tokio::time::Instant;
+use tracing::info;
+
+use crate::config::schema::MidStreamFallbackConfig;
+use crate::proxy::{ClientRequest, Dispatch, OpenAiRoute, ParsedBody, Proxy, Scope, ServedBy};
+
+/// The retry budget's sliding window.
+pub const BUDGET_WINDOW: Duration = Duration::from_secs(10);
+
+/// Largest upstream SSE event an armed stream holds while it waits for the event's end.
+pub const MAX_EVENT_BYTES: usize = 4 * 1024 * 1024;
+
+/// The retry budget: continuations over the streams armed in the last [`BUDGET_WINDOW`].
+#[derive(Default)]
+pub struct RetryBudget {
+    budget: Mutex<Budget>,
+}
+
+impl RetryBudget {
+    fn record_stream(&self) {
+        self.lock().record(Instant::now(), false);
+    }
+
+    /// Takes one continuation from the budget, or refuses.
+    fn try_acquire(&self, config: &MidStreamFallbackConfig) -> bool {
+        let mut budget = self.lock();
+        let now = Instant::now();
+        budget.expire(now);
+        let (streams, continuations) = budget.counts();
+        let allowed = config.budget_ratio * streams as f64
+            + config.budget_min_per_s * BUDGET_WINDOW.as_secs_f64();
+        if (continuations + 1) as f64 > allowed {
+            return false;
+        }
+        budget.record(now, true);
+        true
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Budget> {
+        self.budget
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Streams and continuations of the last [`BUDGET_WINDOW`], one entry per second that had any.
+#[derive(Default)]
+struct Budget {
+    /// (start of the second, streams, continuations), oldest first.
+    seconds: VecDeque<(Instant, u64, u64)>,
+}
+
+impl Budget {
+    fn expire(&mut self, now: Instant) {
+        while let Some(&(at, _, _)) = self.seconds.front() {
+            if now.duration_since(at) < BUDGET_WINDOW {
+                break;
+            }
+            self.seconds.pop_front();
+        }
+    }
+
+    fn record(&mut self, now: Instant, continuation: bool) {
+        self.expire(now);
+        let fresh = self
+            .seconds
+            .back()
+            .is_none_or(|&(at, _, _)| now.duration_since(at) >= Duration::from_secs(1));
+        if fresh {
+            self.seconds.push_back((now, 0, 0));
+        }
+        if let Some(last) = self.seconds.back_mut() {
+            if continuation {
+                last.2 += 1;
+            } else {
+                last.1 += 1;
+            }
+        }
+    }
+
+    fn counts(&self) -> (u64, u64) {
+        self.seconds
+            .iter()
+            .fold((0, 0), |(s, c), &(_, s1, c1)| (s + s1, c + c1))
+    }
+}
+
+/// Arms a successful chat-completions stream when mid-stream fallback is on; any other answer
+/// is returned as it is. `excluded` are backends a continuation never goes to (the shim pool).
+pub fn arm(
+    proxy: &Arc<Proxy>,
+    budget: &Arc<RetryBudget>,
+    request: &ClientRequest,
+    allowed: &[String],
+    excluded: &[String],
+    resp: Response<Body>,
+) -> Response<Body> {
+    let config = proxy.mid_stream_fallback();
+    if !config.enabled
+        || !request.body.stream
+        || request.route != OpenAiRoute::ChatCompletions
+        || !resp.status().is_success()
+    {
+        return resp;
+    }
+    budget.record_stream();
+    let mut excluded = excluded.to_vec();
+    if let Some(ServedBy(name)) = resp.extensions().get::<ServedBy>() {
+        excluded.push(name.to_string());
+    }
+    let (parts, body) = resp.into_parts();
+    let armed = Armed {
+        splice: ChatSplice::new(config.max_buffered_bytes, MAX_EVENT_BYTES),
+        upstream: Some(body),
+        attempts_left: config.max_attempts,
+        config,
+        proxy: proxy.clone(),
+        budget: budget.clone(),
+        request: request.clone(),
+        allowed: allowed.to_vec(),
+        excluded,
+        span: tracing::Span::current(),
+    };
+    let stream = futures::stream::unfold(armed, |mut armed| async move {
+        let bytes = armed.next().await?;
+        Some((Ok::<_, Infallible>(bytes), armed))
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
+}
+
+/// One armed stream's state; dropping it drops the upstream body (and its request).
+struct Armed {
+    splice: ChatSplice,
+    /// `None` once the stream ended.
+    upstream: Option<Body>,
+    attempts_left: u32,
+    config: Arc<MidStreamFallbackConfig>,
+    proxy: Arc<Proxy>,
+    budget: Arc<RetryBudget>,
+    request: ClientRequest,
+    allowed: Vec<String>,
+    excluded: Vec<String>,
+    /// The request's span: the fallback's event is recorded on it.
+    span: tracing::Span,
+}
+
+impl Armed {
+    /// The next bytes for the client, `None` at the end.
+    async fn next(&mut self) -> Option<Bytes> {
+        loop {
+            let upstream = self.upstream.as_mut()?;
+            let frame =
+                tokio::time::timeout(self.config.inactivity_timeout.get(), upstream.frame());
+            let mut out = Vec::new();
+            let cut = match frame.await {
+                Ok(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue;
+                    };
+                    let fed = self.splice.feed(&data);
+                    out = fed.out;
+                    match fed.cut {
+                        // The relay's own event for a failed upstream body is a closed stream.
+                        Some(CutReason::ErrorEvent)
+                            if self.splice.error_code() == Some("bad_gateway") =>
+                        {
+                            CutReason::Closed
+                        }
+                        Some(reason) => reason,
+                        None if out.is_empty() => continue,
+                        None => return Some(out.into()),
+                    }
+                }
+                Ok(Some(Err(_))) => CutReason::Closed,
+                Ok(None) => match self.splice.end(&mut out) {
+                    None => {
+                        self.upstream = None;
+                        return (!out.is_empty()).then(|| out.into());
+                    }
+                    Some(reason) => reason,
+                },
+                Err(_) => CutReason::Stalled,
+            };
+            self.upstream = None;
+            let (result, body) = self.continuation().await;
+            self.observe(cut, result);
+            match body {
+                Some(body) => self.upstream = Some(body),
+                None => {
+                    let message = format!(
+                        "the upstream stream was cut ({}) and could not be continued ({})",
+                        cut.as_label(),
+                        result.as_label()
+                    );
+                    out.extend(error_event(&message, "bad_gateway"));
+                }
+            }
+            if !out.is_empty() {
+                return Some(out.into());
+            }
+        }
+    }
+
+    /// The continuation's body, or why there is none (the `result` label either way).
+    async fn continuation(&mut self) -> (MidStreamResult, Option<Body>) {
+        if let Some(refusal) = self.splice.refusal() {
+            return (refused(refusal), None);
+        }
+        let Ok(outbound) = self.splice.continuation_body(&self.request.body.outbound) else {
+            return (MidStreamResult::RefusedUnsupported, None);
+        };
+        let mut result = MidStreamResult::AttemptsExhausted;
+        while self.attempts_left > 0 {
+            if !self.budget.try_acquire(&self.config) {
+                return (MidStreamResult::BudgetExhausted, None);
+            }
+            self.attempts_left -= 1;
+            match self.dispatch(Bytes::from(outbound.clone())).await {
+                Ok(body) => {
+                    self.splice.start_continuation();
+                    return (MidStreamResult::Continued, Some(body));
+                }
+                Err(why) => result = why,
+            }
+        }
+        (result, None)
+    }
+
+    /// Sends the continuation to the unified candidates minus the excluded ones; the head must
+    /// arrive within the inactivity timeout.
+    async fn dispatch(&mut self, outbound: Bytes) -> Result<Body, MidStreamResult> {
+        let scope = Scope {
+            allowed: &self.allowed,
+            only: None,
+        };
+        let request = &self.request;
+        let candidates: Vec<_> = self
+            .proxy
+            .candidates_for(request.route, &request.body.model, scope)
+            .map_err(|_| MidStreamResult::NoFallback)?
+            .into_iter()
+            .filter(|b| !self.excluded.iter().any(|name| name == b.name()))
+            .collect();
+        if candidates.is_empty() {
+            return Err(MidStreamResult::NoFallback);
+        }
+        let continuation = ClientRequest {
+            body: ParsedBody {
+                outbound,
+                ..request.body.clone()
+            },
+            ..request.clone()
+        };
+        let no_pins = Dispatch::none();
+        let sent = self
+            .proxy
+            .dispatch(&continuation, &candidates, &no_pins, RoutingPath::Unified);
+        match tokio::time::timeout(self.config.inactivity_timeout.get(), sent).await {
+            Ok(Ok(resp)) if resp.status().is_success() => {
+                if let Some(ServedBy(name)) = resp.extensions().get::<ServedBy>() {
+                    self.excluded.push(name.to_string());
+                }
+                Ok(resp.into_body())
+            }
+            Ok(Ok(_)) | Ok(Err(_)) | Err(_) => Err(MidStreamResult::FallbackFailed),
+        }
+    }
+
+    /// The counter and the span event (never any prompt or answer text).
+    fn observe(&self, cut: CutReason, result: MidStreamResult) {
+        let resent = self.splice.tokens_sent();
+        let reason = match cut {
+            CutReason::Closed => MidStreamReason::Closed,
+            CutReason::Stalled => MidStreamReason::Stalled,
+            CutReason::ErrorEvent => MidStreamReason::ErrorEvent,
+        };
+        let _request = self.span.enter();
+        info!(
+            ingress = "chat_completions",
+            reason = reason.as_label(),
+            result = result.as_label(),
+            tokens_resent = resent,
+            "mid-stream fallback"
+        );
+        if let Some(metrics) = self.proxy.metrics() {
+            metrics.mid_stream_fallback(MidStreamIngress::ChatCompletions, reason, result);
+            if result == MidStreamResult::Continued {
+                metrics.mid_stream_tokens_resent(resent);
+            }
+        }
+    }
+}
+
+/// The `result` label of a refused continuation.
+fn refused(refusal: Refusal) -> MidStreamResult {
+    match refusal {
+        Refusal::ToolCall => MidStreamResult::RefusedToolCall,
+        Refusal::Reasoning => MidStreamResult::RefusedReasoning,
+        Refusal::OverCap => MidStreamResult::DisarmedOverCap,
+        Refusal::Unsupported => MidStreamResult::RefusedUnsupported,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The budget allows `ratio` × streams + `min_per_s` × window continuations over the last
+    /// window, and forgets what left it (paused clock).
+    #[tokio::test(start_paused = true)]
+    async fn the_retry_budget_slides_over_its_window() {
+        let budget = RetryBudget::default();
+        let config = MidStreamFallbackConfig {
+            budget_ratio: 0.5,
+            budget_min_per_s: 0.0,
+            ..MidStreamFallbackConfig::default()
+        };
+        for _ in 0..4 {
+            budget.record_stream();
+        }
+        assert!(budget.try_acquire(&config));
+        assert!(budget.try_acquire(&config));
+        assert!(!budget.try_acquire(&config), "2 of 4 streams is the ratio");
+        tokio::time::advance(BUDGET_WINDOW).await;
+        assert!(
+            !budget.try_acquire(&config),
+            "no streams left in the window"
+        );
+        let floor = MidStreamFallbackConfig {
+            budget_min_per_s: 0.1,
+            ..config
+        };
+        assert!(budget.try_acquire(&floor), "the floor allows one per 10 s");
+        assert!(!budget.try_acquire(&floor));
+    }
+}

@@ -1,0 +1,355 @@
+//! Mid-stream fallback of chat-completions streams (issue 31) through `Router::serve` against
+//! two loopback fake upstreams: b1 answers first and is cut, b2 is the unified fallback (the
+//! round-robin cursor of a fresh pool starts at b1, and a continuation excludes b1).
+
+use crate::support::upstream::{FakeUpstream, Recorded, Reply};
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Response, StatusCode};
+use bytes::Bytes;
+use continuum_actors::metrics::Metrics;
+use continuum_router::config::schema::{
+    BackendConfig, BackendRole, BackendType, DisaggregatedServingConfig, HealthCheckConfig,
+    HumanDuration, MidStreamFallbackConfig,
+};
+use continuum_router::proxy::{OpenAiRoute, Proxy, ProxyOptions};
+use continuum_router::route::{Caller, Router};
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+fn backend(name: &str, url: &str) -> BackendConfig {
+    BackendConfig {
+        name: name.into(),
+        kind: BackendType::Openai,
+        url: url.into(),
+        role: BackendRole::Unified,
+        models: vec!["m".into()],
+        internal: false,
+        enabled: true,
+        health_check: HealthCheckConfig {
+            enabled: false,
+            ..HealthCheckConfig::default()
+        },
+        tls: Default::default(),
+        global_prompts: Vec::new(),
+        requires_single_leading_system: false,
+        responses_api: Default::default(),
+        responses_only_models: Vec::new(),
+    }
+}
+
+struct Fleet {
+    b1: FakeUpstream,
+    b2: FakeUpstream,
+    router: Router,
+    metrics: Metrics,
+}
+
+async fn fleet(tune: impl FnOnce(&mut MidStreamFallbackConfig)) -> Fleet {
+    let (b1, b2) = (FakeUpstream::start().await, FakeUpstream::start().await);
+    let metrics = Metrics::new("mid-stream-test").expect("metrics");
+    let proxy = Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone())));
+    let mut mid_stream_fallback = MidStreamFallbackConfig {
+        enabled: true,
+        ..MidStreamFallbackConfig::default()
+    };
+    tune(&mut mid_stream_fallback);
+    proxy.set_backends(
+        &[backend("b1", &b1.url()), backend("b2", &b2.url())],
+        &DisaggregatedServingConfig {
+            mid_stream_fallback,
+            ..DisaggregatedServingConfig::default()
+        },
+    );
+    Fleet {
+        b1,
+        b2,
+        router: Router::new(proxy),
+        metrics,
+    }
+}
+
+impl Fleet {
+    async fn stream(&self) -> Response<Body> {
+        let body = json!({"model": "m", "stream": true, "max_tokens": 50,
+                          "messages": [{"role": "user", "content": "q"}]});
+        let resp = self
+            .router
+            .serve(
+                OpenAiRoute::ChatCompletions,
+                HeaderMap::new(),
+                Caller::default(),
+                Bytes::from(body.to_string()),
+            )
+            .await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp
+    }
+
+    fn count(&self, reason: &str, result: &str) -> u64 {
+        let labels = [
+            ("ingress", "chat_completions"),
+            ("reason", reason),
+            ("result", result),
+        ];
+        self.metrics
+            .registry()
+            .gather()
+            .iter()
+            .filter(|f| f.name() == "continuum_mid_stream_fallback_total")
+            .flat_map(|f| f.get_metric())
+            .filter(|m| {
+                labels.iter().all(|(k, v)| {
+                    m.get_label()
+                        .iter()
+                        .any(|l| l.name() == *k && l.value() == *v)
+                })
+            })
+            .map(|m| m.get_counter().get_value() as u64)
+            .sum()
+    }
+}
+
+fn chunk(id: &str, delta: Value, finish: Option<&str>) -> Bytes {
+    let c = json!({"id": id, "object": "chat.completion.chunk", "created": 11, "model": id,
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+    Bytes::from(format!("data: {c}\n\n"))
+}
+
+fn content(id: &str, text: &str) -> Bytes {
+    chunk(id, json!({"content": text}), None)
+}
+
+/// Sends the original's first events: the role, "Hello", " wor", then half an event.
+fn send_original(tx: &mpsc::UnboundedSender<Bytes>) {
+    send_whole_events(tx);
+    tx.send(Bytes::from_static(b"data: {\"id\":\"orig\",\"choi"))
+        .expect("b1 streaming");
+}
+
+/// The role, "Hello", " wor".
+fn send_whole_events(tx: &mpsc::UnboundedSender<Bytes>) {
+    for bytes in [
+        chunk("orig", json!({"role": "assistant", "content": ""}), None),
+        content("orig", "Hello"),
+        content("orig", " wor"),
+    ] {
+        tx.send(bytes).expect("b1 streaming");
+    }
+}
+
+/// The continuation's answer: a role chunk, "ld!", the final chunk, usage and `[DONE]`.
+fn send_rest(tx: &mpsc::UnboundedSender<Bytes>) {
+    let usage = json!({"id": "cont", "choices": [],
+                       "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}});
+    for bytes in [
+        chunk("cont", json!({"role": "assistant", "content": ""}), None),
+        content("cont", "ld!"),
+        chunk("cont", json!({}), Some("stop")),
+        Bytes::from(format!("data: {usage}\n\n")),
+        Bytes::from_static(b"data: [DONE]\n\n"),
+    ] {
+        tx.send(bytes).expect("b2 streaming");
+    }
+}
+
+/// Text, ids, final chunks, `[DONE]`s and error events of a relayed stream.
+fn read(bytes: &[u8]) -> (String, Vec<String>, usize, usize, usize) {
+    let text = std::str::from_utf8(bytes).expect("utf8");
+    let (mut answer, mut ids, mut finals, mut dones, mut errors) = (String::new(), vec![], 0, 0, 0);
+    for event in text.split("\n\n").filter(|e| !e.is_empty()) {
+        let data = event.strip_prefix("data: ").expect("data events");
+        if data == "[DONE]" {
+            dones += 1;
+            continue;
+        }
+        let v: Value = serde_json::from_str(data).expect("json");
+        if v.get("error").is_some() {
+            errors += 1;
+            continue;
+        }
+        ids.push(v["id"].as_str().expect("id").to_owned());
+        for c in v["choices"].as_array().expect("choices") {
+            answer += c["delta"]["content"].as_str().unwrap_or("");
+            finals += usize::from(!c["finish_reason"].is_null());
+        }
+    }
+    (answer, ids, finals, dones, errors)
+}
+
+/// Reads the client body until `until` arrived (the original's events reached the client).
+async fn read_until(body: &mut Body, until: &str) -> Vec<u8> {
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains(until) {
+        let frame = body.frame().await.expect("frame").expect("ok");
+        seen.extend_from_slice(&frame.into_data().expect("data"));
+    }
+    seen
+}
+
+/// The client's whole stream: what `read_until` saw and the rest.
+async fn rest_of(seen: Vec<u8>, body: Body) -> Vec<u8> {
+    let mut all = seen;
+    all.extend_from_slice(&body.collect().await.expect("body").to_bytes());
+    all
+}
+
+fn assert_continuation_request(recorded: &Recorded) {
+    let body = recorded.json();
+    let messages = body["messages"].as_array().expect("messages");
+    assert_eq!(
+        messages.last().expect("last"),
+        &json!({"role": "assistant", "content": "Hello wor"})
+    );
+    assert_eq!(body["continue_final_message"], json!(true));
+    assert_eq!(body["add_generation_prompt"], json!(false));
+    assert!(body["max_tokens"].as_u64().expect("max_tokens") < 50);
+}
+
+/// b1 is cut as `reason` says after its first events; b2 continues.
+async fn continued_after(reason: &str) {
+    let mut f = fleet(|_| {}).await;
+    let (tx1, rx1) = mpsc::unbounded_channel();
+    let (tx2, rx2) = mpsc::unbounded_channel();
+    f.b1.push(Reply::SseThenCut(rx1));
+    f.b2.push(Reply::SseThenCut(rx2));
+    let resp = f.stream().await;
+    f.b1.next_request().await;
+    if reason == "error_event" {
+        send_whole_events(&tx1);
+    } else {
+        send_original(&tx1);
+    }
+    let mut body = resp.into_body();
+    let seen = read_until(&mut body, " wor").await;
+    // "stalled": b1 stays open and silent; the paused clock reaches the inactivity timeout.
+    let mut open = Some(tx1);
+    if reason == "error_event" {
+        let error = b"data: {\"error\":{\"message\":\"engine died\",\"code\":500}}\n\n";
+        let tx1 = open.as_ref().expect("open");
+        tx1.send(Bytes::from_static(error)).expect("b1 streaming");
+    } else if reason == "closed" {
+        open = None;
+    }
+    send_rest(&tx2);
+    let collect = tokio::spawn(rest_of(seen, body));
+    assert_continuation_request(&f.b2.next_request().await);
+    drop(tx2);
+    let bytes = collect.await.expect("join");
+    let (answer, ids, finals, dones, errors) = read(&bytes);
+    assert_eq!(answer, "Hello world!");
+    assert!(ids.iter().all(|id| id == "orig"), "{ids:?}");
+    assert_eq!((finals, dones, errors), (1, 1, 0));
+    let usage = String::from_utf8_lossy(&bytes);
+    assert!(usage.contains("\"prompt_tokens\":"), "{usage}");
+    assert_eq!(f.count(reason, "continued"), 1);
+    drop(open);
+}
+
+#[tokio::test]
+async fn a_stream_cut_after_n_events_is_continued_seamlessly() {
+    continued_after("closed").await;
+}
+
+#[tokio::test]
+async fn an_engine_error_event_is_continued() {
+    continued_after("error_event").await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stalled_stream_is_continued() {
+    continued_after("stalled").await;
+}
+
+/// b1 streams what `send` sends, the client reads it up to `until`, then b1 is cut; returns
+/// everything the client got.
+async fn cut_once(
+    f: &mut Fleet,
+    send: impl FnOnce(&mpsc::UnboundedSender<Bytes>),
+    until: &str,
+) -> Vec<u8> {
+    let (tx1, rx1) = mpsc::unbounded_channel();
+    f.b1.push(Reply::SseThenCut(rx1));
+    let resp = f.stream().await;
+    f.b1.next_request().await;
+    send(&tx1);
+    let mut body = resp.into_body();
+    let seen = read_until(&mut body, until).await;
+    drop(tx1);
+    rest_of(seen, body).await
+}
+
+#[tokio::test]
+async fn a_fallback_that_fails_too_ends_with_one_error_event() {
+    let mut f = fleet(|_| {}).await;
+    f.b2.push(Reply::status(500));
+    let bytes = cut_once(&mut f, send_original, " wor").await;
+    let (answer, _, finals, dones, errors) = read(&bytes);
+    assert_eq!(answer, "Hello wor");
+    assert_eq!((finals, dones, errors), (0, 0, 1));
+    assert_continuation_request(&f.b2.next_request().await);
+    assert_eq!(f.count("closed", "fallback_failed"), 1);
+}
+
+#[tokio::test]
+async fn an_exhausted_budget_ends_with_one_error_event_and_no_continuation() {
+    let mut f = fleet(|c| {
+        c.budget_ratio = 0.0;
+        c.budget_min_per_s = 0.0;
+    })
+    .await;
+    let bytes = cut_once(&mut f, send_original, " wor").await;
+    let (answer, _, _, dones, errors) = read(&bytes);
+    assert_eq!((answer.as_str(), dones, errors), ("Hello wor", 0, 1));
+    assert_eq!(f.count("closed", "budget_exhausted"), 1);
+    assert!(f.b2.try_request().is_none());
+}
+
+#[tokio::test]
+async fn a_client_leaving_during_the_continuation_drops_the_upstream_request() {
+    let mut f = fleet(|c| c.inactivity_timeout = HumanDuration::from_secs(600)).await;
+    let (tx1, rx1) = mpsc::unbounded_channel();
+    let (tx2, rx2) = mpsc::unbounded_channel();
+    f.b1.push(Reply::SseThenCut(rx1));
+    f.b2.push(Reply::Sse(rx2));
+    let resp = f.stream().await;
+    f.b1.next_request().await;
+    send_original(&tx1);
+    let mut body = resp.into_body();
+    read_until(&mut body, " wor").await;
+    drop(tx1);
+    tx2.send(content("cont", "ld")).expect("b2 streaming");
+    read_until(&mut body, "ld").await;
+    f.b2.next_request().await;
+    drop(body);
+    // b2's response body is dropped with the client's: its feeding channel closes.
+    tx2.closed().await;
+}
+
+#[tokio::test]
+async fn a_cut_inside_a_tool_call_is_not_continued() {
+    let mut f = fleet(|_| {}).await;
+    let call = json!({"tool_calls": [{"index": 0, "id": "c",
+                                        "function": {"name": "f", "arguments": "{\"a"}}]});
+    let send = |tx: &mpsc::UnboundedSender<Bytes>| {
+        tx.send(chunk("orig", call, None)).expect("b1 streaming");
+    };
+    let bytes = cut_once(&mut f, send, "tool_calls").await;
+    let (_, _, _, dones, errors) = read(&bytes);
+    assert_eq!((dones, errors), (0, 1));
+    assert_eq!(f.count("closed", "refused_tool_call"), 1);
+    assert!(f.b2.try_request().is_none());
+}
+
+#[tokio::test]
+async fn switched_off_a_cut_stream_ends_as_before_without_a_continuation() {
+    let mut f = fleet(|c| c.enabled = false).await;
+    let bytes = cut_once(&mut f, send_original, " wor").await;
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(text.contains("the upstream stream failed"), "{text}");
+    assert!(f.b2.try_request().is_none());
+    assert_eq!(f.count("closed", "continued"), 0);
+}
