@@ -11,7 +11,7 @@
 //!    `None` (the Dynamo path does not apply).
 //! 3. The plan is sent through the proxy to the shim pool; [`Router::settle`] applies the seed's
 //!    failure semantics: success (or an ordinary 4xx on a stream) is relayed, a direct-mode
-//!    prefill refusal is a 503 without retry, any other failure falls back to unified routing
+//!    prefill refusal (buffered, or in a stream's non-2xx head) is a 503 without retry, any other failure falls back to unified routing
 //!    without pins (`fallback_to_unified`) or answers `disaggregated_decode_failed`.
 //! 4. **Unified routing** otherwise: every enabled unified backend that serves the model.
 //!
@@ -235,8 +235,8 @@ impl Router {
     }
 
     /// The shim's answer under the seed's failure semantics. A success (or, on a stream, an
-    /// ordinary 4xx) is relayed. A buffered direct-mode refusal for lack of a prefill id is a 503
-    /// without retry. Any other failure counts `disaggregated_errors_total{phase="decode"}` and
+    /// ordinary 4xx) is relayed. A direct-mode refusal for lack of a prefill id, in a buffered
+    /// answer or a stream's non-2xx head, is a 503 without retry. Any other failure counts `disaggregated_errors_total{phase="decode"}` and
     /// falls back to unified routing without pins when `fallback_to_unified`, else answers
     /// `disaggregated_decode_failed`. Workers are never re-selected for the request.
     async fn settle(
@@ -251,13 +251,11 @@ impl Router {
             Ok(resp) if request.body.stream && !falls_back_on_stream(resp.status()) => {
                 return Ok(resp);
             }
-            Ok(resp) if !request.body.stream => {
+            Ok(resp) => {
+                // A buffered answer, or a stream's non-2xx head (nothing was relayed yet): its
+                // error body tells the direct-mode refusal from any other failure.
                 let status = resp.status();
-                let bytes = http_body_util::BodyExt::collect(resp.into_body())
-                    .await
-                    .map(|c| c.to_bytes())
-                    .unwrap_or_default();
-                if is_prefill_id_refusal(&bytes) {
+                if is_prefill_id_refusal(&error_body(resp.into_body()).await) {
                     if let Some(metrics) = self.proxy.metrics() {
                         metrics.disaggregated_error(DisaggregatedPhase::Orchestration);
                     }
@@ -268,7 +266,6 @@ impl Router {
                 }
                 format!("shim answered {status}")
             }
-            Ok(resp) => format!("shim answered {}", resp.status()),
             Err(error) => error.to_string(),
         };
         if let Some(metrics) = self.proxy.metrics() {
@@ -348,10 +345,25 @@ fn parse(
 /// takes the decode-failure arm; a release that puts it in the body gets the 503.
 pub const DIRECT_MODE_PREFILL_ID_ERROR: &str = "Prefill worker ID required in Direct routing mode";
 
-/// Whether a buffered shim answer is the direct-mode prefill refusal.
+/// Whether a shim answer's (error) body is the direct-mode prefill refusal.
 pub fn is_prefill_id_refusal(body: &[u8]) -> bool {
     body.windows(DIRECT_MODE_PREFILL_ID_ERROR.len())
         .any(|w| w == DIRECT_MODE_PREFILL_ID_ERROR.as_bytes())
+}
+
+/// Most bytes of a failed shim answer read to look for the direct-mode refusal.
+const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
+
+/// How long a failed shim answer's body may take to arrive whole.
+const ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A failed answer's body, bounded in size and time; empty when it is longer, late or broken.
+async fn error_body(body: Body) -> Bytes {
+    let collect = crate::proxy::relay::collect_bounded(body, MAX_ERROR_BODY_BYTES);
+    match tokio::time::timeout(ERROR_BODY_TIMEOUT, collect).await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(_)) | Err(_) => Bytes::new(),
+    }
 }
 
 /// On a stream, only these heads (and transport failures) fall back; other 4xx are relayed.

@@ -18,6 +18,9 @@
 //!   or is itself refused when every open connection has a request in flight. Both count in
 //!   `continuum_http_connections_shed_total{reason}`.
 //!
+//! - **Host**: an HTTP/1.1 request without exactly one `Host` field, or with one that is not
+//!   `host[:port]`, is answered 400 and its connection closed (RFC 9112 §3.2), on both servers.
+//!
 //! Every accepted socket gets `TCP_NODELAY` (see [`super::listener`]).
 
 use std::collections::BTreeMap;
@@ -31,7 +34,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::Request;
+use axum::http::{HeaderValue, Request, Version, header};
+use axum::response::IntoResponse as _;
 use bytes::Bytes;
 use continuum_actors::metrics::Metrics;
 use futures::future::Either;
@@ -48,6 +52,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::ServerConfig;
 use crate::wire::BodyReadTimeout;
+use crate::wire::error::ApiError;
 
 mod fast;
 
@@ -601,12 +606,15 @@ impl Connection {
                         })
                     };
                     match direct {
+                        _ if !host_is_valid(&req) => {
+                            Either::Left(Either::Right(std::future::ready(Ok(tracked(bad_host())))))
+                        }
                         Some((state, route)) => {
                             let state = state.clone();
-                            Either::Left(async move {
+                            Either::Left(Either::Left(async move {
                                 let response = super::serve_hot(&state, route, req).await;
                                 Ok::<_, Infallible>(tracked(response))
-                            })
+                            }))
                         }
                         None => {
                             let mut router = router.clone();
@@ -642,6 +650,34 @@ impl Connection {
         lock(&self.table).open.remove(&self.id);
         self.metrics.open.dec();
     }
+}
+
+/// Whether an HTTP/1.x request's `Host` fields are what RFC 9112 §3.2 asks: exactly one, valid
+/// ([`fast::valid_host`]), in HTTP/1.1; at most one in HTTP/1.0. An HTTP/2 request names its
+/// authority in `:authority` and is not checked.
+fn host_is_valid<B>(req: &Request<B>) -> bool {
+    let version = req.version();
+    if version > Version::HTTP_11 {
+        return true;
+    }
+    let mut hosts = req.headers().get_all(header::HOST).iter();
+    match (hosts.next(), hosts.next()) {
+        (None, _) => version < Version::HTTP_11,
+        (Some(host), None) => fast::valid_host(host.as_bytes()),
+        (Some(_), Some(_)) => false,
+    }
+}
+
+/// The answer to a request [`host_is_valid`] refuses: 400, and the connection closes after it.
+fn bad_host() -> axum::response::Response {
+    let error = ApiError::BadRequest(
+        "an HTTP/1.1 request needs exactly one Host header, with a valid host[:port]".into(),
+    );
+    let mut response = error.into_response();
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 /// What ended a wait of the connection task.

@@ -213,7 +213,10 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<Head>, P
             }
         }
         let (framing, delimited) = control.framing(status, method)?;
-        let keep_alive = delimited && control.persistent(version);
+        // RFC 9112 §6.1: an HTTP/1.0 message with `Transfer-Encoding` has faulty framing; it is
+        // read as framed, and its connection closed after it.
+        let faulty = version == Version::HTTP_10 && control.transfer_encoding.is_some();
+        let keep_alive = delimited && !faulty && control.persistent(version);
         return Ok(Some(Head {
             status,
             version,
@@ -762,6 +765,13 @@ mod tests {
                 "HTTP/1.0 200 OK\r\ncontent-length: 0\r\nconnection: keep-alive",
                 post,
                 Ok((Length(0), true)),
+            ),
+            // An HTTP/1.0 answer with `Transfer-Encoding` is read, and its connection closed
+            // (RFC 9112 §6.1), whatever it says of keep-alive.
+            (
+                "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\nconnection: keep-alive",
+                post,
+                Ok((Chunked, false)),
             ),
         ];
         for (text, method, expected) in cases {

@@ -2,6 +2,7 @@
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue, header};
 use continuum_protocol::ids::{DpRank, InstanceId};
+use tracing::debug;
 
 use crate::wire::pins::{is_pin_header, strip_pin_headers};
 
@@ -104,6 +105,17 @@ fn connection_named(headers: &HeaderMap) -> impl Iterator<Item = HeaderName> + '
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
 }
 
+/// A field name with `_` is never forwarded (nginx's `underscores_in_headers off`): a backend
+/// (or a CGI-style gateway) that maps `_` to `-` would read `Transfer_Encoding` or
+/// `Content_Length` as framing beside the router's own (the CVE-2024-1135 class).
+fn has_underscore(name: &HeaderName) -> bool {
+    let underscore = name.as_str().as_bytes().contains(&b'_');
+    if underscore {
+        debug!(header = name.as_str(), "Dropped a request header whose name has '_'.");
+    }
+    underscore
+}
+
 /// True for a rank alias (`x-dp-rank`, …) a client could pick a rank with.
 fn is_rank_alias(name: &HeaderName) -> bool {
     RANK_ALIASES.contains(&name.as_str())
@@ -169,6 +181,7 @@ impl<'a> Outbound<'a> {
             || request_only(name)
             // The client's router key is not the backend's credential.
             || (self.drop_authorization && name == header::AUTHORIZATION)
+            || has_underscore(name)
     }
 
     /// The outbound fields in order: the client's that are forwarded, the content type, the
@@ -203,7 +216,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn outbound_drops_hop_by_hop_pins_and_keys_and_adds_dispatch_pins() {
+    fn outbound_drops_hop_by_hop_pins_keys_and_underscored_names_and_adds_dispatch_pins() {
         let mut client = HeaderMap::new();
         for (k, v) in [
             ("connection", "keep-alive, x-custom-hop"),
@@ -220,6 +233,9 @@ mod tests {
             ("content-type", "text/plain"),
             ("expect", "100-continue"),
             ("x-request-id", "r1"),
+            ("transfer_encoding", "chunked"),
+            ("content_length", "0"),
+            ("x_custom", "1"),
         ] {
             client.append(k, HeaderValue::from_static(v));
         }

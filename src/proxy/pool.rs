@@ -807,8 +807,8 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
     }
 
-    /// `Connection: close`, bytes after the answer, or a body delimited by the close: the
-    /// connection is never reused.
+    /// `Connection: close`, bytes after the answer, a body delimited by the close, or an
+    /// HTTP/1.0 answer with `Transfer-Encoding`: the connection is never reused.
     #[tokio::test]
     async fn connections_that_cannot_carry_another_request_are_not_reused() {
         let (addr, accepted) = scripted(vec![
@@ -821,6 +821,12 @@ mod tests {
                 false,
             ),
             (b"HTTP/1.0 200 OK\r\n\r\nall of it", true),
+            // A broken backend: HTTP/1.0 with `Transfer-Encoding` (RFC 9112 §6.1: close after).
+            (
+                b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\nconnection: keep-alive\r\n\r\n\
+                  2\r\nok\r\n0\r\n\r\n",
+                false,
+            ),
             (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", false),
         ])
         .await;
@@ -831,7 +837,9 @@ mod tests {
         assert_eq!(pool.idle_count(), 0);
         assert_eq!(&body_of(&pool).await.expect("body")[..], b"all of it");
         assert_eq!(&body_of(&pool).await.expect("body")[..], b"ok");
-        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+        assert_eq!(pool.idle_count(), 0);
+        assert_eq!(&body_of(&pool).await.expect("body")[..], b"ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), 5);
         assert_eq!(pool.idle_count(), 1);
     }
 

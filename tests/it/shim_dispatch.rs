@@ -213,3 +213,55 @@ async fn refusals_leave_the_breaker_closed_and_gateway_errors_open_it() {
     assert!(shim.try_request().is_none(), "the breaker is open");
     daemon.shutdown().await;
 }
+
+/// A direct-mode refusal in a streaming request's non-2xx head (the frontend's JSON 500) is the
+/// seed's 503 on the chat route and on the Anthropic Messages and Responses ingresses, which send
+/// through it; nothing falls back. Issue #35: it was 502 `disaggregated_decode_failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_in_a_streaming_head_is_the_seed_503_on_every_ingress() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let (etcd, _) = fleet().await;
+    let mut shim = FakeUpstream::start().await;
+    let mut unified = FakeUpstream::start().await;
+    let daemon = daemon(&etcd, &shim, &unified, false).await;
+    let client = reqwest::Client::new();
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "stream": true, "messages": messages}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "tiny", "stream": true, "max_tokens": 16, "messages": messages}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "tiny", "stream": true, "input": "hi"}),
+        ),
+    ] {
+        shim.push(Reply::Json(
+            http::StatusCode::INTERNAL_SERVER_ERROR,
+            json!({"message": "Prefill worker ID required in Direct routing mode but none found in request."}),
+            vec![],
+        ));
+        let resp = client
+            .post(format!("http://{}{path}", daemon.local_addr()))
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        let status = resp.status().as_u16();
+        let answer: Value = resp.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, 503, "{path}: {answer}");
+        let error = &answer["error"];
+        let refused = error["code"] == "disaggregated_prefill_decode_unavailable"
+            || error["message"]
+                .as_str()
+                .is_some_and(|m| m.ends_with("disaggregated_prefill_decode_unavailable"));
+        assert!(refused, "{path}: {answer}");
+        let _ = shim.next_request().await;
+        assert!(unified.try_request().is_none(), "{path}: no fallback");
+    }
+    daemon.shutdown().await;
+}

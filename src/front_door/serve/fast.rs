@@ -129,6 +129,10 @@ pub fn parse(buf: &mut BytesMut, max_body: usize) -> Parsed {
         }
         (consumed, route, request.headers.len(), control)
     };
+    if control.hosts != 1 {
+        // No `Host`, or two: hyper's server answers it (400, [`super::host_is_valid`]).
+        return Parsed::HandOff;
+    }
     let Some(content_length) = control.length.filter(|&n| n <= max_body) else {
         // No length (a request without a body is the handler's 400, hyper's way) or more than
         // the handler accepts (its 413, which leaves the body unread: hyper closes after it).
@@ -169,14 +173,26 @@ pub fn parse(buf: &mut BytesMut, max_body: usize) -> Parsed {
 }
 
 /// The hot route an origin-form request target names (its query aside;
-/// [`super::super::hot_path`] decides).
+/// [`super::super::hot_path`] decides). A query with a byte hyper's target parser refuses (`"`,
+/// `<`, `>`, `#`, `\`, `^`, a byte beyond ASCII, …) is not served here: hyper answers it (400),
+/// so both servers keep one rule.
 fn hot_route(target: &str) -> Option<OpenAiRoute> {
     // A byte scan: `split_once('?')` cost 135 instructions per request.
     let end = target
         .bytes()
         .position(|b| b == b'?')
         .unwrap_or(target.len());
+    let query = target.as_bytes().get(end + 1..).unwrap_or_default();
+    if !query.iter().all(|&b| plain_query_byte(b)) {
+        return None;
+    }
     super::super::hot_path(&target[..end])
+}
+
+/// A byte `http::Uri` takes as it is in a query (WHATWG's query state: `!`, `$`–`;`, `=`,
+/// `?`–`~`).
+fn plain_query_byte(b: u8) -> bool {
+    matches!(b, b'!' | b'$'..=b';' | b'=' | b'?'..=b'~')
 }
 
 /// The fields of a request head that decide whether it is served here.
@@ -185,6 +201,8 @@ struct Control {
     /// The one `Content-Length` field's length; `None` for none.
     length: Option<usize>,
     close: bool,
+    /// `Host` fields seen (each valid).
+    hosts: u8,
 }
 
 impl Control {
@@ -192,6 +210,11 @@ impl Control {
     fn read(&mut self, name: &[u8], value: &[u8]) -> bool {
         let is = |control: &[u8]| name.eq_ignore_ascii_case(control);
         match name.len() {
+            4 if is(b"host") => {
+                // A second one, or an invalid value, is hyper's server's 400.
+                self.hosts += 1;
+                self.hosts == 1 && valid_host(value)
+            }
             6 if is(b"expect") => false,
             7 if is(b"upgrade") => false,
             17 if is(b"transfer-encoding") => false,
@@ -219,6 +242,48 @@ impl Control {
             _ => true,
         }
     }
+}
+
+/// Whether a `Host` value is `uri-host [ ":" port ]` (RFC 9110 §7.2, RFC 3986 §3.2.2): a
+/// registered name (unreserved, sub-delims and %-escapes) or a bracketed IP literal, then an
+/// optional decimal port. Empty is valid (a target without an authority). A byte scan.
+pub fn valid_host(value: &[u8]) -> bool {
+    let (host, port) = match value.first() {
+        Some(b'[') => {
+            let Some(close) = value.iter().position(|&b| b == b']') else {
+                return false;
+            };
+            let literal = &value[1..close];
+            let literal_ok = !literal.is_empty()
+                && literal
+                    .iter()
+                    .all(|&b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.') || reg_name_byte(b));
+            if !literal_ok {
+                return false;
+            }
+            (&value[..0], &value[close + 1..])
+        }
+        _ => {
+            let end = value.iter().position(|&b| b == b':').unwrap_or(value.len());
+            (&value[..end], &value[end..])
+        }
+    };
+    host.iter().all(|&b| reg_name_byte(b))
+        && match port.split_first() {
+            None => true,
+            Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+            Some(_) => false,
+        }
+}
+
+/// A byte of a registered name: unreserved, sub-delims or `%` (RFC 3986 §3.2.2).
+fn reg_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric()
+        || matches!(
+            b,
+            b'-' | b'.' | b'_' | b'~' | b'%' | b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*'
+                | b'+' | b',' | b';' | b'='
+        )
 }
 
 /// How the loop ended.
@@ -671,7 +736,7 @@ mod tests {
 
         let (request, _) = fast(
             b"POST /v1/completions? HTTP/1.1\r\nconnection: keep-alive, Close\r\n\
-              content-length: 0\r\nx-empty:\r\n\r\n",
+              host: r\r\ncontent-length: 0\r\nx-empty:\r\n\r\n",
         );
         assert_eq!(request.route, OpenAiRoute::Completions);
         assert!(request.close);
@@ -698,6 +763,11 @@ mod tests {
             b"POST /v1/chat/completionsx HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
             b"POST /v1/completion HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
             b"POST /v1/chat/completions#x HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
+            // Query bytes hyper's target parser refuses (its 400).
+            b"POST /v1/chat/completions?a=\"b\" HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n",
+            b"POST /v1/chat/completions?<script> HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n",
+            b"POST /v1/completions?a#b HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n",
+            b"POST /v1/completions?\xc3\xa9 HTTP/1.1\r\nhost: r\r\ncontent-length: 0\r\n\r\n",
             b"POST http://r/v1/chat/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n",
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
             b"POST /v1/chat/completions HTTP/1.0\r\ncontent-length: 0\r\n\r\n",
@@ -724,6 +794,29 @@ mod tests {
         }
         many.extend_from_slice(b"\r\n");
         handed_off(&many);
+    }
+
+    /// No `Host`, two, or an invalid one: hyper's server answers it (400).
+    #[test]
+    fn a_missing_repeated_or_invalid_host_goes_to_hyper() {
+        let body = "content-length: 2\r\n\r\n{}";
+        for fields in [
+            "",
+            "host: r\r\nhost: r\r\n",
+            "host: a b/c\r\n",
+            "host: r/x\r\n",
+            "host: user@r\r\n",
+            "host: r:80x\r\n",
+            "host: [::1\r\n",
+        ] {
+            let head = format!("POST /v1/chat/completions HTTP/1.1\r\n{fields}{body}");
+            handed_off(head.as_bytes());
+        }
+        for host in ["r", "router:8080", "10.0.0.1:80", "[::1]:8080", "[fe80::1%25eth0]", "a_b.c", ""] {
+            let head = format!("POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n{body}");
+            let (request, _) = fast(head.as_bytes());
+            assert_eq!(request.headers["host"], host);
+        }
     }
 
     #[test]
@@ -794,11 +887,16 @@ mod tests {
                 any::<prop::sample::Index>(),
                 proptest::collection::vec(any::<u8>(), 0..16),
                 any::<prop::sample::Index>(),
+                // Mostly one `Host`, at the start.
+                proptest::option::weighted(0.8, "[a-z0-9.:]{0,6}"),
             )
-                .prop_map(|(line, mut fields, length, at, rest, cut)| {
+                .prop_map(|(line, mut fields, length, at, rest, cut, host)| {
                     if let Some(length) = length {
                         let at = at.index(fields.len() + 1);
                         fields.insert(at, ("content-length".to_owned(), length.into_bytes()));
+                    }
+                    if let Some(host) = host {
+                        fields.insert(0, ("Host".to_owned(), host.into_bytes()));
                     }
                     let mut bytes = format!("{line}\r\n").into_bytes();
                     for (name, value) in &fields {
@@ -851,6 +949,8 @@ mod tests {
                                 .map(str::trim)
                                 .collect();
                             prop_assert_eq!(lengths.len(), 1);
+                            let hosts = head.split('\n').filter(|l| l.starts_with("host:")).count();
+                            prop_assert_eq!(hosts, 1);
                             prop_assert_eq!(lengths[0].parse::<usize>().ok(), Some(request.content_length));
                             prop_assert_eq!(request.headers.len(), head.matches('\n').count() - 2);
                         }
