@@ -14,10 +14,10 @@ use std::collections::BTreeSet;
 use continuum_protocol::discovery::file_store::{
     BUCKETS, FileVerdict, decode_file_name, encode_file_name, file_verdict,
 };
-use continuum_protocol::discovery::records::parse_record;
 use continuum_protocol::discovery::keys::{
     EVENT_CHANNELS_BUCKET, INSTANCES_BUCKET, MDC_BUCKET, classify,
 };
+use continuum_protocol::discovery::records::parse_record;
 use continuum_protocol::discovery::{
     DiscoveryReducer, SourceEvent, decode_segment, encode_segment,
 };
@@ -113,10 +113,16 @@ fn zmtp_run(topic: &[u8], limits: ZmtpLimits, parts: &[&[u8]]) -> (Vec<String>, 
 /// decodes encodes back to bytes that decode to the same.
 pub fn load_sample(data: &[u8]) {
     if let Ok(load) = decode_active_load(data) {
-        assert_eq!(decode_active_load(&encode_active_load(&load)).ok(), Some(load));
+        assert_eq!(
+            decode_active_load(&encode_active_load(&load)).ok(),
+            Some(load)
+        );
     }
     if let Ok(envelope) = decode_envelope(data) {
-        assert_eq!(decode_envelope(&encode_envelope(&envelope)).ok(), Some(envelope));
+        assert_eq!(
+            decode_envelope(&encode_envelope(&envelope)).ok(),
+            Some(envelope)
+        );
         let _ = decode_active_load(envelope.payload);
     }
     // Four frames: the first three bytes give the first three frames' lengths.
@@ -221,7 +227,9 @@ pub fn kv_events(data: &[u8]) {
     let encoded = encode_router_events(&events);
     assert_eq!(decode_router_events(&encoded).ok().as_ref(), Some(&events));
     let mut parser = SseParser::default();
-    parser.push(&continuum_protocol::event_bus::sse::encode_kv_events(42, &events));
+    parser.push(&continuum_protocol::event_bus::sse::encode_kv_events(
+        42, &events,
+    ));
     match parser.next_item() {
         Some(SseItem::KvEvents { id, events: again }) => {
             assert_eq!(id, Some(42));
@@ -315,7 +323,10 @@ fn reference_event_stream(input: &[u8]) -> Vec<SseItem> {
             continue;
         }
         let (field, value) = match line.iter().position(|&b| b == b':') {
-            Some(c) => (&line[..c], line[c + 1..].strip_prefix(b" ").unwrap_or(&line[c + 1..])),
+            Some(c) => (
+                &line[..c],
+                line[c + 1..].strip_prefix(b" ").unwrap_or(&line[c + 1..]),
+            ),
             None => (line, &b""[..]),
         };
         match field {
@@ -329,7 +340,10 @@ fn reference_event_stream(input: &[u8]) -> Vec<SseItem> {
             b"event" => event = Some(value.to_vec()),
             b"id" => {
                 let digits = !value.is_empty() && value.iter().all(u8::is_ascii_digit);
-                match std::str::from_utf8(value).ok().and_then(|s| s.parse::<u64>().ok()) {
+                match std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|s| s.parse::<u64>().ok())
+                {
                     Some(n) if digits => id = Some(n),
                     _ => bad_id = true,
                 }
@@ -362,7 +376,11 @@ pub fn event_bus_ndjson_hello(data: &[u8]) {
         (lines, failed)
     };
     let whole = lines(&[input]);
-    assert_eq!(whole, lines(&pieces(input, seed)), "framing whole and in pieces");
+    assert_eq!(
+        whole,
+        lines(&pieces(input, seed)),
+        "framing whole and in pieces"
+    );
     let broker = Grant {
         id: ClientId::new("broker-a"),
         role: Role::Broker,
@@ -381,7 +399,10 @@ pub fn event_bus_ndjson_hello(data: &[u8]) {
             continue;
         };
         let encoded = message.encode();
-        assert_eq!(Message::decode(&encoded[..encoded.len() - 1]).as_ref(), Ok(&message));
+        assert_eq!(
+            Message::decode(&encoded[..encoded.len() - 1]).as_ref(),
+            Ok(&message)
+        );
         let Message::Hello(hello) = message else {
             continue;
         };
@@ -409,11 +430,45 @@ pub fn event_bus_ndjson_hello(data: &[u8]) {
 
 /// Words the ingress generators draw keys and strings from.
 const INGRESS_WORDS: &[&str] = &[
-    "user", "assistant", "system", "developer", "tool", "text", "image", "tool_use",
-    "tool_result", "thinking", "redacted_thinking", "input_text", "input_image", "output_text",
-    "function_call", "function_call_output", "message", "reasoning", "refusal", "auto", "any",
-    "none", "required", "function", "url", "base64", "json_schema", "json_object", "content",
-    "role", "type", "name", "id", "call_id", "arguments", "input", "model", "", "[DONE]",
+    "user",
+    "assistant",
+    "system",
+    "developer",
+    "tool",
+    "text",
+    "image",
+    "tool_use",
+    "tool_result",
+    "thinking",
+    "redacted_thinking",
+    "input_text",
+    "input_image",
+    "output_text",
+    "function_call",
+    "function_call_output",
+    "message",
+    "reasoning",
+    "refusal",
+    "auto",
+    "any",
+    "none",
+    "required",
+    "function",
+    "url",
+    "base64",
+    "json_schema",
+    "json_object",
+    "content",
+    "role",
+    "type",
+    "name",
+    "id",
+    "call_id",
+    "arguments",
+    "input",
+    "model",
+    "",
+    "[DONE]",
 ];
 
 /// The Anthropic Messages ingress: a request (structured or raw bytes) converts or is refused;
@@ -429,7 +484,10 @@ pub fn anthropic(data: &[u8]) {
     let Ok(request) = anthropic::messages_to_chat(&body, &limits) else {
         return;
     };
-    assert!(request.body_json().is_object(), "the chat body is a JSON object");
+    assert!(
+        request.body_json().is_object(),
+        "the chat body is a JSON object"
+    );
     if src.bool() {
         let chat = chat_response_bytes(&mut src);
         let _ = anthropic::chat_response_to_message(&chat, &request, 7, &limits);
@@ -452,7 +510,10 @@ pub fn responses(data: &[u8]) {
     let Ok(request) = responses::responses_to_chat(&body, &limits) else {
         return;
     };
-    assert!(request.body_json().is_object(), "the chat body is a JSON object");
+    assert!(
+        request.body_json().is_object(),
+        "the chat body is a JSON object"
+    );
     if src.bool() {
         let chat = chat_response_bytes(&mut src);
         let _ = responses::chat_response_to_response(&chat, &request, 7, 9, &limits);
@@ -552,7 +613,8 @@ impl Converter for responses::ResponsesStream {
 /// One upstream chat-completions chunk, mostly well formed.
 fn chat_chunk(src: &mut Source<'_>) -> Value {
     let w = INGRESS_WORDS;
-    let delta = object(vec![
+    let delta = object(
+        vec![
             ("role", maybe(src, w, |s| json!(text(s, w)))),
             ("content", maybe(src, w, |s| json!(text(s, w)))),
             ("reasoning_content", maybe(src, w, |s| json!(text(s, w)))),
@@ -562,34 +624,53 @@ fn chat_chunk(src: &mut Source<'_>) -> Value {
                     Value::Array(
                         (0..s.below(3))
                             .map(|_| {
-                                let f = object(vec![
+                                let f = object(
+                                    vec![
                                         ("name", maybe(s, w, |s| json!(text(s, w)))),
                                         ("arguments", maybe(s, w, |s| json!(text(s, w)))),
-                                    ], s, w);
-                                object(vec![
+                                    ],
+                                    s,
+                                    w,
+                                );
+                                object(
+                                    vec![
                                         ("index", maybe(s, w, |s| json!(s.below(4)))),
                                         ("id", maybe(s, w, |s| json!(text(s, w)))),
                                         ("type", Some(json!("function"))),
                                         ("function", Some(f)),
-                                    ], s, w)
+                                    ],
+                                    s,
+                                    w,
+                                )
                             })
                             .collect(),
                     )
                 }),
             ),
-        ], src, w);
+        ],
+        src,
+        w,
+    );
     let finish = ["stop", "length", "tool_calls", "content_filter", "error"];
-    let choice = object(vec![
+    let choice = object(
+        vec![
             ("index", Some(json!(0))),
             ("delta", Some(delta)),
             ("finish_reason", maybe(src, w, |s| json!(s.pick(&finish)))),
-        ], src, w);
-    object(vec![
+        ],
+        src,
+        w,
+    );
+    object(
+        vec![
             ("id", Some(json!("chatcmpl-1"))),
             ("object", Some(json!("chat.completion.chunk"))),
             ("choices", maybe(src, w, |_| json!([choice]))),
             ("usage", maybe(src, w, usage)),
-        ], src, w)
+        ],
+        src,
+        w,
+    )
 }
 
 fn usage(src: &mut Source<'_>) -> Value {
@@ -611,7 +692,8 @@ fn chat_response_bytes(src: &mut Source<'_>) -> Vec<u8> {
 /// A buffered chat-completions response, mostly well formed.
 fn chat_response(src: &mut Source<'_>) -> Value {
     let w = INGRESS_WORDS;
-    let message = object(vec![
+    let message = object(
+        vec![
             ("role", Some(json!("assistant"))),
             ("content", maybe(src, w, |s| json!(text(s, w)))),
             ("reasoning_content", maybe(src, w, |s| json!(text(s, w)))),
@@ -622,18 +704,27 @@ fn chat_response(src: &mut Source<'_>) -> Value {
                         "function": {"name": text(s, w), "arguments": text(s, w)}}])
                 }),
             ),
-        ], src, w);
+        ],
+        src,
+        w,
+    );
     let finish = ["stop", "length", "tool_calls", "content_filter"];
-    object(vec![
+    object(
+        vec![
             ("id", Some(json!("chatcmpl-1"))),
             (
                 "choices",
-                maybe(src, w, |s| {
-                    json!([{"index": 0, "message": message, "finish_reason": s.pick(&finish)}])
-                }),
+                maybe(
+                    src,
+                    w,
+                    |s| json!([{"index": 0, "message": message, "finish_reason": s.pick(&finish)}]),
+                ),
             ),
             ("usage", maybe(src, w, usage)),
-        ], src, w)
+        ],
+        src,
+        w,
+    )
 }
 
 /// An Anthropic Messages request, mostly well formed.
@@ -664,7 +755,10 @@ fn anthropic_request(src: &mut Source<'_>) -> Value {
             (0..s.below(5))
                 .map(|_| {
                     let fields = vec![
-                        ("role", maybe(s, w, |s| json!(s.pick(&["user", "assistant"])))),
+                        (
+                            "role",
+                            maybe(s, w, |s| json!(s.pick(&["user", "assistant"]))),
+                        ),
                         ("content", maybe(s, w, content)),
                     ];
                     object(fields, s, w)
@@ -697,13 +791,18 @@ fn anthropic_request(src: &mut Source<'_>) -> Value {
         ),
         (
             "stop_sequences",
-            maybe(src, w, |s| json!((0..s.below(3)).map(|_| text(s, w)).collect::<Vec<_>>())),
+            maybe(src, w, |s| {
+                json!((0..s.below(3)).map(|_| text(s, w)).collect::<Vec<_>>())
+            }),
         ),
         ("stream", maybe(src, w, |s| json!(s.bool()))),
         ("temperature", maybe(src, w, |s| Value::Number(number(s)))),
         ("top_p", maybe(src, w, |s| Value::Number(number(s)))),
         ("top_k", maybe(src, w, |s| Value::Number(number(s)))),
-        ("metadata", maybe(src, w, |s| json!({"user_id": text(s, w)}))),
+        (
+            "metadata",
+            maybe(src, w, |s| json!({"user_id": text(s, w)})),
+        ),
     ];
     object(fields, src, w)
 }
@@ -755,7 +854,10 @@ fn responses_request(src: &mut Source<'_>) -> Value {
         ("model", maybe(src, w, |s| json!(text(s, w)))),
         ("input", maybe(src, w, input)),
         ("instructions", maybe(src, w, |s| json!(text(s, w)))),
-        ("max_output_tokens", maybe(src, w, |s| Value::Number(number(s)))),
+        (
+            "max_output_tokens",
+            maybe(src, w, |s| Value::Number(number(s))),
+        ),
         ("tools", maybe(src, w, tools)),
         (
             "tool_choice",
@@ -794,11 +896,18 @@ pub fn json_vs_serde_json(data: &[u8]) {
     match (&ours, &reference) {
         (Ok((value, text)), Ok(expected)) => {
             assert_eq!(value, expected);
-            if serde_json::json!({"b": 0, "a": 0}).to_string() == r#"{"b":0,"a":0}"# {
+            if serde_json::to_string(&json!({"b": 0, "a": 0}))
+                .ok()
+                .as_deref()
+                == Some(r#"{"b":0,"a":0}"#)
+            {
                 // serde_json keeps document order (`preserve_order`, as the router builds it).
                 assert_eq!(text, &expected.to_string());
             } else {
-                assert_eq!(serde_json::from_str::<Value>(text).ok().as_ref(), Some(expected));
+                assert_eq!(
+                    serde_json::from_str::<Value>(text).ok().as_ref(),
+                    Some(expected)
+                );
             }
         }
         (Err(_), Err(_)) => {}
@@ -850,9 +959,15 @@ pub fn discovery(data: &[u8]) {
     }
     // File-store names: the segment and name encodings round trip, a name decodes to one key.
     let name = String::from_utf8_lossy(data);
-    assert_eq!(decode_segment(&encode_segment(&name)).ok().as_deref(), Some(&*name));
+    assert_eq!(
+        decode_segment(&encode_segment(&name)).ok().as_deref(),
+        Some(&*name)
+    );
     if !name.is_empty() {
-        assert_eq!(decode_file_name(&encode_file_name(&name)).ok().as_deref(), Some(&*name));
+        assert_eq!(
+            decode_file_name(&encode_file_name(&name)).ok().as_deref(),
+            Some(&*name)
+        );
     }
     if let Ok(key) = decode_file_name(&name) {
         // One key has one file name (escapes' hex digits in either case).
@@ -875,9 +990,23 @@ pub fn discovery(data: &[u8]) {
 
 /// A key in one of the watched buckets, mostly of the right shape.
 fn discovery_key(src: &mut Source<'_>) -> String {
-    let bucket = src.pick(&[INSTANCES_BUCKET, MDC_BUCKET, EVENT_CHANNELS_BUCKET, "v1/other/"]);
+    let bucket = src.pick(&[
+        INSTANCES_BUCKET,
+        MDC_BUCKET,
+        EVENT_CHANNELS_BUCKET,
+        "v1/other/",
+    ]);
     let namespace = src.pick(&["dynamo", "dynamo", "other", ""]);
-    let words = ["backend", "prefill", "generate", "a%2Fb", "1", "ff", "0x1", "kv-events"];
+    let words = [
+        "backend",
+        "prefill",
+        "generate",
+        "a%2Fb",
+        "1",
+        "ff",
+        "0x1",
+        "kv-events",
+    ];
     let segments: Vec<String> = (0..src.below(9)).map(|_| text(src, &words)).collect();
     let id = format!("{:x}", src.below(8));
     format!("{bucket}{namespace}/{}/{id}", segments.join("/"))
@@ -886,10 +1015,33 @@ fn discovery_key(src: &mut Source<'_>) -> String {
 /// A record value: mostly a generated JSON record of the shapes Dynamo writes.
 fn discovery_value(src: &mut Source<'_>) -> Vec<u8> {
     let w = &[
-        "Endpoint", "Model", "EventChannel", "backend", "generate", "dynamo", "tcp", "nats",
-        "10.0.0.1:5555/x", "kv-events", "kv_metrics", "decode", "prefill", "endpoint",
-        "component", "namespace", "instance_id", "transport", "card_json", "type", "topic",
-        "scope", "kind", "name", "model", "display_name", "tcp://10.0.0.1:5557",
+        "Endpoint",
+        "Model",
+        "EventChannel",
+        "backend",
+        "generate",
+        "dynamo",
+        "tcp",
+        "nats",
+        "10.0.0.1:5555/x",
+        "kv-events",
+        "kv_metrics",
+        "decode",
+        "prefill",
+        "endpoint",
+        "component",
+        "namespace",
+        "instance_id",
+        "transport",
+        "card_json",
+        "type",
+        "topic",
+        "scope",
+        "kind",
+        "name",
+        "model",
+        "display_name",
+        "tcp://10.0.0.1:5557",
     ][..];
     let value = match src.below(6) {
         0 => return src.bytes(256).to_vec(),

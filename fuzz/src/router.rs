@@ -47,7 +47,14 @@ pub fn fast_head(data: &[u8]) {
             for name in [header::TRANSFER_ENCODING, header::EXPECT, header::UPGRADE] {
                 assert!(!request.headers.contains_key(&name), "a plain request only");
             }
-            assert_eq!(request.headers.get_all(header::CONTENT_LENGTH).iter().count(), 1);
+            assert_eq!(
+                request
+                    .headers
+                    .get_all(header::CONTENT_LENGTH)
+                    .iter()
+                    .count(),
+                1
+            );
             // Any shorter prefix of the head is not a whole head yet.
             let mut prefix = BytesMut::from(&input[..consumed - 1]);
             assert!(matches!(
@@ -111,23 +118,27 @@ fn hyper_reads(head: &[u8]) -> Option<Seen> {
 
     let seen: Arc<Mutex<Option<Seen>>> = Arc::default();
     let slot = seen.clone();
-    let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
-        let slot = slot.clone();
-        async move {
-            *slot.lock().expect("one thread") = Some(Seen {
-                method: request.method().clone(),
-                path: request.uri().to_string(),
-                version: request.version(),
-                headers: request.headers().clone(),
-                length: request.body().size_hint().exact(),
-            });
-            Ok::<_, std::convert::Infallible>(http::Response::new(Empty::<Bytes>::new()))
-        }
-    });
+    let service =
+        hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+            let slot = slot.clone();
+            async move {
+                *slot.lock().expect("one thread") = Some(Seen {
+                    method: request.method().clone(),
+                    path: request.uri().to_string(),
+                    version: request.version(),
+                    headers: request.headers().clone(),
+                    length: request.body().size_hint().exact(),
+                });
+                Ok::<_, std::convert::Infallible>(http::Response::new(Empty::<Bytes>::new()))
+            }
+        });
     RUNTIME.with(|runtime| {
         runtime.block_on(async {
             let (mut client, server) = tokio::io::duplex(1 << 20);
-            client.write_all(head).await.expect("the pipe holds the head");
+            client
+                .write_all(head)
+                .await
+                .expect("the pipe holds the head");
             client.shutdown().await.expect("half close");
             // Half-close: the client's end of input must not abort a request hyper has read.
             let connection = hyper::server::conn::http1::Builder::new()
@@ -188,7 +199,10 @@ fn head_outcome(
             assert_eq!(head.framing, Framing::Length(0));
         }
         if head.framing == Framing::UntilClose {
-            assert!(!head.keep_alive, "a body read to the close ends the connection");
+            assert!(
+                !head.keep_alive,
+                "a body read to the close ends the connection"
+            );
         }
         if head.version == Version::HTTP_10 && head.keep_alive {
             assert!(matches!(head.framing, Framing::Length(_)) || head.framing == Framing::Chunked);
@@ -198,8 +212,16 @@ fn head_outcome(
             .iter()
             .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
             .collect();
-        let summary = format!("{} {:?} keep_alive={}", head.status, head.version, head.keep_alive);
-        return Ok(Some((summary, format!("{:?}", head.framing), fields, buf.to_vec())));
+        let summary = format!(
+            "{} {:?} keep_alive={}",
+            head.status, head.version, head.keep_alive
+        );
+        return Ok(Some((
+            summary,
+            format!("{:?}", head.framing),
+            fields,
+            buf.to_vec(),
+        )));
     }
     Ok(None)
 }
@@ -224,7 +246,11 @@ enum Chunked {
 fn chunked_agrees(input: &[u8], seed: u8) {
     let expected = reference_chunked(input);
     assert_eq!(decode_chunked(&[input]), expected, "whole input");
-    assert_eq!(decode_chunked(&pieces(input, seed)), expected, "input in pieces");
+    assert_eq!(
+        decode_chunked(&pieces(input, seed)),
+        expected,
+        "input in pieces"
+    );
 }
 
 /// [`ChunkedDecoder`] over `parts` fed one after another into one buffer, as the pool reads.
@@ -268,7 +294,10 @@ fn reference_chunked(input: &[u8]) -> Chunked {
         let content = &rest[..end.unwrap_or(rest.len())];
         let digits = content.iter().take_while(|b| b.is_ascii_hexdigit()).count();
         let after = &content[digits..];
-        let ws = after.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
+        let ws = after
+            .iter()
+            .take_while(|&&b| b == b' ' || b == b'\t')
+            .count();
         let shape_ok = digits <= 16
             && (digits > 0 || content.is_empty() && end.is_none())
             && (after[ws..].is_empty() || after[ws] == b';');
@@ -294,9 +323,9 @@ fn reference_chunked(input: &[u8]) -> Chunked {
             Some(b'\n') if !too_long(end + 2) => {}
             Some(_) => return Chunked::Error(body),
         }
-        let size = content[..digits]
-            .iter()
-            .fold(0u64, |n, &b| n << 4 | u64::from((b as char).to_digit(16).unwrap_or(0)));
+        let size = content[..digits].iter().fold(0u64, |n, &b| {
+            n << 4 | u64::from((b as char).to_digit(16).unwrap_or(0))
+        });
         at += end + 2;
         if size == 0 {
             return reference_trailers(input, at, body);
@@ -412,7 +441,7 @@ struct Env;
 
 impl EnvLookup for Env {
     fn var(&self, name: &str) -> Option<String> {
-        (name.len() % 2 == 0).then(|| format!("v-{name}"))
+        name.len().is_multiple_of(2).then(|| format!("v-{name}"))
     }
 }
 
@@ -433,5 +462,9 @@ pub fn config_yaml(data: &[u8]) {
     }
     let again = Config::from_yaml_str(&shown, &Env)
         .unwrap_or_else(|e| panic!("the effective config does not load: {e}\n{shown}"));
-    assert_eq!(show_effective(&again), shown, "the effective config is a fixed point");
+    assert_eq!(
+        show_effective(&again),
+        shown,
+        "the effective config is a fixed point"
+    );
 }
