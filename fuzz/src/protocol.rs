@@ -896,18 +896,15 @@ pub fn json_vs_serde_json(data: &[u8]) {
     match (&ours, &reference) {
         (Ok((value, text)), Ok(expected)) => {
             assert_eq!(value, expected);
+            // With `preserve_order` (as the router and the fuzz crate build serde_json) the
+            // compact text is the same; without it `Value` sorts its keys and only the values
+            // compare (the protocol crate's own tests).
             if serde_json::to_string(&json!({"b": 0, "a": 0}))
                 .ok()
                 .as_deref()
                 == Some(r#"{"b":0,"a":0}"#)
             {
-                // serde_json keeps document order (`preserve_order`, as the router builds it).
                 assert_eq!(text, &expected.to_string());
-            } else {
-                assert_eq!(
-                    serde_json::from_str::<Value>(text).ok().as_ref(),
-                    Some(expected)
-                );
             }
         }
         (Err(_), Err(_)) => {}
@@ -915,11 +912,15 @@ pub fn json_vs_serde_json(data: &[u8]) {
     }
     for key in ["model", "messages", "input", "", "a"] {
         let field = continuum_protocol::ingress::json_field_for_fuzzing(data, key);
-        let expected = reference
-            .as_ref()
-            .ok()
-            .and_then(Value::as_object)
-            .and_then(|o| o.get(key));
+        let Ok(whole) = &reference else {
+            // A member is read without the rest being built, so a number beyond `f64` elsewhere
+            // (which `Value` refuses) does not hide it; anything not JSON at all does.
+            if serde_json::from_slice::<serde::de::IgnoredAny>(data).is_err() {
+                assert_eq!(field, None, "the member {key:?} of what is not JSON");
+            }
+            continue;
+        };
+        let expected = whole.as_object().and_then(|o| o.get(key));
         assert_eq!(field.as_ref(), expected, "the member {key:?}");
     }
 }
