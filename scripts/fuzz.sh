@@ -28,6 +28,7 @@ fi
 BUILD=(--sanitizer none --debug-assertions --release)
 
 cmin=false
+MAX_CORPUS="${MAX_CORPUS:-300}"
 if [ "${1:-}" = "--cmin" ]; then
   cmin=true
   shift
@@ -52,7 +53,21 @@ mkdir -p fuzz/artifacts
 for target in "${targets[@]}"; do
   mkdir -p "fuzz/corpus/$target"
   if $cmin; then
-    (cd fuzz && nice -n 19 cargo +nightly fuzz cmin "${BUILD[@]}" "$target")
+    # A set-cover merge on edges (fewest inputs covering what the corpus covers), then at most
+    # MAX_CORPUS files (half the smallest, half the largest) so the committed corpora stay small.
+    host=$(rustc +nightly -vV | sed -n 's/^host: //p')
+    work="fuzz/corpus-work/$target"
+    rm -rf "$work" && mkdir -p "$work"
+    nice -n 19 "fuzz/target/$host/release/$target" -set_cover_merge=1 -use_counters=0 \
+      -rss_limit_mb=512 -timeout=10 "$work" "fuzz/corpus/$target" >/dev/null 2>&1
+    rm -rf "fuzz/corpus/$target" && mv "$work" "fuzz/corpus/$target"
+    files=$(find "fuzz/corpus/$target" -type f | wc -l)
+    if [ "$files" -gt "$MAX_CORPUS" ]; then
+      half=$((MAX_CORPUS / 2))
+      ls -S "fuzz/corpus/$target" | sed -n "$((half + 1)),$((files - half))p" |
+        while read -r f; do rm "fuzz/corpus/$target/$f"; done
+    fi
+    echo "$target: $(find "fuzz/corpus/$target" -type f | wc -l) files"
     continue
   fi
   echo "== $target: ${seconds}s"
