@@ -26,6 +26,21 @@ mod stream;
 
 pub use stream::SseEvent;
 
+/// The borrowed JSON tree's reading of `bytes`, as a `serde_json::Value` and as its compact text:
+/// for the differential fuzz target against `serde_json` (`fuzz/`) and its corpus replay only.
+#[doc(hidden)]
+pub fn json_tree_for_fuzzing(bytes: &[u8]) -> Result<(serde_json::Value, String), String> {
+    let tree = json::Json::parse(bytes).map_err(|e| e.to_string())?;
+    Ok((tree.to_value(), tree.to_json_string()))
+}
+
+/// The borrowed JSON tree's member `key` of `bytes` read alone (`Json::parse_field`); as
+/// [`json_tree_for_fuzzing`], for the fuzz target only.
+#[doc(hidden)]
+pub fn json_field_for_fuzzing(bytes: &[u8], key: &str) -> Option<serde_json::Value> {
+    json::Json::parse_field(bytes, key).map(|field| field.to_value())
+}
+
 /// One upstream chat-completions SSE `data:` payload, as both stream converters read it.
 pub(crate) enum ChatChunk {
     /// `[DONE]`.

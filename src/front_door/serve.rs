@@ -61,6 +61,11 @@ use crate::wire::error::ApiError;
 
 mod fast;
 
+/// The fast server's head parser and hand-over decision, for the fuzz targets (`fuzz/`) and their
+/// corpus replay only.
+#[doc(hidden)]
+pub use fast::{MAX_FAST_HEAD, Parsed as FastParsed, parse as parse_fast_head};
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// File descriptors kept free of client connections (listener, logs, etcd, ZMQ, artifacts).

@@ -40,6 +40,7 @@ mod features;
 mod front_door;
 mod front_door_hardening;
 mod front_door_probe;
+mod fuzz_corpus;
 mod ingress_dynamo_e2e;
 mod ingress_kv_parity;
 mod ingress_sdk;

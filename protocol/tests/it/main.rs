@@ -4,4 +4,5 @@
 //! tests/it/README.md at the repository root).
 
 mod discovery;
+mod fuzz_corpus;
 mod kube_equivalence;

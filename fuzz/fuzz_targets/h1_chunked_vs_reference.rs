@@ -1,0 +1,4 @@
+//! Fuzz target `h1_chunked_vs_reference`: [`continuum_fuzz::router::h1_chunked_vs_reference`].
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| continuum_fuzz::router::h1_chunked_vs_reference(data));
