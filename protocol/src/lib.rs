@@ -20,6 +20,7 @@
 //! | [`kv`] | kv-events decoding, the bounded radix index, block hashing, the KV cost function |
 //! | [`ingress`] | Anthropic Messages API ⇄ OpenAI chat-completions converters (requests, responses, SSE streams, error objects) |
 //! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
+//! | [`ratelimit`] | GCRA request and token buckets, the per-name LRU table, `RateLimit` fields |
 
 pub mod backoff;
 pub mod breaker;
@@ -33,6 +34,7 @@ pub mod kube;
 pub mod kv;
 pub mod load_store;
 pub mod picker;
+pub mod ratelimit;
 pub mod subscription_plan;
 pub mod time;
 pub mod zmtp;
