@@ -36,6 +36,7 @@ pub mod backends;
 pub mod body;
 pub mod h1;
 pub mod headers;
+pub mod limits;
 pub mod pool;
 pub mod relay;
 pub mod upstream;
@@ -139,6 +140,8 @@ pub struct Proxy {
     disaggregated: AtomicBool,
     fallback_to_unified: AtomicBool,
     metrics: Option<Metrics>,
+    /// `rate_limits` (keys admitted by `crate::route`, backends here).
+    limits: limits::RateLimiter,
 }
 
 impl Proxy {
@@ -150,6 +153,7 @@ impl Proxy {
             options,
             disaggregated: AtomicBool::new(false),
             fallback_to_unified: AtomicBool::new(true),
+            limits: limits::RateLimiter::new(metrics.as_ref().map(|m| m.registry())),
             metrics,
         }
     }
@@ -158,6 +162,17 @@ impl Proxy {
     /// backends keep their health, breaker and probe task.
     pub fn reconfigure(&self, config: &Config) {
         self.set_backends(&config.backends, &config.disaggregated_serving);
+        self.limits.reconfigure(&config.rate_limits);
+    }
+
+    /// The rate limits (`rate_limits`), reloaded by [`Proxy::reconfigure`].
+    pub fn limits(&self) -> &limits::RateLimiter {
+        &self.limits
+    }
+
+    /// Now, on the proxy's clock.
+    pub fn now(&self) -> continuum_protocol::time::Tick {
+        self.pool.now()
     }
 
     pub fn set_backends(&self, backends: &[BackendConfig], disagg: &DisaggregatedServingConfig) {
@@ -272,9 +287,25 @@ impl Proxy {
         let outbound_headers =
             headers::Outbound::new(&request.headers, dispatch, request.authenticated);
         let mut last_error = None;
-        let attempts = candidates.len().min(self.options.max_attempts.max(1));
-        for backend in candidates.iter().take(attempts) {
+        let tokens = request.body.prompt_tokens;
+        let open: Vec<&Arc<Backend>> = candidates
+            .iter()
+            .filter(|b| {
+                self.limits
+                    .backend_would_admit(b.name(), self.pool.now(), tokens)
+            })
+            .collect();
+        let attempts = open.len().min(self.options.max_attempts.max(1));
+        let mut limited = None;
+        for backend in open.into_iter().take(attempts) {
             if !backend.admit(self.pool.now()).is_admitted() {
+                continue;
+            }
+            if let Err(refusal) = self
+                .limits
+                .admit_backend(backend.name(), self.pool.now(), tokens)
+            {
+                limited = Some(refusal);
                 continue;
             }
             let Ok(target) = backend.target() else {
@@ -317,7 +348,11 @@ impl Proxy {
                     } else {
                         relay::buffered(resp, backend.name()).await
                     };
-                    return relayed.map(|resp| decorate(resp, request, backend, dispatch, path));
+                    return relayed.map(|mut resp| {
+                        resp.extensions_mut()
+                            .insert(limits::ServedBy(backend.name().into()));
+                        decorate(resp, request, backend, dispatch, path)
+                    });
                 }
                 Err(error) if error.is_connect() => {
                     backend.record_failure(self.pool.now());
@@ -334,12 +369,36 @@ impl Proxy {
                 }
             }
         }
+        if last_error.is_none()
+            && let Some(limited) = limited.or_else(|| self.all_limited(candidates, tokens))
+        {
+            self.limits.count(&limited);
+            return Err(ApiError::RateLimited(Box::new(limited)));
+        }
         Err(match last_error {
             Some(error) => {
                 ApiError::BadGateway(format!("no backend replica was reachable: {error}"))
             }
             None => ApiError::Unavailable("no backend replica admitted the request".into()),
         })
+    }
+}
+
+impl Proxy {
+    /// When every candidate is at its backend limit: the refusal of the one that frees soonest.
+    fn all_limited(&self, candidates: &[Arc<Backend>], tokens: u64) -> Option<limits::Limited> {
+        let now = self.pool.now();
+        if candidates.is_empty()
+            || candidates
+                .iter()
+                .any(|b| self.limits.backend_would_admit(b.name(), now, tokens))
+        {
+            return None;
+        }
+        candidates
+            .iter()
+            .filter_map(|b| self.limits.backend_refusal(b.name(), now, tokens))
+            .min_by_key(|l| l.refusal.retry_after)
     }
 }
 

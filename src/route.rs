@@ -20,6 +20,7 @@
 //! `crate::proxy`'s; this module never touches a socket.
 
 pub mod dynamo;
+pub mod usage;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,6 +46,8 @@ pub struct Caller {
     pub authenticated: bool,
     /// The key's `allowed_backends` (empty = all).
     pub allowed_backends: Vec<String>,
+    /// The key's configured name (`None`: no key, the front door is open); names its rate limits.
+    pub key: Option<String>,
 }
 
 /// The orchestrator: the proxy (transport) and, when the daemon runs one, the Dynamo router.
@@ -128,8 +131,17 @@ impl Router {
             Ok(request) => request,
             Err(error) => return error.into_response(),
         };
+        let key = caller.key.as_deref();
+        let now = self.proxy.now();
+        if let Err(limited) = self
+            .proxy
+            .limits()
+            .admit_key(key, now, request.body.prompt_tokens)
+        {
+            return ApiError::RateLimited(Box::new(limited)).into_response();
+        }
         match self.route(&request, &caller.allowed_backends).await {
-            Ok(resp) => resp,
+            Ok(resp) => usage::debit_completion(&self.proxy, key, resp),
             Err(error) => error.into_response(),
         }
     }
@@ -146,11 +158,14 @@ impl Router {
             && request.route != OpenAiRoute::ResponsesCompact
             && let Some(dynamo) = self.dynamo.load_full()
         {
+            let (now, tokens) = (self.proxy.now(), request.body.prompt_tokens);
+            // A shim replica at its rate limit is skipped like an unhealthy one.
             let usable = |name: &str| {
                 self.proxy
                     .pool()
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
+                    && self.proxy.limits().backend_would_admit(name, now, tokens)
             };
             let plan = if request.route == OpenAiRoute::Responses {
                 dynamo.decide_parsed(&request.body, allowed, usable)

@@ -55,6 +55,7 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     v.event_bus(config);
     v.kv_cache_index(config);
     let mut out = v.out;
+    out.extend(super::rate_limits::validate(config));
     // Keys of a feature this build lacks are validated like the others, then flagged.
     out.extend(super::features::inactive(
         config,
