@@ -65,6 +65,7 @@ struct Harness {
 }
 
 impl Harness {
+    /// On the injected clock (starts at zero, moved by [`Harness::advance`]).
     fn new(config: &Config) -> Self {
         let clock = Arc::new(AtomicU64::new(0));
         let ticks = clock.clone();
@@ -72,6 +73,10 @@ impl Harness {
             clock: Arc::new(move || Tick::from_millis(ticks.load(Ordering::SeqCst))),
             ..ProxyOptions::default()
         };
+        Self::with_options(config, options, clock)
+    }
+
+    fn with_options(config: &Config, options: ProxyOptions, clock: Arc<AtomicU64>) -> Self {
         let metrics = Metrics::new("rate-limit-test").expect("metrics");
         let proxy = Arc::new(Proxy::new(options, Some(metrics.clone())));
         proxy.reconfigure(config);
@@ -312,4 +317,75 @@ async fn the_open_front_door_uses_the_unauthenticated_limit() {
         rendered.contains(r#"continuum_rate_limited_total{name="unauthenticated",scope="key"} 1"#),
         "{rendered}"
     );
+}
+
+/// The official SDKs get their typed `RateLimitError` and their built-in retry, honouring
+/// `retry-after-ms`, succeeds once the bucket refills (`tests/fixtures/ingress/rate_limit_sdks.py`,
+/// on the real clock: one request per second per key).
+#[cfg(feature = "real-peers")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_official_sdks_get_typed_errors_and_their_retry_succeeds() {
+    let mut up = FakeUpstream::start().await;
+    let ok = json!({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                 "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}});
+    for _ in 0..6 {
+        up.push(Reply::Json(StatusCode::OK, ok.clone(), vec![]));
+    }
+    let mut config = Config::default();
+    config.backends = vec![backend("up", &up.url())];
+    for (key, name) in [("sk-openai", "openai"), ("sk-anthropic", "anthropic")] {
+        config.api_keys.push(ApiKeyConfig {
+            key: key.into(),
+            name: name.into(),
+            allowed_backends: None,
+        });
+        config.rate_limits.api_keys.insert(name.into(), rpm(60, 1));
+    }
+    let h = Harness::with_options(&config, ProxyOptions::default(), Arc::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let app = front_door::router(h.state.clone());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let python = std::env::var("CONTINUUM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/ingress/rate_limit_sdks.py"
+    );
+    let run = tokio::process::Command::new(&python)
+        .args([script, &base])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the SDK script finishes within 120 s")
+        .unwrap_or_else(|e| panic!("starting {python} (set CONTINUUM_PYTHON): {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("OK"),
+        "the SDK script failed (needs anthropic + openai in {python}):\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every refusal was seen by an SDK: two typed errors and at least one retried refusal for
+    // openai (chat, Responses), one of each for anthropic; six answers reached the upstream.
+    let rendered = h.metrics.render();
+    let count = |name: &str| -> u64 {
+        let series = format!("continuum_rate_limited_total{{name=\"{name}\",scope=\"key\"}} ");
+        rendered
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(count("openai") >= 4, "{rendered}");
+    assert!(count("anthropic") >= 2, "{rendered}");
+    for _ in 0..6 {
+        up.next_request().await;
+    }
+    assert!(up.try_request().is_none(), "a refused request reached the upstream");
 }
