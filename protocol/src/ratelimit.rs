@@ -158,6 +158,33 @@ impl Refusal {
     }
 }
 
+/// Whose limit refused: the `scope` metric label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// An API key's (or the unauthenticated) limit.
+    Key,
+    /// Every backend that could serve the request is at its limit.
+    Backend,
+}
+
+impl Scope {
+    /// The label value.
+    pub const fn as_label(self) -> &'static str {
+        match self {
+            Scope::Key => "key",
+            Scope::Backend => "backend",
+        }
+    }
+}
+
+/// A refusal and the configured name of the limit that gave it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limited {
+    pub scope: Scope,
+    pub name: String,
+    pub refusal: Refusal,
+}
+
 /// The buckets of one key or backend.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LimitState {

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use continuum_protocol::ratelimit::table::KeyedState;
+pub use continuum_protocol::ratelimit::{Limited, Scope};
 use continuum_protocol::ratelimit::{Limits, Refusal};
 use continuum_protocol::time::Tick;
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
@@ -22,30 +23,6 @@ use crate::config::rate_limits::{DEFAULT_MAX_TRACKED_KEYS, RateLimitsConfig};
 /// The `name` label of the unauthenticated bucket (tracked under the empty name, which no
 /// configured key has).
 pub const UNAUTHENTICATED: &str = "unauthenticated";
-
-/// Which limit refused: the `scope` label.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Scope {
-    Key,
-    Backend,
-}
-
-impl Scope {
-    pub const fn as_label(self) -> &'static str {
-        match self {
-            Scope::Key => "key",
-            Scope::Backend => "backend",
-        }
-    }
-}
-
-/// A refusal and the limit that gave it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Limited {
-    pub scope: Scope,
-    pub name: String,
-    pub refusal: Refusal,
-}
 
 #[derive(Default)]
 struct State {

@@ -45,17 +45,17 @@ pub enum ApiError {
     GatewayTimeout(String),
     /// A rate limit binds: 429 with `Retry-After` and the `RateLimit` fields.
     #[error("{}", rate_limit_message(.0))]
-    RateLimited(Box<crate::proxy::limits::Limited>),
+    RateLimited(Box<continuum_protocol::ratelimit::Limited>),
 }
 
-fn rate_limit_message(limited: &crate::proxy::limits::Limited) -> String {
+fn rate_limit_message(limited: &continuum_protocol::ratelimit::Limited) -> String {
     let policy = match limited.refusal.policy {
         continuum_protocol::ratelimit::Policy::Requests => "requests",
         continuum_protocol::ratelimit::Policy::Tokens => "tokens",
     };
     let whose = match limited.scope {
-        crate::proxy::limits::Scope::Key => "this API key",
-        crate::proxy::limits::Scope::Backend => "every backend serving the model",
+        continuum_protocol::ratelimit::Scope::Key => "this API key",
+        continuum_protocol::ratelimit::Scope::Backend => "every backend serving the model",
     };
     format!(
         "rate limit reached: {whose} is over its {policy} per minute; retry after {} s",
@@ -66,7 +66,7 @@ fn rate_limit_message(limited: &crate::proxy::limits::Limited) -> String {
 /// The rate-limit response fields of a refusal: `Retry-After` (whole seconds), `retry-after-ms`
 /// (the OpenAI and Anthropic SDKs read it first), `RateLimit-Policy` and `RateLimit`.
 pub fn rate_limit_headers(
-    limited: &crate::proxy::limits::Limited,
+    limited: &continuum_protocol::ratelimit::Limited,
 ) -> Vec<(axum::http::HeaderName, axum::http::HeaderValue)> {
     use axum::http::{HeaderName, HeaderValue, header};
     let refusal = &limited.refusal;
