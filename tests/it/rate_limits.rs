@@ -133,8 +133,10 @@ impl Harness {
 }
 
 fn keyed(backends: Vec<BackendConfig>) -> Config {
-    let mut config = Config::default();
-    config.backends = backends;
+    let mut config = Config {
+        backends,
+        ..Config::default()
+    };
     for (key, name) in [("sk-a", "team-a"), ("sk-b", "team-b")] {
         config.api_keys.push(ApiKeyConfig {
             key: key.into(),
@@ -306,8 +308,10 @@ async fn completion_tokens_from_usage_are_debited_after_the_answer() {
 #[tokio::test]
 async fn the_open_front_door_uses_the_unauthenticated_limit() {
     let up = FakeUpstream::start().await;
-    let mut config = Config::default();
-    config.backends = vec![backend("up", &up.url())];
+    let mut config = Config {
+        backends: vec![backend("up", &up.url())],
+        ..Config::default()
+    };
     config.rate_limits.unauthenticated = Some(rpm(60, 1));
     let h = Harness::new(&config);
     assert_eq!(h.chat("anything").await.status(), StatusCode::OK);
@@ -334,8 +338,10 @@ async fn the_official_sdks_get_typed_errors_and_their_retry_succeeds() {
     for _ in 0..5 {
         up.push(Reply::Json(StatusCode::OK, ok.clone(), vec![]));
     }
-    let mut config = Config::default();
-    config.backends = vec![backend("up", &up.url())];
+    let mut config = Config {
+        backends: vec![backend("up", &up.url())],
+        ..Config::default()
+    };
     for (key, name) in [("sk-openai", "openai"), ("sk-anthropic", "anthropic")] {
         config.api_keys.push(ApiKeyConfig {
             key: key.into(),
