@@ -32,6 +32,11 @@
 //! - Parse: the request-body step alone (top-level scan, bytes forwarded) against a full
 //!   `serde_json::Value` parse, for the small request and a 256-message one.
 //!
+//! - Rate limits: the admission steps one request takes through `proxy::limits` (the key's
+//!   check, each candidate's `would_admit`, the chosen backend's debit, the completion-token
+//!   question), with no limit configured and with key and backend limits that do not bind
+//!   (goal: ≤ 1 µs per request). `PROXY_BENCH=rate_limits` runs only this pass.
+//!
 //! The numbers are noisy when other processes use the same cores; compare CPU µs/request first.
 
 use std::collections::HashMap;
@@ -369,8 +374,49 @@ fn parse_cost() {
     }
 }
 
+/// The rate-limit admission steps of one request with two candidate backends.
+fn rate_limit_cost() {
+    use continuum_router::config::Config;
+    use continuum_router::config::rate_limits::RateLimitConfig;
+    let unbound = RateLimitConfig {
+        requests_per_minute: Some(1_000_000_000),
+        tokens_per_minute: Some(1_000_000_000_000),
+        ..RateLimitConfig::default()
+    };
+    let mut limited = Config::default();
+    limited.rate_limits.api_keys.insert("team".into(), unbound);
+    for name in ["a", "b"] {
+        limited.rate_limits.backends.insert(name.into(), unbound);
+    }
+    for (label, config) in [
+        ("no limits", Config::default()),
+        ("limits not binding", limited),
+    ] {
+        let limits = continuum_router::proxy::limits::RateLimiter::new(None);
+        limits.reconfigure(&config.rate_limits);
+        let rounds: u32 = 200_000;
+        let start = Instant::now();
+        for i in 0..rounds {
+            let now = continuum_protocol::time::Tick(Duration::from_micros(u64::from(i)));
+            let admitted = limits.admit_key(Some("team"), now, 20).is_ok()
+                && limits.backend_would_admit("a", now, 20)
+                && limits.backend_would_admit("b", now, 20)
+                && limits.admit_backend("a", now, 20).is_ok();
+            std::hint::black_box(admitted && limits.counts_tokens(Some("team"), Some("a")));
+        }
+        println!(
+            "[rate limits] {label}: {:?} per request (admission steps, 2 candidates)",
+            start.elapsed() / rounds
+        );
+    }
+}
+
 fn main() {
     parse_cost();
+    rate_limit_cost();
+    if std::env::var("PROXY_BENCH").is_ok_and(|v| v == "rate_limits") {
+        return;
+    }
     let args: Vec<usize> = std::env::args()
         .skip(1)
         .filter_map(|a| a.parse().ok())

@@ -6,6 +6,7 @@
 //! | [`interpolate`] | `${ENV_VAR}` expansion with an injectable environment |
 //! | [`validate`] | every validation rule and warning, as path-addressed [`Diagnostic`]s |
 //! | [`features`] | keys of a Cargo feature this build lacks: "compiled but inactive" warnings, the effective config |
+//! | [`rate_limits`] | `rate_limits`: per-key, unauthenticated and per-backend request and token limits, their rules |
 //! | [`mask`] | `config show`: the effective config as YAML with secrets masked |
 //! | [`diff`] | reload classification of an old/new config pair ([`ReloadPlan`]) |
 //! | [`guard`] | the reload guard: refuses a file that removes every backend or the admin API |
@@ -29,6 +30,7 @@ pub mod features;
 pub mod guard;
 pub mod interpolate;
 pub mod mask;
+pub mod rate_limits;
 pub mod report;
 pub mod schema;
 pub mod validate;

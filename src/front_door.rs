@@ -346,6 +346,7 @@ pub async fn admit(
     let bytes = read_bounded(headers, body, state.route.max_request_body_bytes()).await?;
     let caller = Caller {
         authenticated: key.is_some(),
+        key: key.as_ref().map(|k| k.name.clone()),
         allowed_backends: key.map(|k| k.allowed_backends).unwrap_or_default(),
     };
     Ok((caller, bytes))

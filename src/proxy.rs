@@ -36,6 +36,7 @@ pub mod backends;
 pub mod body;
 pub mod h1;
 pub mod headers;
+pub mod limits;
 pub mod pool;
 pub mod relay;
 pub mod upstream;
@@ -145,6 +146,8 @@ pub struct Proxy {
     /// `disaggregated_serving.mid_stream_fallback` (read by the route's mid-stream fallback).
     mid_stream: ArcSwap<MidStreamFallbackConfig>,
     metrics: Option<Metrics>,
+    /// `rate_limits` (keys admitted by `crate::route`, backends here).
+    limits: limits::RateLimiter,
 }
 
 impl Proxy {
@@ -157,6 +160,7 @@ impl Proxy {
             disaggregated: AtomicBool::new(false),
             fallback_to_unified: AtomicBool::new(true),
             mid_stream: ArcSwap::default(),
+            limits: limits::RateLimiter::new(metrics.as_ref().map(|m| m.registry())),
             metrics,
         }
     }
@@ -165,6 +169,17 @@ impl Proxy {
     /// backends keep their health, breaker and probe task.
     pub fn reconfigure(&self, config: &Config) {
         self.set_backends(&config.backends, &config.disaggregated_serving);
+        self.limits.reconfigure(&config.rate_limits);
+    }
+
+    /// The rate limits (`rate_limits`), reloaded by [`Proxy::reconfigure`].
+    pub fn limits(&self) -> &limits::RateLimiter {
+        &self.limits
+    }
+
+    /// Now, on the proxy's clock.
+    pub fn now(&self) -> continuum_protocol::time::Tick {
+        self.pool.now()
     }
 
     pub fn set_backends(&self, backends: &[BackendConfig], disagg: &DisaggregatedServingConfig) {
@@ -304,9 +319,25 @@ impl Proxy {
         let outbound_headers =
             headers::Outbound::new(&request.headers, dispatch, request.authenticated);
         let mut last_error = None;
-        let attempts = candidates.len().min(self.options.max_attempts.max(1));
-        for backend in candidates.iter().take(attempts) {
+        let tokens = request.body.prompt_tokens;
+        let open: Vec<&Arc<Backend>> = candidates
+            .iter()
+            .filter(|b| {
+                self.limits
+                    .backend_would_admit(b.name(), self.pool.now(), tokens)
+            })
+            .collect();
+        let attempts = open.len().min(self.options.max_attempts.max(1));
+        let mut limited = None;
+        for backend in open.into_iter().take(attempts) {
             if !backend.admit(self.pool.now()).is_admitted() {
+                continue;
+            }
+            if let Err(refusal) = self
+                .limits
+                .admit_backend(backend.name(), self.pool.now(), tokens)
+            {
+                limited = Some(refusal);
                 continue;
             }
             let Ok(target) = backend.target() else {
@@ -366,12 +397,36 @@ impl Proxy {
                 }
             }
         }
+        if last_error.is_none()
+            && let Some(limited) = limited.or_else(|| self.all_limited(candidates, tokens))
+        {
+            self.limits.count(&limited);
+            return Err(ApiError::RateLimited(Box::new(limited)));
+        }
         Err(match last_error {
             Some(error) => {
                 ApiError::BadGateway(format!("no backend replica was reachable: {error}"))
             }
             None => ApiError::Unavailable("no backend replica admitted the request".into()),
         })
+    }
+}
+
+impl Proxy {
+    /// When every candidate is at its backend limit: the refusal of the one that frees soonest.
+    fn all_limited(&self, candidates: &[Arc<Backend>], tokens: u64) -> Option<limits::Limited> {
+        let now = self.pool.now();
+        if candidates.is_empty()
+            || candidates
+                .iter()
+                .any(|b| self.limits.backend_would_admit(b.name(), now, tokens))
+        {
+            return None;
+        }
+        candidates
+            .iter()
+            .filter_map(|b| self.limits.backend_refusal(b.name(), now, tokens))
+            .min_by_key(|l| l.refusal.retry_after)
     }
 }
 
@@ -385,10 +440,12 @@ fn frontend_error_body<B>(resp: &Response<B>) -> bool {
         .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/json"))
 }
 
-/// Routing headers on every relayed response; identities only when asked with `x-backend`.
-/// The backend that answered (a response extension, for a mid-stream continuation to exclude).
+/// The backend that answered: a response extension, for a mid-stream continuation to exclude and
+/// the completion-token debit to charge.
 #[derive(Clone, Debug)]
 pub struct ServedBy(pub Arc<str>);
+
+/// Routing headers on every relayed response; identities only when asked with `x-backend`.
 
 fn decorate(
     mut resp: Response<Body>,

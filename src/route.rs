@@ -21,6 +21,7 @@
 
 pub mod dynamo;
 pub mod mid_stream;
+pub mod usage;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,6 +47,8 @@ pub struct Caller {
     pub authenticated: bool,
     /// The key's `allowed_backends` (empty = all).
     pub allowed_backends: Vec<String>,
+    /// The key's configured name (`None`: no key, the front door is open); names its rate limits.
+    pub key: Option<String>,
 }
 
 /// The orchestrator: the proxy (transport) and, when the daemon runs one, the Dynamo router.
@@ -132,19 +135,30 @@ impl Router {
             Ok(request) => request,
             Err(error) => return error.into_response(),
         };
+        let key = caller.key.as_deref();
+        let now = self.proxy.now();
+        if let Err(limited) = self
+            .proxy
+            .limits()
+            .admit_key(key, now, request.body.prompt_tokens)
+        {
+            return ApiError::RateLimited(Box::new(limited)).into_response();
+        }
         match self.route(&request, &caller.allowed_backends).await {
             Ok(resp) => {
                 let shim_pool = resp.extensions().get::<ShimPool>().map(|p| p.0.clone());
                 let excluded = shim_pool.unwrap_or_default();
                 let allowed = &caller.allowed_backends;
-                mid_stream::arm(
+                let resp = mid_stream::arm(
                     &self.proxy,
                     &self.budget,
                     &request,
                     allowed,
                     &excluded,
                     resp,
-                )
+                );
+                // Outside the continuation, so the merged usage of a continued stream is read.
+                usage::debit_completion(&self.proxy, key, resp)
             }
             Err(error) => error.into_response(),
         }
@@ -162,11 +176,14 @@ impl Router {
             && request.route != OpenAiRoute::ResponsesCompact
             && let Some(dynamo) = self.dynamo.load_full()
         {
+            let (now, tokens) = (self.proxy.now(), request.body.prompt_tokens);
+            // A shim replica at its rate limit is skipped like an unhealthy one.
             let usable = |name: &str| {
                 self.proxy
                     .pool()
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
+                    && self.proxy.limits().backend_would_admit(name, now, tokens)
             };
             let plan = if request.route == OpenAiRoute::Responses {
                 dynamo.decide_parsed(&request.body, allowed, usable)

@@ -20,6 +20,7 @@
 //! | [`kv`] | kv-events decoding, the bounded radix index, block hashing, the KV cost function |
 //! | [`ingress`] | Anthropic Messages API ⇄ OpenAI chat-completions converters (requests, responses, SSE streams, error objects) |
 //! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
+//! | [`ratelimit`] | GCRA request and token buckets, the per-name LRU table, `RateLimit` fields |
 
 // Test code is exempt from the 120-line limit; product code is linted in the non-test build.
 #![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
@@ -42,6 +43,7 @@ pub mod load_store;
     reason = "LoadBasedPicker::pick, KvAwarePicker::pick_with"
 )]
 pub mod picker;
+pub mod ratelimit;
 pub mod subscription_plan;
 pub mod time;
 pub mod zmtp;

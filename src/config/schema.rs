@@ -90,6 +90,7 @@ pub struct Config {
     pub disaggregated_serving: DisaggregatedServingConfig,
     pub telemetry: TelemetryConfig,
     pub dynamo: DynamoConfig,
+    pub rate_limits: super::rate_limits::RateLimitsConfig,
 }
 
 impl Config {

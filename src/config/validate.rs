@@ -76,6 +76,7 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     out.extend(mid_stream::validate(
         &config.disaggregated_serving.mid_stream_fallback,
     ));
+    out.extend(super::rate_limits::validate(config));
     // Keys of a feature this build lacks are validated like the others, then flagged.
     out.extend(super::features::inactive(
         config,

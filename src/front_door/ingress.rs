@@ -360,6 +360,7 @@ async fn collect(body: Body, limit: usize) -> Result<Bytes, String> {
 /// ingress's format, with the same status.
 async fn upstream_error(kind: Kind, resp: Response) -> Response {
     let status = resp.status();
+    let retry = resp.headers().clone();
     let bytes = collect(resp.into_body(), MAX_ERROR_BODY_BYTES)
         .await
         .unwrap_or_default();
@@ -371,8 +372,23 @@ async fn upstream_error(kind: Kind, resp: Response) -> Response {
         .map(str::to_owned)
         .unwrap_or_else(|| format!("the upstream answered {status}"));
     let code = err.get("code").and_then(Value::as_str);
-    kind.error(status, &message, code)
+    let mut converted = kind.error(status, &message, code);
+    // A 429's `Retry-After` and `RateLimit` fields stay with the converted body.
+    for name in RATE_LIMIT_FIELDS {
+        if let Some(value) = retry.get(name) {
+            converted.headers_mut().insert(name, value.clone());
+        }
+    }
+    converted
 }
+
+/// The response fields of a 429 (the router's own or the upstream's) every ingress keeps.
+const RATE_LIMIT_FIELDS: [&str; 4] = [
+    "retry-after",
+    "retry-after-ms",
+    "ratelimit-policy",
+    "ratelimit",
+];
 
 /// A converted JSON body with the pipeline's response headers (routing path, disclosed
 /// identities).

@@ -43,6 +43,51 @@ pub enum ApiError {
     /// The upstream did not answer within the proxy's deadline.
     #[error("{0}")]
     GatewayTimeout(String),
+    /// A rate limit binds: 429 with `Retry-After` and the `RateLimit` fields.
+    #[error("{}", rate_limit_message(.0))]
+    RateLimited(Box<continuum_protocol::ratelimit::Limited>),
+}
+
+fn rate_limit_message(limited: &continuum_protocol::ratelimit::Limited) -> String {
+    let policy = match limited.refusal.policy {
+        continuum_protocol::ratelimit::Policy::Requests => "requests",
+        continuum_protocol::ratelimit::Policy::Tokens => "tokens",
+    };
+    let whose = match limited.scope {
+        continuum_protocol::ratelimit::Scope::Key => "this API key",
+        continuum_protocol::ratelimit::Scope::Backend => "every backend serving the model",
+    };
+    format!(
+        "rate limit reached: {whose} is over its {policy} per minute; retry after {} s",
+        limited.refusal.retry_after_secs()
+    )
+}
+
+/// The rate-limit response fields of a refusal: `Retry-After` (whole seconds), `retry-after-ms`
+/// (the OpenAI and Anthropic SDKs read it first), `RateLimit-Policy` and `RateLimit`.
+pub fn rate_limit_headers(
+    limited: &continuum_protocol::ratelimit::Limited,
+) -> Vec<(axum::http::HeaderName, axum::http::HeaderValue)> {
+    use axum::http::{HeaderName, HeaderValue, header};
+    let refusal = &limited.refusal;
+    let mut out = vec![(
+        header::RETRY_AFTER,
+        HeaderValue::from(refusal.retry_after_secs()),
+    )];
+    let ms = u64::try_from(refusal.retry_after.as_millis().max(1)).unwrap_or(u64::MAX);
+    out.push((
+        HeaderName::from_static("retry-after-ms"),
+        HeaderValue::from(ms),
+    ));
+    for (name, value) in [
+        ("ratelimit-policy", &refusal.policy_field),
+        ("ratelimit", &refusal.limit_field),
+    ] {
+        if let Ok(value) = HeaderValue::from_str(value) {
+            out.push((HeaderName::from_static(name), value));
+        }
+    }
+    out
 }
 
 impl ApiError {
@@ -67,6 +112,7 @@ impl ApiError {
             ApiError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "model_not_found"),
             ApiError::BadGateway(_) => (StatusCode::BAD_GATEWAY, "bad_gateway"),
             ApiError::GatewayTimeout(_) => (StatusCode::GATEWAY_TIMEOUT, "gateway_timeout"),
+            ApiError::RateLimited(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded"),
         }
     }
 }
@@ -74,7 +120,19 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, code) = self.parts();
-        let body = json!({"error": {"message": self.to_string(), "type": code, "code": code}});
-        (status, Json(body)).into_response()
+        let kind = match &self {
+            // OpenAI's own 429 body: `type` names the limit (`requests` or `tokens`).
+            ApiError::RateLimited(l) => match l.refusal.policy {
+                continuum_protocol::ratelimit::Policy::Requests => "requests",
+                continuum_protocol::ratelimit::Policy::Tokens => "tokens",
+            },
+            _ => code,
+        };
+        let body = json!({"error": {"message": self.to_string(), "type": kind, "code": code}});
+        let mut response = (status, Json(body)).into_response();
+        if let ApiError::RateLimited(limited) = &self {
+            response.headers_mut().extend(rate_limit_headers(limited));
+        }
+        response
     }
 }

@@ -59,6 +59,7 @@ mod otlp_supervision;
 mod picker_admin;
 mod proxy;
 mod proxy_tls;
+mod rate_limits;
 mod replay;
 mod shim_dispatch;
 mod tidy;

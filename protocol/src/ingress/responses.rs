@@ -91,10 +91,12 @@ pub fn error_type_for_status(status: u16) -> &'static str {
     }
 }
 
-/// `{"error":{"message","type","param":null,"code"}}`; `code` is `request_too_large` for a 413.
+/// `{"error":{"message","type","param":null,"code"}}`; `code` is `request_too_large` for a 413
+/// and `rate_limit_exceeded` for a 429.
 pub fn error_body(status: u16, message: &str) -> Value {
     let code = match status {
         413 => json!("request_too_large"),
+        429 => json!("rate_limit_exceeded"),
         503 if message.ends_with(DIRECT_MODE_REFUSAL_CODE) => json!(DIRECT_MODE_REFUSAL_CODE),
         _ => Value::Null,
     };
