@@ -109,7 +109,7 @@ pub struct ReplayArgs {
     /// Each replica records its peers' dispatches in its ledger (after --share-lag).
     #[arg(long)]
     pub replica_sharing: bool,
-    /// Delay before a peer's dispatch reaches a replica (batching + transport); needs
+    /// Delay before a peer's dispatch reaches a replica (batching + transport), with
     /// --replica-sharing.
     #[arg(long, default_value = "5ms", value_parser = humantime::parse_duration)]
     pub share_lag: Duration,
