@@ -11,7 +11,10 @@
 #   NO_BUILD=1 scripts/replay-replicas.sh # uses the binary already built
 #
 # Environment: TRACE, OUT (target/replay-replicas), WORKERS (16), CAPACITY (16384), SEED (1),
-# HEAVY (speedup of the loaded runs, 3.6), LOAD_LAG (5ms), SHARE_LAG (5ms), SPREAD (round_robin).
+# HEAVY (speedup of the loaded runs, 3.6), LOAD_LAG (5ms), SHARE_LAG (5ms), SPREAD (round_robin),
+# LOADS ("light heavy"), CADENCES ("50ms dynamo"), BIN (target/release/continuum-router; with
+# NO_BUILD=1 any build of the binary, e.g. target/debug/continuum-router). Several instances with
+# their own OUT can run parts of the matrix in parallel; PLOT_ONLY=1 with TSV=merged.tsv redraws.
 # docs/replay.md ("Several router replicas") holds the figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,23 +28,26 @@ HEAVY="${HEAVY:-3.6}"
 LOAD_LAG="${LOAD_LAG:-5ms}"
 SHARE_LAG="${SHARE_LAG:-5ms}"
 SPREAD="${SPREAD:-round_robin}"
-BIN=target/release/continuum-router
+BIN="${BIN:-target/release/continuum-router}"
+LOADS="${LOADS:-light heavy}"
+CADENCES="${CADENCES:-50ms dynamo}"
 
-if [ -z "${NO_BUILD:-}" ]; then
+if [ -z "${NO_BUILD:-}" ] && [ -z "${PLOT_ONLY:-}" ]; then
   cargo build --release --bin continuum-router
 fi
 [ -x "$BIN" ] || { echo "no $BIN: build it or unset NO_BUILD" >&2; exit 1; }
 [ -f "$TRACE" ] || { echo "no trace at $TRACE" >&2; exit 1; }
 command -v jq >/dev/null || { echo "needs jq" >&2; exit 1; }
 mkdir -p "$OUT"
-TSV="$OUT/replicas.tsv"
+TSV="${TSV:-$OUT/replicas.tsv}"
+if [ -z "${PLOT_ONLY:-}" ]; then
 printf 'load\tcadence\treplicas\tsharing\tutilisation\tttft_p50_ms\tttft_p99_ms\thit_rate\timbalance\tload_cv\n' >"$TSV"
 echo "cores: $(nproc); load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-for load in light heavy; do
+for load in $LOADS; do
   speedup=1
   [ "$load" = heavy ] && speedup="$HEAVY"
-  for cadence in 50ms dynamo; do
+  for cadence in $CADENCES; do
     if [ "$cadence" = 50ms ]; then
       timing=(--load-interval 50ms --load-lag 0s)
     else
@@ -66,6 +72,7 @@ for load in light heavy; do
     done
   done
 done
+fi
 
 echo "| load | cadence | replicas | sharing | utilisation | TTFT p50 ms | TTFT p99 ms | KV hit rate | max/mean | CV |"
 echo "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"
@@ -111,7 +118,8 @@ for panel, (title, idx) in enumerate([("TTFT p99 / one router's", 1), ("KV hit r
         line = " ".join("%.1f,%.1f" % (px(n), py(t if idx == 1 else h)) for n, t, h in pts)
         dash = "" if sharing == "on" else ' stroke-dasharray="5,3"'
         out.append('<polyline fill="none" stroke="%s" stroke-width="2"%s points="%s"/>' % (colors[(load, cadence)], dash, line))
-for i, ((load, cadence), color) in enumerate(colors.items()):
+present = {(k[0], k[1]) for k in series}
+for i, ((load, cadence), color) in enumerate(c for c in colors.items() if c[0] in present):
     y = H + 20 + 15 * i
     out.append('<line x1="20" y1="%d" x2="50" y2="%d" stroke="%s" stroke-width="2"/><text x="55" y="%d">%s load, %s cadence</text>' % (y, y, color, y + 4, load, cadence))
 out.append('<text x="320" y="%d">solid: --replica-sharing; dashed: without</text>' % (H + 24))
