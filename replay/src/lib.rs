@@ -97,6 +97,22 @@ pub struct ReplayArgs {
     /// Latency model: prefill -> decode KV transfer cost per prompt token, ms (pairs only).
     #[arg(long, default_value_t = 0.01)]
     pub kv_transfer_ms_per_token: f64,
+    /// Router replicas the trace is spread over, each with its own dispatch ledger.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: u32,
+    /// How requests reach the replicas: round_robin or random (a Kubernetes Service).
+    #[arg(long, default_value = "round_robin")]
+    pub replica_spread: sim::Spread,
+    /// Delay between a worker publishing its load and the replicas receiving it.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    pub load_lag: Duration,
+    /// Each replica records its peers' dispatches in its ledger (after --share-lag).
+    #[arg(long)]
+    pub replica_sharing: bool,
+    /// Delay before a peer's dispatch reaches a replica (batching + transport), with
+    /// --replica-sharing.
+    #[arg(long, default_value = "5ms", value_parser = humantime::parse_duration)]
+    pub share_lag: Duration,
     /// tokenizer.json for request-log traces.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -147,7 +163,17 @@ impl ReplayArgs {
         if self.load_interval.is_zero() {
             bail!("--load-interval must be above zero");
         }
+        if self.replicas == 0 || self.replicas > sim::replicas::MAX_REPLICAS {
+            bail!("--replicas must be 1..={}", sim::replicas::MAX_REPLICAS);
+        }
         let mut cfg = SimConfig::new(self.workers, self.capacity, block_size);
+        cfg.replicas = sim::Replicas {
+            count: self.replicas,
+            spread: self.replica_spread,
+            load_lag: self.load_lag,
+            sharing: self.replica_sharing,
+            share_lag: self.share_lag,
+        };
         cfg.prefill_workers = self.prefill_workers;
         cfg.speedup = self.speedup;
         cfg.seed = self.seed;
@@ -244,6 +270,7 @@ pub fn run(args: &ReplayArgs) -> anyhow::Result<report::Summary> {
             conditional_disaggregation: cfg.kv.conditional_disaggregation.enabled,
             decode_busy_threshold: cfg.kv.conditional_disaggregation.decode_busy_threshold,
         },
+        replicas: report::ReplicaSettings::of(&cfg.replicas),
         latency_model: cfg.latency,
         policies: runs.iter().map(report::PolicySummary::of).collect(),
         plots: plots

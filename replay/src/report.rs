@@ -55,6 +55,10 @@ pub struct PolicySummary {
     pub e2e_ms: Percentiles,
     /// Mean over arrivals of max / mean active blocks across workers (1 = even).
     pub load_imbalance: f64,
+    /// Mean over arrivals of std / mean active blocks across decode workers (0 = even).
+    pub load_cv: f64,
+    /// Prefill lane time used / (prefilling workers × the trace's span).
+    pub utilisation: f64,
     /// Requests each worker took part in: decode workers first, then prefill workers.
     pub requests_per_worker: Vec<u64>,
     /// Prompt tokens moved from prefill to decode workers (pairs only).
@@ -81,6 +85,8 @@ impl PolicySummary {
             ttft_ms: Percentiles::of_us(&run.ttft_us),
             e2e_ms: Percentiles::of_us(&run.e2e_us),
             load_imbalance: run.load_imbalance,
+            load_cv: run.load_cv,
+            utilisation: run.utilisation,
             requests_per_worker: run.requests_per_worker.clone(),
             transferred_tokens: run.transferred_tokens,
             bypasses: run.bypasses,
@@ -102,6 +108,29 @@ pub struct KvSettings {
     pub decode_busy_threshold: Option<f64>,
 }
 
+/// The router replicas in `summary.json`.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ReplicaSettings {
+    pub count: u32,
+    /// `round_robin` or `random`.
+    pub spread: &'static str,
+    pub load_lag_ms: f64,
+    pub sharing: bool,
+    pub share_lag_ms: f64,
+}
+
+impl ReplicaSettings {
+    pub fn of(r: &crate::sim::Replicas) -> Self {
+        Self {
+            count: r.count,
+            spread: r.spread.as_label(),
+            load_lag_ms: r.load_lag.as_secs_f64() * 1000.0,
+            sharing: r.sharing,
+            share_lag_ms: r.share_lag.as_secs_f64() * 1000.0,
+        }
+    }
+}
+
 /// `summary.json`.
 #[derive(Clone, Debug, Serialize)]
 pub struct Summary {
@@ -119,6 +148,7 @@ pub struct Summary {
     pub load_interval_ms: f64,
     pub max_staleness_ms: f64,
     pub kv: KvSettings,
+    pub replicas: ReplicaSettings,
     pub latency_model: LatencyModel,
     pub policies: Vec<PolicySummary>,
     pub plots: Vec<String>,

@@ -56,9 +56,11 @@ use continuum_protocol::time::{Tick, UnixMillis};
 use super::latency::LatencyModel;
 use super::trace::TraceRequest;
 
+pub mod replicas;
 mod series;
 mod workers;
 
+pub use replicas::{Replicas, Spread};
 use series::Series;
 use workers::Sim;
 
@@ -125,6 +127,8 @@ pub struct SimConfig {
     pub latency: LatencyModel,
     /// Time buckets of the over-time series.
     pub buckets: usize,
+    /// The router replicas the trace is spread over.
+    pub replicas: Replicas,
 }
 
 impl SimConfig {
@@ -141,6 +145,7 @@ impl SimConfig {
             kv: KvPickParams::default(),
             latency: LatencyModel::default(),
             buckets: 60,
+            replicas: Replicas::default(),
         }
     }
 }
@@ -174,6 +179,12 @@ pub struct PolicyRun {
     pub index_disagreements: u64,
     /// Mean over arrivals (with any load) of max / mean active blocks across workers.
     pub load_imbalance: f64,
+    /// Prefill lane time used, µs (the latency model's only queue).
+    pub prefill_busy_us: u64,
+    /// `prefill_busy_us` / (prefilling workers × the trace's span): the fleet's utilisation.
+    pub utilisation: f64,
+    /// Mean over the same arrivals of std / mean active blocks across decode workers (0 = even).
+    pub load_cv: f64,
     /// Bucket start times, seconds of simulated time.
     pub bucket_starts_s: Vec<f64>,
     /// Per bucket, block hit rate (`None`: no request in it).
@@ -280,8 +291,10 @@ pub fn simulate(
         let bucket = series.bucket_of(arrival);
         series.sample_load(&sim.workers, bucket);
         let now = Tick(Duration::from_micros(arrival));
-        let (outcome, overlaps) = sim.pick(&picking, request, now);
-        let Some(placement) = Placement::of(outcome, candidates, &mut run) else {
+        let r = &cfg.replicas;
+        let replica = r.spread.replica_of(i as u64, r.count, cfg.seed);
+        let (outcome, overlaps) = sim.pick(&picking, replica, request, now);
+        let Some(placement) = Placement::of(outcome, replica, candidates, &mut run) else {
             continue;
         };
         let hit = sim.serve(request, arrival, &placement, &overlaps, policy, &mut run);
@@ -289,7 +302,12 @@ pub fn simulate(
         series.hits[bucket].1 += request.blocks.len() as u64;
     }
     progress(trace.len() as u64);
-    series.finish(&mut run);
+    // Prefill lanes: the prefill workers of a disaggregated fleet, else every worker.
+    let prefilling = match cfg.prefill_workers {
+        0 => cfg.workers,
+        p => p,
+    };
+    series.finish(&mut run, prefilling as usize);
     run
 }
 
@@ -308,13 +326,20 @@ struct Placement {
     /// The pair's prefill worker (disaggregated fleets only).
     prefill: Option<usize>,
     dispatch: Option<DispatchId>,
+    /// The router replica that picked it.
+    replica: usize,
 }
 
 impl Placement {
     /// The placement `outcome` picked, counting its selection reasons, kv result and bypass into
     /// `run`; `None` (counted unrouted) when nothing was picked or the pick names a worker
     /// outside the fleet.
-    fn of(outcome: KvPickOutcome, candidates: &[Candidate], run: &mut PolicyRun) -> Option<Self> {
+    fn of(
+        outcome: KvPickOutcome,
+        replica: usize,
+        candidates: &[Candidate],
+        run: &mut PolicyRun,
+    ) -> Option<Self> {
         let pick = match outcome.outcome {
             PickOutcome::Picked(pick) => pick,
             PickOutcome::NoCandidates(_) => {
@@ -354,6 +379,7 @@ impl Placement {
             decode,
             prefill,
             dispatch: pick.dispatch,
+            replica,
         })
     }
 }

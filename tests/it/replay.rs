@@ -1,6 +1,7 @@
 //! `continuum-router replay`: a synthetic trace whose optimal placement is known gives the hit
 //! rates derived below through the real pickers, index and load store; the binary writes
-//! summary.json and the SVG plots; request logs are rendered and tokenized.
+//! summary.json and the SVG plots; request logs are rendered and tokenized; router replicas
+//! without shared ledgers herd onto one worker, with sharing they spread as one router does.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -58,6 +59,11 @@ fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
         prefill_ms_per_token: 0.1,
         decode_ms_per_token: 20.0,
         kv_transfer_ms_per_token: 0.01,
+        replicas: 1,
+        replica_spread: continuum_replay::sim::Spread::RoundRobin,
+        load_lag: std::time::Duration::ZERO,
+        replica_sharing: false,
+        share_lag: std::time::Duration::from_millis(5),
         tokenizer: None,
         chat_template: None,
     }
@@ -450,4 +456,115 @@ fn request_logs_are_rendered_tokenized_and_share_conversation_prefixes() {
     without.workers = 2;
     let error = run(&without).unwrap_err().to_string();
     assert!(error.contains("needs --tokenizer"), "{error}");
+}
+
+/// `REPLICAS` requests at the same instant, none finishing during the trace: one router's ledger
+/// spreads them one per worker; replicas without sharing each see an idle fleet and pick the same
+/// worker; with sharing (no lag) each sees its peers' dispatches and they spread again.
+#[test]
+fn replicas_herd_without_sharing_and_spread_with_it() {
+    const REPLICAS: u32 = 4;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("burst.jsonl");
+    let lines: Vec<String> = (0..u64::from(REPLICAS))
+        .map(|r| {
+            serde_json::json!({"timestamp": 0, "input_length": 1024, "output_length": 500,
+                "hash_ids": [10 * r, 10 * r + 1]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n") + "\n").unwrap();
+    let replay = |replicas: u32, sharing: bool, name: &str| {
+        let mut a = args(&trace, &dir.path().join(name), &[Policy::Load]);
+        a.replicas = replicas;
+        a.replica_sharing = sharing;
+        a.share_lag = std::time::Duration::ZERO;
+        run(&a).unwrap()
+    };
+    let one = replay(1, false, "one");
+    let herd = replay(REPLICAS, false, "herd");
+    let shared = replay(REPLICAS, true, "shared");
+    assert_eq!(policy(&one, "load").requests_per_worker, [1, 1, 1, 1]);
+    assert_eq!(policy(&herd, "load").requests_per_worker, [4, 0, 0, 0]);
+    assert_eq!(policy(&shared, "load").requests_per_worker, [1, 1, 1, 1]);
+    // The new fields: the replica settings and the load spread.
+    assert_eq!(herd.replicas.count, REPLICAS);
+    assert!(!herd.replicas.sharing && shared.replicas.sharing);
+    // Seen by arrivals 2-4: all on one of four is a CV of sqrt(3) each time; spread, it falls.
+    let cv = |s: &Summary| policy(s, "load").load_cv;
+    assert!((cv(&herd) - 3f64.sqrt()).abs() < 1e-9, "{}", cv(&herd));
+    assert!(
+        cv(&one) < 1.2 && cv(&shared) < 1.2,
+        "{} {}",
+        cv(&one),
+        cv(&shared)
+    );
+    assert!(policy(&herd, "load").ttft_ms.p99 > policy(&shared, "load").ttft_ms.p99);
+}
+
+/// One replica is the replay as it was: spreading and sharing change nothing, on the families
+/// trace under every policy.
+#[test]
+fn one_replica_replays_exactly_as_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("families.jsonl");
+    std::fs::write(&trace, family_trace()).unwrap();
+    let all = [Policy::Load, Policy::Kv, Policy::RoundRobin];
+    let plain = run(&args(&trace, &dir.path().join("plain"), &all)).unwrap();
+    let mut a = args(&trace, &dir.path().join("spread"), &all);
+    a.replica_spread = continuum_replay::sim::Spread::Random;
+    a.replica_sharing = true;
+    let spread = run(&a).unwrap();
+    let json = |s: &Summary| serde_json::to_string(&s.policies).unwrap();
+    assert_eq!(json(&plain), json(&spread));
+}
+
+#[test]
+fn the_binary_runs_two_replicas_and_reports_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("families.jsonl");
+    std::fs::write(&trace, family_trace()).unwrap();
+    let out: PathBuf = dir.path().join("report");
+    let output = Command::new(env!("CARGO_BIN_EXE_continuum-router"))
+        .arg("replay")
+        .args(["--trace".as_ref(), trace.as_os_str()])
+        .args(["--workers", "4", "--capacity", "100000", "--policy", "kv"])
+        .args(["--replicas", "2", "--replica-spread", "random"])
+        .args([
+            "--load-lag",
+            "2ms",
+            "--replica-sharing",
+            "--share-lag",
+            "3ms",
+        ])
+        .args(["--out".as_ref(), out.as_os_str()])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    let replicas = &summary["replicas"];
+    assert_eq!(replicas["count"], 2);
+    assert_eq!(replicas["spread"], "random");
+    assert_eq!(replicas["load_lag_ms"], 2.0);
+    assert_eq!(replicas["sharing"], true);
+    assert_eq!(replicas["share_lag_ms"], 3.0);
+    let kv = &summary["policies"][0];
+    assert_eq!(kv["requests"], 64);
+    assert!(kv["load_cv"].is_number());
+    assert!(kv["ttft_ms"]["p99"].is_number() && kv["prefix_hit_rate"].is_number());
+
+    let refused = Command::new(env!("CARGO_BIN_EXE_continuum-router"))
+        .arg("replay")
+        .args(["--trace".as_ref(), trace.as_os_str()])
+        .args(["--workers", "4", "--capacity", "10", "--replicas", "0"])
+        .args(["--out".as_ref(), out.as_os_str()])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--replicas"));
 }

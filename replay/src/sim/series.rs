@@ -1,5 +1,6 @@
 //! The run's time series: per bucket of simulated time, the block hit rate and each worker's mean
-//! active blocks; over all arrivals, the decode workers' load imbalance.
+//! active blocks; over all arrivals, the decode workers' load imbalance (max / mean and the
+//! coefficient of variation).
 
 use continuum_protocol::picker::{Candidate, CandidateRole};
 
@@ -20,6 +21,8 @@ pub(super) struct Series {
     load: Vec<Vec<(u64, u64)>>,
     imbalance_sum: f64,
     imbalance_n: u64,
+    /// Sum over the same arrivals of the coefficient of variation of the decode workers' blocks.
+    cv_sum: f64,
 }
 
 impl Series {
@@ -40,6 +43,7 @@ impl Series {
             load: vec![vec![(0, 0); buckets]; candidates.len()],
             imbalance_sum: 0.0,
             imbalance_n: 0,
+            cv_sum: 0.0,
         }
     }
 
@@ -59,6 +63,7 @@ impl Series {
     pub(super) fn sample_load(&mut self, workers: &[SimWorker], bucket: usize) {
         let mut max_load = 0u64;
         let mut total_load = 0u64;
+        let mut squares = 0f64;
         for (w, worker) in workers.iter().enumerate() {
             let slot = &mut self.load[w][bucket];
             slot.0 += worker.active_blocks;
@@ -66,19 +71,31 @@ impl Series {
             if worker.decodes {
                 max_load = max_load.max(worker.active_blocks);
                 total_load += worker.active_blocks;
+                squares += (worker.active_blocks as f64).powi(2);
             }
         }
         if total_load > 0 {
             self.imbalance_sum += max_load as f64 * self.decoders as f64 / total_load as f64;
             self.imbalance_n += 1;
+            let n = self.decoders as f64;
+            let mean = total_load as f64 / n;
+            let variance = (squares / n - mean * mean).max(0.0);
+            self.cv_sum += variance.sqrt() / mean;
         }
     }
 
-    pub(super) fn finish(self, run: &mut PolicyRun) {
+    pub(super) fn finish(self, run: &mut PolicyRun, prefilling_workers: usize) {
+        let capacity_us = self.span_us as f64 * prefilling_workers.max(1) as f64;
+        run.utilisation = run.prefill_busy_us as f64 / capacity_us;
         run.load_imbalance = if self.imbalance_n == 0 {
             1.0
         } else {
             self.imbalance_sum / self.imbalance_n as f64
+        };
+        run.load_cv = if self.imbalance_n == 0 {
+            0.0
+        } else {
+            self.cv_sum / self.imbalance_n as f64
         };
         run.hit_rate_series = self
             .hits

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use continuum_actors::picker::answer_arrivals;
 use continuum_protocol::event_plane::ActiveLoad;
-use continuum_protocol::ids::{DpRank, InstanceId, PublisherId};
+use continuum_protocol::ids::{DpRank, InstanceId, PublisherId, WorkerKey};
 use continuum_protocol::kv::events::{
     KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, ResidencyDomain,
     RouterEvent, StorageTier, StoredBlock,
@@ -19,17 +19,21 @@ use continuum_protocol::kv::{ExternalBlockHash, KvEventResult, KvIndex, LocalBlo
 use continuum_protocol::load_store::{LoadSample, LoadStore};
 use continuum_protocol::picker::candidates::StoreView;
 use continuum_protocol::picker::{
-    BlockOverlaps, Candidate, CandidateRole, DispatchId, DynamoWorkerPicker, KvPickInput,
-    KvPickOutcome, LoadBasedPicker, PickContext, PickRequest, PickerState,
+    BlockOverlaps, Candidate, CandidateRole, DispatchId, DispatchLeg, DynamoWorkerPicker,
+    KvPickInput, KvPickOutcome, LoadBasedPicker, PickContext, PickRequest, PickerState,
 };
 use continuum_protocol::time::{Tick, UnixMillis};
 
+use super::replicas::{Delayed, SharedDispatch, micros};
 use super::{MODEL, Picking, Placement, Policy, PolicyRun, SimConfig};
 use crate::trace::TraceRequest;
 
 #[derive(Debug)]
 pub(super) struct SimWorker {
     id: InstanceId,
+    key: WorkerKey,
+    /// Tokens per block of its card.
+    block_size: u64,
     /// A decode or aggregated worker (not a prefill worker).
     pub(super) decodes: bool,
     lru: BlockLru,
@@ -53,7 +57,8 @@ enum WorkerEvent {
     Finished {
         worker: usize,
         blocks: u64,
-        dispatch: Option<DispatchId>,
+        /// The replica that dispatched it and its ledger's id.
+        dispatch: Option<(usize, DispatchId)>,
     },
 }
 
@@ -62,7 +67,13 @@ pub(super) struct Sim<'a> {
     pub(super) workers: Vec<SimWorker>,
     store: LoadStore,
     index: KvIndex,
-    state: PickerState,
+    /// One picker state (dispatch ledger, cursors) per router replica.
+    states: Vec<PickerState>,
+    /// Load samples on their way to the replicas (`load_lag` > 0 only).
+    delayed_load: Delayed<LoadSample>,
+    /// Dispatches on their way to the dispatching replica's peers (sharing only).
+    delayed_share: Delayed<SharedDispatch>,
+    lag_us: u64,
     /// (time µs, order) → index into `events`.
     due: BinaryHeap<Reverse<(u64, u64)>>,
     events: Vec<Option<WorkerEvent>>,
@@ -79,6 +90,8 @@ impl<'a> Sim<'a> {
                 .iter()
                 .map(|c| SimWorker {
                     id: c.worker.instance_id,
+                    key: c.worker.clone(),
+                    block_size: u64::from(c.block_size.unwrap_or(cfg.block_size.get()).max(1)),
                     decodes: c.role != CandidateRole::Prefill,
                     lru: BlockLru::new(usize::try_from(cfg.capacity_blocks).unwrap_or(usize::MAX)),
                     event_id: 0,
@@ -91,7 +104,12 @@ impl<'a> Sim<'a> {
                 .collect(),
             store: LoadStore::new(),
             index: KvIndex::new(splitmix64(cfg.seed)),
-            state: PickerState::new(),
+            states: (0..cfg.replicas.count.max(1))
+                .map(|_| PickerState::new())
+                .collect(),
+            delayed_load: Delayed::default(),
+            delayed_share: Delayed::default(),
+            lag_us: micros(cfg.replicas.load_lag),
             due: BinaryHeap::new(),
             events: Vec::new(),
             interval_us: u64::try_from(cfg.load_interval.as_micros())
@@ -110,17 +128,19 @@ impl<'a> Sim<'a> {
         sim
     }
 
-    /// Step 2: the picker decides as `ShimRouter::decide` does. Returns the outcome and the
-    /// overlaps the kv policy read from the index (none for the other policies).
+    /// Step 2: `replica`'s picker decides as `ShimRouter::decide` does. Returns the outcome and
+    /// the overlaps the kv policy read from the index (none for the other policies).
     pub(super) fn pick(
         &mut self,
         picking: &Picking<'_>,
+        replica: usize,
         request: &TraceRequest,
         now: Tick,
     ) -> (KvPickOutcome, Vec<BlockOverlaps>) {
         let isl = request.input_tokens;
-        answer_arrivals(&mut self.state.ledger, &self.store);
-        self.state.ledger.expire(now);
+        let ledger = &mut self.states[replica].ledger;
+        answer_arrivals(ledger, &self.store);
+        ledger.expire(now);
         let pick_request = PickRequest {
             model: MODEL,
             eligible_namespaces: &picking.namespaces,
@@ -145,7 +165,7 @@ impl<'a> Sim<'a> {
                 &pick_request,
                 picking.candidates,
                 &view,
-                &mut self.state,
+                &mut self.states[replica],
                 now,
             )
             .with_layout(&picking.layout);
@@ -197,7 +217,9 @@ impl<'a> Sim<'a> {
         let cached_tokens = (hit as u64 * bs).min(isl);
         let uncached = isl - cached_tokens;
         let start = arrival.max(self.workers[prefiller].lane_free_us);
-        let prefill_done = start.saturating_add(cfg.latency.prefill_us(uncached));
+        let prefill_us = cfg.latency.prefill_us(uncached);
+        run.prefill_busy_us += prefill_us;
+        let prefill_done = start.saturating_add(prefill_us);
         let blocks = (isl + request.output_tokens).div_ceil(bs);
         let prompt_blocks = isl.div_ceil(bs);
         // A pair: the decode worker's own prefix cache serves what it holds, the rest of the
@@ -233,9 +255,12 @@ impl<'a> Sim<'a> {
             WorkerEvent::Finished {
                 worker: decode,
                 blocks,
-                dispatch: placement.dispatch,
+                dispatch: placement.dispatch.map(|id| (placement.replica, id)),
             },
         );
+        if self.states.len() > 1 && cfg.replicas.sharing && placement.dispatch.is_some() {
+            self.share(placement, isl, arrival);
+        }
 
         run.requests += 1;
         run.requests_per_worker[decode] += 1;
@@ -251,6 +276,34 @@ impl<'a> Sim<'a> {
         hit
     }
 
+    /// Queues a placed request's ledger legs (as the picker recorded them) for the dispatching
+    /// replica's peers, `share_lag` after `now_us`; a peer's copy never marks a stall.
+    fn share(&mut self, placement: &Placement, tokens: u64, now_us: u64) {
+        let leg = |w: &SimWorker, prefill_tokens, decode_blocks| DispatchLeg {
+            worker: w.key.clone(),
+            rank: DpRank(0),
+            prefill_tokens,
+            decode_blocks,
+            request_blocks: decode_blocks.max(prefill_tokens.div_ceil(w.block_size)),
+            stall_exempt: true,
+        };
+        let decode = &self.workers[placement.decode];
+        let mut legs = Vec::with_capacity(2);
+        if let Some(p) = placement.prefill {
+            legs.push(leg(&self.workers[p], tokens, 0));
+        }
+        legs.push(leg(decode, 0, tokens.div_ceil(decode.block_size)));
+        let deliver_us = now_us.saturating_add(micros(self.cfg.replicas.share_lag));
+        self.delayed_share.push(
+            deliver_us,
+            SharedDispatch {
+                deliver_us,
+                origin: placement.replica,
+                legs,
+            },
+        );
+    }
+
     /// Publishes `worker`'s load as of the last tick at or before `t_us` (the state before any
     /// change at `t_us`), if that tick was not published yet.
     fn flush(&mut self, worker: usize, t_us: u64) {
@@ -262,7 +315,7 @@ impl<'a> Sim<'a> {
         w.published_tick = Some(tick);
         w.sequence += 1;
         let at_us = tick * self.interval_us;
-        self.store.apply(LoadSample {
+        let sample = LoadSample {
             load: ActiveLoad {
                 worker_id: w.id,
                 dp_rank: DpRank(0),
@@ -274,7 +327,20 @@ impl<'a> Sim<'a> {
             sequence: w.sequence,
             published_at: UnixMillis(at_us / 1000),
             received_at: Tick(Duration::from_micros(at_us)),
-        });
+        };
+        if self.lag_us == 0 {
+            self.store.apply(sample);
+        } else {
+            let due = at_us.saturating_add(self.lag_us);
+            let received_at = Tick(Duration::from_micros(due));
+            self.delayed_load.push(
+                due,
+                LoadSample {
+                    received_at,
+                    ..sample
+                },
+            );
+        }
     }
 
     fn schedule(&mut self, at_us: u64, event: WorkerEvent) {
@@ -283,8 +349,30 @@ impl<'a> Sim<'a> {
         self.due.push(Reverse((at_us, order)));
     }
 
-    /// Applies worker events due at or before `t_us`, in time order.
+    /// Applies worker events due at or before `t_us` and publishes the load ticks they and `t_us`
+    /// close; with a load lag, the ticks up to `t_us - lag` first (the ones delivered by now),
+    /// then the samples and peers' dispatches due by `t_us` reach the replicas.
     pub(super) fn advance(&mut self, t_us: u64) {
+        if self.lag_us > 0 && t_us >= self.lag_us {
+            self.apply_due(t_us - self.lag_us);
+        }
+        self.apply_due(t_us);
+        while let Some(sample) = self.delayed_load.pop_due(t_us) {
+            self.store.apply(sample);
+        }
+        while let Some(shared) = self.delayed_share.pop_due(t_us) {
+            let at = Tick(Duration::from_micros(shared.deliver_us));
+            for (r, state) in self.states.iter_mut().enumerate() {
+                if r != shared.origin {
+                    state.ledger.record_dispatch(&shared.legs, at);
+                }
+            }
+        }
+    }
+
+    /// Applies worker events due at or before `t_us`, in time order, then publishes every
+    /// worker's tick at `t_us`.
+    fn apply_due(&mut self, t_us: u64) {
         while let Some(Reverse((at, order))) = self.due.peek().copied() {
             if at > t_us {
                 break;
@@ -312,8 +400,8 @@ impl<'a> Sim<'a> {
                     self.flush(worker, at);
                     let w = &mut self.workers[worker];
                     w.active_blocks = w.active_blocks.saturating_sub(blocks);
-                    if let Some(id) = dispatch {
-                        self.state.ledger.request_ended(id);
+                    if let Some((replica, id)) = dispatch {
+                        self.states[replica].ledger.request_ended(id);
                     }
                 }
             }
@@ -400,5 +488,90 @@ fn router_event(worker: InstanceId, id: u64, data: KvCacheEventData) -> RouterEv
             dp_rank: DpRank(0),
         },
         session_id: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::{Replicas, fleet_candidates};
+    use continuum_protocol::kv::hashing::BlockSize;
+
+    fn config(replicas: Replicas) -> SimConfig {
+        let mut cfg = SimConfig::new(2, 1000, BlockSize::new(16).unwrap());
+        cfg.replicas = replicas;
+        cfg
+    }
+
+    fn ms(v: u64) -> Tick {
+        Tick(Duration::from_millis(v))
+    }
+
+    #[test]
+    fn a_load_lag_delays_every_sample_by_the_lag() {
+        let cfg = config(Replicas {
+            load_lag: Duration::from_millis(30),
+            ..Replicas::default()
+        });
+        let candidates = fleet_candidates(&cfg).unwrap();
+        let mut sim = Sim::new(&cfg, &candidates);
+        let id = sim.workers[0].id;
+        sim.advance(20_000);
+        assert_eq!(sim.store.last_arrival(id), None, "tick 0 arrives at 30 ms");
+        sim.workers[0].active_blocks = 7;
+        sim.advance(60_000);
+        // Tick 0 (published before the change) arrived at 30 ms; tick 50 ms is still on its way.
+        assert_eq!(sim.store.last_arrival(id), Some(ms(30)));
+        let seen = |sim: &Sim<'_>| sim.store.latest(id, DpRank(0)).unwrap().decode_backlog();
+        assert_eq!(seen(&sim), Some(0));
+        sim.advance(79_999);
+        assert_eq!(seen(&sim), Some(0));
+        sim.advance(80_000);
+        assert_eq!(sim.store.last_arrival(id), Some(ms(80)));
+        assert_eq!(seen(&sim), Some(7), "the 50 ms tick, received 30 ms later");
+    }
+
+    #[test]
+    fn without_a_lag_samples_land_at_their_tick() {
+        let cfg = config(Replicas::default());
+        let candidates = fleet_candidates(&cfg).unwrap();
+        let mut sim = Sim::new(&cfg, &candidates);
+        let id = sim.workers[1].id;
+        sim.advance(60_000);
+        assert_eq!(sim.store.last_arrival(id), Some(ms(50)));
+    }
+
+    #[test]
+    fn a_shared_dispatch_reaches_only_the_peers_after_the_share_lag() {
+        let cfg = config(Replicas {
+            count: 3,
+            sharing: true,
+            share_lag: Duration::from_millis(5),
+            ..Replicas::default()
+        });
+        let candidates = fleet_candidates(&cfg).unwrap();
+        let mut sim = Sim::new(&cfg, &candidates);
+        let placement = Placement {
+            decode: 1,
+            prefill: None,
+            dispatch: Some(DispatchId(0)),
+            replica: 2,
+        };
+        sim.share(&placement, 64, 10_000);
+        sim.advance(14_999);
+        let legs = |sim: &Sim<'_>| -> Vec<usize> {
+            sim.states.iter().map(|s| s.ledger.pending_legs()).collect()
+        };
+        assert_eq!(legs(&sim), [0, 0, 0]);
+        sim.advance(15_000);
+        assert_eq!(legs(&sim), [1, 1, 0], "every peer, not the origin");
+        let key = &sim.workers[1].key;
+        let backlog = sim.states[0].ledger.backlog(key, DpRank(0), ms(15));
+        assert_eq!(backlog.decode_blocks, 4, "64 tokens = 4 blocks of 16");
+        assert!(!backlog.stalled);
+        // A later sample from the worker answers the copy, as it answers a local dispatch.
+        sim.advance(50_000);
+        answer_arrivals(&mut sim.states[0].ledger, &sim.store);
+        assert_eq!(sim.states[0].ledger.pending_legs(), 0);
     }
 }
