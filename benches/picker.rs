@@ -15,7 +15,9 @@
 //! load, eligibility, the load-store lock, arrivals, expiry, the pick and the ledger record),
 //! with a short and a 6 kB chat body whose prompt-size estimate comes from the proxy's parse
 //! (`proxy::body::parse`, timed on its own); `ShimRouter::decide` over the raw bytes (which
-//! parses the body again for the estimate) for comparison; and the round trip of a ractor
+//! parses the body again for the estimate) for comparison; `decide_parsed` again with the
+//! publishers silent (no sample after the pass's first, so its dispatches pile up in the ledger:
+//! a pick must not cost more for them); and the round trip of a ractor
 //! `call` to an idle actor, the floor a picker behind a mailbox would add to every decision.
 //!
 //! `PICKER_ONLY=scaling_N` runs only the store-slot pass at N ranks (`kv_scaling_N`: the same
@@ -786,6 +788,10 @@ mod e2e {
         runtime.block_on(async move {
             let (router, load, registry, registry_actor) = fixture().await;
             sections(&registry, picks);
+            // One sequence for every pass: a sample numbered below the store's last is a
+            // duplicate, which answers nothing (the passes after the first once restarted it,
+            // so their dispatches piled up unanswered).
+            let mut sequence = 2;
             for (label, chars) in [("short_body", 64usize), ("6kB_body", 6000)] {
                 let body = body(chars);
                 // The proxy's one parse of the body (validation, pins, the prompt estimate).
@@ -799,12 +805,19 @@ mod e2e {
                 }
                 report(&format!("proxy_parse/{label}"), nanos);
                 let parsed = continuum_router::proxy::body::parse(bytes).expect("valid");
-                for raw in [false, true] {
+                let passes = [
+                    "parsed",
+                    "raw_body_estimate_parses",
+                    "parsed_publishers_silent",
+                ];
+                for how in passes {
+                    let (raw, silent) = (how == passes[1], how == passes[2]);
                     let mut nanos = Vec::with_capacity(picks);
                     let mut unanswered = std::collections::VecDeque::new();
-                    let mut sequence = 2;
                     for i in 0..picks + 1000 {
-                        if i % 2000 == 0 {
+                        // Silent publishers: one fresh sample per rank at the start, then
+                        // none, so every dispatch of the pass stays in the ledger.
+                        if i % 2000 == 0 && (i == 0 || !silent) {
                             refresh(&load, sequence);
                             sequence += 1;
                         }
@@ -825,6 +838,7 @@ mod e2e {
                             .expect("a decimal pin");
                         unanswered.push_back(decode);
                         if unanswered.len() > OUTSTANDING
+                            && !silent
                             && let Some(worker) = unanswered.pop_front()
                         {
                             let w = worker - FIRST_ID;
@@ -835,11 +849,6 @@ mod e2e {
                             nanos.push(elapsed.as_nanos() as u64);
                         }
                     }
-                    let how = if raw {
-                        "raw_body_estimate_parses"
-                    } else {
-                        "parsed"
-                    };
                     report(&format!("decide/decode_1000_ranks/{label}/{how}"), nanos);
                 }
             }

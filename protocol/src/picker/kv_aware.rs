@@ -835,7 +835,6 @@ impl KvAwarePicker {
         let ledgers = resolved.as_slice();
         let (samples, column) = Samples::new(req.load_signals, load, candidates, dense, slots);
         let backlogs = Backlogs::new(
-            ledger,
             ledgers,
             matches!(samples, Samples::Mirror { .. }),
             dense,

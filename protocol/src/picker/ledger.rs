@@ -14,8 +14,12 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use pendings::Pendings;
+
 use crate::ids::{DpRank, InstanceId, Namespace, WorkerKey};
 use crate::time::Tick;
+
+mod pendings;
 
 /// A dispatch stops counting as backlog this long after it was pinned, answered or not.
 pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
@@ -87,7 +91,7 @@ type IdMap<V> = crate::id_hash::IdMap<InstanceId, V>;
 #[derive(Debug)]
 struct NamespaceLedger {
     namespace: Namespace,
-    workers: IdMap<VecDeque<Pending>>,
+    workers: IdMap<Pendings>,
 }
 
 /// Where a dispatch's legs live, in dispatch order, for expiry and [`DispatchLedger::request_ended`].
@@ -184,10 +188,8 @@ impl DispatchLedger {
                 .iter_mut()
                 .find(|ns| ns.namespace == worker.namespace)
                 .and_then(|ns| ns.workers.get_mut(&worker.instance_id));
-            for pending in pendings.into_iter().flatten() {
-                if pending.id == id {
-                    pending.may_stall = false;
-                }
+            if let Some(pendings) = pendings {
+                pendings.clear_stall(id);
             }
         }
     }
@@ -265,7 +267,7 @@ impl DispatchLedger {
         self.namespaces
             .iter()
             .flat_map(|ns| ns.workers.values())
-            .map(VecDeque::len)
+            .map(Pendings::len)
             .sum()
     }
 
@@ -330,14 +332,7 @@ impl DispatchLedger {
             };
             let ns = &mut self.namespaces[ns_pos];
             if let Some(pendings) = ns.workers.get_mut(&worker.instance_id) {
-                // Expiry and the size bound forget the oldest dispatch, which sits at the front.
-                let pos = if pendings.front().is_some_and(|p| p.id == dispatched.id) {
-                    Some(0)
-                } else {
-                    pendings.iter().position(|p| p.id == dispatched.id)
-                };
-                if let Some(pos) = pos {
-                    pendings.remove(pos);
+                if pendings.remove(dispatched.id) {
                     unfilter(&mut self.filter, &mut self.legs, worker.instance_id);
                 }
                 if pendings.is_empty() {
@@ -361,7 +356,7 @@ fn unfilter(filter: &mut [u32], legs: &mut usize, instance: InstanceId) {
 /// The ledger of one namespace, borrowed for one pick.
 #[derive(Clone, Copy)]
 pub struct NamespaceBacklog<'a> {
-    workers: &'a IdMap<VecDeque<Pending>>,
+    workers: &'a IdMap<Pendings>,
     filter: &'a [u32],
 }
 
@@ -389,48 +384,22 @@ impl NamespaceBacklog<'_> {
         self.lookup(instance, rank, now)
     }
 
-    /// Every leg held for this namespace that still counts at `now` (younger than
-    /// [`DISPATCH_MAX_AGE`]), as `(instance, rank, what it adds)`, in no particular order: the
-    /// sum of one (instance, rank)'s contributions is its [`Self::backlog`].
+    /// Every rank holding legs in this namespace that still count at `now` (younger than
+    /// [`DISPATCH_MAX_AGE`]), as `(instance, rank, what they add)`, in no particular order and
+    /// usually once per rank (per leg for an instance whose legs are out of time order or
+    /// aged): the sum of one (instance, rank)'s contributions is its [`Self::backlog`].
     pub fn for_each_leg(&self, now: Tick, mut f: impl FnMut(InstanceId, DpRank, RankBacklog)) {
         for (&instance, pendings) in self.workers {
-            for p in pendings {
-                let age = now.since(p.at);
-                if age >= DISPATCH_MAX_AGE {
-                    continue;
-                }
-                f(
-                    instance,
-                    p.rank,
-                    RankBacklog {
-                        prefill_tokens: p.prefill_tokens,
-                        decode_blocks: p.decode_blocks,
-                        stalled: p.may_stall && age >= STALL_AFTER,
-                    },
-                );
-            }
+            pendings.for_each_rank(now, |rank, add| f(instance, rank, add));
         }
     }
 
     #[inline(never)]
     fn lookup(&self, instance: InstanceId, rank: DpRank, now: Tick) -> RankBacklog {
-        let mut out = RankBacklog::default();
-        let Some(pendings) = self.workers.get(&instance) else {
-            return out;
-        };
-        for p in pendings {
-            if p.rank != rank {
-                continue;
-            }
-            let age = now.since(p.at);
-            if age >= DISPATCH_MAX_AGE {
-                continue;
-            }
-            out.prefill_tokens = out.prefill_tokens.saturating_add(p.prefill_tokens);
-            out.decode_blocks = out.decode_blocks.saturating_add(p.decode_blocks);
-            out.stalled |= p.may_stall && age >= STALL_AFTER;
-        }
-        out
+        self.workers
+            .get(&instance)
+            .map(|pendings| pendings.backlog(rank, now))
+            .unwrap_or_default()
     }
 }
 
@@ -438,14 +407,14 @@ impl NamespaceBacklog<'_> {
 mod tests {
     use super::*;
 
-    fn key(ns: &str, id: u64) -> WorkerKey {
+    pub(super) fn key(ns: &str, id: u64) -> WorkerKey {
         WorkerKey {
             namespace: Namespace::new(ns),
             instance_id: InstanceId(id),
         }
     }
 
-    fn leg(worker: WorkerKey, blocks: u64, exempt: bool) -> DispatchLeg {
+    pub(super) fn leg(worker: WorkerKey, blocks: u64, exempt: bool) -> DispatchLeg {
         DispatchLeg {
             worker,
             rank: DpRank(0),
@@ -456,7 +425,7 @@ mod tests {
         }
     }
 
-    const fn s(secs: u64) -> Tick {
+    pub(super) const fn s(secs: u64) -> Tick {
         Tick(Duration::from_secs(secs))
     }
 
@@ -689,11 +658,26 @@ mod tests {
                 proptest::prop_assert!(ledger.unanswered() <= naive.legs.len());
                 proptest::prop_assert!(ledger.unanswered() >= live_legs);
                 for w in &workers {
+                    // What a pick lays onto rows sums to the same backlog.
+                    let mut laid = [(0, 0, false); 2];
+                    if let Some(ns) = ledger.namespace(&w.namespace) {
+                        ns.for_each_leg(now, |instance, rank, add| {
+                            if instance == w.instance_id {
+                                let l = &mut laid[rank.0 as usize];
+                                *l = (l.0 + add.prefill_tokens, l.1 + add.decode_blocks, l.2 | add.stalled);
+                            }
+                        });
+                    }
                     for rank in [DpRank(0), DpRank(1)] {
+                        let want = naive.backlog(w, rank, now);
                         proptest::prop_assert_eq!(
                             ledger.backlog(w, rank, now),
-                            naive.backlog(w, rank, now),
+                            want,
                             "{:?} rank {:?} at {:?}", w, rank, now
+                        );
+                        proptest::prop_assert_eq!(
+                            laid[rank.0 as usize],
+                            (want.prefill_tokens, want.decode_blocks, want.stalled)
                         );
                     }
                 }

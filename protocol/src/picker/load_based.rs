@@ -507,20 +507,15 @@ pub(super) enum Backlogs<'b> {
     Empty,
     /// Laid onto rows for this pick ([`RowBacklogs`]).
     ByRow(&'b RowBacklogs),
-    /// Looked up per rank in its namespace's ledger (many legs pending: laying them all onto
-    /// rows would cost more than the lookups).
+    /// Looked up per rank in its namespace's ledger (samples read through a view).
     Lookup(&'b [Option<NamespaceBacklog<'b>>]),
 }
 
-/// Legs pending per layout row above which a pick looks backlogs up per rank instead of laying
-/// every leg onto rows.
-const LEGS_PER_ROW_LAID: usize = 4;
-
 impl<'b> Backlogs<'b> {
     /// Where a pick over `dense` reads backlogs: nothing without ledgers, laid onto rows when
-    /// samples are mirrored and few legs are pending, else looked up per rank.
+    /// samples are mirrored (the ledger hands over one total per backlogged rank, so laying
+    /// costs O(those ranks) however many legs are pending), else looked up per rank.
     pub(super) fn new(
-        ledger: &DispatchLedger,
         ledgers: &'b [Option<NamespaceBacklog<'b>>],
         mirrored: bool,
         dense: &DenseRanks,
@@ -530,8 +525,7 @@ impl<'b> Backlogs<'b> {
     ) -> Self {
         if ledgers.is_empty() {
             Backlogs::Empty
-        } else if mirrored && ledger.pending_legs() <= dense.len().saturating_mul(LEGS_PER_ROW_LAID)
-        {
+        } else if mirrored {
             rows.fill(dense, eligible, ledgers, now);
             Backlogs::ByRow(rows)
         } else {
@@ -1336,7 +1330,6 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
         // On the store's path, the ledger's few pending legs are laid onto rows first.
         let backlogs = Backlogs::new(
-            ledger,
             ledgers,
             matches!(samples, Samples::Mirror { .. }),
             dense,
