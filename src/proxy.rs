@@ -446,7 +446,6 @@ fn frontend_error_body<B>(resp: &Response<B>) -> bool {
 pub struct ServedBy(pub Arc<str>);
 
 /// Routing headers on every relayed response; identities only when asked with `x-backend`.
-
 fn decorate(
     mut resp: Response<Body>,
     request: &ClientRequest,
