@@ -432,10 +432,11 @@ impl ZmtpSub {
         {
             return Err(ZmtpError::BadSignature);
         }
-        if let Some(&major) = self.buf.get(10)
+        // Judged once both version bytes are here, so the error names the same version however
+        // the greeting was split (a fuzzing finding: `0.0` byte by byte, `0.254` whole).
+        if let Some(&[major, minor]) = self.buf.get(10..12).map(<[u8]>::as_ref)
             && major < 3
         {
-            let minor = self.buf.get(11).copied().unwrap_or(0);
             return Err(ZmtpError::UnsupportedVersion { major, minor });
         }
         if self.buf.len() == GREETING_LEN {

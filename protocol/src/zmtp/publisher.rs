@@ -308,10 +308,11 @@ fn check_greeting_prefix(buf: &[u8]) -> Result<(), ZmtpPubError> {
     if buf.first().is_some_and(|b| *b != 0xFF) || buf.get(9).is_some_and(|b| *b != 0x7F) {
         return Err(ZmtpPubError::BadSignature);
     }
-    if let Some(&major) = buf.get(10)
+    // Judged once both version bytes are here, so the error is the same however the greeting
+    // was split.
+    if let Some(&[major, minor]) = buf.get(10..12)
         && major < 3
     {
-        let minor = buf.get(11).copied().unwrap_or(0);
         return Err(ZmtpPubError::UnsupportedVersion { major, minor });
     }
     Ok(())

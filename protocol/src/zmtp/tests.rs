@@ -321,10 +321,19 @@ fn protocol_violations_are_refused() {
     assert_eq!(refused(b"GET / HTTP/1.1\r\n"), ZmtpError::BadSignature);
     let mut zmtp2 = peer_greeting();
     zmtp2[10] = 1;
-    assert!(matches!(
-        refused(&zmtp2[..11]),
-        ZmtpError::UnsupportedVersion { major: 1, .. }
-    ));
+    zmtp2[11] = 254;
+    let mut sub = ZmtpSub::new(b"kv_metrics", ZmtpLimits::KV_METRICS).unwrap();
+    assert!(
+        sub.feed(&zmtp2[..11], |_| {}).is_ok(),
+        "the minor byte is awaited"
+    );
+    assert_eq!(
+        refused(&zmtp2[..12]),
+        ZmtpError::UnsupportedVersion {
+            major: 1,
+            minor: 254
+        }
+    );
     let mut curve = peer_greeting();
     curve[12..17].copy_from_slice(b"CURVE");
     assert_eq!(
@@ -453,4 +462,30 @@ proptest! {
         prop_assert!(sub.buffer_bytes() <= memory_bound(limits));
         prop_assert!(delivered <= wire.len());
     }
+}
+
+/// Fuzzing finding (`zmtp` target): a ZMTP 0.254 greeting fed byte by byte was refused as `0.0`
+/// (judged before the minor byte arrived), whole as `0.254`.
+#[test]
+fn an_old_version_is_named_the_same_whole_and_byte_by_byte() {
+    let mut greeting = peer_greeting();
+    greeting[10] = 0;
+    greeting[11] = 254;
+    let whole = {
+        let mut sub = ZmtpSub::new(b"kv_metrics", ZmtpLimits::KV_METRICS).unwrap();
+        sub.feed(&greeting, |_| {}).unwrap_err()
+    };
+    let mut sub = ZmtpSub::new(b"kv_metrics", ZmtpLimits::KV_METRICS).unwrap();
+    let piecewise = greeting
+        .iter()
+        .find_map(|b| sub.feed(std::slice::from_ref(b), |_| {}).err())
+        .unwrap();
+    assert_eq!(whole, piecewise);
+    assert_eq!(
+        whole,
+        ZmtpError::UnsupportedVersion {
+            major: 0,
+            minor: 254
+        }
+    );
 }
