@@ -7,6 +7,8 @@
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]      # all targets when none is named
 #   FUZZ_JOBS=2 scripts/fuzz.sh 600 zmtp       # libFuzzer workers per target
+#   FUZZ_RUNS=10000000 scripts/fuzz.sh 3600    # stop each target at N executions (or SECONDS)
+#   FUZZ_NICE=5 scripts/fuzz.sh 600            # scheduling priority (default 19)
 #   scripts/fuzz.sh --cmin [TARGET...]         # minimise the corpora (after a campaign)
 #
 # The test command (scripts/test.sh) does not run this: it replays the committed corpora through
@@ -45,9 +47,13 @@ fi
 
 (cd fuzz && nice -n 19 cargo +nightly fuzz build "${BUILD[@]}")
 
+NICE="${FUZZ_NICE:-19}"
 jobs=()
+if [ -n "${FUZZ_RUNS:-}" ]; then
+  jobs+=(-runs="$FUZZ_RUNS")
+fi
 if [ -n "${FUZZ_JOBS:-}" ]; then
-  jobs=(-jobs="$FUZZ_JOBS" -workers="$FUZZ_JOBS")
+  jobs+=(-jobs="$FUZZ_JOBS" -workers="$FUZZ_JOBS")
 fi
 mkdir -p fuzz/artifacts
 for target in "${targets[@]}"; do
@@ -60,20 +66,23 @@ for target in "${targets[@]}"; do
     rm -rf "$work" && mkdir -p "$work"
     nice -n 19 "fuzz/target/$host/release/$target" -set_cover_merge=1 -use_counters=0 \
       -rss_limit_mb=512 -timeout=10 "$work" "fuzz/corpus/$target" >/dev/null 2>&1
-    rm -rf "fuzz/corpus/$target" && mv "$work" "fuzz/corpus/$target"
-    files=$(find "fuzz/corpus/$target" -type f | wc -l)
+    files=$(find "$work" -type f | wc -l)
     if [ "$files" -gt "$MAX_CORPUS" ]; then
       half=$((MAX_CORPUS / 2))
-      ls -S "fuzz/corpus/$target" | sed -n "$((half + 1)),$((files - half))p" |
-        while read -r f; do rm "fuzz/corpus/$target/$f"; done
+      ls -S "$work" | sed -n "$((half + 1)),$((files - half))p" |
+        while read -r f; do rm "$work/$f"; done
     fi
+    # Named inputs (seed-*, regression-* of a finding) keep their names and their place.
+    find "fuzz/corpus/$target" -type f \( -name 'seed-*' -o -name 'regression-*' \) \
+      -exec cp {} "$work/" \;
+    rm -rf "fuzz/corpus/$target" && mv "$work" "fuzz/corpus/$target"
     echo "$target: $(find "fuzz/corpus/$target" -type f | wc -l) files"
     continue
   fi
   echo "== $target: ${seconds}s"
   log="fuzz/artifacts/$target.log"
   status=0
-  (cd fuzz && nice -n 19 cargo +nightly fuzz run "${BUILD[@]}" "$target" -- \
+  (cd fuzz && nice -n "$NICE" cargo +nightly fuzz run "${BUILD[@]}" "$target" -- \
     -max_total_time="$seconds" -rss_limit_mb=512 -malloc_limit_mb=512 -timeout=10 -max_len=8192 \
     -print_final_stats=1 "${jobs[@]}") >"$log" 2>&1 || status=$?
   # libFuzzer's last status line (executions, coverage, features, corpus, exec/s, RSS).
