@@ -185,6 +185,7 @@ label_enum! {
     /// `continuum_mid_stream_fallback_total{ingress}`.
     MidStreamIngress {
         ChatCompletions => "chat_completions",
+        Completions => "completions",
     }
 }
 

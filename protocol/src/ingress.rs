@@ -4,7 +4,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | `json` | the borrowed JSON tree both request converters parse a body into (one parse, strings and keys borrowed, `serde_json::Value`'s semantics) |
-//! | [`continuation`] | mid-stream continuation of a chat-completions stream: SSE event accounting, the continuation body, chunk rewrite and `usage` merge ([`continuation::ChatSplice`]) |
+//! | [`continuation`] | mid-stream continuation of a chat-completions or completions stream: SSE event accounting, the continuation body, chunk rewrite and `usage` merge ([`continuation::ChatSplice`]) |
 //! | `chat` | the chat-completions request parts the request converters serialise straight from that tree |
 //! | [`anthropic`] | Anthropic Messages API (`POST /v1/messages`, `/anthropic/v1/messages`): request → chat body, buffered chat response → `Message`, chat SSE chunks → Anthropic SSE events ([`anthropic::AnthropicStream`]), Anthropic error objects |
 //! | [`native`] | an Anthropic request for a `responses_only` model through a native `/v1/responses`: chat body → Responses request, Responses answer → chat completion, Responses SSE events → chat chunks ([`native::ResponsesToChat`]) |

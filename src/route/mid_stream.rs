@@ -1,5 +1,5 @@
-//! Mid-stream fallback for `POST /v1/chat/completions` streams (issue 31): the IO around
-//! `continuum_protocol::ingress::continuation::ChatSplice`.
+//! Mid-stream fallback for `POST /v1/chat/completions` and `/v1/completions` streams (issue 31):
+//! the IO around `continuum_protocol::ingress::continuation::ChatSplice`.
 //!
 //! An armed stream relays whole SSE events only. When the upstream fails or closes before its
 //! terminal event, stalls past `inactivity_timeout`, or sends an error chunk, the rest of the
@@ -107,8 +107,8 @@ impl Budget {
     }
 }
 
-/// Arms a successful chat-completions stream when mid-stream fallback is on; any other answer
-/// is returned as it is. `excluded` are backends a continuation never goes to (the shim pool).
+/// Arms a successful chat-completions or completions stream when mid-stream fallback is on; any
+/// other answer is returned as it is. `excluded` are backends a continuation never goes to (the shim pool).
 pub fn arm(
     proxy: &Arc<Proxy>,
     budget: &Arc<RetryBudget>,
@@ -118,13 +118,21 @@ pub fn arm(
     resp: Response<Body>,
 ) -> Response<Body> {
     let config = proxy.mid_stream_fallback();
-    if !config.enabled
-        || !request.body.stream
-        || request.route != OpenAiRoute::ChatCompletions
-        || !resp.status().is_success()
-    {
+    if !config.enabled || !request.body.stream || !resp.status().is_success() {
         return resp;
     }
+    let (splice, ingress) = match request.route {
+        OpenAiRoute::ChatCompletions => (
+            ChatSplice::new(config.max_buffered_bytes, MAX_EVENT_BYTES),
+            MidStreamIngress::ChatCompletions,
+        ),
+        OpenAiRoute::Completions => (
+            ChatSplice::completions(config.max_buffered_bytes, MAX_EVENT_BYTES),
+            MidStreamIngress::Completions,
+        ),
+        // The native Responses passthrough relays another wire format.
+        OpenAiRoute::Responses | OpenAiRoute::ResponsesCompact => return resp,
+    };
     budget.record_stream();
     let mut excluded = excluded.to_vec();
     if let Some(ServedBy(name)) = resp.extensions().get::<ServedBy>() {
@@ -132,7 +140,8 @@ pub fn arm(
     }
     let (parts, body) = resp.into_parts();
     let armed = Armed {
-        splice: ChatSplice::new(config.max_buffered_bytes, MAX_EVENT_BYTES),
+        splice,
+        ingress,
         upstream: Some(body),
         attempts_left: config.max_attempts,
         config,
@@ -153,6 +162,8 @@ pub fn arm(
 /// One armed stream's state; dropping it drops the upstream body (and its request).
 struct Armed {
     splice: ChatSplice,
+    /// The `ingress` label: which OpenAI route the stream answers.
+    ingress: MidStreamIngress,
     /// `None` once the stream ended.
     upstream: Option<Body>,
     attempts_left: u32,
@@ -298,14 +309,14 @@ impl Armed {
         };
         let _request = self.span.enter();
         info!(
-            ingress = "chat_completions",
+            ingress = self.ingress.as_label(),
             reason = reason.as_label(),
             result = result.as_label(),
             tokens_resent = resent,
             "mid-stream fallback"
         );
         if let Some(metrics) = self.proxy.metrics() {
-            metrics.mid_stream_fallback(MidStreamIngress::ChatCompletions, reason, result);
+            metrics.mid_stream_fallback(self.ingress, reason, result);
             if result == MidStreamResult::Continued {
                 metrics.mid_stream_tokens_resent(resent);
             }

@@ -1,4 +1,4 @@
-//! Mid-stream fallback of chat-completions streams (issue 31) through `Router::serve` against
+//! Mid-stream fallback of chat-completions and completions streams (issue 31) through `Router::serve` against
 //! two loopback fake upstreams: b1 answers first and is cut, b2 is the unified fallback (the
 //! round-robin cursor of a fresh pool starts at b1, and a continuation excludes b1).
 
@@ -90,11 +90,11 @@ impl Fleet {
     }
 
     fn count(&self, reason: &str, result: &str) -> u64 {
-        let labels = [
-            ("ingress", "chat_completions"),
-            ("reason", reason),
-            ("result", result),
-        ];
+        self.count_on("chat_completions", reason, result)
+    }
+
+    fn count_on(&self, ingress: &str, reason: &str, result: &str) -> u64 {
+        let labels = [("ingress", ingress), ("reason", reason), ("result", result)];
         self.metrics
             .registry()
             .gather()
@@ -352,4 +352,75 @@ async fn switched_off_a_cut_stream_ends_as_before_without_a_continuation() {
     assert!(text.contains("the upstream stream failed"), "{text}");
     assert!(f.b2.try_request().is_none());
     assert_eq!(f.count("closed", "continued"), 0);
+}
+
+/// One `/v1/completions` stream event.
+fn text_chunk(id: &str, text: &str, finish: Option<&str>) -> Bytes {
+    let c = json!({"id": id, "object": "text_completion", "created": 11, "model": id,
+                   "choices": [{"index": 0, "text": text, "finish_reason": finish}]});
+    Bytes::from(format!("data: {c}\n\n"))
+}
+
+#[tokio::test]
+async fn a_cut_completions_stream_is_continued_from_the_extended_prompt() {
+    let mut f = fleet(|_| {}).await;
+    let (tx1, rx1) = mpsc::unbounded_channel();
+    let (tx2, rx2) = mpsc::unbounded_channel();
+    f.b1.push(Reply::SseThenCut(rx1));
+    f.b2.push(Reply::Sse(rx2));
+    let body = json!({"model": "m", "stream": true, "max_tokens": 50, "prompt": "Say:"});
+    let resp = f
+        .router
+        .serve(
+            OpenAiRoute::Completions,
+            HeaderMap::new(),
+            Caller::default(),
+            Bytes::from(body.to_string()),
+        )
+        .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    f.b1.next_request().await;
+    for bytes in [
+        text_chunk("orig", "Hello", None),
+        text_chunk("orig", " wor", None),
+    ] {
+        tx1.send(bytes).expect("b1 streaming");
+    }
+    tx1.send(Bytes::from_static(b"data: {\"id\":\"or"))
+        .expect("b1 streaming");
+    let mut body = resp.into_body();
+    let seen = read_until(&mut body, " wor").await;
+    drop(tx1);
+    for bytes in [
+        text_chunk("cont", "ld!", None),
+        text_chunk("cont", "", Some("stop")),
+        Bytes::from_static(b"data: [DONE]\n\n"),
+    ] {
+        tx2.send(bytes).expect("b2 streaming");
+    }
+    drop(tx2);
+    // The client keeps reading: that is what drives the cut and the continuation.
+    let collect = tokio::spawn(rest_of(seen, body));
+    let asked = tokio::time::timeout(std::time::Duration::from_secs(10), f.b2.next_request());
+    let continuation = asked.await.expect("a continuation request").json();
+    assert_eq!(continuation["prompt"], json!("Say:Hello wor"));
+    assert!(continuation.get("messages").is_none());
+    assert!(continuation["max_tokens"].as_u64().expect("max_tokens") < 50);
+    let bytes = collect.await.expect("join");
+    let text = String::from_utf8_lossy(&bytes);
+    let events: Vec<Value> = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("json"))
+        .collect();
+    let answer: String = events
+        .iter()
+        .filter_map(|v| v["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(answer, "Hello world!");
+    assert!(events.iter().all(|v| v["id"] == "orig"), "{text}");
+    assert_eq!(text.matches("[DONE]").count(), 1);
+    assert_eq!(text.matches("\"finish_reason\":\"stop\"").count(), 1);
+    assert_eq!(f.count_on("completions", "closed", "continued"), 1);
 }

@@ -11,6 +11,10 @@
 //! original stream's `id`, `model`, `created` and choice index, with `usage` merged, so the
 //! client sees one stream with one final chunk and one `[DONE]`.
 //!
+//! The same splice reads a `/v1/completions` stream ([`ChatSplice::completions`]): its text is
+//! `choices[].text`, and the continuation request is the original with `prompt` extended by the
+//! text so far (a string prompt only; a token-id or batched prompt cannot be continued).
+//!
 //! A cut inside a tool call or a reasoning block cannot be continued safely:
 //! [`ChatSplice::refusal`] says so, and the caller ends the stream with [`error_event`].
 
@@ -62,6 +66,15 @@ pub struct Fed {
     pub cut: Option<CutReason>,
 }
 
+/// Which OpenAI stream shape the splice reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpliceWire {
+    /// `/v1/chat/completions`: `choices[].delta.content`, continued by a trailing assistant turn.
+    Chat,
+    /// `/v1/completions`: `choices[].text`, continued by extending `prompt`.
+    Completions,
+}
+
 /// Which stream the splice is reading.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -72,6 +85,7 @@ enum Phase {
 /// Per-stream state of an armed chat-completions stream. See the module doc.
 #[derive(Debug)]
 pub struct ChatSplice {
+    wire: SpliceWire,
     phase: Phase,
     /// Bytes after the last complete event (never relayed until the event completes).
     partial: Vec<u8>,
@@ -100,7 +114,17 @@ impl ChatSplice {
     /// A splice keeping at most `max_text_bytes` of answer text, refusing events larger than
     /// `max_event_bytes` (a cut).
     pub fn new(max_text_bytes: usize, max_event_bytes: usize) -> Self {
+        Self::for_wire(SpliceWire::Chat, max_text_bytes, max_event_bytes)
+    }
+
+    /// The same for a `/v1/completions` stream.
+    pub fn completions(max_text_bytes: usize, max_event_bytes: usize) -> Self {
+        Self::for_wire(SpliceWire::Completions, max_text_bytes, max_event_bytes)
+    }
+
+    fn for_wire(wire: SpliceWire, max_text_bytes: usize, max_event_bytes: usize) -> Self {
         Self {
+            wire,
             phase: Phase::Original,
             partial: Vec::new(),
             max_event_bytes,
@@ -187,19 +211,32 @@ impl ChatSplice {
         None
     }
 
-    /// The continuation request for `original` (the client's chat body): a trailing assistant
+    /// The continuation request for `original` (the client's body). Chat: a trailing assistant
     /// message with the text so far, `continue_final_message: true`, `add_generation_prompt:
-    /// false`, and `max_tokens` / `max_completion_tokens` reduced by the tokens sent (at least 1).
+    /// false`; completions: the string `prompt` followed by the text so far. Either way
+    /// `max_tokens` / `max_completion_tokens` are reduced by the tokens sent (at least 1).
     pub fn continuation_body(&self, original: &[u8]) -> Result<Vec<u8>, String> {
         let mut body: Map<String, Value> =
-            serde_json::from_slice(original).map_err(|e| format!("not a chat body: {e}"))?;
-        let messages = body
-            .get_mut("messages")
-            .and_then(Value::as_array_mut)
-            .ok_or("the chat body has no messages")?;
-        messages.push(json!({"role": "assistant", "content": self.text}));
-        body.insert("continue_final_message".into(), Value::Bool(true));
-        body.insert("add_generation_prompt".into(), Value::Bool(false));
+            serde_json::from_slice(original).map_err(|e| format!("not a JSON object: {e}"))?;
+        match self.wire {
+            SpliceWire::Chat => {
+                let messages = body
+                    .get_mut("messages")
+                    .and_then(Value::as_array_mut)
+                    .ok_or("the chat body has no messages")?;
+                messages.push(json!({"role": "assistant", "content": self.text}));
+                body.insert("continue_final_message".into(), Value::Bool(true));
+                body.insert("add_generation_prompt".into(), Value::Bool(false));
+            }
+            SpliceWire::Completions => {
+                let prompt = body
+                    .get("prompt")
+                    .and_then(Value::as_str)
+                    .ok_or("the completions prompt is not one string")?;
+                let continued = format!("{prompt}{}", self.text);
+                body.insert("prompt".into(), Value::String(continued));
+            }
+        }
         let sent = self.tokens_sent();
         for key in ["max_tokens", "max_completion_tokens"] {
             if let Some(limit) = body.get(key).and_then(Value::as_u64) {
@@ -304,6 +341,11 @@ impl ChatSplice {
         if choice.get("finish_reason").is_some_and(|r| !r.is_null()) {
             self.finished = true;
         }
+        if self.wire == SpliceWire::Completions {
+            let text = choice.get("text").and_then(Value::as_str).unwrap_or("");
+            self.keep_text(text);
+            return;
+        }
         let Some(delta) = choice.get("delta") else {
             return;
         };
@@ -322,12 +364,18 @@ impl ChatSplice {
         } else if !content.is_empty() {
             self.in_reasoning = false;
         }
-        if !content.is_empty() {
-            if self.text.len() + content.len() > self.max_text_bytes {
-                self.refusal.get_or_insert(Refusal::OverCap);
-            } else {
-                self.text.push_str(content);
-            }
+        self.keep_text(content);
+    }
+
+    /// Keeps answer text for a continuation, up to the cap (past it, continuation is refused).
+    fn keep_text(&mut self, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        if self.text.len() + text.len() > self.max_text_bytes {
+            self.refusal.get_or_insert(Refusal::OverCap);
+        } else {
+            self.text.push_str(text);
         }
     }
 

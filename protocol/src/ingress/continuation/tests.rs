@@ -69,7 +69,11 @@ fn seen(bytes: &[u8]) -> Seen {
             continue;
         }
         for c in v["choices"].as_array().expect("choices") {
-            s.text += c["delta"]["content"].as_str().unwrap_or("");
+            // Chat deltas, or completions' `text`.
+            let text = c["delta"]["content"]
+                .as_str()
+                .or_else(|| c["text"].as_str());
+            s.text += text.unwrap_or("");
             s.finals += usize::from(!c["finish_reason"].is_null());
             s.roles += usize::from(c["delta"].get("role").is_some());
             s.ids.push((
@@ -288,4 +292,84 @@ fn a_second_continuation_carries_the_text_of_both_parts_before_it() {
 
 fn content_event(id: &str, text: &str) -> String {
     chunk(id, MODEL, CREATED, json!({"content": text}), None)
+}
+
+/// A whole `/v1/completions` stream of `tokens`: text chunks, the final chunk, usage, `[DONE]`.
+fn completion_stream(id: &str, model: &str, tokens: &[String], prompt: u64) -> String {
+    let chunk = |text: &str, finish: Option<&str>| {
+        let c = json!({"id": id, "object": "text_completion", "created": CREATED, "model": model,
+                       "choices": [{"index": 0, "text": text, "finish_reason": finish}]});
+        format!("data: {c}\n\n")
+    };
+    let mut s: String = tokens.iter().map(|t| chunk(t, None)).collect();
+    s += &chunk("", Some("length"));
+    let usage = json!({"id": id, "object": "text_completion", "created": CREATED, "model": model,
+        "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": tokens.len(),
+        "total_tokens": prompt + tokens.len() as u64}});
+    s + &format!("data: {usage}\n\n") + "data: [DONE]\n\n"
+}
+
+proptest! {
+    /// `/v1/completions`: the continuation extends the string prompt by the text that got out,
+    /// and the client sees the uninterrupted text under the original identity.
+    #[test]
+    fn a_spliced_completions_stream_is_the_uninterrupted_one(
+        tokens in tokens(),
+        cut_permille in 0u32..1000,
+        frames in prop::collection::vec(1usize..40, 1..6),
+    ) {
+        let whole = completion_stream("cmpl-original", MODEL, &tokens, 5);
+        let final_at = whole.find("\"finish_reason\":\"length\"").expect("final");
+        let cut = (final_at as u64 * u64::from(cut_permille) / 1000) as usize;
+        let mut splice = ChatSplice::completions(1 << 20, 1 << 20);
+        let (mut out, _) = feed_in_frames(&mut splice, &whole.as_bytes()[..cut], &frames);
+        prop_assert_eq!(splice.end(&mut out), Some(CutReason::Closed));
+        prop_assert_eq!(splice.refusal(), None);
+        let full: String = tokens.concat();
+        let kept = splice.text().to_owned();
+        prop_assert!(full.starts_with(&kept));
+
+        let body = splice
+            .continuation_body(br#"{"model":"m","prompt":"Once upon","max_tokens":100}"#)
+            .expect("body");
+        let body: Value = serde_json::from_slice(&body).expect("json");
+        prop_assert_eq!(&body["prompt"], &json!(format!("Once upon{kept}")));
+        prop_assert!(body.get("continue_final_message").is_none());
+        splice.start_continuation();
+        let sent = splice.tokens_sent();
+        prop_assert_eq!(&body["max_tokens"], &json!(100u64.saturating_sub(sent).max(1)));
+        let rest = tokenize_rest(&full[kept.len()..]);
+        let continuation = completion_stream("cmpl-other", "other-model", &rest, 5 + sent);
+        let (more, cut_again) = feed_in_frames(&mut splice, continuation.as_bytes(), &frames);
+        prop_assert!(!cut_again);
+        out.extend(more);
+        prop_assert_eq!(splice.end(&mut out), None);
+
+        let spliced = seen(&out);
+        prop_assert_eq!(&spliced.text, &full);
+        prop_assert_eq!((spliced.finals, spliced.dones, spliced.errors), (1, 1, 0));
+        let identity = if splice_reached_client(&whole, cut) {
+            (json!("cmpl-original"), json!(MODEL), json!(CREATED), json!(0))
+        } else {
+            (json!("cmpl-other"), json!("other-model"), json!(CREATED), json!(0))
+        };
+        prop_assert!(spliced.ids.iter().all(|i| *i == identity), "{:?}", spliced.ids);
+        let usage = last_usage(&out);
+        prop_assert_eq!(&usage["prompt_tokens"], &json!(5));
+        prop_assert_eq!(&usage["completion_tokens"], &json!(sent + rest.len() as u64));
+    }
+}
+
+#[test]
+fn a_completions_prompt_that_is_not_one_string_cannot_be_continued() {
+    let mut splice = ChatSplice::completions(1024, 1024);
+    let fed = splice.feed(completion_stream("c", MODEL, &["ab".into()], 1).as_bytes());
+    assert!(fed.cut.is_none());
+    for prompt in [r#"[1,2,3]"#, r#"["a","b"]"#, "null"] {
+        let body = format!(r#"{{"model":"m","prompt":{prompt}}}"#);
+        assert!(
+            splice.continuation_body(body.as_bytes()).is_err(),
+            "{prompt}"
+        );
+    }
 }
