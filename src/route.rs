@@ -19,6 +19,7 @@
 //! never re-selected for a request. The transport (candidates, dispatch, headers, relay) is
 //! `crate::proxy`'s; this module never touches a socket.
 
+pub mod admission;
 pub mod dynamo;
 pub mod mid_stream;
 pub mod usage;
@@ -32,6 +33,7 @@ use axum::http::{HeaderMap, Response, StatusCode};
 use axum::response::IntoResponse;
 use bytes::Bytes;
 use continuum_actors::metrics::{DisaggregatedPhase, RoutingPath};
+use continuum_protocol::admission::Fleet;
 use tracing::{debug, warn};
 
 use crate::http_metrics::{HttpMetrics, HttpRoute};
@@ -59,6 +61,8 @@ pub struct Router {
     http: Option<HttpMetrics>,
     /// Mid-stream fallback's retry budget.
     budget: Arc<mid_stream::RetryBudget>,
+    /// `admission`: the per-model wait queues.
+    admission: admission::Admission,
 }
 
 impl std::fmt::Debug for Router {
@@ -70,11 +74,13 @@ impl std::fmt::Debug for Router {
 impl Router {
     /// A router over `proxy` with no Dynamo path (install one with [`Router::set_dynamo`]).
     pub fn new(proxy: Arc<Proxy>) -> Self {
+        let admission = admission::Admission::new(proxy.metrics().map(|m| m.registry()));
         Self {
             proxy,
             dynamo: ArcSwapOption::empty(),
             http: None,
             budget: Arc::default(),
+            admission,
         }
     }
 
@@ -176,15 +182,16 @@ impl Router {
             && request.route != OpenAiRoute::ResponsesCompact
             && let Some(dynamo) = self.dynamo.load_full()
         {
-            let (now, tokens) = (self.proxy.now(), request.body.prompt_tokens);
+            let tokens = request.body.prompt_tokens;
             // A shim replica at its rate limit is skipped like an unhealthy one.
             let usable = |name: &str| {
                 self.proxy
                     .pool()
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
-                    && self.proxy.limits().backend_would_admit(name, now, tokens)
+                    && (self.proxy.limits()).backend_would_admit(name, self.proxy.now(), tokens)
             };
+            self.admit(&dynamo, request, allowed, &usable).await?;
             let plan = if request.route == OpenAiRoute::Responses {
                 dynamo.decide_parsed(&request.body, allowed, usable)
             } else {
@@ -212,6 +219,36 @@ impl Router {
                 RoutingPath::Unified,
             )
             .await
+    }
+
+    /// `admission`: waits while every eligible worker of the model is busy, or refuses
+    /// `fleet_busy` (see [`admission`]).
+    async fn admit(
+        &self,
+        dynamo: &ShimRouter,
+        request: &ClientRequest,
+        allowed: &[String],
+        usable: &impl Fn(&str) -> bool,
+    ) -> Result<(), ApiError> {
+        let model = &request.body.model;
+        let Some((name, first)) = dynamo.fleet(model, allowed, usable) else {
+            return Ok(());
+        };
+        let fleet = || {
+            dynamo
+                .fleet(model, allowed, usable)
+                .map_or(Fleet::Unknown, |(_, fleet)| fleet)
+        };
+        let config = || dynamo.admission_queue();
+        self.admission
+            .admit(&name, first, config, fleet, dynamo.load_changes())
+            .await
+            .map_err(|busy| ApiError::FleetBusy(Box::new(busy)))
+    }
+
+    /// The admission queues (depth per model).
+    pub fn admission(&self) -> &admission::Admission {
+        &self.admission
     }
 
     /// Sends the request to the plan's shim pool with its pins, settles the answer, and ends the
