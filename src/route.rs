@@ -33,7 +33,7 @@ use axum::http::{HeaderMap, Response, StatusCode};
 use axum::response::IntoResponse;
 use bytes::Bytes;
 use continuum_actors::metrics::{DisaggregatedPhase, RoutingPath};
-use continuum_protocol::admission::Fleet;
+use continuum_protocol::admission::{Fleet, Waiting};
 use tracing::{debug, warn};
 
 use crate::http_metrics::{HttpMetrics, HttpRoute};
@@ -150,7 +150,7 @@ impl Router {
         {
             return ApiError::RateLimited(Box::new(limited)).into_response();
         }
-        match self.route(&request, &caller.allowed_backends).await {
+        match self.route(&request, &caller.allowed_backends, key).await {
             Ok(resp) => {
                 let shim_pool = resp.extensions().get::<ShimPool>().map(|p| p.0.clone());
                 let excluded = shim_pool.unwrap_or_default();
@@ -177,6 +177,7 @@ impl Router {
         &self,
         request: &ClientRequest,
         allowed: &[String],
+        key: Option<&str>,
     ) -> Result<Response<Body>, ApiError> {
         if self.proxy.disaggregated_enabled()
             && request.route != OpenAiRoute::ResponsesCompact
@@ -191,7 +192,8 @@ impl Router {
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
                     && (self.proxy.limits()).backend_would_admit(name, self.proxy.now(), tokens)
             };
-            self.admit(&dynamo, request, allowed, &usable).await?;
+            self.admit(&dynamo, request, (allowed, key), &usable)
+                .await?;
             let plan = if request.route == OpenAiRoute::Responses {
                 dynamo.decide_parsed(&request.body, allowed, usable)
             } else {
@@ -221,13 +223,14 @@ impl Router {
             .await
     }
 
-    /// `admission`: waits while every eligible worker of the model is busy, or refuses
-    /// `fleet_busy` (see [`admission`]).
+    /// `admission`: waits while every eligible worker of the model is busy, in the place of the
+    /// caller's key (its class, its turn by prompt size), or refuses `fleet_busy` (see
+    /// [`admission`]).
     async fn admit(
         &self,
         dynamo: &ShimRouter,
         request: &ClientRequest,
-        allowed: &[String],
+        (allowed, key): (&[String], Option<&str>),
         usable: &impl Fn(&str) -> bool,
     ) -> Result<(), ApiError> {
         let model = &request.body.model;
@@ -239,9 +242,14 @@ impl Router {
                 .fleet(model, allowed, usable)
                 .map_or(Fleet::Unknown, |(_, fleet)| fleet)
         };
-        let config = || dynamo.admission_queue();
+        let who = Waiting {
+            class: dynamo.admission_class(key),
+            key: key.unwrap_or_default().to_owned(),
+            cost: request.body.prompt_tokens.max(1),
+        };
+        let config = || dynamo.admission_bounds();
         self.admission
-            .admit(&name, first, config, fleet, dynamo.load_changes())
+            .admit(&name, first, who, config, fleet, dynamo.load_changes())
             .await
             .map_err(|busy| ApiError::FleetBusy(Box::new(busy)))
     }

@@ -10,17 +10,20 @@
 //! never holds requests back. A model is busy ([`Fleet::Busy`]) when it has decode-capable ranks
 //! (decode or aggregated) in the eligible namespaces and every one of them is busy.
 //!
-//! **Queue.** [`WaitQueue`] is one model's queue: bounded by `max_depth`, served in arrival order.
-//! [`step`] is the rule for an arriving request: it goes at once only when nobody waits and the
-//! model is not busy; otherwise it joins the queue, or is shed when the queue is full. A waiting
-//! request goes when it is at the head ([`WaitQueue::head`]) and the model has room, and is shed
-//! when it has waited `max_wait`. Nothing here reads a clock: `now` is an argument.
+//! **Queue.** [`WaitQueue`] is one model's queue, bounded by `max_depth`: priority classes with
+//! aging, deficit round robin between keys inside a class ([`queue`]). [`step`] is the rule for an
+//! arriving request: it goes at once only when nobody waits and the model is not busy; otherwise
+//! it joins the queue, or is shed when the queue is full. A waiting request goes when it is at the
+//! head ([`WaitQueue::head`]) and the model has room, and is shed when it has waited `max_wait`.
+//! Nothing here reads a clock: `now` is an argument.
 
+pub mod queue;
 #[cfg(test)]
 mod tests;
 
-use std::collections::VecDeque;
 use std::time::Duration;
+
+pub use queue::{CLASSES, DEFAULT_QUANTUM, Order, Ticket, WaitQueue, Waiting};
 
 use crate::ids::Namespace;
 use crate::load_store::LoadStore;
@@ -198,69 +201,5 @@ pub fn step(fleet: Fleet, waiting: usize, max_depth: usize) -> Step {
         (Fleet::Room | Fleet::Unknown, 0) => Step::Go,
         _ if waiting < max_depth => Step::Wait,
         _ => Step::Shed(Shed::QueueFull),
-    }
-}
-
-/// One queued request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Ticket(pub u64);
-
-#[derive(Clone, Copy, Debug)]
-struct Entry {
-    ticket: Ticket,
-    since: Tick,
-}
-
-/// One model's wait queue: arrival order, bounded by the caller's `max_depth`.
-#[derive(Debug, Default)]
-pub struct WaitQueue {
-    entries: VecDeque<Entry>,
-    next: u64,
-}
-
-impl WaitQueue {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Requests waiting.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
-    /// Appends a request at `now`, or refuses it when `max_depth` wait already.
-    pub fn join(&mut self, now: Tick, max_depth: usize) -> Result<Ticket, Shed> {
-        if self.entries.len() >= max_depth {
-            return Err(Shed::QueueFull);
-        }
-        let ticket = Ticket(self.next);
-        self.next = self.next.wrapping_add(1);
-        self.entries.push_back(Entry { ticket, since: now });
-        Ok(ticket)
-    }
-
-    /// The request served next.
-    pub fn head(&self) -> Option<Ticket> {
-        self.entries.front().map(|e| e.ticket)
-    }
-
-    /// Removes `ticket` (dispatched, shed or gone); how long it waited, `None` when it was not
-    /// queued.
-    pub fn leave(&mut self, ticket: Ticket, now: Tick) -> Option<Duration> {
-        let at = self.entries.iter().position(|e| e.ticket == ticket)?;
-        let entry = self.entries.remove(at)?;
-        Some(now.since(entry.since))
-    }
-
-    /// When `ticket` joined.
-    pub fn since(&self, ticket: Ticket) -> Option<Tick> {
-        self.entries
-            .iter()
-            .find(|e| e.ticket == ticket)
-            .map(|e| e.since)
     }
 }

@@ -4,9 +4,10 @@
 //! The rule itself is `continuum_protocol::admission`; the waiting is `crate::route::admission`.
 //! The queue is per router replica (docs/runtime-semantics.md "Admission queue").
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use continuum_protocol::admission::BusyThreshold;
+use continuum_protocol::admission::{BusyThreshold, DEFAULT_QUANTUM, Order};
 use serde::{Deserialize, Serialize};
 
 use super::schema::{Config, HumanDuration};
@@ -28,6 +29,8 @@ pub struct AdmissionConfig {
     /// When a worker rank counts as busy; admission applies only while one is set.
     pub busy_threshold: BusyThresholdConfig,
     pub queue: QueueConfig,
+    /// Priority classes per API key, aging, and fair turns between keys of a class.
+    pub priority: PriorityConfig,
 }
 
 impl AdmissionConfig {
@@ -35,7 +38,86 @@ impl AdmissionConfig {
     pub fn enabled(&self) -> bool {
         self.busy_threshold.threshold().is_set()
     }
+
+    /// What a waiting request reads at every re-check.
+    pub fn bounds(&self) -> Bounds {
+        Bounds {
+            max_depth: self.queue.max_depth,
+            max_wait: self.queue.max_wait.get(),
+            order: Order {
+                aging: self.priority.aging.map(HumanDuration::get),
+                quantum: self.priority.quantum_tokens,
+            },
+        }
+    }
+
+    /// The class of a request of the key `name` (`None`: unauthenticated), 0 served first.
+    pub fn class_of(&self, name: Option<&str>) -> u8 {
+        name.and_then(|n| self.priority.api_keys.get(n))
+            .copied()
+            .unwrap_or(self.priority.default)
+            .rank()
+    }
 }
+
+/// The queue's bounds and order, as configured now.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bounds {
+    pub max_depth: usize,
+    pub max_wait: Duration,
+    pub order: Order,
+}
+
+/// A priority class.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Class {
+    High,
+    #[default]
+    Normal,
+    Low,
+}
+
+impl Class {
+    /// 0 (high) is served first.
+    pub const fn rank(self) -> u8 {
+        match self {
+            Class::High => 0,
+            Class::Normal => 1,
+            Class::Low => 2,
+        }
+    }
+}
+
+/// `admission.priority`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PriorityConfig {
+    /// Class by `api_keys[].name`.
+    pub api_keys: BTreeMap<String, Class>,
+    /// Class of keys not listed and of unauthenticated requests.
+    pub default: Class,
+    /// A waiting request rises one class per `aging` waited (unset: strict classes).
+    pub aging: Option<HumanDuration>,
+    /// Deficit round robin's credit per turn, in prompt tokens (the estimate).
+    pub quantum_tokens: u64,
+}
+
+impl Default for PriorityConfig {
+    fn default() -> Self {
+        Self {
+            api_keys: BTreeMap::new(),
+            default: Class::Normal,
+            aging: Some(HumanDuration::from_secs(DEFAULT_AGING.as_secs())),
+            quantum_tokens: DEFAULT_QUANTUM,
+        }
+    }
+}
+
+/// Default `admission.priority.aging`.
+pub const DEFAULT_AGING: Duration = Duration::from_secs(10);
+/// Largest `admission.priority.quantum_tokens` accepted.
+pub const MAX_QUANTUM: u64 = 1_000_000_000;
 
 /// `admission.busy_threshold`: a rank is busy when any set threshold is reached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -112,6 +194,7 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
             ),
         ));
     }
+    priority(config, &mut out);
     if admission.enabled() && !(config.dynamo.enabled && config.disaggregated_serving.enabled) {
         out.push(Diagnostic::warning(
             "admission.busy_threshold",
@@ -120,6 +203,31 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     }
     out.sort_by_key(|d| d.severity == Severity::Warning);
     out
+}
+
+/// `admission.priority`: named keys exist, `aging` above 0, `quantum_tokens` within bounds.
+fn priority(config: &Config, out: &mut Vec<Diagnostic>) {
+    let priority = &config.admission.priority;
+    for name in priority.api_keys.keys() {
+        if !config.api_keys.iter().any(|k| &k.name == name) {
+            out.push(Diagnostic::error(
+                format!("admission.priority.api_keys.{name}"),
+                format!("no api_keys[] entry is named {name:?}"),
+            ));
+        }
+    }
+    if priority.aging.is_some_and(|a| a.get().is_zero()) {
+        out.push(Diagnostic::error(
+            "admission.priority.aging",
+            "aging must be above 0 (unset it for strict classes)",
+        ));
+    }
+    if !(1..=MAX_QUANTUM).contains(&priority.quantum_tokens) {
+        out.push(Diagnostic::error(
+            "admission.priority.quantum_tokens",
+            format!("quantum_tokens must be between 1 and {MAX_QUANTUM}"),
+        ));
+    }
 }
 
 #[cfg(test)]
@@ -149,6 +257,20 @@ mod tests {
                 "admission.busy_threshold",
             ]
         );
+        c.admission
+            .priority
+            .api_keys
+            .insert("ghost".into(), Class::High);
+        c.admission.priority.aging = Some(HumanDuration::from_secs(0));
+        c.admission.priority.quantum_tokens = 0;
+        let all = paths(&c);
+        for path in [
+            "admission.priority.api_keys.ghost",
+            "admission.priority.aging",
+            "admission.priority.quantum_tokens",
+        ] {
+            assert!(all.contains(&path.to_owned()), "{all:?}");
+        }
         c.admission.busy_threshold.kv_usage = Some(f64::NAN);
         assert!(paths(&c).contains(&"admission.busy_threshold.kv_usage".to_owned()));
     }
@@ -162,5 +284,14 @@ mod tests {
         assert!(c.enabled());
         assert_eq!(c.queue.max_depth, DEFAULT_MAX_DEPTH);
         assert_eq!(c.queue.max_wait.get(), Duration::from_secs(5));
+        assert_eq!(c.bounds().order.aging, Some(DEFAULT_AGING));
+        let yaml = "admission: {priority: {api_keys: {a: high}, default: low, aging: null}}";
+        let c = Config::from_yaml_str(yaml, &crate::config::ProcessEnv)
+            .expect("yaml")
+            .admission;
+        assert_eq!(c.class_of(Some("a")), 0);
+        assert_eq!(c.class_of(Some("b")), 2);
+        assert_eq!(c.class_of(None), 2);
+        assert_eq!(c.bounds().order.aging, None);
     }
 }

@@ -8,7 +8,9 @@
 //! ages out frees its rank without any update; a reload may change the bounds). Only the head of
 //! a queue asks the fleet. Every wait ends by `admission.queue.max_wait` (read at each re-check,
 //! so a reload applies to waiting requests). A request whose client goes away is dropped with
-//! its future; its [`Waiter`] leaves the queue in `Drop`, counted.
+//! its future; its [`Waiter`] leaves the queue in `Drop`, counted. The queue's order (priority
+//! classes per API key with aging, deficit round robin between keys of a class) is the
+//! protocol's `WaitQueue`; a waiter only asks whether it is the head.
 //!
 //! Metrics (closed label sets): `continuum_admission_queue_depth{model}` (Dynamo model names the
 //! fleet serves), `continuum_admission_wait_seconds{outcome}` (dispatched, shed, abandoned),
@@ -21,13 +23,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use continuum_actors::clock::now_tick;
-use continuum_protocol::admission::{Busy, Fleet, Shed, Step, Ticket, WaitQueue, step};
+use continuum_protocol::admission::{
+    Busy, Fleet, Order, Shed, Step, Ticket, WaitQueue, Waiting, step,
+};
 use prometheus::{
     HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
 };
 use tokio::sync::{Notify, watch};
 
-use crate::config::admission::QueueConfig;
+use crate::config::admission::Bounds;
 
 /// Longest a waiter goes without re-checking the fleet.
 pub const RECHECK: Duration = Duration::from_millis(250);
@@ -98,13 +102,15 @@ impl Admission {
     }
 
     /// Admits one request of `model` (a Dynamo model name) whose fleet is `first` now: at once,
-    /// after waiting, or refused. `fleet` is asked again while the request heads the queue,
-    /// `config` at every re-check, and `changes` wakes the waiter on every load-store update.
+    /// after waiting in its place (`who`: class, key, cost), or refused. `fleet` is asked again
+    /// while the request heads the queue, `config` at every re-check, and `changes` wakes the
+    /// waiter on every load-store update.
     pub async fn admit(
         &self,
         model: &Arc<str>,
         first: Fleet,
-        config: impl Fn() -> QueueConfig,
+        who: Waiting,
+        config: impl Fn() -> Bounds,
         fleet: impl Fn() -> Fleet,
         mut changes: watch::Receiver<u64>,
     ) -> Result<(), Busy> {
@@ -119,7 +125,7 @@ impl Admission {
                     let entry = queues.entry(model.clone()).or_default();
                     entry
                         .queue
-                        .join(now_tick(), usize::MAX)
+                        .join(now_tick(), usize::MAX, who)
                         .map(|ticket| (ticket, entry.wake.clone(), entry.queue.len()))
                 }
             }
@@ -140,16 +146,16 @@ impl Admission {
             woken.as_mut().enable();
             changes.borrow_and_update();
             let bounds = config();
-            let (head, waited) = waiter.position();
-            let max_wait = bounds.max_wait.get();
+            let (head, waited) = waiter.position(&bounds.order);
+            let max_wait = bounds.max_wait;
             if waited >= max_wait {
                 waiter.ended = true;
-                let waited = self.leave(model, ticket);
+                let waited = self.leave(model, ticket, false);
                 return Err(self.shed(model, Shed::MaxWait, &bounds, waited));
             }
             if head && fleet() != Fleet::Busy {
                 waiter.ended = true;
-                let waited = self.leave(model, ticket);
+                let waited = self.leave(model, ticket, true);
                 self.observe(Outcome::Dispatched, waited);
                 return Ok(());
             }
@@ -162,11 +168,12 @@ impl Admission {
         }
     }
 
-    /// Removes `ticket` from `model`'s queue: its wait, and wakes the waiters behind it.
-    fn leave(&self, model: &Arc<str>, ticket: Ticket) -> Option<Duration> {
+    /// Removes `ticket` from `model`'s queue (`served`: dispatched): its wait, and wakes the
+    /// waiters behind it.
+    fn leave(&self, model: &Arc<str>, ticket: Ticket, served: bool) -> Option<Duration> {
         let mut queues = self.lock();
         let entry = queues.get_mut(model)?;
-        let waited = entry.queue.leave(ticket, now_tick());
+        let waited = entry.queue.leave(ticket, now_tick(), served);
         let depth = entry.queue.len();
         entry.wake.notify_waiters();
         if depth == 0 {
@@ -179,13 +186,7 @@ impl Admission {
 
     /// Counts a refusal and builds it: retry after `max_wait` (by then every request now waiting
     /// has left the queue).
-    fn shed(
-        &self,
-        model: &str,
-        reason: Shed,
-        bounds: &QueueConfig,
-        waited: Option<Duration>,
-    ) -> Busy {
+    fn shed(&self, model: &str, reason: Shed, bounds: &Bounds, waited: Option<Duration>) -> Busy {
         if let Some(c) = &self.counters {
             c.shed.with_label_values(&[reason.as_label()]).inc();
         }
@@ -195,7 +196,7 @@ impl Admission {
         Busy {
             reason,
             model: model.to_owned(),
-            retry_after: bounds.max_wait.get(),
+            retry_after: bounds.max_wait,
         }
     }
 
@@ -234,14 +235,15 @@ struct Waiter<'a> {
 
 impl Waiter<'_> {
     /// Whether it heads its queue, and how long it has waited.
-    fn position(&self) -> (bool, Duration) {
-        let queues = self.admission.lock();
-        let Some(entry) = queues.get(self.model) else {
+    fn position(&self, order: &Order) -> (bool, Duration) {
+        let mut queues = self.admission.lock();
+        let Some(entry) = queues.get_mut(self.model) else {
             return (false, Duration::MAX);
         };
+        let now = now_tick();
         let since = entry.queue.since(self.ticket);
-        let head = entry.queue.head() == Some(self.ticket);
-        (head, since.map_or(Duration::MAX, |s| now_tick().since(s)))
+        let head = entry.queue.head(now, order) == Some(self.ticket);
+        (head, since.map_or(Duration::MAX, |s| now.since(s)))
     }
 }
 
@@ -250,7 +252,7 @@ impl Drop for Waiter<'_> {
         if self.ended {
             return;
         }
-        let waited = self.admission.leave(self.model, self.ticket);
+        let waited = self.admission.leave(self.model, self.ticket, false);
         if let Some(c) = &self.admission.counters {
             c.abandoned.inc();
         }

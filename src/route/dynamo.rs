@@ -47,7 +47,7 @@ use continuum_protocol::picker::{
 use tracing::debug;
 
 use crate::config::Config;
-use crate::config::admission::QueueConfig;
+use crate::config::admission::Bounds;
 use crate::config::schema::KvConfig;
 pub use crate::kv::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 use crate::proxy::{Dispatch, ParsedBody};
@@ -309,9 +309,15 @@ impl ShimRouter {
         Some((name, fleet))
     }
 
-    /// `admission.queue` as configured now (a reload applies to requests already waiting).
-    pub fn admission_queue(&self) -> QueueConfig {
-        self.config.load().admission.queue
+    /// `admission`'s queue bounds and order as configured now (a reload applies to requests
+    /// already waiting).
+    pub fn admission_bounds(&self) -> Bounds {
+        self.config.load().admission.bounds()
+    }
+
+    /// The priority class of the key `name` (`None`: unauthenticated), 0 served first.
+    pub fn admission_class(&self, name: Option<&str>) -> u8 {
+        self.config.load().admission.class_of(name)
     }
 
     /// A counter bumped after every load-store update (a waiting request re-checks the fleet).

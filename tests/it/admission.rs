@@ -67,13 +67,18 @@ fn records(id: u64) -> Vec<(String, Value)> {
 /// The config: the fake upstream as the namespace's one shim replica, `admission` from
 /// `admission` (YAML flow map), samples fresh for a minute (longer than any wait here).
 fn config(shim: &str, admission: &str) -> Config {
+    config_with(shim, admission, "")
+}
+
+/// [`config`] with `extra` top-level YAML.
+fn config_with(shim: &str, admission: &str, extra: &str) -> Config {
     let yaml = format!(
         "disaggregated_serving:\n  enabled: true\n\
          backends:\n  - name: shim\n    type: openai\n    url: \"{shim}\"\n    \
          models: [{MODEL}]\n    health_check:\n      enabled: false\n\
          dynamo:\n  enabled: true\n  load: {{max_staleness: 60s}}\n  discovery:\n    etcd:\n      \
          endpoints: [\"http://127.0.0.1:1\"]\n      namespace: {NS}\n  shim:\n    backends: [shim]\n\
-         admission: {admission}\n"
+         admission: {admission}\n{extra}"
     );
     Config::from_yaml_str_validated(&yaml, &ProcessEnv)
         .expect("test config")
@@ -445,4 +450,67 @@ async fn a_reload_changes_the_bounds_and_keeps_the_waiting_requests() {
         h.metric(r#"continuum_admission_wait_seconds_count{outcome="dispatched"}"#),
         2.0
     );
+}
+
+/// Keys for the priority test: `ops` is high, the others the default (normal).
+fn priority_config(shim: &str) -> Config {
+    config_with(
+        shim,
+        "{busy_threshold: {kv_usage: 0.9}, queue: {max_wait: 60s}, priority: {api_keys: {ops: high}}}",
+        "api_keys:\n  - {name: ops, key: sk-ops}\n  - {name: flood, key: sk-flood}\n  \
+         - {name: steady, key: sk-steady}\n",
+    )
+}
+
+impl Harness {
+    fn chat_as(&self, key: &str) -> JoinHandle<Response<Body>> {
+        let router = front_door::router(self.state.clone());
+        let auth = format!("Bearer sk-{key}");
+        tokio::spawn(async move {
+            let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]});
+            let req = Request::post("/v1/chat/completions")
+                .header("content-type", "application/json")
+                .header("authorization", auth)
+                .body(Body::from(body.to_string()))
+                .expect("request");
+            router.oneshot(req).await.expect("infallible")
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_better_class_goes_first_and_keys_of_a_class_take_turns() {
+    let mut shim = FakeUpstream::start().await;
+    let h = Harness::new(priority_config(&shim.url())).await;
+    h.publish(BUSY);
+    let mut waiting = Vec::new();
+    for (i, key) in ["flood", "flood", "flood", "steady", "ops"]
+        .iter()
+        .enumerate()
+    {
+        waiting.push((*key, h.chat_as(key)));
+        until("the request to queue", || h.depth() == i + 1).await;
+    }
+    // One rank just under the threshold: each sample lets one request through (its dispatch
+    // counts on the rank until the next sample answers it).
+    let mut order = Vec::new();
+    while !waiting.is_empty() {
+        h.publish([89, 95]);
+        let left = waiting.len();
+        until("one dispatch", || h.depth() == left - 1).await;
+        shim.next_request().await;
+        until("the answer", || {
+            waiting.iter().any(|(_, j)| j.is_finished())
+        })
+        .await;
+        assert_eq!(h.depth(), left - 1, "one request per sample with room");
+        let at = waiting
+            .iter()
+            .position(|(_, j)| j.is_finished())
+            .expect("one answered");
+        let (key, handle) = waiting.remove(at);
+        assert_eq!(handle.await.expect("join").status(), StatusCode::OK);
+        order.push(key);
+    }
+    assert_eq!(order, ["ops", "flood", "steady", "flood", "flood"]);
 }

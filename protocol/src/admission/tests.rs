@@ -3,6 +3,7 @@
 //! property test of the queue against a plain model (bounded, arrival order, leave removes).
 
 use std::collections::VecDeque;
+use std::time::Duration;
 
 use proptest::prelude::*;
 
@@ -202,7 +203,7 @@ proptest! {
             match op {
                 Op::Join(depth) => {
                     let depth = usize::from(depth);
-                    match queue.join(now, depth) {
+                    match queue.join(now, depth, Waiting::anonymous()) {
                         Ok(t) => {
                             prop_assert!(model.len() < depth);
                             model.push_back((t, now));
@@ -218,7 +219,7 @@ proptest! {
                     }
                     let t = issued[usize::from(pick) % issued.len()];
                     let held = model.iter().position(|(m, _)| *m == t);
-                    let waited = queue.leave(t, now);
+                    let waited = queue.leave(t, now, false);
                     match held {
                         Some(at) => {
                             let (_, since) = model.remove(at).expect("held");
@@ -228,17 +229,130 @@ proptest! {
                     }
                 }
                 Op::ServeHead => {
-                    prop_assert_eq!(queue.head(), model.front().map(|(t, _)| *t));
+                    prop_assert_eq!(queue.head(now, &Order::default()), model.front().map(|(t, _)| *t));
                     if let Some((t, _)) = model.pop_front() {
-                        prop_assert!(queue.leave(t, now).is_some());
+                        prop_assert!(queue.leave(t, now, true).is_some());
                     }
                 }
             }
             prop_assert_eq!(queue.len(), model.len());
-            prop_assert_eq!(queue.head(), model.front().map(|(t, _)| *t));
+            prop_assert_eq!(queue.head(now, &Order::default()), model.front().map(|(t, _)| *t));
             for (t, since) in &model {
                 prop_assert_eq!(queue.since(*t), Some(*since));
             }
         }
+    }
+}
+
+fn who(class: u8, key: &str, cost: u64) -> Waiting {
+    Waiting {
+        class,
+        key: key.into(),
+        cost,
+    }
+}
+
+/// Serves heads until empty; the keys in serving order.
+fn drain(queue: &mut WaitQueue, now: Tick, order: &Order) -> Vec<Ticket> {
+    let mut served = Vec::new();
+    while let Some(t) = queue.head(now, order) {
+        assert!(queue.leave(t, now, true).is_some());
+        served.push(t);
+    }
+    served
+}
+
+#[test]
+fn a_better_class_is_served_first_and_aging_lifts_the_lowest() {
+    let order = Order {
+        aging: Some(Duration::from_secs(10)),
+        quantum: DEFAULT_QUANTUM,
+    };
+    let mut q = WaitQueue::new();
+    let low = q.join(at(0), 8, who(2, "batch", 10)).expect("room");
+    let high = q.join(at(1), 8, who(0, "ops", 10)).expect("room");
+    // Strictly by class while nobody has aged.
+    assert_eq!(q.head(at(1), &order), Some(high));
+    assert_eq!(q.leave(high, at(1), true), Some(Duration::ZERO));
+    let normal = q.join(at(15), 8, who(1, "web", 10)).expect("room");
+    // At 20 s the class-2 request has risen two classes: it goes before the class-1 one (risen
+    // by none yet) and before a class-0 arrival of another key that joined later.
+    let fresh = q.join(at(20), 8, who(0, "ops", 10)).expect("room");
+    assert_eq!(q.head(at(20), &order), Some(low));
+    assert_eq!(drain(&mut q, at(20), &order), [low, fresh, normal]);
+    // Without aging the class-2 request waits for every better one.
+    let mut q = WaitQueue::new();
+    let low = q.join(at(0), 8, who(2, "batch", 10)).expect("room");
+    let high = q.join(at(50), 8, who(0, "ops", 10)).expect("room");
+    assert_eq!(drain(&mut q, at(100), &Order::default()), [high, low]);
+}
+
+#[test]
+fn keys_of_one_class_take_turns_whatever_their_backlog() {
+    let order = Order {
+        aging: None,
+        quantum: 100,
+    };
+    let mut q = WaitQueue::new();
+    let flood: Vec<Ticket> = (0..6)
+        .map(|_| q.join(at(0), 64, who(1, "flood", 100)).expect("room"))
+        .collect();
+    let steady: Vec<Ticket> = (0..2)
+        .map(|_| q.join(at(1), 64, who(1, "steady", 100)).expect("room"))
+        .collect();
+    let served = drain(&mut q, at(2), &order);
+    assert_eq!(
+        served,
+        [
+            flood[0], steady[0], flood[1], steady[1], flood[2], flood[3], flood[4], flood[5]
+        ]
+    );
+    assert_eq!(q.keys(), 0, "emptied keys leave the rotation");
+}
+
+#[test]
+fn an_abandoned_pick_is_replaced_and_classes_are_clamped() {
+    let mut q = WaitQueue::new();
+    let a = q.join(at(0), 8, who(9, "a", 1)).expect("room");
+    let b = q.join(at(0), 8, who(2, "b", 1)).expect("room");
+    assert_eq!(q.head(at(0), &Order::default()), Some(a));
+    assert!(q.leave(a, at(0), false).is_some());
+    assert_eq!(q.head(at(0), &Order::default()), Some(b));
+    assert_eq!(q.leave(a, at(0), false), None);
+}
+
+proptest! {
+    /// Two keys in one class, both backlogged: over any prefix of the serving order their served
+    /// costs differ by at most one quantum plus the largest request (deficit round robin's
+    /// bound), whichever key arrived with more; every request is served exactly once.
+    #[test]
+    fn deficit_round_robin_shares_the_turns(
+        a in proptest::collection::vec(1u64..=400, 1..40),
+        b in proptest::collection::vec(1u64..=400, 1..40),
+        quantum in 1u64..=300,
+    ) {
+        let order = Order { aging: None, quantum };
+        let mut q = WaitQueue::new();
+        let mut cost = std::collections::HashMap::new();
+        for (key, costs) in [("a", &a), ("b", &b)] {
+            for &c in costs {
+                let t = q.join(at(0), usize::MAX, who(1, key, c)).expect("room");
+                cost.insert(t, (key, c));
+            }
+        }
+        let (mut left_a, mut left_b) = (a.len(), b.len());
+        let (mut served_a, mut served_b) = (0u64, 0u64);
+        let mut seen = std::collections::HashSet::new();
+        while let Some(t) = q.head(at(0), &order) {
+            prop_assert!(seen.insert(t));
+            q.leave(t, at(0), true);
+            let (key, c) = cost[&t];
+            if key == "a" { served_a += c; left_a -= 1 } else { served_b += c; left_b -= 1 }
+            if left_a > 0 && left_b > 0 {
+                prop_assert!(served_a.abs_diff(served_b) <= quantum + 400,
+                    "a {served_a} b {served_b}");
+            }
+        }
+        prop_assert_eq!(seen.len(), a.len() + b.len());
     }
 }
