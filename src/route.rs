@@ -242,8 +242,12 @@ impl Router {
                 .fleet(model, allowed, usable)
                 .map_or(Fleet::Unknown, |(_, fleet)| fleet)
         };
+        let asked = request
+            .headers
+            .get(crate::config::admission::PRIORITY_HEADER)
+            .and_then(|v| v.to_str().ok());
         let who = Waiting {
-            class: dynamo.admission_class(key),
+            class: dynamo.admission_class(key, asked),
             key: key.unwrap_or_default().to_owned(),
             cost: request.body.prompt_tokens.max(1),
         };

@@ -45,17 +45,24 @@ impl AdmissionConfig {
             max_depth: self.queue.max_depth,
             max_wait: self.queue.max_wait.get(),
             order: Order {
-                aging: self.priority.aging.map(HumanDuration::get),
+                aging: Some(self.priority.aging.get()).filter(|a| !a.is_zero()),
                 quantum: self.priority.quantum_tokens,
             },
         }
     }
 
-    /// The class of a request of the key `name` (`None`: unauthenticated), 0 served first.
-    pub fn class_of(&self, name: Option<&str>) -> u8 {
-        name.and_then(|n| self.priority.api_keys.get(n))
-            .copied()
-            .unwrap_or(self.priority.default)
+    /// The class of a request of the key `name` (`None`: unauthenticated), 0 served first:
+    /// `asked` (the [`PRIORITY_HEADER`] value) when the key may select it
+    /// (`priority.selectable`), else the key's class.
+    pub fn class_of(&self, name: Option<&str>, asked: Option<&str>) -> u8 {
+        let priority = &self.priority;
+        let chosen = asked.and_then(Class::parse).filter(|class| {
+            name.and_then(|n| priority.selectable.get(n))
+                .is_some_and(|allowed| allowed.contains(class))
+        });
+        chosen
+            .or_else(|| name.and_then(|n| priority.api_keys.get(n)).copied())
+            .unwrap_or(priority.default)
             .rank()
     }
 }
@@ -78,7 +85,26 @@ pub enum Class {
     Low,
 }
 
+/// The request header a key listed in `admission.priority.selectable` may name its class with.
+pub const PRIORITY_HEADER: &str = "x-continuum-priority";
+
 impl Class {
+    /// A class by name (`high`, `normal`, `low`; ASCII case ignored).
+    pub fn parse(text: &str) -> Option<Self> {
+        let text = text.trim();
+        [Class::High, Class::Normal, Class::Low]
+            .into_iter()
+            .find(|c| c.name().eq_ignore_ascii_case(text))
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Class::High => "high",
+            Class::Normal => "normal",
+            Class::Low => "low",
+        }
+    }
+
     /// 0 (high) is served first.
     pub const fn rank(self) -> u8 {
         match self {
@@ -97,8 +123,10 @@ pub struct PriorityConfig {
     pub api_keys: BTreeMap<String, Class>,
     /// Class of keys not listed and of unauthenticated requests.
     pub default: Class,
-    /// A waiting request rises one class per `aging` waited (unset: strict classes).
-    pub aging: Option<HumanDuration>,
+    /// Classes a key may ask for per request with [`PRIORITY_HEADER`], by `api_keys[].name`.
+    pub selectable: BTreeMap<String, Vec<Class>>,
+    /// A waiting request rises one class per `aging` waited (`0s`: strict classes).
+    pub aging: HumanDuration,
     /// Deficit round robin's credit per turn, in prompt tokens (the estimate).
     pub quantum_tokens: u64,
 }
@@ -108,7 +136,8 @@ impl Default for PriorityConfig {
         Self {
             api_keys: BTreeMap::new(),
             default: Class::Normal,
-            aging: Some(HumanDuration::from_secs(DEFAULT_AGING.as_secs())),
+            selectable: BTreeMap::new(),
+            aging: HumanDuration::from_secs(DEFAULT_AGING.as_secs()),
             quantum_tokens: DEFAULT_QUANTUM,
         }
     }
@@ -205,22 +234,21 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     out
 }
 
-/// `admission.priority`: named keys exist, `aging` above 0, `quantum_tokens` within bounds.
+/// `admission.priority`: named keys exist, `quantum_tokens` within bounds.
 fn priority(config: &Config, out: &mut Vec<Diagnostic>) {
     let priority = &config.admission.priority;
-    for name in priority.api_keys.keys() {
+    let named = priority
+        .api_keys
+        .keys()
+        .map(|n| ("api_keys", n))
+        .chain(priority.selectable.keys().map(|n| ("selectable", n)));
+    for (map, name) in named {
         if !config.api_keys.iter().any(|k| &k.name == name) {
             out.push(Diagnostic::error(
-                format!("admission.priority.api_keys.{name}"),
+                format!("admission.priority.{map}.{name}"),
                 format!("no api_keys[] entry is named {name:?}"),
             ));
         }
-    }
-    if priority.aging.is_some_and(|a| a.get().is_zero()) {
-        out.push(Diagnostic::error(
-            "admission.priority.aging",
-            "aging must be above 0 (unset it for strict classes)",
-        ));
     }
     if !(1..=MAX_QUANTUM).contains(&priority.quantum_tokens) {
         out.push(Diagnostic::error(
@@ -261,12 +289,10 @@ mod tests {
             .priority
             .api_keys
             .insert("ghost".into(), Class::High);
-        c.admission.priority.aging = Some(HumanDuration::from_secs(0));
         c.admission.priority.quantum_tokens = 0;
         let all = paths(&c);
         for path in [
             "admission.priority.api_keys.ghost",
-            "admission.priority.aging",
             "admission.priority.quantum_tokens",
         ] {
             assert!(all.contains(&path.to_owned()), "{all:?}");
@@ -285,13 +311,27 @@ mod tests {
         assert_eq!(c.queue.max_depth, DEFAULT_MAX_DEPTH);
         assert_eq!(c.queue.max_wait.get(), Duration::from_secs(5));
         assert_eq!(c.bounds().order.aging, Some(DEFAULT_AGING));
-        let yaml = "admission: {priority: {api_keys: {a: high}, default: low, aging: null}}";
+        let yaml = "admission: {priority: {api_keys: {a: high}, default: low, aging: 0s}}";
         let c = Config::from_yaml_str(yaml, &crate::config::ProcessEnv)
             .expect("yaml")
             .admission;
-        assert_eq!(c.class_of(Some("a")), 0);
-        assert_eq!(c.class_of(Some("b")), 2);
-        assert_eq!(c.class_of(None), 2);
-        assert_eq!(c.bounds().order.aging, None);
+        assert_eq!(c.class_of(Some("a"), None), 0);
+        assert_eq!(c.class_of(Some("b"), None), 2);
+        assert_eq!(c.class_of(None, None), 2);
+        assert_eq!(c.bounds().order.aging, None, "0s: strict classes");
+        // Only a key allowed to select a class gets it by header.
+        let yaml = "admission: {priority: {api_keys: {a: low}, selectable: {a: [normal, high]}}}";
+        let c = Config::from_yaml_str(yaml, &crate::config::ProcessEnv).expect("yaml");
+        assert!(
+            validate(&c)
+                .iter()
+                .any(|d| d.path == "admission.priority.selectable.a")
+        );
+        let c = c.admission;
+        assert_eq!(c.class_of(Some("a"), Some("HIGH")), 0);
+        assert_eq!(c.class_of(Some("a"), Some("normal")), 1);
+        assert_eq!(c.class_of(Some("a"), Some("bogus")), 2);
+        assert_eq!(c.class_of(Some("b"), Some("high")), 1);
+        assert_eq!(c.class_of(None, Some("high")), 1);
     }
 }

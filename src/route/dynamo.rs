@@ -315,9 +315,10 @@ impl ShimRouter {
         self.config.load().admission.bounds()
     }
 
-    /// The priority class of the key `name` (`None`: unauthenticated), 0 served first.
-    pub fn admission_class(&self, name: Option<&str>) -> u8 {
-        self.config.load().admission.class_of(name)
+    /// The priority class of the key `name` (`None`: unauthenticated) asking for `asked`, 0
+    /// served first.
+    pub fn admission_class(&self, name: Option<&str>, asked: Option<&str>) -> u8 {
+        self.config.load().admission.class_of(name, asked)
     }
 
     /// A counter bumped after every load-store update (a waiting request re-checks the fleet).

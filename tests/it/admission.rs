@@ -456,20 +456,23 @@ async fn a_reload_changes_the_bounds_and_keeps_the_waiting_requests() {
 fn priority_config(shim: &str) -> Config {
     config_with(
         shim,
-        "{busy_threshold: {kv_usage: 0.9}, queue: {max_wait: 60s}, priority: {api_keys: {ops: high}}}",
+        "{busy_threshold: {kv_usage: 0.9}, queue: {max_wait: 60s}, \
+         priority: {api_keys: {ops: high}, selectable: {steady: [high]}}}",
         "api_keys:\n  - {name: ops, key: sk-ops}\n  - {name: flood, key: sk-flood}\n  \
          - {name: steady, key: sk-steady}\n",
     )
 }
 
 impl Harness {
-    fn chat_as(&self, key: &str) -> JoinHandle<Response<Body>> {
+    /// A chat request of the key `sk-{key}`, asking for the class `asked` when given.
+    fn chat_as(&self, key: &str, asked: Option<&'static str>) -> JoinHandle<Response<Body>> {
         let router = front_door::router(self.state.clone());
         let auth = format!("Bearer sk-{key}");
         tokio::spawn(async move {
             let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]});
             let req = Request::post("/v1/chat/completions")
                 .header("content-type", "application/json")
+                .header("x-continuum-priority", asked.unwrap_or("normal"))
                 .header("authorization", auth)
                 .body(Body::from(body.to_string()))
                 .expect("request");
@@ -479,16 +482,23 @@ impl Harness {
 }
 
 #[tokio::test]
-async fn a_better_class_goes_first_and_keys_of_a_class_take_turns() {
+async fn a_better_class_goes_first_a_selected_class_applies_and_keys_of_a_class_take_turns() {
     let mut shim = FakeUpstream::start().await;
     let h = Harness::new(priority_config(&shim.url())).await;
     h.publish(BUSY);
     let mut waiting = Vec::new();
-    for (i, key) in ["flood", "flood", "flood", "steady", "ops"]
-        .iter()
-        .enumerate()
-    {
-        waiting.push((*key, h.chat_as(key)));
+    // `flood` asks for high but may not select it; `steady` may, and asks for its second request
+    // only.
+    let arrivals = [
+        ("flood", Some("high")),
+        ("flood", None),
+        ("steady", None),
+        ("flood", None),
+        ("steady", Some("high")),
+        ("ops", None),
+    ];
+    for (i, (key, asked)) in arrivals.into_iter().enumerate() {
+        waiting.push((key, h.chat_as(key, asked)));
         until("the request to queue", || h.depth() == i + 1).await;
     }
     // One rank just under the threshold: each sample lets one request through (its dispatch
@@ -512,5 +522,10 @@ async fn a_better_class_goes_first_and_keys_of_a_class_take_turns() {
         assert_eq!(handle.await.expect("join").status(), StatusCode::OK);
         order.push(key);
     }
-    assert_eq!(order, ["ops", "flood", "steady", "flood", "flood"]);
+    // High first (steady's selected request, then ops: rotation order), then the normal keys
+    // taking turns, each in its own arrival order.
+    assert_eq!(
+        order,
+        ["steady", "ops", "flood", "steady", "flood", "flood"]
+    );
 }
