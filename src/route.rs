@@ -244,7 +244,7 @@ impl Router {
         };
         let asked = request
             .headers
-            .get(crate::config::admission::PRIORITY_HEADER)
+            .get(crate::proxy::headers::PRIORITY_REQUEST)
             .and_then(|v| v.to_str().ok());
         let who = Waiting {
             class: dynamo.admission_class(key, asked),

@@ -85,7 +85,8 @@ pub enum Class {
     Low,
 }
 
-/// The request header a key listed in `admission.priority.selectable` may name its class with.
+/// The request header a key listed in `admission.priority.selectable` may name its class with
+/// (`proxy::headers::PRIORITY_REQUEST`, which is never forwarded).
 pub const PRIORITY_HEADER: &str = "x-continuum-priority";
 
 impl Class {
