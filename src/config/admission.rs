@@ -16,7 +16,7 @@ use super::{Diagnostic, Severity};
 /// Default `admission.queue.max_depth`.
 pub const DEFAULT_MAX_DEPTH: usize = 256;
 /// Largest `admission.queue.max_depth` accepted.
-pub const MAX_DEPTH: usize = 100_000;
+pub const MAX_DEPTH: usize = 10_000;
 /// Default `admission.queue.max_wait`.
 pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(30);
 /// Largest `admission.queue.max_wait` accepted.

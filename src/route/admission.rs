@@ -26,6 +26,7 @@ use continuum_actors::clock::now_tick;
 use continuum_protocol::admission::{
     Busy, Fleet, Order, Shed, Step, Ticket, WaitQueue, Waiting, step,
 };
+use continuum_protocol::time::Tick;
 use prometheus::{
     HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
 };
@@ -123,14 +124,15 @@ impl Admission {
                 Step::Shed(reason) => Err(reason),
                 Step::Wait => {
                     let entry = queues.entry(model.clone()).or_default();
+                    let now = now_tick();
                     entry
                         .queue
-                        .join(now_tick(), usize::MAX, who)
-                        .map(|ticket| (ticket, entry.wake.clone(), entry.queue.len()))
+                        .join(now, usize::MAX, who)
+                        .map(|ticket| (ticket, now, entry.wake.clone(), entry.queue.len()))
                 }
             }
         };
-        let (ticket, wake, depth) = match joined {
+        let (ticket, since, wake, depth) = match joined {
             Ok(joined) => joined,
             Err(reason) => return Err(self.shed(model, reason, &bounds, None)),
         };
@@ -139,6 +141,7 @@ impl Admission {
             admission: self,
             model,
             ticket,
+            since,
             ended: false,
         };
         loop {
@@ -230,20 +233,21 @@ struct Waiter<'a> {
     admission: &'a Admission,
     model: &'a Arc<str>,
     ticket: Ticket,
+    since: Tick,
     ended: bool,
 }
 
 impl Waiter<'_> {
-    /// Whether it heads its queue, and how long it has waited.
+    /// Whether it heads its queue, and how long it has waited (O(1) while the queue's last pick
+    /// holds).
     fn position(&self, order: &Order) -> (bool, Duration) {
         let mut queues = self.admission.lock();
         let Some(entry) = queues.get_mut(self.model) else {
             return (false, Duration::MAX);
         };
         let now = now_tick();
-        let since = entry.queue.since(self.ticket);
         let head = entry.queue.head(now, order) == Some(self.ticket);
-        (head, since.map_or(Duration::MAX, |s| now.since(s)))
+        (head, now.since(self.since))
     }
 }
 

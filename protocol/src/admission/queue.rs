@@ -70,6 +70,13 @@ impl Default for Order {
     }
 }
 
+#[derive(Clone, Copy, Debug)]
+struct Picked {
+    ticket: Ticket,
+    order: Order,
+    until: Option<Tick>,
+}
+
 #[derive(Clone, Debug)]
 struct Entry {
     ticket: Ticket,
@@ -96,8 +103,9 @@ pub struct WaitQueue {
     /// Keys with a waiting request, in rotation order (front: the key the turn is at).
     rotation: VecDeque<String>,
     deficits: HashMap<String, u64>,
-    /// The last pick, while it waits and the best class is unchanged.
-    picked: Option<(Ticket, u8)>,
+    /// The last pick, valid until a request joins, it leaves, the order changes or `until` (the
+    /// next time aging changes an effective class): repeated [`WaitQueue::head`] calls are O(1).
+    picked: Option<Picked>,
     next: u64,
 }
 
@@ -127,6 +135,8 @@ impl WaitQueue {
             cost: who.cost.max(1),
             ..who
         };
+        // A newcomer may be better than the last pick.
+        self.picked = None;
         if !self.rotation.contains(&who.key) {
             self.rotation.push_back(who.key.clone());
         }
@@ -138,22 +148,42 @@ impl WaitQueue {
         Ok(ticket)
     }
 
-    /// The request served next at `now` (see the module doc).
+    /// The request served next at `now` (see the module doc). O(1) while the last pick holds;
+    /// otherwise one pass over the waiting requests per key in the best class.
     pub fn head(&mut self, now: Tick, order: &Order) -> Option<Ticket> {
+        if let Some(p) = self.picked
+            && p.order == *order
+            && p.until.is_none_or(|until| now < until)
+        {
+            return Some(p.ticket);
+        }
         let best = self
             .entries
             .iter()
             .map(|e| e.effective(now, order.aging))
             .min()?;
-        if let Some((ticket, class)) = self.picked
-            && class == best
-            && self.entries.iter().any(|e| e.ticket == ticket)
-        {
-            return Some(ticket);
-        }
         let ticket = self.pick(now, order, best)?;
-        self.picked = Some((ticket, best));
+        self.picked = Some(Picked {
+            ticket,
+            order: *order,
+            until: self.next_aging(now, order.aging),
+        });
         Some(ticket)
+    }
+
+    /// The next time after `now` an effective class changes (`None`: never).
+    fn next_aging(&self, now: Tick, aging: Option<Duration>) -> Option<Tick> {
+        let step = aging.filter(|a| !a.is_zero())?.as_nanos();
+        self.entries
+            .iter()
+            .filter(|e| e.effective(now, aging) > 0)
+            .filter_map(|e| {
+                let waited = now.since(e.since).as_nanos();
+                let steps = waited / step + 1;
+                let at = e.since.0.as_nanos().checked_add(steps.checked_mul(step)?)?;
+                Some(Tick(Duration::from_nanos(u64::try_from(at).ok()?)))
+            })
+            .min()
     }
 
     /// Deficit round robin among the keys with a request in effective class `best`.
@@ -202,7 +232,7 @@ impl WaitQueue {
     pub fn leave(&mut self, ticket: Ticket, now: Tick, served: bool) -> Option<Duration> {
         let at = self.entries.iter().position(|e| e.ticket == ticket)?;
         let entry = self.entries.remove(at)?;
-        if self.picked.is_some_and(|(t, _)| t == ticket) {
+        if self.picked.is_some_and(|p| p.ticket == ticket) {
             self.picked = None;
         }
         let key = &entry.who.key;

@@ -356,3 +356,26 @@ proptest! {
         prop_assert_eq!(seen.len(), a.len() + b.len());
     }
 }
+
+#[test]
+fn the_remembered_pick_ends_when_aging_changes_a_class() {
+    let order = Order {
+        aging: Some(Duration::from_secs(10)),
+        quantum: DEFAULT_QUANTUM,
+    };
+    let mut q = WaitQueue::new();
+    let low = q.join(at(0), 8, who(2, "batch", 1000)).expect("room");
+    let normal = q.join(at(15), 8, who(1, "web", 1)).expect("room");
+    // At 16 s both are in class 1: the cheaper request's key gets there first.
+    assert_eq!(q.head(at(16), &order), Some(normal));
+    assert_eq!(q.head(at(19), &order), Some(normal));
+    // At 20 s the class-2 request has risen twice (no request joined or left): it is strictly
+    // better now.
+    assert_eq!(q.head(at(20), &order), Some(low));
+    // A changed order is never answered from the remembered pick.
+    let strict = Order {
+        aging: None,
+        ..order
+    };
+    assert_eq!(q.head(at(20), &strict), Some(normal));
+}
