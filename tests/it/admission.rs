@@ -299,6 +299,20 @@ async fn a_request_waits_while_every_worker_is_busy_and_goes_on_a_fresh_sample_w
     );
 }
 
+#[tokio::test]
+async fn without_a_threshold_a_busy_fleet_is_dispatched_at_once() {
+    let mut shim = FakeUpstream::start().await;
+    let h = Harness::new(config(&shim.url(), "{queue: {max_depth: 0}}")).await;
+    h.publish([100, 100]);
+    let resp = h.chat().await.expect("join");
+    assert_eq!(resp.status(), StatusCode::OK);
+    shim.next_request().await;
+    assert_eq!(
+        h.metric(r#"continuum_admission_shed_total{reason="queue_full"}"#),
+        0.0
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_is_503_fleet_busy_with_retry_after_in_each_ingress_shape() {
     let shim = FakeUpstream::start().await;
