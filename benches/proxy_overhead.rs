@@ -37,6 +37,11 @@
 //!   question), with no limit configured and with key and backend limits that do not bind
 //!   (goal: ≤ 1 µs per request). `PROXY_BENCH=rate_limits` runs only this pass.
 //!
+//! - Admission: the `admission` check one request on the Dynamo path takes when nothing is busy
+//!   (`ShimRouter::fleet` over 16 decode workers with fresh samples, then the queue's arrival
+//!   rule), with no threshold set, with every rank at 10 %, and with only the last rank below the
+//!   threshold (the whole scan). `PROXY_BENCH=admission` runs only this pass.
+//!
 //! The numbers are noisy when other processes use the same cores; compare CPU µs/request first.
 
 use std::collections::HashMap;
@@ -411,10 +416,188 @@ fn rate_limit_cost() {
     }
 }
 
+/// The `admission` check of one request when nothing is busy (see the module doc).
+mod admission_bench {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use arc_swap::ArcSwap;
+    use continuum_actors::clock::now_tick;
+    use continuum_actors::load::SharedLoadStore;
+    use continuum_actors::picker::SharedPicker;
+    use continuum_actors::registry::{RegistryActor, RegistryArgs, RegistryConfig, RegistryParts};
+    use continuum_protocol::admission::{Fleet, Waiting};
+    use continuum_protocol::discovery::SourceEvent;
+    use continuum_protocol::discovery::reducer::DiscoveryReducer;
+    use continuum_protocol::discovery::snapshot::SourceKind;
+    use continuum_protocol::event_plane::ActiveLoad;
+    use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
+    use continuum_protocol::load_store::LoadSample;
+    use continuum_protocol::time::UnixMillis;
+    use continuum_router::config::{Config, ProcessEnv};
+    use continuum_router::route::admission::Admission;
+    use continuum_router::route::dynamo::ShimRouter;
+    use futures::FutureExt;
+    use ractor::Actor;
+
+    const NS: &str = "bench";
+
+    /// A label, the `admission` YAML, and each worker's used blocks.
+    type Case = (&'static str, &'static str, fn(u64) -> u64);
+    const WORKERS: u64 = 16;
+    const FIRST: u64 = 0x100;
+
+    fn records(id: u64) -> Vec<(String, Vec<u8>)> {
+        let endpoint = serde_json::json!({"type": "Endpoint", "namespace": NS,
+            "component": "backend", "endpoint": "generate", "instance_id": id,
+            "transport": {"tcp": "127.0.0.1:1/x"}});
+        let card = serde_json::json!({"type": "Model", "namespace": NS, "component": "backend",
+            "endpoint": "generate", "instance_id": id, "card_json": {"display_name": "m",
+            "worker_type": "decode", "kv_cache_block_size": 16, "runtime_config":
+            {"total_kv_blocks": 100, "max_num_batched_tokens": 8192, "data_parallel_size": 1}}});
+        let bytes = |v: serde_json::Value| serde_json::to_vec(&v).expect("json");
+        vec![
+            (
+                format!("v1/instances/{NS}/backend/generate/{id:x}"),
+                bytes(endpoint),
+            ),
+            (format!("v1/mdc/{NS}/backend/generate/{id:x}"), bytes(card)),
+        ]
+    }
+
+    fn config(threshold: &str) -> Config {
+        let yaml = format!(
+            "disaggregated_serving:\n  enabled: true\n\
+             backends:\n  - name: shim\n    type: openai\n    url: \"http://127.0.0.1:1\"\n    \
+             models: [m]\n    health_check:\n      enabled: false\n\
+             dynamo:\n  enabled: true\n  load: {{max_staleness: 300s}}\n  discovery:\n    etcd:\n      \
+             endpoints: [\"http://127.0.0.1:1\"]\n      namespace: {NS}\n  shim:\n    backends: [shim]\n\
+             admission: {threshold}\n"
+        );
+        Config::from_yaml_str(&yaml, &ProcessEnv).expect("bench config")
+    }
+
+    fn publish(load: &SharedLoadStore, used: impl Fn(u64) -> u64, sequence: u64) {
+        load.with(|store| {
+            for w in 0..WORKERS {
+                let id = FIRST + w;
+                store.apply(LoadSample {
+                    load: ActiveLoad {
+                        worker_id: InstanceId(id),
+                        dp_rank: DpRank(0),
+                        active_decode_blocks: Some(used(w)),
+                        active_prefill_tokens: None,
+                        kv_used_blocks: Some(used(w)),
+                    },
+                    publisher_id: PublisherId(id),
+                    sequence,
+                    published_at: UnixMillis(0),
+                    received_at: now_tick(),
+                });
+            }
+        });
+    }
+
+    pub fn run() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let namespace = Namespace::new(NS);
+            let parts = RegistryParts::new(RegistryConfig {
+                enabled: true,
+                source: SourceKind::Etcd,
+                namespaces: vec![namespace.clone()],
+            });
+            let reader = parts.reader.clone();
+            let args = RegistryArgs {
+                writer: parts.writer,
+                metrics: None,
+            };
+            let (_actor, _) = Actor::spawn(None, RegistryActor, args)
+                .await
+                .expect("registry");
+            let mut reducer = DiscoveryReducer::new(namespace);
+            reducer.apply(SourceEvent::Init, UnixMillis(0));
+            for w in 0..WORKERS {
+                for (key, value) in records(FIRST + w) {
+                    reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
+                }
+            }
+            reducer.apply(SourceEvent::InitDone, UnixMillis(0));
+            parts.inbox.stage_view(reducer.view().clone());
+            reader
+                .subscribe()
+                .wait_for(|g| *g >= 1)
+                .await
+                .expect("published");
+            let load = SharedLoadStore::new(None);
+            load.with(|store| {
+                store.set_live_and_retain((0..WORKERS).map(|w| InstanceId(FIRST + w)))
+            });
+            let shared = Arc::new(ArcSwap::from_pointee(config("{}")));
+            let dynamo = ShimRouter::with_picker(
+                shared.clone(),
+                reader,
+                load.clone(),
+                SharedPicker::new(),
+                None,
+            );
+            let admission = Admission::new(None);
+            let cases: [Case; 3] = [
+                ("no threshold", "{}", |_| 10),
+                (
+                    "every rank at 10 %",
+                    "{busy_threshold: {kv_usage: 0.9}}",
+                    |_| 10,
+                ),
+                (
+                    "only the last rank with room",
+                    "{busy_threshold: {kv_usage: 0.9}}",
+                    |w| {
+                        if w + 1 == WORKERS { 10 } else { 95 }
+                    },
+                ),
+            ];
+            for (sequence, (label, threshold, used)) in (1u64..).zip(cases) {
+                shared.store(Arc::new(config(threshold)));
+                publish(&load, used, sequence);
+                let usable = |_: &str| true;
+                let rounds: u32 = 200_000;
+                let start = Instant::now();
+                for _ in 0..rounds {
+                    let Some((model, first)) = dynamo.fleet("m", &[], usable) else {
+                        continue;
+                    };
+                    assert_ne!(first, Fleet::Busy);
+                    let admitted = admission
+                        .admit(
+                            &model,
+                            first,
+                            Waiting::anonymous(),
+                            || dynamo.admission_bounds(),
+                            || first,
+                            dynamo.load_changes(),
+                        )
+                        .now_or_never();
+                    std::hint::black_box(admitted);
+                }
+                let per = start.elapsed() / rounds;
+                println!("[admission] {label}: {per:?} per request (16 decode workers)");
+            }
+        });
+    }
+}
+
 fn main() {
     parse_cost();
     rate_limit_cost();
     if std::env::var("PROXY_BENCH").is_ok_and(|v| v == "rate_limits") {
+        return;
+    }
+    admission_bench::run();
+    if std::env::var("PROXY_BENCH").is_ok_and(|v| v == "admission") {
         return;
     }
     let args: Vec<usize> = std::env::args()

@@ -6,6 +6,7 @@
 //! | [`interpolate`] | `${ENV_VAR}` expansion with an injectable environment |
 //! | [`validate`] | every validation rule and warning, as path-addressed [`Diagnostic`]s |
 //! | [`features`] | keys of a Cargo feature this build lacks: "compiled but inactive" warnings, the effective config |
+//! | [`admission`] | `admission`: busy thresholds and the per-model wait queue's bounds, their rules |
 //! | [`rate_limits`] | `rate_limits`: per-key, unauthenticated and per-backend request and token limits, their rules |
 //! | [`mask`] | `config show`: the effective config as YAML with secrets masked |
 //! | [`diff`] | reload classification of an old/new config pair ([`ReloadPlan`]) |
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub mod admission;
 pub mod diff;
 pub mod example;
 pub mod features;

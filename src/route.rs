@@ -19,6 +19,7 @@
 //! never re-selected for a request. The transport (candidates, dispatch, headers, relay) is
 //! `crate::proxy`'s; this module never touches a socket.
 
+pub mod admission;
 pub mod dynamo;
 pub mod mid_stream;
 pub mod usage;
@@ -32,6 +33,7 @@ use axum::http::{HeaderMap, Response, StatusCode};
 use axum::response::IntoResponse;
 use bytes::Bytes;
 use continuum_actors::metrics::{DisaggregatedPhase, RoutingPath};
+use continuum_protocol::admission::{Fleet, Waiting};
 use tracing::{debug, warn};
 
 use crate::http_metrics::{HttpMetrics, HttpRoute};
@@ -59,6 +61,8 @@ pub struct Router {
     http: Option<HttpMetrics>,
     /// Mid-stream fallback's retry budget.
     budget: Arc<mid_stream::RetryBudget>,
+    /// `admission`: the per-model wait queues.
+    admission: admission::Admission,
 }
 
 impl std::fmt::Debug for Router {
@@ -70,11 +74,13 @@ impl std::fmt::Debug for Router {
 impl Router {
     /// A router over `proxy` with no Dynamo path (install one with [`Router::set_dynamo`]).
     pub fn new(proxy: Arc<Proxy>) -> Self {
+        let admission = admission::Admission::new(proxy.metrics().map(|m| m.registry()));
         Self {
             proxy,
             dynamo: ArcSwapOption::empty(),
             http: None,
             budget: Arc::default(),
+            admission,
         }
     }
 
@@ -144,7 +150,7 @@ impl Router {
         {
             return ApiError::RateLimited(Box::new(limited)).into_response();
         }
-        match self.route(&request, &caller.allowed_backends).await {
+        match self.route(&request, &caller.allowed_backends, key).await {
             Ok(resp) => {
                 let shim_pool = resp.extensions().get::<ShimPool>().map(|p| p.0.clone());
                 let excluded = shim_pool.unwrap_or_default();
@@ -171,20 +177,23 @@ impl Router {
         &self,
         request: &ClientRequest,
         allowed: &[String],
+        key: Option<&str>,
     ) -> Result<Response<Body>, ApiError> {
         if self.proxy.disaggregated_enabled()
             && request.route != OpenAiRoute::ResponsesCompact
             && let Some(dynamo) = self.dynamo.load_full()
         {
-            let (now, tokens) = (self.proxy.now(), request.body.prompt_tokens);
+            let tokens = request.body.prompt_tokens;
             // A shim replica at its rate limit is skipped like an unhealthy one.
             let usable = |name: &str| {
                 self.proxy
                     .pool()
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
-                    && self.proxy.limits().backend_would_admit(name, now, tokens)
+                    && (self.proxy.limits()).backend_would_admit(name, self.proxy.now(), tokens)
             };
+            self.admit(&dynamo, request, (allowed, key), &usable)
+                .await?;
             let plan = if request.route == OpenAiRoute::Responses {
                 dynamo.decide_parsed(&request.body, allowed, usable)
             } else {
@@ -212,6 +221,46 @@ impl Router {
                 RoutingPath::Unified,
             )
             .await
+    }
+
+    /// `admission`: waits while every eligible worker of the model is busy, in the place of the
+    /// caller's key (its class, its turn by prompt size), or refuses `fleet_busy` (see
+    /// [`admission`]).
+    async fn admit(
+        &self,
+        dynamo: &ShimRouter,
+        request: &ClientRequest,
+        (allowed, key): (&[String], Option<&str>),
+        usable: &impl Fn(&str) -> bool,
+    ) -> Result<(), ApiError> {
+        let model = &request.body.model;
+        let Some((name, first)) = dynamo.fleet(model, allowed, usable) else {
+            return Ok(());
+        };
+        let fleet = || {
+            dynamo
+                .fleet(model, allowed, usable)
+                .map_or(Fleet::Unknown, |(_, fleet)| fleet)
+        };
+        let asked = request
+            .headers
+            .get(crate::proxy::headers::PRIORITY_REQUEST)
+            .and_then(|v| v.to_str().ok());
+        let who = Waiting {
+            class: dynamo.admission_class(key, asked),
+            key: key.unwrap_or_default().to_owned(),
+            cost: request.body.prompt_tokens.max(1),
+        };
+        let config = || dynamo.admission_bounds();
+        self.admission
+            .admit(&name, first, who, config, fleet, dynamo.load_changes())
+            .await
+            .map_err(|busy| ApiError::FleetBusy(Box::new(busy)))
+    }
+
+    /// The admission queues (depth per model).
+    pub fn admission(&self) -> &admission::Admission {
+        &self.admission
     }
 
     /// Sends the request to the plan's shim pool with its pins, settles the answer, and ends the

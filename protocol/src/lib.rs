@@ -21,10 +21,12 @@
 //! | [`ingress`] | Anthropic Messages API ⇄ OpenAI chat-completions converters (requests, responses, SSE streams, error objects) |
 //! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
 //! | [`ratelimit`] | GCRA request and token buckets, the per-name LRU table, `RateLimit` fields |
+//! | [`admission`] | the busy-fleet rule over load samples, the bounded per-model wait queue |
 
 // Test code is exempt from the 120-line limit; product code is linted in the non-test build.
 #![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
 
+pub mod admission;
 pub mod backoff;
 pub mod breaker;
 pub mod discovery;

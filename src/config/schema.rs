@@ -91,6 +91,7 @@ pub struct Config {
     pub telemetry: TelemetryConfig,
     pub dynamo: DynamoConfig,
     pub rate_limits: super::rate_limits::RateLimitsConfig,
+    pub admission: super::admission::AdmissionConfig,
 }
 
 impl Config {

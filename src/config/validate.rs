@@ -77,6 +77,7 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
         &config.disaggregated_serving.mid_stream_fallback,
     ));
     out.extend(super::rate_limits::validate(config));
+    out.extend(super::admission::validate(config));
     // Keys of a feature this build lacks are validated like the others, then flagged.
     out.extend(super::features::inactive(
         config,

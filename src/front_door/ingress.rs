@@ -26,6 +26,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use continuum_protocol::admission::FLEET_BUSY_CODE;
 use continuum_protocol::ingress::{anthropic, native, responses};
 use futures::StreamExt;
 use serde_json::Value;
@@ -81,12 +82,28 @@ impl Kind {
             ),
         };
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+        let mut body = body;
+        if code == Some(FLEET_BUSY_CODE) {
+            fleet_busy(self, &mut body);
+        }
         (status, axum::Json(body)).into_response()
     }
 
     fn refused(self, e: &anthropic::IngressError) -> Response {
         let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
         self.error(status, &e.message, None)
+    }
+}
+
+/// The `admission` refusal (503 `fleet_busy`) in the ingress's shape: Anthropic's
+/// `overloaded_error`; a Responses error object keeps the code.
+fn fleet_busy(kind: Kind, body: &mut Value) {
+    let (field, value) = match kind {
+        Kind::Anthropic => ("type", "overloaded_error"),
+        Kind::Responses => ("code", FLEET_BUSY_CODE),
+    };
+    if let Some(error) = body.get_mut("error").and_then(Value::as_object_mut) {
+        error.insert(field.to_owned(), Value::from(value));
     }
 }
 

@@ -12,6 +12,9 @@ use crate::wire::pins::{is_pin_header, strip_pin_headers};
 pub const ROUTING_PATH: HeaderName = HeaderName::from_static("x-continuum-routing-path");
 /// The request header asking for identity disclosure (its value is ignored, even blank).
 pub const DISCLOSE_REQUEST: HeaderName = HeaderName::from_static("x-backend");
+/// The admission class a request asks for (`admission.priority.selectable`): read by the route,
+/// never forwarded.
+pub const PRIORITY_REQUEST: HeaderName = HeaderName::from_static("x-continuum-priority");
 /// The response header naming the backend replica, sent only on request.
 pub const BACKEND_RESPONSE: HeaderName = HeaderName::from_static("x-continuum-backend");
 
@@ -158,13 +161,14 @@ pub fn strip_all_pins(headers: &mut HeaderMap) -> usize {
 }
 
 /// Headers the router never forwards whatever their value: the framing it recomputes, the
-/// disclosure request, and `100-continue` (the body was read whole already).
+/// disclosure and priority requests, and `100-continue` (the body was read whole already).
 fn request_only(name: &HeaderName) -> bool {
     name == header::HOST
         || name == header::CONTENT_LENGTH
         || name == header::EXPECT
         || name == header::CONTENT_TYPE
         || name == DISCLOSE_REQUEST
+        || name == PRIORITY_REQUEST
 }
 
 /// The body is validated JSON; OpenAI-wire servers (the Dynamo frontend among them) refuse a JSON
@@ -240,6 +244,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_priority_header_is_the_one_admission_documents() {
+        assert_eq!(
+            PRIORITY_REQUEST.as_str(),
+            crate::config::admission::PRIORITY_HEADER
+        );
+    }
+
+    #[test]
     fn outbound_drops_hop_by_hop_pins_keys_and_underscored_names_and_adds_dispatch_pins() {
         let mut client = HeaderMap::new();
         for (k, v) in [
@@ -254,6 +266,7 @@ mod tests {
             ("x-prefill-dp-rank", "3"),
             ("authorization", "Bearer client"),
             ("x-backend", ""),
+            ("x-continuum-priority", "high"),
             ("content-type", "text/plain"),
             ("expect", "100-continue"),
             ("x-request-id", "r1"),

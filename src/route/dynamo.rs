@@ -32,6 +32,7 @@ use continuum_actors::load::SharedLoadStore;
 use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, RoutingPath};
 use continuum_actors::picker::{SharedPicker, answer_arrivals};
 use continuum_actors::registry::RegistryReader;
+use continuum_protocol::admission::{self, Fleet};
 use continuum_protocol::ids::Namespace;
 use continuum_protocol::picker::decision::{
     Decision, DecisionInput, ParityTarget, PathClass, Routed, decide,
@@ -46,6 +47,7 @@ use continuum_protocol::picker::{
 use tracing::debug;
 
 use crate::config::Config;
+use crate::config::admission::Bounds;
 use crate::config::schema::KvConfig;
 pub use crate::kv::{KvPrepRequest, KvPromptPrep, PreparedPrompt};
 use crate::proxy::{Dispatch, ParsedBody};
@@ -269,6 +271,59 @@ impl ShimRouter {
             usable,
             Some(prepared),
         )
+    }
+
+    /// Whether the fleet can take a request of `client_model` now, for `admission`: the Dynamo
+    /// model name and [`Fleet`]; `None` when admission does not apply (no busy threshold, the
+    /// Dynamo path off, or no worker serves the model). Reads the samples and the unanswered
+    /// dispatches under the decision's locks (same order).
+    pub fn fleet(
+        &self,
+        client_model: &str,
+        allowed: &[String],
+        usable: impl Fn(&str) -> bool,
+    ) -> Option<(Arc<str>, Fleet)> {
+        let config = self.config.load();
+        let threshold = config.admission.busy_threshold.threshold();
+        if !threshold.is_set() || !config.dynamo.enabled || !config.disaggregated_serving.enabled {
+            return None;
+        }
+        let model = mapped_model(&config, client_model);
+        let held = self.picker.index_for(&self.registry);
+        let candidates = held.index.for_model(model);
+        let name = candidates.first()?.model.clone();
+        let eligible: Vec<Namespace> = namespace_replicas(&config, allowed, &usable)
+            .into_iter()
+            .filter_map(|(ns, usable)| usable.then_some(ns))
+            .collect();
+        let (now, max_age) = (now_tick(), config.dynamo.load.max_staleness.get());
+        let fleet = self.load.with(|store| {
+            self.picker.with_state(store, |state| {
+                answer_arrivals(&mut state.ledger, store);
+                state.ledger.expire(now);
+                admission::fleet(&threshold, candidates, &eligible, |c| {
+                    admission::rank_load(c, store, &state.ledger, now, max_age)
+                })
+            })
+        });
+        Some((name, fleet))
+    }
+
+    /// `admission`'s queue bounds and order as configured now (a reload applies to requests
+    /// already waiting).
+    pub fn admission_bounds(&self) -> Bounds {
+        self.config.load().admission.bounds()
+    }
+
+    /// The priority class of the key `name` (`None`: unauthenticated) asking for `asked`, 0
+    /// served first.
+    pub fn admission_class(&self, name: Option<&str>, asked: Option<&str>) -> u8 {
+        self.config.load().admission.class_of(name, asked)
+    }
+
+    /// A counter bumped after every load-store update (a waiting request re-checks the fleet).
+    pub fn load_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.load.subscribe()
     }
 
     /// A dispatch ended (its response finished or failed).

@@ -46,6 +46,24 @@ pub enum ApiError {
     /// A rate limit binds: 429 with `Retry-After` and the `RateLimit` fields.
     #[error("{}", rate_limit_message(.0))]
     RateLimited(Box<continuum_protocol::ratelimit::Limited>),
+    /// Every eligible worker of the model stayed busy (`admission`): 503 `fleet_busy` with
+    /// `Retry-After`.
+    #[error("{}", fleet_busy_message(.0))]
+    FleetBusy(Box<continuum_protocol::admission::Busy>),
+}
+
+fn fleet_busy_message(busy: &continuum_protocol::admission::Busy) -> String {
+    let why = match busy.reason {
+        continuum_protocol::admission::Shed::QueueFull => "its admission queue is full",
+        continuum_protocol::admission::Shed::MaxWait => {
+            "the request waited admission.queue.max_wait in its queue"
+        }
+    };
+    format!(
+        "every worker serving model {:?} is busy and {why}; retry after {} s",
+        busy.model,
+        busy.retry_after_secs()
+    )
 }
 
 fn rate_limit_message(limited: &continuum_protocol::ratelimit::Limited) -> String {
@@ -113,6 +131,10 @@ impl ApiError {
             ApiError::BadGateway(_) => (StatusCode::BAD_GATEWAY, "bad_gateway"),
             ApiError::GatewayTimeout(_) => (StatusCode::GATEWAY_TIMEOUT, "gateway_timeout"),
             ApiError::RateLimited(_) => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_exceeded"),
+            ApiError::FleetBusy(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                continuum_protocol::admission::FLEET_BUSY_CODE,
+            ),
         }
     }
 }
@@ -132,6 +154,16 @@ impl IntoResponse for ApiError {
         let mut response = (status, Json(body)).into_response();
         if let ApiError::RateLimited(limited) = &self {
             response.headers_mut().extend(rate_limit_headers(limited));
+        }
+        if let ApiError::FleetBusy(busy) = &self {
+            use axum::http::{HeaderName, HeaderValue, header};
+            let ms = u64::try_from(busy.retry_after.as_millis().max(1)).unwrap_or(u64::MAX);
+            let headers = response.headers_mut();
+            headers.insert(header::RETRY_AFTER, busy.retry_after_secs().into());
+            headers.insert(
+                HeaderName::from_static("retry-after-ms"),
+                HeaderValue::from(ms),
+            );
         }
         response
     }

@@ -17,6 +17,7 @@
 mod support;
 
 mod admin_config;
+mod admission;
 mod anthropic_sdk;
 mod architecture;
 mod cli;
