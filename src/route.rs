@@ -190,7 +190,10 @@ impl Router {
                     .pool()
                     .get(name)
                     .is_some_and(|b| b.is_healthy() && b.config().enabled)
-                    && (self.proxy.limits()).backend_would_admit(name, self.proxy.now(), tokens)
+                    && self
+                        .proxy
+                        .limits()
+                        .backend_would_admit(name, self.proxy.now(), tokens)
             };
             self.admit(&dynamo, request, (allowed, key), &usable)
                 .await?;
