@@ -28,24 +28,7 @@ use tokio::sync::mpsc;
 const BODY_LIMIT: usize = 64 * 1024;
 
 fn backend(url: &str) -> BackendConfig {
-    BackendConfig {
-        name: "up".into(),
-        kind: BackendType::Openai,
-        url: url.into(),
-        role: BackendRole::Unified,
-        models: vec!["m".into()],
-        internal: false,
-        enabled: true,
-        health_check: HealthCheckConfig {
-            enabled: false,
-            ..HealthCheckConfig::default()
-        },
-        tls: Default::default(),
-        global_prompts: Vec::new(),
-        requires_single_leading_system: false,
-        responses_api: Default::default(),
-        responses_only_models: Vec::new(),
-    }
+    crate::support::upstream::backend_config("up", url, &["m"])
 }
 
 /// The router on a loopback socket; returns its base URL.

@@ -11,8 +11,7 @@ use axum::http::{HeaderMap, Response, StatusCode};
 use bytes::Bytes;
 use continuum_actors::metrics::Metrics;
 use continuum_router::config::schema::{
-    BackendConfig, BackendRole, BackendType, DisaggregatedServingConfig, HealthCheckConfig,
-    HumanDuration, MidStreamFallbackConfig,
+    BackendConfig, DisaggregatedServingConfig, HumanDuration, MidStreamFallbackConfig,
 };
 use continuum_router::proxy::{OpenAiRoute, Proxy, ProxyOptions};
 use continuum_router::route::{Caller, Router};
@@ -21,24 +20,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 fn backend(name: &str, url: &str) -> BackendConfig {
-    BackendConfig {
-        name: name.into(),
-        kind: BackendType::Openai,
-        url: url.into(),
-        role: BackendRole::Unified,
-        models: vec!["m".into()],
-        internal: false,
-        enabled: true,
-        health_check: HealthCheckConfig {
-            enabled: false,
-            ..HealthCheckConfig::default()
-        },
-        tls: Default::default(),
-        global_prompts: Vec::new(),
-        requires_single_leading_system: false,
-        responses_api: Default::default(),
-        responses_only_models: Vec::new(),
-    }
+    crate::support::upstream::backend_config(name, url, &["m"])
 }
 
 struct Fleet {

@@ -17,8 +17,7 @@ use continuum_protocol::breaker::{BreakerConfig, BreakerState};
 use continuum_protocol::ids::{DpRank, InstanceId};
 use continuum_protocol::time::Tick;
 use continuum_router::config::schema::{
-    BackendConfig, BackendRole, BackendType, DisaggregatedServingConfig, HealthCheckConfig,
-    HumanDuration,
+    BackendConfig, DisaggregatedServingConfig, HealthCheckConfig, HumanDuration,
 };
 use continuum_router::front_door::{self, ApiKeySetting, AppState, LiveSettings};
 use continuum_router::proxy::{ClientRequest, Dispatch, OpenAiRoute, Proxy, ProxyOptions, body};
@@ -31,24 +30,7 @@ use tower::ServiceExt;
 use upstream::{FakeUpstream, Reply, closed_port};
 
 fn backend(name: &str, url: &str, models: &[&str]) -> BackendConfig {
-    BackendConfig {
-        name: name.into(),
-        kind: BackendType::Openai,
-        url: url.into(),
-        role: BackendRole::Unified,
-        models: models.iter().map(|m| m.to_string()).collect(),
-        internal: false,
-        enabled: true,
-        health_check: HealthCheckConfig {
-            enabled: false,
-            ..HealthCheckConfig::default()
-        },
-        tls: Default::default(),
-        global_prompts: Vec::new(),
-        requires_single_leading_system: false,
-        responses_api: Default::default(),
-        responses_only_models: Vec::new(),
-    }
+    upstream::backend_config(name, url, models)
 }
 
 struct Harness {

@@ -17,9 +17,7 @@ use continuum_actors::tree::ActorTree;
 use continuum_protocol::time::Tick;
 use continuum_router::config::Config;
 use continuum_router::config::rate_limits::RateLimitConfig;
-use continuum_router::config::schema::{
-    ApiKeyConfig, BackendConfig, BackendRole, BackendType, HealthCheckConfig,
-};
+use continuum_router::config::schema::{ApiKeyConfig, BackendConfig};
 use continuum_router::front_door::{self, AppState};
 use continuum_router::proxy::{Proxy, ProxyOptions};
 use continuum_router::readiness::Readiness;
@@ -30,24 +28,7 @@ use tokio::sync::mpsc;
 use tower::ServiceExt;
 
 fn backend(name: &str, url: &str) -> BackendConfig {
-    BackendConfig {
-        name: name.into(),
-        kind: BackendType::Openai,
-        url: url.into(),
-        role: BackendRole::Unified,
-        models: vec!["m".into()],
-        internal: false,
-        enabled: true,
-        health_check: HealthCheckConfig {
-            enabled: false,
-            ..HealthCheckConfig::default()
-        },
-        tls: Default::default(),
-        global_prompts: Vec::new(),
-        requires_single_leading_system: false,
-        responses_api: Default::default(),
-        responses_only_models: Vec::new(),
-    }
+    crate::support::upstream::backend_config(name, url, &["m"])
 }
 
 fn rpm(per_minute: u64, burst: u64) -> RateLimitConfig {

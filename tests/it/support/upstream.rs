@@ -10,6 +10,9 @@ use std::sync::{Arc, Mutex};
 use axum::body::Body;
 use axum::http::{HeaderMap, Request, Response, StatusCode};
 use bytes::Bytes;
+use continuum_router::config::schema::{
+    BackendConfig, BackendRole, BackendType, HealthCheckConfig,
+};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -18,6 +21,29 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+
+/// A unified OpenAI backend `name` at `url` serving `models`, health checks off: how the tests
+/// configure a fake upstream.
+pub fn backend_config(name: &str, url: &str, models: &[&str]) -> BackendConfig {
+    BackendConfig {
+        name: name.into(),
+        kind: BackendType::Openai,
+        url: url.into(),
+        role: BackendRole::Unified,
+        models: models.iter().map(|m| m.to_string()).collect(),
+        internal: false,
+        enabled: true,
+        health_check: HealthCheckConfig {
+            enabled: false,
+            ..HealthCheckConfig::default()
+        },
+        tls: Default::default(),
+        global_prompts: Vec::new(),
+        requires_single_leading_system: false,
+        responses_api: Default::default(),
+        responses_only_models: Vec::new(),
+    }
+}
 
 /// One scripted answer to an API request (health probes are answered from `health`).
 pub enum Reply {
