@@ -14,9 +14,7 @@ use arc_swap::ArcSwap;
 use axum::http::StatusCode;
 use bytes::Bytes;
 use continuum_actors::tree::ActorTree;
-use continuum_router::config::schema::{
-    BackendConfig, BackendRole, BackendType, DisaggregatedServingConfig, HealthCheckConfig,
-};
+use continuum_router::config::schema::{BackendConfig, DisaggregatedServingConfig};
 use continuum_router::front_door::{self, AppState, LiveSettings};
 use continuum_router::proxy::{Proxy, ProxyOptions};
 use continuum_router::readiness::Readiness;
