@@ -156,3 +156,37 @@ pub fn object(fields: Vec<(&str, Option<Value>)>, src: &mut Source<'_>, words: &
     }
     Value::Object(map)
 }
+
+/// The corpus replay of the repository's stable tests (`tests/it/fuzz_corpus.rs`,
+/// `protocol/tests/it/fuzz_corpus.rs`): runs `body` over every file of `<corpus>/<target>/`; a
+/// panic names the file. The fuzz binaries do not call it.
+pub fn replay_corpus(corpus: &std::path::Path, target: &str, body: fn(&[u8])) {
+    let dir = corpus.join(target);
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("a directory entry").path())
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "{} holds no corpus", dir.display());
+    // On a thread with libFuzzer's main-thread stack and room for unoptimised frames: a
+    // decoder may recurse to its nesting bound (rmp-serde's 1,024 levels take < 256 KiB in a
+    // release build, several MiB in a debug one).
+    let name = target.to_owned();
+    let replay = move || {
+        let target = name;
+        for file in files {
+            let data = std::fs::read(&file).expect("a corpus file");
+            if std::panic::catch_unwind(|| body(&data)).is_err() {
+                panic!("fuzz target {target} fails on {}", file.display());
+            }
+        }
+    };
+    let target = target.to_owned();
+    std::thread::Builder::new()
+        .name(target.clone())
+        .stack_size(64 << 20)
+        .spawn(replay)
+        .expect("a replay thread")
+        .join()
+        .unwrap_or_else(|_| panic!("the replay of {target} failed"));
+}
