@@ -93,6 +93,10 @@ pub enum TelemetryError {
         #[source]
         source: ParseError,
     },
+    /// `tracing_subscriber`'s directive parser slices by character position, so a non-ASCII
+    /// directive can panic it (found by the `config_yaml` fuzz target); such filters are refused.
+    #[error("invalid log filter {0:?}: only ASCII characters are allowed")]
+    FilterNotAscii(String),
     #[error("invalid OTLP exporter configuration for {endpoint:?}: {message}")]
     Exporter { endpoint: String, message: String },
     #[error("OTLP export needs a tokio runtime: call telemetry::init inside the runtime")]
@@ -275,7 +279,11 @@ where
     ))
 }
 
+/// Parses an `EnvFilter` directive string; refuses non-ASCII text before the parser sees it.
 fn parse_filter(filter: &str) -> Result<EnvFilter, TelemetryError> {
+    if !filter.is_ascii() {
+        return Err(TelemetryError::FilterNotAscii(filter.to_owned()));
+    }
     EnvFilter::builder()
         .parse(filter)
         .map_err(|source| TelemetryError::Filter {
@@ -455,6 +463,17 @@ mod tests {
         // A typo must not silently disable export.
         let typo = "telemetry:\n  otlp:\n    endpiont: x\n";
         assert!(crate::config::Config::from_yaml_str(typo, &crate::config::ProcessEnv).is_err());
+    }
+
+    /// Fuzz finding: the directive parser slices by character position; non-ASCII is refused
+    /// before it can panic.
+    #[test]
+    fn a_non_ascii_filter_is_refused_not_parsed() {
+        assert!(matches!(
+            parse_filter("a[\u{e9}]"),
+            Err(TelemetryError::FilterNotAscii(_))
+        ));
+        assert!(parse_filter("info,continuum_router=debug").is_ok());
     }
 
     #[test]

@@ -213,7 +213,15 @@ impl Validator {
     }
 
     pub(super) fn telemetry(&mut self, telemetry: &TelemetryConfig) {
-        if let Err(error) = tracing_subscriber::EnvFilter::builder().parse(&telemetry.log_level) {
+        if !telemetry.log_level.is_ascii() {
+            // tracing_subscriber's directive parser can panic on non-ASCII text (fuzz finding).
+            self.err(
+                "telemetry.log_level",
+                "not a valid log filter directive: only ASCII characters are allowed",
+            );
+        } else if let Err(error) =
+            tracing_subscriber::EnvFilter::builder().parse(&telemetry.log_level)
+        {
             self.err(
                 "telemetry.log_level",
                 format!("not a valid log filter directive: {error}"),

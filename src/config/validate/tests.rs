@@ -329,6 +329,15 @@ fn telemetry_log_level_must_be_a_valid_filter() {
     expect_error(&c, "telemetry.log_level", "not a valid log filter");
 }
 
+/// Fuzz finding (`config_yaml`): tracing_subscriber's directive parser slices a span filter by
+/// character position and panicked on non-ASCII text; validation refuses it before parsing.
+#[test]
+fn telemetry_log_level_refuses_non_ascii_before_the_parser_sees_it() {
+    let mut c = base();
+    c.telemetry.log_level = "a[\u{e9}]".into();
+    expect_error(&c, "telemetry.log_level", "only ASCII characters");
+}
+
 #[test]
 fn telemetry_service_name_must_be_non_empty() {
     let mut c = base();
