@@ -1,3 +1,5 @@
+//! The merge's unit and property tests: applied once, replaced on restart, expired on TTL.
+
 use std::collections::BTreeMap;
 
 use proptest::prelude::*;
