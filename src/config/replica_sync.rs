@@ -17,7 +17,7 @@ use super::schema::{Config, HumanDuration};
 /// Default `replica_sync.subject_prefix`.
 pub const DEFAULT_SUBJECT_PREFIX: &str = "continuum.replicas";
 /// Default `replica_sync.publish_interval`.
-pub const DEFAULT_PUBLISH_INTERVAL: Duration = Duration::from_millis(10);
+pub const DEFAULT_PUBLISH_INTERVAL: Duration = Duration::from_millis(20);
 /// Default `replica_sync.heartbeat_interval`.
 pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
 /// Default `replica_sync.ttl`.

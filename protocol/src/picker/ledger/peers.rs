@@ -3,8 +3,6 @@
 //! same way, but never marking a stall and never published back; and this router's own legs,
 //! summed per rank, are what it publishes to its peers.
 
-use std::collections::BTreeMap;
-
 use super::{DISPATCH_MAX_AGE, DispatchId, DispatchLedger, DispatchLeg};
 use crate::ids::{DpRank, InstanceId, Namespace};
 use crate::time::Tick;
@@ -50,27 +48,46 @@ impl DispatchLedger {
     /// This router's own legs still counting at `now`, summed per `(namespace, instance,
     /// rank)`, sorted; at most `max` of them (the rest left out), and whether any were.
     pub fn local_contributions(&self, now: Tick, max: usize) -> (Vec<LocalContribution>, bool) {
-        let mut sums: BTreeMap<(&Namespace, InstanceId, DpRank), (u64, u64, u32)> = BTreeMap::new();
-        for ns in &self.namespaces {
-            for (&instance, pendings) in &ns.workers {
+        // Namespaces in name order, then per instance its ranks (few) summed, then one sort.
+        let mut order: Vec<usize> = (0..self.namespaces.len()).collect();
+        order.sort_unstable_by(|&a, &b| {
+            self.namespaces[a]
+                .namespace
+                .as_str()
+                .cmp(self.namespaces[b].namespace.as_str())
+        });
+        let mut sums: Vec<(usize, InstanceId, DpRank, u64, u64, u32)> = Vec::new();
+        let mut ranks: Vec<(DpRank, u64, u64, u32)> = Vec::new();
+        for (pos, &ns_index) in order.iter().enumerate() {
+            for (&instance, pendings) in &self.namespaces[ns_index].workers {
+                ranks.clear();
                 pendings.for_each_local(|p| {
                     if now.since(p.at) >= DISPATCH_MAX_AGE {
                         return;
                     }
-                    let sum = sums.entry((&ns.namespace, instance, p.rank)).or_default();
-                    sum.0 = sum.0.saturating_add(p.prefill_tokens);
-                    sum.1 = sum.1.saturating_add(p.decode_blocks);
-                    sum.2 = sum.2.saturating_add(1);
+                    let at = match ranks.iter().position(|r| r.0 == p.rank) {
+                        Some(at) => at,
+                        None => {
+                            ranks.push((p.rank, 0, 0, 0));
+                            ranks.len() - 1
+                        }
+                    };
+                    let r = &mut ranks[at];
+                    r.1 = r.1.saturating_add(p.prefill_tokens);
+                    r.2 = r.2.saturating_add(p.decode_blocks);
+                    r.3 = r.3.saturating_add(1);
                 });
+                sums.extend(ranks.iter().map(|r| (pos, instance, r.0, r.1, r.2, r.3)));
             }
         }
+        sums.sort_unstable_by_key(|e| (e.0, e.1, e.2));
         let truncated = sums.len() > max;
         let out = sums
             .into_iter()
             .take(max)
             .map(
-                |((namespace, instance, rank), (tokens, blocks, requests))| LocalContribution {
-                    namespace: namespace.clone(),
+                |(pos, instance, rank, tokens, blocks, requests)| LocalContribution {
+                    namespace: self.namespaces[order[pos]].namespace.clone(),
                     instance,
                     rank,
                     prefill_tokens: tokens,
