@@ -5,7 +5,7 @@
 //! peers' picks to the other worker; a SIGKILLed replica's contributions expire at its peers
 //! while they keep routing; a restarted `nats-server` costs no request and sharing resumes.
 //! `NATS_SERVER_BIN` names the server (default: `nats-server` on PATH, else /usr/sbin).
-#![cfg(feature = "real-peers")]
+#![cfg(all(feature = "real-peers", feature = "replica-sync"))]
 
 use crate::support;
 
