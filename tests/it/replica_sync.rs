@@ -56,9 +56,10 @@ impl Nats {
         })
     }
 
-    fn spawn(port: u16) -> Child {
+    fn spawn(port: u16, extra: &[&str]) -> Child {
         Command::new(Self::bin())
             .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -66,9 +67,13 @@ impl Nats {
     }
 
     async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    async fn start_with(extra: &[&str]) -> Self {
         let port = free_port();
         let nats = Self {
-            child: Some(Self::spawn(port)),
+            child: Some(Self::spawn(port, extra)),
             port,
         };
         nats.wait_listening().await;
@@ -95,7 +100,7 @@ impl Nats {
 
     async fn restart(&mut self) {
         self.stop();
-        self.child = Some(Self::spawn(self.port));
+        self.child = Some(Self::spawn(self.port, &[]));
         self.wait_listening().await;
     }
 
@@ -120,6 +125,17 @@ struct Replica {
 
 impl Replica {
     async fn spawn(name: &'static str, etcd: &EtcdServer, shim: &str, nats: &str) -> Replica {
+        Self::spawn_with(name, etcd, shim, nats, "").await
+    }
+
+    /// `nats_extra`: more keys under `replica_sync.nats` (a flow-map fragment).
+    async fn spawn_with(
+        name: &'static str,
+        etcd: &EtcdServer,
+        shim: &str,
+        nats: &str,
+        nats_extra: &str,
+    ) -> Replica {
         let dir = tempfile::tempdir().expect("tempdir");
         let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
         let config = dir.path().join("router.yaml");
@@ -132,7 +148,7 @@ impl Replica {
              load: {{max_staleness: 300s}}\n  shim: {{backends: [shim]}}\n\
              replica_sync:\n  enabled: true\n  replica_id: {name}\n  group: it\n  \
              publish_interval: 5ms\n  heartbeat_interval: 200ms\n  ttl: 1s\n  \
-             nats: {{url: \"{nats}\", reconnect_max_delay: 500ms}}\n",
+             nats: {{url: \"{nats}\", reconnect_max_delay: 500ms{nats_extra}}}\n",
             etcd.endpoint()
         );
         std::fs::write(&config, yaml).expect("write config");
@@ -396,4 +412,44 @@ async fn replicas_share_in_flight_dispatches_survive_a_killed_peer_and_a_restart
                 >= 2.0
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_protected_nats_admits_the_right_token_only() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    fleet(&etcd, [1, 2]).await;
+    let nats = Nats::start_with(&["--auth", "s3cret-token"]).await;
+    let shim = FakeUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write token");
+        path.display().to_string()
+    };
+    let good = write("good", "s3cret-token\n");
+    let bad = write("bad", "wrong\n");
+    let extra = |path: &str| format!(", token_file: \"{path}\"");
+    let a = Replica::spawn_with("a", &etcd, &shim.url(), &nats.url(), &extra(&good)).await;
+    let b = Replica::spawn_with("b", &etcd, &shim.url(), &nats.url(), &extra(&good)).await;
+    let intruder = Replica::spawn_with("x", &etcd, &shim.url(), &nats.url(), &extra(&bad)).await;
+    for r in [&a, &b] {
+        let view = r
+            .until(|v| {
+                v["replica_sync"]["connected"] == true
+                    && v["replica_sync"]["peers"]
+                        .as_array()
+                        .is_some_and(|p| p.len() == 1)
+            })
+            .await;
+        assert!(Replica::peer(&view, "x").is_none(), "{view}");
+    }
+    // The intruder never connects, so it hears no peer; it still routes on local state.
+    let view = intruder.workers_view().await.expect("admin view");
+    assert_eq!(view["replica_sync"]["connected"], false, "{view}");
+    assert!(
+        view["replica_sync"]["peers"]
+            .as_array()
+            .is_some_and(|p| p.is_empty())
+    );
 }
