@@ -13,6 +13,8 @@ command -v etcdctl >/dev/null 2>&1 || need_apt+=(etcd-client)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v kill >/dev/null 2>&1 || need_apt+=(procps)
+# tests/it/replica_sync.rs: router replicas sharing in-flight state over a real NATS server.
+command -v nats-server >/dev/null 2>&1 || [ -x /usr/sbin/nats-server ] || need_apt+=(nats-server)
 # promtool and a real Prometheus server for the dashboard/alert tests.
 command -v promtool >/dev/null 2>&1 || need_apt+=(prometheus)
 # kubectl renders the Kustomize overlays offline (`kubectl kustomize`).

@@ -7,6 +7,7 @@
 //! | [`validate`] | every validation rule and warning, as path-addressed [`Diagnostic`]s |
 //! | [`features`] | keys of a Cargo feature this build lacks: "compiled but inactive" warnings, the effective config |
 //! | [`admission`] | `admission`: busy thresholds and the per-model wait queue's bounds, their rules |
+//! | [`replica_sync`] | `replica_sync`: sharing in-flight dispatches with peer router replicas over NATS, its rules |
 //! | [`rate_limits`] | `rate_limits`: per-key, unauthenticated and per-backend request and token limits, their rules |
 //! | [`mask`] | `config show`: the effective config as YAML with secrets masked |
 //! | [`diff`] | reload classification of an old/new config pair ([`ReloadPlan`]) |
@@ -33,6 +34,7 @@ pub mod guard;
 pub mod interpolate;
 pub mod mask;
 pub mod rate_limits;
+pub mod replica_sync;
 pub mod report;
 pub mod schema;
 pub mod validate;

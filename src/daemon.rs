@@ -64,6 +64,8 @@ use crate::route::dynamo::ShimRouter;
 use crate::telemetry;
 
 mod import;
+#[cfg(feature = "replica-sync")]
+mod replica_sync;
 mod sources;
 
 pub use sources::{etcd_source_config, file_source_config, kube_source_config, pod_source_config};
@@ -161,6 +163,11 @@ struct Shared {
         allow(dead_code)
     )]
     kv_push: continuum_actors::kv_push::KvPushCursors,
+    /// What `root/replica_sync` last reported (peers, connection), for the admin view.
+    replica_sync: continuum_actors::replica_sync::ReplicaSyncView,
+    /// `continuum_replica_sync_*`, registered once (at 0 while the sync is off).
+    #[cfg_attr(not(feature = "replica-sync"), allow(dead_code))]
+    replica_sync_metrics: continuum_actors::replica_sync::ReplicaSyncMetrics,
     /// The product features this daemon runs (the compiled ones, or fewer in a test); the
     /// composition points below start nothing of a missing one.
     features: Features,
@@ -283,6 +290,9 @@ impl Daemon {
         let http = crate::http_metrics::HttpMetrics::register(metrics.registry())
             .map_err(|e| anyhow::anyhow!("cannot register the HTTP metrics: {e}"))?;
         let route = Arc::new(Router::new(proxy.clone()).with_http_metrics(http));
+        let replica_sync_metrics =
+            continuum_actors::replica_sync::ReplicaSyncMetrics::register(metrics.registry())
+                .map_err(|e| anyhow::anyhow!("cannot register the replica-sync metrics: {e}"))?;
         // Without `dynamo` the request path has no Dynamo step: every request routes unified.
         if features.dynamo {
             route.set_dynamo(dynamo.clone());
@@ -309,6 +319,8 @@ impl Daemon {
             simulated: feed,
             event_bus,
             kv_push: Default::default(),
+            replica_sync: Default::default(),
+            replica_sync_metrics,
             features,
         };
         shared.proxy.reconfigure(&empty);
@@ -486,6 +498,17 @@ fn root_children(shared: &Shared, registry: ChildSpec) -> Vec<ChildSpec> {
         children.push(sources::discovery_spec(shared));
         children.push(sources::subscriptions_spec(shared));
     }
+    // Peer router replicas' in-flight dispatches (`replica_sync`); idle while it is off.
+    #[cfg(feature = "replica-sync")]
+    if shared.features.dynamo {
+        let config = shared.config.clone();
+        children.push(continuum_actors::replica_sync::replica_sync_spec(
+            shared.picker.clone(),
+            Some(shared.replica_sync_metrics.clone()),
+            shared.replica_sync.clone(),
+            move || replica_sync::settings(&config.load()),
+        ));
+    }
     #[cfg(feature = "dynamo-event-bus")]
     if shared.features.dynamo_event_bus {
         children.push(crate::event_bus::event_bus_spec(shared.event_bus.clone()));
@@ -530,6 +553,7 @@ fn app_state(
     let models_registry = shared.registry.clone();
     let models_config = shared.config.clone();
     let (bus, bus_config) = (shared.event_bus.clone(), shared.config.clone());
+    let (sync, summary_sync) = (shared.replica_sync.clone(), shared.replica_sync.clone());
     AppState {
         live,
         readiness: shared.readiness.clone(),
@@ -539,10 +563,20 @@ fn app_state(
         dynamo_workers: Arc::new(move || {
             let mut view = crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker));
             crate::event_bus::add_broker_coverage(&mut view, &bus, &bus_config.load());
+            if let Some(fields) = view.as_object_mut() {
+                fields.insert("replica_sync".into(), serde_json::json!(*sync.get()));
+            }
             view
         }),
         fleet_summary: Arc::new(move || {
-            crate::dynamo_admin::fleet_summary(&summary_kv, &summary_metrics)
+            let mut summary = crate::dynamo_admin::fleet_summary(&summary_kv, &summary_metrics);
+            if let Some(fields) = summary.as_object_mut() {
+                fields.insert(
+                    "replica_sync".into(),
+                    serde_json::json!(*summary_sync.get()),
+                );
+            }
+            summary
         }),
         route: shared.route.clone(),
         fleet_models: Arc::new(move |allowed: &[String]| {
@@ -804,17 +838,11 @@ impl ControlLoop {
             summary.push("event bus listener restarted".into());
         }
         #[cfg(all(feature = "dynamo-kv", feature = "dynamo-event-bus"))]
-        if self.running
-            && features.dynamo_kv
-            && features.dynamo_event_bus
-            && kv_push_backends(&config::features::effective(&self.current, features))
-                != kv_push_backends(&new)
-        {
-            // Only the pushed sources restart; their resume cursors and the KV index stay.
-            if let Err(error) = self.tree.restart("root/kv_push", REPLACE_TIMEOUT).await {
-                error!(%error, "Could not restart the kv_listener sources.");
-            }
+        if self.restart_kv_push(&new).await {
             summary.push("kv_listener sources restarted".into());
+        }
+        if plan.replica_sync && self.restart_replica_sync().await {
+            summary.push("replica sync restarted".into());
         }
         if !plan.needs_restart.is_empty() && self.running {
             warn!(keys = ?plan.needs_restart, "These settings take effect after a process restart.");
@@ -824,6 +852,39 @@ impl ControlLoop {
         let summary = summary.join("; ");
         info!(%summary, what, "Configuration applied.");
         summary
+    }
+
+    /// The pushed kv_cache_index sources changed: only they restart (their resume cursors and
+    /// the KV index stay); whether they did.
+    #[cfg(all(feature = "dynamo-kv", feature = "dynamo-event-bus"))]
+    async fn restart_kv_push(&self, new: &Config) -> bool {
+        let features = self.shared.features;
+        if !(self.running && features.dynamo_kv && features.dynamo_event_bus)
+            || kv_push_backends(&config::features::effective(&self.current, features))
+                == kv_push_backends(new)
+        {
+            return false;
+        }
+        if let Err(error) = self.tree.restart("root/kv_push", REPLACE_TIMEOUT).await {
+            error!(%error, "Could not restart the kv_listener sources.");
+        }
+        true
+    }
+
+    /// A `replica_sync` change restarts only `root/replica_sync` (peers' contributions are learnt
+    /// again from their next snapshots); whether it did.
+    async fn restart_replica_sync(&self) -> bool {
+        if !self.running || !self.shared.features.dynamo || !cfg!(feature = "replica-sync") {
+            return false;
+        }
+        if let Err(error) = self
+            .tree
+            .restart("root/replica_sync", REPLACE_TIMEOUT)
+            .await
+        {
+            error!(%error, "Could not restart the replica sync.");
+        }
+        true
     }
 
     async fn replace_discovery(&self) {

@@ -71,6 +71,7 @@ pub mod memory_source;
 pub mod metrics;
 pub mod picker;
 pub mod registry;
+pub mod replica_sync;
 pub mod store;
 pub mod subscription;
 pub mod supervisor;

@@ -58,6 +58,7 @@ label_enum! {
         BrokerSupervisor => "broker_supervisor",
         BrokerSession => "broker_session",
         KvPush => "kv_push",
+        ReplicaSync => "replica_sync",
     }
 }
 

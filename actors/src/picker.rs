@@ -226,6 +226,12 @@ impl SharedPicker {
         self.inner.state.lock()
     }
 
+    /// Runs `f` on the dispatch ledger alone (the replica sync's sampling and merges). Keep it
+    /// short and free of IO; the caller must not hold the load store's lock (lock order).
+    pub fn with_ledger<R>(&self, f: impl FnOnce(&mut DispatchLedger) -> R) -> R {
+        f(&mut self.state().ledger)
+    }
+
     /// A dispatch ended (its response finished or failed): it no longer marks a stall.
     pub fn request_ended(&self, id: DispatchId) {
         self.state().ledger.request_ended(id);

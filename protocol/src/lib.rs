@@ -22,6 +22,7 @@
 //! | [`picker`] | worker selection for direct-mode shim routing: costs, cursors, dispatch ledger |
 //! | [`ratelimit`] | GCRA request and token buckets, the per-name LRU table, `RateLimit` fields |
 //! | [`admission`] | the busy-fleet rule over load samples, the bounded per-model wait queue |
+//! | [`replica_sync`] | router replicas sharing in-flight dispatches: the snapshot, its bounded decoding, the peer table merging peers into the ledger |
 
 // Test code is exempt from the 120-line limit; product code is linted in the non-test build.
 #![cfg_attr(test, allow(clippy::too_many_lines, reason = "test code is exempt"))]
@@ -46,6 +47,7 @@ pub mod load_store;
 )]
 pub mod picker;
 pub mod ratelimit;
+pub mod replica_sync;
 pub mod subscription_plan;
 pub mod time;
 pub mod zmtp;

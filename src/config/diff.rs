@@ -10,6 +10,8 @@
 //! - discovery: `dynamo.enabled` and the active source's `dynamo.discovery.*` settings — the
 //!   watcher is replaced with a reason (see [`RestartReason`]) or stopped;
 //! - event bus: `dynamo.event_bus.*` — the listener supervisor applies it;
+//! - replica sync: `replica_sync.*` — only `root/replica_sync` restarts (the peers'
+//!   contributions are withdrawn and learnt again from their next snapshots);
 //! - needs restart: `server.*`, `telemetry.*` — reported, applied at the next process start;
 //! - no effect: settings of an inactive source, or `kubernetes.model(s)` under source
 //!   `kubernetes` (which reads models from worker cards).
@@ -31,6 +33,7 @@ pub enum ReloadClass {
     RestartSubscriptions,
     Discovery,
     EventBus,
+    ReplicaSync,
     NeedsRestart,
     NoEffect,
 }
@@ -105,6 +108,8 @@ pub struct ReloadPlan {
     pub kv_artifacts: bool,
     /// Something under `dynamo.event_bus` changed.
     pub event_bus: bool,
+    /// Something under `replica_sync` changed.
+    pub replica_sync: bool,
     /// Changed keys that apply only after a process restart (`server.*`, `telemetry.*`).
     pub needs_restart: Vec<String>,
 }
@@ -156,6 +161,7 @@ pub fn diff(old: &Config, new: &Config) -> ReloadPlan {
         match class {
             ReloadClass::RestartSubscriptions => plan.restart_subscriptions = true,
             ReloadClass::EventBus => plan.event_bus = true,
+            ReloadClass::ReplicaSync => plan.replica_sync = true,
             ReloadClass::NeedsRestart => plan.needs_restart.push(path.clone()),
             ReloadClass::Immediate | ReloadClass::Discovery | ReloadClass::NoEffect => {}
         }
@@ -199,6 +205,9 @@ fn classify(path: &str, old: &Config, new: &Config, discovery_acts: bool) -> Rel
     }
     if under("dynamo.event_bus") {
         return ReloadClass::EventBus;
+    }
+    if under("replica_sync") {
+        return ReloadClass::ReplicaSync;
     }
     if under("dynamo.enabled") || under("dynamo.discovery") {
         let active = [old, new].iter().any(|config| {

@@ -46,6 +46,20 @@ pub fn inactive(config: &Config, features: Features) -> Vec<Diagnostic> {
             "the event-bus listener does not start",
         );
     }
+    if config.replica_sync.enabled && !cfg!(feature = "replica-sync") {
+        warn(
+            "replica_sync.enabled",
+            "replica-sync",
+            "this replica neither publishes its in-flight dispatches nor reads its peers'",
+        );
+    }
+    if config.replica_sync.enabled && !features.dynamo {
+        warn(
+            "replica_sync.enabled",
+            "dynamo",
+            "there is no Dynamo routing whose dispatches could be shared",
+        );
+    }
     if dynamo.enabled
         && features.dynamo
         && dynamo.load.transport == LoadTransport::Broker
@@ -69,6 +83,7 @@ pub fn effective(config: &Config, features: Features) -> Config {
     dynamo.enabled &= features.dynamo;
     dynamo.kv.enabled &= features.dynamo_kv;
     dynamo.event_bus.enabled &= features.dynamo_event_bus;
+    effective.replica_sync.enabled &= cfg!(feature = "replica-sync") && features.dynamo;
     effective
 }
 

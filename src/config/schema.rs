@@ -92,6 +92,7 @@ pub struct Config {
     pub dynamo: DynamoConfig,
     pub rate_limits: super::rate_limits::RateLimitsConfig,
     pub admission: super::admission::AdmissionConfig,
+    pub replica_sync: super::replica_sync::ReplicaSyncConfig,
 }
 
 impl Config {

@@ -78,6 +78,7 @@ pub fn validate(config: &Config) -> Vec<Diagnostic> {
     ));
     out.extend(super::rate_limits::validate(config));
     out.extend(super::admission::validate(config));
+    out.extend(super::replica_sync::validate(config));
     // Keys of a feature this build lacks are validated like the others, then flagged.
     out.extend(super::features::inactive(
         config,

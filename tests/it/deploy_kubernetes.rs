@@ -524,7 +524,7 @@ fn chart_value_sets() -> Vec<(String, Value)> {
 /// templates are checked against this shape below; helm itself is not installable here).
 fn chart_deployment(values: &Value) -> Value {
     let secrets = &values["secrets"];
-    let mut env = Vec::new();
+    let mut env = vec![json!({"name": "POD_NAME"})];
     if secrets["adminToken"]["secretName"]
         .as_str()
         .is_some_and(|s| !s.is_empty())
@@ -565,6 +565,17 @@ fn chart_deployment(values: &Value) -> Value {
     {
         mounts.push(json!({"mountPath": "/etc/continuum-router-secrets/bus-tls"}));
     }
+    for (key, path) in [
+        (
+            "credentialsSecretName",
+            "/etc/continuum-router-secrets/nats-creds",
+        ),
+        ("tlsSecretName", "/etc/continuum-router-secrets/nats-tls"),
+    ] {
+        if secrets["nats"][key].as_str().is_some_and(|s| !s.is_empty()) {
+            mounts.push(json!({"mountPath": path}));
+        }
+    }
     let probe = |p: &Value| json!({"httpGet": {"path": p["path"], "port": "http"}});
     json!({"spec": {"template": {"spec": {
         "securityContext": values["podSecurityContext"],
@@ -578,6 +589,35 @@ fn chart_deployment(values: &Value) -> Value {
             "volumeMounts": mounts,
         }],
     }}}})
+}
+
+#[test]
+fn the_chart_runs_several_replicas_sharing_in_flight_state_over_nats() {
+    let (_, values) = chart_value_sets()
+        .into_iter()
+        .find(|(name, _)| name == "replica-sync-values.yaml")
+        .expect("the replica-sync value set");
+    assert_eq!(values["replicaCount"], json!(3));
+    assert_eq!(values["config"]["replica_sync"]["enabled"], json!(true));
+    assert!(
+        read(&format!("{CHART}/templates/deployment.yaml"))
+            .contains("replicas: {{ .Values.replicaCount }}")
+    );
+    let deployment = chart_deployment(&values);
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    assert!(
+        container["env"]
+            .as_array()
+            .is_some_and(|e| e.iter().any(|v| v["name"] == "POD_NAME")),
+        "each replica's id is its Pod name"
+    );
+    let mounts = container["volumeMounts"].to_string();
+    for path in [
+        "/etc/continuum-router-secrets/nats-creds",
+        "/etc/continuum-router-secrets/nats-tls",
+    ] {
+        assert!(mounts.contains(path), "{path} in {mounts}");
+    }
 }
 
 #[test]
@@ -611,6 +651,9 @@ fn the_chart_templates_build_what_the_checks_assume() {
         "mountPath: /var/cache/continuum-router\n",
         "{{- if .Values.secrets.etcd.tlsSecretName }}\n            - name: etcd-tls\n              mountPath: /etc/continuum-router-secrets/etcd-tls",
         "{{- if .Values.secrets.eventBusTls.secretName }}\n            - name: bus-tls\n              mountPath: /etc/continuum-router-secrets/bus-tls",
+        "{{- if .Values.secrets.nats.credentialsSecretName }}\n            - name: nats-creds\n              mountPath: /etc/continuum-router-secrets/nats-creds",
+        "{{- if .Values.secrets.nats.tlsSecretName }}\n            - name: nats-tls\n              mountPath: /etc/continuum-router-secrets/nats-tls",
+        "- name: POD_NAME\n              valueFrom:\n                fieldRef:\n                  fieldPath: metadata.name",
     ] {
         assert!(
             deployment.contains(needle),

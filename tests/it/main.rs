@@ -62,6 +62,7 @@ mod proxy;
 mod proxy_tls;
 mod rate_limits;
 mod replay;
+mod replica_sync;
 mod shim_dispatch;
 mod tidy;
 mod tidy_readonly;

@@ -19,7 +19,10 @@ use pendings::Pendings;
 use crate::ids::{DpRank, InstanceId, Namespace, WorkerKey};
 use crate::time::Tick;
 
+mod peers;
 mod pendings;
+
+pub use peers::LocalContribution;
 
 /// A dispatch stops counting as backlog this long after it was pinned, answered or not.
 pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
@@ -82,6 +85,8 @@ struct Pending {
     decode_blocks: u64,
     /// Large enough and not exempt; cleared when the request ends.
     may_stall: bool,
+    /// A peer replica's contribution ([`DispatchLedger::record_peer`]), not this router's.
+    peer: bool,
 }
 
 /// Per-instance pendings, hashed cheaply (see [`crate::id_hash`]): SipHash would dominate a
@@ -100,6 +105,8 @@ struct Dispatched {
     id: DispatchId,
     at: Tick,
     workers: Vec<WorkerKey>,
+    /// Recorded by [`DispatchLedger::record_peer`].
+    peer: bool,
 }
 
 /// The unanswered-dispatch ledger. See the module docs.
@@ -134,6 +141,10 @@ impl DispatchLedger {
 
     /// Records one pinned request's legs at `now`.
     pub fn record_dispatch(&mut self, legs: &[DispatchLeg], now: Tick) -> DispatchId {
+        self.record(legs, now, false)
+    }
+
+    fn record(&mut self, legs: &[DispatchLeg], now: Tick, peer: bool) -> DispatchId {
         self.expire(now);
         while self.order.len() >= MAX_LEDGER_DISPATCHES {
             if let Some(oldest) = self.order.pop_front() {
@@ -150,7 +161,8 @@ impl DispatchLedger {
                 at: now,
                 prefill_tokens: leg.prefill_tokens,
                 decode_blocks: leg.decode_blocks,
-                may_stall: !leg.stall_exempt && leg.request_blocks >= STALL_MIN_BLOCKS,
+                may_stall: !peer && !leg.stall_exempt && leg.request_blocks >= STALL_MIN_BLOCKS,
+                peer,
             };
             self.namespace_mut(&leg.worker.namespace)
                 .workers
@@ -169,6 +181,7 @@ impl DispatchLedger {
             id,
             at: now,
             workers,
+            peer,
         });
         id
     }

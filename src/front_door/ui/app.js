@@ -152,7 +152,16 @@
       card('ov-selections', 'selections', totalSelections(summary)),
       card('ov-picker', 'picker', (w.picker && w.picker.name) || '-'),
       card('ov-generation', 'fleet generation', w.generation === undefined ? '-' : w.generation),
+      replicasCard(card, summary.replica_sync || w.replica_sync),
     );
+  }
+
+  // Peer router replicas sharing in-flight dispatches (replica_sync): count and ids.
+  function replicasCard(card, rs) {
+    if (!rs || !rs.enabled) return card('ov-replicas', 'peer replicas', 'off');
+    const peers = (rs.peers || []).map((p) => p.replica + ' (' + p.entries + ')');
+    const k = 'peer replicas of ' + rs.replica_id + (rs.connected ? '' : ', NATS down');
+    return card('ov-replicas', k, peers.length + (peers.length ? ': ' + peers.join(', ') : ''), rs.connected ? 'ok' : 'bad');
   }
 
   function push(key, value) {

@@ -89,6 +89,16 @@ impl Pendings {
         self.legs.len()
     }
 
+    /// Legs recorded for peer replicas.
+    pub(super) fn peer_len(&self) -> usize {
+        self.legs.iter().filter(|p| p.peer).count()
+    }
+
+    /// Every leg this router recorded itself (not a peer's), in order.
+    pub(super) fn for_each_local(&self, mut f: impl FnMut(&Pending)) {
+        self.legs.iter().filter(|p| !p.peer).for_each(&mut f);
+    }
+
     /// What the legs add to `rank` at `now` (legs past [`DISPATCH_MAX_AGE`] count for nothing):
     /// from the totals while every leg still counts, else by walking them.
     pub(super) fn backlog(&self, rank: DpRank, now: Tick) -> RankBacklog {

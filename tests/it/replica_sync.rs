@@ -1,0 +1,455 @@
+//! Router replicas sharing in-flight dispatches over a real `nats-server` (Debian's 2.9): three
+//! REAL router processes (`CARGO_BIN_EXE_continuum-router`) in front of two workers registered in
+//! a real etcd, their load from real libzmq publishers (pyzmq) and a fake shim upstream that
+//! records each request's worker pin. A big request dispatched through one replica shifts its
+//! peers' picks to the other worker; a SIGKILLed replica's contributions expire at its peers
+//! while they keep routing; a restarted `nats-server` costs no request and sharing resumes.
+//! `NATS_SERVER_BIN` names the server (default: `nats-server` on PATH, else /usr/sbin).
+#![cfg(all(feature = "real-peers", feature = "replica-sync"))]
+
+use crate::support;
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use continuum_protocol::ids::{InstanceId, PublisherId};
+use serde_json::{Value, json};
+use support::etcd::EtcdServer;
+use support::upstream::FakeUpstream;
+use support::zmq::{Publisher, make};
+use tokio::time::Instant;
+
+const BIN: &str = env!("CARGO_BIN_EXE_continuum-router");
+const WAIT: Duration = Duration::from_secs(30);
+const NS: &str = "syncns";
+const TOKEN: &str = "admin-secret";
+const WORKERS: [InstanceId; 2] = [InstanceId(0x51), InstanceId(0x52)];
+const PUBLISHERS: [PublisherId; 2] = [PublisherId(0x61), PublisherId(0x62)];
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A `nats-server` on a loopback port; killed on drop.
+struct Nats {
+    child: Option<Child>,
+    port: u16,
+}
+
+impl Nats {
+    fn bin() -> String {
+        std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| {
+            for candidate in [
+                "nats-server",
+                "/usr/sbin/nats-server",
+                "/usr/bin/nats-server",
+            ] {
+                if Command::new(candidate).arg("--version").output().is_ok() {
+                    return candidate.to_owned();
+                }
+            }
+            panic!("no nats-server (apt-get install -y nats-server, or set NATS_SERVER_BIN)")
+        })
+    }
+
+    fn spawn(port: u16, extra: &[&str]) -> Child {
+        Command::new(Self::bin())
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server")
+    }
+
+    async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    async fn start_with(extra: &[&str]) -> Self {
+        let port = free_port();
+        let nats = Self {
+            child: Some(Self::spawn(port, extra)),
+            port,
+        };
+        nats.wait_listening().await;
+        nats
+    }
+
+    async fn wait_listening(&self) {
+        let deadline = Instant::now() + WAIT;
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .is_err()
+        {
+            assert!(Instant::now() < deadline, "nats-server did not listen");
+            tokio::task::yield_now().await;
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    async fn restart(&mut self) {
+        self.stop();
+        self.child = Some(Self::spawn(self.port, &[]));
+        self.wait_listening().await;
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One router process; SIGKILLed on drop.
+struct Replica {
+    name: &'static str,
+    child: Child,
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Replica {
+    async fn spawn(name: &'static str, etcd: &EtcdServer, shim: &str, nats: &str) -> Replica {
+        Self::spawn_with(name, etcd, shim, nats, "").await
+    }
+
+    /// `nats_extra`: more keys under `replica_sync.nats` (a flow-map fragment).
+    async fn spawn_with(
+        name: &'static str,
+        etcd: &EtcdServer,
+        shim: &str,
+        nats: &str,
+        nats_extra: &str,
+    ) -> Replica {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
+        let config = dir.path().join("router.yaml");
+        let yaml = format!(
+            "server: {{bind_address: \"{addr}\"}}\n\
+             admin: {{enabled: true, token: {TOKEN}}}\n\
+             disaggregated_serving: {{enabled: true, fallback_to_unified: false}}\n\
+             backends:\n  - {{name: shim, type: openai, url: \"{shim}\", models: [tiny], health_check: {{enabled: false}}}}\n\
+             dynamo:\n  enabled: true\n  discovery: {{etcd: {{endpoints: [\"{}\"], namespace: {NS}}}}}\n  \
+             load: {{max_staleness: 300s}}\n  shim: {{backends: [shim]}}\n\
+             replica_sync:\n  enabled: true\n  replica_id: {name}\n  group: it\n  \
+             publish_interval: 5ms\n  heartbeat_interval: 200ms\n  ttl: 1s\n  \
+             nats: {{url: \"{nats}\", reconnect_max_delay: 500ms{nats_extra}}}\n",
+            etcd.endpoint()
+        );
+        std::fs::write(&config, yaml).expect("write config");
+        let child = Command::new(BIN)
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn the router");
+        let replica = Replica {
+            name,
+            child,
+            addr,
+            _dir: dir,
+        };
+        replica
+            .until(|v| v["workers"].as_array().is_some_and(|w| w.len() == 2))
+            .await;
+        replica
+    }
+
+    async fn workers_view(&self) -> Option<Value> {
+        let resp = reqwest::Client::new()
+            .get(format!("http://{}/admin/dynamo/workers", self.addr))
+            .bearer_auth(TOKEN)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+            .ok()?;
+        resp.json().await.ok()
+    }
+
+    /// Waits (bounded) until the admin view satisfies `done`.
+    #[track_caller]
+    fn until(&self, done: impl Fn(&Value) -> bool) -> impl std::future::Future<Output = Value> {
+        let caller = std::panic::Location::caller();
+        async move {
+            let deadline = Instant::now() + WAIT;
+            let mut last = Value::Null;
+            loop {
+                if let Some(view) = self.workers_view().await {
+                    if done(&view) {
+                        return view;
+                    }
+                    last = view;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{caller}: replica {} never reached the state; last view: {}",
+                    self.name,
+                    json!({"replica_sync": last["replica_sync"], "picker": last["picker"], "load": last["load"]})
+                );
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
+    /// The named peer as this replica's admin view shows it.
+    fn peer<'a>(view: &'a Value, name: &str) -> Option<&'a Value> {
+        view["replica_sync"]["peers"]
+            .as_array()?
+            .iter()
+            .find(|p| p["replica"] == name)
+    }
+
+    async fn chat(&self, words: usize) -> u16 {
+        let content = vec!["word"; words].join(" ");
+        reqwest::Client::new()
+            .post(format!("http://{}/v1/chat/completions", self.addr))
+            .timeout(WAIT)
+            .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": content}]}))
+            .send()
+            .await
+            .map_or(0, |r| r.status().as_u16())
+    }
+
+    async fn metric(&self, family: &str) -> f64 {
+        let text = reqwest::get(format!("http://{}/metrics", self.addr))
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text");
+        text.lines()
+            .find(|l| l.starts_with(family) && l[family.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN)
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Two aggregated decode workers, each with its kv_metrics publisher.
+async fn fleet(etcd: &EtcdServer, ports: [u16; 2]) {
+    let mut client = etcd.client().await;
+    for ((worker, publisher), port) in WORKERS.iter().zip(PUBLISHERS).zip(ports) {
+        let id = worker.0;
+        let records = [
+            (
+                format!("v1/instances/{NS}/backend/generate/{id:x}"),
+                json!({"type": "Endpoint", "namespace": NS, "component": "backend", "endpoint": "generate",
+                       "instance_id": id, "transport": {"tcp": "127.0.0.1:1/x/generate"}}),
+            ),
+            (
+                format!("v1/mdc/{NS}/backend/generate/{id:x}"),
+                json!({"type": "Model", "namespace": NS, "component": "backend", "endpoint": "generate",
+                       "instance_id": id, "card_json": {"display_name": "tiny", "worker_type": "decode",
+                       "kv_cache_block_size": 16, "runtime_config": {"total_kv_blocks": 100000,
+                       "max_num_batched_tokens": 8192, "data_parallel_size": 1}}}),
+            ),
+            (
+                format!(
+                    "v1/event_channels/namespace/{NS}/component/backend/endpoint/generate/topic/kv_metrics/{:x}",
+                    publisher.0
+                ),
+                json!({"type": "EventChannel", "scope": {"kind": "endpoint", "endpoint":
+                       {"namespace": NS, "component": "backend", "name": "generate"}},
+                       "topic": "kv_metrics", "instance_id": publisher.0,
+                       "transport": {"kind": "Zmq", "config": {"endpoint": format!("tcp://127.0.0.1:{port}")}}}),
+            ),
+        ];
+        for (key, value) in records {
+            client.put(key, value.to_string(), None).await.expect("put");
+        }
+    }
+}
+
+/// The worker each recorded shim request was pinned to, in order.
+fn pins(shim: &mut FakeUpstream) -> Vec<u64> {
+    std::iter::from_fn(|| shim.try_request())
+        .filter_map(|r| {
+            r.headers
+                .get("x-dynamo-worker-instance-id")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())
+        })
+        .collect()
+}
+
+fn legs(view: &Value) -> u64 {
+    view["replica_sync"]["peer_legs"].as_u64().unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_in_flight_dispatches_survive_a_killed_peer_and_a_restarted_nats() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    let mut nats = Nats::start().await;
+    let mut shim = FakeUpstream::start().await;
+    let mut publishers = [Publisher::spawn().await, Publisher::spawn().await];
+    let mut ports = [0u16; 2];
+    for (p, port) in publishers.iter_mut().zip(ports.iter_mut()) {
+        *port = p.bind("xpub", 0).await;
+    }
+    fleet(&etcd, ports).await;
+    let mut replicas = Vec::new();
+    for name in ["a", "b", "c"] {
+        replicas.push(Replica::spawn(name, &etcd, &shim.url(), &nats.url()).await);
+    }
+    // One sample per worker, equal and idle; no other sample follows, so nothing answers the
+    // dispatches below (they count for the ledger's 30 s).
+    for (i, p) in publishers.iter_mut().enumerate() {
+        p.await_subscriptions(3).await;
+        p.send(&[make(PUBLISHERS[i], 1, WORKERS[i], 0)]).await;
+    }
+    for r in &replicas {
+        r.until(|v| {
+            v["load"].as_array().is_some_and(|l| l.len() == 2)
+                && v["replica_sync"]["connected"] == true
+                && v["replica_sync"]["peers"]
+                    .as_array()
+                    .is_some_and(|p| p.len() == 2)
+        })
+        .await;
+    }
+
+    // A big request through `a`: its worker carries ~250 blocks in a's ledger, and in its peers'.
+    assert_eq!(replicas[0].chat(4000).await, 200);
+    let first = pins(&mut shim);
+    assert_eq!(first.len(), 1, "{first:?}");
+    let busy = first[0];
+    for r in &replicas[1..] {
+        r.until(|v| Replica::peer(v, "a").is_some_and(|p| p["entries"] == 1) && legs(v) == 1)
+            .await;
+    }
+    // Small requests through `b` and `c` all avoid it; alone, each would alternate.
+    for r in &replicas[1..] {
+        for _ in 0..3 {
+            assert_eq!(r.chat(1).await, 200);
+        }
+    }
+    let shifted = pins(&mut shim);
+    assert_eq!(shifted.len(), 6);
+    assert!(
+        shifted.iter().all(|&w| w != busy),
+        "peers' picks avoid a's busy worker {busy}: {shifted:?}"
+    );
+
+    // SIGKILL `a`: its peers keep routing and withdraw its contributions within its TTL.
+    replicas[0].kill();
+    for r in &replicas[1..] {
+        assert_eq!(r.chat(1).await, 200);
+        let view = r.until(|v| Replica::peer(v, "a").is_none()).await;
+        assert!(
+            view["replica_sync"]["peers"]
+                .as_array()
+                .is_some_and(|p| p.len() == 1),
+            "{view}"
+        );
+        assert!(
+            r.metric("continuum_replica_sync_contributions_expired_total")
+                .await
+                >= 1.0
+        );
+    }
+
+    // Restart nats-server: requests route on local state meanwhile; sharing resumes after.
+    nats.stop();
+    for r in &replicas[1..] {
+        r.until(|v| v["replica_sync"]["connected"] == false).await;
+        for _ in 0..2 {
+            assert_eq!(r.chat(1).await, 200, "no request to a live replica fails");
+        }
+    }
+    nats.restart().await;
+    for r in &replicas[1..] {
+        r.until(|v| v["replica_sync"]["connected"] == true).await;
+    }
+    // b hears c again (re-admitted if c expired at b meanwhile); c's next change reaches b.
+    replicas[1]
+        .until(|v| Replica::peer(v, "c").is_some_and(|p| p["last_seen_ms"].as_u64() < Some(300)))
+        .await;
+    let applied = "continuum_replica_sync_contributions_applied_total";
+    let before = replicas[1].metric(applied).await;
+    assert_eq!(replicas[2].chat(4000).await, 200);
+    let deadline = Instant::now() + WAIT;
+    while replicas[1].metric(applied).await <= before {
+        assert!(
+            Instant::now() < deadline,
+            "c's change never reached b after the restart"
+        );
+        tokio::task::yield_now().await;
+    }
+    for r in &replicas[1..] {
+        assert!(r.metric("continuum_replica_sync_bytes_sent_total").await > 0.0);
+        assert!(
+            r.metric("continuum_replica_sync_contributions_applied_total")
+                .await
+                >= 2.0
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_protected_nats_admits_the_right_token_only() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let etcd = EtcdServer::start().await;
+    fleet(&etcd, [1, 2]).await;
+    let nats = Nats::start_with(&["--auth", "s3cret-token"]).await;
+    let shim = FakeUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write token");
+        path.display().to_string()
+    };
+    let good = write("good", "s3cret-token\n");
+    let bad = write("bad", "wrong\n");
+    let extra = |path: &str| format!(", token_file: \"{path}\"");
+    let a = Replica::spawn_with("a", &etcd, &shim.url(), &nats.url(), &extra(&good)).await;
+    let b = Replica::spawn_with("b", &etcd, &shim.url(), &nats.url(), &extra(&good)).await;
+    let intruder = Replica::spawn_with("x", &etcd, &shim.url(), &nats.url(), &extra(&bad)).await;
+    for r in [&a, &b] {
+        let view = r
+            .until(|v| {
+                v["replica_sync"]["connected"] == true
+                    && v["replica_sync"]["peers"]
+                        .as_array()
+                        .is_some_and(|p| p.len() == 1)
+            })
+            .await;
+        assert!(Replica::peer(&view, "x").is_none(), "{view}");
+    }
+    // The intruder never connects, so it hears no peer; it still routes on local state.
+    let view = intruder.workers_view().await.expect("admin view");
+    assert_eq!(view["replica_sync"]["connected"], false, "{view}");
+    assert!(
+        view["replica_sync"]["peers"]
+            .as_array()
+            .is_some_and(|p| p.is_empty())
+    );
+}
