@@ -294,7 +294,7 @@ async fn a_request_waits_while_every_worker_is_busy_and_goes_on_a_fresh_sample_w
         0.0
     );
     assert_eq!(
-        h.metric(r#"continuum_admission_wait_seconds_count{outcome="dispatched"}"#),
+        h.metric(r#"continuum_admission_wait_seconds_count{class="normal",outcome="dispatched"}"#),
         1.0
     );
 }
@@ -308,7 +308,7 @@ async fn without_a_threshold_a_busy_fleet_is_dispatched_at_once() {
     assert_eq!(resp.status(), StatusCode::OK);
     shim.next_request().await;
     assert_eq!(
-        h.metric(r#"continuum_admission_shed_total{reason="queue_full"}"#),
+        h.metric(r#"continuum_admission_shed_total{class="normal",reason="queue_full"}"#),
         0.0
     );
 }
@@ -354,7 +354,7 @@ async fn a_full_queue_is_503_fleet_busy_with_retry_after_in_each_ingress_shape()
     assert_eq!(body["error"]["type"], "server_error");
 
     assert_eq!(
-        h.metric(r#"continuum_admission_shed_total{reason="queue_full"}"#),
+        h.metric(r#"continuum_admission_shed_total{class="normal",reason="queue_full"}"#),
         3.0
     );
     assert_eq!(h.depth(), 1, "refusals never touch the waiting request");
@@ -388,11 +388,11 @@ async fn a_request_that_waits_max_wait_is_503_fleet_busy() {
     );
     assert_eq!(h.depth(), 0);
     assert_eq!(
-        h.metric(r#"continuum_admission_shed_total{reason="max_wait"}"#),
+        h.metric(r#"continuum_admission_shed_total{class="normal",reason="max_wait"}"#),
         1.0
     );
     assert_eq!(
-        h.metric(r#"continuum_admission_wait_seconds_count{outcome="shed"}"#),
+        h.metric(r#"continuum_admission_wait_seconds_count{class="normal",outcome="shed"}"#),
         1.0
     );
 }
@@ -426,7 +426,7 @@ async fn a_client_that_goes_away_leaves_the_queue_at_once() {
         0.0
     );
     assert_eq!(
-        h.metric(r#"continuum_admission_shed_total{reason="max_wait"}"#),
+        h.metric(r#"continuum_admission_shed_total{class="normal",reason="max_wait"}"#),
         0.0
     );
 }
@@ -461,7 +461,7 @@ async fn a_reload_changes_the_bounds_and_keeps_the_waiting_requests() {
     shim.next_request().await;
     assert_eq!(h.depth(), 0);
     assert_eq!(
-        h.metric(r#"continuum_admission_wait_seconds_count{outcome="dispatched"}"#),
+        h.metric(r#"continuum_admission_wait_seconds_count{class="normal",outcome="dispatched"}"#),
         2.0
     );
 }
@@ -542,4 +542,14 @@ async fn a_better_class_goes_first_a_selected_class_applies_and_keys_of_a_class_
         order,
         ["steady", "ops", "flood", "steady", "flood", "flood"]
     );
+    // The wait is counted by the request's class (`flood`'s unselectable ask stays normal).
+    for (class, n) in [("high", 2.0), ("normal", 4.0), ("low", 0.0)] {
+        assert_eq!(
+            h.metric(&format!(
+                r#"continuum_admission_wait_seconds_count{{class="{class}",outcome="dispatched"}}"#
+            )),
+            n,
+            "{class}"
+        );
+    }
 }
