@@ -43,8 +43,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tower::ServiceExt;
 
-const NS: &str = "admns";
-const MODEL: &str = "tiny";
+pub(crate) const NS: &str = "admns";
+pub(crate) const MODEL: &str = "tiny";
 const WORKERS: [u64; 2] = [0x51, 0x52];
 
 fn records(id: u64) -> Vec<(String, Value)> {
@@ -66,7 +66,7 @@ fn records(id: u64) -> Vec<(String, Value)> {
 
 /// The config: the fake upstream as the namespace's one shim replica, `admission` from
 /// `admission` (YAML flow map), samples fresh for a minute (longer than any wait here).
-fn config(shim: &str, admission: &str) -> Config {
+pub(crate) fn config(shim: &str, admission: &str) -> Config {
     config_with(shim, admission, "")
 }
 
@@ -85,8 +85,8 @@ fn config_with(shim: &str, admission: &str, extra: &str) -> Config {
         .config
 }
 
-struct Harness {
-    state: AppState,
+pub(crate) struct Harness {
+    pub(crate) state: AppState,
     proxy: Arc<Proxy>,
     route: Arc<Router>,
     config: Arc<ArcSwap<Config>>,
@@ -97,7 +97,7 @@ struct Harness {
 }
 
 impl Harness {
-    async fn new(config: Config) -> Self {
+    pub(crate) async fn new(config: Config) -> Self {
         let namespace = Namespace::new(NS);
         let parts = RegistryParts::new(RegistryConfig {
             enabled: true,
@@ -169,7 +169,7 @@ impl Harness {
     }
 
     /// Publishes one sample per worker: `blocks[i]` active decode blocks of 100.
-    fn publish(&self, blocks: [u64; 2]) {
+    pub(crate) fn publish(&self, blocks: [u64; 2]) {
         let sequence = self
             .sequence
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -223,7 +223,7 @@ impl Harness {
     }
 
     /// The value of the series `series` (its exact text before the value).
-    fn metric(&self, series: &str) -> f64 {
+    pub(crate) fn metric(&self, series: &str) -> f64 {
         let rendered = self.metrics.render();
         rendered
             .lines()
@@ -233,7 +233,7 @@ impl Harness {
 }
 
 /// Yields until `ready` holds (bounded by a real-time timeout, never a sleep).
-async fn until(what: &str, mut ready: impl FnMut() -> bool) {
+pub(crate) async fn until(what: &str, mut ready: impl FnMut() -> bool) {
     let wait = async {
         while !ready() {
             tokio::task::yield_now().await;
@@ -257,7 +257,7 @@ fn header<'a>(resp: &'a Response<Body>, name: &str) -> &'a str {
         .expect("ascii")
 }
 
-const BUSY: [u64; 2] = [95, 90];
+pub(crate) const BUSY: [u64; 2] = [95, 90];
 
 #[tokio::test]
 async fn a_request_waits_while_every_worker_is_busy_and_goes_on_a_fresh_sample_with_room() {
