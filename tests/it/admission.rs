@@ -1,6 +1,7 @@
 //! `admission` end to end through the real `front_door::router` (oneshot), the Dynamo shim path
 //! over an in-process registry of two decode workers (100 KV blocks each) and load samples
-//! written into the shared store as the subscriptions write them: a request waits while every
+//! written into the shared store as the subscriptions write them (`support::busy_fleet`, which
+//! the admission bench shares): a request waits while every
 //! worker is over `busy_threshold.kv_usage` and goes once a fresh sample shows room; a full queue
 //! and `max_wait` are 503 `fleet_busy` with `Retry-After` in each ingress's shape; a client that
 //! goes away leaves the queue at once (counted); a reload changes the bounds and keeps the
@@ -10,26 +11,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::busy_fleet::{BusyFleet, config_yaml};
 use crate::support::paused::settle;
 use crate::support::upstream::FakeUpstream;
 use arc_swap::ArcSwap;
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode};
-use continuum_actors::clock::now_tick;
-use continuum_actors::load::SharedLoadStore;
 use continuum_actors::metrics::Metrics;
 use continuum_actors::picker::SharedPicker;
-use continuum_actors::registry::{
-    RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg, RegistryParts,
-};
 use continuum_actors::tree::ActorTree;
-use continuum_protocol::discovery::SourceEvent;
-use continuum_protocol::discovery::reducer::DiscoveryReducer;
-use continuum_protocol::discovery::snapshot::SourceKind;
-use continuum_protocol::event_plane::ActiveLoad;
-use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
-use continuum_protocol::load_store::LoadSample;
-use continuum_protocol::time::UnixMillis;
 use continuum_router::config::{Config, ProcessEnv};
 use continuum_router::front_door::{self, AppState};
 use continuum_router::proxy::{Proxy, ProxyOptions};
@@ -37,7 +27,6 @@ use continuum_router::readiness::Readiness;
 use continuum_router::route::Router;
 use continuum_router::route::dynamo::ShimRouter;
 use http_body_util::BodyExt;
-use ractor::{Actor, ActorRef};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -47,23 +36,6 @@ pub(crate) const NS: &str = "admns";
 pub(crate) const MODEL: &str = "tiny";
 const WORKERS: [u64; 2] = [0x51, 0x52];
 
-fn records(id: u64) -> Vec<(String, Value)> {
-    vec![
-        (
-            format!("v1/instances/{NS}/backend/generate/{id:x}"),
-            json!({"type": "Endpoint", "namespace": NS, "component": "backend",
-                   "endpoint": "generate", "instance_id": id, "transport": {"tcp": "127.0.0.1:1/x"}}),
-        ),
-        (
-            format!("v1/mdc/{NS}/backend/generate/{id:x}"),
-            json!({"type": "Model", "namespace": NS, "component": "backend", "endpoint": "generate",
-                   "instance_id": id, "card_json": {"display_name": MODEL, "worker_type": "decode",
-                   "kv_cache_block_size": 16, "runtime_config": {"total_kv_blocks": 100,
-                   "max_num_batched_tokens": 8192, "data_parallel_size": 1}}}),
-        ),
-    ]
-}
-
 /// The config: the fake upstream as the namespace's one shim replica, `admission` from
 /// `admission` (YAML flow map), samples fresh for a minute (longer than any wait here).
 pub(crate) fn config(shim: &str, admission: &str) -> Config {
@@ -72,14 +44,7 @@ pub(crate) fn config(shim: &str, admission: &str) -> Config {
 
 /// [`config`] with `extra` top-level YAML.
 fn config_with(shim: &str, admission: &str, extra: &str) -> Config {
-    let yaml = format!(
-        "disaggregated_serving:\n  enabled: true\n\
-         backends:\n  - name: shim\n    type: openai\n    url: \"{shim}\"\n    \
-         models: [{MODEL}]\n    health_check:\n      enabled: false\n\
-         dynamo:\n  enabled: true\n  load: {{max_staleness: 60s}}\n  discovery:\n    etcd:\n      \
-         endpoints: [\"http://127.0.0.1:1\"]\n      namespace: {NS}\n  shim:\n    backends: [shim]\n\
-         admission: {admission}\n{extra}"
-    );
+    let yaml = format!("{}{extra}", config_yaml(NS, MODEL, shim, "60s", admission));
     Config::from_yaml_str_validated(&yaml, &ProcessEnv)
         .expect("test config")
         .config
@@ -90,51 +55,19 @@ pub(crate) struct Harness {
     proxy: Arc<Proxy>,
     route: Arc<Router>,
     config: Arc<ArcSwap<Config>>,
-    load: SharedLoadStore,
+    fleet: BusyFleet,
     metrics: Metrics,
-    sequence: std::sync::atomic::AtomicU64,
-    _registry: ActorRef<RegistryMsg>,
 }
 
 impl Harness {
     pub(crate) async fn new(config: Config) -> Self {
-        let namespace = Namespace::new(NS);
-        let parts = RegistryParts::new(RegistryConfig {
-            enabled: true,
-            source: SourceKind::Etcd,
-            namespaces: vec![namespace.clone()],
-        });
-        let reader = parts.reader.clone();
-        let args = RegistryArgs {
-            writer: parts.writer,
-            metrics: None,
-        };
-        let (registry, _) = Actor::spawn(None, RegistryActor, args)
-            .await
-            .expect("registry");
-        let mut reducer = DiscoveryReducer::new(namespace);
-        reducer.apply(SourceEvent::Init, UnixMillis(0));
-        for id in WORKERS {
-            for (key, value) in records(id) {
-                let value = serde_json::to_vec(&value).expect("json");
-                reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
-            }
-        }
-        reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-        parts.inbox.stage_view(reducer.view().clone());
-        reader
-            .subscribe()
-            .wait_for(|g| *g >= 1)
-            .await
-            .expect("published");
+        let fleet = BusyFleet::start(NS, MODEL, &WORKERS).await;
         let metrics = Metrics::new("admission-test").expect("metrics");
-        let load = SharedLoadStore::new(None);
-        load.with(|store| store.set_live_and_retain(WORKERS.map(InstanceId)));
         let shared = Arc::new(ArcSwap::from_pointee(config.clone()));
         let dynamo = ShimRouter::with_picker(
             shared.clone(),
-            reader,
-            load.clone(),
+            fleet.reader.clone(),
+            fleet.load.clone(),
             SharedPicker::new(),
             Some(metrics.clone()),
         );
@@ -161,36 +94,14 @@ impl Harness {
             proxy,
             route,
             config: shared,
-            load,
+            fleet,
             metrics,
-            sequence: std::sync::atomic::AtomicU64::new(1),
-            _registry: registry,
         }
     }
 
     /// Publishes one sample per worker: `blocks[i]` active decode blocks of 100.
     pub(crate) fn publish(&self, blocks: [u64; 2]) {
-        let sequence = self
-            .sequence
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.load.with(|store| {
-            for (id, used) in WORKERS.into_iter().zip(blocks) {
-                store.apply(LoadSample {
-                    load: ActiveLoad {
-                        worker_id: InstanceId(id),
-                        dp_rank: DpRank(0),
-                        active_decode_blocks: Some(used),
-                        active_prefill_tokens: None,
-                        kv_used_blocks: Some(used),
-                    },
-                    publisher_id: PublisherId(id),
-                    sequence,
-                    published_at: UnixMillis(0),
-                    received_at: now_tick(),
-                });
-            }
-        });
-        self.load.notify();
+        self.fleet.publish(|i| blocks[i]);
     }
 
     fn reload(&self, config: &Config) {
