@@ -416,86 +416,34 @@ fn rate_limit_cost() {
     }
 }
 
+#[path = "../tests/it/support/busy_fleet.rs"]
+mod busy_fleet;
+
 /// The `admission` check of one request when nothing is busy (see the module doc).
 mod admission_bench {
     use std::sync::Arc;
     use std::time::Instant;
 
     use arc_swap::ArcSwap;
-    use continuum_actors::clock::now_tick;
-    use continuum_actors::load::SharedLoadStore;
     use continuum_actors::picker::SharedPicker;
-    use continuum_actors::registry::{RegistryActor, RegistryArgs, RegistryConfig, RegistryParts};
     use continuum_protocol::admission::{Fleet, Waiting};
-    use continuum_protocol::discovery::SourceEvent;
-    use continuum_protocol::discovery::reducer::DiscoveryReducer;
-    use continuum_protocol::discovery::snapshot::SourceKind;
-    use continuum_protocol::event_plane::ActiveLoad;
-    use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
-    use continuum_protocol::load_store::LoadSample;
-    use continuum_protocol::time::UnixMillis;
     use continuum_router::config::{Config, ProcessEnv};
     use continuum_router::route::admission::Admission;
     use continuum_router::route::dynamo::ShimRouter;
     use futures::FutureExt;
-    use ractor::Actor;
+
+    use super::busy_fleet::{BusyFleet, config_yaml};
 
     const NS: &str = "bench";
 
     /// A label, the `admission` YAML, and each worker's used blocks.
-    type Case = (&'static str, &'static str, fn(u64) -> u64);
-    const WORKERS: u64 = 16;
+    type Case = (&'static str, &'static str, fn(usize) -> u64);
+    const WORKERS: usize = 16;
     const FIRST: u64 = 0x100;
 
-    fn records(id: u64) -> Vec<(String, Vec<u8>)> {
-        let endpoint = serde_json::json!({"type": "Endpoint", "namespace": NS,
-            "component": "backend", "endpoint": "generate", "instance_id": id,
-            "transport": {"tcp": "127.0.0.1:1/x"}});
-        let card = serde_json::json!({"type": "Model", "namespace": NS, "component": "backend",
-            "endpoint": "generate", "instance_id": id, "card_json": {"display_name": "m",
-            "worker_type": "decode", "kv_cache_block_size": 16, "runtime_config":
-            {"total_kv_blocks": 100, "max_num_batched_tokens": 8192, "data_parallel_size": 1}}});
-        let bytes = |v: serde_json::Value| serde_json::to_vec(&v).expect("json");
-        vec![
-            (
-                format!("v1/instances/{NS}/backend/generate/{id:x}"),
-                bytes(endpoint),
-            ),
-            (format!("v1/mdc/{NS}/backend/generate/{id:x}"), bytes(card)),
-        ]
-    }
-
     fn config(threshold: &str) -> Config {
-        let yaml = format!(
-            "disaggregated_serving:\n  enabled: true\n\
-             backends:\n  - name: shim\n    type: openai\n    url: \"http://127.0.0.1:1\"\n    \
-             models: [m]\n    health_check:\n      enabled: false\n\
-             dynamo:\n  enabled: true\n  load: {{max_staleness: 300s}}\n  discovery:\n    etcd:\n      \
-             endpoints: [\"http://127.0.0.1:1\"]\n      namespace: {NS}\n  shim:\n    backends: [shim]\n\
-             admission: {threshold}\n"
-        );
+        let yaml = config_yaml(NS, "m", "http://127.0.0.1:1", "300s", threshold);
         Config::from_yaml_str(&yaml, &ProcessEnv).expect("bench config")
-    }
-
-    fn publish(load: &SharedLoadStore, used: impl Fn(u64) -> u64, sequence: u64) {
-        load.with(|store| {
-            for w in 0..WORKERS {
-                let id = FIRST + w;
-                store.apply(LoadSample {
-                    load: ActiveLoad {
-                        worker_id: InstanceId(id),
-                        dp_rank: DpRank(0),
-                        active_decode_blocks: Some(used(w)),
-                        active_prefill_tokens: None,
-                        kv_used_blocks: Some(used(w)),
-                    },
-                    publisher_id: PublisherId(id),
-                    sequence,
-                    published_at: UnixMillis(0),
-                    received_at: now_tick(),
-                });
-            }
-        });
     }
 
     pub fn run() {
@@ -504,43 +452,13 @@ mod admission_bench {
             .build()
             .expect("runtime");
         rt.block_on(async {
-            let namespace = Namespace::new(NS);
-            let parts = RegistryParts::new(RegistryConfig {
-                enabled: true,
-                source: SourceKind::Etcd,
-                namespaces: vec![namespace.clone()],
-            });
-            let reader = parts.reader.clone();
-            let args = RegistryArgs {
-                writer: parts.writer,
-                metrics: None,
-            };
-            let (_actor, _) = Actor::spawn(None, RegistryActor, args)
-                .await
-                .expect("registry");
-            let mut reducer = DiscoveryReducer::new(namespace);
-            reducer.apply(SourceEvent::Init, UnixMillis(0));
-            for w in 0..WORKERS {
-                for (key, value) in records(FIRST + w) {
-                    reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
-                }
-            }
-            reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-            parts.inbox.stage_view(reducer.view().clone());
-            reader
-                .subscribe()
-                .wait_for(|g| *g >= 1)
-                .await
-                .expect("published");
-            let load = SharedLoadStore::new(None);
-            load.with(|store| {
-                store.set_live_and_retain((0..WORKERS).map(|w| InstanceId(FIRST + w)))
-            });
+            let ids: Vec<u64> = (0..WORKERS as u64).map(|w| FIRST + w).collect();
+            let fleet = BusyFleet::start(NS, "m", &ids).await;
             let shared = Arc::new(ArcSwap::from_pointee(config("{}")));
             let dynamo = ShimRouter::with_picker(
                 shared.clone(),
-                reader,
-                load.clone(),
+                fleet.reader.clone(),
+                fleet.load.clone(),
                 SharedPicker::new(),
                 None,
             );
@@ -560,9 +478,9 @@ mod admission_bench {
                     },
                 ),
             ];
-            for (sequence, (label, threshold, used)) in (1u64..).zip(cases) {
+            for (label, threshold, used) in cases {
                 shared.store(Arc::new(config(threshold)));
-                publish(&load, used, sequence);
+                fleet.publish(used);
                 let usable = |_: &str| true;
                 let rounds: u32 = 200_000;
                 let start = Instant::now();

@@ -157,6 +157,23 @@ pub fn fleet_summary(kv: &SharedKvIndex, metrics: &continuum_actors::metrics::Me
             model.insert(label(&labels, "result"), json!(value as u64));
         }
     }
+    // {model: requests waiting in its admission queue} (a gauge, so its value, not a delta).
+    let mut queue_depth = serde_json::Map::new();
+    for m in families
+        .iter()
+        .filter(|mf| mf.name() == "continuum_admission_queue_depth")
+        .flat_map(|mf| mf.get_metric().iter())
+    {
+        let labels: Vec<(String, String)> = m
+            .get_label()
+            .iter()
+            .map(|p| (p.name().to_owned(), p.value().to_owned()))
+            .collect();
+        queue_depth.insert(
+            label(&labels, "model"),
+            json!(m.get_gauge().get_value() as i64),
+        );
+    }
     let kv_blocks: Vec<Value> = kv
         .rank_blocks()
         .into_iter()
@@ -169,5 +186,6 @@ pub fn fleet_summary(kv: &SharedKvIndex, metrics: &continuum_actors::metrics::Me
         "kv_selection": kv_selection,
         "kv_hash_parity": parity,
         "kv_blocks": kv_blocks,
+        "queue_depth": queue_depth,
     })
 }

@@ -106,6 +106,15 @@ impl Class {
         }
     }
 
+    /// The class of a queue rank ([`Class::rank`]); ranks past the last are `Low`.
+    pub const fn of_rank(rank: u8) -> Self {
+        match rank {
+            0 => Class::High,
+            1 => Class::Normal,
+            _ => Class::Low,
+        }
+    }
+
     /// 0 (high) is served first.
     pub const fn rank(self) -> u8 {
         match self {
@@ -265,6 +274,14 @@ mod tests {
 
     fn paths(config: &Config) -> Vec<String> {
         validate(config).into_iter().map(|d| d.path).collect()
+    }
+
+    #[test]
+    fn a_class_and_its_rank_agree() {
+        for class in [Class::High, Class::Normal, Class::Low] {
+            assert_eq!(Class::of_rank(class.rank()), class);
+        }
+        assert_eq!(Class::of_rank(u8::MAX), Class::Low);
     }
 
     #[test]

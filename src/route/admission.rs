@@ -13,9 +13,10 @@
 //! protocol's `WaitQueue`; a waiter only asks whether it is the head.
 //!
 //! Metrics (closed label sets): `continuum_admission_queue_depth{model}` (Dynamo model names the
-//! fleet serves), `continuum_admission_wait_seconds{outcome}` (dispatched, shed, abandoned),
-//! `continuum_admission_shed_total{reason}` (queue_full, max_wait) and
-//! `continuum_admission_abandoned_total`.
+//! fleet serves), `continuum_admission_wait_seconds{outcome, class}` (dispatched, shed,
+//! abandoned), `continuum_admission_shed_total{reason, class}` (queue_full, max_wait) and
+//! `continuum_admission_abandoned_total`; `class` is the request's priority class (high, normal,
+//! low), not the class aging raised it to.
 
 use std::collections::HashMap;
 use std::pin::pin;
@@ -32,7 +33,7 @@ use prometheus::{
 };
 use tokio::sync::{Notify, watch};
 
-use crate::config::admission::Bounds;
+use crate::config::admission::{Bounds, Class};
 
 /// Longest a waiter goes without re-checking the fleet.
 pub const RECHECK: Duration = Duration::from_millis(250);
@@ -116,6 +117,7 @@ impl Admission {
         mut changes: watch::Receiver<u64>,
     ) -> Result<(), Busy> {
         let bounds = config();
+        let class = Class::of_rank(who.class);
         let joined = {
             let mut queues = self.lock();
             let waiting = queues.get(model).map_or(0, |m| m.queue.len());
@@ -134,7 +136,7 @@ impl Admission {
         };
         let (ticket, since, wake, depth) = match joined {
             Ok(joined) => joined,
-            Err(reason) => return Err(self.shed(model, reason, &bounds, None)),
+            Err(reason) => return Err(self.shed(model, class, reason, &bounds, None)),
         };
         self.set_depth(model, depth);
         let mut waiter = Waiter {
@@ -142,6 +144,7 @@ impl Admission {
             model,
             ticket,
             since,
+            class,
             ended: false,
         };
         loop {
@@ -154,12 +157,12 @@ impl Admission {
             if waited >= max_wait {
                 waiter.ended = true;
                 let waited = self.leave(model, ticket, false);
-                return Err(self.shed(model, Shed::MaxWait, &bounds, waited));
+                return Err(self.shed(model, class, Shed::MaxWait, &bounds, waited));
             }
             if head && fleet() != Fleet::Busy {
                 waiter.ended = true;
                 let waited = self.leave(model, ticket, true);
-                self.observe(Outcome::Dispatched, waited);
+                self.observe(Outcome::Dispatched, class, waited);
                 return Ok(());
             }
             let pause = (max_wait - waited).min(RECHECK);
@@ -189,12 +192,21 @@ impl Admission {
 
     /// Counts a refusal and builds it: retry after `max_wait` (by then every request now waiting
     /// has left the queue).
-    fn shed(&self, model: &str, reason: Shed, bounds: &Bounds, waited: Option<Duration>) -> Busy {
+    fn shed(
+        &self,
+        model: &str,
+        class: Class,
+        reason: Shed,
+        bounds: &Bounds,
+        waited: Option<Duration>,
+    ) -> Busy {
         if let Some(c) = &self.counters {
-            c.shed.with_label_values(&[reason.as_label()]).inc();
+            c.shed
+                .with_label_values(&[reason.as_label(), class.name()])
+                .inc();
         }
         if waited.is_some() {
-            self.observe(Outcome::Shed, waited);
+            self.observe(Outcome::Shed, class, waited);
         }
         Busy {
             reason,
@@ -203,10 +215,10 @@ impl Admission {
         }
     }
 
-    fn observe(&self, outcome: Outcome, waited: Option<Duration>) {
+    fn observe(&self, outcome: Outcome, class: Class, waited: Option<Duration>) {
         if let (Some(c), Some(waited)) = (&self.counters, waited) {
             c.wait
-                .with_label_values(&[outcome.as_label()])
+                .with_label_values(&[outcome.as_label(), class.name()])
                 .observe(waited.as_secs_f64());
         }
     }
@@ -234,6 +246,7 @@ struct Waiter<'a> {
     model: &'a Arc<str>,
     ticket: Ticket,
     since: Tick,
+    class: Class,
     ended: bool,
 }
 
@@ -260,7 +273,8 @@ impl Drop for Waiter<'_> {
         if let Some(c) = &self.admission.counters {
             c.abandoned.inc();
         }
-        self.admission.observe(Outcome::Abandoned, waited);
+        self.admission
+            .observe(Outcome::Abandoned, self.class, waited);
     }
 }
 
@@ -275,19 +289,19 @@ fn register(registry: &Registry) -> Result<Counters, prometheus::Error> {
     let wait = HistogramVec::new(
         HistogramOpts::new(
             "continuum_admission_wait_seconds",
-            "Time requests waited in the admission queue, by how the wait ended (dispatched, shed, abandoned).",
+            "Time requests waited in the admission queue, by how the wait ended (dispatched, shed, abandoned) and the request's priority class (high, normal, low).",
         )
         .buckets(vec![
             0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
         ]),
-        &["outcome"],
+        &["outcome", "class"],
     )?;
     let shed = IntCounterVec::new(
         Opts::new(
             "continuum_admission_shed_total",
-            "Requests refused fleet_busy (503) because every eligible worker was busy: the model's queue was full (queue_full) or the request waited admission.queue.max_wait (max_wait).",
+            "Requests refused fleet_busy (503) because every eligible worker was busy: the model's queue was full (queue_full) or the request waited admission.queue.max_wait (max_wait), by the request's priority class (high, normal, low).",
         ),
-        &["reason"],
+        &["reason", "class"],
     )?;
     let abandoned = IntCounter::new(
         "continuum_admission_abandoned_total",

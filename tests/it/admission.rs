@@ -1,6 +1,7 @@
 //! `admission` end to end through the real `front_door::router` (oneshot), the Dynamo shim path
 //! over an in-process registry of two decode workers (100 KV blocks each) and load samples
-//! written into the shared store as the subscriptions write them: a request waits while every
+//! written into the shared store as the subscriptions write them (`support::busy_fleet`, which
+//! the admission bench shares): a request waits while every
 //! worker is over `busy_threshold.kv_usage` and goes once a fresh sample shows room; a full queue
 //! and `max_wait` are 503 `fleet_busy` with `Retry-After` in each ingress's shape; a client that
 //! goes away leaves the queue at once (counted); a reload changes the bounds and keeps the
@@ -10,26 +11,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::busy_fleet::{BusyFleet, config_yaml};
 use crate::support::paused::settle;
 use crate::support::upstream::FakeUpstream;
 use arc_swap::ArcSwap;
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode};
-use continuum_actors::clock::now_tick;
-use continuum_actors::load::SharedLoadStore;
 use continuum_actors::metrics::Metrics;
 use continuum_actors::picker::SharedPicker;
-use continuum_actors::registry::{
-    RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg, RegistryParts,
-};
 use continuum_actors::tree::ActorTree;
-use continuum_protocol::discovery::SourceEvent;
-use continuum_protocol::discovery::reducer::DiscoveryReducer;
-use continuum_protocol::discovery::snapshot::SourceKind;
-use continuum_protocol::event_plane::ActiveLoad;
-use continuum_protocol::ids::{DpRank, InstanceId, Namespace, PublisherId};
-use continuum_protocol::load_store::LoadSample;
-use continuum_protocol::time::UnixMillis;
 use continuum_router::config::{Config, ProcessEnv};
 use continuum_router::front_door::{self, AppState};
 use continuum_router::proxy::{Proxy, ProxyOptions};
@@ -37,104 +27,47 @@ use continuum_router::readiness::Readiness;
 use continuum_router::route::Router;
 use continuum_router::route::dynamo::ShimRouter;
 use http_body_util::BodyExt;
-use ractor::{Actor, ActorRef};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tower::ServiceExt;
 
-const NS: &str = "admns";
-const MODEL: &str = "tiny";
+pub(crate) const NS: &str = "admns";
+pub(crate) const MODEL: &str = "tiny";
 const WORKERS: [u64; 2] = [0x51, 0x52];
-
-fn records(id: u64) -> Vec<(String, Value)> {
-    vec![
-        (
-            format!("v1/instances/{NS}/backend/generate/{id:x}"),
-            json!({"type": "Endpoint", "namespace": NS, "component": "backend",
-                   "endpoint": "generate", "instance_id": id, "transport": {"tcp": "127.0.0.1:1/x"}}),
-        ),
-        (
-            format!("v1/mdc/{NS}/backend/generate/{id:x}"),
-            json!({"type": "Model", "namespace": NS, "component": "backend", "endpoint": "generate",
-                   "instance_id": id, "card_json": {"display_name": MODEL, "worker_type": "decode",
-                   "kv_cache_block_size": 16, "runtime_config": {"total_kv_blocks": 100,
-                   "max_num_batched_tokens": 8192, "data_parallel_size": 1}}}),
-        ),
-    ]
-}
 
 /// The config: the fake upstream as the namespace's one shim replica, `admission` from
 /// `admission` (YAML flow map), samples fresh for a minute (longer than any wait here).
-fn config(shim: &str, admission: &str) -> Config {
+pub(crate) fn config(shim: &str, admission: &str) -> Config {
     config_with(shim, admission, "")
 }
 
 /// [`config`] with `extra` top-level YAML.
 fn config_with(shim: &str, admission: &str, extra: &str) -> Config {
-    let yaml = format!(
-        "disaggregated_serving:\n  enabled: true\n\
-         backends:\n  - name: shim\n    type: openai\n    url: \"{shim}\"\n    \
-         models: [{MODEL}]\n    health_check:\n      enabled: false\n\
-         dynamo:\n  enabled: true\n  load: {{max_staleness: 60s}}\n  discovery:\n    etcd:\n      \
-         endpoints: [\"http://127.0.0.1:1\"]\n      namespace: {NS}\n  shim:\n    backends: [shim]\n\
-         admission: {admission}\n{extra}"
-    );
+    let yaml = format!("{}{extra}", config_yaml(NS, MODEL, shim, "60s", admission));
     Config::from_yaml_str_validated(&yaml, &ProcessEnv)
         .expect("test config")
         .config
 }
 
-struct Harness {
-    state: AppState,
+pub(crate) struct Harness {
+    pub(crate) state: AppState,
     proxy: Arc<Proxy>,
     route: Arc<Router>,
     config: Arc<ArcSwap<Config>>,
-    load: SharedLoadStore,
+    fleet: BusyFleet,
     metrics: Metrics,
-    sequence: std::sync::atomic::AtomicU64,
-    _registry: ActorRef<RegistryMsg>,
 }
 
 impl Harness {
-    async fn new(config: Config) -> Self {
-        let namespace = Namespace::new(NS);
-        let parts = RegistryParts::new(RegistryConfig {
-            enabled: true,
-            source: SourceKind::Etcd,
-            namespaces: vec![namespace.clone()],
-        });
-        let reader = parts.reader.clone();
-        let args = RegistryArgs {
-            writer: parts.writer,
-            metrics: None,
-        };
-        let (registry, _) = Actor::spawn(None, RegistryActor, args)
-            .await
-            .expect("registry");
-        let mut reducer = DiscoveryReducer::new(namespace);
-        reducer.apply(SourceEvent::Init, UnixMillis(0));
-        for id in WORKERS {
-            for (key, value) in records(id) {
-                let value = serde_json::to_vec(&value).expect("json");
-                reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
-            }
-        }
-        reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-        parts.inbox.stage_view(reducer.view().clone());
-        reader
-            .subscribe()
-            .wait_for(|g| *g >= 1)
-            .await
-            .expect("published");
+    pub(crate) async fn new(config: Config) -> Self {
+        let fleet = BusyFleet::start(NS, MODEL, &WORKERS).await;
         let metrics = Metrics::new("admission-test").expect("metrics");
-        let load = SharedLoadStore::new(None);
-        load.with(|store| store.set_live_and_retain(WORKERS.map(InstanceId)));
         let shared = Arc::new(ArcSwap::from_pointee(config.clone()));
         let dynamo = ShimRouter::with_picker(
             shared.clone(),
-            reader,
-            load.clone(),
+            fleet.reader.clone(),
+            fleet.load.clone(),
             SharedPicker::new(),
             Some(metrics.clone()),
         );
@@ -161,36 +94,14 @@ impl Harness {
             proxy,
             route,
             config: shared,
-            load,
+            fleet,
             metrics,
-            sequence: std::sync::atomic::AtomicU64::new(1),
-            _registry: registry,
         }
     }
 
     /// Publishes one sample per worker: `blocks[i]` active decode blocks of 100.
-    fn publish(&self, blocks: [u64; 2]) {
-        let sequence = self
-            .sequence
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.load.with(|store| {
-            for (id, used) in WORKERS.into_iter().zip(blocks) {
-                store.apply(LoadSample {
-                    load: ActiveLoad {
-                        worker_id: InstanceId(id),
-                        dp_rank: DpRank(0),
-                        active_decode_blocks: Some(used),
-                        active_prefill_tokens: None,
-                        kv_used_blocks: Some(used),
-                    },
-                    publisher_id: PublisherId(id),
-                    sequence,
-                    published_at: UnixMillis(0),
-                    received_at: now_tick(),
-                });
-            }
-        });
-        self.load.notify();
+    pub(crate) fn publish(&self, blocks: [u64; 2]) {
+        self.fleet.publish(|i| blocks[i]);
     }
 
     fn reload(&self, config: &Config) {
@@ -223,7 +134,7 @@ impl Harness {
     }
 
     /// The value of the series `series` (its exact text before the value).
-    fn metric(&self, series: &str) -> f64 {
+    pub(crate) fn metric(&self, series: &str) -> f64 {
         let rendered = self.metrics.render();
         rendered
             .lines()
@@ -233,7 +144,7 @@ impl Harness {
 }
 
 /// Yields until `ready` holds (bounded by a real-time timeout, never a sleep).
-async fn until(what: &str, mut ready: impl FnMut() -> bool) {
+pub(crate) async fn until(what: &str, mut ready: impl FnMut() -> bool) {
     let wait = async {
         while !ready() {
             tokio::task::yield_now().await;
@@ -257,7 +168,7 @@ fn header<'a>(resp: &'a Response<Body>, name: &str) -> &'a str {
         .expect("ascii")
 }
 
-const BUSY: [u64; 2] = [95, 90];
+pub(crate) const BUSY: [u64; 2] = [95, 90];
 
 #[tokio::test]
 async fn a_request_waits_while_every_worker_is_busy_and_goes_on_a_fresh_sample_with_room() {
@@ -294,7 +205,7 @@ async fn a_request_waits_while_every_worker_is_busy_and_goes_on_a_fresh_sample_w
         0.0
     );
     assert_eq!(
-        h.metric(r#"continuum_admission_wait_seconds_count{outcome="dispatched"}"#),
+        h.metric(r#"continuum_admission_wait_seconds_count{class="normal",outcome="dispatched"}"#),
         1.0
     );
 }
@@ -308,7 +219,7 @@ async fn without_a_threshold_a_busy_fleet_is_dispatched_at_once() {
     assert_eq!(resp.status(), StatusCode::OK);
     shim.next_request().await;
     assert_eq!(
-        h.metric(r#"continuum_admission_shed_total{reason="queue_full"}"#),
+        h.metric(r#"continuum_admission_shed_total{class="normal",reason="queue_full"}"#),
         0.0
     );
 }
@@ -354,7 +265,7 @@ async fn a_full_queue_is_503_fleet_busy_with_retry_after_in_each_ingress_shape()
     assert_eq!(body["error"]["type"], "server_error");
 
     assert_eq!(
-        h.metric(r#"continuum_admission_shed_total{reason="queue_full"}"#),
+        h.metric(r#"continuum_admission_shed_total{class="normal",reason="queue_full"}"#),
         3.0
     );
     assert_eq!(h.depth(), 1, "refusals never touch the waiting request");
@@ -388,11 +299,11 @@ async fn a_request_that_waits_max_wait_is_503_fleet_busy() {
     );
     assert_eq!(h.depth(), 0);
     assert_eq!(
-        h.metric(r#"continuum_admission_shed_total{reason="max_wait"}"#),
+        h.metric(r#"continuum_admission_shed_total{class="normal",reason="max_wait"}"#),
         1.0
     );
     assert_eq!(
-        h.metric(r#"continuum_admission_wait_seconds_count{outcome="shed"}"#),
+        h.metric(r#"continuum_admission_wait_seconds_count{class="normal",outcome="shed"}"#),
         1.0
     );
 }
@@ -426,7 +337,7 @@ async fn a_client_that_goes_away_leaves_the_queue_at_once() {
         0.0
     );
     assert_eq!(
-        h.metric(r#"continuum_admission_shed_total{reason="max_wait"}"#),
+        h.metric(r#"continuum_admission_shed_total{class="normal",reason="max_wait"}"#),
         0.0
     );
 }
@@ -461,7 +372,7 @@ async fn a_reload_changes_the_bounds_and_keeps_the_waiting_requests() {
     shim.next_request().await;
     assert_eq!(h.depth(), 0);
     assert_eq!(
-        h.metric(r#"continuum_admission_wait_seconds_count{outcome="dispatched"}"#),
+        h.metric(r#"continuum_admission_wait_seconds_count{class="normal",outcome="dispatched"}"#),
         2.0
     );
 }
@@ -542,4 +453,14 @@ async fn a_better_class_goes_first_a_selected_class_applies_and_keys_of_a_class_
         order,
         ["steady", "ops", "flood", "steady", "flood", "flood"]
     );
+    // The wait is counted by the request's class (`flood`'s unselectable ask stays normal).
+    for (class, n) in [("high", 2.0), ("normal", 4.0), ("low", 0.0)] {
+        assert_eq!(
+            h.metric(&format!(
+                r#"continuum_admission_wait_seconds_count{{class="{class}",outcome="dispatched"}}"#
+            )),
+            n,
+            "{class}"
+        );
+    }
 }

@@ -18,6 +18,7 @@ mod support;
 
 mod admin_config;
 mod admission;
+mod admission_sdk;
 mod anthropic_sdk;
 mod architecture;
 mod cli;

@@ -3,6 +3,7 @@
 
 pub mod broker;
 pub mod bus_pki;
+pub mod busy_fleet;
 pub mod daemon;
 pub mod demo;
 pub mod dynamo;

@@ -1,8 +1,9 @@
 //! The fleet page (`/admin/ui`) in a real browser: the demo runs in process, headless Chromium
 //! is driven over the DevTools protocol (a small client over a websocket), the test signs in,
-//! sees the workers and their live load change as demo traffic flows, restarts a subsystem
-//! through the page's confirm step, renders a synthetic 1,000-worker fleet, and saves a
-//! screenshot to `target/ui-artifacts/fleet.png`. Skips, saying so, where Chromium is absent.
+//! sees the workers, their live load and their models' admission queues change as demo traffic
+//! flows (every request in flight makes its rank busy), restarts a subsystem through the page's
+//! confirm step, renders a synthetic 1,000-worker fleet, and saves a screenshot to
+//! `target/ui-artifacts/fleet.png`. Skips, saying so, where Chromium is absent.
 //! Waits are in-page promises or replies under deadlines; nothing sleeps.
 #![cfg(feature = "real-peers")]
 
@@ -38,7 +39,7 @@ fn chromium() -> Option<PathBuf> {
 async fn start_demo() -> Demo {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    Demo::start(
+    Demo::start_with(
         DemoOptions {
             publish_interval: Duration::from_millis(50),
             // Slow enough that a request stays in flight across several of the page's polls.
@@ -49,6 +50,13 @@ async fn start_demo() -> Demo {
             ..DemoOptions::default()
         },
         listener,
+        // Any request in flight makes its rank busy, so the traffic below queues in admission
+        // and the page shows the queues' depth (every queued request still goes, well within
+        // max_wait).
+        |config| {
+            config.admission.busy_threshold.kv_usage = Some(0.001);
+            config.admission.busy_threshold.prefill_tokens = Some(1);
+        },
     )
     .await
     .expect("the demo starts")
@@ -268,6 +276,7 @@ async fn the_page_shell_is_public_with_a_strict_csp_and_its_data_needs_the_token
     assert!(summary["selections"].is_object(), "{summary}");
     assert!(summary["kv_hash_parity"].is_object(), "{summary}");
     assert!(summary["kv_blocks"].is_array(), "{summary}");
+    assert!(summary["queue_depth"].is_object(), "{summary}");
     demo.shutdown().await;
 }
 
@@ -404,6 +413,22 @@ async fn the_fleet_page_shows_live_load_and_restarts_a_subsystem_in_chromium() {
         "a selection sparkline with picks",
     )
     .await;
+    // Every worker busy: requests wait in their model's admission queue, and the page shows it.
+    let queued = cdp
+        .wait_for(
+            "(() => { const q = Array.from(document.querySelectorAll('tr[data-queue]')) \
+             .filter(e => Number(e.dataset.depth) > 0); \
+             return q.length > 0 ? q.map(e => e.dataset.queue + '=' + e.dataset.depth) : null; })()",
+            "a model's admission queue depth on the page",
+        )
+        .await;
+    assert!(
+        queued.as_array().unwrap().iter().all(|q| {
+            let q = q.as_str().unwrap();
+            q.starts_with("demo-agg=") || q.starts_with("demo-disagg=")
+        }),
+        "{queued}"
+    );
     let renders_before = cdp.eval("window.continuumFleet.renders()").await;
     // A few more polls under load, so the screenshot's sparklines have a history.
     cdp.wait_for(
@@ -503,6 +528,19 @@ async fn the_fleet_page_shows_live_load_and_restarts_a_subsystem_in_chromium() {
     assert_eq!(synthetic["open"], 0, "{synthetic}");
     assert_eq!(synthetic["rows"], 0, "{synthetic}");
     assert_eq!(synthetic["count"], "(1000 in 8 groups)");
+    let queues = cdp
+        .eval(
+            "(() => { window.continuumFleet.renderQueues({queue_depth: {'m1': 7, 'm0': 0}}); \
+             return Array.from(document.querySelectorAll('tr[data-queue]')) \
+               .filter(e => e.dataset.queue.startsWith('m')) \
+               .map(e => e.dataset.queue + '=' + e.dataset.depth); })()",
+        )
+        .await;
+    assert_eq!(
+        queues,
+        json!(["m0=0", "m1=7"]),
+        "queue rows sorted by model"
+    );
     cdp.eval("document.querySelector('details.group').open = true; true")
         .await;
     cdp.wait_for(

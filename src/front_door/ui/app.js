@@ -13,7 +13,7 @@
   const $ = (id) => document.getElementById(id);
   const state = {
     paused: false, timer: null, open: new Map(), shown: new Map(), pendingRestart: null,
-    prevSummary: null, history: new Map(), renders: 0, lastWorkers: null, lastSummary: null,
+    prevSummary: null, history: new Map(), queues: new Map(), renders: 0, lastWorkers: null, lastSummary: null,
   };
 
   function el(tag, attrs, ...children) {
@@ -122,6 +122,7 @@
     renderOverview(workers, summary);
     renderSparks();
     renderFleet(workers, summary);
+    renderQueues(summary);
     renderSubscriptions(workers);
     renderTree(subsystems);
     state.renders += 1;
@@ -138,6 +139,10 @@
     return n;
   }
 
+  function totalQueued(summary) {
+    return Object.values(summary.queue_depth || {}).reduce((a, v) => a + (Number(v) || 0), 0);
+  }
+
   function renderOverview(w, summary) {
     const workers = w.workers || [];
     const reachable = workers.filter((x) => x.reachable).length;
@@ -150,6 +155,7 @@
       card('ov-ranks', 'ranks with load', ranks),
       card('ov-blocks', 'KV blocks indexed', blocks),
       card('ov-selections', 'selections', totalSelections(summary)),
+      card('ov-queued', 'queued (admission)', totalQueued(summary), totalQueued(summary) > 0 ? 'warn' : ''),
       card('ov-picker', 'picker', (w.picker && w.picker.name) || '-'),
       card('ov-generation', 'fleet generation', w.generation === undefined ? '-' : w.generation),
       replicasCard(card, summary.replica_sync || w.replica_sync),
@@ -331,6 +337,36 @@
 
   // ----- subscriptions -------------------------------------------------------------------
 
+  // ----- admission queues ------------------------------------------------------------------
+
+  // Per model: requests waiting now (the gauge), the peak and a sparkline over the window.
+  function recordQueues(summary) {
+    const depths = summary.queue_depth || {};
+    for (const model of Object.keys(depths)) if (!state.queues.has(model)) state.queues.set(model, []);
+    for (const [model, h] of state.queues) {
+      h.push(Math.max(0, Number(depths[model]) || 0));
+      if (h.length > HISTORY) h.shift();
+    }
+  }
+
+  function renderQueues(summary) {
+    recordQueues(summary);
+    const depths = summary.queue_depth || {};
+    const table = el('table', {}, el('tr', {}, el('th', {}, 'model'), el('th', {}, 'waiting now'),
+      el('th', {}, 'peak in window'), el('th', {}, 'depth over the window')));
+    for (const model of [...state.queues.keys()].sort()) {
+      const h = state.queues.get(model);
+      const now = Math.max(0, Number(depths[model]) || 0);
+      const peak = Math.max(0, ...h);
+      table.append(el('tr', { 'data-queue': model, 'data-depth': now, 'data-peak': peak },
+        el('td', {}, model), el('td', { class: now > 0 ? 'warn' : 'ok' }, now), el('td', {}, peak),
+        el('td', { class: 'spark-cell' }, sparkline(h))));
+    }
+    const nodes = [table];
+    if (!state.queues.size) nodes.push(el('p', { class: 'sub' }, 'No request has waited in an admission queue.'));
+    $('queues').replaceChildren(...nodes);
+  }
+
   function renderSubscriptions(w) {
     const subs = w.subscriptions || [];
     const counts = new Map();
@@ -420,6 +456,7 @@
     pause: stop,
     resume: start,
     renderFleet: (workers, summary) => renderFleet(workers, summary || {}),
+    renderQueues: (summary) => renderQueues(summary || {}),
     renders: () => state.renders,
   };
 })();

@@ -21,9 +21,19 @@ pub struct Demo {
 impl Demo {
     /// Starts the simulation, then the router on `listener`.
     pub async fn start(options: DemoOptions, listener: TcpListener) -> anyhow::Result<Demo> {
+        Self::start_with(options, listener, |_| {}).await
+    }
+
+    /// [`Demo::start`] on the demo config as `edit` changes it.
+    pub async fn start_with(
+        options: DemoOptions,
+        listener: TcpListener,
+        edit: impl FnOnce(&mut Config),
+    ) -> anyhow::Result<Demo> {
         let simulation = Simulation::start(options).await?;
-        let config = Config::demo_with_frontends(&simulation.frontend_addrs())
+        let mut config = Config::demo_with_frontends(&simulation.frontend_addrs())
             .map_err(anyhow::Error::msg)?;
+        edit(&mut config);
         let daemon = Daemon::start_with_feed(
             RunOptions {
                 config,
