@@ -120,6 +120,7 @@
     state.lastSummary = summary;
     recordHistory(summary);
     renderOverview(workers, summary);
+    renderMidStream(summary.mid_stream_fallback || {});
     renderSparks();
     renderFleet(workers, summary);
     renderSubscriptions(workers);
@@ -152,6 +153,21 @@
       card('ov-selections', 'selections', totalSelections(summary)),
       card('ov-picker', 'picker', (w.picker && w.picker.name) || '-'),
       card('ov-generation', 'fleet generation', w.generation === undefined ? '-' : w.generation),
+    );
+  }
+
+  // Mid-stream fallback (cumulative since start): cuts, continued, failed.
+  function renderMidStream(m) {
+    const n = (v) => Number(v) || 0;
+    const card = (id, k, v, cls) => el('div', { class: 'card' }, el('div', { class: 'v ' + (cls || ''), id }, String(v)), el('div', { class: 'k' }, k));
+    const box = $('mid-stream');
+    box.dataset.attempts = String(n(m.attempts));
+    box.dataset.continued = String(n(m.continued));
+    box.dataset.failed = String(n(m.failed));
+    box.replaceChildren(
+      card('ms-attempts', 'mid-stream cuts', n(m.attempts)),
+      card('ms-continued', 'continued', n(m.continued), 'ok'),
+      card('ms-failed', 'continuation failed', n(m.failed), n(m.failed) > 0 ? 'bad' : 'ok'),
     );
   }
 
