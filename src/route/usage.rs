@@ -175,9 +175,9 @@ pub fn debit_completion(
     let backend = resp.extensions().get::<ServedBy>().map(|s| s.0.clone());
     let handoffs = resp.extensions().get::<Handoffs>().cloned();
     let limits = proxy.limits();
-    if !limits.counts_tokens(key, backend.as_deref())
-        && !(handoffs.is_some() && limits.counts_any_backend_tokens())
-    {
+    let counted = limits.counts_tokens(key, backend.as_deref())
+        || (handoffs.is_some() && limits.counts_any_backend_tokens());
+    if !counted {
         return resp;
     }
     let mut debit = Debit {
