@@ -32,9 +32,9 @@ const PLAIN: usize = 8;
 const OPENAI: usize = 6;
 const ANTHROPIC: usize = 6;
 const STREAMS: usize = PLAIN + OPENAI + ANTHROPIC;
-/// Tokens per answer: at the slow rate below an answer takes ≈ 10 s on one worker, so it is
-/// mid-answer when the worker dies (the kill follows the last first-text within a few seconds).
-const MAX_TOKENS: u64 = 300;
+/// Tokens per answer: at the slow rate below an answer takes ≈ 12 s or more, so it is
+/// mid-answer when the worker dies (in three runs the kill came after 35–100 tokens).
+const MAX_TOKENS: u64 = 400;
 /// ≈ 30 ms per decoded token (the default speedup makes the mocker far faster than a client).
 const SLOW_MOCKER: [&str; 8] = [
     "--speedup-ratio",
