@@ -42,6 +42,12 @@
 //!   rule), with no threshold set, with every rank at 10 %, and with only the last rank below the
 //!   threshold (the whole scan). `PROXY_BENCH=admission` runs only this pass.
 //!
+//! - Mid-stream fallback: the router's CPU per relayed SSE event for a 64-token chat stream
+//!   (Dynamo-shaped chunks of ≈ 200 bytes, one per frame, then the final chunk and `[DONE]`)
+//!   with `disaggregated_serving.mid_stream_fallback` off (today's relay) and on (every event
+//!   read by the continuation splice), rounds alternating, best of [`MID_ROUNDS`] each; then the
+//!   memory an armed stream holds. `PROXY_BENCH=mid_stream` runs only this pass.
+//!
 //! The numbers are noisy when other processes use the same cores; compare CPU µs/request first.
 
 use std::collections::HashMap;
@@ -75,6 +81,33 @@ const REQUEST: &str = r#"{"model":"m","messages":[{"role":"system","content":"Yo
 const STREAM_REQUEST: &str = r#"{"model":"m","stream":true,"messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hello in two words, please."}],"max_tokens":16}"#;
 const SSE_EVENT: &str = "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
 const SSE_EVENTS: usize = 8;
+/// The mid-stream pass's request: its `max_tokens` selects the long stream at the upstream.
+const LONG_STREAM_REQUEST: &str = r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"Tell me a story about a router."}],"max_tokens":64}"#;
+/// Content chunks of the long stream (plus the final chunk and `[DONE]`).
+const LONG_EVENTS: usize = 64;
+/// Throughput rounds per side in the mid-stream pass.
+const MID_ROUNDS: usize = 5;
+
+/// The long stream's frames, one SSE event each, shaped like Dynamo 1.6.1's chunks.
+fn long_stream() -> &'static [Bytes] {
+    static FRAMES: std::sync::OnceLock<Vec<Bytes>> = std::sync::OnceLock::new();
+    FRAMES.get_or_init(|| {
+        let id = "chatcmpl-bee766b5-87ba-4cb1-994e-349ca7ec0da5";
+        let chunk = |delta: &str, finish: &str| {
+            Bytes::from(format!(
+                "data: {{\"id\":\"{id}\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":{finish},\"logprobs\":null}}],\"created\":1796450204,\"model\":\"tiny\",\"object\":\"chat.completion.chunk\"}}\n\n"
+            ))
+        };
+        let words = [" sp", " mp", " router", "ed", " the", " cache", " é", " block"];
+        let mut frames = vec![chunk(r#"{"content":" Once","role":"assistant"}"#, "null")];
+        frames.extend((1..LONG_EVENTS).map(|i| {
+            chunk(&format!(r#"{{"content":"{}"}}"#, words[i % words.len()]), "null")
+        }));
+        frames.push(chunk("{}", r#""length""#));
+        frames.push(Bytes::from_static(b"data: [DONE]\n\n"));
+        frames
+    })
+}
 
 type UpstreamBody = Either<
     Full<Bytes>,
@@ -99,9 +132,24 @@ async fn upstream() -> SocketAddr {
             tokio::spawn(async move {
                 let service = service_fn(|req: Request<Incoming>| async move {
                     let body = req.into_body().collect().await.map(|c| c.to_bytes());
-                    let stream =
-                        body.is_ok_and(|b| b.windows(13).any(|w| w == br#""stream":true"#));
-                    let resp = if stream {
+                    let stream = body
+                        .as_ref()
+                        .is_ok_and(|b| b.windows(13).any(|w| w == br#""stream":true"#));
+                    let long = stream
+                        && body
+                            .as_ref()
+                            .is_ok_and(|b| b.windows(15).any(|w| w == br#""max_tokens":64"#));
+                    let resp = if long {
+                        let frames: Vec<_> = long_stream()
+                            .iter()
+                            .map(|b| Ok(Frame::data(b.clone())))
+                            .collect();
+                        Response::builder()
+                            .header("content-type", "text/event-stream")
+                            .body(UpstreamBody::Right(StreamBody::new(futures::stream::iter(
+                                frames,
+                            ))))
+                    } else if stream {
                         let frames: Vec<_> = (0..SSE_EVENTS)
                             .map(|_| Ok(Frame::data(Bytes::from_static(SSE_EVENT.as_bytes()))))
                             .chain(std::iter::once(Ok(Frame::data(Bytes::from_static(
@@ -131,7 +179,7 @@ async fn upstream() -> SocketAddr {
     addr
 }
 
-async fn router(upstream: SocketAddr) -> SocketAddr {
+async fn router(upstream: SocketAddr, disaggregated: DisaggregatedServingConfig) -> SocketAddr {
     let metrics = Metrics::new("proxy-overhead").expect("metrics");
     let proxy = Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone())));
     proxy.set_backends(
@@ -153,7 +201,7 @@ async fn router(upstream: SocketAddr) -> SocketAddr {
             responses_api: Default::default(),
             responses_only_models: Vec::new(),
         }],
-        &DisaggregatedServingConfig::default(),
+        &disaggregated,
     );
     // No admin route is exercised: the control receiver is not needed.
     let (control, _) = mpsc::channel(1);
@@ -508,6 +556,65 @@ mod admission_bench {
     }
 }
 
+/// The router's CPU per relayed event with mid-stream fallback off and on (see the module doc).
+fn mid_stream_pass(
+    gen_rt: &Runtime,
+    router_rt: &Runtime,
+    up: SocketAddr,
+    requests: usize,
+    concurrency: usize,
+) {
+    use continuum_router::config::schema::MidStreamFallbackConfig;
+    let plain = router_rt.block_on(router(up, DisaggregatedServingConfig::default()));
+    let armed_config = DisaggregatedServingConfig {
+        mid_stream_fallback: MidStreamFallbackConfig {
+            enabled: true,
+            ..MidStreamFallbackConfig::default()
+        },
+        ..DisaggregatedServingConfig::default()
+    };
+    let armed = router_rt.block_on(router(up, armed_config));
+    let n = requests.max(concurrency);
+    // Warm-up: connections, allocator, both paths.
+    measure(gen_rt, plain, LONG_STREAM_REQUEST, n / 4, concurrency);
+    measure(gen_rt, armed, LONG_STREAM_REQUEST, n / 4, concurrency);
+    let mut off = measure(gen_rt, plain, LONG_STREAM_REQUEST, n, concurrency);
+    let mut on = measure(gen_rt, armed, LONG_STREAM_REQUEST, n, concurrency);
+    for _ in 1..MID_ROUNDS {
+        off = off.best(measure(gen_rt, plain, LONG_STREAM_REQUEST, n, concurrency));
+        on = on.best(measure(gen_rt, armed, LONG_STREAM_REQUEST, n, concurrency));
+    }
+    let events = (LONG_EVENTS + 2) as f64;
+    println!(
+        "[mid-stream] router CPU per stream: off {:.1} µs, armed {:.1} µs ({} events per stream, {n} streams x {MID_ROUNDS} rounds, concurrency {concurrency})",
+        off.router_us,
+        on.router_us,
+        LONG_EVENTS + 2
+    );
+    println!(
+        "[mid-stream] router CPU per relayed event: off {:.3} µs, armed {:.3} µs, armed / off {:.3}",
+        off.router_us / events,
+        on.router_us / events,
+        on.router_us / off.router_us
+    );
+    println!(
+        "[mid-stream] throughput off {:.0} streams/s, armed {:.0} streams/s",
+        off.rps, on.rps
+    );
+    let text: usize = long_stream()
+        .iter()
+        .filter_map(|b| {
+            let s = std::str::from_utf8(b).ok()?;
+            let at = s.find(r#""content":""#)? + 11;
+            s[at..].find('"')
+        })
+        .sum();
+    println!(
+        "[mid-stream] memory per armed stream: splice state {} B + the answer text kept ({text} B for this stream; at most max_buffered_bytes) + at most one partial event",
+        std::mem::size_of::<continuum_protocol::ingress::continuation::ChatSplice>()
+    );
+}
+
 fn main() {
     parse_cost();
     rate_limit_cost();
@@ -529,7 +636,12 @@ fn main() {
     let router_rt = runtime("router", router_workers);
     let gen_rt = runtime("gen", 1);
     let up = upstream_rt.block_on(async { upstream().await });
-    let via = router_rt.block_on(async move { router(up).await });
+    if std::env::var("PROXY_BENCH").is_ok_and(|v| v == "mid_stream") {
+        mid_stream_pass(&gen_rt, &router_rt, up, requests, concurrency);
+        return;
+    }
+    let via =
+        router_rt.block_on(async move { router(up, DisaggregatedServingConfig::default()).await });
     scenario(
         "buffered",
         &gen_rt,

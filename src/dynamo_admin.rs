@@ -187,5 +187,22 @@ pub fn fleet_summary(kv: &SharedKvIndex, metrics: &continuum_actors::metrics::Me
         "kv_hash_parity": parity,
         "kv_blocks": kv_blocks,
         "queue_depth": queue_depth,
+        "mid_stream_fallback": mid_stream_summary(&series("continuum_mid_stream_fallback_total")),
     })
+}
+
+/// `continuum_mid_stream_fallback_total` summed over ingress and reason: every cut counted
+/// (`attempts`), those continued, and the rest (`failed`: refused, no fallback, budget, ...).
+fn mid_stream_summary(series: &[(Vec<(String, String)>, f64)]) -> Value {
+    let (mut attempts, mut continued) = (0_u64, 0_u64);
+    for (labels, value) in series {
+        attempts += *value as u64;
+        if labels
+            .iter()
+            .any(|(name, v)| name == "result" && v == "continued")
+        {
+            continued += *value as u64;
+        }
+    }
+    json!({"attempts": attempts, "continued": continued, "failed": attempts - continued})
 }

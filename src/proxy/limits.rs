@@ -198,6 +198,14 @@ impl RateLimiter {
         key.is_some_and(|l| l.tokens.is_some()) || backend.is_some_and(|l| l.tokens.is_some())
     }
 
+    /// Whether any backend has a tokens limit (a continued stream may end on any of them).
+    pub fn counts_any_backend_tokens(&self) -> bool {
+        self.lock()
+            .backend_limits
+            .values()
+            .any(|l| l.tokens.is_some())
+    }
+
     /// Debits an answer's completion tokens from its key and backend.
     pub fn debit_completion(
         &self,

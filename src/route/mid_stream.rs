@@ -23,6 +23,7 @@ use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tracing::info;
 
+use super::usage::Handoffs;
 use crate::config::schema::MidStreamFallbackConfig;
 use crate::proxy::{ClientRequest, Dispatch, OpenAiRoute, ParsedBody, Proxy, Scope, ServedBy};
 
@@ -135,10 +136,14 @@ pub fn arm(
     };
     budget.record_stream();
     let mut excluded = excluded.to_vec();
-    if let Some(ServedBy(name)) = resp.extensions().get::<ServedBy>() {
+    let served_by = resp.extensions().get::<ServedBy>().map(|s| s.0.clone());
+    if let Some(name) = &served_by {
         excluded.push(name.to_string());
     }
-    let (parts, body) = resp.into_parts();
+    let handoffs = Handoffs::new(served_by);
+    let (mut parts, body) = resp.into_parts();
+    // The completion-token debit (`usage::debit_completion`) reads who served which part.
+    parts.extensions.insert(handoffs.clone());
     let armed = Armed {
         splice,
         ingress,
@@ -150,6 +155,7 @@ pub fn arm(
         request: request.clone(),
         allowed: allowed.to_vec(),
         excluded,
+        handoffs,
         span: tracing::Span::current(),
     };
     let stream = futures::stream::unfold(armed, |mut armed| async move {
@@ -173,6 +179,8 @@ struct Armed {
     request: ClientRequest,
     allowed: Vec<String>,
     excluded: Vec<String>,
+    /// The backends that served each part (shared with the completion-token debit).
+    handoffs: Handoffs,
     /// The request's span: the fallback's event is recorded on it.
     span: tracing::Span,
 }
@@ -249,7 +257,8 @@ impl Armed {
             }
             self.attempts_left -= 1;
             match self.dispatch(Bytes::from(outbound.clone())).await {
-                Ok(body) => {
+                Ok((body, served_by)) => {
+                    self.handoffs.hand_off(self.splice.tokens_sent(), served_by);
                     self.splice.start_continuation();
                     return (MidStreamResult::Continued, Some(body));
                 }
@@ -260,8 +269,11 @@ impl Armed {
     }
 
     /// Sends the continuation to the unified candidates minus the excluded ones; the head must
-    /// arrive within the inactivity timeout.
-    async fn dispatch(&mut self, outbound: Bytes) -> Result<Body, MidStreamResult> {
+    /// arrive within the inactivity timeout. Returns the body and the backend that serves it.
+    async fn dispatch(
+        &mut self,
+        outbound: Bytes,
+    ) -> Result<(Body, Option<Arc<str>>), MidStreamResult> {
         let scope = Scope {
             allowed: &self.allowed,
             only: None,
@@ -290,10 +302,11 @@ impl Armed {
             .dispatch(&continuation, &candidates, &no_pins, RoutingPath::Unified);
         match tokio::time::timeout(self.config.inactivity_timeout.get(), sent).await {
             Ok(Ok(resp)) if resp.status().is_success() => {
-                if let Some(ServedBy(name)) = resp.extensions().get::<ServedBy>() {
+                let served_by = resp.extensions().get::<ServedBy>().map(|s| s.0.clone());
+                if let Some(name) = &served_by {
                     self.excluded.push(name.to_string());
                 }
-                Ok(resp.into_body())
+                Ok((resp.into_body(), served_by))
             }
             Ok(Ok(_)) | Ok(Err(_)) | Err(_) => Err(MidStreamResult::FallbackFailed),
         }

@@ -6,8 +6,12 @@
 //! `"output_tokens"` (native Responses) followed by a number, keeps the last value seen (a stream
 //! reporting cumulative usage ends with the total), and carries only the last [`KEEP`] bytes of a
 //! chunk over to the next. Bodies are wrapped only when a tokens limit applies.
+//!
+//! A stream continued after a mid-stream cut ([`Handoffs`]) is split: each backend that was cut
+//! is charged the completion tokens the client got from it, the one that finished the rest; the
+//! key is charged the whole answer once.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
 use axum::http::Response;
@@ -74,24 +78,86 @@ fn number_after(rest: &[u8]) -> Option<u64> {
     std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
 }
 
+/// The backends of an armed stream (a response extension): those cut mid-answer with the
+/// completion tokens each had sent, and the one serving now. The armed stream records each
+/// hand-off; the debit reads it when the body ends.
+#[derive(Clone, Debug, Default)]
+pub struct Handoffs(Arc<Mutex<HandoffLog>>);
+
+#[derive(Debug, Default)]
+struct HandoffLog {
+    cut: Vec<(Arc<str>, u64)>,
+    serving: Option<Arc<str>>,
+}
+
+impl Handoffs {
+    /// A stream served by `serving` (its `ServedBy`), not cut yet.
+    pub fn new(serving: Option<Arc<str>>) -> Self {
+        Self(Arc::new(Mutex::new(HandoffLog {
+            cut: Vec::new(),
+            serving,
+        })))
+    }
+
+    /// The serving backend was cut after `sent` completion tokens in all (every part so far);
+    /// `next` serves the rest.
+    pub fn hand_off(&self, sent: u64, next: Option<Arc<str>>) {
+        let mut log = self.lock();
+        let before: u64 = log.cut.iter().map(|(_, t)| t).sum();
+        if let Some(cut) = log.serving.take() {
+            log.cut.push((cut, sent.saturating_sub(before)));
+        }
+        log.serving = next;
+    }
+
+    /// `total` completion tokens split over the backends: each cut one its part (capped by what
+    /// is left), the serving one the rest.
+    pub fn charges(&self, total: u64) -> Vec<(Option<Arc<str>>, u64)> {
+        let log = self.lock();
+        let mut left = total;
+        let mut out = Vec::with_capacity(log.cut.len() + 1);
+        for (backend, sent) in &log.cut {
+            let part = (*sent).min(left);
+            left -= part;
+            out.push((Some(backend.clone()), part));
+        }
+        out.push((log.serving.clone(), left));
+        out
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HandoffLog> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// Debits the scanned count when dropped (the body ended or was abandoned).
 struct Debit {
     scan: UsageScan,
     proxy: Arc<Proxy>,
     key: Option<String>,
     backend: Option<Arc<str>>,
+    /// An armed stream's backends (the count is split over them).
+    handoffs: Option<Handoffs>,
 }
 
 impl Drop for Debit {
     fn drop(&mut self) {
-        if let Some(tokens) = self.scan.completion_tokens() {
-            let now = self.proxy.now();
-            self.proxy.limits().debit_completion(
-                self.key.as_deref(),
-                self.backend.as_deref(),
-                now,
-                tokens,
-            );
+        let Some(tokens) = self.scan.completion_tokens() else {
+            return;
+        };
+        let now = self.proxy.now();
+        let limits = self.proxy.limits();
+        let key = self.key.as_deref();
+        match &self.handoffs {
+            None => limits.debit_completion(key, self.backend.as_deref(), now, tokens),
+            Some(handoffs) => {
+                limits.debit_completion(key, None, now, tokens);
+                for (backend, part) in handoffs.charges(tokens) {
+                    limits.debit_completion(None, backend.as_deref(), now, part);
+                }
+            }
         }
     }
 }
@@ -107,7 +173,11 @@ pub fn debit_completion(
         return resp;
     }
     let backend = resp.extensions().get::<ServedBy>().map(|s| s.0.clone());
-    if !proxy.limits().counts_tokens(key, backend.as_deref()) {
+    let handoffs = resp.extensions().get::<Handoffs>().cloned();
+    let limits = proxy.limits();
+    let counted = limits.counts_tokens(key, backend.as_deref())
+        || (handoffs.is_some() && limits.counts_any_backend_tokens());
+    if !counted {
         return resp;
     }
     let mut debit = Debit {
@@ -115,6 +185,7 @@ pub fn debit_completion(
         proxy: proxy.clone(),
         key: key.map(str::to_owned),
         backend,
+        handoffs,
     };
     resp.map(|body| {
         Body::from_stream(body.into_data_stream().map(move |chunk| {
@@ -128,7 +199,26 @@ pub fn debit_completion(
 
 #[cfg(test)]
 mod tests {
-    use super::UsageScan;
+    use super::{Handoffs, UsageScan};
+
+    /// Each cut backend pays for what it sent, the finisher for the rest, never more than the
+    /// answer's count in all.
+    #[test]
+    fn a_continued_answer_is_split_over_its_backends() {
+        let name = |s: &str| Some(std::sync::Arc::<str>::from(s));
+        let h = Handoffs::new(name("b1"));
+        assert_eq!(h.charges(9), vec![(name("b1"), 9)], "not cut: one backend");
+        h.hand_off(4, name("b2"));
+        h.hand_off(10, name("b3"));
+        assert_eq!(
+            h.charges(25),
+            vec![(name("b1"), 4), (name("b2"), 6), (name("b3"), 15)]
+        );
+        assert_eq!(
+            h.charges(7),
+            vec![(name("b1"), 4), (name("b2"), 3), (name("b3"), 0)]
+        );
+    }
 
     fn scan(chunks: &[&str]) -> Option<u64> {
         let mut s = UsageScan::default();

@@ -53,6 +53,7 @@ mod kv_listener;
 mod kv_render;
 mod kv_shim_dispatch;
 mod mid_stream;
+mod mid_stream_dynamo_e2e;
 mod observability_assets;
 mod observability_prometheus;
 mod otlp_actor_starts;

@@ -406,3 +406,58 @@ async fn a_cut_completions_stream_is_continued_from_the_extended_prompt() {
     assert_eq!(text.matches("\"finish_reason\":\"stop\"").count(), 1);
     assert_eq!(f.count_on("completions", "closed", "continued"), 1);
 }
+
+/// A continued answer's completion tokens are split over its backends: b1 (cut) pays for the
+/// text it sent, b2 (which finished) for the rest its usage reports.
+#[tokio::test]
+async fn a_continued_answer_charges_each_backend_its_part() {
+    use continuum_router::config::rate_limits::{RateLimitConfig, RateLimitsConfig};
+    let mut f = fleet(|_| {}).await;
+    let limit = RateLimitConfig {
+        tokens_per_minute: Some(100),
+        ..RateLimitConfig::default()
+    };
+    let mut limits = RateLimitsConfig::default();
+    limits.backends.insert("b1".into(), limit);
+    limits.backends.insert("b2".into(), limit);
+    let proxy = f.router.proxy().clone();
+    proxy.limits().reconfigure(&limits);
+    let (tx1, rx1) = mpsc::unbounded_channel();
+    let (tx2, rx2) = mpsc::unbounded_channel();
+    f.b1.push(Reply::SseThenCut(rx1));
+    f.b2.push(Reply::SseThenCut(rx2));
+    let resp = f.stream().await;
+    f.b1.next_request().await;
+    send_whole_events(&tx1);
+    let mut body = resp.into_body();
+    let seen = read_until(&mut body, " wor").await;
+    drop(tx1);
+    let usage = json!({"id": "cont", "choices": [],
+                       "usage": {"prompt_tokens": 9, "completion_tokens": 90, "total_tokens": 99}});
+    for bytes in [
+        content("cont", "ld!"),
+        chunk("cont", json!({}), Some("stop")),
+        Bytes::from(format!("data: {usage}\n\n")),
+        Bytes::from_static(b"data: [DONE]\n\n"),
+    ] {
+        tx2.send(bytes).expect("b2 streaming");
+    }
+    let collect = tokio::spawn(rest_of(seen, body));
+    f.b2.next_request().await;
+    drop(tx2);
+    let bytes = collect.await.expect("join");
+    let (answer, _, finals, dones, errors) = read(&bytes);
+    assert_eq!(
+        (answer.as_str(), finals, dones, errors),
+        ("Hello world!", 1, 1, 0)
+    );
+    let now = proxy.now();
+    assert!(
+        proxy.limits().backend_would_admit("b1", now, 50),
+        "b1 paid only for the few tokens it sent"
+    );
+    assert!(
+        !proxy.limits().backend_would_admit("b2", now, 50),
+        "b2 paid for the 90 it generated"
+    );
+}

@@ -277,7 +277,44 @@ async fn the_page_shell_is_public_with_a_strict_csp_and_its_data_needs_the_token
     assert!(summary["kv_hash_parity"].is_object(), "{summary}");
     assert!(summary["kv_blocks"].is_array(), "{summary}");
     assert!(summary["queue_depth"].is_object(), "{summary}");
+    assert_eq!(
+        summary["mid_stream_fallback"],
+        json!({"attempts": 0, "continued": 0, "failed": 0})
+    );
+    // The mid-stream counters, summed over ingress and reason.
+    let metrics = demo.daemon().metrics();
+    record_mid_stream_cuts(metrics);
+    let summary: Value = client
+        .get(format!("{url}/admin/fleet/summary"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        summary["mid_stream_fallback"],
+        json!({"attempts": 3, "continued": 2, "failed": 1})
+    );
     demo.shutdown().await;
+}
+
+/// Two continued cuts and one whose fallback failed, on two ingresses and reasons.
+fn record_mid_stream_cuts(metrics: &continuum_actors::metrics::Metrics) {
+    use continuum_actors::metrics::{MidStreamIngress, MidStreamReason, MidStreamResult};
+    for _ in 0..2 {
+        metrics.mid_stream_fallback(
+            MidStreamIngress::ChatCompletions,
+            MidStreamReason::ErrorEvent,
+            MidStreamResult::Continued,
+        );
+    }
+    metrics.mid_stream_fallback(
+        MidStreamIngress::Completions,
+        MidStreamReason::Stalled,
+        MidStreamResult::FallbackFailed,
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -452,6 +489,23 @@ async fn the_fleet_page_shows_live_load_and_restarts_a_subsystem_in_chromium() {
     .await;
     let renders_after = cdp.eval("window.continuumFleet.renders()").await;
     assert!(renders_after.as_u64() > renders_before.as_u64());
+
+    // The mid-stream fallback counters: zero, then the cuts the router counted.
+    cdp.wait_for(
+        "document.getElementById('mid-stream').dataset.attempts === '0'",
+        "the mid-stream counters at zero",
+    )
+    .await;
+    record_mid_stream_cuts(demo.daemon().metrics());
+    let shown = cdp
+        .wait_for(
+            "(() => { const m = document.getElementById('mid-stream').dataset; \
+             return m.attempts === '3' ? [m.attempts, m.continued, m.failed, \
+             document.getElementById('ms-failed').textContent] : null; })()",
+            "the mid-stream cuts on the page",
+        )
+        .await;
+    assert_eq!(shown, json!(["3", "2", "1", "1"]));
 
     // A restart asks for confirmation first, then restarts and the count shows it.
     let picker = "[data-subsystem=\"root/picker\"]";

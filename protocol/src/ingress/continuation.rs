@@ -18,6 +18,10 @@
 //! A cut inside a tool call or a reasoning block cannot be continued safely:
 //! [`ChatSplice::refusal`] says so, and the caller ends the stream with [`error_event`].
 
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde::de::IgnoredAny;
 use serde_json::{Map, Value, json};
 
 use crate::picker::estimate_text_tokens;
@@ -105,6 +109,8 @@ pub struct ChatSplice {
     /// Completion tokens sent before the continuation started.
     sent_tokens: u64,
     error_code: Option<String>,
+    /// Read original chunks with the typed reader (off only in tests, to compare both readers).
+    fast: bool,
 }
 
 /// The continuation's first content may arrive with `role`: the client already has one.
@@ -141,6 +147,7 @@ impl ChatSplice {
             done: false,
             sent_tokens: 0,
             error_code: None,
+            fast: true,
         }
     }
 
@@ -275,6 +282,16 @@ impl ChatSplice {
             out.extend_from_slice(b"data: [DONE]\n\n");
             return None;
         }
+        // The common case, read without building a tree: an original chunk once the stream's
+        // identity is known, with no `error` key anywhere.
+        if self.fast_path_applies(data)
+            && let Ok(chunk) = serde_json::from_slice::<FastChunk<'_>>(data)
+        {
+            self.read_fast(&chunk);
+            out.extend_from_slice(event);
+            out.extend_from_slice(b"\n\n");
+            return None;
+        }
         // Not a JSON object: a partial event the relay's failure event was glued to (a closed
         // upstream), or garbage; either way the stream cannot go on from it.
         let Ok(Value::Object(mut chunk)) = serde_json::from_slice::<Value>(data) else {
@@ -302,6 +319,56 @@ impl ChatSplice {
             }
         }
         None
+    }
+
+    /// Whether `data` may be read by [`ChatSplice::read_fast`]: an original chunk after the
+    /// identity and choice index are known, not ended, with no `"error"` in it (an error chunk,
+    /// and anything the fast reader cannot type, takes the `Value` path).
+    fn fast_path_applies(&self, data: &[u8]) -> bool {
+        self.fast
+            && self.phase == Phase::Original
+            && !self.done
+            && self.id.is_some()
+            && self.model.is_some()
+            && self.created.is_some()
+            && self.index.as_ref().is_some_and(Value::is_u64)
+            && !data.windows(7).any(|w| w == b"\"error\"")
+    }
+
+    /// [`ChatSplice::read_chunk`] for a typed original chunk (the identity is already known).
+    fn read_fast(&mut self, chunk: &FastChunk<'_>) {
+        let choices = chunk.choices.as_deref().unwrap_or_default();
+        if let Some(tokens) = chunk.usage.as_ref().and_then(|u| u.completion_tokens) {
+            self.usage_tokens = Some(tokens);
+        }
+        for choice in choices {
+            if self.index.as_ref().and_then(Value::as_u64) != Some(choice.index.unwrap_or(0)) {
+                self.refusal = Some(Refusal::Unsupported);
+            }
+            if choice.finish_reason.is_some() {
+                self.finished = true;
+            }
+            if self.wire == SpliceWire::Completions {
+                self.keep_text(choice.text.as_deref().unwrap_or(""));
+                continue;
+            }
+            let Some(delta) = &choice.delta else {
+                continue;
+            };
+            let reasoning = [&delta.reasoning_content, &delta.reasoning]
+                .iter()
+                .any(|r| r.as_deref().is_some_and(|s| !s.is_empty()));
+            if delta.tool_calls.is_some() {
+                self.refusal.get_or_insert(Refusal::ToolCall);
+            }
+            let content = delta.content.as_deref().unwrap_or("");
+            if reasoning {
+                self.in_reasoning = true;
+            } else if !content.is_empty() {
+                self.in_reasoning = false;
+            }
+            self.keep_text(content);
+        }
     }
 
     /// Records identity, text, usage and the tool-call / reasoning state of one chunk.
@@ -421,6 +488,49 @@ impl ChatSplice {
             usage.insert("total_tokens".into(), json!(prompt + completion));
         }
     }
+}
+
+/// The fields of an original chunk the splice reads, borrowed from the event (strings without
+/// escapes are not copied); every other field is skipped unparsed into a tree. A chunk these
+/// types do not fit (a `content` that is not a string, ...) fails to parse and takes the
+/// `Value` path, which decides as before.
+#[derive(Deserialize)]
+struct FastChunk<'a> {
+    #[serde(borrow, default)]
+    choices: Option<Vec<FastChoice<'a>>>,
+    #[serde(default)]
+    usage: Option<FastUsage>,
+}
+
+#[derive(Deserialize)]
+struct FastChoice<'a> {
+    #[serde(default)]
+    index: Option<u64>,
+    /// Non-null: the stream's terminal chunk.
+    #[serde(default)]
+    finish_reason: Option<IgnoredAny>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    delta: Option<FastDelta<'a>>,
+}
+
+#[derive(Deserialize)]
+struct FastDelta<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default)]
+    tool_calls: Option<IgnoredAny>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct FastUsage {
+    #[serde(default)]
+    completion_tokens: Option<u64>,
 }
 
 /// `usage.completion_tokens` of a chunk, when it carries usage.

@@ -120,6 +120,7 @@
     state.lastSummary = summary;
     recordHistory(summary);
     renderOverview(workers, summary);
+    renderMidStream(summary.mid_stream_fallback || {});
     renderSparks();
     renderFleet(workers, summary);
     renderQueues(summary);
@@ -168,6 +169,21 @@
     const peers = (rs.peers || []).map((p) => p.replica + ' (' + p.entries + ')');
     const k = 'peer replicas of ' + rs.replica_id + (rs.connected ? '' : ', NATS down');
     return card('ov-replicas', k, peers.length + (peers.length ? ': ' + peers.join(', ') : ''), rs.connected ? 'ok' : 'bad');
+  }
+
+  // Mid-stream fallback (cumulative since start): cuts, continued, failed.
+  function renderMidStream(m) {
+    const n = (v) => Number(v) || 0;
+    const card = (id, k, v, cls) => el('div', { class: 'card' }, el('div', { class: 'v ' + (cls || ''), id }, String(v)), el('div', { class: 'k' }, k));
+    const box = $('mid-stream');
+    box.dataset.attempts = String(n(m.attempts));
+    box.dataset.continued = String(n(m.continued));
+    box.dataset.failed = String(n(m.failed));
+    box.replaceChildren(
+      card('ms-attempts', 'mid-stream cuts', n(m.attempts)),
+      card('ms-continued', 'continued', n(m.continued), 'ok'),
+      card('ms-failed', 'continuation failed', n(m.failed), n(m.failed) > 0 ? 'bad' : 'ok'),
+    );
   }
 
   function push(key, value) {

@@ -206,6 +206,8 @@ pub struct DynamoStack {
     workers: Vec<DynamoWorker>,
     frontend: Option<Child>,
     frontend_port: u16,
+    /// Frontends added by [`DynamoStack::add_frontend`].
+    extra_frontends: Vec<Child>,
     /// The file store root (`DYN_FILE_KV`) under [`Discovery::File`].
     file_root: Option<PathBuf>,
     etcd_client: Option<Client>,
@@ -245,6 +247,7 @@ impl DynamoStack {
             workers: Vec::new(),
             frontend: None,
             frontend_port: free_port(),
+            extra_frontends: Vec::new(),
             file_root,
             etcd_client,
             etcd,
@@ -443,10 +446,29 @@ impl DynamoStack {
     }
 
     async fn start_frontend(&mut self) {
+        let child = self
+            .spawn_frontend("frontend", self.frontend_port, &["--router-mode", "direct"])
+            .await;
+        self.frontend = Some(child);
+    }
+
+    /// Starts one more `dynamo.frontend` over the stack's namespace with `args` (its router mode,
+    /// `--migration-limit`, ...) and waits until it lists the model; returns its URL. Its log is
+    /// `{name}.log` in [`DynamoStack::log_dir`].
+    pub async fn add_frontend(&mut self, name: &str, args: &[&str]) -> String {
+        let port = free_port();
+        let child = self.spawn_frontend(name, port, args).await;
+        self.extra_frontends.push(child);
+        format!("http://127.0.0.1:{port}")
+    }
+
+    /// Spawns a frontend on `port` and waits until its `/v1/models` lists [`MODEL`].
+    async fn spawn_frontend(&self, name: &str, port: u16, args: &[&str]) -> Child {
         let mut command = self.dynamo_command("dynamo.frontend");
         command
-            .args(["--router-mode", "direct", "--http-host", "127.0.0.1"])
-            .args(["--http-port", &self.frontend_port.to_string()])
+            .args(args)
+            .args(["--http-host", "127.0.0.1"])
+            .args(["--http-port", &port.to_string()])
             .args(["--namespace", &self.namespace])
             .args([
                 "--discovery-backend",
@@ -455,29 +477,28 @@ impl DynamoStack {
                 "zmq",
             ])
             .args(["--request-plane", "tcp"]);
-        let (mut child, log) = self.spawn("frontend", command);
-        let url = format!("{}/v1/models", self.frontend_url());
+        let (mut child, log) = self.spawn(name, command);
+        let url = format!("http://127.0.0.1:{port}/v1/models");
         let http = reqwest::Client::new();
         let deadline = Instant::now() + START_TIMEOUT;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         loop {
             tick.tick().await;
             if models_listed(&http, &url).await {
-                break;
+                return child;
             }
             if let Ok(Some(status)) = child.try_wait() {
                 panic!(
-                    "dynamo.frontend exited ({status}) before serving:\n{}",
+                    "dynamo.frontend {name} exited ({status}) before serving:\n{}",
                     log_tail(&log)
                 );
             }
             assert!(
                 Instant::now() < deadline,
-                "dynamo.frontend did not list {MODEL} in time:\n{}",
+                "dynamo.frontend {name} did not list {MODEL} in time:\n{}",
                 log_tail(&log)
             );
         }
-        self.frontend = Some(child);
     }
 
     /// `python -m <module>` with the loopback-only Dynamo environment.
@@ -546,6 +567,9 @@ impl DynamoStack {
 impl Drop for DynamoStack {
     fn drop(&mut self) {
         if let Some(mut child) = self.frontend.take() {
+            let _ = child.start_kill();
+        }
+        for child in &mut self.extra_frontends {
             let _ = child.start_kill();
         }
         for worker in &mut self.workers {

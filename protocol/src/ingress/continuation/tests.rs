@@ -373,3 +373,67 @@ fn a_completions_prompt_that_is_not_one_string_cannot_be_continued() {
         );
     }
 }
+
+/// One original chunk of many shapes: text with escapes and non-ASCII, a reasoning delta, a
+/// tool call, a null or odd `delta` / `content`, a finish reason, usage (also a float one), an
+/// other index, a duplicate key, an `error` key.
+fn odd_chunk() -> impl Strategy<Value = String> {
+    let text = prop_oneof![
+        Just(String::new()),
+        "[a-z \"\\\\é😀\n]{0,12}",
+        Just("\"error\"".to_owned()),
+    ];
+    (text, 0..14u8).prop_map(|(text, shape)| {
+        let t = serde_json::to_string(&text).expect("a JSON string");
+        let head = format!(r#""id":"{ID}","model":"{MODEL}","created":{CREATED}"#);
+        let body = match shape {
+            0 => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"content":{t}}},"finish_reason":null}}]}}"#),
+            1 => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"reasoning_content":{t}}}}}]}}"#),
+            2 => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"tool_calls":[{{"index":0}}]}}}}]}}"#),
+            3 => format!(r#"{{{head},"choices":[{{"index":0,"delta":null}}]}}"#),
+            4 => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"content":[1]}}}}]}}"#),
+            5 => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{}},"finish_reason":"stop"}}]}}"#),
+            6 => format!(r#"{{{head},"choices":[],"usage":{{"completion_tokens":7}}}}"#),
+            7 => format!(r#"{{{head},"choices":[],"usage":{{"completion_tokens":7.5}}}}"#),
+            8 => format!(r#"{{{head},"choices":[{{"index":1,"delta":{{"content":{t}}}}}]}}"#),
+            9 => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"content":{t},"content":"x"}}}}]}}"#),
+            10 => format!(r#"{{{head},"error":{{"code":"overloaded"}}}}"#),
+            11 => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"reasoning":{t},"content":""}}}}]}}"#),
+            12 => format!(r#"{{{head},"choices":[{{"index":0,"text":{t},"delta":{{"content":{t}}}}}]}}"#),
+            _ => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"content":{t}}},"logprobs":{{"x":[1,2]}}}}]}}"#),
+        };
+        format!("data: {body}\n\n")
+    })
+}
+
+proptest! {
+    /// The typed reader of original chunks decides exactly as the `Value` reader: the same
+    /// bytes relayed, text kept, refusal, end, cut and tokens sent, for either wire.
+    #[test]
+    fn the_typed_reader_agrees_with_the_value_reader(
+        chunks in prop::collection::vec(odd_chunk(), 1..12),
+        completions in any::<bool>(),
+        cap in 8usize..64,
+    ) {
+        let make = |fast: bool| {
+            let mut s = if completions {
+                ChatSplice::completions(cap, 1 << 20)
+            } else {
+                ChatSplice::new(cap, 1 << 20)
+            };
+            s.fast = fast;
+            s
+        };
+        let first = chunk(ID, MODEL, CREATED, json!({"role": "assistant", "content": ""}), None);
+        let whole = std::iter::once(first).chain(chunks).collect::<String>();
+        let (mut fast, mut slow) = (make(true), make(false));
+        let (a, b) = (fast.feed(whole.as_bytes()), slow.feed(whole.as_bytes()));
+        prop_assert_eq!(a.out, b.out);
+        prop_assert_eq!(a.cut, b.cut);
+        prop_assert_eq!(fast.text(), slow.text());
+        prop_assert_eq!(fast.refusal(), slow.refusal());
+        prop_assert_eq!(fast.ended(), slow.ended());
+        prop_assert_eq!(fast.tokens_sent(), slow.tokens_sent());
+        prop_assert_eq!(fast.error_code(), slow.error_code());
+    }
+}
