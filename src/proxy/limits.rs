@@ -4,12 +4,12 @@
 //! Keys are admitted in `crate::route::Router::serve` (one request and the prompt-size estimate);
 //! a backend is debited when the proxy sends to it and skipped, while another candidate can
 //! serve, when it would refuse. Completion tokens are debited after the answer from its `usage`
-//! ([`UsageScan`]). One mutex guards all state: every step is a few integer operations.
+//! ([`UsageScan`]). One mutex guards all state: every step is a few integer operations and aHash lookups.
 //! [`RateLimiter::reconfigure`] keeps the state of every key and backend whose limits did not
 //! change. Refusals count in `continuum_rate_limited_total{scope, name}` (configured names only)
 //! and forgotten key states in `continuum_rate_limit_evictions_total`.
 
-use std::collections::HashMap;
+use ahash::AHashMap as HashMap;
 use std::sync::Mutex;
 
 use continuum_protocol::ratelimit::table::KeyedState;

@@ -6,7 +6,7 @@
 //! `cap` entries the least recently used one is forgotten (its next request starts from a full
 //! bucket) and counted in [`KeyedState::evictions`].
 
-use std::collections::HashMap;
+use ahash::AHashMap;
 
 use super::{LimitState, Limits, Refusal};
 use crate::time::Tick;
@@ -21,7 +21,7 @@ struct Entry {
 /// Rate-limit state by name, at most `cap` entries.
 #[derive(Clone, Debug)]
 pub struct KeyedState {
-    entries: HashMap<String, Entry>,
+    entries: AHashMap<String, Entry>,
     cap: usize,
     clock: u64,
     evictions: u64,
@@ -31,7 +31,7 @@ impl KeyedState {
     /// An empty table holding at most `cap` names (at least 1).
     pub fn new(cap: usize) -> Self {
         Self {
-            entries: HashMap::new(),
+            entries: AHashMap::new(),
             cap: cap.max(1),
             clock: 0,
             evictions: 0,
