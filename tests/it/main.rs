@@ -65,6 +65,7 @@ mod proxy_tls;
 mod rate_limits;
 mod replay;
 mod replica_sync;
+mod replica_sync_dynamo_e2e;
 mod shim_dispatch;
 mod tidy;
 mod tidy_readonly;

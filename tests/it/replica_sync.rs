@@ -4,253 +4,50 @@
 //! records each request's worker pin. A big request dispatched through one replica shifts its
 //! peers' picks to the other worker; a SIGKILLed replica's contributions expire at its peers
 //! while they keep routing; a restarted `nats-server` costs no request and sharing resumes.
-//! `NATS_SERVER_BIN` names the server (default: `nats-server` on PATH, else /usr/sbin).
+//! The harness (`nats-server`, router processes) is `support::replicas`.
 #![cfg(all(feature = "real-peers", feature = "replica-sync"))]
 
 use crate::support;
 
-use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
-
 use continuum_protocol::ids::{InstanceId, PublisherId};
 use serde_json::{Value, json};
 use support::etcd::EtcdServer;
+use support::replicas::{Nats, Replica, WAIT, sync_yaml};
 use support::upstream::FakeUpstream;
 use support::zmq::{Publisher, make};
 use tokio::time::Instant;
 
-const BIN: &str = env!("CARGO_BIN_EXE_continuum-router");
-const WAIT: Duration = Duration::from_secs(30);
 const NS: &str = "syncns";
-const TOKEN: &str = "admin-secret";
 const WORKERS: [InstanceId; 2] = [InstanceId(0x51), InstanceId(0x52)];
 const PUBLISHERS: [PublisherId; 2] = [PublisherId(0x61), PublisherId(0x62)];
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+/// Replica `name` in front of the shim and the etcd-registered workers; returns once it lists
+/// both workers.
+async fn spawn(name: &'static str, etcd: &EtcdServer, shim: &str, nats: &str) -> Replica {
+    spawn_with(name, etcd, shim, nats, "").await
 }
 
-/// A `nats-server` on a loopback port; killed on drop.
-struct Nats {
-    child: Option<Child>,
-    port: u16,
-}
-
-impl Nats {
-    fn bin() -> String {
-        std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| {
-            for candidate in [
-                "nats-server",
-                "/usr/sbin/nats-server",
-                "/usr/bin/nats-server",
-            ] {
-                if Command::new(candidate).arg("--version").output().is_ok() {
-                    return candidate.to_owned();
-                }
-            }
-            panic!("no nats-server (apt-get install -y nats-server, or set NATS_SERVER_BIN)")
-        })
-    }
-
-    fn spawn(port: u16, extra: &[&str]) -> Child {
-        Command::new(Self::bin())
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start nats-server")
-    }
-
-    async fn start() -> Self {
-        Self::start_with(&[]).await
-    }
-
-    async fn start_with(extra: &[&str]) -> Self {
-        let port = free_port();
-        let nats = Self {
-            child: Some(Self::spawn(port, extra)),
-            port,
-        };
-        nats.wait_listening().await;
-        nats
-    }
-
-    async fn wait_listening(&self) {
-        let deadline = Instant::now() + WAIT;
-        while tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .is_err()
-        {
-            assert!(Instant::now() < deadline, "nats-server did not listen");
-            tokio::task::yield_now().await;
-        }
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    async fn restart(&mut self) {
-        self.stop();
-        self.child = Some(Self::spawn(self.port, &[]));
-        self.wait_listening().await;
-    }
-
-    fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for Nats {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
-/// One router process; SIGKILLed on drop.
-struct Replica {
+/// `nats_extra`: more keys under `replica_sync.nats` (a flow-map fragment).
+async fn spawn_with(
     name: &'static str,
-    child: Child,
-    addr: SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-impl Replica {
-    async fn spawn(name: &'static str, etcd: &EtcdServer, shim: &str, nats: &str) -> Replica {
-        Self::spawn_with(name, etcd, shim, nats, "").await
-    }
-
-    /// `nats_extra`: more keys under `replica_sync.nats` (a flow-map fragment).
-    async fn spawn_with(
-        name: &'static str,
-        etcd: &EtcdServer,
-        shim: &str,
-        nats: &str,
-        nats_extra: &str,
-    ) -> Replica {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
-        let config = dir.path().join("router.yaml");
-        let yaml = format!(
-            "server: {{bind_address: \"{addr}\"}}\n\
-             admin: {{enabled: true, token: {TOKEN}}}\n\
-             disaggregated_serving: {{enabled: true, fallback_to_unified: false}}\n\
-             backends:\n  - {{name: shim, type: openai, url: \"{shim}\", models: [tiny], health_check: {{enabled: false}}}}\n\
-             dynamo:\n  enabled: true\n  discovery: {{etcd: {{endpoints: [\"{}\"], namespace: {NS}}}}}\n  \
-             load: {{max_staleness: 300s}}\n  shim: {{backends: [shim]}}\n\
-             replica_sync:\n  enabled: true\n  replica_id: {name}\n  group: it\n  \
-             publish_interval: 5ms\n  heartbeat_interval: 200ms\n  ttl: 1s\n  \
-             nats: {{url: \"{nats}\", reconnect_max_delay: 500ms{nats_extra}}}\n",
-            etcd.endpoint()
-        );
-        std::fs::write(&config, yaml).expect("write config");
-        let child = Command::new(BIN)
-            .arg("run")
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the router");
-        let replica = Replica {
-            name,
-            child,
-            addr,
-            _dir: dir,
-        };
-        replica
-            .until(|v| v["workers"].as_array().is_some_and(|w| w.len() == 2))
-            .await;
-        replica
-    }
-
-    async fn workers_view(&self) -> Option<Value> {
-        let resp = reqwest::Client::new()
-            .get(format!("http://{}/admin/dynamo/workers", self.addr))
-            .bearer_auth(TOKEN)
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await
-            .ok()?;
-        resp.json().await.ok()
-    }
-
-    /// Waits (bounded) until the admin view satisfies `done`.
-    #[track_caller]
-    fn until(&self, done: impl Fn(&Value) -> bool) -> impl std::future::Future<Output = Value> {
-        let caller = std::panic::Location::caller();
-        async move {
-            let deadline = Instant::now() + WAIT;
-            let mut last = Value::Null;
-            loop {
-                if let Some(view) = self.workers_view().await {
-                    if done(&view) {
-                        return view;
-                    }
-                    last = view;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "{caller}: replica {} never reached the state; last view: {}",
-                    self.name,
-                    json!({"replica_sync": last["replica_sync"], "picker": last["picker"], "load": last["load"]})
-                );
-                tokio::task::yield_now().await;
-            }
-        }
-    }
-
-    /// The named peer as this replica's admin view shows it.
-    fn peer<'a>(view: &'a Value, name: &str) -> Option<&'a Value> {
-        view["replica_sync"]["peers"]
-            .as_array()?
-            .iter()
-            .find(|p| p["replica"] == name)
-    }
-
-    async fn chat(&self, words: usize) -> u16 {
-        let content = vec!["word"; words].join(" ");
-        reqwest::Client::new()
-            .post(format!("http://{}/v1/chat/completions", self.addr))
-            .timeout(WAIT)
-            .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": content}]}))
-            .send()
-            .await
-            .map_or(0, |r| r.status().as_u16())
-    }
-
-    async fn metric(&self, family: &str) -> f64 {
-        let text = reqwest::get(format!("http://{}/metrics", self.addr))
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("text");
-        text.lines()
-            .find(|l| l.starts_with(family) && l[family.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(f64::NAN)
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        self.kill();
-    }
+    etcd: &EtcdServer,
+    shim: &str,
+    nats: &str,
+    nats_extra: &str,
+) -> Replica {
+    let body = format!(
+        "disaggregated_serving: {{enabled: true, fallback_to_unified: false}}\n\
+         backends:\n  - {{name: shim, type: openai, url: \"{shim}\", models: [tiny], health_check: {{enabled: false}}}}\n\
+         dynamo:\n  enabled: true\n  discovery: {{etcd: {{endpoints: [\"{}\"], namespace: {NS}}}}}\n  \
+         load: {{max_staleness: 300s}}\n  shim: {{backends: [shim]}}\n{}",
+        etcd.endpoint(),
+        sync_yaml(name, nats, nats_extra)
+    );
+    let replica = Replica::start(name, &body);
+    replica
+        .until(|v| v["workers"].as_array().is_some_and(|w| w.len() == 2))
+        .await;
+    replica
 }
 
 /// Two aggregated decode workers, each with its kv_metrics publisher.
@@ -318,7 +115,7 @@ async fn replicas_share_in_flight_dispatches_survive_a_killed_peer_and_a_restart
     fleet(&etcd, ports).await;
     let mut replicas = Vec::new();
     for name in ["a", "b", "c"] {
-        replicas.push(Replica::spawn(name, &etcd, &shim.url(), &nats.url()).await);
+        replicas.push(spawn(name, &etcd, &shim.url(), &nats.url()).await);
     }
     // One sample per worker, equal and idle; no other sample follows, so nothing answers the
     // dispatches below (they count for the ledger's 30 s).
@@ -430,9 +227,9 @@ async fn a_token_protected_nats_admits_the_right_token_only() {
     let good = write("good", "s3cret-token\n");
     let bad = write("bad", "wrong\n");
     let extra = |path: &str| format!(", token_file: \"{path}\"");
-    let a = Replica::spawn_with("a", &etcd, &shim.url(), &nats.url(), &extra(&good)).await;
-    let b = Replica::spawn_with("b", &etcd, &shim.url(), &nats.url(), &extra(&good)).await;
-    let intruder = Replica::spawn_with("x", &etcd, &shim.url(), &nats.url(), &extra(&bad)).await;
+    let a = spawn_with("a", &etcd, &shim.url(), &nats.url(), &extra(&good)).await;
+    let b = spawn_with("b", &etcd, &shim.url(), &nats.url(), &extra(&good)).await;
+    let intruder = spawn_with("x", &etcd, &shim.url(), &nats.url(), &extra(&bad)).await;
     for r in [&a, &b] {
         let view = r
             .until(|v| {

@@ -14,5 +14,6 @@ pub mod logs;
 pub mod otlp;
 pub mod paused;
 pub mod process;
+pub mod replicas;
 pub mod upstream;
 pub mod zmq;
