@@ -23,31 +23,7 @@ const WORKER: InstanceId = InstanceId(0x6a6c_a22b_96b5_3116);
 const PUBLISHER: PublisherId = PublisherId(0x0018_6c12_17a6_6976);
 
 fn records(port: u16) -> Vec<(String, Value)> {
-    let id = WORKER.0;
-    vec![
-        (
-            format!("v1/instances/{NS}/backend/generate/{id:x}"),
-            json!({"type": "Endpoint", "namespace": NS, "component": "backend", "endpoint": "generate",
-                   "instance_id": id, "transport": {"tcp": "127.0.0.1:1/x/generate"}}),
-        ),
-        (
-            format!("v1/mdc/{NS}/backend/generate/{id:x}"),
-            json!({"type": "Model", "namespace": NS, "component": "backend", "endpoint": "generate",
-                   "instance_id": id, "card_json": {"display_name": "tiny", "worker_type": "decode",
-                   "kv_cache_block_size": 16, "runtime_config": {"total_kv_blocks": 1024,
-                   "max_num_batched_tokens": 8192, "data_parallel_size": 1}}}),
-        ),
-        (
-            format!(
-                "v1/event_channels/namespace/{NS}/component/backend/endpoint/generate/topic/kv_metrics/{:x}",
-                PUBLISHER.0
-            ),
-            json!({"type": "EventChannel", "scope": {"kind": "endpoint", "endpoint":
-                   {"namespace": NS, "component": "backend", "name": "generate"}},
-                   "topic": "kv_metrics", "instance_id": PUBLISHER.0,
-                   "transport": {"kind": "Zmq", "config": {"endpoint": format!("tcp://127.0.0.1:{port}")}}}),
-        ),
-    ]
+    support::etcd::decode_worker_records(NS, WORKER.0, PUBLISHER.0, port, 1024)
 }
 
 #[track_caller]

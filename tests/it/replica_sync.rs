@@ -10,7 +10,7 @@
 use crate::support;
 
 use continuum_protocol::ids::{InstanceId, PublisherId};
-use serde_json::{Value, json};
+use serde_json::Value;
 use support::etcd::EtcdServer;
 use support::replicas::{Nats, Replica, WAIT, sync_yaml};
 use support::upstream::FakeUpstream;
@@ -54,31 +54,8 @@ async fn spawn_with(
 async fn fleet(etcd: &EtcdServer, ports: [u16; 2]) {
     let mut client = etcd.client().await;
     for ((worker, publisher), port) in WORKERS.iter().zip(PUBLISHERS).zip(ports) {
-        let id = worker.0;
-        let records = [
-            (
-                format!("v1/instances/{NS}/backend/generate/{id:x}"),
-                json!({"type": "Endpoint", "namespace": NS, "component": "backend", "endpoint": "generate",
-                       "instance_id": id, "transport": {"tcp": "127.0.0.1:1/x/generate"}}),
-            ),
-            (
-                format!("v1/mdc/{NS}/backend/generate/{id:x}"),
-                json!({"type": "Model", "namespace": NS, "component": "backend", "endpoint": "generate",
-                       "instance_id": id, "card_json": {"display_name": "tiny", "worker_type": "decode",
-                       "kv_cache_block_size": 16, "runtime_config": {"total_kv_blocks": 100000,
-                       "max_num_batched_tokens": 8192, "data_parallel_size": 1}}}),
-            ),
-            (
-                format!(
-                    "v1/event_channels/namespace/{NS}/component/backend/endpoint/generate/topic/kv_metrics/{:x}",
-                    publisher.0
-                ),
-                json!({"type": "EventChannel", "scope": {"kind": "endpoint", "endpoint":
-                       {"namespace": NS, "component": "backend", "name": "generate"}},
-                       "topic": "kv_metrics", "instance_id": publisher.0,
-                       "transport": {"kind": "Zmq", "config": {"endpoint": format!("tcp://127.0.0.1:{port}")}}}),
-            ),
-        ];
+        let records =
+            crate::support::etcd::decode_worker_records(NS, worker.0, publisher.0, port, 100_000);
         for (key, value) in records {
             client.put(key, value.to_string(), None).await.expect("put");
         }

@@ -377,3 +377,41 @@ fn base64(text: &str) -> Vec<u8> {
     }
     out
 }
+
+/// The etcd records Dynamo 1.6.1 writes for one aggregated decode worker of `namespace`
+/// (`backend/generate`): its instance, its model card (`total_kv_blocks` of KV capacity, one
+/// data-parallel rank) and its `kv_metrics` event channel on the ZMQ publisher `publisher` at
+/// `zmq_port`, as `(key, value)` pairs to put.
+pub fn decode_worker_records(
+    namespace: &str,
+    instance: u64,
+    publisher: u64,
+    zmq_port: u16,
+    total_kv_blocks: u64,
+) -> Vec<(String, serde_json::Value)> {
+    use serde_json::json;
+    let (ns, id) = (namespace, instance);
+    vec![
+        (
+            format!("v1/instances/{ns}/backend/generate/{id:x}"),
+            json!({"type": "Endpoint", "namespace": ns, "component": "backend", "endpoint": "generate",
+                   "instance_id": id, "transport": {"tcp": "127.0.0.1:1/x/generate"}}),
+        ),
+        (
+            format!("v1/mdc/{ns}/backend/generate/{id:x}"),
+            json!({"type": "Model", "namespace": ns, "component": "backend", "endpoint": "generate",
+                   "instance_id": id, "card_json": {"display_name": "tiny", "worker_type": "decode",
+                   "kv_cache_block_size": 16, "runtime_config": {"total_kv_blocks": total_kv_blocks,
+                   "max_num_batched_tokens": 8192, "data_parallel_size": 1}}}),
+        ),
+        (
+            format!(
+                "v1/event_channels/namespace/{ns}/component/backend/endpoint/generate/topic/kv_metrics/{publisher:x}"
+            ),
+            json!({"type": "EventChannel", "scope": {"kind": "endpoint", "endpoint":
+                   {"namespace": ns, "component": "backend", "name": "generate"}},
+                   "topic": "kv_metrics", "instance_id": publisher,
+                   "transport": {"kind": "Zmq", "config": {"endpoint": format!("tcp://127.0.0.1:{zmq_port}")}}}),
+        ),
+    ]
+}
