@@ -610,8 +610,9 @@ fn mid_stream_pass(
         })
         .sum();
     println!(
-        "[mid-stream] memory per armed stream: splice state {} B + the answer text kept ({text} B for this stream; at most max_buffered_bytes) + at most one partial event",
-        std::mem::size_of::<continuum_protocol::ingress::continuation::ChatSplice>()
+        "[mid-stream] memory per armed stream: splice state {} B + inactivity timer {} B + the answer text kept ({text} B for this stream; at most max_buffered_bytes) + at most one partial event",
+        std::mem::size_of::<continuum_protocol::ingress::continuation::ChatSplice>(),
+        std::mem::size_of::<tokio::time::Sleep>()
     );
 }
 

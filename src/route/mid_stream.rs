@@ -11,6 +11,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,9 +19,12 @@ use axum::body::Body;
 use axum::http::Response;
 use bytes::Bytes;
 use continuum_actors::metrics::{MidStreamIngress, MidStreamReason, MidStreamResult, RoutingPath};
-use continuum_protocol::ingress::continuation::{ChatSplice, CutReason, Refusal, error_event};
+use continuum_protocol::ingress::continuation::{
+    ChatSplice, CutReason, Refusal, Relayed, error_event,
+};
 use http_body_util::BodyExt;
-use tokio::time::Instant;
+use hyper::body::Frame;
+use tokio::time::{Instant, Sleep};
 use tracing::info;
 
 use super::usage::Handoffs;
@@ -148,6 +152,7 @@ pub fn arm(
         splice,
         ingress,
         upstream: Some(body),
+        stall: Box::pin(tokio::time::sleep(config.inactivity_timeout.get())),
         attempts_left: config.max_attempts,
         config,
         proxy: proxy.clone(),
@@ -165,6 +170,12 @@ pub fn arm(
     Response::from_parts(parts, Body::from_stream(stream))
 }
 
+/// One frame of the upstream body, or its error.
+type UpstreamFrame = Result<Frame<Bytes>, axum::Error>;
+
+/// No upstream frame within the inactivity timeout.
+struct Stalled;
+
 /// One armed stream's state; dropping it drops the upstream body (and its request).
 struct Armed {
     splice: ChatSplice,
@@ -172,6 +183,9 @@ struct Armed {
     ingress: MidStreamIngress,
     /// `None` once the stream ended.
     upstream: Option<Body>,
+    /// The inactivity timer, kept across frames (a fresh timer per frame costs a timer-wheel
+    /// insert and removal per event); see [`Armed::frame`].
+    stall: Pin<Box<Sleep>>,
     attempts_left: u32,
     config: Arc<MidStreamFallbackConfig>,
     proxy: Arc<Proxy>,
@@ -189,27 +203,33 @@ impl Armed {
     /// The next bytes for the client, `None` at the end.
     async fn next(&mut self) -> Option<Bytes> {
         loop {
-            let upstream = self.upstream.as_mut()?;
-            let frame =
-                tokio::time::timeout(self.config.inactivity_timeout.get(), upstream.frame());
+            let frame = self.frame().await?;
             let mut out = Vec::new();
-            let cut = match frame.await {
+            let cut = match frame {
                 Ok(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else {
                         continue;
                     };
-                    let fed = self.splice.feed(&data);
-                    out = fed.out;
-                    match fed.cut {
-                        // The relay's own event for a failed upstream body is a closed stream.
-                        Some(CutReason::ErrorEvent)
-                            if self.splice.error_code() == Some("bad_gateway") =>
-                        {
-                            CutReason::Closed
-                        }
-                        Some(reason) => reason,
-                        None if out.is_empty() => continue,
-                        None => return Some(out.into()),
+                    let (relayed, cut) = self.splice.feed_frame(&data);
+                    if cut.is_none() && relayed.is_empty() {
+                        continue;
+                    }
+                    // Whole events relayed as they came leave as a slice of the frame (no copy).
+                    let relayed = match relayed {
+                        Relayed::Prefix(n) => data.slice(..n),
+                        Relayed::Copied(bytes) => Bytes::from(bytes),
+                    };
+                    let Some(reason) = cut else {
+                        return Some(relayed);
+                    };
+                    out = relayed.into();
+                    // The relay's own event for a failed upstream body is a closed stream.
+                    if reason == CutReason::ErrorEvent
+                        && self.splice.error_code() == Some("bad_gateway")
+                    {
+                        CutReason::Closed
+                    } else {
+                        reason
                     }
                 }
                 Ok(Some(Err(_))) => CutReason::Closed,
@@ -238,6 +258,28 @@ impl Armed {
             }
             if !out.is_empty() {
                 return Some(out.into());
+            }
+        }
+    }
+
+    /// The upstream's next frame, `Err` when none came within the inactivity timeout of the
+    /// wait's start (as a `tokio::time::timeout` per frame would say), `None` once ended.
+    async fn frame(&mut self) -> Option<Result<Option<UpstreamFrame>, Stalled>> {
+        let upstream = self.upstream.as_mut()?;
+        let timeout = self.config.inactivity_timeout.get();
+        let deadline = Instant::now() + timeout;
+        loop {
+            tokio::select! {
+                biased;
+                frame = upstream.frame() => return Some(Ok(frame)),
+                () = self.stall.as_mut() => {
+                    // The timer was set for an earlier wait: move it to this wait's deadline.
+                    if Instant::now() >= deadline {
+                        self.stall.as_mut().reset(Instant::now() + timeout);
+                        return Some(Err(Stalled));
+                    }
+                    self.stall.as_mut().reset(deadline);
+                }
             }
         }
     }

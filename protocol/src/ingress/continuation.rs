@@ -266,21 +266,30 @@ impl ChatSplice {
 
     /// One complete event (without its blank line); appends what to relay to `out`.
     fn event(&mut self, event: &[u8], out: &mut Vec<u8>) -> Option<CutReason> {
+        match self.relay(event) {
+            Ok(relay) => {
+                relay.write(event, out);
+                None
+            }
+            Err(reason) => Some(reason),
+        }
+    }
+
+    /// Reads one complete event (without its blank line): what to relay for it, or the cut.
+    fn relay(&mut self, event: &[u8]) -> Result<Relay, CutReason> {
         let Some(data) = sse_data(event) else {
             // Comments and non-data fields pass through on the original stream only.
-            if self.phase == Phase::Original {
-                out.extend_from_slice(event);
-                out.extend_from_slice(b"\n\n");
-            }
-            return None;
+            return Ok(match self.phase {
+                Phase::Original => Relay::Event,
+                Phase::Continuation => Relay::Nothing,
+            });
         };
         if data.trim_ascii() == b"[DONE]" {
             if self.done {
-                return None;
+                return Ok(Relay::Nothing);
             }
             self.done = true;
-            out.extend_from_slice(b"data: [DONE]\n\n");
-            return None;
+            return Ok(Relay::Done);
         }
         // The common case, read without building a tree: an original chunk once the stream's
         // identity is known, with no `error` key anywhere.
@@ -288,37 +297,29 @@ impl ChatSplice {
             && let Ok(chunk) = serde_json::from_slice::<FastChunk<'_>>(data)
         {
             self.read_fast(&chunk);
-            out.extend_from_slice(event);
-            out.extend_from_slice(b"\n\n");
-            return None;
+            return Ok(Relay::Event);
         }
         // Not a JSON object: a partial event the relay's failure event was glued to (a closed
         // upstream), or garbage; either way the stream cannot go on from it.
         let Ok(Value::Object(mut chunk)) = serde_json::from_slice::<Value>(data) else {
-            return Some(CutReason::Closed);
+            return Err(CutReason::Closed);
         };
         if self.done {
-            return None;
+            return Ok(Relay::Nothing);
         }
         if let Some(error) = chunk.get("error") {
             let code = error.get("code").or_else(|| error.get("type"));
             self.error_code = code.map(|c| c.as_str().map_or_else(|| c.to_string(), str::to_owned));
-            return Some(CutReason::ErrorEvent);
+            return Err(CutReason::ErrorEvent);
         }
         self.read_chunk(&chunk);
         match self.phase {
-            Phase::Original => {
-                out.extend_from_slice(event);
-                out.extend_from_slice(b"\n\n");
-            }
+            Phase::Original => Ok(Relay::Event),
             Phase::Continuation => {
                 self.rewrite(&mut chunk);
-                out.extend_from_slice(b"data: ");
-                out.extend_from_slice(Value::Object(chunk).to_string().as_bytes());
-                out.extend_from_slice(b"\n\n");
+                Ok(Relay::Rewritten(Value::Object(chunk).to_string()))
             }
         }
-        None
     }
 
     /// Whether `data` may be read by [`ChatSplice::read_fast`]: an original chunk after the
@@ -332,7 +333,7 @@ impl ChatSplice {
             && self.model.is_some()
             && self.created.is_some()
             && self.index.as_ref().is_some_and(Value::is_u64)
-            && !data.windows(7).any(|w| w == b"\"error\"")
+            && memchr::memmem::find(data, b"\"error\"").is_none()
     }
 
     /// [`ChatSplice::read_chunk`] for a typed original chunk (the identity is already known).
@@ -541,24 +542,18 @@ fn usage_tokens(chunk: &Map<String, Value>) -> Option<u64> {
 /// The end of the first complete SSE event in `buf`: (event length, bytes to skip past its
 /// blank line). Accepts `\n\n` and `\r\n\r\n`.
 fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let mut i = 0;
-    while i + 1 < buf.len() {
-        if buf[i] == b'\n' {
-            if buf[i + 1] == b'\n' {
-                return Some((i, i + 2));
-            }
-            if buf[i + 1] == b'\r' && buf.get(i + 2) == Some(&b'\n') {
-                let end = if i > 0 && buf[i - 1] == b'\r' {
-                    i - 1
-                } else {
-                    i
-                };
-                return Some((end, i + 3));
-            }
+    memchr::memchr_iter(b'\n', buf).find_map(|i| match buf.get(i + 1..) {
+        Some([b'\n', ..]) => Some((i, i + 2)),
+        Some([b'\r', b'\n', ..]) => {
+            let end = if i > 0 && buf[i - 1] == b'\r' {
+                i - 1
+            } else {
+                i
+            };
+            Some((end, i + 3))
         }
-        i += 1;
-    }
-    None
+        _ => None,
+    })
 }
 
 /// The `data:` payload of one event (its first `data:` line; chat chunks have one).
@@ -575,6 +570,10 @@ pub fn error_event(message: &str, code: &str) -> Vec<u8> {
     let body = json!({"error": {"message": message, "type": code, "code": code}});
     format!("data: {body}\n\n").into_bytes()
 }
+
+mod frame;
+use frame::Relay;
+pub use frame::Relayed;
 
 #[cfg(test)]
 mod tests;

@@ -437,3 +437,110 @@ proptest! {
         prop_assert_eq!(fast.error_code(), slow.error_code());
     }
 }
+
+/// Feeds `bytes` in frames of the `frames` sizes through [`ChatSplice::feed_frame`]; the relayed
+/// bytes (a named prefix resolved against its frame) and whether a cut came.
+fn feed_frames_uncopied(
+    splice: &mut ChatSplice,
+    bytes: &[u8],
+    frames: &[usize],
+) -> (Vec<u8>, bool) {
+    let mut out = Vec::new();
+    let mut rest = bytes;
+    let mut sizes = frames.iter().cycle();
+    while !rest.is_empty() {
+        let n = (*sizes.next().unwrap_or(&1)).clamp(1, rest.len());
+        let (relayed, cut) = splice.feed_frame(&rest[..n]);
+        match relayed {
+            Relayed::Prefix(k) => out.extend_from_slice(&rest[..k]),
+            Relayed::Copied(bytes) => out.extend(bytes),
+        }
+        if cut.is_some() {
+            return (out, true);
+        }
+        rest = &rest[n..];
+    }
+    (out, false)
+}
+
+/// Events a relay may meet besides chunks: a comment, CRLF blank lines, `[DONE]` spelled
+/// otherwise, a second `[DONE]`, garbage data.
+fn odd_event() -> impl Strategy<Value = String> {
+    prop_oneof![
+        4 => odd_chunk(),
+        1 => Just(": keep-alive\n\n".to_owned()),
+        1 => odd_chunk().prop_map(|c| c.replace("\n\n", "\r\n\r\n")),
+        1 => odd_chunk().prop_map(|c| c.replace("\n\n", "\n\r\n")),
+        1 => Just("data:[DONE]\n\n".to_owned()),
+        1 => Just("data: [DONE]\n\n".to_owned()),
+        1 => Just("data: {\"id\n\n".to_owned()),
+    ]
+}
+
+proptest! {
+    /// Relaying frames uncopied decides exactly as copying them: the same bytes relayed, cut,
+    /// text, refusal, end and tokens, on the original stream and after a continuation started,
+    /// wherever the frames are cut (mid-event, mid-UTF-8 included).
+    #[test]
+    fn relaying_frames_uncopied_agrees_with_copying_them(
+        events in prop::collection::vec(odd_event(), 1..12),
+        continuation in prop::collection::vec(odd_event(), 0..8),
+        frames in prop::collection::vec(1usize..300, 1..6),
+        completions in any::<bool>(),
+        cap in 8usize..64,
+    ) {
+        let make = || if completions {
+            ChatSplice::completions(cap, 1 << 20)
+        } else {
+            ChatSplice::new(cap, 1 << 20)
+        };
+        let first = chunk(ID, MODEL, CREATED, json!({"role": "assistant", "content": ""}), None);
+        let whole = std::iter::once(first).chain(events).collect::<String>();
+        let rest = continuation.concat();
+        let (mut uncopied, mut copied) = (make(), make());
+        for part in [whole, rest] {
+            let a = feed_frames_uncopied(&mut uncopied, part.as_bytes(), &frames);
+            let b = feed_in_frames(&mut copied, part.as_bytes(), &frames);
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(uncopied.text(), copied.text());
+            prop_assert_eq!(uncopied.refusal(), copied.refusal());
+            prop_assert_eq!(uncopied.ended(), copied.ended());
+            prop_assert_eq!(uncopied.tokens_sent(), copied.tokens_sent());
+            prop_assert_eq!(uncopied.error_code(), copied.error_code());
+            prop_assert_eq!(&uncopied.partial, &copied.partial);
+            uncopied.start_continuation();
+            copied.start_continuation();
+        }
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        prop_assert_eq!(uncopied.end(&mut x), copied.end(&mut y));
+        prop_assert_eq!(x, y);
+    }
+}
+
+/// A frame of whole events the original stream relays as they are is named as its own
+/// prefix (no copy); a partial event stays behind, and a rewritten event is copied.
+#[test]
+fn whole_original_events_are_relayed_as_the_frame_itself() {
+    let mut splice = ChatSplice::new(1 << 10, 1 << 20);
+    let first = chunk(
+        ID,
+        MODEL,
+        CREATED,
+        json!({"role": "assistant", "content": ""}),
+        None,
+    );
+    let second = chunk(ID, MODEL, CREATED, json!({"content": "hi"}), None);
+    let frame = format!("{first}{second}data: {{\"id");
+    let (relayed, cut) = splice.feed_frame(frame.as_bytes());
+    assert_eq!(cut, None);
+    assert_eq!(relayed, Relayed::Prefix(first.len() + second.len()));
+    assert_eq!(splice.text(), "hi");
+    splice.partial.clear();
+    splice.start_continuation();
+    let other = chunk("chatcmpl-other", "other", 1, json!({"content": "!"}), None);
+    let (relayed, _) = splice.feed_frame(other.as_bytes());
+    let Relayed::Copied(bytes) = relayed else {
+        panic!("a continuation chunk is rewritten");
+    };
+    assert!(String::from_utf8_lossy(&bytes).contains(ID));
+}
