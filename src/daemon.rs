@@ -563,7 +563,10 @@ fn app_state(
         dynamo_workers: Arc::new(move || {
             let mut view = crate::dynamo_admin::workers_view(&registry, &load, &kv, Some(&picker));
             crate::event_bus::add_broker_coverage(&mut view, &bus, &bus_config.load());
-            if let Some(fields) = view.as_object_mut() {
+            // Discovery off: the view stays `{"enabled": false}` (the documented shape).
+            if let Some(fields) = view.as_object_mut()
+                && fields.get("enabled") == Some(&serde_json::Value::Bool(true))
+            {
                 fields.insert("replica_sync".into(), serde_json::json!(*sync.get()));
             }
             view
