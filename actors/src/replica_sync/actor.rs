@@ -230,6 +230,8 @@ async fn run(s: ReplicaSyncSettings, args: ReplicaSyncArgs) {
             },
             Err(error) => warn!(%error, "Replica sync cannot read its NATS credentials."),
         }
+        // Full-jitter exponential backoff between connection attempts (tokio time): nothing to
+        // wait on but the clock, and replicas restarted together must not redial in step.
         tokio::time::sleep(delay.mul_f64(unit())).await;
         delay = (delay * 2).min(s.reconnect_max_delay);
     };
@@ -248,6 +250,8 @@ async fn run(s: ReplicaSyncSettings, args: ReplicaSyncArgs) {
             Ok(sub) => sub,
             Err(error) => {
                 warn!(%error, "Replica sync cannot subscribe; retrying.");
+                // Jittered pause before re-subscribing (tokio time): the client reconnects on its
+                // own; this only spaces the retries of a refused subscription.
                 tokio::time::sleep(s.reconnect_max_delay.mul_f64(unit())).await;
                 continue;
             }
