@@ -264,15 +264,7 @@ async fn the_page_shell_is_public_with_a_strict_csp_and_its_data_needs_the_token
         .await
         .unwrap();
     assert_eq!(denied.status(), 401);
-    let summary: Value = client
-        .get(format!("{url}/admin/fleet/summary"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let summary = fleet_summary(&client, &url).await;
     assert!(summary["selections"].is_object(), "{summary}");
     assert!(summary["kv_hash_parity"].is_object(), "{summary}");
     assert!(summary["kv_blocks"].is_array(), "{summary}");
@@ -284,7 +276,17 @@ async fn the_page_shell_is_public_with_a_strict_csp_and_its_data_needs_the_token
     // The mid-stream counters, summed over ingress and reason.
     let metrics = demo.daemon().metrics();
     record_mid_stream_cuts(metrics);
-    let summary: Value = client
+    let summary = fleet_summary(&client, &url).await;
+    assert_eq!(
+        summary["mid_stream_fallback"],
+        json!({"attempts": 3, "continued": 2, "failed": 1})
+    );
+    demo.shutdown().await;
+}
+
+/// `/admin/fleet/summary` with the admin token.
+async fn fleet_summary(client: &reqwest::Client, url: &str) -> Value {
+    client
         .get(format!("{url}/admin/fleet/summary"))
         .bearer_auth(TOKEN)
         .send()
@@ -292,12 +294,7 @@ async fn the_page_shell_is_public_with_a_strict_csp_and_its_data_needs_the_token
         .unwrap()
         .json()
         .await
-        .unwrap();
-    assert_eq!(
-        summary["mid_stream_fallback"],
-        json!({"attempts": 3, "continued": 2, "failed": 1})
-    );
-    demo.shutdown().await;
+        .unwrap()
 }
 
 /// Two continued cuts and one whose fallback failed, on two ingresses and reasons.
