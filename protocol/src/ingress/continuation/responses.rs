@@ -296,10 +296,6 @@ impl ResponsesSplice {
     /// Records one original event (relayed as it came unless it cuts the stream).
     fn original(&mut self, event: &Map<String, Value>, size: usize) -> Result<(), CutReason> {
         let kind = event.get("type").and_then(Value::as_str).unwrap_or("");
-        let seq = event.get("sequence_number").and_then(Value::as_u64);
-        self.next_seq = self
-            .next_seq
-            .max(seq.map_or(self.next_seq + 1, |s| s.saturating_add(1)));
         let index = event.get("output_index").and_then(Value::as_u64);
         match kind {
             "error" => {
@@ -352,6 +348,11 @@ impl ResponsesSplice {
             "response.output_item.done" => self.item_done(event.get("item"), size),
             _ => {}
         }
+        // Only relayed events count: the cut's own event leaves a gap the client never sees.
+        let seq = event.get("sequence_number").and_then(Value::as_u64);
+        self.next_seq = self
+            .next_seq
+            .max(seq.map_or(self.next_seq + 1, |s| s.saturating_add(1)));
         Ok(())
     }
 
