@@ -115,8 +115,8 @@ impl Budget {
     }
 }
 
-/// Arms a successful chat-completions or completions stream when mid-stream fallback is on; any
-/// other answer is returned as it is. `excluded` are backends a continuation never goes to (the shim pool).
+/// Arms a successful chat-completions, completions or native Responses stream when mid-stream
+/// fallback is on; any other answer is returned as it is. `excluded` are backends a continuation never goes to (the shim pool).
 pub fn arm(
     proxy: &Arc<Proxy>,
     budget: &Arc<RetryBudget>,

@@ -312,7 +312,7 @@ async fn continued_after(reason: &str) {
     send_rest(&tx2);
     let collect = tokio::spawn(rest_of(seen, body));
     // Bounded, so that a router that never continues fails here instead of hanging.
-    let asked = tokio::time::timeout(std::time::Duration::from_secs(30), f.b2.next_request());
+    let asked = tokio::time::timeout(std::time::Duration::from_secs(600), f.b2.next_request());
     assert_continuation_request(&asked.await.expect("a continuation request"));
     drop(tx2);
     let bytes = collect.await.expect("join");
