@@ -95,7 +95,16 @@ pub struct ResponsesSplice {
     finish: Option<String>,
     usage: Option<(u64, u64)>,
     error_code: Option<String>,
+    /// The open message item's closing events (`output_text.done`, `content_part.done`,
+    /// `output_item.done`), held back until the next event shows they are not followed by a cut:
+    /// a frontend that closes the item before its error event (Dynamo 1.6.1 does) would
+    /// otherwise leave the continuation no item to write into. Each: the event and its data.
+    held: Vec<(Vec<u8>, Map<String, Value>)>,
 }
+
+/// Most closing events held back at once (an item has three; a hostile upstream repeating them
+/// gets them relayed).
+const MAX_HELD: usize = 4;
 
 impl ResponsesSplice {
     /// A splice keeping at most `max_text_bytes` of answer text (and as much of finished output
@@ -120,6 +129,7 @@ impl ResponsesSplice {
             finish: None,
             usage: None,
             error_code: None,
+            held: Vec::new(),
         }
     }
 
@@ -222,6 +232,7 @@ impl ResponsesSplice {
 
     /// Switches to the continuation: its chat chunks become Responses events from now on.
     pub fn start_continuation(&mut self) {
+        self.held.clear();
         self.sent_tokens = self.tokens_sent();
         self.continuing = true;
         self.partial.clear();
@@ -252,6 +263,7 @@ impl ResponsesSplice {
         let Some(data) = sse_data(event) else {
             // Comments and non-data fields pass through on the original stream only.
             if !self.continuing {
+                self.release(out)?;
                 out.extend_from_slice(event);
                 out.extend_from_slice(b"\n\n");
             }
@@ -287,9 +299,46 @@ impl ResponsesSplice {
         if self.continuing {
             return self.continuation_chunk(&chunk, out);
         }
+        let kind = chunk.get("type").and_then(Value::as_str).unwrap_or("");
+        if matches!(kind, "error" | "response.failed") {
+            // The held closing events never reach the client: the continuation reopens nothing.
+            return self.original(&chunk, data.len());
+        }
+        if self.closes_open_item(&chunk) && self.held.len() < MAX_HELD {
+            self.held.push((event.to_vec(), chunk));
+            return Ok(());
+        }
+        self.release(out)?;
         self.original(&chunk, data.len())?;
         out.extend_from_slice(event);
         out.extend_from_slice(b"\n\n");
+        Ok(())
+    }
+
+    /// Whether `event` closes (part of) the open message item.
+    fn closes_open_item(&self, event: &Map<String, Value>) -> bool {
+        let Some(item) = &self.item else {
+            return false;
+        };
+        match event.get("type").and_then(Value::as_str) {
+            Some("response.output_text.done" | "response.content_part.done") => {
+                item_id(event) == item.id
+            }
+            Some("response.output_item.done") => {
+                let id = event.get("item").and_then(|i| i.get("id"));
+                id.and_then(Value::as_str) == Some(item.id.as_str())
+            }
+            _ => false,
+        }
+    }
+
+    /// Relays (and records) the held closing events: what followed them was no cut.
+    fn release(&mut self, out: &mut Vec<u8>) -> Result<(), CutReason> {
+        for (event, data) in std::mem::take(&mut self.held) {
+            self.original(&data, event.len())?;
+            out.extend_from_slice(&event);
+            out.extend_from_slice(b"\n\n");
+        }
         Ok(())
     }
 

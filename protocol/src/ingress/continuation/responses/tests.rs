@@ -443,3 +443,46 @@ fn the_kept_text_is_capped_and_past_the_cap_continuation_is_refused() {
     assert_eq!(splice.refusal(), Some(Refusal::OverCap));
     assert!(splice.text().len() <= 4);
 }
+
+/// A frontend that closes the message item before its error event (Dynamo 1.6.1 does): the
+/// closing events are held back, never reach the client, and the continuation goes on in the
+/// same item; without the error they are relayed as they came.
+#[test]
+fn closing_events_before_an_error_are_held_back_and_the_item_continues() {
+    let whole = responses_stream(&["Hel".into(), "lo".into()]);
+    let closing_at = whole
+        .find("event: response.output_text.done")
+        .expect("done");
+    let completed_at = whole.find("event: response.completed").expect("completed");
+    let error = event(
+        "error",
+        9,
+        json!({"code": "server_error", "message": "engine died"}),
+    );
+    let mut splice = ResponsesSplice::new(1 << 20, 1 << 20);
+    let fed = splice.feed(format!("{}{error}", &whole[..completed_at]).as_bytes());
+    assert_eq!(fed.cut, Some(CutReason::ErrorEvent));
+    assert_eq!(
+        fed.out,
+        whole[..closing_at].as_bytes(),
+        "nothing after the deltas got out"
+    );
+    assert_eq!(splice.refusal(), None);
+    splice.start_continuation();
+    let mut out = fed.out;
+    out.extend(splice.feed(chat_stream(&["!".into()], 9).as_bytes()).out);
+    assert_eq!(splice.end(&mut out), None);
+    let spliced = read(&events(&out));
+    assert_eq!(spliced.deltas, "Hello!");
+    assert_eq!(spliced.done_texts, vec!["Hello!".to_owned(); 3]);
+    assert_eq!(spliced.terminals, ["response.completed"]);
+    assert!(spliced.at.iter().all(|a| a.0 == MSG), "{:?}", spliced.at);
+
+    // Followed by the terminal event, the held events go out in order, unchanged.
+    let mut splice = ResponsesSplice::new(1 << 20, 1 << 20);
+    let part = splice.feed(&whole.as_bytes()[..completed_at]).out;
+    assert_eq!(part, whole[..closing_at].as_bytes());
+    let mut rest = splice.feed(&whole.as_bytes()[completed_at..]).out;
+    assert_eq!(splice.end(&mut rest), None);
+    assert_eq!([part, rest].concat(), whole.into_bytes());
+}
