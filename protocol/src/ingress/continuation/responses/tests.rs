@@ -464,7 +464,7 @@ fn closing_events_before_an_error_are_held_back_and_the_item_continues() {
     assert_eq!(fed.cut, Some(CutReason::ErrorEvent));
     assert_eq!(
         fed.out,
-        whole[..closing_at].as_bytes(),
+        &whole.as_bytes()[..closing_at],
         "nothing after the deltas got out"
     );
     assert_eq!(splice.refusal(), None);
@@ -481,7 +481,7 @@ fn closing_events_before_an_error_are_held_back_and_the_item_continues() {
     // Followed by the terminal event, the held events go out in order, unchanged.
     let mut splice = ResponsesSplice::new(1 << 20, 1 << 20);
     let part = splice.feed(&whole.as_bytes()[..completed_at]).out;
-    assert_eq!(part, whole[..closing_at].as_bytes());
+    assert_eq!(part, &whole.as_bytes()[..closing_at]);
     let mut rest = splice.feed(&whole.as_bytes()[completed_at..]).out;
     assert_eq!(splice.end(&mut rest), None);
     assert_eq!([part, rest].concat(), whole.into_bytes());
