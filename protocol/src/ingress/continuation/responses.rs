@@ -21,6 +21,8 @@
 //! `response.created` reached the client, cannot be continued ([`ResponsesSplice::refusal`]);
 //! the caller ends the stream with [`ResponsesSplice::failure_event`] (`response.failed`).
 
+use std::borrow::Cow;
+
 use serde_json::{Map, Value, json};
 
 use super::{CutReason, Fed, Refusal, event_end, sse_data};
@@ -284,6 +286,11 @@ impl ResponsesSplice {
                 }
             };
         }
+        if self.fast_delta(data) {
+            out.extend_from_slice(event);
+            out.extend_from_slice(b"\n\n");
+            return Ok(());
+        }
         // Not a JSON object: a partial event the relay's failure event was glued to (a closed
         // upstream), or garbage; either way the stream cannot go on from it.
         let Ok(Value::Object(chunk)) = serde_json::from_slice::<Value>(data) else {
@@ -313,6 +320,33 @@ impl ResponsesSplice {
         out.extend_from_slice(event);
         out.extend_from_slice(b"\n\n");
         Ok(())
+    }
+
+    /// The common event, read without building a tree: an original `response.output_text.delta`
+    /// with no `"error"` anywhere and nothing held back. Records it as [`Self::original`] does
+    /// and says whether it did (anything else takes the `Value` path).
+    fn fast_delta(&mut self, data: &[u8]) -> bool {
+        if self.continuing
+            || self.ended
+            || !self.held.is_empty()
+            || memchr::memmem::find(data, b"\"response.output_text.delta\"").is_none()
+            || memchr::memmem::find(data, b"\"error\"").is_some()
+        {
+            return false;
+        }
+        let Ok(delta) = serde_json::from_slice::<FastDelta<'_>>(data) else {
+            return false;
+        };
+        if delta.kind != "response.output_text.delta" {
+            return false;
+        }
+        self.keep_text(delta.delta.as_deref().unwrap_or(""));
+        self.next_seq = self.next_seq.max(
+            delta
+                .sequence_number
+                .map_or(self.next_seq + 1, |s| s.saturating_add(1)),
+        );
+        true
     }
 
     /// Whether `event` closes (part of) the open message item.
@@ -464,6 +498,17 @@ impl ResponsesSplice {
             part.text.push_str(text);
         }
     }
+}
+
+/// The fields of a text delta [`ResponsesSplice::fast_delta`] reads, borrowed from the event.
+#[derive(serde::Deserialize)]
+struct FastDelta<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(default)]
+    sequence_number: Option<u64>,
+    #[serde(borrow, default)]
+    delta: Option<Cow<'a, str>>,
 }
 
 /// The `item_id` of an event (empty when it has none).
