@@ -74,6 +74,10 @@ fn median(mut runs: Vec<Duration>) -> Duration {
     runs[runs.len() / 2]
 }
 
+#[expect(
+    clippy::disallowed_methods,
+    reason = "a bench times itself; the protocol code it measures reads no clock"
+)]
 fn per_event(name: &str, events: usize, mut run: impl FnMut() -> usize) {
     let runs: Vec<Duration> = (0..RUNS)
         .map(|_| {
