@@ -186,6 +186,8 @@ label_enum! {
     MidStreamIngress {
         ChatCompletions => "chat_completions",
         Completions => "completions",
+        /// The native `/v1/responses` passthrough.
+        Responses => "responses",
     }
 }
 

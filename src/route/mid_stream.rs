@@ -1,5 +1,6 @@
 //! Mid-stream fallback for `POST /v1/chat/completions` and `/v1/completions` streams (issue 31):
-//! the IO around `continuum_protocol::ingress::continuation::ChatSplice`.
+//! the IO around `continuum_protocol::ingress::continuation::ChatSplice`; the native
+//! `/v1/responses` passthrough's is [`responses`].
 //!
 //! An armed stream relays whole SSE events only. When the upstream fails or closes before its
 //! terminal event, stalls past `inactivity_timeout`, or sends an error chunk, the rest of the
@@ -26,6 +27,8 @@ use http_body_util::BodyExt;
 use hyper::body::Frame;
 use tokio::time::{Instant, Sleep};
 use tracing::info;
+
+mod responses;
 
 use super::usage::Handoffs;
 use crate::config::schema::MidStreamFallbackConfig;
@@ -112,8 +115,8 @@ impl Budget {
     }
 }
 
-/// Arms a successful chat-completions or completions stream when mid-stream fallback is on; any
-/// other answer is returned as it is. `excluded` are backends a continuation never goes to (the shim pool).
+/// Arms a successful chat-completions, completions or native Responses stream when mid-stream
+/// fallback is on; any other answer is returned as it is. `excluded` are backends a continuation never goes to (the shim pool).
 pub fn arm(
     proxy: &Arc<Proxy>,
     budget: &Arc<RetryBudget>,
@@ -135,8 +138,12 @@ pub fn arm(
             ChatSplice::completions(config.max_buffered_bytes, MAX_EVENT_BYTES),
             MidStreamIngress::Completions,
         ),
-        // The native Responses passthrough relays another wire format.
-        OpenAiRoute::Responses | OpenAiRoute::ResponsesCompact => return resp,
+        // The native Responses passthrough: another wire format, its own splice.
+        OpenAiRoute::Responses => {
+            let scope = (allowed, excluded);
+            return responses::arm(proxy, budget, request, scope, config, resp);
+        }
+        OpenAiRoute::ResponsesCompact => return resp,
     };
     budget.record_stream();
     let mut excluded = excluded.to_vec();

@@ -54,6 +54,7 @@ mod kv_render;
 mod kv_shim_dispatch;
 mod mid_stream;
 mod mid_stream_dynamo_e2e;
+mod mid_stream_responses;
 mod observability_assets;
 mod observability_prometheus;
 mod otlp_actor_starts;

@@ -6,15 +6,19 @@
 //! shim), and a second frontend over the same namespace in its own router mode (round-robin, with
 //! Dynamo's own `--migration-limit` so a request it sends to the dead worker moves on) is the
 //! unified fallback. [`STREAMS`] streams start at once, all on the one decode worker (the only
-//! one when they start): plain HTTP SSE, the official `openai` SDK on chat completions and the
-//! `anthropic` SDK on Messages (`tests/fixtures/ingress/mid_stream_sdks.py`). Once every stream
-//! has received text, a second decode worker joins and the first is SIGKILLed. The shim frontend
-//! then ends each stream with an error chunk; the router continues each one on the fallback
-//! frontend (which decodes on the survivor). Proven: every client gets 200 and one complete,
-//! well-formed stream (one identity, one role, one final chunk, one `[DONE]` / `message_stop`,
-//! no error event), the SDKs consume theirs without an exception, and the counters say each
-//! stream was cut by an error event and continued. Nothing is timed: every wait is bounded and
-//! the assertions are about content and counts.
+//! one when they start): plain HTTP SSE, the official `openai` SDK on chat completions, the
+//! `anthropic` SDK on Messages (`tests/fixtures/ingress/mid_stream_sdks.py`), and plain HTTP on
+//! the native `/v1/responses` passthrough (the shim is `responses_api: native`). Once every
+//! stream has received text, a second decode worker joins and the first is SIGKILLed. The shim
+//! frontend then ends each stream with an error chunk (on Responses: the message item's closing
+//! events, then an error); the router continues each one on the fallback frontend (which decodes
+//! on the survivor; a Responses stream's rest as chat completions). Proven: every client gets 200
+//! and one complete, well-formed stream (one identity, one role, one final chunk, one `[DONE]` /
+//! `message_stop`; on Responses one response id, increasing sequence numbers, one text item, one
+//! terminal event whose output is the whole text; no error event), the SDKs consume theirs
+//! without an exception, and the counters say each stream was cut by an error event and
+//! continued. Nothing is timed: every wait is bounded and the assertions are about content and
+//! counts.
 #![cfg(feature = "dynamo-e2e")]
 
 use std::time::Duration;
@@ -31,7 +35,10 @@ use crate::support::dynamo::{DynamoStack, MODEL, Signal, StackOptions, Topology,
 const PLAIN: usize = 8;
 const OPENAI: usize = 6;
 const ANTHROPIC: usize = 6;
-const STREAMS: usize = PLAIN + OPENAI + ANTHROPIC;
+/// Plain HTTP streams on the native `/v1/responses` passthrough (the shim is `responses_api:
+/// native`; their continuation goes to the fallback frontend as chat completions).
+const RESPONSES: usize = 4;
+const STREAMS: usize = PLAIN + OPENAI + ANTHROPIC + RESPONSES;
 /// Tokens per answer: at the slow rate below an answer takes ≈ 12 s or more, so it is
 /// mid-answer when the worker dies (in three runs the kill came after 35–100 tokens).
 const MAX_TOKENS: u64 = 400;
@@ -56,7 +63,7 @@ fn config_yaml(stack: &DynamoStack, fallback: &str) -> String {
          mid_stream_fallback:\n    enabled: true\n    max_attempts: 2\n    \
          inactivity_timeout: 20s\n    budget_ratio: 1.0\n    budget_min_per_s: 1.0\n\
          backends:\n  - name: dynamo-shim\n    type: openai\n    url: \"{shim}\"\n    \
-         role: unified\n    models: [\"{MODEL}\"]\n    health_check:\n      enabled: false\n  \
+         role: unified\n    models: [\"{MODEL}\"]\n    responses_api: native\n    health_check:\n      enabled: false\n  \
          - name: dynamo-fallback\n    type: openai\n    url: \"{fallback}\"\n    \
          role: unified\n    models: [\"{MODEL}\"]\n    health_check:\n      enabled: false\n\
          dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{etcd}\"]\n      \
@@ -178,6 +185,156 @@ async fn plain_stream(base: String, i: usize, first: mpsc::Sender<String>) -> Pl
     seen
 }
 
+/// What a plain HTTP client saw of one native Responses stream.
+#[derive(Debug, Default)]
+struct Native {
+    status: u16,
+    events: usize,
+    text: String,
+    seqs: Vec<u64>,
+    ids: Vec<Value>,
+    /// (item_id, output_index, content_index) of the text deltas.
+    items: Vec<(Value, Value, Value)>,
+    /// `response.completed` / `response.incomplete` / `response.failed` / `error` events.
+    terminals: Vec<String>,
+    final_text: String,
+    malformed: Vec<String>,
+    /// The event types, consecutive repeats folded (for the failure messages).
+    kinds: Vec<String>,
+}
+
+impl Native {
+    fn event(&mut self, event: &str) {
+        self.events += 1;
+        let data = event.lines().find_map(|l| l.strip_prefix("data: "));
+        if data == Some("[DONE]") {
+            return;
+        }
+        let Some(Ok(v)) = data.map(serde_json::from_str::<Value>) else {
+            self.malformed.push(event.to_owned());
+            return;
+        };
+        let kind = v["type"].as_str().unwrap_or("").to_owned();
+        if self.kinds.last() != Some(&kind) {
+            self.kinds.push(kind.clone());
+        }
+        if !self.terminals.is_empty() || v.get("error").is_some_and(|e| !e.is_null()) {
+            self.malformed.push(event.to_owned());
+        }
+        self.seqs.extend(v["sequence_number"].as_u64());
+        if let Some(id) = v.get("response").map(|r| r["id"].clone())
+            && !self.ids.contains(&id)
+        {
+            self.ids.push(id);
+        }
+        if kind == "response.output_text.delta" {
+            self.text += v["delta"].as_str().unwrap_or("");
+            let at = (
+                v["item_id"].clone(),
+                v["output_index"].clone(),
+                v["content_index"].clone(),
+            );
+            if !self.items.contains(&at) {
+                self.items.push(at);
+            }
+        }
+        if [
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+            "error",
+        ]
+        .contains(&kind.as_str())
+        {
+            let output = v["response"]["output"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let texts = output
+                .iter()
+                .flat_map(|o| o["content"].as_array().cloned().unwrap_or_default());
+            self.final_text = texts
+                .filter_map(|c| c["text"].as_str().map(str::to_owned))
+                .collect();
+            self.terminals.push(kind);
+        }
+    }
+
+    fn assert_well_formed(&self, i: usize) {
+        assert_eq!(self.status, 200, "responses stream {i}");
+        assert!(
+            self.malformed.is_empty(),
+            "responses stream {i}: {:?}",
+            self.malformed
+        );
+        assert!(
+            self.seqs.windows(2).all(|w| w[0] < w[1]),
+            "responses stream {i}: sequence numbers {:?}",
+            self.seqs
+        );
+        assert_eq!(self.ids.len(), 1, "responses stream {i}: one response id");
+        assert_eq!(
+            self.items.len(),
+            1,
+            "responses stream {i}: one text item: {:?} in {:?}",
+            self.items,
+            self.kinds
+        );
+        assert_eq!(
+            self.terminals.len(),
+            1,
+            "responses stream {i}: {:?}",
+            self.terminals
+        );
+        assert!(
+            ["response.completed", "response.incomplete"].contains(&self.terminals[0].as_str()),
+            "responses stream {i}: {:?}",
+            self.terminals
+        );
+        assert!(!self.text.is_empty(), "responses stream {i}: text");
+        assert_eq!(
+            self.final_text, self.text,
+            "responses stream {i}: the final output"
+        );
+    }
+}
+
+/// One plain HTTP native Responses stream; says `first` once its first text arrived.
+async fn responses_stream(base: String, i: usize, first: mpsc::Sender<String>) -> Native {
+    let body = json!({"model": MODEL, "stream": true, "max_output_tokens": MAX_TOKENS,
+                      "input": format!("a story about block {i}")});
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/responses"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    let mut seen = Native {
+        status: resp.status().as_u16(),
+        ..Native::default()
+    };
+    let mut bytes = resp.bytes_stream();
+    let mut pending: Vec<u8> = Vec::new();
+    let mut announced = false;
+    while let Some(chunk) = bytes.next().await {
+        pending.extend_from_slice(&chunk.expect("the stream reads to its end without an error"));
+        while let Some(at) = pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = pending.drain(..at + 2).collect();
+            let event = String::from_utf8(event).expect("whole UTF-8 events");
+            seen.event(event.trim_end_matches('\n'));
+        }
+        if !announced && !seen.text.is_empty() {
+            announced = true;
+            let _ = first.send(format!("responses {i}")).await;
+        }
+    }
+    assert!(
+        pending.is_empty(),
+        "responses stream {i}: a partial last event"
+    );
+    seen
+}
+
 /// The SDK script's run: its `FIRST` lines go to `first`; returns its whole stdout and status.
 async fn sdk_streams(base: String, first: mpsc::Sender<String>) -> (bool, String) {
     let python = std::env::var("CONTINUUM_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -208,16 +365,12 @@ async fn sdk_streams(base: String, first: mpsc::Sender<String>) -> (bool, String
     (status.success() && out.trim_end().ends_with("OK"), out)
 }
 
-fn mid_stream_count(daemon: &Daemon, reason: &str, result: &str) -> u64 {
+fn mid_stream_count(daemon: &Daemon, ingress: &str, reason: &str, result: &str) -> u64 {
     daemon
         .metrics()
         .value(
             "continuum_mid_stream_fallback_total",
-            &[
-                ("ingress", "chat_completions"),
-                ("reason", reason),
-                ("result", result),
-            ],
+            &[("ingress", ingress), ("reason", reason), ("result", result)],
         )
         .unwrap_or(0.0) as u64
 }
@@ -242,6 +395,9 @@ async fn sigkilled_decode_worker_mid_answer_every_client_gets_one_whole_stream()
     let (first_tx, mut first_rx) = mpsc::channel(STREAMS);
     let plain: Vec<_> = (0..PLAIN)
         .map(|i| tokio::spawn(plain_stream(base.clone(), i, first_tx.clone())))
+        .collect();
+    let natives: Vec<_> = (0..RESPONSES)
+        .map(|i| tokio::spawn(responses_stream(base.clone(), i, first_tx.clone())))
         .collect();
     let sdks = tokio::spawn(sdk_streams(base.clone(), first_tx.clone()));
     drop(first_tx);
@@ -273,6 +429,15 @@ async fn sigkilled_decode_worker_mid_answer_every_client_gets_one_whole_stream()
         texts += seen.text.len();
         events += seen.events;
     }
+    let mut native_events = 0;
+    for (i, handle) in natives.into_iter().enumerate() {
+        let seen = tokio::time::timeout(LIMIT, handle)
+            .await
+            .unwrap_or_else(|_| panic!("responses stream {i} ends within {LIMIT:?}"))
+            .expect("responses stream task");
+        seen.assert_well_formed(i);
+        native_events += seen.events;
+    }
     let (ok, out) = tokio::time::timeout(LIMIT, sdks)
         .await
         .expect("the SDK streams end in time")
@@ -281,7 +446,12 @@ async fn sigkilled_decode_worker_mid_answer_every_client_gets_one_whole_stream()
     let sdk_done = out.lines().filter(|l| l.starts_with("DONE ")).count();
     assert_eq!(sdk_done, OPENAI + ANTHROPIC, "{out}");
 
-    let continued = mid_stream_count(&daemon, "error_event", "continued");
+    let continued = mid_stream_count(&daemon, "chat_completions", "error_event", "continued");
+    let native_cuts: Vec<(&str, u64)> = ["closed", "stalled", "error_event"]
+        .into_iter()
+        .map(|r| (r, mid_stream_count(&daemon, "responses", r, "continued")))
+        .collect();
+    let native_continued: u64 = native_cuts.iter().map(|(_, n)| n).sum();
     let family = daemon
         .metrics()
         .registry()
@@ -298,16 +468,23 @@ async fn sigkilled_decode_worker_mid_answer_every_client_gets_one_whole_stream()
         .value("continuum_mid_stream_fallback_tokens_resent_total", &[])
         .unwrap_or(0.0);
     assert_eq!(
-        continued, STREAMS as u64,
-        "every stream was cut by the shim's error chunk and continued"
+        continued,
+        (PLAIN + OPENAI + ANTHROPIC) as u64,
+        "every chat stream was cut by the shim's error chunk and continued"
     );
-    assert_eq!(all, continued, "no other cut or result");
+    assert_eq!(
+        native_continued, RESPONSES as u64,
+        "every native Responses stream was continued: {native_cuts:?}"
+    );
+    assert_eq!(all, continued + native_continued, "no other cut or result");
     assert!(resent > 0.0, "tokens re-sent are counted");
     println!(
         "SIGKILL of decode worker {killed} mid-answer (survivor {survivor}): {STREAMS} streams \
-         ({PLAIN} plain HTTP, {OPENAI} openai SDK, {ANTHROPIC} anthropic SDK), {continued} cut and \
+         ({PLAIN} plain HTTP, {OPENAI} openai SDK, {ANTHROPIC} anthropic SDK, {RESPONSES} native \
+         Responses), {continued} chat + {native_continued} Responses ({native_cuts:?}) cut and \
          continued on the fallback frontend, {STREAMS} whole streams with status 200; plain \
-         clients read {events} events, {texts} bytes of text; {resent} tokens re-sent"
+         clients read {events} events, {texts} bytes of text, Responses clients {native_events} \
+         events; {resent} tokens re-sent"
     );
     daemon.shutdown().await;
 }

@@ -577,3 +577,6 @@ pub use frame::Relayed;
 
 #[cfg(test)]
 mod tests;
+
+mod responses;
+pub use responses::ResponsesSplice;
