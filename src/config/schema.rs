@@ -282,7 +282,7 @@ pub struct DisaggregatedServingConfig {
     pub enabled: bool,
     /// After a shim failure, retry once on a unified backend without worker pins.
     pub fallback_to_unified: bool,
-    /// Continuing a chat-completions stream cut after its first byte (issue 31).
+    /// Continuing a stream cut after its first byte, on every ingress (issue 31).
     pub mid_stream_fallback: MidStreamFallbackConfig,
 }
 
@@ -296,8 +296,9 @@ impl Default for DisaggregatedServingConfig {
     }
 }
 
-/// `disaggregated_serving.mid_stream_fallback`: a streamed chat completion cut after the client
-/// received bytes is continued on a unified fallback target (docs/runtime-semantics.md).
+/// `disaggregated_serving.mid_stream_fallback`: a stream (chat or text completions, Messages,
+/// Responses) cut after the client received bytes is continued on a unified fallback target
+/// (docs/runtime-semantics.md).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct MidStreamFallbackConfig {
