@@ -109,8 +109,15 @@ pub struct ChatSplice {
     /// Completion tokens sent before the continuation started.
     sent_tokens: u64,
     error_code: Option<String>,
-    /// Read original chunks with the typed reader (off only in tests, to compare both readers).
+    /// Read original chunks with the typed reader and by their shape (off only in tests, to
+    /// compare the readers).
     fast: bool,
+    /// The stream's plain content chunk, once one proved to be (see `shape`).
+    shape: Option<Shape>,
+    /// Shapes tried so far (at most [`shape::MAX_SHAPE_TRIES`]).
+    shape_tries: u8,
+    /// Chunks read by their shape (for the tests: the shape path must be taken).
+    shaped: u64,
 }
 
 /// The continuation's first content may arrive with `role`: the client already has one.
@@ -148,6 +155,9 @@ impl ChatSplice {
             sent_tokens: 0,
             error_code: None,
             fast: true,
+            shape: None,
+            shape_tries: 0,
+            shaped: 0,
         }
     }
 
@@ -259,6 +269,7 @@ impl ChatSplice {
         // A later continuation estimates from the whole text kept (the usage seen is stale).
         self.usage_tokens = None;
         self.phase = Phase::Continuation;
+        self.shape = None;
         self.partial.clear();
         self.finished = false;
         self.done = false;
@@ -291,12 +302,23 @@ impl ChatSplice {
             self.done = true;
             return Ok(Relay::Done);
         }
-        // The common case, read without building a tree: an original chunk once the stream's
-        // identity is known, with no `error` key anywhere.
+        // The common case, read without a parse: a plain content chunk of the stream's shape.
+        if self.fast
+            && self.phase == Phase::Original
+            && !self.done
+            && self.read_shaped(data).is_some()
+        {
+            self.shaped += 1;
+            return Ok(Relay::Event);
+        }
+        let before = self.text.len();
+        // Else without building a tree: an original chunk once the stream's identity is known,
+        // with no `error` key anywhere.
         if self.fast_path_applies(data)
             && let Ok(chunk) = serde_json::from_slice::<FastChunk<'_>>(data)
         {
             self.read_fast(&chunk);
+            self.learn_shape(data, before);
             return Ok(Relay::Event);
         }
         // Not a JSON object: a partial event the relay's failure event was glued to (a closed
@@ -314,7 +336,10 @@ impl ChatSplice {
         }
         self.read_chunk(&chunk);
         match self.phase {
-            Phase::Original => Ok(Relay::Event),
+            Phase::Original => {
+                self.learn_shape(data, before);
+                Ok(Relay::Event)
+            }
             Phase::Continuation => {
                 self.rewrite(&mut chunk);
                 Ok(Relay::Rewritten(Value::Object(chunk).to_string()))
@@ -558,11 +583,18 @@ fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
 
 /// The `data:` payload of one event (its first `data:` line; chat chunks have one).
 fn sse_data(event: &[u8]) -> Option<&[u8]> {
-    event.split(|&b| b == b'\n').find_map(|line| {
+    let mut rest = event;
+    loop {
+        let (line, next) = match memchr::memchr(b'\n', rest) {
+            Some(at) => (&rest[..at], Some(&rest[at + 1..])),
+            None => (rest, None),
+        };
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let rest = line.strip_prefix(b"data:")?;
-        Some(rest.strip_prefix(b" ").unwrap_or(rest))
-    })
+        if let Some(data) = line.strip_prefix(b"data:") {
+            return Some(data.strip_prefix(b" ").unwrap_or(data));
+        }
+        rest = next?;
+    }
 }
 
 /// The one well-formed error event that ends a stream that could not be continued.
@@ -574,6 +606,8 @@ pub fn error_event(message: &str, code: &str) -> Vec<u8> {
 mod frame;
 use frame::Relay;
 pub use frame::Relayed;
+mod shape;
+use shape::Shape;
 
 #[cfg(test)]
 mod tests;
