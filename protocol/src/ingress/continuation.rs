@@ -18,10 +18,6 @@
 //! A cut inside a tool call or a reasoning block cannot be continued safely:
 //! [`ChatSplice::refusal`] says so, and the caller ends the stream with [`error_event`].
 
-use std::borrow::Cow;
-
-use serde::Deserialize;
-use serde::de::IgnoredAny;
 use serde_json::{Map, Value, json};
 
 use crate::picker::estimate_text_tokens;
@@ -214,6 +210,13 @@ impl ChatSplice {
         fed
     }
 
+    /// Whether the upstream ending now would be an ordinary end with nothing more to relay (what
+    /// [`ChatSplice::end`] would say with nothing in `out`): the relay may then tell the client's
+    /// connection that the body ends with its last frame.
+    pub fn ends_here(&self) -> bool {
+        self.ended() && (self.phase == Phase::Original || self.done)
+    }
+
     /// The upstream ended: `None` for an ordinary end (bytes to relay, maybe a closing `[DONE]`
     /// in `out`), else the stream was cut.
     pub fn end(&mut self, out: &mut Vec<u8>) -> Option<CutReason> {
@@ -347,56 +350,6 @@ impl ChatSplice {
         }
     }
 
-    /// Whether `data` may be read by [`ChatSplice::read_fast`]: an original chunk after the
-    /// identity and choice index are known, not ended, with no `"error"` in it (an error chunk,
-    /// and anything the fast reader cannot type, takes the `Value` path).
-    fn fast_path_applies(&self, data: &[u8]) -> bool {
-        self.fast
-            && self.phase == Phase::Original
-            && !self.done
-            && self.id.is_some()
-            && self.model.is_some()
-            && self.created.is_some()
-            && self.index.as_ref().is_some_and(Value::is_u64)
-            && memchr::memmem::find(data, b"\"error\"").is_none()
-    }
-
-    /// [`ChatSplice::read_chunk`] for a typed original chunk (the identity is already known).
-    fn read_fast(&mut self, chunk: &FastChunk<'_>) {
-        let choices = chunk.choices.as_deref().unwrap_or_default();
-        if let Some(tokens) = chunk.usage.as_ref().and_then(|u| u.completion_tokens) {
-            self.usage_tokens = Some(tokens);
-        }
-        for choice in choices {
-            if self.index.as_ref().and_then(Value::as_u64) != Some(choice.index.unwrap_or(0)) {
-                self.refusal = Some(Refusal::Unsupported);
-            }
-            if choice.finish_reason.is_some() {
-                self.finished = true;
-            }
-            if self.wire == SpliceWire::Completions {
-                self.keep_text(choice.text.as_deref().unwrap_or(""));
-                continue;
-            }
-            let Some(delta) = &choice.delta else {
-                continue;
-            };
-            let reasoning = [&delta.reasoning_content, &delta.reasoning]
-                .iter()
-                .any(|r| r.as_deref().is_some_and(|s| !s.is_empty()));
-            if delta.tool_calls.is_some() {
-                self.refusal.get_or_insert(Refusal::ToolCall);
-            }
-            let content = delta.content.as_deref().unwrap_or("");
-            if reasoning {
-                self.in_reasoning = true;
-            } else if !content.is_empty() {
-                self.in_reasoning = false;
-            }
-            self.keep_text(content);
-        }
-    }
-
     /// Records identity, text, usage and the tool-call / reasoning state of one chunk.
     fn read_chunk(&mut self, chunk: &Map<String, Value>) {
         // A continuation whose original sent no chunk gives the stream its identity.
@@ -516,52 +469,17 @@ impl ChatSplice {
     }
 }
 
-/// The fields of an original chunk the splice reads, borrowed from the event (strings without
-/// escapes are not copied); every other field is skipped unparsed into a tree. A chunk these
-/// types do not fit (a `content` that is not a string, ...) fails to parse and takes the
-/// `Value` path, which decides as before.
-#[derive(Deserialize)]
-struct FastChunk<'a> {
-    #[serde(borrow, default)]
-    choices: Option<Vec<FastChoice<'a>>>,
-    #[serde(default)]
-    usage: Option<FastUsage>,
-}
-
-#[derive(Deserialize)]
-struct FastChoice<'a> {
-    #[serde(default)]
-    index: Option<u64>,
-    /// Non-null: the stream's terminal chunk.
-    #[serde(default)]
-    finish_reason: Option<IgnoredAny>,
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    delta: Option<FastDelta<'a>>,
-}
-
-#[derive(Deserialize)]
-struct FastDelta<'a> {
-    #[serde(borrow, default)]
-    content: Option<Cow<'a, str>>,
-    #[serde(default)]
-    tool_calls: Option<IgnoredAny>,
-    #[serde(borrow, default)]
-    reasoning_content: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    reasoning: Option<Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-struct FastUsage {
-    #[serde(default)]
-    completion_tokens: Option<u64>,
-}
-
 /// `usage.completion_tokens` of a chunk, when it carries usage.
 fn usage_tokens(chunk: &Map<String, Value>) -> Option<u64> {
     chunk.get("usage")?.get("completion_tokens")?.as_u64()
+}
+
+/// A memmem searcher built once (building one per search costs more than the search).
+fn finder<'a>(
+    cell: &'a std::sync::OnceLock<memchr::memmem::Finder<'static>>,
+    needle: &'static [u8],
+) -> &'a memchr::memmem::Finder<'static> {
+    cell.get_or_init(|| memchr::memmem::Finder::new(needle))
 }
 
 /// The end of the first complete SSE event in `buf`: (event length, bytes to skip past its
@@ -608,6 +526,8 @@ use frame::Relay;
 pub use frame::Relayed;
 mod shape;
 use shape::Shape;
+mod typed;
+use typed::FastChunk;
 
 #[cfg(test)]
 mod tests;

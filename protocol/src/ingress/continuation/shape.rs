@@ -17,16 +17,23 @@
 //! before.
 
 use std::borrow::Cow;
+use std::sync::OnceLock;
+
+use memchr::memmem::Finder;
 
 use serde_json::Value;
 
-use super::{ChatSplice, SpliceWire};
+use super::{ChatSplice, SpliceWire, finder};
 
 /// Largest chunk kept as a shape.
 const MAX_SHAPE_BYTES: usize = 4096;
 
 /// Shapes tried per stream (each costs one full read of a probe chunk).
 pub(super) const MAX_SHAPE_TRIES: u8 = 4;
+
+static ROLE_KEY: OnceLock<Finder<'static>> = OnceLock::new();
+static CONTENT_KEY: OnceLock<Finder<'static>> = OnceLock::new();
+static TEXT_KEY: OnceLock<Finder<'static>> = OnceLock::new();
 
 /// A plain chunk's data: its text's string value (inside the quotes) is `data[open..close]`.
 #[derive(Debug)]
@@ -65,8 +72,12 @@ pub(super) fn decode(raw: &[u8]) -> Option<Cow<'_, str>> {
 
 /// The string values of `key` in `data`: (start, end) of each value's raw bytes. A candidate
 /// only; [`ChatSplice::learn_shape`] proves the one it keeps.
-fn string_values<'a>(data: &'a [u8], key: &'a [u8]) -> impl Iterator<Item = (usize, usize)> + 'a {
-    memchr::memmem::find_iter(data, key).filter_map(move |at| {
+fn string_values<'a>(
+    data: &'a [u8],
+    key: &'a memchr::memmem::Finder<'static>,
+) -> impl Iterator<Item = (usize, usize)> + 'a {
+    key.find_iter(data).filter_map(move |at| {
+        let key = key.needle();
         let mut i = at + key.len();
         let skip = |i: &mut usize| {
             while data.get(*i).is_some_and(u8::is_ascii_whitespace) {
@@ -122,12 +133,12 @@ impl ChatSplice {
         }
         self.shape_tries += 1;
         // The first chunk's `role` is seldom repeated, nor then its shape: no probe for it.
-        if self.shape_tries == 1 && memchr::memmem::find(data, b"\"role\"").is_some() {
+        if self.shape_tries == 1 && finder(&ROLE_KEY, b"\"role\"").find(data).is_some() {
             return;
         }
-        let key: &[u8] = match self.wire {
-            SpliceWire::Chat => b"\"content\"",
-            SpliceWire::Completions => b"\"text\"",
+        let key = match self.wire {
+            SpliceWire::Chat => finder(&CONTENT_KEY, b"\"content\""),
+            SpliceWire::Completions => finder(&TEXT_KEY, b"\"text\""),
         };
         let text = &self.text[before..];
         let found = string_values(data, key).take(4).find(|&(open, close)| {
