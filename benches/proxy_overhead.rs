@@ -609,8 +609,10 @@ fn mid_stream_pass(
             s[at..].find('"')
         })
         .sum();
+    // The shape is one content chunk's data line (without `data: ` and the blank line).
+    let shape = long_stream()[1].len() - "data: \n\n".len();
     println!(
-        "[mid-stream] memory per armed stream: splice state {} B + inactivity timer {} B + the answer text kept ({text} B for this stream; at most max_buffered_bytes) + at most one partial event",
+        "[mid-stream] memory per armed stream: splice state {} B + the stream's shape {shape} B + inactivity timer {} B + the answer text kept ({text} B for this stream; at most max_buffered_bytes) + at most one partial event",
         std::mem::size_of::<continuum_protocol::ingress::continuation::ChatSplice>(),
         std::mem::size_of::<tokio::time::Sleep>()
     );

@@ -155,14 +155,8 @@ impl Router {
                 let shim_pool = resp.extensions().get::<ShimPool>().map(|p| p.0.clone());
                 let excluded = shim_pool.unwrap_or_default();
                 let allowed = &caller.allowed_backends;
-                let resp = mid_stream::arm(
-                    &self.proxy,
-                    &self.budget,
-                    &request,
-                    allowed,
-                    &excluded,
-                    resp,
-                );
+                let resp =
+                    mid_stream::arm(&self.proxy, &self.budget, request, allowed, &excluded, resp);
                 // Outside the continuation, so the merged usage of a continued stream is read.
                 usage::debit_completion(&self.proxy, key, resp)
             }

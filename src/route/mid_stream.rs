@@ -12,8 +12,10 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -23,9 +25,8 @@ use continuum_actors::metrics::{MidStreamIngress, MidStreamReason, MidStreamResu
 use continuum_protocol::ingress::continuation::{
     ChatSplice, CutReason, Refusal, Relayed, error_event,
 };
-use http_body_util::BodyExt;
 use hyper::body::Frame;
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
 use tracing::info;
 
 mod responses;
@@ -33,6 +34,9 @@ mod responses;
 use super::usage::Handoffs;
 use crate::config::schema::MidStreamFallbackConfig;
 use crate::proxy::{ClientRequest, Dispatch, OpenAiRoute, ParsedBody, Proxy, Scope, ServedBy};
+use stall::Stall;
+
+mod stall;
 
 /// The retry budget's sliding window.
 pub const BUDGET_WINDOW: Duration = Duration::from_secs(10);
@@ -120,7 +124,7 @@ impl Budget {
 pub fn arm(
     proxy: &Arc<Proxy>,
     budget: &Arc<RetryBudget>,
-    request: &ClientRequest,
+    request: ClientRequest,
     allowed: &[String],
     excluded: &[String],
     resp: Response<Body>,
@@ -157,42 +161,59 @@ pub fn arm(
     parts.extensions.insert(handoffs.clone());
     let armed = Armed {
         splice,
-        ingress,
-        upstream: Some(body),
-        stall: Box::pin(tokio::time::sleep(config.inactivity_timeout.get())),
-        attempts_left: config.max_attempts,
-        config,
-        proxy: proxy.clone(),
-        budget: budget.clone(),
-        request: request.clone(),
-        allowed: allowed.to_vec(),
-        excluded,
-        handoffs,
-        span: tracing::Span::current(),
+        state: State::Relaying(body),
+        stall: Stall::new(config.inactivity_timeout.get()),
+        context: Some(Box::new(Context {
+            ingress,
+            attempts_left: config.max_attempts,
+            config,
+            proxy: proxy.clone(),
+            budget: budget.clone(),
+            request,
+            allowed: allowed.to_vec(),
+            excluded,
+            handoffs,
+            span: tracing::Span::current(),
+        })),
     };
-    let stream = futures::stream::unfold(armed, |mut armed| async move {
-        let bytes = armed.next().await?;
-        Some((Ok::<_, Infallible>(bytes), armed))
-    });
-    Response::from_parts(parts, Body::from_stream(stream))
+    Response::from_parts(parts, Body::new(armed))
 }
 
-/// One frame of the upstream body, or its error.
-type UpstreamFrame = Result<Frame<Bytes>, axum::Error>;
+/// The continuation's outcome: the context back, the `result` label, and the body and backend
+/// of a continuation that started.
+type Outcome = (
+    Box<Context>,
+    MidStreamResult,
+    Option<(Body, Option<Arc<str>>)>,
+);
 
-/// No upstream frame within the inactivity timeout.
-struct Stalled;
-
-/// One armed stream's state; dropping it drops the upstream body (and its request).
+/// One armed stream's state; dropping it drops the upstream body (and its request). A body of
+/// its own (no stream adapters, no future per event): each poll reads the upstream frame and
+/// hands over what the splice relays.
 struct Armed {
     splice: ChatSplice,
+    state: State,
+    stall: Stall,
+    /// What a continuation needs (`None` while the continuation's future holds it).
+    context: Option<Box<Context>>,
+}
+
+enum State {
+    /// Reading the upstream body (the original's or a continuation's).
+    Relaying(Body),
+    /// Asking a fallback for the rest; `out` is what goes to the client first.
+    Continuing {
+        cut: CutReason,
+        out: Vec<u8>,
+        next: Pin<Box<dyn Future<Output = Outcome> + Send>>,
+    },
+    Ended,
+}
+
+/// What only a continuation reads (boxed: the relay's hot state stays small).
+struct Context {
     /// The `ingress` label: which OpenAI route the stream answers.
     ingress: MidStreamIngress,
-    /// `None` once the stream ended.
-    upstream: Option<Body>,
-    /// The inactivity timer, kept across frames (a fresh timer per frame costs a timer-wheel
-    /// insert and removal per event); see [`Armed::frame`].
-    stall: Pin<Box<Sleep>>,
     attempts_left: u32,
     config: Arc<MidStreamFallbackConfig>,
     proxy: Arc<Proxy>,
@@ -206,111 +227,180 @@ struct Armed {
     span: tracing::Span,
 }
 
-impl Armed {
-    /// The next bytes for the client, `None` at the end.
-    async fn next(&mut self) -> Option<Bytes> {
+impl hyper::body::Body for Armed {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let this = self.get_mut();
         loop {
-            let frame = self.frame().await?;
-            let mut out = Vec::new();
-            let cut = match frame {
-                Ok(Some(Ok(frame))) => {
-                    let Ok(data) = frame.into_data() else {
-                        continue;
-                    };
-                    let (relayed, cut) = self.splice.feed_frame(&data);
-                    if cut.is_none() && relayed.is_empty() {
-                        continue;
-                    }
-                    // Whole events relayed as they came leave as a slice of the frame (no copy).
-                    let relayed = match relayed {
-                        Relayed::Prefix(n) => data.slice(..n),
-                        Relayed::Copied(bytes) => Bytes::from(bytes),
-                    };
-                    let Some(reason) = cut else {
-                        return Some(relayed);
-                    };
-                    out = relayed.into();
-                    // The relay's own event for a failed upstream body is a closed stream.
-                    if reason == CutReason::ErrorEvent
-                        && self.splice.error_code() == Some("bad_gateway")
-                    {
-                        CutReason::Closed
-                    } else {
-                        reason
-                    }
-                }
-                Ok(Some(Err(_))) => CutReason::Closed,
-                Ok(None) => match self.splice.end(&mut out) {
-                    None => {
-                        self.upstream = None;
-                        return (!out.is_empty()).then(|| out.into());
-                    }
-                    Some(reason) => reason,
+            let step = match &mut this.state {
+                State::Ended => return Poll::Ready(None),
+                State::Relaying(upstream) => match Pin::new(upstream).poll_frame(cx) {
+                    Poll::Ready(frame) => this.upstream(frame),
+                    Poll::Pending => match this.stall.poll(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(()) => Step::Cut(CutReason::Stalled, Vec::new()),
+                    },
                 },
-                Err(_) => CutReason::Stalled,
+                State::Continuing { next, .. } => match next.as_mut().poll(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(outcome) => Step::Out(this.continued(outcome)),
+                },
             };
-            self.upstream = None;
-            let (result, body) = self.continuation().await;
-            self.observe(cut, result);
-            match body {
-                Some(body) => self.upstream = Some(body),
+            match step {
+                Step::Again => {}
+                Step::Out(out) if out.is_empty() => {}
+                Step::Out(out) => return Poll::Ready(Some(Ok(Frame::data(out)))),
+                Step::Cut(cut, out) => this.cut(cut, out),
+            }
+        }
+    }
+
+    /// True once ended, and already while the upstream says it ends with the frame just relayed
+    /// and the splice saw an ordinary end (the server then ends the chunked body with that frame's
+    /// write instead of polling once more).
+    fn is_end_stream(&self) -> bool {
+        match &self.state {
+            State::Ended => true,
+            State::Relaying(upstream) => upstream.is_end_stream() && self.splice.ends_here(),
+            State::Continuing { .. } => false,
+        }
+    }
+}
+
+/// What one upstream frame (or the end of a continuation) leads to.
+enum Step {
+    /// Nothing for the client yet.
+    Again,
+    /// Bytes for the client (nothing when empty).
+    Out(Bytes),
+    /// The stream was cut after `out` was relayed.
+    Cut(CutReason, Vec<u8>),
+}
+
+impl Armed {
+    /// Reads one upstream frame, its error, or its end.
+    fn upstream(&mut self, frame: Option<UpstreamFrame>) -> Step {
+        self.stall.frame();
+        let mut out = Vec::new();
+        let cut = match frame {
+            Some(Ok(frame)) => {
+                let Ok(data) = frame.into_data() else {
+                    return Step::Again;
+                };
+                let (relayed, cut) = self.splice.feed_frame(&data);
+                let Some(reason) = cut else {
+                    // Whole events relayed as they came leave as a slice of the frame (no copy).
+                    return match relayed {
+                        Relayed::Prefix(0) => Step::Again,
+                        Relayed::Prefix(n) if n == data.len() => Step::Out(data),
+                        Relayed::Prefix(n) => Step::Out(data.slice(..n)),
+                        Relayed::Copied(bytes) => Step::Out(Bytes::from(bytes)),
+                    };
+                };
+                out = match relayed {
+                    Relayed::Prefix(n) => data[..n].to_vec(),
+                    Relayed::Copied(bytes) => bytes,
+                };
+                // The relay's own event for a failed upstream body is a closed stream.
+                if reason == CutReason::ErrorEvent
+                    && self.splice.error_code() == Some("bad_gateway")
+                {
+                    CutReason::Closed
+                } else {
+                    reason
+                }
+            }
+            Some(Err(_)) => CutReason::Closed,
+            None => match self.splice.end(&mut out) {
                 None => {
-                    let message = format!(
-                        "the upstream stream was cut ({}) and could not be continued ({})",
-                        cut.as_label(),
-                        result.as_label()
-                    );
-                    out.extend(error_event(&message, "bad_gateway"));
+                    self.state = State::Ended;
+                    return Step::Out(out.into());
                 }
-            }
-            if !out.is_empty() {
-                return Some(out.into());
-            }
-        }
-    }
-
-    /// The upstream's next frame, `Err` when none came within the inactivity timeout of the
-    /// wait's start (as a `tokio::time::timeout` per frame would say), `None` once ended.
-    async fn frame(&mut self) -> Option<Result<Option<UpstreamFrame>, Stalled>> {
-        let upstream = self.upstream.as_mut()?;
-        let timeout = self.config.inactivity_timeout.get();
-        let deadline = Instant::now() + timeout;
-        loop {
-            tokio::select! {
-                biased;
-                frame = upstream.frame() => return Some(Ok(frame)),
-                () = self.stall.as_mut() => {
-                    // The timer was set for an earlier wait: move it to this wait's deadline.
-                    if Instant::now() >= deadline {
-                        self.stall.as_mut().reset(Instant::now() + timeout);
-                        return Some(Err(Stalled));
-                    }
-                    self.stall.as_mut().reset(deadline);
-                }
-            }
-        }
-    }
-
-    /// The continuation's body, or why there is none (the `result` label either way).
-    async fn continuation(&mut self) -> (MidStreamResult, Option<Body>) {
-        if let Some(refusal) = self.splice.refusal() {
-            return (refused(refusal), None);
-        }
-        let Ok(outbound) = self.splice.continuation_body(&self.request.body.outbound) else {
-            return (MidStreamResult::RefusedUnsupported, None);
+                Some(reason) => reason,
+            },
         };
+        Step::Cut(cut, out)
+    }
+
+    /// The stream was cut after `out` was relayed: the upstream is dropped and the continuation
+    /// asked for (or refused at once).
+    fn cut(&mut self, cut: CutReason, out: Vec<u8>) {
+        let Some(mut context) = self.context.take() else {
+            self.state = State::Ended;
+            return;
+        };
+        let splice = &self.splice;
+        let body = match splice.refusal() {
+            Some(refusal) => Err(refused(refusal)),
+            None => splice
+                .continuation_body(&context.request.body.outbound)
+                .map_err(|_| MidStreamResult::RefusedUnsupported),
+        };
+        let next = Box::pin(async move {
+            let (result, continued) = match body {
+                Ok(outbound) => context.attempts(outbound).await,
+                Err(result) => (result, None),
+            };
+            (context, result, continued)
+        });
+        self.state = State::Continuing { cut, out, next };
+    }
+
+    /// The continuation decided: relays on from its body, or ends with the error event.
+    fn continued(&mut self, (context, result, continued): Outcome) -> Bytes {
+        let State::Continuing { cut, mut out, .. } =
+            std::mem::replace(&mut self.state, State::Ended)
+        else {
+            return Bytes::new();
+        };
+        match continued {
+            Some((body, served_by)) => {
+                context
+                    .handoffs
+                    .hand_off(self.splice.tokens_sent(), served_by);
+                self.splice.start_continuation();
+                self.stall.restart();
+                self.state = State::Relaying(body);
+            }
+            None => {
+                let message = format!(
+                    "the upstream stream was cut ({}) and could not be continued ({})",
+                    cut.as_label(),
+                    result.as_label()
+                );
+                out.extend(error_event(&message, "bad_gateway"));
+            }
+        }
+        context.observe(&self.splice, cut, result);
+        self.context = Some(context);
+        out.into()
+    }
+}
+
+/// One frame of the upstream body, or its error.
+type UpstreamFrame = Result<Frame<Bytes>, axum::Error>;
+
+impl Context {
+    /// Up to `attempts_left` continuations within the budget: the first that starts, or why
+    /// none did.
+    async fn attempts(
+        &mut self,
+        outbound: Vec<u8>,
+    ) -> (MidStreamResult, Option<(Body, Option<Arc<str>>)>) {
+        let outbound = Bytes::from(outbound);
         let mut result = MidStreamResult::AttemptsExhausted;
         while self.attempts_left > 0 {
             if !self.budget.try_acquire(&self.config) {
                 return (MidStreamResult::BudgetExhausted, None);
             }
             self.attempts_left -= 1;
-            match self.dispatch(Bytes::from(outbound.clone())).await {
-                Ok((body, served_by)) => {
-                    self.handoffs.hand_off(self.splice.tokens_sent(), served_by);
-                    self.splice.start_continuation();
-                    return (MidStreamResult::Continued, Some(body));
-                }
+            match self.dispatch(outbound.clone()).await {
+                Ok(started) => return (MidStreamResult::Continued, Some(started)),
                 Err(why) => result = why,
             }
         }
@@ -362,8 +452,8 @@ impl Armed {
     }
 
     /// The counter and the span event (never any prompt or answer text).
-    fn observe(&self, cut: CutReason, result: MidStreamResult) {
-        let resent = self.splice.tokens_sent();
+    fn observe(&self, splice: &ChatSplice, cut: CutReason, result: MidStreamResult) {
+        let resent = splice.tokens_sent();
         let reason = match cut {
             CutReason::Closed => MidStreamReason::Closed,
             CutReason::Stalled => MidStreamReason::Stalled,

@@ -18,10 +18,6 @@
 //! A cut inside a tool call or a reasoning block cannot be continued safely:
 //! [`ChatSplice::refusal`] says so, and the caller ends the stream with [`error_event`].
 
-use std::borrow::Cow;
-
-use serde::Deserialize;
-use serde::de::IgnoredAny;
 use serde_json::{Map, Value, json};
 
 use crate::picker::estimate_text_tokens;
@@ -109,8 +105,15 @@ pub struct ChatSplice {
     /// Completion tokens sent before the continuation started.
     sent_tokens: u64,
     error_code: Option<String>,
-    /// Read original chunks with the typed reader (off only in tests, to compare both readers).
+    /// Read original chunks with the typed reader and by their shape (off only in tests, to
+    /// compare the readers).
     fast: bool,
+    /// The stream's plain content chunk, once one proved to be (see `shape`).
+    shape: Option<Shape>,
+    /// Shapes tried so far (at most [`shape::MAX_SHAPE_TRIES`]).
+    shape_tries: u8,
+    /// Chunks read by their shape (for the tests: the shape path must be taken).
+    shaped: u64,
 }
 
 /// The continuation's first content may arrive with `role`: the client already has one.
@@ -148,6 +151,9 @@ impl ChatSplice {
             sent_tokens: 0,
             error_code: None,
             fast: true,
+            shape: None,
+            shape_tries: 0,
+            shaped: 0,
         }
     }
 
@@ -202,6 +208,13 @@ impl ChatSplice {
             fed.cut = Some(CutReason::Closed);
         }
         fed
+    }
+
+    /// Whether the upstream ending now would be an ordinary end with nothing more to relay (what
+    /// [`ChatSplice::end`] would say with nothing in `out`): the relay may then tell the client's
+    /// connection that the body ends with its last frame.
+    pub fn ends_here(&self) -> bool {
+        self.ended() && (self.phase == Phase::Original || self.done)
     }
 
     /// The upstream ended: `None` for an ordinary end (bytes to relay, maybe a closing `[DONE]`
@@ -259,6 +272,7 @@ impl ChatSplice {
         // A later continuation estimates from the whole text kept (the usage seen is stale).
         self.usage_tokens = None;
         self.phase = Phase::Continuation;
+        self.shape = None;
         self.partial.clear();
         self.finished = false;
         self.done = false;
@@ -291,12 +305,23 @@ impl ChatSplice {
             self.done = true;
             return Ok(Relay::Done);
         }
-        // The common case, read without building a tree: an original chunk once the stream's
-        // identity is known, with no `error` key anywhere.
+        // The common case, read without a parse: a plain content chunk of the stream's shape.
+        if self.fast
+            && self.phase == Phase::Original
+            && !self.done
+            && self.read_shaped(data).is_some()
+        {
+            self.shaped += 1;
+            return Ok(Relay::Event);
+        }
+        let before = self.text.len();
+        // Else without building a tree: an original chunk once the stream's identity is known,
+        // with no `error` key anywhere.
         if self.fast_path_applies(data)
             && let Ok(chunk) = serde_json::from_slice::<FastChunk<'_>>(data)
         {
             self.read_fast(&chunk);
+            self.learn_shape(data, before);
             return Ok(Relay::Event);
         }
         // Not a JSON object: a partial event the relay's failure event was glued to (a closed
@@ -314,61 +339,14 @@ impl ChatSplice {
         }
         self.read_chunk(&chunk);
         match self.phase {
-            Phase::Original => Ok(Relay::Event),
+            Phase::Original => {
+                self.learn_shape(data, before);
+                Ok(Relay::Event)
+            }
             Phase::Continuation => {
                 self.rewrite(&mut chunk);
                 Ok(Relay::Rewritten(Value::Object(chunk).to_string()))
             }
-        }
-    }
-
-    /// Whether `data` may be read by [`ChatSplice::read_fast`]: an original chunk after the
-    /// identity and choice index are known, not ended, with no `"error"` in it (an error chunk,
-    /// and anything the fast reader cannot type, takes the `Value` path).
-    fn fast_path_applies(&self, data: &[u8]) -> bool {
-        self.fast
-            && self.phase == Phase::Original
-            && !self.done
-            && self.id.is_some()
-            && self.model.is_some()
-            && self.created.is_some()
-            && self.index.as_ref().is_some_and(Value::is_u64)
-            && memchr::memmem::find(data, b"\"error\"").is_none()
-    }
-
-    /// [`ChatSplice::read_chunk`] for a typed original chunk (the identity is already known).
-    fn read_fast(&mut self, chunk: &FastChunk<'_>) {
-        let choices = chunk.choices.as_deref().unwrap_or_default();
-        if let Some(tokens) = chunk.usage.as_ref().and_then(|u| u.completion_tokens) {
-            self.usage_tokens = Some(tokens);
-        }
-        for choice in choices {
-            if self.index.as_ref().and_then(Value::as_u64) != Some(choice.index.unwrap_or(0)) {
-                self.refusal = Some(Refusal::Unsupported);
-            }
-            if choice.finish_reason.is_some() {
-                self.finished = true;
-            }
-            if self.wire == SpliceWire::Completions {
-                self.keep_text(choice.text.as_deref().unwrap_or(""));
-                continue;
-            }
-            let Some(delta) = &choice.delta else {
-                continue;
-            };
-            let reasoning = [&delta.reasoning_content, &delta.reasoning]
-                .iter()
-                .any(|r| r.as_deref().is_some_and(|s| !s.is_empty()));
-            if delta.tool_calls.is_some() {
-                self.refusal.get_or_insert(Refusal::ToolCall);
-            }
-            let content = delta.content.as_deref().unwrap_or("");
-            if reasoning {
-                self.in_reasoning = true;
-            } else if !content.is_empty() {
-                self.in_reasoning = false;
-            }
-            self.keep_text(content);
         }
     }
 
@@ -491,52 +469,17 @@ impl ChatSplice {
     }
 }
 
-/// The fields of an original chunk the splice reads, borrowed from the event (strings without
-/// escapes are not copied); every other field is skipped unparsed into a tree. A chunk these
-/// types do not fit (a `content` that is not a string, ...) fails to parse and takes the
-/// `Value` path, which decides as before.
-#[derive(Deserialize)]
-struct FastChunk<'a> {
-    #[serde(borrow, default)]
-    choices: Option<Vec<FastChoice<'a>>>,
-    #[serde(default)]
-    usage: Option<FastUsage>,
-}
-
-#[derive(Deserialize)]
-struct FastChoice<'a> {
-    #[serde(default)]
-    index: Option<u64>,
-    /// Non-null: the stream's terminal chunk.
-    #[serde(default)]
-    finish_reason: Option<IgnoredAny>,
-    #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    delta: Option<FastDelta<'a>>,
-}
-
-#[derive(Deserialize)]
-struct FastDelta<'a> {
-    #[serde(borrow, default)]
-    content: Option<Cow<'a, str>>,
-    #[serde(default)]
-    tool_calls: Option<IgnoredAny>,
-    #[serde(borrow, default)]
-    reasoning_content: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    reasoning: Option<Cow<'a, str>>,
-}
-
-#[derive(Deserialize)]
-struct FastUsage {
-    #[serde(default)]
-    completion_tokens: Option<u64>,
-}
-
 /// `usage.completion_tokens` of a chunk, when it carries usage.
 fn usage_tokens(chunk: &Map<String, Value>) -> Option<u64> {
     chunk.get("usage")?.get("completion_tokens")?.as_u64()
+}
+
+/// A memmem searcher built once (building one per search costs more than the search).
+fn finder<'a>(
+    cell: &'a std::sync::OnceLock<memchr::memmem::Finder<'static>>,
+    needle: &'static [u8],
+) -> &'a memchr::memmem::Finder<'static> {
+    cell.get_or_init(|| memchr::memmem::Finder::new(needle))
 }
 
 /// The end of the first complete SSE event in `buf`: (event length, bytes to skip past its
@@ -558,11 +501,18 @@ fn event_end(buf: &[u8]) -> Option<(usize, usize)> {
 
 /// The `data:` payload of one event (its first `data:` line; chat chunks have one).
 fn sse_data(event: &[u8]) -> Option<&[u8]> {
-    event.split(|&b| b == b'\n').find_map(|line| {
+    let mut rest = event;
+    loop {
+        let (line, next) = match memchr::memchr(b'\n', rest) {
+            Some(at) => (&rest[..at], Some(&rest[at + 1..])),
+            None => (rest, None),
+        };
         let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let rest = line.strip_prefix(b"data:")?;
-        Some(rest.strip_prefix(b" ").unwrap_or(rest))
-    })
+        if let Some(data) = line.strip_prefix(b"data:") {
+            return Some(data.strip_prefix(b" ").unwrap_or(data));
+        }
+        rest = next?;
+    }
 }
 
 /// The one well-formed error event that ends a stream that could not be continued.
@@ -574,6 +524,10 @@ pub fn error_event(message: &str, code: &str) -> Vec<u8> {
 mod frame;
 use frame::Relay;
 pub use frame::Relayed;
+mod shape;
+use shape::Shape;
+mod typed;
+use typed::FastChunk;
 
 #[cfg(test)]
 mod tests;

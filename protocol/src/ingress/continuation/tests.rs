@@ -544,3 +544,32 @@ fn whole_original_events_are_relayed_as_the_frame_itself() {
     };
     assert!(String::from_utf8_lossy(&bytes).contains(ID));
 }
+
+/// `ends_here` says exactly when an upstream end would be ordinary with nothing more to relay:
+/// not before the final chunk, and in a continuation not before its `[DONE]` (which the splice
+/// would add).
+#[test]
+fn an_ordinary_end_is_known_before_the_upstream_closes() {
+    let mut s = ChatSplice::new(1 << 10, 1 << 20);
+    let first = chunk(
+        ID,
+        MODEL,
+        CREATED,
+        json!({"role": "assistant", "content": "a"}),
+        None,
+    );
+    s.feed(first.as_bytes());
+    assert!(!s.ends_here());
+    s.feed(chunk(ID, MODEL, CREATED, json!({}), Some("stop")).as_bytes());
+    assert!(s.ends_here());
+    s.start_continuation();
+    assert!(!s.ends_here());
+    s.feed(chunk("other", MODEL, CREATED, json!({}), Some("stop")).as_bytes());
+    assert!(!s.ends_here(), "the continuation's [DONE] is still to come");
+    let mut out = Vec::new();
+    assert_eq!(s.end(&mut out), None);
+    assert_eq!(out, b"data: [DONE]\n\n");
+    s.start_continuation();
+    s.feed(b"data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n");
+    assert!(s.ends_here());
+}

@@ -1,0 +1,285 @@
+//! The shape reader agrees with the full reader: whenever it reads a chunk, the splice ends up
+//! exactly as the `serde_json::Value` reader leaves it, and any chunk that is not its shape with
+//! a valid JSON string in the text's place goes to the full reader.
+
+use proptest::prelude::*;
+
+use super::super::{ChatSplice, Refusal};
+
+/// Where a generated chunk's text string goes.
+const TEXT: &str = "\u{0}TEXT\u{0}";
+
+/// The splice's observable state after each event.
+type State = (
+    Vec<u8>,
+    bool,
+    String,
+    Option<Refusal>,
+    bool,
+    u64,
+    Option<String>,
+);
+
+fn state(s: &ChatSplice, out: Vec<u8>, cut: bool) -> State {
+    (
+        out,
+        cut,
+        s.text().to_owned(),
+        s.refusal(),
+        s.ended(),
+        s.tokens_sent(),
+        s.error_code().map(str::to_owned),
+    )
+}
+
+/// One JSON object from its members, in this order, with `ws` around every token.
+fn object(members: &[(&str, String)], ws: &str) -> String {
+    let inner: Vec<String> = members
+        .iter()
+        .map(|(k, v)| format!("{ws}\"{k}\"{ws}:{ws}{v}{ws}"))
+        .collect();
+    format!("{{{}}}", inner.join(","))
+}
+
+/// A chunk skeleton with [`TEXT`] where the text string goes (`delta.content`, or `text` for
+/// completions), the text key maybe nested elsewhere too, tool calls, reasoning, a finish
+/// reason, usage, an `error` member, keys in any order, whitespace.
+fn skeleton(completions: bool) -> impl Strategy<Value = String> {
+    (
+        any::<[bool; 10]>(),
+        prop::sample::select(vec!["", " ", "\n", "\t ", "\r\n"]),
+        any::<prop::sample::Index>(),
+        any::<prop::sample::Index>(),
+        any::<prop::sample::Index>(),
+    )
+        .prop_map(move |(flags, ws, r1, r2, r3)| {
+            let nested = r#"{"content":" Once","text":" Once","error":null}"#.to_owned();
+            let mut delta: Vec<(&str, String)> = Vec::new();
+            if !completions {
+                delta.push(("content", TEXT.to_owned()));
+            }
+            if flags[0] {
+                delta.push((
+                    "tool_calls",
+                    r#"[{"index":0,"function":{"arguments":"{\"content\":\"x\"}"}}]"#.into(),
+                ));
+            }
+            if flags[1] {
+                let r = if flags[2] { r#""thinking""# } else { r#""""# };
+                delta.push(("reasoning_content", r.into()));
+            }
+            if flags[3] {
+                delta.push(("extra", nested.clone()));
+            }
+            if delta.len() > 1 {
+                let n = delta.len();
+                delta.swap(0, r1.index(n));
+            }
+            let mut choice: Vec<(&str, String)> = vec![
+                ("index", if flags[4] && flags[5] { "1" } else { "0" }.into()),
+                ("delta", object(&delta, ws)),
+                (
+                    "finish_reason",
+                    if flags[6] { r#""stop""# } else { "null" }.into(),
+                ),
+                (
+                    "logprobs",
+                    if flags[7] {
+                        r#"{"content":[{"token":" Once"}]}"#.into()
+                    } else {
+                        "null".into()
+                    },
+                ),
+            ];
+            if completions {
+                choice.push(("text", TEXT.to_owned()));
+            }
+            let n = choice.len();
+            choice.swap(r2.index(n), n - 1);
+            let mut top: Vec<(&str, String)> = vec![
+                ("id", r#""chatcmpl-1""#.into()),
+                ("object", r#""chat.completion.chunk""#.into()),
+                ("created", "1700000000".into()),
+                ("model", r#""m""#.into()),
+                ("choices", format!("[{}]", object(&choice, ws))),
+            ];
+            if flags[8] {
+                top.push((
+                    "usage",
+                    if flags[9] {
+                        r#"{"completion_tokens":3}"#.into()
+                    } else {
+                        "null".into()
+                    },
+                ));
+            }
+            if flags[4] && !flags[5] {
+                top.push(("meta", nested));
+            }
+            if flags[5] && flags[9] {
+                top.push(("error", r#"{"code":"overloaded"}"#.into()));
+            }
+            let n = top.len();
+            top.swap(r3.index(n), n - 1);
+            object(&top, ws)
+        })
+}
+
+/// A text string's bytes between its quotes: valid JSON (escapes, `\u` escapes and surrogate
+/// pairs, unicode) or not (a stray quote or backslash, a raw control character, a lone
+/// surrogate, a bad escape, invalid UTF-8).
+fn raw_text() -> impl Strategy<Value = Vec<u8>> {
+    let plain = "[a-z é日本🦀\"\\\\\n\t\u{1}/]{0,6}";
+    prop_oneof![
+        6 => plain.prop_map(|t| {
+            let q = serde_json::to_string(&t).expect("a JSON string");
+            q.as_bytes()[1..q.len() - 1].to_vec()
+        }),
+        2 => plain.prop_map(|t| {
+            t.encode_utf16().map(|u| format!("\\u{u:04x}")).collect::<String>().into_bytes()
+        }),
+        1 => Just(b" Once".to_vec()),
+        1 => prop::sample::select(
+            [
+                "a\"b", "a\\", "\\x", "\\ud800", "\\udc00x", "\\ud800\\u0041", "\x01", "a\"}",
+                "\\u12", "", "\\\"", "\\\\",
+            ]
+            .map(|s| s.as_bytes().to_vec())
+            .into_iter()
+            .chain([vec![0xff], vec![0xc3], vec![0xed, 0xa0, 0x80]])
+            .collect::<Vec<_>>(),
+        ),
+    ]
+}
+
+/// A stream: the role chunk, then chunks of a few skeletons with texts from a small pool (a
+/// text that repeats is what a shape learnt at the wrong place would misread).
+fn chunks(completions: bool) -> impl Strategy<Value = Vec<Vec<u8>>> {
+    (
+        prop::collection::vec(skeleton(completions), 1..4),
+        prop::collection::vec(raw_text(), 1..4),
+        prop::collection::vec(any::<(prop::sample::Index, prop::sample::Index)>(), 1..16),
+    )
+        .prop_map(|(skeletons, pool, picks)| {
+            picks
+                .into_iter()
+                .map(|(which, text)| {
+                    let raw = &pool[text.index(pool.len())];
+                    let skeleton = skeletons[which.index(skeletons.len())].replace(TEXT, "\u{0}");
+                    let (head, tail) = skeleton.split_once('\u{0}').expect("the text's place");
+                    let mut data = b"data: ".to_vec();
+                    data.extend_from_slice(head.as_bytes());
+                    data.push(b'"');
+                    data.extend_from_slice(raw);
+                    data.push(b'"');
+                    data.extend_from_slice(tail.as_bytes());
+                    data.extend_from_slice(b"\n\n");
+                    data
+                })
+                .collect()
+        })
+}
+
+fn splice(completions: bool, fast: bool, cap: usize) -> ChatSplice {
+    let mut s = if completions {
+        ChatSplice::completions(cap, 1 << 20)
+    } else {
+        ChatSplice::new(cap, 1 << 20)
+    };
+    s.fast = fast;
+    s
+}
+
+const ROLE: &[u8] = b"data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n";
+
+/// Feeds `events` one by one into a splice with shapes and one with the `Value` reader only,
+/// comparing them after each; returns how many chunks the first read by their shape.
+fn agree(events: &[Vec<u8>], completions: bool, cap: usize) -> Result<u64, TestCaseError> {
+    let (mut fast, mut slow) = (
+        splice(completions, true, cap),
+        splice(completions, false, cap),
+    );
+    for event in std::iter::once(ROLE).chain(events.iter().map(Vec::as_slice)) {
+        let (a, b) = (fast.feed(event), slow.feed(event));
+        prop_assert_eq!(
+            state(&fast, a.out, a.cut.is_some()),
+            state(&slow, b.out, b.cut.is_some())
+        );
+        prop_assert_eq!(fast.in_reasoning, slow.in_reasoning);
+        if a.cut.is_some() {
+            break;
+        }
+    }
+    Ok(fast.shaped)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    /// Whatever the chunks, the splice reading by shape decides as the `Value` reader after
+    /// every event: the bytes relayed, the cut, the text kept, refusal, end, tokens, error code.
+    #[test]
+    fn the_shape_reader_agrees_with_the_value_reader(
+        events in chunks(false),
+        cap in prop::sample::select(vec![16usize, 1 << 16]),
+    ) {
+        agree(&events, false, cap)?;
+    }
+
+    #[test]
+    fn the_shape_reader_agrees_on_completions(
+        events in chunks(true),
+        cap in prop::sample::select(vec![16usize, 1 << 16]),
+    ) {
+        agree(&events, true, cap)?;
+    }
+
+    /// A learnt shape with any bytes in the text's place: read by shape exactly when they are
+    /// a valid JSON string body, and then as the `Value` reader reads the chunk.
+    #[test]
+    fn any_bytes_in_the_texts_place_are_read_by_shape_only_when_valid(
+        raw in prop::collection::vec(any::<u8>(), 0..12),
+        completions in any::<bool>(),
+    ) {
+        let plain = if completions {
+            r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"text":"#
+        } else {
+            r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m","choices":[{"index":0,"delta":{"content":"#
+        };
+        let tail: &[u8] = if completions { b"\"}]}\n\n" } else { b"\"}}]}\n\n" };
+        let event = |text: &[u8]| [b"data: ", plain.as_bytes(), b"\"", text, tail].concat();
+        let valid = serde_json::from_slice::<String>(&[b"\"", &raw[..], b"\""].concat()).is_ok();
+        let events = [event(b"hello"), event(&raw)];
+        let shaped = agree(&events, completions, 1 << 16)?;
+        prop_assert_eq!(shaped, u64::from(valid));
+    }
+}
+
+/// Streams shaped like Dynamo 1.6.1's and vLLM's are read by shape after their first content
+/// chunk; a chunk of another shape (the final one) is not.
+#[test]
+fn real_streams_are_read_by_shape() {
+    let dynamo = |delta: &str, finish: &str| {
+        format!("data: {{\"id\":\"chatcmpl-bee7\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":{finish},\"logprobs\":null}}],\"created\":1796450204,\"model\":\"tiny\",\"object\":\"chat.completion.chunk\"}}\n\n").into_bytes()
+    };
+    let vllm = |delta: &str, finish: &str| {
+        format!("data: {{\"id\":\"chatcmpl-9\",\"object\":\"chat.completion.chunk\",\"created\":1796450204,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"logprobs\":null,\"finish_reason\":{finish}}}]}}\n\n").into_bytes()
+    };
+    for make in [dynamo, vllm] {
+        let mut events = vec![make(r#"{"content":" Once","role":"assistant"}"#, "null")];
+        for word in [" upon", " a", " time", " \\\"é\\\"", " 日本", " 🦀", "\\n"] {
+            events.push(make(&format!(r#"{{"content":"{word}"}}"#), "null"));
+        }
+        events.push(make("{}", r#""stop""#));
+        let mut s = ChatSplice::new(1 << 16, 1 << 20);
+        for e in &events {
+            assert!(s.feed(e).cut.is_none());
+        }
+        assert_eq!(s.text(), " Once upon a time \"é\" 日本 🦀\n");
+        assert!(s.ended());
+        assert_eq!(
+            s.shaped, 6,
+            "all but the role chunk, the first plain one and the final one"
+        );
+    }
+}
