@@ -31,7 +31,7 @@ use crate::route::usage::Handoffs;
 pub(super) fn arm(
     proxy: &Arc<Proxy>,
     budget: &Arc<RetryBudget>,
-    request: &ClientRequest,
+    request: ClientRequest,
     (allowed, excluded): (&[String], &[String]),
     config: Arc<MidStreamFallbackConfig>,
     resp: Response<Body>,
@@ -52,7 +52,7 @@ pub(super) fn arm(
         config,
         proxy: proxy.clone(),
         budget: budget.clone(),
-        request: request.clone(),
+        request,
         allowed: allowed.to_vec(),
         excluded,
         handoffs,
