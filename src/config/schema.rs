@@ -625,7 +625,14 @@ pub struct LoadConfig {
     pub transport: LoadTransport,
     /// Networks direct mode may dial; unset allows any address.
     pub direct_allow_cidrs: Option<Vec<String>>,
+    /// Ranks whose cost is within this many times the request's own weight of the lowest tie,
+    /// and a draw seeded by the replica id picks among them (0 = off; 0..=16). Breaks the herd
+    /// of several router replicas deciding on the same view.
+    pub tie_break_window: f64,
 }
+
+/// Default `dynamo.load.tie_break_window` (docs/replay.md, "Several router replicas").
+pub const DEFAULT_TIE_BREAK_WINDOW: f64 = 2.0;
 
 impl Default for LoadConfig {
     fn default() -> Self {
@@ -633,6 +640,7 @@ impl Default for LoadConfig {
             max_staleness: HumanDuration::from_secs(3),
             transport: LoadTransport::Direct,
             direct_allow_cidrs: None,
+            tie_break_window: DEFAULT_TIE_BREAK_WINDOW,
         }
     }
 }
