@@ -904,7 +904,7 @@ impl KvAwarePicker {
             plan_paired_prefill(dense, eligible, roles, table);
             let turn = Turn {
                 cursor: cursors.advance(req.model, Phase::Prefill),
-                tie: tie.next(),
+                tie: tie.draw(),
             };
             self.choose_phase(
                 &ctx,
@@ -933,7 +933,7 @@ impl KvAwarePicker {
         }
         let turn = Turn {
             cursor: cursors.advance(req.model, Phase::Decode),
-            tie: tie.next(),
+            tie: tie.draw(),
         };
         let chosen = self.choose_phase(
             &ctx,

@@ -1448,7 +1448,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         // Decode: one pass scoring every decode candidate into a tally; a rotation or a tie past
         // the first re-walks the rows. The pass is instantiated per way of reading samples and
         // backlogs. With the tie-break on, the generic pass (complete tally) and one re-walk.
-        let decode = if let Some(draw) = tie.next() {
+        let decode = if let Some(draw) = tie.draw() {
             let mut pass = RowPass {
                 rows: &dense.rows,
                 table,
@@ -1598,7 +1598,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             };
             let gathered = pass.gather();
             let cursor = cursors.advance(req.model, Phase::Prefill);
-            let chosen = match tie.next() {
+            let chosen = match tie.draw() {
                 Some(draw) => {
                     let weight = |row| request_weight(Phase::Prefill, dense, row, tokens);
                     pass.choose_tied(&gathered, req.load_signals, cursor, draw, weight, tied)

@@ -94,13 +94,6 @@ pub struct Turn {
     pub tie: Option<TieDraw>,
 }
 
-impl Turn {
-    /// A turn without a tie-break (the cursor alone).
-    pub fn cursor(cursor: u64) -> Self {
-        Self { cursor, tie: None }
-    }
-}
-
 /// A replica's tie-break settings and its draw counter.
 #[derive(Clone, Debug, Default)]
 pub struct TieDraws {
@@ -123,7 +116,7 @@ impl TieDraws {
 
     /// The next draw, `None` when the tie-break is off (no counter advances then).
     #[inline]
-    pub fn next(&mut self) -> Option<TieDraw> {
+    pub fn draw(&mut self) -> Option<TieDraw> {
         if !self.setting.is_on() {
             return None;
         }
@@ -188,25 +181,25 @@ mod tests {
     #[test]
     fn off_draws_nothing() {
         let mut d = TieDraws::default();
-        assert_eq!(d.next(), None);
+        assert_eq!(d.draw(), None);
         for window in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            assert_eq!(draws(window, 7).next(), None, "{window}");
+            assert_eq!(draws(window, 7).draw(), None, "{window}");
         }
-        assert!(draws(0.5, 7).next().is_some());
+        assert!(draws(0.5, 7).draw().is_some());
     }
 
     #[test]
     fn a_single_candidate_is_always_chosen() {
         let mut d = draws(1.0, 3);
         for _ in 0..100 {
-            let draw = d.next().unwrap();
+            let draw = d.draw().unwrap();
             assert_eq!(near_tie_index(&[42.0], 1e9, &draw), Some(0));
             assert_eq!(
                 near_tie_index(&[f64::INFINITY, 5.0, f64::NAN], 1e9, &draw),
                 Some(1)
             );
         }
-        let draw = d.next().unwrap();
+        let draw = d.draw().unwrap();
         assert_eq!(near_tie_index(&[], 1.0, &draw), None);
         assert_eq!(near_tie_index(&[f64::NAN, f64::INFINITY], 1.0, &draw), None);
     }
@@ -219,7 +212,7 @@ mod tests {
         let picks: Vec<usize> = (0..32u64)
             .map(|replica| {
                 let mut d = draws(0.5, TieBreak::seed_of(&format!("router-{replica}")));
-                near_tie_index(&costs, 0.0, &d.next().unwrap()).unwrap()
+                near_tie_index(&costs, 0.0, &d.draw().unwrap()).unwrap()
             })
             .collect();
         let distinct = picks
@@ -231,7 +224,7 @@ mod tests {
         let mut per = [0u32; 8];
         let mut d = draws(0.5, 11);
         for _ in 0..8000 {
-            per[near_tie_index(&costs, 0.0, &d.next().unwrap()).unwrap()] += 1;
+            per[near_tie_index(&costs, 0.0, &d.draw().unwrap()).unwrap()] += 1;
         }
         assert!(per.iter().all(|&n| (850..1150).contains(&n)), "{per:?}");
     }
@@ -246,12 +239,12 @@ mod tests {
     #[test]
     fn a_new_seed_restarts_the_counter_and_a_new_window_does_not() {
         let mut a = draws(1.0, 5);
-        let first = a.next().unwrap();
+        let first = a.draw().unwrap();
         a.set(TieBreak {
             window: 2.0,
             seed: 5,
         });
-        let second = a.next().unwrap();
+        let second = a.draw().unwrap();
         assert_ne!(first.bits, second.bits, "the counter kept going");
         a.set(TieBreak {
             window: 2.0,
@@ -261,7 +254,7 @@ mod tests {
             window: 2.0,
             seed: 5,
         });
-        assert_eq!(a.next().unwrap().bits, first.bits, "restarted on the seed");
+        assert_eq!(a.draw().unwrap().bits, first.bits, "restarted on the seed");
     }
 
     proptest! {
@@ -278,7 +271,7 @@ mod tests {
             let mut a = draws(window, seed);
             let mut b = draws(window, seed);
             for _ in 0..8 {
-                let (da, db) = (a.next().unwrap(), b.next().unwrap());
+                let (da, db) = (a.draw().unwrap(), b.draw().unwrap());
                 let chosen = near_tie_index(&costs, slack, &da);
                 prop_assert_eq!(chosen, near_tie_index(&costs, slack, &db));
                 let min = costs.iter().copied().filter(|c| c.is_finite()).reduce(f64::min);
@@ -300,7 +293,7 @@ mod tests {
         ) {
             let costs: Vec<f64> = costs.into_iter().map(f64::from).collect();
             let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-            let draw = draws(1.0, seed).next().unwrap();
+            let draw = draws(1.0, seed).draw().unwrap();
             let i = near_tie_index(&costs, 0.0, &draw).unwrap();
             prop_assert_eq!(costs[i], min);
         }
