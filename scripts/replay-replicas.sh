@@ -12,8 +12,8 @@
 #
 # Environment: TRACE, OUT (target/replay-replicas), WORKERS (16), CAPACITY (16384), SEED (1),
 # HEAVY (speedup of the loaded runs, 3.6), LOAD_LAG (5ms), SHARE_LAG (20ms: the live
-# replica_sync.publish_interval), TIE (--tie-break-window of every replica: the default of
-# dynamo.load.tie_break_window; 0 = off), SPREAD (round_robin),
+# replica_sync.publish_interval), TIE (--tie-break-window of every replica: 2, the setting
+# docs/configuration.md recommends for several replicas; 0 = off), SPREAD (round_robin),
 # LOADS ("light heavy"), CADENCES ("50ms dynamo"), BIN (target/release/continuum-router; with
 # NO_BUILD=1 any build of the binary, e.g. target/debug/continuum-router). Several instances with
 # their own OUT can run parts of the matrix in parallel; PLOT_ONLY=1 with TSV=merged.tsv redraws.

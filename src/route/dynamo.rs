@@ -875,6 +875,12 @@ mod tests {
     #[test]
     fn the_tie_break_is_seeded_by_the_replica_id() {
         let mut config = Config::default();
+        assert_eq!(
+            tie_break_of(&config, |_| None),
+            TieBreak::OFF,
+            "off by default"
+        );
+        config.dynamo.load.tie_break_window = 2.0;
         let pod = |name: &'static str| move |k: &str| (k == "POD_NAME").then(|| name.to_owned());
         let a = tie_break_of(&config, pod("router-a"));
         assert_eq!(a.window, config.dynamo.load.tie_break_window);
