@@ -20,6 +20,9 @@
 //! a pick must not cost more for them); and the round trip of a ractor
 //! `call` to an idle actor, the floor a picker behind a mailbox would add to every decision.
 //!
+//! `PICKER_TIE_WINDOW=w` runs the store-slot passes with the replicas' tie-break at window w
+//! (`dynamo.load.tie_break_window`; it takes the generic scoring pass plus one re-walk).
+//!
 //! `PICKER_ONLY=scaling_N` runs only the store-slot pass at N ranks (`kv_scaling_N`: the same
 //! with the `KvAwarePicker`; `idle_scaling_N`: every rank reporting no backlog), and `PICKER_PICKS=n` sets the number of timed picks: together they
 //! make a short run for `valgrind --tool=callgrind --toggle-collect='*LoadBasedPicker*pick*'`
@@ -37,7 +40,7 @@ use continuum_protocol::kv::index::RankOverlap;
 use continuum_protocol::picker::{
     BlockOverlaps, Candidate, CandidateRole, DenseRanks, DynamoWorkerPicker, KvAwarePicker,
     KvPickInput, KvPickParams, LoadBasedPicker, LoadView, MAX_LEDGER_DISPATCHES, PickContext,
-    PickOutcome, PickRequest, PickerState, SampleState,
+    PickOutcome, PickRequest, PickerState, SampleState, TieBreak,
 };
 use continuum_protocol::time::Tick;
 use criterion::Criterion;
@@ -360,6 +363,11 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool, idle: bool) {
     if kv {
         driver.kv = Some(overlaps_for(&fleet));
     }
+    let tie = tie_window();
+    driver.state.tie.set(TieBreak {
+        window: tie,
+        seed: TieBreak::seed_of("bench-replica"),
+    });
     for _ in 0..warm_up(picks) {
         driver.step();
     }
@@ -378,6 +386,11 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool, idle: bool) {
         (false, false) => "store_slots",
         (false, true) => "store_slots_idle",
     };
+    let picker = if tie > 0.0 {
+        format!("{picker}+tie_break_{tie}")
+    } else {
+        picker.to_owned()
+    };
     println!(
         "scaling/decode_{ranks}_ranks/{picker}: n={} p50={:.2}µs p99={:.2}µs max={:.2}µs ns_per_rank_p50={:.2} (slot resolutions {})",
         nanos.len(),
@@ -387,6 +400,16 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool, idle: bool) {
         at(0.50) as f64 / ranks as f64,
         driver.state.slots.resolutions(),
     );
+}
+
+/// `PICKER_TIE_WINDOW=w`: the store-slot passes pick with `dynamo.load.tie_break_window` w
+/// (default 0: off, the fast paths).
+fn tie_window() -> f64 {
+    std::env::var("PICKER_TIE_WINDOW")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|w: &f64| w.is_finite() && *w >= 0.0)
+        .unwrap_or(0.0)
 }
 
 fn main() {

@@ -33,6 +33,7 @@ pub mod kv_aware;
 pub mod ledger;
 pub mod load_based;
 pub mod reachability;
+pub mod tie_break;
 
 #[cfg(test)]
 mod tests;
@@ -48,6 +49,7 @@ pub use ledger::{
     STALL_AFTER, STALL_MIN_BLOCKS,
 };
 pub use load_based::LoadBasedPicker;
+pub use tie_break::{TieBreak, TieDraw, TieDraws};
 
 /// Upper bound on the ranks one worker contributes: `data_parallel_size` is fleet-authored.
 pub const MAX_DP_RANKS_PER_WORKER: u32 = 1024;
@@ -458,6 +460,9 @@ pub struct PickerState {
     scratch: load_based::Scratch,
     /// Load-store slots per layout, resolved when the layout or the store's slot epoch changes.
     pub slots: SlotCache,
+    /// The replica's tie-break among near-equal ranks (`dynamo.load.tie_break_window`) and its
+    /// draw counter; off by default.
+    pub tie: TieDraws,
 }
 
 impl PickerState {

@@ -113,6 +113,10 @@ pub struct ReplayArgs {
     /// --replica-sharing.
     #[arg(long, default_value = "5ms", value_parser = humantime::parse_duration)]
     pub share_lag: Duration,
+    /// `dynamo.load.tie_break_window` of every replica: ranks within this many times the
+    /// request's own weight of the lowest cost tie, and a per-replica seeded draw picks (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    pub tie_break_window: f64,
     /// tokenizer.json for request-log traces.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -142,6 +146,7 @@ impl ReplayArgs {
             (self.overlap_score_weight, "--overlap-score-weight"),
             (self.prefill_load_scale, "--prefill-load-scale"),
             (self.temperature, "--temperature"),
+            (self.tie_break_window, "--tie-break-window"),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 bail!("{name} must be a non-negative number");
@@ -173,6 +178,7 @@ impl ReplayArgs {
             load_lag: self.load_lag,
             sharing: self.replica_sharing,
             share_lag: self.share_lag,
+            tie_break_window: self.tie_break_window,
         };
         cfg.prefill_workers = self.prefill_workers;
         cfg.speedup = self.speedup;

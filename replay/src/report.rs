@@ -117,6 +117,8 @@ pub struct ReplicaSettings {
     pub load_lag_ms: f64,
     pub sharing: bool,
     pub share_lag_ms: f64,
+    /// `dynamo.load.tie_break_window` of every replica (0: off).
+    pub tie_break_window: f64,
 }
 
 impl ReplicaSettings {
@@ -127,6 +129,7 @@ impl ReplicaSettings {
             load_lag_ms: r.load_lag.as_secs_f64() * 1000.0,
             sharing: r.sharing,
             share_lag_ms: r.share_lag.as_secs_f64() * 1000.0,
+            tie_break_window: r.tie_break_window,
         }
     }
 }

@@ -57,6 +57,8 @@ pub const MAX_EVENT_BUS_SESSIONS: u32 = 4096;
 pub const MAX_STREAMS_PER_SESSION: u32 = 65_536;
 /// `load.max_staleness` bounds.
 pub const MIN_MAX_STALENESS: Duration = Duration::from_millis(100);
+/// Largest `dynamo.load.tie_break_window`.
+pub const MAX_TIE_BREAK_WINDOW: f64 = continuum_protocol::picker::tie_break::MAX_WINDOW;
 pub const MAX_MAX_STALENESS: Duration = Duration::from_secs(300);
 
 /// Validates a parsed config; returns every error and warning (errors first, then warnings,

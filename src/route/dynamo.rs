@@ -42,7 +42,7 @@ use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::load_based::LoadBasedPicker;
 use continuum_protocol::picker::{
     BlockOverlaps, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
-    KvPickParams, KvSelectionResult, KvUnavailable, Phase,
+    KvPickParams, KvSelectionResult, KvUnavailable, Phase, TieBreak,
 };
 use tracing::debug;
 
@@ -108,6 +108,8 @@ pub struct ShimRouter {
     /// Per config, the namespaces whose shim pool may receive `nvext.token_data`
     /// ([`token_data_namespaces`]), decided once per config.
     token_data: Mutex<Option<(Arc<Config>, Vec<Namespace>)>>,
+    /// Per config, this replica's tie-break ([`tie_break_of`]), decided once per config.
+    tie_break: Mutex<Option<(Arc<Config>, TieBreak)>>,
 }
 
 impl std::fmt::Debug for ShimRouter {
@@ -149,6 +151,7 @@ impl ShimRouter {
             kv_applied: Mutex::new(None),
             draws: (Default::default(), AtomicU64::new(0)),
             token_data: Mutex::new(None),
+            tie_break: Mutex::new(None),
         }
     }
 
@@ -422,9 +425,11 @@ impl ShimRouter {
         };
         let now = input.now;
         let picker = self.picker.picker();
+        let tie_break = self.tie_break(&config);
         // One load-store lock for the whole decision (order: load store, then picker state).
         let decision = self.load.with(|store| {
             self.picker.with_state(store, |state| {
+                state.tie.set(tie_break);
                 // Samples that arrived since earlier dispatches answer them (the PickerActor does
                 // this on every store change; a request racing ahead of it catches up here).
                 answer_arrivals(&mut state.ledger, store);
@@ -451,6 +456,20 @@ impl ShimRouter {
         };
         let pool = pool_of(&config, &routed.pick.namespace, allowed, &usable);
         Some(ShimDecision::new(routed, pool, body))
+    }
+
+    /// This replica's tie-break under `config` ([`tie_break_of`], memoised per config: the
+    /// replica id may read the environment and the host name).
+    fn tie_break(&self, config: &Arc<Config>) -> TieBreak {
+        let mut memo = lock(&self.tie_break);
+        match memo.as_ref() {
+            Some((c, tie)) if Arc::ptr_eq(c, config) => *tie,
+            _ => {
+                let tie = tie_break_of(config, |k| std::env::var(k).ok());
+                *memo = Some((Arc::clone(config), tie));
+                tie
+            }
+        }
     }
 
     /// Whether the shim copy to `namespace`'s pool may carry the rendered tokens
@@ -534,6 +553,21 @@ impl ShimRouter {
             prefill_reason = pick.reasons.prefill.as_label(),
             "Picked Dynamo workers for a request."
         );
+    }
+}
+
+/// The tie-break `config` asks of this replica: `dynamo.load.tie_break_window`, seeded by the
+/// replica id (`replica_sync.replica_id`, else `$POD_NAME`, else the host name) so replicas
+/// deciding on the same view diverge, whether or not `replica_sync` is enabled.
+pub fn tie_break_of(config: &Config, env: impl Fn(&str) -> Option<String>) -> TieBreak {
+    let window = config.dynamo.load.tie_break_window;
+    if !(window.is_finite() && window > 0.0) {
+        return TieBreak::OFF;
+    }
+    let id = config.replica_sync.resolved_replica_id(env);
+    TieBreak {
+        window,
+        seed: TieBreak::seed_of(&id),
     }
 }
 
@@ -836,6 +870,35 @@ mod tests {
         ]);
         let sizes: Vec<u32> = sizes.iter().map(|b| b.get()).collect();
         assert_eq!(sizes, vec![16, 32]);
+    }
+
+    #[test]
+    fn the_tie_break_is_seeded_by_the_replica_id() {
+        let mut config = Config::default();
+        assert_eq!(
+            tie_break_of(&config, |_| None),
+            TieBreak::OFF,
+            "off by default"
+        );
+        config.dynamo.load.tie_break_window = 2.0;
+        let pod = |name: &'static str| move |k: &str| (k == "POD_NAME").then(|| name.to_owned());
+        let a = tie_break_of(&config, pod("router-a"));
+        assert_eq!(a.window, config.dynamo.load.tie_break_window);
+        assert!(a.is_on());
+        assert_eq!(
+            a,
+            tie_break_of(&config, pod("router-a")),
+            "stable per replica"
+        );
+        assert_ne!(a.seed, tie_break_of(&config, pod("router-b")).seed);
+        // replica_sync.replica_id wins over the pod name, whether or not the sync is enabled.
+        config.replica_sync.replica_id = "router-b".into();
+        assert_eq!(
+            tie_break_of(&config, pod("router-a")).seed,
+            TieBreak::seed_of("router-b")
+        );
+        config.dynamo.load.tie_break_window = 0.0;
+        assert_eq!(tie_break_of(&config, pod("router-a")), TieBreak::OFF);
     }
 
     #[test]

@@ -64,6 +64,7 @@ fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
         load_lag: std::time::Duration::ZERO,
         replica_sharing: false,
         share_lag: std::time::Duration::from_millis(5),
+        tie_break_window: 0.0,
         tokenizer: None,
         chat_template: None,
     }
@@ -500,6 +501,51 @@ fn replicas_herd_without_sharing_and_spread_with_it() {
         cv(&shared)
     );
     assert!(policy(&herd, "load").ttft_ms.p99 > policy(&shared, "load").ttft_ms.p99);
+}
+
+/// The herd of `replicas_herd_without_sharing_and_spread_with_it` at eight replicas on eight
+/// workers, without sharing: each replica's seeded tie-break draws among the tied idle workers,
+/// so they spread (not all on one worker, as without it), under both pickers; a seed replays.
+#[test]
+fn the_tie_break_spreads_replicas_that_share_nothing() {
+    const REPLICAS: u32 = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("burst.jsonl");
+    let lines: Vec<String> = (0..u64::from(REPLICAS))
+        .map(|r| {
+            serde_json::json!({"timestamp": 0, "input_length": 1024, "output_length": 500,
+                "hash_ids": [10 * r, 10 * r + 1]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n") + "\n").unwrap();
+    let replay = |window: f64, name: &str| {
+        let mut a = args(&trace, &dir.path().join(name), &[Policy::Load, Policy::Kv]);
+        a.workers = REPLICAS;
+        a.replicas = REPLICAS;
+        a.tie_break_window = window;
+        run(&a).unwrap()
+    };
+    let herd = replay(0.0, "herd");
+    let spread = replay(2.0, "spread");
+    assert_eq!(spread.replicas.tie_break_window, 2.0);
+    for name in ["load", "kv"] {
+        let herd = &policy(&herd, name).requests_per_worker;
+        assert_eq!(
+            herd.iter().max(),
+            Some(&u64::from(REPLICAS)),
+            "{name}: {herd:?}"
+        );
+        let per = &policy(&spread, name).requests_per_worker;
+        assert_eq!(per.iter().sum::<u64>(), u64::from(REPLICAS));
+        let used = per.iter().filter(|&&n| n > 0).count();
+        assert!(used >= 4, "{name}: {per:?}");
+    }
+    let again = replay(2.0, "again");
+    assert_eq!(
+        policy(&again, "kv").requests_per_worker,
+        policy(&spread, "kv").requests_per_worker
+    );
 }
 
 /// One replica is the replay as it was: spreading and sharing change nothing, on the families

@@ -43,6 +43,7 @@ use super::ledger::RankBacklog;
 use super::load_based::{
     self, Backlogs, LoadBasedPicker, NamespaceLedgers, RequestSize, Samples, Scored, Scratch,
 };
+use super::tie_break::{Turn, near_tie_index_where};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
@@ -511,7 +512,7 @@ impl KvAwarePicker {
         positions: &mut Vec<usize>,
         costs: &mut Vec<f64>,
         scoring: Scoring,
-        cursor: u64,
+        turn: Turn,
     ) -> Option<(usize, SelectionReason)> {
         let isl = ctx.kv.isl;
         let any_fresh = ctx.req.load_signals && ranks.iter().any(|r| r.fresh_field);
@@ -557,8 +558,24 @@ impl KvAwarePicker {
         let temperature = self.params.router_temperature;
         let chosen = if temperature > 0.0 {
             softmax_sample_index(costs, temperature, ctx.kv.unit)?
+        } else if let Some(draw) = turn.tie {
+            // The request's own weight in the formula's unit: its prompt blocks.
+            let weight = ranks
+                .iter()
+                .find_map(|r| r.block_size)
+                .map_or(0.0, |bs| isl as f64 / f64::from(bs.get()));
+            // Only ranks holding at least as much of the prompt as the lowest tie.
+            let overlap = |i: usize| {
+                positions
+                    .get(i)
+                    .and_then(|&p| ranks.get(p))
+                    .map(|r| r.overlap)
+            };
+            let keep = |lowest, i| overlap(i) >= overlap(lowest);
+            near_tie_index_where(costs, draw.slack(weight), &draw, keep)
+                .or_else(|| argmin_with_cursor(costs, turn.cursor))?
         } else {
-            argmin_with_cursor(costs, cursor)?
+            argmin_with_cursor(costs, turn.cursor)?
         };
         let reason = if any_fresh || temperature > 0.0 {
             SelectionReason::KvAware
@@ -581,7 +598,7 @@ impl KvAwarePicker {
         members: &[Matched],
         scored: &mut Vec<Scored>,
         phase: Phase,
-        cursor: u64,
+        turn: Turn,
     ) -> Option<(usize, SelectionReason)> {
         let mut size = RequestSize::new(ctx.kv.isl);
         scored.clear();
@@ -597,7 +614,12 @@ impl KvAwarePicker {
                 ctx.now,
             )
         }));
-        load_based::select(scored, ctx.req.load_signals, cursor)
+        let weight = |pos: usize| {
+            members.get(pos).map_or(0.0, |m| {
+                load_based::request_weight(phase, ctx.dense, m.index, ctx.kv.isl)
+            })
+        };
+        load_based::select_turn(scored, ctx.req.load_signals, turn, weight)
     }
 
     /// One phase over the rows `table` makes candidates: the KV gather ([`Self::gather`]) when
@@ -612,10 +634,10 @@ impl KvAwarePicker {
         table: &[u16],
         scoring: Option<Scoring>,
         phase: Phase,
-        cursor: u64,
+        turn: Turn,
     ) -> Option<(Matched, SelectionReason)> {
         let scoring = match scoring {
-            Some(s) => match self.gather(ctx, table, s, cursor) {
+            Some(s) => match self.gather(ctx, table, s, turn) {
                 Gathered::Chosen(index, reason) => {
                     let namespace = ctx
                         .dense
@@ -638,16 +660,18 @@ impl KvAwarePicker {
             None => None,
         };
         members_of(ctx.dense, table, members);
-        self.choose(ctx, bufs, members, scoring, phase, cursor)
+        self.choose(ctx, bufs, members, scoring, phase, turn)
     }
 
     /// A formula-scored phase at temperature 0 on the production path (samples mirrored, the
     /// overlaps laid onto rows, one block size on every row): one pass over the rows
     /// ([`KvPass`]) choosing exactly what [`Self::rank`] + [`Self::select_kv`] choose, without
     /// materialising ranks or costs. Everything else (softmax sampling needs every cost; the
-    /// view path; unsorted overlap lists; mixed block sizes) is [`Gathered::NotApplicable`].
-    fn gather(&self, ctx: &Ctx<'_, '_>, table: &[u16], scoring: Scoring, cursor: u64) -> Gathered {
-        if self.params.router_temperature > 0.0 {
+    /// view path; unsorted overlap lists; mixed block sizes; a tie draw, which chooses among
+    /// every near-equal cost) is [`Gathered::NotApplicable`].
+    fn gather(&self, ctx: &Ctx<'_, '_>, table: &[u16], scoring: Scoring, turn: Turn) -> Gathered {
+        let cursor = turn.cursor;
+        if self.params.router_temperature > 0.0 || turn.tie.is_some() {
             return Gathered::NotApplicable;
         }
         let block_size = ctx
@@ -707,19 +731,19 @@ impl KvAwarePicker {
         members: &[Matched],
         scoring: Option<Scoring>,
         phase: Phase,
-        cursor: u64,
+        turn: Turn,
     ) -> Option<(Matched, SelectionReason)> {
         if let Some(scoring) = scoring {
             bufs.ranks.clear();
             bufs.ranks
                 .extend(members.iter().map(|m| self.rank(ctx, *m, scoring)));
             if let Some((pos, reason)) =
-                self.select_kv(ctx, bufs.ranks, bufs.positions, bufs.costs, scoring, cursor)
+                self.select_kv(ctx, bufs.ranks, bufs.positions, bufs.costs, scoring, turn)
             {
                 return members.get(pos).map(|m| (*m, reason));
             }
         }
-        let (pos, reason) = Self::select_load(ctx, members, bufs.scored, phase, cursor)?;
+        let (pos, reason) = Self::select_load(ctx, members, bufs.scored, phase, turn)?;
         members.get(pos).map(|m| (*m, reason))
     }
     /// Conditional disaggregation's per-request decision for a decode winner `decode` whose
@@ -778,6 +802,7 @@ impl KvAwarePicker {
             cursors,
             scratch,
             slots,
+            tie,
         } = &mut *ctx.state;
         ledger.expire(now);
         let Scratch {
@@ -788,6 +813,7 @@ impl KvAwarePicker {
             rows: row_backlogs,
             kv: kv_scratch,
             saved: _,
+            tied: _,
         } = scratch;
         let KvScratch {
             members,
@@ -876,7 +902,10 @@ impl KvAwarePicker {
         // then decode within the winner's namespace (graph-local dispatch).
         let prefill_first = if pair_fleet {
             plan_paired_prefill(dense, eligible, roles, table);
-            let cursor = cursors.advance(req.model, Phase::Prefill);
+            let turn = Turn {
+                cursor: cursors.advance(req.model, Phase::Prefill),
+                tie: tie.draw(),
+            };
             self.choose_phase(
                 &ctx,
                 &mut bufs,
@@ -884,7 +913,7 @@ impl KvAwarePicker {
                 table,
                 Some(Scoring::Prefill),
                 Phase::Prefill,
-                cursor,
+                turn,
             )
         } else {
             None
@@ -902,7 +931,10 @@ impl KvAwarePicker {
             }
             None => {}
         }
-        let cursor = cursors.advance(req.model, Phase::Decode);
+        let turn = Turn {
+            cursor: cursors.advance(req.model, Phase::Decode),
+            tie: tie.draw(),
+        };
         let chosen = self.choose_phase(
             &ctx,
             &mut bufs,
@@ -910,7 +942,7 @@ impl KvAwarePicker {
             table,
             decode_scoring,
             Phase::Decode,
-            cursor,
+            turn,
         );
         let Some((won, decode_reason)) = chosen else {
             return KvPickOutcome {

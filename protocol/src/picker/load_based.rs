@@ -27,6 +27,7 @@ use std::cmp::Ordering;
 
 use super::dense::{DecodeColumn, DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
 use super::ledger::{DispatchLedger, DispatchLeg, NamespaceBacklog, RankBacklog};
+use super::tie_break::{TieDraw, Turn};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickerState, Pinned, SampleState, SelectionReason,
@@ -252,6 +253,37 @@ pub fn select(
     select_tallied(scored, &tally, load_signals, cursor)
 }
 
+/// [`select`] with the turn's tie-break: when a draw is given and the lowest cost decides (load
+/// signals on, some fresh sample), the draw chooses among the ranks of the winning tier whose
+/// cost is within the draw's slack of the lowest; `weight(pos)` is the request's own weight in
+/// the cost unit of the rank at `pos`. Without a draw, exactly [`select`].
+pub fn select_turn(
+    scored: &[Scored],
+    load_signals: bool,
+    turn: Turn,
+    weight: impl Fn(usize) -> f64,
+) -> Option<(usize, SelectionReason)> {
+    let mut tally = Tally::default();
+    for (pos, s) in scored.iter().enumerate() {
+        tally.add(pos, s);
+    }
+    let tier = tally.tier().filter(|_| load_signals && tally.any_fresh);
+    let (Some(draw), Some((tier_stalled, best))) = (turn.tie, tier) else {
+        return select_tallied(scored, &tally, load_signals, turn.cursor);
+    };
+    let limit = best.cost.as_f64() + draw.slack(weight(best.first));
+    let tied =
+        |s: &Scored| s.stalled == tier_stalled && s.cost.is_some_and(|c| c.as_f64() <= limit);
+    let count = scored.iter().filter(|s| tied(s)).count();
+    scored
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| tied(s))
+        .nth(draw.nth(count))
+        .map(|(pos, _)| (pos, SelectionReason::Load))
+        .or(Some((best.first, SelectionReason::Load)))
+}
+
 /// The lowest cost of one tier, how many ranks tie on it, and the first of them.
 #[derive(Clone, Copy, Debug)]
 struct Best {
@@ -270,6 +302,15 @@ struct Tally {
 }
 
 impl Tally {
+    /// The tier the lowest cost is chosen from (not stalled before stalled) and its best.
+    fn tier(&self) -> Option<(bool, Best)> {
+        match (self.free, self.stalled) {
+            (Some(best), _) => Some((false, best)),
+            (None, Some(best)) => Some((true, best)),
+            (None, None) => None,
+        }
+    }
+
     #[inline]
     fn add(&mut self, pos: usize, s: &Scored) {
         self.any_fresh |= s.fresh_field;
@@ -409,6 +450,8 @@ pub(super) struct Scratch {
     pub(super) kv: super::kv_aware::KvScratch,
     /// The column keys [`gather_column`] sets aside for one pick.
     pub(super) saved: Vec<(u32, u64)>,
+    /// The rows a tie draw chooses among ([`RowPass::choose_tied`]).
+    pub(super) tied: Vec<u32>,
 }
 /// The ledger's backlog per layout row for one pick: the (few) legs pending are laid onto their
 /// rows once, so the scan reads a row's backlog from a dense array indexed by row instead of a
@@ -779,6 +822,66 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
             })
             .nth(wanted - 1)
             .map(|i| (i, SelectionReason::Load))
+    }
+}
+
+impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
+    /// [`Self::choose`] with the replica's tie draw: when the lowest cost decides, the draw
+    /// chooses among the winning tier's ranks within its slack of the lowest (`weight(row)`: the
+    /// request's own weight in that row's cost unit), found by one re-walk into `tied`; a
+    /// rotation stays the cursor's. `gathered` must be [`Self::gather`]'s (complete) tally.
+    fn choose_tied(
+        &mut self,
+        gathered: &Gathered,
+        load_signals: bool,
+        cursor: u64,
+        draw: TieDraw,
+        weight: impl Fn(usize) -> f64,
+        tied: &mut Vec<u32>,
+    ) -> Option<(usize, SelectionReason)> {
+        let tally = &gathered.tally;
+        let tier = tally
+            .tier()
+            .filter(|_| load_signals && tally.any_fresh && gathered.candidates > 0);
+        let Some((tier_stalled, best)) = tier else {
+            return self.choose(gathered, load_signals, cursor);
+        };
+        let limit = best.cost.as_f64() + draw.slack(weight(best.first));
+        tied.clear();
+        let table = self.table;
+        for (i, &row) in self.rows.iter().enumerate() {
+            let ns = table
+                .get(row.group_role as usize)
+                .copied()
+                .unwrap_or(NOT_ELIGIBLE);
+            if ns == NOT_ELIGIBLE {
+                continue;
+            }
+            let s = (self.score)(i, usize::from(ns), row);
+            if s.stalled == tier_stalled && s.cost.is_some_and(|c| c.as_f64() <= limit) {
+                tied.push(u32::try_from(i).unwrap_or(u32::MAX));
+            }
+        }
+        let pick = tied
+            .get(draw.nth(tied.len()))
+            .map_or(best.first, |&i| i as usize);
+        Some((pick, SelectionReason::Load))
+    }
+}
+
+/// What one request adds to the cost of the rank at `row` for `phase` (its prompt blocks over
+/// `total_kv_blocks` for decode, its tokens over `max_num_batched_tokens` for prefill): the
+/// tie-break's unit. 0 when the card lacks the capacity.
+pub(super) fn request_weight(phase: Phase, dense: &DenseRanks, row: usize, tokens: u64) -> f64 {
+    let cap = Capacity::at(dense, row);
+    match phase {
+        Phase::Decode if cap.block_size > 0 && cap.total_kv_blocks > 0 => {
+            tokens.div_ceil(u64::from(cap.block_size)) as f64 / cap.total_kv_blocks as f64
+        }
+        Phase::Prefill if cap.max_num_batched_tokens > 0 => {
+            tokens as f64 / cap.max_num_batched_tokens as f64
+        }
+        _ => 0.0,
     }
 }
 
@@ -1296,6 +1399,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             cursors,
             scratch,
             slots: slot_cache,
+            tie,
         } = &mut *ctx.state;
         ledger.expire(now);
         let Scratch {
@@ -1306,6 +1410,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             rows: row_backlogs,
             kv: _,
             saved,
+            tied,
         } = scratch;
         let dense: &DenseRanks = match ctx.dense {
             Some(dense) if dense.len() == candidates.len() => dense,
@@ -1342,8 +1447,33 @@ impl DynamoWorkerPicker for LoadBasedPicker {
 
         // Decode: one pass scoring every decode candidate into a tally; a rotation or a tie past
         // the first re-walks the rows. The pass is instantiated per way of reading samples and
-        // backlogs.
-        let decode = {
+        // backlogs. With the tie-break on, the generic pass (complete tally) and one re-walk.
+        let decode = if let Some(draw) = tie.draw() {
+            let mut pass = RowPass {
+                rows: &dense.rows,
+                table,
+                score: |i, ns, _| {
+                    score_at(
+                        Phase::Decode,
+                        dense,
+                        i,
+                        samples,
+                        backlogs,
+                        ns,
+                        &mut size,
+                        now,
+                    )
+                },
+            };
+            let gathered = pass.gather();
+            if gathered.candidates == 0 {
+                None
+            } else {
+                let cursor = cursors.advance(req.model, Phase::Decode);
+                let weight = |row| request_weight(Phase::Decode, dense, row, tokens);
+                pass.choose_tied(&gathered, req.load_signals, cursor, draw, weight, tied)
+            }
+        } else {
             let mut advance = || cursors.advance(req.model, Phase::Decode);
             let rows = &dense.rows[..];
             let table = &table[..];
@@ -1468,7 +1598,14 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             };
             let gathered = pass.gather();
             let cursor = cursors.advance(req.model, Phase::Prefill);
-            if let Some((won, reason)) = pass.choose(&gathered, req.load_signals, cursor) {
+            let chosen = match tie.draw() {
+                Some(draw) => {
+                    let weight = |row| request_weight(Phase::Prefill, dense, row, tokens);
+                    pass.choose_tied(&gathered, req.load_signals, cursor, draw, weight, tied)
+                }
+                None => pass.choose(&gathered, req.load_signals, cursor),
+            };
+            if let Some((won, reason)) = chosen {
                 prefill = candidates.get(won);
                 prefill_reason = reason;
             }

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use continuum_protocol::kv::mooncake::splitmix64;
-use continuum_protocol::picker::DispatchLeg;
+use continuum_protocol::picker::{DispatchLeg, TieBreak};
 
 /// How requests are spread over the replicas, as a Kubernetes Service would.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -59,7 +59,7 @@ impl std::str::FromStr for Spread {
 }
 
 /// The simulated router replicas.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Replicas {
     /// Router replicas (1: one router, the replay's original behaviour).
     pub count: u32,
@@ -70,6 +70,19 @@ pub struct Replicas {
     pub sharing: bool,
     /// Delay before a peer's dispatch reaches a replica's ledger (batching + transport).
     pub share_lag: Duration,
+    /// `dynamo.load.tie_break_window` of every replica (0: off).
+    pub tie_break_window: f64,
+}
+
+impl Replicas {
+    /// Replica `replica`'s tie-break: the window, and a seed of the replay's seed and the
+    /// replica's index (the live router's comes from its replica id).
+    pub fn tie_break(&self, seed: u64, replica: u32) -> TieBreak {
+        TieBreak {
+            window: self.tie_break_window,
+            seed: splitmix64(splitmix64(seed ^ 0x71e_b4ea) ^ u64::from(replica)),
+        }
+    }
 }
 
 /// Upper bound on simulated replicas.
@@ -83,6 +96,7 @@ impl Default for Replicas {
             load_lag: Duration::ZERO,
             sharing: false,
             share_lag: Duration::from_millis(5),
+            tie_break_window: 0.0,
         }
     }
 }

@@ -105,7 +105,11 @@ impl<'a> Sim<'a> {
             store: LoadStore::new(),
             index: KvIndex::new(splitmix64(cfg.seed)),
             states: (0..cfg.replicas.count.max(1))
-                .map(|_| PickerState::new())
+                .map(|replica| {
+                    let mut state = PickerState::new();
+                    state.tie.set(cfg.replicas.tie_break(cfg.seed, replica));
+                    state
+                })
                 .collect(),
             delayed_load: Delayed::default(),
             delayed_share: Delayed::default(),

@@ -66,6 +66,7 @@ fn immediate_class_covers_staleness_shim_kv_keys_and_backends() {
     new.dynamo.load.max_staleness = HumanDuration::from_secs(5);
     new.dynamo.shim.model_map.insert("a".into(), "A".into());
     new.dynamo.kv.router_temperature = 0.5;
+    new.dynamo.load.tie_break_window = 0.5;
     new.api_keys.push(ApiKeyConfig {
         key: "k".into(),
         name: "n".into(),
@@ -82,6 +83,7 @@ fn immediate_class_covers_staleness_shim_kv_keys_and_backends() {
             "backends[0].url",
             "dynamo.kv.router_temperature",
             "dynamo.load.max_staleness",
+            "dynamo.load.tie_break_window",
             "dynamo.shim.model_map.a",
         ]
     );

@@ -15,6 +15,13 @@ impl Validator {
                 format!("{} is outside 100ms..=5m", load.max_staleness),
             );
         }
+        let window = load.tie_break_window;
+        if !(window.is_finite() && (0.0..=MAX_TIE_BREAK_WINDOW).contains(&window)) {
+            self.err(
+                "dynamo.load.tie_break_window",
+                format!("{window} must be a finite number in 0..={MAX_TIE_BREAK_WINDOW}"),
+            );
+        }
         match &load.direct_allow_cidrs {
             None => {
                 if config.dynamo.enabled && load.transport == LoadTransport::Direct {

@@ -1149,6 +1149,24 @@ fn duplicate_pinned_artifact_warns() {
 }
 
 #[test]
+fn tie_break_window_is_finite_and_at_most_16() {
+    let mut c = base();
+    for ok in [0.0, 0.25, 16.0] {
+        c.dynamo.load.tie_break_window = ok;
+        assert!(
+            !validate(&c)
+                .iter()
+                .any(|d| d.path == "dynamo.load.tie_break_window"),
+            "{ok}"
+        );
+    }
+    for bad in [-0.1, 16.5, f64::NAN, f64::INFINITY] {
+        c.dynamo.load.tie_break_window = bad;
+        expect_error(&c, "dynamo.load.tie_break_window", "0..=16");
+    }
+}
+
+#[test]
 fn router_temperature_must_be_non_negative() {
     let mut c = base();
     c.dynamo.kv.router_temperature = -0.1;

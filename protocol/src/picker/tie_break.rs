@@ -1,0 +1,301 @@
+//! Breaking the herd of router replicas: a replica-seeded choice among near-equal candidates.
+//!
+//! Several router replicas that decide in the same instant read the same published load and
+//! the same KV index; whatever they share of their in-flight dispatches arrives a publish
+//! interval later. With the same view, a deterministic argmin sends every replica to the same
+//! "best" rank (docs/replay.md, "Several router replicas"). The tie-break treats as tied the
+//! ranks whose cost is within `window` × *the request's own weight* (what this dispatch adds to
+//! a rank's cost: its prompt blocks for decode and for the KV formula, its prompt tokens for
+//! load-based prefill) above the lowest, and chooses one of them uniformly by a draw from a
+//! counter hashed with the replica's seed. Replicas with identical views then diverge, while a
+//! rank that is worse by more than the window is never chosen. A difference smaller than one
+//! request is what a peer's simultaneous dispatch would add anyway, so within it the "best" is
+//! noise to the herd.
+//!
+//! The draw is deterministic for a seed (a replay replays); the live router seeds it from the
+//! replica id (`replica_sync.replica_id`, else `$POD_NAME`, else the host name). The picker
+//! itself still draws no randomness: the draw comes from [`TieDraws`], held in the
+//! [`PickerState`](super::PickerState) of the replica.
+
+use crate::kv::mooncake::splitmix64;
+
+/// The largest `dynamo.load.tie_break_window` (a window of 16 requests is no longer a tie).
+pub const MAX_WINDOW: f64 = 16.0;
+
+/// `dynamo.load.tie_break_window` and the replica's seed: the window (0 = off: the lowest cost wins, the round-robin cursor
+/// rotates exact ties) and the replica's seed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TieBreak {
+    /// Ranks within `window` × the request's own weight of the lowest cost tie.
+    pub window: f64,
+    /// The replica's seed: replicas with different seeds draw differently.
+    pub seed: u64,
+}
+
+impl TieBreak {
+    /// No tie-break: exact ties rotate on the cursor, as without one.
+    pub const OFF: TieBreak = TieBreak {
+        window: 0.0,
+        seed: 0,
+    };
+
+    /// Whether a window is set (a non-finite or non-positive window is off).
+    pub fn is_on(&self) -> bool {
+        self.window.is_finite() && self.window > 0.0
+    }
+
+    /// A seed from a replica id (FNV-1a, then mixed): stable across restarts and platforms.
+    pub fn seed_of(replica_id: &str) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in replica_id.as_bytes() {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        splitmix64(h)
+    }
+}
+
+impl Default for TieBreak {
+    fn default() -> Self {
+        Self::OFF
+    }
+}
+
+/// One phase's draw: the window and 64 random-looking bits.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TieDraw {
+    pub window: f64,
+    pub bits: u64,
+}
+
+impl TieDraw {
+    /// The absolute slack in cost units, given the request's own weight in those units.
+    #[inline]
+    pub fn slack(&self, request_weight: f64) -> f64 {
+        let slack = self.window * request_weight;
+        if slack.is_finite() && slack > 0.0 {
+            slack
+        } else {
+            0.0
+        }
+    }
+
+    /// Which of `count` tied ranks the draw takes (Lemire's multiply-shift: uniform, no division).
+    #[inline]
+    pub fn nth(&self, count: usize) -> usize {
+        ((u128::from(self.bits) * count as u128) >> 64) as usize
+    }
+}
+
+/// One phase's turn: its round-robin cursor value and, with the tie-break on, its draw.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Turn {
+    pub cursor: u64,
+    pub tie: Option<TieDraw>,
+}
+
+/// A replica's tie-break settings and its draw counter.
+#[derive(Clone, Debug, Default)]
+pub struct TieDraws {
+    setting: TieBreak,
+    draws: u64,
+}
+
+impl TieDraws {
+    /// Applies `setting`; the counter restarts only when the seed changes.
+    pub fn set(&mut self, setting: TieBreak) {
+        if setting.seed != self.setting.seed {
+            self.draws = 0;
+        }
+        self.setting = setting;
+    }
+
+    pub fn setting(&self) -> TieBreak {
+        self.setting
+    }
+
+    /// The next draw, `None` when the tie-break is off (no counter advances then).
+    #[inline]
+    pub fn draw(&mut self) -> Option<TieDraw> {
+        if !self.setting.is_on() {
+            return None;
+        }
+        self.draws = self.draws.wrapping_add(1);
+        Some(TieDraw {
+            window: self.setting.window,
+            bits: splitmix64(self.setting.seed ^ splitmix64(self.draws)),
+        })
+    }
+}
+
+/// The position the draw chooses among `costs`: uniformly among the finite costs at most
+/// `slack` above the lowest finite cost (the tie set). `None` when no cost is finite.
+pub fn near_tie_index(costs: &[f64], slack: f64, draw: &TieDraw) -> Option<usize> {
+    near_tie_index_where(costs, slack, draw, |_, _| true)
+}
+
+/// [`near_tie_index`] over the tie set narrowed by `keep(lowest, pos)`: `pos` ties only if it
+/// also keeps against the position of the lowest cost (the first lowest; it always keeps
+/// itself). The KV-aware picker keeps only ranks holding at least as much of the prompt as the
+/// lowest, so the draw spreads load and never trades cached blocks away.
+pub fn near_tie_index_where(
+    costs: &[f64],
+    slack: f64,
+    draw: &TieDraw,
+    keep: impl Fn(usize, usize) -> bool,
+) -> Option<usize> {
+    let (lowest, min) = costs
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|(_, c)| c.is_finite())
+        .reduce(|a, b| if b.1 < a.1 { b } else { a })?;
+    let limit = min + slack.max(0.0);
+    let tied = |(i, c): &(usize, &f64)| {
+        c.is_finite() && **c <= limit && (*i == lowest || keep(lowest, *i))
+    };
+    let count = costs.iter().enumerate().filter(tied).count();
+    costs
+        .iter()
+        .enumerate()
+        .filter(tied)
+        .nth(draw.nth(count))
+        .map(|(i, _)| i)
+        .or(Some(lowest))
+}
+
+#[cfg(test)]
+mod picks;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn draws(window: f64, seed: u64) -> TieDraws {
+        let mut d = TieDraws::default();
+        d.set(TieBreak { window, seed });
+        d
+    }
+
+    #[test]
+    fn off_draws_nothing() {
+        let mut d = TieDraws::default();
+        assert_eq!(d.draw(), None);
+        for window in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(draws(window, 7).draw(), None, "{window}");
+        }
+        assert!(draws(0.5, 7).draw().is_some());
+    }
+
+    #[test]
+    fn a_single_candidate_is_always_chosen() {
+        let mut d = draws(1.0, 3);
+        for _ in 0..100 {
+            let draw = d.draw().unwrap();
+            assert_eq!(near_tie_index(&[42.0], 1e9, &draw), Some(0));
+            assert_eq!(
+                near_tie_index(&[f64::INFINITY, 5.0, f64::NAN], 1e9, &draw),
+                Some(1)
+            );
+        }
+        let draw = d.draw().unwrap();
+        assert_eq!(near_tie_index(&[], 1.0, &draw), None);
+        assert_eq!(near_tie_index(&[f64::NAN, f64::INFINITY], 1.0, &draw), None);
+    }
+
+    #[test]
+    fn identical_views_spread_across_replicas() {
+        // 32 replicas, one identical view of eight equal ranks: a deterministic argmin would
+        // send all of them to rank 0; seeded draws spread them over (nearly) every rank.
+        let costs = [10.0; 8];
+        let picks: Vec<usize> = (0..32u64)
+            .map(|replica| {
+                let mut d = draws(0.5, TieBreak::seed_of(&format!("router-{replica}")));
+                near_tie_index(&costs, 0.0, &d.draw().unwrap()).unwrap()
+            })
+            .collect();
+        let distinct = picks
+            .iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
+        assert!(distinct >= 6, "{picks:?}");
+        // And over many decisions each replica covers the whole tie set about evenly.
+        let mut per = [0u32; 8];
+        let mut d = draws(0.5, 11);
+        for _ in 0..8000 {
+            per[near_tie_index(&costs, 0.0, &d.draw().unwrap()).unwrap()] += 1;
+        }
+        assert!(per.iter().all(|&n| (850..1150).contains(&n)), "{per:?}");
+    }
+
+    #[test]
+    fn seeds_of_replica_ids_differ_and_are_stable() {
+        assert_eq!(TieBreak::seed_of("router-0"), TieBreak::seed_of("router-0"));
+        assert_ne!(TieBreak::seed_of("router-0"), TieBreak::seed_of("router-1"));
+        assert_ne!(TieBreak::seed_of(""), TieBreak::seed_of("a"));
+    }
+
+    #[test]
+    fn a_new_seed_restarts_the_counter_and_a_new_window_does_not() {
+        let mut a = draws(1.0, 5);
+        let first = a.draw().unwrap();
+        a.set(TieBreak {
+            window: 2.0,
+            seed: 5,
+        });
+        let second = a.draw().unwrap();
+        assert_ne!(first.bits, second.bits, "the counter kept going");
+        a.set(TieBreak {
+            window: 2.0,
+            seed: 6,
+        });
+        a.set(TieBreak {
+            window: 2.0,
+            seed: 5,
+        });
+        assert_eq!(a.draw().unwrap().bits, first.bits, "restarted on the seed");
+    }
+
+    proptest! {
+        #[test]
+        fn never_outside_the_tie_set_and_deterministic(
+            costs in prop::collection::vec(
+                prop_oneof![8 => -1e6f64..1e6, 1 => Just(f64::INFINITY), 1 => Just(f64::NAN)],
+                1..40,
+            ),
+            slack in 0f64..1e5,
+            seed in any::<u64>(),
+            window in 0.01f64..16.0,
+        ) {
+            let mut a = draws(window, seed);
+            let mut b = draws(window, seed);
+            for _ in 0..8 {
+                let (da, db) = (a.draw().unwrap(), b.draw().unwrap());
+                let chosen = near_tie_index(&costs, slack, &da);
+                prop_assert_eq!(chosen, near_tie_index(&costs, slack, &db));
+                let min = costs.iter().copied().filter(|c| c.is_finite()).reduce(f64::min);
+                match (chosen, min) {
+                    (Some(i), Some(min)) => {
+                        prop_assert!(costs[i].is_finite());
+                        prop_assert!(costs[i] <= min + slack, "{} > {} + {}", costs[i], min, slack);
+                    }
+                    (None, None) => {}
+                    other => prop_assert!(false, "{:?}", other),
+                }
+            }
+        }
+
+        #[test]
+        fn zero_slack_keeps_the_lowest_cost(
+            costs in prop::collection::vec(0u32..50, 1..30),
+            seed in any::<u64>(),
+        ) {
+            let costs: Vec<f64> = costs.into_iter().map(f64::from).collect();
+            let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+            let draw = draws(1.0, seed).draw().unwrap();
+            let i = near_tie_index(&costs, 0.0, &draw).unwrap();
+            prop_assert_eq!(costs[i], min);
+        }
+    }
+}
