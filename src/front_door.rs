@@ -15,6 +15,7 @@ pub mod serve;
 pub mod strip;
 pub mod ui;
 
+use std::future::Future;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -150,17 +151,13 @@ pub fn router_for(state: AppState, features: Features) -> Router {
 }
 
 /// The hot routes the connection layer ([`serve::serve`]) dispatches itself, without axum's
-/// router and its middleware stack: `POST /v1/chat/completions` and `POST /v1/completions`.
-/// Any other method or path (a `GET` on these paths: 405) goes through [`router`].
-pub fn hot_route(method: &axum::http::Method, path: &str) -> Option<OpenAiRoute> {
-    if method != axum::http::Method::POST {
+/// router and its middleware stack: `POST /v1/chat/completions` and `POST /v1/completions` (a
+/// path without its query). Any other method or path (a `GET` on these paths: 405) goes through
+/// [`router`].
+pub fn hot_route(method: &str, path: &str) -> Option<OpenAiRoute> {
+    if method != "POST" {
         return None;
     }
-    hot_path(path)
-}
-
-/// The hot route a `POST` to `path` (no query) names.
-pub fn hot_path(path: &str) -> Option<OpenAiRoute> {
     match path {
         "/v1/chat/completions" => Some(OpenAiRoute::ChatCompletions),
         "/v1/completions" => Some(OpenAiRoute::Completions),
@@ -168,23 +165,36 @@ pub fn hot_path(path: &str) -> Option<OpenAiRoute> {
     }
 }
 
-/// A hot route ([`hot_route`]) served directly: what [`router`] does for it, as plain calls.
-/// The pin headers are stripped from the request and the answer (the global middleware
-/// [`strip::strip_client_pins`]), the handler [`openai`] admits, routes and counts it (the
-/// surface-route middleware counts nothing for these routes), and the client's headers are moved,
-/// not cloned as axum's `HeaderMap` extractor does.
-pub async fn serve_hot(
-    state: &AppState,
-    route: OpenAiRoute,
-    req: axum::extract::Request,
-) -> Response {
-    let (parts, body) = req.into_parts();
-    serve_hot_parts(state, route, parts.headers, body).await
+/// The connection layer's handler: the hot routes ([`hot_route`]), served by [`serve_hot`].
+impl serve::Handler for AppState {
+    type Route = OpenAiRoute;
+
+    fn route(&self, method: &str, path: &str) -> Option<OpenAiRoute> {
+        hot_route(method, path)
+    }
+
+    fn max_body(&self) -> usize {
+        self.route.max_request_body_bytes()
+    }
+
+    fn serve(
+        &self,
+        route: OpenAiRoute,
+        headers: HeaderMap,
+        body: Body,
+    ) -> impl Future<Output = Response> + Send {
+        serve_hot(self, route, headers, body)
+    }
 }
 
-/// [`serve_hot`] for a request's header map and body (the front door's own HTTP/1.1 server,
-/// [`serve`]'s `fast`, builds no `Request`).
-pub async fn serve_hot_parts(
+/// A hot route ([`hot_route`]) served directly: what [`router`] does for it, as plain calls, and
+/// the one entrance to the OpenAI handler, whichever server took the request (the connection
+/// layer's [`serve::Handler`], and the router's own routes for these paths). The pin headers are
+/// stripped from the request and the answer (the global middleware [`strip::strip_client_pins`]),
+/// the handler [`openai`] admits, routes and counts it (the surface-route middleware counts
+/// nothing for these routes), and the client's headers are moved, not cloned as axum's
+/// `HeaderMap` extractor does.
+pub async fn serve_hot(
     state: &AppState,
     route: OpenAiRoute,
     mut headers: HeaderMap,
@@ -313,11 +323,11 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    openai(&state, OpenAiRoute::ChatCompletions, headers, body).await
+    serve_hot(&state, OpenAiRoute::ChatCompletions, headers, body).await
 }
 
 async fn completions(State(state): State<AppState>, headers: HeaderMap, body: Body) -> Response {
-    openai(&state, OpenAiRoute::Completions, headers, body).await
+    serve_hot(&state, OpenAiRoute::Completions, headers, body).await
 }
 
 /// One OpenAI-wire request: [`admit`], then [`crate::route::Router::serve`]; counted in

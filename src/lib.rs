@@ -9,6 +9,7 @@
 //! | [`config`] | the typed YAML schema, validation, masking and the reload diff |
 //! | [`daemon`] | startup, the reload control loop (and the config readback/import) and bounded shutdown |
 //! | [`front_door`] | the axum router: OpenAI surface, health, metrics, admin |
+//! | [`http1`] | the one HTTP/1.1 codec, sans-IO: heads, framing, chunked coding (server and client roles) |
 //! | [`dynamo_admin`] | `GET /admin/dynamo/workers` |
 //! | [`event_bus`] | `dynamo.event_bus` → the listener's settings; re-exports the `EventBus` API |
 //! | [`http_metrics`] | the front door's request counters and latency histograms |
@@ -28,6 +29,7 @@ pub mod daemon;
 pub mod dynamo_admin;
 pub mod event_bus;
 pub mod front_door;
+pub mod http1;
 pub mod http_metrics;
 pub mod kv;
 pub mod proxy;

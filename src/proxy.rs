@@ -34,7 +34,6 @@
 
 pub mod backends;
 pub mod body;
-pub mod h1;
 pub mod headers;
 pub mod limits;
 pub mod pool;

@@ -12,12 +12,27 @@ use std::sync::{Arc, Mutex};
 use bytes::{Bytes, BytesMut};
 use continuum_router::config::{Config, EnvLookup, show_effective};
 use continuum_router::front_door::ingress::SseDecoder;
-use continuum_router::front_door::serve::{FastParsed, MAX_FAST_HEAD, parse_fast_head};
+use continuum_router::http1::chunked::{MAX_CHUNK_LINE_BYTES, MAX_TRAILER_BYTES};
+use continuum_router::http1::client::Client;
+use continuum_router::http1::server::{Accept, MAX_FAST_HEAD, Parsed as FastParsed, Server};
+use continuum_router::http1::{self as h1, ChunkedDecoder, Decoded, Framing, Role as _};
 use continuum_router::proxy::OpenAiRoute;
-use continuum_router::proxy::h1::{self, ChunkedDecoder, Decoded, Framing};
 use http::{HeaderMap, Method, StatusCode, Version, header};
 
 use super::common::{Source, pieces};
+
+/// The fast server's head parser with the front door's hot routes (its connection layer's
+/// handler): `FastParsed::Fast` for a plain hot request, else partial or handed over.
+fn parse_fast_head(buf: &mut BytesMut, max_body: usize) -> FastParsed<OpenAiRoute> {
+    let route = continuum_router::front_door::hot_route;
+    Server::parse(
+        buf,
+        Accept {
+            max_body,
+            route: &route,
+        },
+    )
+}
 
 /// The fast server's head parser: what it does not serve leaves the buffer as it was (hyper gets
 /// every byte), what it serves consumed exactly one head, and a head cut short is `Partial`.
@@ -179,7 +194,7 @@ fn head_outcome(
     let mut buf = BytesMut::new();
     for (i, part) in parts.iter().enumerate() {
         buf.extend_from_slice(part);
-        let Some(head) = h1::parse_head(&mut buf, method)? else {
+        let Some(head) = Client::parse(&mut buf, method)? else {
             continue;
         };
         // The rest of the input is what follows the head.
@@ -301,7 +316,7 @@ fn reference_chunked(input: &[u8]) -> Chunked {
         let shape_ok = digits <= 16
             && (digits > 0 || content.is_empty() && end.is_none())
             && (after[ws..].is_empty() || after[ws] == b';');
-        let too_long = |n: usize| n > h1::MAX_CHUNK_LINE_BYTES;
+        let too_long = |n: usize| n > MAX_CHUNK_LINE_BYTES;
         if !shape_ok {
             // The first offending byte may lie beyond the line bound: either way an error.
             return Chunked::Error(body);
@@ -349,14 +364,14 @@ fn reference_chunked(input: &[u8]) -> Chunked {
 fn reference_trailers(input: &[u8], start: usize, body: Vec<u8>) -> Chunked {
     let mut at = start;
     let bounded = |at: usize, body: Vec<u8>| {
-        if at - start > h1::MAX_TRAILER_BYTES {
+        if at - start > MAX_TRAILER_BYTES {
             Chunked::Error(body)
         } else {
             Chunked::NeedMore(body)
         }
     };
     loop {
-        if at - start > h1::MAX_TRAILER_BYTES {
+        if at - start > MAX_TRAILER_BYTES {
             return Chunked::Error(body);
         }
         match input.get(at) {
@@ -364,7 +379,7 @@ fn reference_trailers(input: &[u8], start: usize, body: Vec<u8>) -> Chunked {
             Some(b'\r') => {
                 return match input.get(at + 1) {
                     None => bounded(at + 1, body),
-                    Some(b'\n') if at + 2 - start <= h1::MAX_TRAILER_BYTES => {
+                    Some(b'\n') if at + 2 - start <= MAX_TRAILER_BYTES => {
                         Chunked::Ended(body, at + 2)
                     }
                     Some(_) => Chunked::Error(body),

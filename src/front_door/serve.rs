@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::{HeaderValue, Request, Version, header};
+use axum::http::{HeaderMap, HeaderValue, Request, Version, header};
 use axum::response::IntoResponse as _;
 use bytes::Bytes;
 use continuum_actors::metrics::Metrics;
@@ -61,10 +61,29 @@ use crate::wire::error::ApiError;
 
 mod fast;
 
-/// The fast server's head parser and hand-over decision, for the fuzz targets (`fuzz/`) and their
-/// corpus replay only.
-#[doc(hidden)]
-pub use fast::{MAX_FAST_HEAD, Parsed as FastParsed, parse as parse_fast_head};
+/// What the connection layer serves itself, without the router: the routes a handler names
+/// (the front door's hot routes, [`super::AppState`]'s implementation), on both servers: the
+/// front door's own HTTP/1.1 server ([`fast`]) and hyper's after a hand-over. Its one entrance is
+/// [`Handler::serve`].
+pub trait Handler: Send + Sync + 'static {
+    /// A route the handler serves.
+    type Route: Copy + Send + 'static;
+
+    /// The route a request of `method` to `path` (its query aside) names; `None`: the router's.
+    fn route(&self, method: &str, path: &str) -> Option<Self::Route>;
+
+    /// The largest request body the handler takes: a longer one goes to hyper's server, which
+    /// hands it to [`Handler::serve`] to refuse (413) and closes the connection after it.
+    fn max_body(&self) -> usize;
+
+    /// Answers a request of `route`.
+    fn serve(
+        &self,
+        route: Self::Route,
+        headers: HeaderMap,
+        body: Body,
+    ) -> impl Future<Output = axum::response::Response> + Send;
+}
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -455,13 +474,13 @@ impl hyper::body::Body for TrackedBody {
 /// Serves `router` on `listener` until `shutdown` resolves, then stops accepting, lets every
 /// connection finish its in-flight requests (graceful), and returns when all are closed.
 ///
-/// With `hot` (the state `router` was built with), the hot routes ([`super::hot_route`]: `POST
-/// /v1/chat/completions` and `/v1/completions`) are dispatched here without the router
-/// ([`super::serve_hot`]); every other request goes through `router`.
-pub async fn serve(
+/// With `hot` (for the daemon, the state `router` was built with), the routes it names
+/// ([`Handler::route`]: `POST /v1/chat/completions` and `/v1/completions`) are dispatched to it
+/// without the router ([`Handler::serve`]); every other request goes through `router`.
+pub async fn serve<H: Handler>(
     listener: TcpListener,
     router: Router,
-    hot: Option<Arc<super::AppState>>,
+    hot: Option<Arc<H>>,
     options: ServeOptions,
     metrics: Option<&Metrics>,
     shutdown: impl Future<Output = ()> + Send,
@@ -572,9 +591,9 @@ pub async fn serve(
 }
 
 /// One client connection's task.
-struct Connection {
+struct Connection<H> {
     router: Router,
-    hot: Option<Arc<super::AppState>>,
+    hot: Option<Arc<H>>,
     conn: Arc<Conn>,
     id: u64,
     table: SharedTable,
@@ -588,7 +607,7 @@ struct Connection {
     _alive: mpsc::Sender<Infallible>,
 }
 
-impl Connection {
+impl<H: Handler> Connection<H> {
     async fn run(mut self, stream: TcpStream) {
         // The side futures are polled only when they were woken: most wakes of this task are the
         // connection's own (every relayed frame of a streamed answer). The task's waker is
@@ -633,53 +652,12 @@ impl Connection {
         };
         if let Some((io, served)) = io {
             let io = io.timing_heads(conn.clone(), served);
-            let service = {
-                let (router, conn) = (self.router.clone(), self.conn.clone());
-                let hot = self.hot.clone();
-                let body_timeout = self.options.body_read_timeout;
-                hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let direct = hot.as_ref().and_then(|state| {
-                        Some((state, super::hot_route(req.method(), req.uri().path())?))
-                    });
-                    let in_flight = InFlight::start(conn.clone());
-                    let req = req.map(|inner| {
-                        Body::new(TimedBody {
-                            inner,
-                            deadline: Instant::now() + body_timeout,
-                            timeout: body_timeout,
-                            yielded: false,
-                            timer: None,
-                        })
-                    });
-                    let tracked = |response: axum::response::Response| {
-                        response.map(|inner| {
-                            Body::new(TrackedBody {
-                                inner,
-                                _in_flight: in_flight,
-                            })
-                        })
-                    };
-                    match direct {
-                        _ if !host_is_valid(&req) => {
-                            Either::Left(Either::Right(std::future::ready(Ok(tracked(bad_host())))))
-                        }
-                        Some((state, route)) => {
-                            let state = state.clone();
-                            Either::Left(Either::Left(async move {
-                                let response = super::serve_hot(&state, route, req).await;
-                                Ok::<_, Infallible>(tracked(response))
-                            }))
-                        }
-                        None => {
-                            let mut router = router.clone();
-                            Either::Right(async move {
-                                let response = router.call(req).await?;
-                                Ok::<_, Infallible>(tracked(response))
-                            })
-                        }
-                    }
-                })
-            };
+            let service = hyper_service(
+                self.router.clone(),
+                self.conn.clone(),
+                self.hot.clone(),
+                self.options.body_read_timeout,
+            );
             // A connection that already carried a request is HTTP/1.1: the auto builder would
             // take h2c's preface after it for a new connection's (it sniffs at the hand-over).
             let builder = if served {
@@ -713,9 +691,73 @@ impl Connection {
     }
 }
 
+/// The service hyper's server calls for each request once it took a connection over: `hot`'s
+/// routes to it, every other request to `router`; each request in flight on `conn` from its head
+/// until its answer's body ends, its body read under `body_timeout`, its `Host` checked first.
+fn hyper_service<H: Handler>(
+    router: Router,
+    conn: Arc<Conn>,
+    hot: Option<Arc<H>>,
+    body_timeout: Duration,
+) -> impl hyper::service::Service<
+    Request<Incoming>,
+    Response = axum::response::Response,
+    Error = Infallible,
+    Future: Send + 'static,
+> + Clone
++ Send
++ 'static {
+    hyper::service::service_fn(move |req: Request<Incoming>| {
+        let direct = hot.as_ref().and_then(|handler| {
+            Some((
+                handler,
+                handler.route(req.method().as_str(), req.uri().path())?,
+            ))
+        });
+        let in_flight = InFlight::start(conn.clone());
+        let req = req.map(|inner| {
+            Body::new(TimedBody {
+                inner,
+                deadline: Instant::now() + body_timeout,
+                timeout: body_timeout,
+                yielded: false,
+                timer: None,
+            })
+        });
+        let tracked = |response: axum::response::Response| {
+            response.map(|inner| {
+                Body::new(TrackedBody {
+                    inner,
+                    _in_flight: in_flight,
+                })
+            })
+        };
+        match direct {
+            _ if !host_is_valid(&req) => {
+                Either::Left(Either::Right(std::future::ready(Ok(tracked(bad_host())))))
+            }
+            Some((handler, route)) => {
+                let handler = handler.clone();
+                Either::Left(Either::Left(async move {
+                    let (parts, body) = req.into_parts();
+                    let response = handler.serve(route, parts.headers, body).await;
+                    Ok::<_, Infallible>(tracked(response))
+                }))
+            }
+            None => {
+                let mut router = router.clone();
+                Either::Right(async move {
+                    let response = router.call(req).await?;
+                    Ok::<_, Infallible>(tracked(response))
+                })
+            }
+        }
+    })
+}
+
 /// Whether an HTTP/1.x request's `Host` fields are what RFC 9112 §3.2 asks: exactly one, valid
-/// ([`fast::valid_host`]), in HTTP/1.1; at most one in HTTP/1.0. An HTTP/2 request names its
-/// authority in `:authority` and is not checked.
+/// ([`crate::http1::valid_host`]), in HTTP/1.1; at most one in HTTP/1.0. An HTTP/2 request names
+/// its authority in `:authority` and is not checked.
 fn host_is_valid<B>(req: &Request<B>) -> bool {
     let version = req.version();
     if version > Version::HTTP_11 {
@@ -724,7 +766,7 @@ fn host_is_valid<B>(req: &Request<B>) -> bool {
     let mut hosts = req.headers().get_all(header::HOST).iter();
     match (hosts.next(), hosts.next()) {
         (None, _) => version < Version::HTTP_11,
-        (Some(host), None) => fast::valid_host(host.as_bytes()),
+        (Some(host), None) => crate::http1::valid_host(host.as_bytes()),
         (Some(_), Some(_)) => false,
     }
 }

@@ -1,6 +1,7 @@
 //! A per-backend pool of HTTP/1.1 connections for plain-`http` backends (the hot path; HTTPS
 //! backends keep the pooled hyper-util client of [`super::upstream`], which negotiates h2 or
-//! http/1.1 by ALPN). The exchange itself is [`super::h1`]'s codec, run by the request's own task:
+//! http/1.1 by ALPN). The exchange itself is the client role of the one HTTP/1.1 codec
+//! ([`crate::http1::client`]), run by the request's own task:
 //! no task per connection, no channel between the socket and the response body.
 //!
 //! Why not the hyper-util legacy client here: per request it hashes the pool key (SipHash) twice,
@@ -16,7 +17,7 @@
 //!   `connect_timeout`; a failure is [`UpstreamError::Connect`] (nothing was sent, so the proxy
 //!   may try another replica).
 //! - **Head timeout**: writing the request and reading the response head are bounded by the
-//!   caller's `head_timeout`; the head itself by [`super::h1::MAX_HEAD_BYTES`].
+//!   caller's `head_timeout`; the head itself by [`crate::http1::client::MAX_HEAD_BYTES`].
 //! - **Idle cap**: at most `max_idle` idle connections are kept; one more going idle is closed.
 //! - **Idle timeout**: an idle connection older than `idle_timeout` is never reused, and a reaper
 //!   task (started with the first idle connection, ending with the pool) closes them every
@@ -42,8 +43,9 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tracing::debug;
 
-use super::h1::{self, ChunkedDecoder, Decoded, Framing, ProtocolError};
 use super::upstream::UpstreamError;
+use crate::http1::client::{self, Client};
+use crate::http1::{self, ChunkedDecoder, Decoded, Framing, ProtocolError, Role as _};
 
 /// A read asks for at least this much free buffer; the buffer grows by [`READ_RESERVE`].
 const READ_MIN: usize = 4096;
@@ -229,9 +231,9 @@ impl ConnPool {
         let fields = fields
             .into_iter()
             .filter(|(name, _)| *name != header::HOST)
-            .inspect(|(name, value)| closes |= h1::asks_to_close(name, value));
-        let mut head = Vec::with_capacity(256 + body.len().min(h1::INLINE_BODY_BYTES));
-        let inline = h1::encode_request(
+            .inspect(|(name, value)| closes |= http1::asks_to_close(name, value));
+        let mut head = Vec::with_capacity(256 + body.len().min(client::INLINE_BODY_BYTES));
+        let inline = Client::encode(
             method,
             path_and_query,
             fields.map(shorter).chain(std::iter::once(host)),
@@ -255,7 +257,7 @@ impl ConnPool {
             None => self.fresh(&head, body).await?,
         };
         let head = loop {
-            match h1::parse_head(&mut conn.buf, method) {
+            match Client::parse(&mut conn.buf, method) {
                 Ok(Some(head)) => break head,
                 Ok(None) => {}
                 Err(error) => return Err(UpstreamError::Transport(error.to_string())),
