@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
+use continuum_actors::discovery::metrics::{DiscoveryEventKind, DiscoveryMetrics};
 use continuum_actors::discovery::{DiscoveryActor, DiscoveryArgs, SourceSpec};
 use continuum_actors::etcd_source::{EtcdAuth, EtcdSourceConfig, EtcdTls};
 use continuum_actors::file_source::{FileSourceConfig, default_root as default_file_root};
@@ -24,9 +25,11 @@ use continuum_actors::kv_index::SharedKvIndex;
 use continuum_actors::kv_index::kv_index_spec;
 use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::SharedLoadStore;
+use continuum_actors::load::SubscriptionTransport;
 use continuum_actors::memory_source::MemoryDiscovery;
-use continuum_actors::metrics::SubscriptionTransport;
-use continuum_actors::metrics::{DiscoveryEventKind, Metrics, ReloadRefusal};
+use continuum_actors::metrics::Metrics;
+
+use self::metrics::{DaemonMetrics, ReloadRefusal};
 use continuum_actors::picker::SharedPicker;
 #[cfg(feature = "dynamo")]
 use continuum_actors::picker::picker_spec;
@@ -64,6 +67,7 @@ use crate::route::dynamo::ShimRouter;
 use crate::telemetry;
 
 mod import;
+pub mod metrics;
 #[cfg(feature = "replica-sync")]
 mod replica_sync;
 mod sources;
@@ -263,7 +267,7 @@ impl Daemon {
         let config = options.config;
         let metrics = Metrics::new(&config.telemetry.service_name)
             .map_err(|e| anyhow::anyhow!("cannot build metrics: {e}"))?;
-        metrics.set_build_info(crate::build_info::VERSION, crate::build_info::FEATURES);
+        metrics::register_all(&metrics)?;
         // Every handle starts from the empty config; startup is then the same
         // `apply(diff(empty, config))` as a reload (`apply(diff(old, new))`).
         let empty = Config::default();
@@ -695,9 +699,9 @@ impl ControlLoop {
         let (loaded, text) = match Config::load_with_text(&path) {
             Ok(loaded) => loaded,
             Err(error) => {
-                self.shared
-                    .metrics
-                    .config_reload_refused(ReloadRefusal::Invalid);
+                if let Some(daemon) = self.shared.metrics.family::<DaemonMetrics>() {
+                    daemon.config_reload_refused(ReloadRefusal::Invalid);
+                }
                 warn!(%error, trigger, path = %path.display(), "Refused the new config; the running config stays.");
                 return Err(error.to_string());
             }
@@ -708,7 +712,9 @@ impl ControlLoop {
                 GuardRefusal::RemovesAllBackends => ReloadRefusal::RemovesAllBackends,
                 GuardRefusal::DisablesAdmin => ReloadRefusal::DisablesAdmin,
             };
-            self.shared.metrics.config_reload_refused(reason);
+            if let Some(daemon) = self.shared.metrics.family::<DaemonMetrics>() {
+                daemon.config_reload_refused(reason);
+            }
             warn!(
                 reason = reason.as_label(),
                 trigger,
@@ -775,9 +781,9 @@ impl ControlLoop {
             }) => {
                 if self.running {
                     info!(reason = reason.as_str(), "Replacing the discovery watcher.");
-                    self.shared
-                        .metrics
-                        .discovery_event(DiscoveryEventKind::Restart);
+                    if let Some(discovery) = self.shared.metrics.family::<DiscoveryMetrics>() {
+                        discovery.event(DiscoveryEventKind::Restart);
+                    }
                 }
                 // A backoff-only change keeps the snapshot until the replacement's first
                 // resync; a namespaces change prunes only removed namespaces.

@@ -36,6 +36,7 @@ pub mod backends;
 pub mod body;
 pub mod headers;
 pub mod limits;
+pub mod metrics;
 pub mod pool;
 pub mod relay;
 pub mod upstream;
@@ -49,7 +50,9 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderValue, Response};
 use bytes::Bytes;
-use continuum_actors::metrics::{Metrics, RoutingPath};
+use continuum_actors::metrics::Metrics;
+
+use self::metrics::{DisaggregatedMetrics, RoutingPath};
 use continuum_protocol::breaker::{BreakerConfig, ResponseVerdict, classify_response};
 use tracing::warn;
 
@@ -145,6 +148,8 @@ pub struct Proxy {
     /// `disaggregated_serving.mid_stream_fallback` (read by the route's mid-stream fallback).
     mid_stream: ArcSwap<MidStreamFallbackConfig>,
     metrics: Option<Metrics>,
+    /// `disaggregated_{requests,errors}_total`, resolved once.
+    disaggregated_metrics: Option<Arc<DisaggregatedMetrics>>,
     /// `rate_limits` (keys admitted by `crate::route`, backends here).
     limits: limits::RateLimiter,
 }
@@ -160,6 +165,7 @@ impl Proxy {
             fallback_to_unified: AtomicBool::new(true),
             mid_stream: ArcSwap::default(),
             limits: limits::RateLimiter::new(metrics.as_ref().map(|m| m.registry())),
+            disaggregated_metrics: metrics.as_ref().and_then(Metrics::family),
             metrics,
         }
     }
@@ -212,6 +218,11 @@ impl Proxy {
     /// The daemon's metrics, when registered.
     pub fn metrics(&self) -> Option<&Metrics> {
         self.metrics.as_ref()
+    }
+
+    /// The shim's families (`disaggregated_{requests,errors}_total`), when registered.
+    pub fn disaggregated_metrics(&self) -> Option<&DisaggregatedMetrics> {
+        self.disaggregated_metrics.as_deref()
     }
 
     /// Whether `disaggregated_serving.fallback_to_unified` is on in the current configuration.
@@ -298,9 +309,9 @@ impl Proxy {
     /// call once per request.
     pub fn count_routing_path(&self, path: RoutingPath) {
         if self.disaggregated_enabled()
-            && let Some(metrics) = &self.metrics
+            && let Some(metrics) = &self.disaggregated_metrics
         {
-            metrics.disaggregated_request(path);
+            metrics.request(path);
         }
     }
 

@@ -21,18 +21,19 @@
 
 pub mod admission;
 pub mod dynamo;
+pub mod metrics;
 pub mod mid_stream;
 pub mod usage;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::proxy::metrics::{DisaggregatedPhase, RoutingPath};
 use arc_swap::ArcSwapOption;
 use axum::body::Body;
 use axum::http::{HeaderMap, Response, StatusCode};
 use axum::response::IntoResponse;
 use bytes::Bytes;
-use continuum_actors::metrics::{DisaggregatedPhase, RoutingPath};
 use continuum_protocol::admission::{Fleet, Waiting};
 use tracing::{debug, warn};
 
@@ -75,6 +76,10 @@ impl Router {
     /// A router over `proxy` with no Dynamo path (install one with [`Router::set_dynamo`]).
     pub fn new(proxy: Arc<Proxy>) -> Self {
         let admission = admission::Admission::new(proxy.metrics().map(|m| m.registry()));
+        // The mid-stream families read 0 from the start, before a first cut registers them.
+        if let Some(metrics) = proxy.metrics() {
+            metrics.family::<mid_stream::metrics::MidStreamMetrics>();
+        }
         Self {
             proxy,
             dynamo: ArcSwapOption::empty(),
@@ -340,8 +345,8 @@ impl Router {
                 // error body tells the direct-mode refusal from any other failure.
                 let status = resp.status();
                 if is_prefill_id_refusal(&error_body(resp.into_body()).await) {
-                    if let Some(metrics) = self.proxy.metrics() {
-                        metrics.disaggregated_error(DisaggregatedPhase::Orchestration);
+                    if let Some(metrics) = self.proxy.disaggregated_metrics() {
+                        metrics.error(DisaggregatedPhase::Orchestration);
                     }
                     return Err(ApiError::PrefillDecodeUnavailable(
                         "the direct-mode frontend refused the worker pair: prefill worker id required"
@@ -352,8 +357,8 @@ impl Router {
             }
             Err(error) => error.to_string(),
         };
-        if let Some(metrics) = self.proxy.metrics() {
-            metrics.disaggregated_error(DisaggregatedPhase::Decode);
+        if let Some(metrics) = self.proxy.disaggregated_metrics() {
+            metrics.error(DisaggregatedPhase::Decode);
         }
         if !self.proxy.fallback_to_unified() {
             return Err(ApiError::DisaggregatedDecodeFailed(format!(

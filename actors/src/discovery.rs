@@ -12,6 +12,8 @@
 //! first-pass callback (readiness), discovery metrics. Restart: on failure, by its supervisor
 //! with the default budget; the registry keeps the namespace's last view meanwhile.
 
+pub mod metrics;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,13 +25,13 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{Instrument, info, warn};
 
+use self::metrics::{DiscoveryEventKind, DiscoveryMetrics};
 use crate::clock::now_unix;
 use crate::etcd_source::{EtcdSource, EtcdSourceConfig};
 use crate::file_source::{FileSourceConfig, FileUpdate, run_file_source};
 use crate::kube_source::{KubeSourceConfig, KubeUpdate, run_metadata_source, run_pod_source};
 use crate::lifecycle::ActorSpan;
 use crate::memory_source::{MemoryDiscovery, run_memory_source};
-use crate::metrics::DiscoveryEventKind;
 use crate::metrics::Metrics;
 use crate::registry::RegistryInbox;
 use continuum_protocol::discovery::view::NamespaceView;
@@ -117,7 +119,7 @@ pub struct DiscoveryState {
     namespace: Namespace,
     reducer: DiscoveryReducer,
     registry_actor: RegistryInbox,
-    metrics: Option<Metrics>,
+    metrics: Option<Arc<DiscoveryMetrics>>,
     on_first_pass: FirstPass,
     first_pass_done: bool,
     /// Whether this reducer's view was staged once (later views are staged with their changes).
@@ -195,7 +197,7 @@ impl Actor for DiscoveryActor {
             pods_view: Arc::new(NamespaceView::new(namespace.clone())),
             namespace,
             registry_actor: args.registry_actor,
-            metrics: args.metrics,
+            metrics: args.metrics.as_ref().and_then(Metrics::family),
             on_first_pass: args.on_first_pass,
             first_pass_done: false,
             staged_once: false,
@@ -240,7 +242,7 @@ impl DiscoveryState {
         }
         if let Some(metrics) = &self.metrics {
             for (kind, n) in self.reducer.take_counts().iter() {
-                metrics.discovery_events(kind, n);
+                metrics.events(kind, n);
             }
         } else {
             self.reducer.take_counts();
@@ -283,7 +285,7 @@ impl DiscoveryState {
 
     fn count(&self, kind: DiscoveryEventKind) {
         if let Some(metrics) = &self.metrics {
-            metrics.discovery_event(kind);
+            metrics.event(kind);
         }
     }
 
@@ -292,7 +294,7 @@ impl DiscoveryState {
             .registry_actor
             .set_connected(&self.namespace, connected);
         if let Some(metrics) = &self.metrics {
-            metrics.set_discovery_connected(all);
+            metrics.set_connected(all);
         }
     }
 
@@ -309,7 +311,7 @@ impl DiscoveryState {
         }
         let all = self.registry_actor.set_connected(&self.namespace, false);
         if let Some(metrics) = &self.metrics {
-            metrics.set_discovery_connected(all);
+            metrics.set_connected(all);
         }
     }
 }

@@ -194,7 +194,9 @@ impl EventBus {
                 }),
                 running: AtomicBool::new(false),
                 sessions_tx,
-                metrics: metrics.map(|m| m.event_bus().clone()),
+                metrics: metrics
+                    .and_then(crate::metrics::Metrics::family::<EventBusMetrics>)
+                    .map(|m| (*m).clone()),
                 coverage: coverage::CoverageTable::default(),
             }),
         }

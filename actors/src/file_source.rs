@@ -37,7 +37,7 @@ use continuum_protocol::ids::Namespace;
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use crate::metrics::DiscoveryEventKind;
+use continuum_protocol::discovery::DiscoveryEventKind;
 
 /// Default time between full scans.
 pub const DEFAULT_RESCAN_INTERVAL: Duration = Duration::from_secs(1);

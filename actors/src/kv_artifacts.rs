@@ -35,11 +35,14 @@ use continuum_protocol::time::Tick;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use crate::metrics::{KvArtifactResult, Metrics};
+use crate::metrics::Metrics;
 use crate::registry::RegistryReader;
 
 pub mod cache;
 pub mod fetch;
+pub mod metrics;
+
+pub use self::metrics::{KvArtifactMetrics, KvArtifactResult};
 
 #[cfg(test)]
 mod tests;
@@ -179,7 +182,7 @@ struct State {
 
 struct Inner {
     state: Mutex<State>,
-    metrics: Option<Metrics>,
+    metrics: Option<Arc<KvArtifactMetrics>>,
     client: Option<reqwest::Client>,
     origin: tokio::time::Instant,
     generation: watch::Sender<u64>,
@@ -225,7 +228,7 @@ impl ArtifactRegistry {
                     logged: BTreeSet::new(),
                     snapshot: None,
                 }),
-                metrics,
+                metrics: metrics.as_ref().and_then(Metrics::family),
                 client,
                 origin: tokio::time::Instant::now(),
                 generation,

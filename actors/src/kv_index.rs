@@ -24,6 +24,8 @@
 //! hop and serialise every reader behind the writer's queue (see docs/runtime-semantics.md for
 //! the numbers).
 
+pub mod metrics;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,12 +46,13 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
+pub use self::metrics::{KvIndexMetrics, KvParityResult};
 use crate::clock::now_tick;
 use crate::lifecycle::ActorKind;
 use crate::lock::{
     CLAIM_TIMEOUT, Claim, Exclusive, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
 };
-use crate::metrics::{KvParityResult, Metrics};
+use crate::metrics::Metrics;
 use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec};
 
@@ -95,7 +98,7 @@ struct Shared {
     streams: Mutex<Streams>,
     parity: Mutex<ParityTracker>,
     mailbox: ArcSwapOption<ActorRef<KvIndexMsg>>,
-    metrics: Option<Metrics>,
+    metrics: Option<Arc<KvIndexMetrics>>,
     /// The one [`KvIndexWriter`] at a time (the running actor's).
     writer: Exclusive<()>,
 }
@@ -149,7 +152,7 @@ impl SharedKvIndex {
                 streams: Mutex::new(Streams::default()),
                 parity: Mutex::new(ParityTracker::new()),
                 mailbox: ArcSwapOption::empty(),
-                metrics,
+                metrics: metrics.as_ref().and_then(Metrics::family),
                 writer: Exclusive::new(()),
             }),
         }

@@ -34,7 +34,7 @@
 //! | [`store`] | the lock-free snapshot store (ArcSwap + generation watch) |
 //! | [`lock`] | the only `std::sync` locks (poisoning handled once) and the single-writer lease |
 //! | [`clock`] | monotonic ticks and wall-clock time for `protocol` |
-//! | [`metrics`] | every Prometheus family, closed label sets |
+//! | [`metrics`] | the exposition: one registry, the meter provider, `/metrics` text; each subsystem's `metrics` submodule owns its families |
 //! | [`lifecycle`] | actor lifecycle spans (start, stop, failure, restart) |
 //! | [`registry`] | RegistryActor (claims the `RegistryWriter`), the `RegistryInbox` inputs and the `RegistryReader` reader |
 //! | [`kv_index`] | KvIndexActor (claims the `KvIndexWriter`) and the `SharedKvIndex` reader/feeder (reads, parity, subscription cursors) |
@@ -62,6 +62,12 @@ pub mod file_source;
 pub mod kube_source;
 #[cfg(feature = "kv-artifacts")]
 pub mod kv_artifacts;
+/// Without the feature only the artifacts' metric family is compiled (registered at 0).
+#[cfg(not(feature = "kv-artifacts"))]
+pub mod kv_artifacts {
+    pub mod metrics;
+    pub use self::metrics::{KvArtifactMetrics, KvArtifactResult};
+}
 pub mod kv_index;
 pub mod kv_push;
 pub mod lifecycle;
@@ -77,3 +83,17 @@ pub mod subscription;
 pub mod supervisor;
 pub mod tree;
 pub mod zmtp_conn;
+
+/// Registers every family of this crate in `metrics` (closed-set series at 0), so `/metrics`
+/// shows them from the first scrape whichever subsystems run. The daemon calls it once at
+/// startup; a subsystem started later finds its family already there.
+pub fn register_metric_families(metrics: &metrics::Metrics) -> Result<(), metrics::MetricsError> {
+    metrics.register::<discovery::metrics::DiscoveryMetrics>()?;
+    metrics.register::<registry::metrics::RegistryMetrics>()?;
+    metrics.register::<load::metrics::LoadMetrics>()?;
+    metrics.register::<kv_index::metrics::KvIndexMetrics>()?;
+    metrics.register::<kv_artifacts::metrics::KvArtifactMetrics>()?;
+    metrics.register::<supervisor::metrics::SupervisorMetrics>()?;
+    metrics.register::<event_bus::metrics::EventBusMetrics>()?;
+    Ok(())
+}

@@ -25,7 +25,7 @@
 //! // and post_start calls `child.started()`.
 //! // on SupervisionEvent::ActorFailed:
 //! child.failed(&error);
-//! metrics.actor_restart(child.kind());
+//! counters.actor_restart(child.kind()); // supervisor::metrics::SupervisorMetrics
 //! let restart = self.span.restart(&child, attempt, delay);
 //! tokio::time::sleep(delay).instrument(restart.span().clone()).await;
 //! let child = restart.start_incarnation();
@@ -39,7 +39,7 @@ use opentelemetry::trace::TraceContextExt as _;
 use tracing::Span;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-use crate::metrics::label_enum;
+use crate::label_enum;
 
 label_enum! {
     /// The closed set of actor kinds in the supervision tree: the `actor` label of

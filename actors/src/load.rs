@@ -3,6 +3,8 @@
 //! Subscriptions write samples through `protocol::load_store` rules; pickers read fresh samples
 //! per request. Critical sections are a few map operations and never span an await.
 
+pub mod metrics;
+
 use std::collections::BTreeMap;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -13,8 +15,9 @@ use continuum_protocol::load_store::{LoadSample, LoadStore, LoadStoreError, Unre
 use continuum_protocol::time::Tick;
 use serde::Serialize;
 
+pub use self::metrics::{LoadMetrics, SubscriptionState, SubscriptionTransport};
 use crate::lock::{Mutex, MutexGuard};
-use crate::metrics::{Metrics, SubscriptionState, SubscriptionTransport};
+use crate::metrics::Metrics;
 
 /// One row of `subscriptions` in `GET /admin/dynamo/workers` (no addresses).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -40,7 +43,7 @@ struct Inner {
     /// Bumped after writes, so waiters (tests, later the picker's caches) wake without polling.
     changes: tokio::sync::watch::Sender<u64>,
     subscriptions: Mutex<BTreeMap<String, SubscriptionStatus>>,
-    metrics: Option<Metrics>,
+    metrics: Option<Arc<LoadMetrics>>,
 }
 
 /// The load store's lock, held. The lock order is "load store, then picker state": the picker's
@@ -81,7 +84,7 @@ impl SharedLoadStore {
                 store: Mutex::new(LoadStore::new()),
                 changes: tokio::sync::watch::channel(0).0,
                 subscriptions: Mutex::new(BTreeMap::new()),
-                metrics,
+                metrics: metrics.as_ref().and_then(Metrics::family),
             }),
         }
     }

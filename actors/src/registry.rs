@@ -18,6 +18,8 @@
 //! transient; the staged views and the snapshot live in the shared state, outside the actor, so a
 //! restart loses nothing and readers never stop reading.
 
+pub mod metrics;
+
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -35,9 +37,10 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
+use self::metrics::{RegistryMetrics, WorkerRole};
 use crate::lifecycle::ActorKind;
 use crate::lock::{CLAIM_TIMEOUT, Claim, Exclusive, Mutex, MutexGuard};
-use crate::metrics::{Metrics, WorkerRole};
+use crate::metrics::Metrics;
 use crate::store::SnapshotStore;
 use crate::supervisor::{ChildContext, ChildSpec};
 
@@ -307,7 +310,7 @@ pub enum RegistryMsg {
 
 pub struct RegistryState {
     writer: RegistryWriter,
-    metrics: Option<Metrics>,
+    metrics: Option<Arc<RegistryMetrics>>,
 }
 
 impl Actor for RegistryActor {
@@ -324,7 +327,7 @@ impl Actor for RegistryActor {
         writer.shared().actor.store(Some(Arc::new(myself)));
         let mut state = RegistryState {
             writer,
-            metrics: args.metrics,
+            metrics: args.metrics.as_ref().and_then(Metrics::family),
         };
         // A restarted registry catches up with whatever was staged while it was down.
         state.publish();
@@ -406,7 +409,7 @@ impl RegistryState {
         }
         if let Some(metrics) = &self.metrics {
             for ns in &gone {
-                metrics.remove_workers_namespace(ns);
+                metrics.remove_namespace(ns);
             }
             for ((ns, role), count) in gauges {
                 metrics.set_workers(&ns, role, count);

@@ -49,11 +49,12 @@ use crate::clock::now_tick;
 use crate::event_bus::EventBus;
 use crate::kv_index::{SharedKvIndex, SubscriptionName};
 use crate::lifecycle::ActorKind;
+use crate::load::metrics::{
+    LoadEventResult, LoadMetrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges,
+};
 use crate::load::{SharedLoadStore, SubscriptionStatus};
 use crate::lock::Mutex;
-use crate::metrics::{
-    LoadEventResult, Metrics, SubscriptionState, SubscriptionTransport, WorkerLoadGauges,
-};
+use crate::metrics::Metrics;
 use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec, SupervisorMsg};
 use crate::zmtp_conn::{
@@ -97,7 +98,7 @@ pub struct SubscriptionArgs {
     pub policy: DialPolicy,
     pub store: SharedLoadStore,
     pub kv: SharedKvIndex,
-    pub metrics: Option<Metrics>,
+    pub metrics: Option<Arc<LoadMetrics>>,
     pub span: tracing::Span,
 }
 
@@ -120,7 +121,7 @@ pub struct SubscriptionActorState {
     /// Set for a kv-events subscription: told when this subscription stops.
     kv: Option<SharedKvIndex>,
     /// Set for a kv_metrics subscription: whose samples and gauges go when it stops.
-    load: Option<(PublisherId, Namespace, Option<Metrics>)>,
+    load: Option<(PublisherId, Namespace, Option<Arc<LoadMetrics>>)>,
     task: JoinHandle<()>,
 }
 
@@ -443,7 +444,7 @@ struct Fold<'a> {
     kv: &'a SharedKvIndex,
     kv_name: &'a SubscriptionName,
     store: &'a SharedLoadStore,
-    metrics: &'a Option<Metrics>,
+    metrics: &'a Option<Arc<LoadMetrics>>,
     reporter: &'a Reporter,
     stream: &'a mut LoadStream,
 }
@@ -553,7 +554,7 @@ fn note_reachability(
     name: &str,
     stream: &mut LoadStream,
     store: &SharedLoadStore,
-    metrics: &Option<Metrics>,
+    metrics: &Option<Arc<LoadMetrics>>,
     established: bool,
     outcome: &Result<Result<(), ZmtpConnError>, tokio::task::JoinError>,
 ) {
@@ -585,7 +586,7 @@ fn note_reachability(
     }
 }
 
-fn clear_gauges(metrics: &Option<Metrics>, namespace: &Namespace, ranks: &[WorkerRank]) {
+fn clear_gauges(metrics: &Option<Arc<LoadMetrics>>, namespace: &Namespace, ranks: &[WorkerRank]) {
     let Some(metrics) = metrics else {
         return;
     };
@@ -712,6 +713,11 @@ impl Actor for SubscriptionFollower {
 }
 
 impl FollowerState {
+    /// The load-signal families, when the daemon counts.
+    fn load_metrics(&self) -> Option<Arc<LoadMetrics>> {
+        self.args.metrics.as_ref().and_then(Metrics::family)
+    }
+
     async fn reconcile(&mut self) {
         if !self.adopted {
             self.adopted = true;
@@ -735,7 +741,7 @@ impl FollowerState {
                 s.set_live_and_retain(live.iter().copied());
                 s.unreachable_count()
             });
-            if let Some(metrics) = &self.args.metrics {
+            if let Some(metrics) = self.load_metrics() {
                 metrics.retain_workers(|key| snapshot.worker(key).is_some());
                 metrics.set_unreachable_workers(unreachable as u64);
             }
@@ -826,7 +832,7 @@ impl FollowerState {
                 load += 1;
             }
         }
-        if let Some(metrics) = &self.args.metrics
+        if let Some(metrics) = self.load_metrics()
             && load > 0
         {
             metrics.load_events(LoadEventResult::OverCapacity, load);
@@ -913,7 +919,7 @@ impl FollowerState {
         let policy = self.policy.clone();
         let store = self.args.store.clone();
         let kv = self.args.kv.clone();
-        let metrics = self.args.metrics.clone();
+        let metrics = self.load_metrics();
         let mailboxes = self.args.mailboxes.clone();
         let name = name.to_string();
         ChildSpec::new(

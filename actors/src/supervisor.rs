@@ -17,6 +17,8 @@
 //! supervisor's span; a restart opens an `actor.restart` span under the supervisor's span, and the
 //! new incarnation's span is its child, so a trace shows supervisor → restart → new incarnation.
 
+pub mod metrics;
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -28,10 +30,11 @@ use ractor::{
 };
 use tracing::{Instrument, error, info, warn};
 
+use self::metrics::SupervisorMetrics;
 use crate::clock::now_tick;
 use crate::lifecycle::{ActorKind, ActorSpan, RestartSpan};
 use crate::metrics::Metrics;
-use crate::tree::{ActorPath, ActorState, ActorTree};
+use crate::tree::{ActorPath, ActorState, ActorTree, RestartError};
 
 /// How long a stopping supervisor waits for its children.
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
@@ -186,6 +189,7 @@ pub struct SupervisorState {
     span: ActorSpan,
     budget: BudgetSpec,
     metrics: Option<Metrics>,
+    counters: Option<Arc<SupervisorMetrics>>,
     children: Vec<ChildSlot>,
 }
 
@@ -212,6 +216,7 @@ impl Actor for Supervisor {
             tree: args.tree,
             span: args.span,
             budget: args.budget,
+            counters: args.metrics.as_ref().and_then(Metrics::family),
             metrics: args.metrics,
             children: Vec::with_capacity(args.children.len()),
         };
@@ -338,7 +343,7 @@ impl SupervisorState {
             &path,
             kind.as_label(),
             Some(&self.path),
-            Some(myself.clone()),
+            Some(myself.get_cell()),
         );
         let ctx = ChildContext {
             supervisor: myself.get_cell(),
@@ -381,7 +386,7 @@ impl SupervisorState {
             .unwrap_or_else(|| ActorSpan::start(&path, slot.spec.kind, Some(&self.span)));
         slot.pending_restart = Some(self.span.restart(&failed, slot.restarts, delay));
         self.tree.restarted(&path);
-        if let Some(metrics) = &self.metrics {
+        if let Some(metrics) = &self.counters {
             metrics.actor_restart(slot.spec.kind);
         }
     }
@@ -429,7 +434,7 @@ impl SupervisorState {
             }
             RestartDecision::Escalate => {
                 self.tree.failed(&path, error, ActorState::Failed);
-                if let Some(metrics) = &self.metrics {
+                if let Some(metrics) = &self.counters {
                     metrics.restart_budget_exhausted(slot.spec.kind);
                 }
                 error!(actor.id = %path, supervisor = %self.path, "Restart budget spent; escalating.");
@@ -501,7 +506,7 @@ impl SupervisorState {
                 }
                 RestartDecision::Escalate => {
                     error!(actor.id = %path, error = %e, "Actor cannot start and its budget is spent.");
-                    if let Some(metrics) = &self.metrics {
+                    if let Some(metrics) = &self.counters {
                         metrics.restart_budget_exhausted(self.children[idx].spec.kind);
                     }
                     myself.stop(Some(format!("child {path} cannot start")));
@@ -596,6 +601,19 @@ impl SupervisorState {
 
 fn parent_of(path: &str) -> Option<String> {
     path.rsplit_once('/').map(|(p, _)| p.to_string())
+}
+
+impl ActorTree {
+    /// Restarts exactly the subtree rooted at `id`; the rest of the tree keeps running.
+    /// Resolves once the new incarnation has started.
+    pub async fn restart(&self, id: &str, timeout: Duration) -> Result<(), RestartError> {
+        let (name, cell) = self.restart_target(id)?;
+        let supervisor = ActorRef::<SupervisorMsg>::from(cell);
+        let millis = timeout.as_millis().min(u64::MAX as u128) as u64;
+        let answer = ractor::call_t!(supervisor, SupervisorMsg::RestartChild, millis, name)
+            .map_err(|e| RestartError::Unreachable(id.to_string(), e.to_string()))?;
+        answer.map_err(|e| RestartError::Failed(id.to_string(), e))
+    }
 }
 
 /// Spawns a root supervisor (no parent) over `children`.

@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 use continuum_actors::kv_artifacts::{
     ArtifactRegistry, ArtifactUnavailable, ModelArtifacts, PromptFormatterSource,
 };
-use continuum_actors::metrics::{KvArtifactResult, Metrics};
+use continuum_actors::kv_artifacts::{KvArtifactMetrics, KvArtifactResult};
+use continuum_actors::metrics::Metrics;
 use continuum_protocol::kv::artifacts::ArtifactKey;
 use continuum_protocol::kv::prompt::{PrepareFailureKind, RenderLimits};
 use futures::future::BoxFuture;
@@ -37,7 +38,7 @@ pub struct ArtifactPromptPrep {
     limits: RenderLimits,
     renderers: Mutex<HashMap<ArtifactKey, Arc<PromptRenderer>>>,
     unsupported_logged: Mutex<std::collections::HashSet<String>>,
-    metrics: Option<Metrics>,
+    metrics: Option<Arc<KvArtifactMetrics>>,
 }
 
 impl ArtifactPromptPrep {
@@ -49,7 +50,7 @@ impl ArtifactPromptPrep {
             limits: RenderLimits::for_cpus(cpus),
             renderers: Mutex::new(HashMap::new()),
             unsupported_logged: Mutex::new(std::collections::HashSet::new()),
-            metrics,
+            metrics: metrics.as_ref().and_then(Metrics::family),
         }
     }
 

@@ -29,7 +29,10 @@ use bytes::Bytes;
 use continuum_actors::clock::now_tick;
 use continuum_actors::kv_index::SharedKvIndex;
 use continuum_actors::load::SharedLoadStore;
-use continuum_actors::metrics::{KvSelectionResult as KvSelectionLabel, Metrics, RoutingPath};
+use continuum_actors::metrics::Metrics;
+
+use super::metrics::{KvSelectionResult as KvSelectionLabel, SelectionMetrics};
+use crate::proxy::metrics::RoutingPath;
 use continuum_actors::picker::{SharedPicker, answer_arrivals};
 use continuum_actors::registry::RegistryReader;
 use continuum_protocol::admission::{self, Fleet};
@@ -95,7 +98,7 @@ pub struct ShimRouter {
     load: SharedLoadStore,
     /// Installed picker, candidate index, ledger and cursors, shared with the `PickerActor`.
     picker: SharedPicker,
-    metrics: Option<Metrics>,
+    metrics: Option<Arc<SelectionMetrics>>,
     /// The shared KV index overlaps are read from (`None`: no overlaps).
     kv_index: Option<SharedKvIndex>,
     /// The prompt preparation hook (`None`: `tokenizer_unavailable`).
@@ -145,7 +148,7 @@ impl ShimRouter {
             registry,
             load,
             picker,
-            metrics,
+            metrics: metrics.as_ref().and_then(Metrics::family),
             kv_index: None,
             kv_prep: Mutex::new(None),
             kv_applied: Mutex::new(None),

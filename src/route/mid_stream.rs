@@ -18,10 +18,11 @@ use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 
+use self::metrics::{MidStreamIngress, MidStreamMetrics, MidStreamReason, MidStreamResult};
+use crate::proxy::metrics::RoutingPath;
 use axum::body::Body;
 use axum::http::Response;
 use bytes::Bytes;
-use continuum_actors::metrics::{MidStreamIngress, MidStreamReason, MidStreamResult, RoutingPath};
 use continuum_protocol::ingress::continuation::{
     ChatSplice, CutReason, Refusal, Relayed, error_event,
 };
@@ -29,6 +30,7 @@ use hyper::body::Frame;
 use tokio::time::Instant;
 use tracing::info;
 
+pub mod metrics;
 mod responses;
 
 use super::usage::Handoffs;
@@ -467,11 +469,12 @@ impl Context {
             tokens_resent = resent,
             "mid-stream fallback"
         );
-        if let Some(metrics) = self.proxy.metrics() {
-            metrics.mid_stream_fallback(self.ingress, reason, result);
-            if result == MidStreamResult::Continued {
-                metrics.mid_stream_tokens_resent(resent);
-            }
+        if let Some(metrics) = self
+            .proxy
+            .metrics()
+            .and_then(|m| m.family::<MidStreamMetrics>())
+        {
+            metrics.fallback(self.ingress, reason, result, resent);
         }
     }
 }

@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use continuum_actors::metrics::LoadEventResult;
+use continuum_actors::load::metrics::LoadEventResult;
 use continuum_protocol::discovery::EventTopic;
 use continuum_protocol::discovery::file_store::{BUCKETS, encode_file_name};
 use continuum_protocol::discovery::registration::{Registration, WorkerType};
@@ -433,7 +433,7 @@ async fn direct_and_broker_transport_reach_the_same_load_and_kv_index_state() {
         kv.send(&messages).await;
     }
     let kv_counts = |d: &Daemon| -> Vec<(&'static str, f64)> {
-        continuum_actors::metrics::KvEventResult::ALL
+        continuum_actors::kv_index::metrics::KvEventResult::ALL
             .iter()
             .map(|r| {
                 let v = d

@@ -1579,7 +1579,7 @@ async fn a_broker_transport_subscription_is_pending_until_a_broker_covers_it_the
  {
     use continuum_actors::kv_index::SharedKvIndex;
     use continuum_actors::load::SharedLoadStore;
-    use continuum_actors::metrics::SubscriptionTransport;
+    use continuum_actors::load::SubscriptionTransport;
     use continuum_actors::subscription::{DialPolicy, SubscriptionActor, SubscriptionArgs};
     use continuum_demo::zmq_pub::PubSocket;
     use continuum_protocol::event_plane::ActiveLoad;

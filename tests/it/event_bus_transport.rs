@@ -24,7 +24,8 @@ use continuum_actors::event_bus::EventBus;
 use continuum_actors::kv_index::{KvIndexActor, KvIndexArgs, SharedKvIndex, kv_index_spec};
 use continuum_actors::lifecycle::ActorKind;
 use continuum_actors::load::SharedLoadStore;
-use continuum_actors::metrics::{Metrics, SubscriptionTransport};
+use continuum_actors::load::SubscriptionTransport;
+use continuum_actors::metrics::Metrics;
 use continuum_actors::registry::{
     RegistryActor, RegistryArgs, RegistryConfig, RegistryMsg, RegistryParts, RegistryReader,
 };
@@ -209,7 +210,7 @@ async fn subscribe(
         },
         store: store.clone(),
         kv: kv.clone(),
-        metrics: Some(metrics.clone()),
+        metrics: metrics.family(),
         span: tracing::Span::none(),
     };
     let (actor, _) = Actor::spawn(None, SubscriptionActor, args)

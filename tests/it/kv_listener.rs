@@ -138,7 +138,7 @@ impl Agent {
 }
 
 fn kv_counts(d: &Daemon) -> Vec<(&'static str, f64)> {
-    continuum_actors::metrics::KvEventResult::ALL
+    continuum_actors::kv_index::metrics::KvEventResult::ALL
         .iter()
         .map(|r| {
             let v = d

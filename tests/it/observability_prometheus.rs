@@ -19,7 +19,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use continuum_actors::metrics::{KvParityResult, Metrics};
+use continuum_actors::kv_index::{KvIndexMetrics, KvParityResult};
+use continuum_actors::metrics::Metrics;
 use serde_json::{Value, json};
 
 const DEADLINE: Duration = Duration::from_secs(90);
@@ -344,7 +345,10 @@ async fn every_dashboard_and_alert_expression_reads_live_series_from_the_demo() 
         BTreeSet::from(["continuum_dynamo_kv_hash_parity_total".to_string()])
     );
     let metrics = Metrics::new("probe").expect("metrics");
-    metrics.kv_hash_parity("probe-model", KvParityResult::Match);
+    metrics
+        .register::<KvIndexMetrics>()
+        .expect("the KV index's families")
+        .kv_hash_parity("probe-model", KvParityResult::Match);
     assert!(
         metrics.render().contains(
             r#"continuum_dynamo_kv_hash_parity_total{model="probe-model",result="match"} 1"#

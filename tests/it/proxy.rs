@@ -11,7 +11,7 @@ use arc_swap::ArcSwap;
 use axum::body::Body;
 use axum::http::{Request, Response, StatusCode};
 use bytes::Bytes;
-use continuum_actors::metrics::{Metrics, RoutingPath};
+use continuum_actors::metrics::Metrics;
 use continuum_actors::tree::ActorTree;
 use continuum_protocol::breaker::{BreakerConfig, BreakerState};
 use continuum_protocol::ids::{DpRank, InstanceId};
@@ -20,6 +20,7 @@ use continuum_router::config::schema::{
     BackendConfig, DisaggregatedServingConfig, HealthCheckConfig, HumanDuration,
 };
 use continuum_router::front_door::{self, ApiKeySetting, AppState, LiveSettings};
+use continuum_router::proxy::metrics::RoutingPath;
 use continuum_router::proxy::{ClientRequest, Dispatch, OpenAiRoute, Proxy, ProxyOptions, body};
 use continuum_router::readiness::Readiness;
 use continuum_router::route::Router;

@@ -299,18 +299,25 @@ async fn fleet_summary(client: &reqwest::Client, url: &str) -> Value {
 
 /// Two continued cuts and one whose fallback failed, on two ingresses and reasons.
 fn record_mid_stream_cuts(metrics: &continuum_actors::metrics::Metrics) {
-    use continuum_actors::metrics::{MidStreamIngress, MidStreamReason, MidStreamResult};
+    use continuum_router::route::mid_stream::metrics::{
+        MidStreamIngress, MidStreamMetrics, MidStreamReason, MidStreamResult,
+    };
+    let mid_stream = metrics
+        .register::<MidStreamMetrics>()
+        .expect("the mid-stream families");
     for _ in 0..2 {
-        metrics.mid_stream_fallback(
+        mid_stream.fallback(
             MidStreamIngress::ChatCompletions,
             MidStreamReason::ErrorEvent,
             MidStreamResult::Continued,
+            0,
         );
     }
-    metrics.mid_stream_fallback(
+    mid_stream.fallback(
         MidStreamIngress::Completions,
         MidStreamReason::Stalled,
         MidStreamResult::FallbackFailed,
+        0,
     );
 }
 

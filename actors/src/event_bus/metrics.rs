@@ -105,10 +105,10 @@ pub const KV_LISTENER_SOURCE_STATES: &[&str] = &["pending", "connecting", "conne
 /// `result` of `continuum_dynamo_kv_listener_sse_events_total`.
 pub const KV_LISTENER_SSE_RESULTS: &[&str] = &["applied", "reset", "malformed", "oversized"];
 
-impl EventBusMetrics {
+impl crate::metrics::Family for EventBusMetrics {
     /// Registers every family in `registry`, closed-set series at 0.
     #[expect(clippy::too_many_lines, reason = "on tests/it/tidy/long_functions.txt")]
-    pub fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
+    fn register(registry: &Registry) -> Result<Self, prometheus::Error> {
         let gauge = |name: &str, help: &str| -> Result<IntGauge, prometheus::Error> {
             let gauge = IntGauge::new(name, help)?;
             registry.register(Box::new(gauge.clone()))?;
@@ -236,7 +236,9 @@ impl EventBusMetrics {
         }
         Ok(metrics)
     }
+}
 
+impl EventBusMetrics {
     pub fn set_listener_up(&self, up: bool) {
         self.listener_up.set(i64::from(up));
     }

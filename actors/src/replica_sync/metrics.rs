@@ -3,7 +3,7 @@
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 
-use crate::metrics::label_enum;
+use crate::label_enum;
 
 label_enum! {
     /// The `reason` of `continuum_replica_sync_dropped_total`.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use continuum_actors::kv_index::SharedKvIndex;
 use continuum_actors::load::SharedLoadStore;
-use continuum_actors::metrics::SubscriptionTransport;
+use continuum_actors::load::SubscriptionTransport;
 use continuum_actors::subscription::{
     DialPolicy, SubscriptionActor, SubscriptionArgs, SubscriptionMsg,
 };

@@ -13,10 +13,11 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use super::metrics::{MidStreamIngress, MidStreamMetrics, MidStreamReason, MidStreamResult};
+use crate::proxy::metrics::RoutingPath;
 use axum::body::Body;
 use axum::http::Response;
 use bytes::Bytes;
-use continuum_actors::metrics::{MidStreamIngress, MidStreamReason, MidStreamResult, RoutingPath};
 use continuum_protocol::ingress::continuation::{CutReason, ResponsesSplice};
 use http_body_util::BodyExt;
 use tracing::info;
@@ -229,11 +230,12 @@ impl Armed {
             tokens_resent = resent,
             "mid-stream fallback"
         );
-        if let Some(metrics) = self.proxy.metrics() {
-            metrics.mid_stream_fallback(ingress, reason, result);
-            if result == MidStreamResult::Continued {
-                metrics.mid_stream_tokens_resent(resent);
-            }
+        if let Some(metrics) = self
+            .proxy
+            .metrics()
+            .and_then(|m| m.family::<MidStreamMetrics>())
+        {
+            metrics.fallback(ingress, reason, result, resent);
         }
     }
 }
