@@ -27,8 +27,8 @@ use continuum_router::kv::{ChatTemplate, PromptRenderer, PromptTokenizer, Specia
 use criterion::Criterion;
 
 /// The daemon as shipped: the binary allocates through mimalloc (the default `mimalloc`
-/// feature), so the preparation measured here does too (with the system allocator, glibc's
-/// consolidation of freed chunks made 128k-token renders several times slower).
+/// feature), so the preparation measured here does too (with glibc's allocator, freeing and
+/// consolidating chunks showed up high in the 128k-token profile).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -55,12 +55,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
+use tokenizers::Tokenizer;
 use tokenizers::models::ModelWrapper;
-use tokenizers::{Model, Tokenizer};
 
 mod words;
 
-use words::{MAX_WORD_BYTES, Pending, WordCache, Words};
+use words::{Pending, Run, WordCache};
 
 /// The SentencePiece space marker.
 const SPACE_MARK: char = '\u{2581}';
@@ -299,52 +299,6 @@ impl Segmenter {
             }
         }
         run.segment(&words, &piece[segment..], segment == 0)
-    }
-}
-
-/// The state of one tokenization.
-struct Run<'a> {
-    model: &'a ModelWrapper,
-    ids: &'a mut Vec<u32>,
-    cuts: &'a mut Vec<(u32, u32)>,
-    pending: &'a mut Pending,
-    /// The raw offset from which the next checkpoint may be recorded.
-    next_cut: usize,
-    scratch: String,
-}
-
-impl Run<'_> {
-    /// One segment's tokens: `raw` starts with the space it was cut before, or is the piece's
-    /// first segment (`first`), which the normalizer's `Prepend` gives a `▁`. Either way its
-    /// key is raw text with a leading space, whose normalization is every space as `▁`.
-    fn segment(&mut self, words: &Words<'_>, raw: &str, first: bool) -> Result<(), String> {
-        let key = if first {
-            self.scratch.clear();
-            self.scratch.push(' ');
-            self.scratch.push_str(raw);
-            self.scratch.as_str()
-        } else {
-            raw
-        };
-        let cacheable = key.len() <= MAX_WORD_BYTES;
-        if cacheable && let Some((ids, previous)) = words.get(key) {
-            self.ids.extend_from_slice(ids);
-            if previous {
-                self.pending.push(key, ids);
-            }
-            return Ok(());
-        }
-        let normalized = key.replace(' ', "\u{2581}");
-        let tokens = self
-            .model
-            .tokenize(&normalized)
-            .map_err(|e| e.to_string())?;
-        let from = self.ids.len();
-        self.ids.extend(tokens.iter().map(|t| t.id));
-        if cacheable {
-            self.pending.push(key, &self.ids[from..]);
-        }
-        Ok(())
     }
 }
 

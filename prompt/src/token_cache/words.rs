@@ -1,6 +1,6 @@
 //! The segmenting path's own word cache: a normalized segment's token ids, so a segment seen
 //! before costs one hash lookup and a copy instead of a call into the BPE model (which
-//! allocates a `String` per token it returns).
+//! allocates a `String` per token it returns); [`Run`] is one tokenization's segments through it.
 //!
 //! Exact because it memoises a pure function: a key is a segment's raw text with its leading
 //! space (the first segment of a piece gets one, standing for the normalizer's `Prepend("▁")`),
@@ -15,6 +15,9 @@
 
 use std::collections::HashMap;
 use std::sync::RwLock;
+
+use tokenizers::Model;
+use tokenizers::models::ModelWrapper;
 
 /// Segments longer than this (bytes) are tokenized by the model every time.
 pub(super) const MAX_WORD_BYTES: usize = 64;
@@ -109,5 +112,56 @@ impl WordCache {
             inner.current.len() + inner.previous.len(),
             inner.current_bytes + inner.previous_bytes,
         )
+    }
+}
+
+/// The state of one tokenization.
+pub(super) struct Run<'a> {
+    pub(super) model: &'a ModelWrapper,
+    pub(super) ids: &'a mut Vec<u32>,
+    pub(super) cuts: &'a mut Vec<(u32, u32)>,
+    pub(super) pending: &'a mut Pending,
+    /// The raw offset from which the next checkpoint may be recorded.
+    pub(super) next_cut: usize,
+    pub(super) scratch: String,
+}
+
+impl Run<'_> {
+    /// One segment's tokens: `raw` starts with the space it was cut before, or is the piece's
+    /// first segment (`first`), which the normalizer's `Prepend` gives a `▁`. Either way its
+    /// key is raw text with a leading space, whose normalization is every space as `▁`.
+    pub(super) fn segment(
+        &mut self,
+        words: &Words<'_>,
+        raw: &str,
+        first: bool,
+    ) -> Result<(), String> {
+        let key = if first {
+            self.scratch.clear();
+            self.scratch.push(' ');
+            self.scratch.push_str(raw);
+            self.scratch.as_str()
+        } else {
+            raw
+        };
+        let cacheable = key.len() <= MAX_WORD_BYTES;
+        if cacheable && let Some((ids, previous)) = words.get(key) {
+            self.ids.extend_from_slice(ids);
+            if previous {
+                self.pending.push(key, ids);
+            }
+            return Ok(());
+        }
+        let normalized = key.replace(' ', "\u{2581}");
+        let tokens = self
+            .model
+            .tokenize(&normalized)
+            .map_err(|e| e.to_string())?;
+        let from = self.ids.len();
+        self.ids.extend(tokens.iter().map(|t| t.id));
+        if cacheable {
+            self.pending.push(key, &self.ids[from..]);
+        }
+        Ok(())
     }
 }
