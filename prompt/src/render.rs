@@ -7,6 +7,7 @@
 //! encode without adding special tokens, as transformers' `apply_chat_template` and Dynamo's
 //! frontend do, so the ids are the ones the worker hashes.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -354,7 +355,9 @@ fn chat_input(
     if messages.len() > MAX_MESSAGES {
         return Err(PrepareError::BadRequest("too many messages"));
     }
-    let messages: Vec<serde_json::Value> = messages.iter().map(flatten_text_parts).collect();
+    // Borrowed unless flattened: a 128k-token chat is not copied before minijinja's own copy.
+    let messages: Vec<Cow<'_, serde_json::Value>> =
+        messages.iter().map(flatten_text_parts).collect();
     let tools = match request.get("tools") {
         Some(tools @ serde_json::Value::Array(list)) if !list.is_empty() => Some(tools),
         _ => None,
@@ -388,9 +391,9 @@ fn chat_input(
 
 /// `content: [{type: "text", text}, ...]` → the texts joined by `\n`; lists with other part
 /// types stay lists (a multimodal template renders them itself).
-pub(crate) fn flatten_text_parts(message: &serde_json::Value) -> serde_json::Value {
+pub(crate) fn flatten_text_parts(message: &serde_json::Value) -> Cow<'_, serde_json::Value> {
     let Some(serde_json::Value::Array(parts)) = message.get("content") else {
-        return message.clone();
+        return Cow::Borrowed(message);
     };
     let texts: Option<Vec<&str>> = parts
         .iter()
@@ -401,7 +404,7 @@ pub(crate) fn flatten_text_parts(message: &serde_json::Value) -> serde_json::Val
         })
         .collect();
     let Some(texts) = texts else {
-        return message.clone();
+        return Cow::Borrowed(message);
     };
     let mut out = message.clone();
     if let Some(object) = out.as_object_mut() {
@@ -410,7 +413,7 @@ pub(crate) fn flatten_text_parts(message: &serde_json::Value) -> serde_json::Val
             serde_json::Value::String(texts.join("\n")),
         );
     }
-    out
+    Cow::Owned(out)
 }
 
 #[cfg(test)]

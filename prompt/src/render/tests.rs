@@ -294,7 +294,7 @@ fn text_parts_are_flattened_and_other_parts_kept() {
     let text = json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]});
     assert_eq!(flatten_text_parts(&text)["content"], json!("a\nb"));
     let image = json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]});
-    assert_eq!(flatten_text_parts(&image), image);
+    assert_eq!(*flatten_text_parts(&image), image);
     let empty = json!({"role": "user", "content": []});
     assert_eq!(flatten_text_parts(&empty)["content"], json!(""));
 }

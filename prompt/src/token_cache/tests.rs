@@ -274,3 +274,148 @@ proptest! {
 fn renderer_tokenizer(renderer: &PromptRenderer) -> Arc<Tokenizer> {
     Arc::clone(renderer.prompt_tokenizer().tokenizer())
 }
+
+/// Longer messages: up to ~600 fragments (a few kB) each.
+fn long_text_strategy() -> impl Strategy<Value = String> {
+    prop::collection::vec(prop::sample::select(FRAGMENTS), 0..600).prop_map(|parts| parts.concat())
+}
+
+/// Words drawn from a pool larger than one message, so later turns hit the word cache with
+/// segments earlier turns put there, in new neighbourhoods.
+fn prose_strategy() -> impl Strategy<Value = String> {
+    const WORDS: &[&str] = &[
+        "router",
+        "the",
+        "blocks",
+        "prefix",
+        "Überprüfung",
+        "世界",
+        "kv-events",
+        "worker,",
+        "cache.",
+        "(index)",
+        "  spaced",
+        "tab\there",
+        "line\nbreak",
+        "<s>",
+        "a</s>b",
+        "▁mark",
+        "x▁",
+        "🙂",
+        "42",
+        "3.14",
+        "don't",
+        "—",
+        "{\"k\": [1, 2]}",
+        "end.\n\n",
+    ];
+    prop::collection::vec(prop::sample::select(WORDS), 0..1500).prop_map(|words| words.join(" "))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(6))]
+
+    /// Long random conversations (tens of kB rendered), turn by turn through each fixture's
+    /// renderer: every turn is prepared through the cache (so reuse chains through the turns
+    /// and the word cache fills), and the tokens of the last turns and of a turn picked at
+    /// random equal the full tokenization of the rendered text.
+    #[test]
+    fn long_conversations_equal_full_tokenization(
+        turns in prop::collection::vec(prop_oneof![long_text_strategy(), prose_strategy()], 4..14),
+        system in prop::option::of(prose_strategy()),
+        checked in 0usize..14,
+    ) {
+        let runtime = runtime();
+        for renderer in renderers() {
+            let tokenizer = renderer_tokenizer(&renderer);
+            let mut messages = Vec::new();
+            if let Some(system) = &system {
+                messages.push(json!({"role": "system", "content": system}));
+            }
+            for (i, content) in turns.iter().enumerate() {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                messages.push(json!({"role": role, "content": content}));
+                let request = json!({"model": "m", "messages": messages});
+                let prepared = runtime.block_on(renderer.prepare(&request, &[16], None, None));
+                if i + 2 < turns.len() && i != checked {
+                    continue;
+                }
+                let Ok(Some(text)) = runtime.block_on(renderer.render_text(&request)) else {
+                    continue;
+                };
+                let want = full(&tokenizer, &text);
+                match prepared {
+                    Ok(prepared) => prop_assert_eq!(&*prepared.tokens, want.as_slice(), "turn {}", i),
+                    Err(error) => prop_assert!(false, "{error}"),
+                }
+            }
+            let stats = renderer.token_cache_stats();
+            prop_assert!(stats.bytes <= DEFAULT_CACHE_LIMITS.max_bytes, "{:?}", stats);
+            prop_assert!(stats.word_bytes <= 2 * words::GENERATION_BYTES, "{:?}", stats);
+        }
+    }
+}
+
+#[test]
+fn a_conversation_holds_one_entry_and_a_128k_token_one_is_cached() {
+    let tokenizer = tinyllama_tokenizer();
+    let cache = PromptTokenizer::new(Arc::clone(&tokenizer), DEFAULT_CACHE_LIMITS);
+    // ~128k tokens of chat-like text, grown by turns: each turn continues the previous one,
+    // whose entry it replaces.
+    let paragraph = "The router reads kv-events from every worker, keeps a bounded radix index \
+        of block hashes. Überprüfung der Latenz: 世界 — caches and queues all matter. ";
+    let mut text = String::from("<s>[INST] You are a careful assistant. [/INST]");
+    let mut turn = 0;
+    let mut ids = Vec::new();
+    while ids.len() < 131_072 {
+        text.push_str(&format!(" Turn {turn}: {}</s>", paragraph.repeat(40)));
+        ids = cache.tokenize(&text).unwrap();
+        assert_eq!(
+            cache.stats().entries,
+            1,
+            "turn {turn}: one entry per conversation"
+        );
+        turn += 1;
+    }
+    assert_eq!(ids, full(&tokenizer, &text));
+    let stats = cache.stats();
+    assert_eq!(stats.misses, 1, "{stats:?}");
+    // Text + 4 bytes per token + 8 bytes per checkpoint (one per 128 bytes at most) + overhead.
+    let bound = text.len() + 4 * ids.len() + 8 * (text.len() / CHECKPOINT_SPACING + 1) + 128;
+    assert!(stats.bytes <= bound, "{stats:?} over {bound}");
+    assert!(
+        stats.bytes <= DEFAULT_CACHE_LIMITS.max_bytes / 4,
+        "{stats:?}"
+    );
+    // A second conversation sharing only the start is a separate entry.
+    let other = format!("{} Another conversation.", &text[..200]);
+    assert_eq!(cache.tokenize(&other).unwrap(), full(&tokenizer, &other));
+    assert_eq!(cache.stats().entries, 2);
+}
+
+#[test]
+fn the_word_cache_stays_within_two_generations() {
+    let words = words::WordCache::default();
+    let mut inserted = 0;
+    for round in 0..40 {
+        let mut pending = words::Pending::default();
+        for i in 0..2000 {
+            pending.push(&format!(" word{round}x{i}"), &[1, 2, 3]);
+            inserted += 1;
+        }
+        words.insert(pending);
+        let (entries, bytes) = words.size();
+        assert!(
+            bytes <= 2 * words::GENERATION_BYTES,
+            "{entries} entries, {bytes} bytes"
+        );
+        assert!(entries <= inserted);
+    }
+    // The newest words are held; the oldest were dropped.
+    let view = words.read();
+    assert_eq!(
+        view.get(" word39x1999").map(|(ids, _)| ids.to_vec()),
+        Some(vec![1, 2, 3])
+    );
+    assert!(view.get(" word0x0").is_none());
+}
