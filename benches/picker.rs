@@ -367,6 +367,7 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool, idle: bool) {
     driver.state.tie.set(TieBreak {
         window: tie,
         seed: TieBreak::seed_of("bench-replica"),
+        peer_slots: false,
     });
     for _ in 0..warm_up(picks) {
         driver.step();

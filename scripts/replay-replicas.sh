@@ -13,7 +13,8 @@
 # Environment: TRACE, OUT (target/replay-replicas), WORKERS (16), CAPACITY (16384), SEED (1),
 # HEAVY (speedup of the loaded runs, 3.6), LOAD_LAG (5ms), SHARE_LAG (20ms: the live
 # replica_sync.publish_interval), TIE (--tie-break-window of every replica: 2, the setting
-# docs/configuration.md recommends for several replicas; 0 = off), SPREAD (round_robin),
+# docs/configuration.md recommends for several replicas; 0 = off), PEER_SLOTS (1: --peer-slots,
+# `dynamo.load.peer_slots`, on every replica; it acts with sharing on), SPREAD (round_robin),
 # LOADS ("light heavy"), CADENCES ("50ms dynamo"), BIN (target/release/continuum-router; with
 # NO_BUILD=1 any build of the binary, e.g. target/debug/continuum-router). Several instances with
 # their own OUT can run parts of the matrix in parallel; PLOT_ONLY=1 with TSV=merged.tsv redraws.
@@ -30,6 +31,7 @@ HEAVY="${HEAVY:-3.6}"
 LOAD_LAG="${LOAD_LAG:-5ms}"
 SHARE_LAG="${SHARE_LAG:-20ms}"
 TIE="${TIE:-2}"
+PEER_SLOTS="${PEER_SLOTS:-}"
 SPREAD="${SPREAD:-round_robin}"
 BIN="${BIN:-target/release/continuum-router}"
 LOADS="${LOADS:-light heavy}"
@@ -45,7 +47,9 @@ mkdir -p "$OUT"
 TSV="${TSV:-$OUT/replicas.tsv}"
 if [ -z "${PLOT_ONLY:-}" ]; then
 printf 'load\tcadence\treplicas\tsharing\tutilisation\tttft_p50_ms\tttft_p99_ms\thit_rate\timbalance\tload_cv\n' >"$TSV"
-echo "cores: $(nproc); load average: $(cut -d' ' -f1-3 /proc/loadavg); share lag $SHARE_LAG; tie-break window $TIE"
+slots=()
+[ -n "$PEER_SLOTS" ] && slots=(--peer-slots)
+echo "cores: $(nproc); load average: $(cut -d' ' -f1-3 /proc/loadavg); share lag $SHARE_LAG; tie-break window $TIE; peer slots ${PEER_SLOTS:-off}"
 
 for load in $LOADS; do
   speedup=1
@@ -65,7 +69,7 @@ for load in $LOADS; do
         nice -n 19 "$BIN" replay --trace "$TRACE" --workers "$WORKERS" --capacity "$CAPACITY" \
           --policy kv --seed "$SEED" --speedup "$speedup" "${timing[@]}" \
           --replicas "$replicas" --replica-spread "$SPREAD" "${share[@]}" \
-          --tie-break-window "$TIE" --out "$dir" >/dev/null
+          --tie-break-window "$TIE" "${slots[@]}" --out "$dir" >/dev/null
         jq -r --arg load "$load" --arg cadence "$cadence" --arg sharing "$sharing" \
           '.policies[0] as $p | [$load, $cadence, (.replicas.count|tostring), $sharing,
             ($p.utilisation*100|round|tostring), ($p.ttft_ms.p50|round|tostring),

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ids::{DpRank, InstanceId, Namespace, WorkerKey};
 use crate::picker::ledger::{DispatchId, DispatchLedger, DispatchLeg, LocalContribution};
+use crate::picker::tie_break::Place;
 use crate::time::Tick;
 
 /// The snapshot format's version (`v`).
@@ -313,6 +314,7 @@ impl PeerTable {
                 last_seen: now,
             },
         );
+        ledger.set_place(self.place());
         Offer::Applied {
             entries,
             truncated: snap.entries.len() - take,
@@ -336,7 +338,19 @@ impl PeerTable {
             out.1 += p.entries;
             false
         });
+        ledger.set_place(self.place());
         out
+    }
+
+    /// This replica's place among itself and its live peers, ordered by replica id: every
+    /// replica hearing the same peers holds a distinct index (`dynamo.load.peer_slots`).
+    pub fn place(&self) -> Place {
+        let below = self
+            .peers
+            .keys()
+            .take_while(|k| k.as_str() < self.own.as_str())
+            .count();
+        Place::new(below, self.peers.len() + 1)
     }
 
     /// Forgets every peer and withdraws their contributions.
@@ -346,6 +360,7 @@ impl PeerTable {
                 ledger.withdraw(id);
             }
         }
+        ledger.set_place(Place::ALONE);
     }
 
     /// The peers, by replica id.

@@ -117,6 +117,11 @@ pub struct ReplayArgs {
     /// request's own weight of the lowest cost tie, and a per-replica seeded draw picks (0: off).
     #[arg(long, default_value_t = 0.0)]
     pub tie_break_window: f64,
+    /// `dynamo.load.peer_slots` of every replica: with --replica-sharing (peers known) and a
+    /// tie-break window, replica i of N takes the i-th lowest cost of the tie set and counts the
+    /// slots its peers take on the same view.
+    #[arg(long)]
+    pub peer_slots: bool,
     /// tokenizer.json for request-log traces.
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -179,6 +184,7 @@ impl ReplayArgs {
             sharing: self.replica_sharing,
             share_lag: self.share_lag,
             tie_break_window: self.tie_break_window,
+            peer_slots: self.peer_slots,
         };
         cfg.prefill_workers = self.prefill_workers;
         cfg.speedup = self.speedup;

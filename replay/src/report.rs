@@ -119,6 +119,8 @@ pub struct ReplicaSettings {
     pub share_lag_ms: f64,
     /// `dynamo.load.tie_break_window` of every replica (0: off).
     pub tie_break_window: f64,
+    /// `dynamo.load.peer_slots` of every replica.
+    pub peer_slots: bool,
 }
 
 impl ReplicaSettings {
@@ -130,6 +132,7 @@ impl ReplicaSettings {
             sharing: r.sharing,
             share_lag_ms: r.share_lag.as_secs_f64() * 1000.0,
             tie_break_window: r.tie_break_window,
+            peer_slots: r.peer_slots,
         }
     }
 }

@@ -2,8 +2,8 @@
 //!
 //! Startup and reload share one path (diff the previous config, act on the diff). Classes follow
 //! the reference's reload rules:
-//! - immediate: `dynamo.load.max_staleness`, `dynamo.load.tie_break_window`, `dynamo.shim.*`,
-//!   `dynamo.kv.*`, `api_keys`, `backends`, `admin`, `disaggregated_serving` — read on the next
+//! - immediate: `dynamo.load.max_staleness`, `dynamo.load.tie_break_window`,
+//!   `dynamo.load.peer_slots`, `dynamo.shim.*`, `dynamo.kv.*`, `api_keys`, `backends`, `admin`, `disaggregated_serving` — read on the next
 //!   request or freshness check;
 //! - restart subscriptions: `dynamo.load.transport`, `dynamo.load.direct_allow_cidrs`,
 //!   `dynamo.kv.enabled` — only the load and KV subscription tasks restart, under the new dial

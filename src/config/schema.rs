@@ -630,6 +630,10 @@ pub struct LoadConfig {
     /// and a draw seeded by the replica id picks among them (0 = off; 0..=16). Breaks the herd
     /// of several router replicas deciding on the same view.
     pub tie_break_window: f64,
+    /// With `replica_sync` peers known and a tie-break window: replica i of N (ordered by
+    /// replica id) takes the i-th lowest cost of the tie set instead of a draw, and counts the
+    /// slots its peers take on the same view until a load sample answers them.
+    pub peer_slots: bool,
 }
 
 /// Default `dynamo.load.tie_break_window`: off. 2.0 is the measured setting for several replicas
@@ -644,6 +648,7 @@ impl Default for LoadConfig {
             transport: LoadTransport::Direct,
             direct_allow_cidrs: None,
             tie_break_window: DEFAULT_TIE_BREAK_WINDOW,
+            peer_slots: false,
         }
     }
 }

@@ -571,6 +571,7 @@ pub fn tie_break_of(config: &Config, env: impl Fn(&str) -> Option<String>) -> Ti
     TieBreak {
         window,
         seed: TieBreak::seed_of(&id),
+        peer_slots: config.dynamo.load.peer_slots,
     }
 }
 
@@ -894,6 +895,9 @@ mod tests {
             "stable per replica"
         );
         assert_ne!(a.seed, tie_break_of(&config, pod("router-b")).seed);
+        assert!(!a.peer_slots, "peer slots off by default");
+        config.dynamo.load.peer_slots = true;
+        assert!(tie_break_of(&config, pod("router-a")).peer_slots);
         // replica_sync.replica_id wins over the pod name, whether or not the sync is enabled.
         config.replica_sync.replica_id = "router-b".into();
         assert_eq!(

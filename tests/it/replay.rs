@@ -65,6 +65,7 @@ fn args(trace: &Path, out: &Path, policies: &[Policy]) -> ReplayArgs {
         replica_sharing: false,
         share_lag: std::time::Duration::from_millis(5),
         tie_break_window: 0.0,
+        peer_slots: false,
         tokenizer: None,
         chat_template: None,
     }
@@ -546,6 +547,49 @@ fn the_tie_break_spreads_replicas_that_share_nothing() {
         policy(&again, "kv").requests_per_worker,
         policy(&spread, "kv").requests_per_worker
     );
+}
+
+/// `--peer-slots` (`dynamo.load.peer_slots`): a burst of sixteen requests on eight idle workers
+/// reaches four replicas in turns, and sharing is too slow to help (a 1 s share lag). Knowing
+/// their places, the replicas take distinct slots of the tie set and count their peers' slots,
+/// so every worker gets exactly two, as one router spreads them; the seeded draw alone collides.
+/// Without sharing the place is unknown: each replica decides as without the tie-break, and the
+/// herd is back.
+#[test]
+fn peer_slots_spread_a_burst_as_one_router() {
+    const REQUESTS: u64 = 16;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("burst.jsonl");
+    let lines: Vec<String> = (0..REQUESTS)
+        .map(|r| {
+            serde_json::json!({"timestamp": 0, "input_length": 1024, "output_length": 500,
+                "hash_ids": [10 * r, 10 * r + 1]})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n") + "\n").unwrap();
+    let replay = |sharing: bool, peer_slots: bool, name: &str| {
+        let mut a = args(&trace, &dir.path().join(name), &[Policy::Load, Policy::Kv]);
+        a.workers = 8;
+        a.replicas = 4;
+        a.replica_sharing = sharing;
+        a.share_lag = std::time::Duration::from_secs(1);
+        a.tie_break_window = 2.0;
+        a.peer_slots = peer_slots;
+        run(&a).unwrap()
+    };
+    let slots = replay(true, true, "slots");
+    let drawn = replay(true, false, "drawn");
+    let unknown = replay(false, true, "unknown");
+    assert!(slots.replicas.peer_slots && !drawn.replicas.peer_slots);
+    for name in ["load", "kv"] {
+        assert_eq!(policy(&slots, name).requests_per_worker, [2; 8], "{name}");
+        let drawn = &policy(&drawn, name).requests_per_worker;
+        assert!(drawn.iter().max() > Some(&2), "{name}: {drawn:?}");
+        // The four replicas make the same four picks: every worker takes 0 or 4 of them.
+        let herd = &policy(&unknown, name).requests_per_worker;
+        assert!(herd.iter().all(|n| n % 4 == 0), "{name}: {herd:?}");
+    }
 }
 
 /// One replica is the replay as it was: spreading and sharing change nothing, on the families

@@ -43,7 +43,7 @@ use super::ledger::RankBacklog;
 use super::load_based::{
     self, Backlogs, LoadBasedPicker, NamespaceLedgers, RequestSize, Samples, Scored, Scratch,
 };
-use super::tie_break::{Turn, near_tie_index_where};
+use super::tie_break::{Turn, near_tie_index_where, near_tie_set_where, take_slot};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
@@ -450,6 +450,9 @@ struct Buffers<'s> {
     positions: &'s mut Vec<usize>,
     costs: &'s mut Vec<f64>,
     scored: &'s mut Vec<Scored>,
+    /// Peer slots: the tie set, and per phase the candidates the peers take.
+    slots: &'s mut Vec<(f64, u32)>,
+    peers: &'s mut [Vec<u32>; 2],
 }
 
 impl KvAwarePicker {
@@ -505,6 +508,7 @@ impl KvAwarePicker {
     }
     /// Chooses among `ranks` with the formula; `None` when no rank can be scored (no valid block
     /// size anywhere), and the caller falls back to the load-only rule.
+    #[allow(clippy::too_many_arguments)]
     fn select_kv(
         &self,
         ctx: &Ctx<'_, '_>,
@@ -513,6 +517,7 @@ impl KvAwarePicker {
         costs: &mut Vec<f64>,
         scoring: Scoring,
         turn: Turn,
+        (slots, peers): (&mut Vec<(f64, u32)>, &mut Vec<u32>),
     ) -> Option<(usize, SelectionReason)> {
         let isl = ctx.kv.isl;
         let any_fresh = ctx.req.load_signals && ranks.iter().any(|r| r.fresh_field);
@@ -572,8 +577,25 @@ impl KvAwarePicker {
                     .map(|r| r.overlap)
             };
             let keep = |lowest, i| overlap(i) >= overlap(lowest);
-            near_tie_index_where(costs, draw.slack(weight), &draw, keep)
-                .or_else(|| argmin_with_cursor(costs, turn.cursor))?
+            match draw.place {
+                // Peer slots: this replica's slot of the tie set; its peers' slots, as
+                // positions into `ranks`, go to `peers`.
+                Some(place) => {
+                    near_tie_set_where(costs, draw.slack(weight), keep, slots);
+                    let from = peers.len();
+                    let own = take_slot(slots, place, peers);
+                    for p in &mut peers[from..] {
+                        *p = positions
+                            .get(*p as usize)
+                            .and_then(|&q| u32::try_from(q).ok())
+                            .unwrap_or(u32::MAX);
+                    }
+                    own.map(|i| i as usize)
+                        .or_else(|| argmin_with_cursor(costs, turn.cursor))?
+                }
+                None => near_tie_index_where(costs, draw.slack(weight), &draw, keep)
+                    .or_else(|| argmin_with_cursor(costs, turn.cursor))?,
+            }
         } else {
             argmin_with_cursor(costs, turn.cursor)?
         };
@@ -599,6 +621,7 @@ impl KvAwarePicker {
         scored: &mut Vec<Scored>,
         phase: Phase,
         turn: Turn,
+        peers: &mut Vec<u32>,
     ) -> Option<(usize, SelectionReason)> {
         let mut size = RequestSize::new(ctx.kv.isl);
         scored.clear();
@@ -619,7 +642,7 @@ impl KvAwarePicker {
                 load_based::request_weight(phase, ctx.dense, m.index, ctx.kv.isl)
             })
         };
-        load_based::select_turn(scored, ctx.req.load_signals, turn, weight)
+        load_based::select_turn(scored, ctx.req.load_signals, turn, weight, peers)
     }
 
     /// One phase over the rows `table` makes candidates: the KV gather ([`Self::gather`]) when
@@ -733,17 +756,38 @@ impl KvAwarePicker {
         phase: Phase,
         turn: Turn,
     ) -> Option<(Matched, SelectionReason)> {
+        // Peer slots come out as positions into `members`, then become candidate indices.
+        let peers = &mut bufs.peers[phase.index()];
+        peers.clear();
+        let to_candidates = |peers: &mut Vec<u32>| {
+            for p in peers.iter_mut() {
+                *p = members
+                    .get(*p as usize)
+                    .and_then(|m| u32::try_from(m.index).ok())
+                    .unwrap_or(u32::MAX);
+            }
+        };
         if let Some(scoring) = scoring {
             bufs.ranks.clear();
             bufs.ranks
                 .extend(members.iter().map(|m| self.rank(ctx, *m, scoring)));
-            if let Some((pos, reason)) =
-                self.select_kv(ctx, bufs.ranks, bufs.positions, bufs.costs, scoring, turn)
-            {
+            let out = (&mut *bufs.slots, &mut *peers);
+            if let Some((pos, reason)) = self.select_kv(
+                ctx,
+                bufs.ranks,
+                bufs.positions,
+                bufs.costs,
+                scoring,
+                turn,
+                out,
+            ) {
+                to_candidates(peers);
                 return members.get(pos).map(|m| (*m, reason));
             }
+            peers.clear();
         }
-        let (pos, reason) = Self::select_load(ctx, members, bufs.scored, phase, turn)?;
+        let (pos, reason) = Self::select_load(ctx, members, bufs.scored, phase, turn, peers)?;
+        to_candidates(peers);
         members.get(pos).map(|m| (*m, reason))
     }
     /// Conditional disaggregation's per-request decision for a decode winner `decode` whose
@@ -805,6 +849,7 @@ impl KvAwarePicker {
             tie,
         } = &mut *ctx.state;
         ledger.expire(now);
+        let place = ledger.place();
         let Scratch {
             roles,
             table,
@@ -814,7 +859,10 @@ impl KvAwarePicker {
             kv: kv_scratch,
             saved: _,
             tied: _,
+            tie_set,
+            peers,
         } = scratch;
+        peers.iter_mut().for_each(Vec::clear);
         let KvScratch {
             members,
             ranks,
@@ -890,6 +938,8 @@ impl KvAwarePicker {
             positions,
             costs,
             scored,
+            slots: tie_set,
+            peers,
         };
         let decode_scoring = if !pair_fleet {
             Some(Scoring::Aggregated)
@@ -904,7 +954,7 @@ impl KvAwarePicker {
             plan_paired_prefill(dense, eligible, roles, table);
             let turn = Turn {
                 cursor: cursors.advance(req.model, Phase::Prefill),
-                tie: tie.draw(),
+                tie: tie.draw(place),
             };
             self.choose_phase(
                 &ctx,
@@ -933,7 +983,7 @@ impl KvAwarePicker {
         }
         let turn = Turn {
             cursor: cursors.advance(req.model, Phase::Decode),
-            tie: tie.draw(),
+            tie: tie.draw(place),
         };
         let chosen = self.choose_phase(
             &ctx,
@@ -992,9 +1042,14 @@ impl KvAwarePicker {
         let prefill = prefill.map(|(_, c)| c);
 
         let tokens = kv.isl;
-        let dispatch = req
-            .load_signals
-            .then(|| load_based::record_pair(ledger, prefill, decode, tokens, now));
+        let dispatch = req.load_signals.then(|| {
+            // A bypassed prefill phase took no slot: its peers' slots are not theirs either.
+            if bypass {
+                bufs.peers[Phase::Prefill.index()].clear();
+            }
+            load_based::record_peer_slots(ledger, candidates, bufs.peers, tokens, now);
+            load_based::record_pair(ledger, prefill, decode, tokens, now)
+        });
         KvPickOutcome {
             outcome: PickOutcome::Picked(Pick {
                 namespace: decode.worker.namespace.clone(),

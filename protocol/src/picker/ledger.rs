@@ -122,6 +122,8 @@ pub struct DispatchLedger {
     filter: Vec<u32>,
     /// Pending legs across every namespace (the filter's total).
     legs: usize,
+    /// This router's place among the live replicas ([`Self::set_place`]).
+    place: crate::picker::tie_break::Place,
 }
 
 impl DispatchLedger {

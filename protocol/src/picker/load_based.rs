@@ -27,7 +27,7 @@ use std::cmp::Ordering;
 
 use super::dense::{DecodeColumn, DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
 use super::ledger::{DispatchLedger, DispatchLeg, NamespaceBacklog, RankBacklog};
-use super::tie_break::{TieDraw, Turn};
+use super::tie_break::{TieDraw, Turn, take_slot};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickerState, Pinned, SampleState, SelectionReason,
@@ -257,11 +257,15 @@ pub fn select(
 /// signals on, some fresh sample), the draw chooses among the ranks of the winning tier whose
 /// cost is within the draw's slack of the lowest; `weight(pos)` is the request's own weight in
 /// the cost unit of the rank at `pos`. Without a draw, exactly [`select`].
+///
+/// With peer slots ([`TieDraw::place`]), the slot of the tie set ([`take_slot`]) instead of a
+/// draw; the positions the peers take are appended to `peers`.
 pub fn select_turn(
     scored: &[Scored],
     load_signals: bool,
     turn: Turn,
     weight: impl Fn(usize) -> f64,
+    peers: &mut Vec<u32>,
 ) -> Option<(usize, SelectionReason)> {
     let mut tally = Tally::default();
     for (pos, s) in scored.iter().enumerate() {
@@ -274,6 +278,16 @@ pub fn select_turn(
     let limit = best.cost.as_f64() + draw.slack(weight(best.first));
     let tied =
         |s: &Scored| s.stalled == tier_stalled && s.cost.is_some_and(|c| c.as_f64() <= limit);
+    if let Some(place) = draw.place {
+        let mut set: Vec<(f64, u32)> = scored
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| tied(s))
+            .filter_map(|(pos, s)| Some((s.cost?.as_f64(), u32::try_from(pos).ok()?)))
+            .collect();
+        let own = take_slot(&mut set, place, peers).map_or(best.first, |p| p as usize);
+        return Some((own, SelectionReason::Load));
+    }
     let count = scored.iter().filter(|s| tied(s)).count();
     scored
         .iter()
@@ -452,6 +466,10 @@ pub(super) struct Scratch {
     pub(super) saved: Vec<(u32, u64)>,
     /// The rows a tie draw chooses among ([`RowPass::choose_tied`]).
     pub(super) tied: Vec<u32>,
+    /// Peer slots: the tie set as `(cost, row)` ([`take_slot`]), and per phase
+    /// ([`Phase::index`]) the rows this pick's peers take.
+    pub(super) tie_set: Vec<(f64, u32)>,
+    pub(super) peers: [Vec<u32>; 2],
 }
 /// The ledger's backlog per layout row for one pick: the (few) legs pending are laid onto their
 /// rows once, so the scan reads a row's backlog from a dense array indexed by row instead of a
@@ -830,6 +848,10 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
     /// chooses among the winning tier's ranks within its slack of the lowest (`weight(row)`: the
     /// request's own weight in that row's cost unit), found by one re-walk into `tied`; a
     /// rotation stays the cursor's. `gathered` must be [`Self::gather`]'s (complete) tally.
+    ///
+    /// With peer slots ([`TieDraw::place`]), the slot of the tie set ([`take_slot`], over
+    /// `slots`) instead of a draw; the rows the peers take are appended to `peers`.
+    #[allow(clippy::too_many_arguments)]
     fn choose_tied(
         &mut self,
         gathered: &Gathered,
@@ -838,6 +860,7 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
         draw: TieDraw,
         weight: impl Fn(usize) -> f64,
         tied: &mut Vec<u32>,
+        (slots, peers): (&mut Vec<(f64, u32)>, &mut Vec<u32>),
     ) -> Option<(usize, SelectionReason)> {
         let tally = &gathered.tally;
         let tier = tally
@@ -848,6 +871,7 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
         };
         let limit = best.cost.as_f64() + draw.slack(weight(best.first));
         tied.clear();
+        slots.clear();
         let table = self.table;
         for (i, &row) in self.rows.iter().enumerate() {
             let ns = table
@@ -858,9 +882,18 @@ impl<F: FnMut(usize, usize, Row) -> Scored> RowPass<'_, F> {
                 continue;
             }
             let s = (self.score)(i, usize::from(ns), row);
-            if s.stalled == tier_stalled && s.cost.is_some_and(|c| c.as_f64() <= limit) {
+            if s.stalled == tier_stalled
+                && let Some(cost) = s.cost.map(Cost::as_f64).filter(|&c| c <= limit)
+            {
                 tied.push(u32::try_from(i).unwrap_or(u32::MAX));
+                if draw.place.is_some() {
+                    slots.push((cost, u32::try_from(i).unwrap_or(u32::MAX)));
+                }
             }
+        }
+        if let Some(place) = draw.place {
+            let own = take_slot(slots, place, peers).map_or(best.first, |row| row as usize);
+            return Some((own, SelectionReason::Load));
         }
         let pick = tied
             .get(draw.nth(tied.len()))
@@ -1402,6 +1435,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             tie,
         } = &mut *ctx.state;
         ledger.expire(now);
+        let place = ledger.place();
         let Scratch {
             roles,
             table,
@@ -1411,7 +1445,10 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             kv: _,
             saved,
             tied,
+            tie_set,
+            peers,
         } = scratch;
+        peers.iter_mut().for_each(Vec::clear);
         let dense: &DenseRanks = match ctx.dense {
             Some(dense) if dense.len() == candidates.len() => dense,
             _ => {
@@ -1448,7 +1485,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         // Decode: one pass scoring every decode candidate into a tally; a rotation or a tie past
         // the first re-walks the rows. The pass is instantiated per way of reading samples and
         // backlogs. With the tie-break on, the generic pass (complete tally) and one re-walk.
-        let decode = if let Some(draw) = tie.draw() {
+        let decode = if let Some(draw) = tie.draw(place) {
             let mut pass = RowPass {
                 rows: &dense.rows,
                 table,
@@ -1471,7 +1508,8 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             } else {
                 let cursor = cursors.advance(req.model, Phase::Decode);
                 let weight = |row| request_weight(Phase::Decode, dense, row, tokens);
-                pass.choose_tied(&gathered, req.load_signals, cursor, draw, weight, tied)
+                let out = (&mut *tie_set, &mut peers[Phase::Decode.index()]);
+                pass.choose_tied(&gathered, req.load_signals, cursor, draw, weight, tied, out)
             }
         } else {
             let mut advance = || cursors.advance(req.model, Phase::Decode);
@@ -1598,10 +1636,11 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             };
             let gathered = pass.gather();
             let cursor = cursors.advance(req.model, Phase::Prefill);
-            let chosen = match tie.draw() {
+            let chosen = match tie.draw(place) {
                 Some(draw) => {
                     let weight = |row| request_weight(Phase::Prefill, dense, row, tokens);
-                    pass.choose_tied(&gathered, req.load_signals, cursor, draw, weight, tied)
+                    let out = (&mut *tie_set, &mut peers[Phase::Prefill.index()]);
+                    pass.choose_tied(&gathered, req.load_signals, cursor, draw, weight, tied, out)
                 }
                 None => pass.choose(&gathered, req.load_signals, cursor),
             };
@@ -1611,9 +1650,10 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             }
         }
 
-        let dispatch = req
-            .load_signals
-            .then(|| record_pair(ledger, prefill, decode, tokens, now));
+        let dispatch = req.load_signals.then(|| {
+            record_peer_slots(ledger, candidates, peers, tokens, now);
+            record_pair(ledger, prefill, decode, tokens, now)
+        });
 
         PickOutcome::Picked(Pick {
             namespace: decode.worker.namespace.clone(),
@@ -1710,6 +1750,39 @@ pub(crate) fn record_pair(
         }
         None => ledger.record_dispatch(&[decode_leg], now),
     }
+}
+
+/// Records the slots this pick's peers take ([`take_slot`]; per phase, candidate indices in
+/// `peers`) as peer legs of this request's weight: prompt tokens on a prefill slot, prompt
+/// blocks on a decode slot. Nothing without peer slots.
+pub(crate) fn record_peer_slots(
+    ledger: &mut super::ledger::DispatchLedger,
+    candidates: &[Candidate],
+    peers: &[Vec<u32>; 2],
+    tokens: u64,
+    now: Tick,
+) {
+    if peers.iter().all(Vec::is_empty) {
+        return;
+    }
+    let mut legs = Vec::with_capacity(peers.iter().map(Vec::len).sum());
+    for phase in Phase::ALL {
+        for c in peers[phase.index()]
+            .iter()
+            .filter_map(|&i| candidates.get(i as usize))
+        {
+            let blocks = blocks_of(tokens, c.block_size);
+            legs.push(DispatchLeg {
+                worker: c.worker.clone(),
+                rank: c.rank(),
+                prefill_tokens: if phase == Phase::Prefill { tokens } else { 0 },
+                decode_blocks: if phase == Phase::Decode { blocks } else { 0 },
+                request_blocks: blocks,
+                stall_exempt: true,
+            });
+        }
+    }
+    ledger.record_peer_slots(&legs, now);
 }
 
 pub(crate) fn blocks_of(tokens: u64, block_size: Option<u32>) -> u64 {

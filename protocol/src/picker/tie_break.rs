@@ -16,11 +16,57 @@
 //! replica id (`replica_sync.replica_id`, else `$POD_NAME`, else the host name). The picker
 //! itself still draws no randomness: the draw comes from [`TieDraws`], held in the
 //! [`PickerState`](super::PickerState) of the replica.
+//!
+//! **Peer slots** (`dynamo.load.peer_slots`): a replica that knows its [`Place`] among the live
+//! replicas — `index` of `count`, from `replica_sync`'s peer table — takes the `index`-th lowest
+//! cost of the tie set instead of a random one, and counts the slots its peers take on the same
+//! view (the other `count − 1` lowest, each with this request's weight) as peer contributions
+//! until a load sample answers them ([`take_slot`]). Replicas deciding on one view then do what
+//! one router would have done with `count` requests of this size: one per slot, and their next
+//! decisions see every slot taken. A random draw only makes collisions less likely; the slots
+//! remove them while the views agree.
+//! A replica that knows no peer decides as without the tie-break.
 
 use crate::kv::mooncake::splitmix64;
 
 /// The largest `dynamo.load.tie_break_window` (a window of 16 requests is no longer a tie).
 pub const MAX_WINDOW: f64 = 16.0;
+
+/// Replicas a [`Place`] counts at most: the peers' slots a pick records are bounded by it.
+pub const MAX_PEER_SLOTS: u32 = 64;
+
+/// This replica's place among the live router replicas (itself and its peers, ordered by
+/// replica id): `index` of `count`. `count` 1 is a router alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Place {
+    /// A router alone (no peer known).
+    pub const ALONE: Place = Place { index: 0, count: 1 };
+
+    /// `index` of `count`, with `count` clamped to `1..=`[`MAX_PEER_SLOTS`] and `index` below it.
+    pub fn new(index: usize, count: usize) -> Self {
+        let count = u32::try_from(count)
+            .unwrap_or(MAX_PEER_SLOTS)
+            .clamp(1, MAX_PEER_SLOTS);
+        let index = u32::try_from(index).unwrap_or(u32::MAX) % count;
+        Place { index, count }
+    }
+
+    /// Whether peers are known.
+    pub fn has_peers(&self) -> bool {
+        self.count > 1
+    }
+}
+
+impl Default for Place {
+    fn default() -> Self {
+        Self::ALONE
+    }
+}
 
 /// `dynamo.load.tie_break_window` and the replica's seed: the window (0 = off: the lowest cost wins, the round-robin cursor
 /// rotates exact ties) and the replica's seed.
@@ -30,6 +76,9 @@ pub struct TieBreak {
     pub window: f64,
     /// The replica's seed: replicas with different seeds draw differently.
     pub seed: u64,
+    /// `dynamo.load.peer_slots`: with peers known, take this replica's slot of the tie set and
+    /// count its peers' slots (see the module docs) instead of drawing.
+    pub peer_slots: bool,
 }
 
 impl TieBreak {
@@ -37,6 +86,7 @@ impl TieBreak {
     pub const OFF: TieBreak = TieBreak {
         window: 0.0,
         seed: 0,
+        peer_slots: false,
     };
 
     /// Whether a window is set (a non-finite or non-positive window is off).
@@ -61,11 +111,13 @@ impl Default for TieBreak {
     }
 }
 
-/// One phase's draw: the window and 64 random-looking bits.
+/// One phase's draw: the window and 64 random-looking bits, or with peer slots on and peers
+/// known, this replica's place (the bits are then unused).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TieDraw {
     pub window: f64,
     pub bits: u64,
+    pub place: Option<Place>,
 }
 
 impl TieDraw {
@@ -114,18 +166,43 @@ impl TieDraws {
         self.setting
     }
 
-    /// The next draw, `None` when the tie-break is off (no counter advances then).
+    /// The next draw, `None` when the tie-break is off (no counter advances then). `place` is
+    /// this replica's among its peers: with peer slots on, the draw carries it when a peer is
+    /// known, and there is none while the replica is alone (the lowest cost wins, exactly as
+    /// without the tie-break: a single router keeps its behaviour and its fast passes).
     #[inline]
-    pub fn draw(&mut self) -> Option<TieDraw> {
-        if !self.setting.is_on() {
+    pub fn draw(&mut self, place: Place) -> Option<TieDraw> {
+        if !self.setting.is_on() || (self.setting.peer_slots && !place.has_peers()) {
             return None;
         }
         self.draws = self.draws.wrapping_add(1);
         Some(TieDraw {
             window: self.setting.window,
             bits: splitmix64(self.setting.seed ^ splitmix64(self.draws)),
+            place: (self.setting.peer_slots && place.has_peers()).then_some(place),
         })
     }
+}
+
+/// Peer slots: `tied` is the tie set as `(cost, id)` in any order (ids distinct). Orders its
+/// `place.count` lowest by cost then id (the rest stays unordered), returns the id in slot
+/// `place.index` and appends to `peers` the ids of the other slots, one per peer: slot `k` of
+/// `count` is the `k mod len`-th lowest, so a tie set smaller than the replicas is taken round
+/// and round as one router would. `None` (and no peer) when `tied` is empty.
+pub fn take_slot(tied: &mut [(f64, u32)], place: Place, peers: &mut Vec<u32>) -> Option<u32> {
+    if tied.is_empty() {
+        return None;
+    }
+    let count = place.count.clamp(1, MAX_PEER_SLOTS) as usize;
+    let n = count.min(tied.len());
+    let order = |a: &(f64, u32), b: &(f64, u32)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+    if n < tied.len() {
+        tied.select_nth_unstable_by(n - 1, order);
+    }
+    tied[..n].sort_unstable_by(order);
+    let own = place.index as usize % count;
+    peers.extend((0..count).filter(|&k| k != own).map(|k| tied[k % n].1));
+    Some(tied[own % n].1)
 }
 
 /// The position the draw chooses among `costs`: uniformly among the finite costs at most
@@ -164,8 +241,38 @@ pub fn near_tie_index_where(
         .or(Some(lowest))
 }
 
+/// The tie set [`near_tie_index_where`] chooses from, as `(cost, position)` pairs in position
+/// order, into `out` (cleared first); empty when no cost is finite.
+pub fn near_tie_set_where(
+    costs: &[f64],
+    slack: f64,
+    keep: impl Fn(usize, usize) -> bool,
+    out: &mut Vec<(f64, u32)>,
+) {
+    out.clear();
+    let Some((lowest, min)) = costs
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|(_, c)| c.is_finite())
+        .reduce(|a, b| if b.1 < a.1 { b } else { a })
+    else {
+        return;
+    };
+    let limit = min + slack.max(0.0);
+    out.extend(
+        costs
+            .iter()
+            .enumerate()
+            .filter(|&(i, c)| c.is_finite() && *c <= limit && (i == lowest || keep(lowest, i)))
+            .map(|(i, c)| (*c, u32::try_from(i).unwrap_or(u32::MAX))),
+    );
+}
+
 #[cfg(test)]
 mod picks;
+#[cfg(test)]
+mod slots;
 
 #[cfg(test)]
 mod tests {
@@ -174,32 +281,36 @@ mod tests {
 
     fn draws(window: f64, seed: u64) -> TieDraws {
         let mut d = TieDraws::default();
-        d.set(TieBreak { window, seed });
+        d.set(TieBreak {
+            window,
+            seed,
+            peer_slots: false,
+        });
         d
     }
 
     #[test]
     fn off_draws_nothing() {
         let mut d = TieDraws::default();
-        assert_eq!(d.draw(), None);
+        assert_eq!(d.draw(Place::ALONE), None);
         for window in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            assert_eq!(draws(window, 7).draw(), None, "{window}");
+            assert_eq!(draws(window, 7).draw(Place::ALONE), None, "{window}");
         }
-        assert!(draws(0.5, 7).draw().is_some());
+        assert!(draws(0.5, 7).draw(Place::ALONE).is_some());
     }
 
     #[test]
     fn a_single_candidate_is_always_chosen() {
         let mut d = draws(1.0, 3);
         for _ in 0..100 {
-            let draw = d.draw().unwrap();
+            let draw = d.draw(Place::ALONE).unwrap();
             assert_eq!(near_tie_index(&[42.0], 1e9, &draw), Some(0));
             assert_eq!(
                 near_tie_index(&[f64::INFINITY, 5.0, f64::NAN], 1e9, &draw),
                 Some(1)
             );
         }
-        let draw = d.draw().unwrap();
+        let draw = d.draw(Place::ALONE).unwrap();
         assert_eq!(near_tie_index(&[], 1.0, &draw), None);
         assert_eq!(near_tie_index(&[f64::NAN, f64::INFINITY], 1.0, &draw), None);
     }
@@ -212,7 +323,7 @@ mod tests {
         let picks: Vec<usize> = (0..32u64)
             .map(|replica| {
                 let mut d = draws(0.5, TieBreak::seed_of(&format!("router-{replica}")));
-                near_tie_index(&costs, 0.0, &d.draw().unwrap()).unwrap()
+                near_tie_index(&costs, 0.0, &d.draw(Place::ALONE).unwrap()).unwrap()
             })
             .collect();
         let distinct = picks
@@ -224,7 +335,7 @@ mod tests {
         let mut per = [0u32; 8];
         let mut d = draws(0.5, 11);
         for _ in 0..8000 {
-            per[near_tie_index(&costs, 0.0, &d.draw().unwrap()).unwrap()] += 1;
+            per[near_tie_index(&costs, 0.0, &d.draw(Place::ALONE).unwrap()).unwrap()] += 1;
         }
         assert!(per.iter().all(|&n| (850..1150).contains(&n)), "{per:?}");
     }
@@ -239,22 +350,29 @@ mod tests {
     #[test]
     fn a_new_seed_restarts_the_counter_and_a_new_window_does_not() {
         let mut a = draws(1.0, 5);
-        let first = a.draw().unwrap();
+        let first = a.draw(Place::ALONE).unwrap();
         a.set(TieBreak {
             window: 2.0,
             seed: 5,
+            peer_slots: false,
         });
-        let second = a.draw().unwrap();
+        let second = a.draw(Place::ALONE).unwrap();
         assert_ne!(first.bits, second.bits, "the counter kept going");
         a.set(TieBreak {
             window: 2.0,
             seed: 6,
+            peer_slots: false,
         });
         a.set(TieBreak {
             window: 2.0,
             seed: 5,
+            peer_slots: false,
         });
-        assert_eq!(a.draw().unwrap().bits, first.bits, "restarted on the seed");
+        assert_eq!(
+            a.draw(Place::ALONE).unwrap().bits,
+            first.bits,
+            "restarted on the seed"
+        );
     }
 
     proptest! {
@@ -271,7 +389,7 @@ mod tests {
             let mut a = draws(window, seed);
             let mut b = draws(window, seed);
             for _ in 0..8 {
-                let (da, db) = (a.draw().unwrap(), b.draw().unwrap());
+                let (da, db) = (a.draw(Place::ALONE).unwrap(), b.draw(Place::ALONE).unwrap());
                 let chosen = near_tie_index(&costs, slack, &da);
                 prop_assert_eq!(chosen, near_tie_index(&costs, slack, &db));
                 let min = costs.iter().copied().filter(|c| c.is_finite()).reduce(f64::min);
@@ -293,7 +411,7 @@ mod tests {
         ) {
             let costs: Vec<f64> = costs.into_iter().map(f64::from).collect();
             let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
-            let draw = draws(1.0, seed).draw().unwrap();
+            let draw = draws(1.0, seed).draw(Place::ALONE).unwrap();
             let i = near_tie_index(&costs, 0.0, &draw).unwrap();
             prop_assert_eq!(costs[i], min);
         }

@@ -138,6 +138,38 @@ fn a_restart_replaces_and_late_messages_of_the_old_epoch_are_dropped() {
     assert_eq!(table.peers(ms(12))[0].entries, 0);
 }
 
+/// `dynamo.load.peer_slots`: the ledger holds this replica's place among the live peers by
+/// replica id, so replicas hearing the same peers hold distinct indices; a peer's expiry or the
+/// table's clearing shrinks it back.
+#[test]
+fn the_ledger_holds_the_place_among_live_peers() {
+    let ids = ["router-b", "router-a", "router-c"];
+    let mut ledgers: Vec<DispatchLedger> = ids.iter().map(|_| DispatchLedger::new()).collect();
+    let mut tables: Vec<PeerTable> = ids.iter().map(|id| PeerTable::new(*id, limits())).collect();
+    for (table, ledger) in tables.iter_mut().zip(&mut ledgers) {
+        assert_eq!(ledger.place(), Place::ALONE);
+        for peer in ids {
+            // Heartbeats carry no entries: the place still counts the peer.
+            table.offer(&snap(peer, 1, 1, 1, &[]), ms(0), ledger);
+        }
+    }
+    let places: Vec<Place> = ledgers.iter().map(DispatchLedger::place).collect();
+    assert_eq!(
+        places,
+        [Place::new(1, 3), Place::new(0, 3), Place::new(2, 3)],
+        "ordered by id: a, b, c"
+    );
+    // router-a's and router-c's snapshots stop reaching router-b: it is alone again.
+    let (table, ledger) = (&mut tables[0], &mut ledgers[0]);
+    table.offer(&snap("router-a", 1, 2, 1, &[]), ms(500), ledger);
+    table.expire(ms(1200), ledger);
+    assert_eq!(ledger.place(), Place::new(1, 2), "router-c expired");
+    table.clear(ledger);
+    assert_eq!(ledger.place(), Place::ALONE);
+    ledgers[1].withdraw_peers();
+    assert_eq!(ledgers[1].place(), Place::ALONE, "the sync stopped");
+}
+
 #[test]
 fn peers_and_entries_are_bounded() {
     let mut ledger = DispatchLedger::new();

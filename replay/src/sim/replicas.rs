@@ -12,6 +12,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use continuum_protocol::kv::mooncake::splitmix64;
+use continuum_protocol::picker::tie_break::Place;
 use continuum_protocol::picker::{DispatchLeg, TieBreak};
 
 /// How requests are spread over the replicas, as a Kubernetes Service would.
@@ -72,6 +73,8 @@ pub struct Replicas {
     pub share_lag: Duration,
     /// `dynamo.load.tie_break_window` of every replica (0: off).
     pub tie_break_window: f64,
+    /// `dynamo.load.peer_slots` of every replica (used with `sharing`: peers known).
+    pub peer_slots: bool,
 }
 
 impl Replicas {
@@ -81,6 +84,17 @@ impl Replicas {
         TieBreak {
             window: self.tie_break_window,
             seed: splitmix64(splitmix64(seed ^ 0x71e_b4ea) ^ u64::from(replica)),
+            peer_slots: self.peer_slots,
+        }
+    }
+
+    /// Replica `replica`'s place among its peers: known only with sharing (the live router
+    /// learns it from `replica_sync`'s peer table), else alone.
+    pub fn place(&self, replica: u32) -> Place {
+        if self.sharing && self.count > 1 {
+            Place::new(replica as usize, self.count as usize)
+        } else {
+            Place::ALONE
         }
     }
 }
@@ -97,6 +111,7 @@ impl Default for Replicas {
             sharing: false,
             share_lag: Duration::from_millis(5),
             tie_break_window: 0.0,
+            peer_slots: false,
         }
     }
 }

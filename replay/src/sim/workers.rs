@@ -108,6 +108,7 @@ impl<'a> Sim<'a> {
                 .map(|replica| {
                     let mut state = PickerState::new();
                     state.tie.set(cfg.replicas.tie_break(cfg.seed, replica));
+                    state.ledger.set_place(cfg.replicas.place(replica));
                     state
                 })
                 .collect(),

@@ -67,6 +67,7 @@ fn immediate_class_covers_staleness_shim_kv_keys_and_backends() {
     new.dynamo.shim.model_map.insert("a".into(), "A".into());
     new.dynamo.kv.router_temperature = 0.5;
     new.dynamo.load.tie_break_window = 0.5;
+    new.dynamo.load.peer_slots = true;
     new.api_keys.push(ApiKeyConfig {
         key: "k".into(),
         name: "n".into(),
@@ -83,6 +84,7 @@ fn immediate_class_covers_staleness_shim_kv_keys_and_backends() {
             "backends[0].url",
             "dynamo.kv.router_temperature",
             "dynamo.load.max_staleness",
+            "dynamo.load.peer_slots",
             "dynamo.load.tie_break_window",
             "dynamo.shim.model_map.a",
         ]

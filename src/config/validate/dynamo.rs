@@ -22,6 +22,20 @@ impl Validator {
                 format!("{window} must be a finite number in 0..={MAX_TIE_BREAK_WINDOW}"),
             );
         }
+        if load.peer_slots && window == 0.0 {
+            self.warn(
+                "dynamo.load.peer_slots",
+                "has no effect without dynamo.load.tie_break_window (the slots are taken in its \
+                 tie set); set 2.0",
+            );
+        }
+        if load.peer_slots && !config.replica_sync.enabled {
+            self.warn(
+                "dynamo.load.peer_slots",
+                "has no effect without replica_sync: the replica's place among its peers comes \
+                 from the peers it hears from; the seeded draw decides instead",
+            );
+        }
         match &load.direct_allow_cidrs {
             None => {
                 if config.dynamo.enabled && load.transport == LoadTransport::Direct {

@@ -1167,6 +1167,23 @@ fn tie_break_window_is_finite_and_at_most_16() {
 }
 
 #[test]
+fn peer_slots_warn_without_a_window_or_replica_sync() {
+    let mut c = base();
+    let on_path = |c: &Config| {
+        validate(c)
+            .into_iter()
+            .filter(|d| d.path == "dynamo.load.peer_slots")
+            .count()
+    };
+    assert_eq!(on_path(&c), 0, "off: nothing to say");
+    c.dynamo.load.peer_slots = true;
+    expect_warning(&c, "dynamo.load.peer_slots", "tie_break_window");
+    expect_warning(&c, "dynamo.load.peer_slots", "replica_sync");
+    c.dynamo.load.tie_break_window = 2.0;
+    assert_eq!(on_path(&c), 1, "still without replica_sync");
+}
+
+#[test]
 fn router_temperature_must_be_non_negative() {
     let mut c = base();
     c.dynamo.kv.router_temperature = -0.1;

@@ -5,6 +5,7 @@
 
 use super::{DISPATCH_MAX_AGE, DispatchId, DispatchLedger, DispatchLeg};
 use crate::ids::{DpRank, InstanceId, Namespace};
+use crate::picker::tie_break::Place;
 use crate::time::Tick;
 
 /// This router's unanswered legs on one rank, summed: what its peers add to that rank.
@@ -20,6 +21,26 @@ pub struct LocalContribution {
 }
 
 impl DispatchLedger {
+    /// This router's place among the live replicas (itself and the peers it hears from, by
+    /// replica id), for `dynamo.load.peer_slots`; [`Place::ALONE`] until a peer is known.
+    pub fn place(&self) -> Place {
+        self.place
+    }
+
+    /// Sets this router's place (`replica_sync`'s peer table keeps it; the replay sets it).
+    pub fn set_place(&mut self, place: Place) {
+        self.place = place;
+    }
+
+    /// Records the slots this router's peers take on its view of one pick (`dynamo.load.peer_slots`,
+    /// [`take_slot`](crate::picker::tie_break::take_slot)): peer legs like a peer's
+    /// contributions (answered by samples, never a stall, never published), ended by no request.
+    pub fn record_peer_slots(&mut self, legs: &[DispatchLeg], now: Tick) {
+        if !legs.is_empty() {
+            self.record(legs, now, true);
+        }
+    }
+
     /// Records a peer replica's contributions at `now` as one dispatch (one leg per entry): they
     /// count as backlog until a sample answers them, [`Self::withdraw`] replaces them or they age
     /// out, and never mark a stall.
@@ -27,8 +48,10 @@ impl DispatchLedger {
         self.record(legs, now, true)
     }
 
-    /// Forgets every peer dispatch (the replica sync stopped or restarted); how many there were.
+    /// Forgets every peer dispatch (the replica sync stopped or restarted) and the peers' place;
+    /// how many dispatches there were.
     pub fn withdraw_peers(&mut self) -> usize {
+        self.place = Place::ALONE;
         let peers: Vec<DispatchId> = self.order.iter().filter(|d| d.peer).map(|d| d.id).collect();
         for &id in &peers {
             self.withdraw(id);

@@ -15,7 +15,7 @@ use crate::kv::index::RankOverlap;
 const MODEL: &str = "m";
 
 /// Block size 16, 1,000 KV blocks, a prefill budget of 1,000 tokens.
-fn cand(id: u64, role: CandidateRole) -> Candidate {
+pub(super) fn cand(id: u64, role: CandidateRole) -> Candidate {
     Candidate {
         worker: key("ns", id),
         role,
@@ -28,7 +28,7 @@ fn cand(id: u64, role: CandidateRole) -> Candidate {
     }
 }
 
-fn fresh(blocks: u64) -> SampleState {
+pub(super) fn fresh(blocks: u64) -> SampleState {
     SampleState::Fresh {
         active_decode_blocks: Some(blocks),
         active_prefill_tokens: None,
@@ -41,7 +41,7 @@ fn now() -> Tick {
 }
 
 /// A fleet of `loads.len()` workers (ids 1..) of `role`, each with its fresh decode blocks.
-fn fleet(loads: &[u64], role: CandidateRole) -> (Vec<Candidate>, FakeLoad) {
+pub(super) fn fleet(loads: &[u64], role: CandidateRole) -> (Vec<Candidate>, FakeLoad) {
     let mut load = FakeLoad::default();
     let mut candidates = Vec::new();
     for (i, blocks) in loads.iter().enumerate() {
@@ -57,13 +57,14 @@ fn state(window: f64, replica: &str) -> PickerState {
     state.tie.set(TieBreak {
         window,
         seed: TieBreak::seed_of(replica),
+        peer_slots: false,
     });
     state
 }
 
 /// One pick's decode id; `kv` = (isl, overlaps by worker id) for the KV-aware picker, else the
 /// load-based one with a 32-token request.
-fn pick(
+pub(super) fn pick(
     candidates: &[Candidate],
     load: &FakeLoad,
     state: &mut PickerState,
