@@ -1,7 +1,8 @@
 //! Router replicas sharing in-flight dispatches in front of real NVIDIA Dynamo 1.6.1 (issue 33,
 //! `dynamo-e2e`): etcd, two aggregated `dynamo.mocker` workers registered by Dynamo itself, the
 //! `--router-mode direct` frontend every replica pins through, three REAL router processes
-//! (same config but `replica_id`) with `replica_sync` on, and one real `nats-server`.
+//! (same config but `replica_id`) with `replica_sync` on and the settings recommended for replicas
+//! (`dynamo.load.tie_break_window: 8`, `peer_slots: true`), and one real `nats-server`.
 //!
 //! Phases, each with concurrent client load spread round-robin over the live replicas:
 //! 1. all three up: every request succeeds; every replica sees its two peers and has applied
@@ -36,7 +37,8 @@ fn body(stack: &DynamoStack) -> String {
          backends:\n  - name: dynamo-frontend\n    type: openai\n    url: \"{frontend}\"\n    \
          models: [\"{MODEL}\"]\n    health_check:\n      enabled: false\n\
          dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"{etcd}\"]\n      \
-         namespace: \"{ns}\"\n  load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n  \
+         namespace: \"{ns}\"\n  load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n    \
+         tie_break_window: 8\n    peer_slots: true\n  \
          shim:\n    backends: [dynamo-frontend]\n",
         frontend = stack.frontend_url(),
         etcd = stack.etcd_endpoint(),
