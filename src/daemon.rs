@@ -432,7 +432,8 @@ impl Daemon {
         &self.shared.load
     }
 
-    /// The picker state the PickerActor maintains (`registry.picker()` / `set_picker()`).
+    /// The picker state the PickerActor maintains (`registry.picker()`; `set_picker()` is
+    /// [`ShimRouter::set_picker`], through the one writer).
     pub fn picker(&self) -> &SharedPicker {
         &self.shared.picker
     }
@@ -752,6 +753,8 @@ impl ControlLoop {
         }
         // Immediate class: the next request sees it.
         self.shared.config.store(Arc::new(new.clone()));
+        // What the config asks of the pickers, published once with the picker it installs.
+        self.shared.dynamo.reconfigure(&new);
         self.live.store(Arc::new(live_settings(&new)));
         self.shared.proxy.reconfigure(&new);
         if plan.kv_artifacts {

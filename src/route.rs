@@ -41,7 +41,7 @@ use crate::http_metrics::{HttpMetrics, HttpRoute};
 use crate::proxy::headers::DISCLOSE_REQUEST;
 use crate::proxy::{ClientRequest, Dispatch, OpenAiRoute, ParsedBody, Proxy, Scope, body};
 use crate::wire::error::ApiError;
-use dynamo::{DispatchGuard, ShimDecision, ShimRouter};
+use dynamo::{ShimDecision, ShimRouter};
 
 /// Who is calling, as the front door authenticated them.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -274,6 +274,11 @@ impl Router {
         allowed: &[String],
         mut plan: ShimDecision,
     ) -> Result<Response<Body>, ApiError> {
+        // The ledger entry ends when this guard drops: with the response body, on an error, or
+        // when the request is cancelled while it waits for the shim.
+        let guard = plan
+            .dispatch_id
+            .map(|id| dynamo.picker_state().in_flight(id));
         let scope = Scope {
             allowed,
             only: Some(&plan.pool),
@@ -301,9 +306,6 @@ impl Router {
             )
             .await;
         let settled = self.settle(request, allowed, &plan.pool, outcome).await;
-        let guard = plan
-            .dispatch_id
-            .map(|id| DispatchGuard::new(dynamo.clone(), id));
         let shim_pool = ShimPool(plan.pool.clone());
         let settled = settled.map(|mut resp| {
             resp.extensions_mut().insert(shim_pool);

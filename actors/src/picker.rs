@@ -6,8 +6,14 @@
 //! into the [`DispatchLedger`] (a sample answers the dispatches pinned to its worker before it
 //! arrived) and re-resolves the layouts' load-store slots if a rank gained or lost its sample;
 //! every [`EXPIRE_EVERY`] it drops dispatches older than `DISPATCH_MAX_AGE`; and it reports its
-//! state to the admin view (`Status`). Which picker is installed (`picker()` / `set_picker()`,
-//! the seed's pluggable `DynamoWorkerPicker`) lives in the same handle.
+//! state to the admin view (`Status`).
+//!
+//! Which picker is installed, with what one config asks of it (KV parameters, tie-break, the
+//! namespaces that may receive `nvext.token_data`), is one immutable snapshot ([`Installed`])
+//! with one writer ([`PickerWriter`], not `Clone`, claimed from this handle's `Exclusive` slot):
+//! the control loop publishes it at start and on every applied reload, never a request. Requests
+//! read it without a lock. A dispatch ends through its [`InFlight`] guard, dropped with the
+//! response.
 //!
 //! Parent: root. Children: none. Messages in: `GenerationChanged`, `SamplesArrived`, `Expire`
 //! (from the watcher task it spawns in `pre_start` and aborts in `post_stop`), `Status` (query).
@@ -23,22 +29,20 @@
 //! Why the request path does not go through the mailbox: a decision over 1,000 ranks costs a few
 //! microseconds under one short `Mutex` section, while a ractor `call` round trip (mailbox send,
 //! task wake-up, reply port) costs more than the whole decision budget (see
-//! docs/runtime-semantics.md, "Picker state"). The actor and the request path share the state
-//! through the handle; neither holds the lock across an await.
+//! docs/runtime-semantics.md, "Picker state"). The actor and the request path share the mutable
+//! state (ledger, cursors) through the handle; neither holds the lock across an await.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, Guard};
 use continuum_protocol::discovery::snapshot::DynamoSnapshot;
 use continuum_protocol::load_store::LoadStore;
 use continuum_protocol::picker::candidates::CandidateIndex;
 use continuum_protocol::picker::dense::SLOT_CACHE_LAYOUTS;
 use continuum_protocol::picker::ledger::DispatchId;
-use continuum_protocol::picker::{
-    DispatchLedger, DynamoWorkerPicker, LoadBasedPicker, PickerState,
-};
+use continuum_protocol::picker::{DispatchLedger, DynamoWorkerPicker, PickerState};
 use continuum_protocol::time::Tick;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
@@ -49,9 +53,13 @@ use tracing::warn;
 use crate::clock::now_tick;
 use crate::lifecycle::ActorKind;
 use crate::load::{LoadGuard, SharedLoadStore};
-use crate::lock::{Mutex, MutexGuard};
+use crate::lock::{Exclusive, Mutex, MutexGuard};
 use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec};
+
+mod installed;
+
+pub use installed::{InFlight, Installed, PickerConfig, PickerWriter};
 
 /// How often the actor drops dispatches past `DISPATCH_MAX_AGE` (a pick also expires first, so
 /// this only bounds how long an idle router holds aged entries).
@@ -70,11 +78,11 @@ pub struct IndexedGeneration {
     pub snapshot_seq: Option<u64>,
 }
 
-/// The installed picker (`ArcSwap` needs a sized payload).
-struct Installed(Arc<dyn DynamoWorkerPicker>);
-
 struct Inner {
-    picker: ArcSwap<Installed>,
+    /// Published by the one [`PickerWriter`]; read lock-free.
+    installed: ArcSwap<Installed>,
+    /// The writer's slot: at most one [`PickerWriter`] at a time.
+    writer: Exclusive<()>,
     index: ArcSwap<IndexedGeneration>,
     /// Serialises index rebuilds so two racing readers do not both build one generation.
     rebuilding: Mutex<()>,
@@ -133,7 +141,8 @@ impl SharedPicker {
     pub fn new() -> Self {
         Self {
             inner: Arc::new(Inner {
-                picker: ArcSwap::from_pointee(Installed(Arc::new(LoadBasedPicker::new()))),
+                installed: ArcSwap::from_pointee(Installed::default()),
+                writer: Exclusive::new(()),
                 index: ArcSwap::from_pointee(IndexedGeneration {
                     generation: u64::MAX,
                     index: Arc::new(CandidateIndex::default()),
@@ -151,13 +160,27 @@ impl SharedPicker {
 
     /// The active picker (`registry.picker()` in the seed).
     pub fn picker(&self) -> Arc<dyn DynamoWorkerPicker> {
-        self.inner.picker.load().0.clone()
+        self.inner.installed.load().picker.clone()
     }
 
-    /// Replaces the active picker (`set_picker()`; the KV-aware picker plugs in here). The ledger
-    /// and cursors carry over: they describe the fleet, not the picker.
-    pub fn set_picker(&self, picker: Arc<dyn DynamoWorkerPicker>) {
-        self.inner.picker.store(Arc::new(Installed(picker)));
+    /// The installed picker and its config, as last published: one lock-free load.
+    pub fn installed(&self) -> Guard<Arc<Installed>> {
+        self.inner.installed.load()
+    }
+
+    fn store(&self, installed: Installed) {
+        self.inner.installed.store(Arc::new(installed));
+    }
+
+    /// The writer of [`Installed`], if no one holds it now (`None`: another writer does).
+    pub fn writer(&self) -> Option<PickerWriter> {
+        let claim = self.inner.writer.try_claim()?;
+        Some(PickerWriter::new(self.clone(), claim))
+    }
+
+    /// The guard of dispatch `id`, which ends it when dropped (with the response).
+    pub fn in_flight(&self, id: DispatchId) -> InFlight {
+        InFlight::new(self.clone(), id)
     }
 
     /// The index held now, lock-free (possibly of an older generation; see [`Self::index_for`]).

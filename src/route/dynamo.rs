@@ -12,19 +12,25 @@
 //!
 //! The decision itself is one synchronous critical section: the load-store lock, then the
 //! picker-state lock of the shared [`SharedPicker`] handle (the order every holder of both
-//! takes). It does not go through the `PickerActor`'s mailbox: a ractor round trip costs more
-//! than the decision (see docs/runtime-semantics.md, "Picker state").
+//! takes); these are the only locks a load-based pick takes. It does not go through the
+//! `PickerActor`'s mailbox: a ractor round trip costs more than the decision (see
+//! docs/runtime-semantics.md, "Picker state").
 //!
-//! Under `dynamo.kv.enabled` the router installs the `KvAwarePicker` (and the load-based one back
-//! when KV is turned off; every `dynamo.kv` field applies on the next request), prepares the
-//! prompt through the [`KvPromptPrep`] hook, reads the candidates' overlaps from the shared KV
-//! index, and may attach the rendered tokens as `nvext.token_data`.
+//! What a config asks of the pickers is derived once per config, not per request
+//! ([`picker_config`]: the KV parameters, this replica's tie-break, the namespaces that may
+//! receive `nvext.token_data`) and published with the installed picker as one snapshot
+//! ([`continuum_actors::picker::Installed`]) by [`ShimRouter::reconfigure`], which the control
+//! loop calls at start and on every applied reload: under `dynamo.kv.enabled` that installs the
+//! `KvAwarePicker` (and the load-based one back when KV is turned off). A request loads the
+//! snapshot without a lock, prepares the prompt through the [`KvPromptPrep`] hook, reads the
+//! candidates' overlaps from the shared KV index, and may attach the rendered tokens as
+//! `nvext.token_data`.
 
 use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use bytes::Bytes;
 use continuum_actors::clock::now_tick;
 use continuum_actors::kv_index::SharedKvIndex;
@@ -33,7 +39,7 @@ use continuum_actors::metrics::Metrics;
 
 use super::metrics::{KvSelectionResult as KvSelectionLabel, SelectionMetrics};
 use crate::proxy::metrics::RoutingPath;
-use continuum_actors::picker::{SharedPicker, answer_arrivals};
+use continuum_actors::picker::{PickerConfig, PickerWriter, SharedPicker, answer_arrivals};
 use continuum_actors::registry::RegistryReader;
 use continuum_protocol::admission::{self, Fleet};
 use continuum_protocol::ids::Namespace;
@@ -42,12 +48,11 @@ use continuum_protocol::picker::decision::{
 };
 use continuum_protocol::picker::estimate::estimate_prompt_tokens;
 use continuum_protocol::picker::ledger::DispatchId;
-use continuum_protocol::picker::load_based::LoadBasedPicker;
 use continuum_protocol::picker::{
-    BlockOverlaps, ConditionalDisaggregation, DynamoWorkerPicker, KvAwarePicker, KvPickInput,
-    KvPickParams, KvSelectionResult, KvUnavailable, Phase, TieBreak,
+    BlockOverlaps, ConditionalDisaggregation, DynamoWorkerPicker, KvPickInput, KvPickParams,
+    KvSelectionResult, KvUnavailable, Phase, TieBreak,
 };
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::config::Config;
 use crate::config::admission::Bounds;
@@ -62,7 +67,8 @@ pub struct ShimDecision {
     pub pool: Vec<String>,
     pub dispatch: Dispatch,
     pub path: RoutingPath,
-    /// The ledger entry of this pick, to end when the response does.
+    /// The ledger entry of this pick, to end when the response does (`SharedPicker::in_flight`
+    /// gives the guard that ends it when dropped).
     pub dispatch_id: Option<DispatchId>,
     /// The outbound shim body when it differs from the client's (rendered tokens attached as
     /// `nvext.token_data`). Fallback copies to other backends always use the client's body.
@@ -71,58 +77,33 @@ pub struct ShimDecision {
     pub kv: Option<KvSelectionResult>,
 }
 
-/// Ends a dispatch in the picker's ledger when dropped: a request that has ended (answered,
-/// refused, failed or cancelled) may never have reached an engine, so it must not make its worker
-/// look stalled.
-pub struct DispatchGuard {
-    router: Arc<ShimRouter>,
-    id: DispatchId,
-}
-
-impl DispatchGuard {
-    pub fn new(router: Arc<ShimRouter>, id: DispatchId) -> Self {
-        Self { router, id }
-    }
-}
-
-impl Drop for DispatchGuard {
-    fn drop(&mut self) {
-        self.router.request_ended(self.id);
-    }
-}
-
 /// The Dynamo routing state shared by every request.
 pub struct ShimRouter {
     config: Arc<ArcSwap<Config>>,
     registry: RegistryReader,
     load: SharedLoadStore,
-    /// Installed picker, candidate index, ledger and cursors, shared with the `PickerActor`.
+    /// Installed picker (with its per-config inputs), candidate index, ledger and cursors,
+    /// shared with the `PickerActor`.
     picker: SharedPicker,
+    /// The one writer of the installed picker (`None`: another holder claimed it first, and
+    /// this router only reads).
+    writer: Option<PickerWriter>,
     metrics: Option<Arc<SelectionMetrics>>,
     /// The shared KV index overlaps are read from (`None`: no overlaps).
     kv_index: Option<SharedKvIndex>,
-    /// The prompt preparation hook (`None`: `tokenizer_unavailable`).
-    kv_prep: Mutex<Option<Arc<dyn KvPromptPrep>>>,
-    /// The KV parameters the installed picker was built from (`None`: KV off, the picker is not
-    /// managed by `dynamo.kv`).
-    kv_applied: Mutex<Option<KvPickParams>>,
+    /// The prompt preparation hook (`None`: `tokenizer_unavailable`), installed once.
+    kv_prep: ArcSwapOption<PrepHook>,
     /// Softmax units: a randomly keyed hash of a counter (the picker draws no randomness).
     draws: (std::collections::hash_map::RandomState, AtomicU64),
-    /// Per config, the namespaces whose shim pool may receive `nvext.token_data`
-    /// ([`token_data_namespaces`]), decided once per config.
-    token_data: Mutex<Option<(Arc<Config>, Vec<Namespace>)>>,
-    /// Per config, this replica's tie-break ([`tie_break_of`]), decided once per config.
-    tie_break: Mutex<Option<(Arc<Config>, TieBreak)>>,
 }
+
+/// The prompt preparation hook (`ArcSwapOption` needs a sized payload).
+struct PrepHook(Arc<dyn KvPromptPrep>);
 
 impl std::fmt::Debug for ShimRouter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShimRouter").finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl ShimRouter {
@@ -135,7 +116,8 @@ impl ShimRouter {
         Self::with_picker(config, registry, load, SharedPicker::new(), metrics)
     }
 
-    /// A router over the picker state a `PickerActor` maintains (the daemon's wiring).
+    /// A router over the picker state a `PickerActor` maintains (the daemon's wiring). It claims
+    /// the picker's writer and publishes what the config held now asks of the pickers.
     pub fn with_picker(
         config: Arc<ArcSwap<Config>>,
         registry: RegistryReader,
@@ -143,19 +125,23 @@ impl ShimRouter {
         picker: SharedPicker,
         metrics: Option<Metrics>,
     ) -> Self {
-        Self {
+        let writer = picker.writer();
+        if writer.is_none() {
+            warn!("The picker's writer is held elsewhere; this router only reads the picker.");
+        }
+        let router = Self {
             config,
             registry,
             load,
             picker,
+            writer,
             metrics: metrics.as_ref().and_then(Metrics::family),
             kv_index: None,
-            kv_prep: Mutex::new(None),
-            kv_applied: Mutex::new(None),
+            kv_prep: ArcSwapOption::empty(),
             draws: (Default::default(), AtomicU64::new(0)),
-            token_data: Mutex::new(None),
-            tie_break: Mutex::new(None),
-        }
+        };
+        router.reconfigure(&router.config.load());
+        router
     }
 
     /// Reads overlaps from `index` when `dynamo.kv.enabled`.
@@ -166,22 +152,18 @@ impl ShimRouter {
 
     /// Installs the prompt preparation hook (the tokenizer and renderer plug in here).
     pub fn set_kv_prep(&self, prep: Arc<dyn KvPromptPrep>) {
-        *lock(&self.kv_prep) = Some(prep);
+        self.kv_prep.store(Some(Arc::new(PrepHook(prep))));
     }
 
-    /// Installs the KV-aware picker built from `kv` when it is enabled, and the load-based picker
-    /// back when it was turned off. A picker set by `set_picker` stays until `dynamo.kv` changes.
-    fn sync_picker(&self, kv: &KvConfig) {
-        let wanted = kv.enabled.then(|| kv_params(kv));
-        let mut applied = lock(&self.kv_applied);
-        if *applied == wanted {
-            return;
+    /// Publishes what `config` asks of the pickers ([`picker_config`]) with the picker it
+    /// installs: the KV-aware picker built from `dynamo.kv` when it is enabled and changed, the
+    /// load-based picker back when it was turned off (a picker set by `set_picker` stays until
+    /// `dynamo.kv` changes). The control loop calls it at start and on every applied reload;
+    /// requests only read what it published.
+    pub fn reconfigure(&self, config: &Config) {
+        if let Some(writer) = &self.writer {
+            writer.publish(picker_config(config));
         }
-        match wanted {
-            Some(params) => self.set_picker(Arc::new(KvAwarePicker::new(params))),
-            None => self.set_picker(Arc::new(LoadBasedPicker::new())),
-        }
-        *applied = wanted;
     }
 
     /// A unit in `[0, 1)` for softmax sampling.
@@ -245,7 +227,7 @@ impl ShimRouter {
         if block_sizes.is_empty() {
             return self.decide_with(client_model, body, prompt_tokens, allowed, usable, None);
         }
-        let prep = lock(&self.kv_prep).clone();
+        let prep = self.kv_prep.load_full();
         // The prompt preparation reads the body as a DOM; the size estimate (when the preparation
         // fails) comes from the proxy's parse, or from this DOM for a caller without one.
         let parsed = serde_json::from_slice::<serde_json::Value>(body).ok();
@@ -264,7 +246,7 @@ impl ShimRouter {
                     body: value,
                     block_sizes,
                 };
-                prep.prepare(request).await
+                prep.0.prepare(request).await
             }
             (None, _) => Err(KvUnavailable::TokenizerUnavailable),
             (Some(_), None) => Err(KvUnavailable::RenderUnavailable),
@@ -332,19 +314,16 @@ impl ShimRouter {
         self.load.subscribe()
     }
 
-    /// A dispatch ended (its response finished or failed).
-    pub fn request_ended(&self, id: DispatchId) {
-        self.picker.request_ended(id);
-    }
-
     /// The active picker.
     pub fn picker(&self) -> Arc<dyn DynamoWorkerPicker> {
         self.picker.picker()
     }
 
-    /// Replaces the picker (the KV-aware picker plugs in here).
+    /// Replaces the picker (a plug-in picker installs here), through this router's writer.
     pub fn set_picker(&self, picker: Arc<dyn DynamoWorkerPicker>) {
-        self.picker.set_picker(picker);
+        if let Some(writer) = &self.writer {
+            writer.set_picker(picker);
+        }
     }
 
     /// The shared picker state (admin view, the `PickerActor`).
@@ -407,7 +386,6 @@ impl ShimRouter {
             return None;
         }
         let kv_config = &config.dynamo.kv;
-        self.sync_picker(kv_config);
         let prepared = prepared.filter(|_| kv_config.enabled);
         let namespaces = namespace_replicas(&config, allowed, &usable);
         let model = mapped_model(&config, client_model);
@@ -427,8 +405,9 @@ impl ShimRouter {
             max_age: config.dynamo.load.max_staleness.get(),
         };
         let now = input.now;
-        let picker = self.picker.picker();
-        let tie_break = self.tie_break(&config);
+        // The installed picker and its per-config inputs: one lock-free load.
+        let installed = self.picker.installed();
+        let tie_break = installed.config.tie_break;
         // One load-store lock for the whole decision (order: load store, then picker state).
         let decision = self.load.with(|store| {
             self.picker.with_state(store, |state| {
@@ -437,7 +416,7 @@ impl ShimRouter {
                 // this on every store change; a request racing ahead of it catches up here).
                 answer_arrivals(&mut state.ledger, store);
                 state.ledger.expire(now);
-                decide(input, &*picker, store, state)
+                decide(input, &*installed.picker, store, state)
             })
         });
         let routed = match decision {
@@ -451,7 +430,7 @@ impl ShimRouter {
         let body = match &prepared {
             Some(Ok(prompt))
                 if kv_config.send_token_data
-                    && self.token_data_fits(&config, &routed.pick.namespace) =>
+                    && installed.config.token_data.contains(&routed.pick.namespace) =>
             {
                 with_token_data(body, &prompt.tokens)
             }
@@ -459,32 +438,6 @@ impl ShimRouter {
         };
         let pool = pool_of(&config, &routed.pick.namespace, allowed, &usable);
         Some(ShimDecision::new(routed, pool, body))
-    }
-
-    /// This replica's tie-break under `config` ([`tie_break_of`], memoised per config: the
-    /// replica id may read the environment and the host name).
-    fn tie_break(&self, config: &Arc<Config>) -> TieBreak {
-        let mut memo = lock(&self.tie_break);
-        match memo.as_ref() {
-            Some((c, tie)) if Arc::ptr_eq(c, config) => *tie,
-            _ => {
-                let tie = tie_break_of(config, |k| std::env::var(k).ok());
-                *memo = Some((Arc::clone(config), tie));
-                tie
-            }
-        }
-    }
-
-    /// Whether the shim copy to `namespace`'s pool may carry the rendered tokens
-    /// ([`token_data_namespaces`], memoised per config).
-    fn token_data_fits(&self, config: &Arc<Config>, namespace: &Namespace) -> bool {
-        let mut memo = lock(&self.token_data);
-        let fresh = memo.as_ref().is_some_and(|(c, _)| Arc::ptr_eq(c, config));
-        if !fresh {
-            *memo = Some((Arc::clone(config), token_data_namespaces(config)));
-        }
-        memo.as_ref()
-            .is_some_and(|(_, fits)| fits.contains(namespace))
     }
 
     /// Overlaps per block size of a prepared prompt, read under one guard of the shared index.
@@ -556,6 +509,19 @@ impl ShimRouter {
             prefill_reason = pick.reasons.prefill.as_label(),
             "Picked Dynamo workers for a request."
         );
+    }
+}
+
+/// What `config` asks of the pickers, derived once per config (the control loop's
+/// [`ShimRouter::reconfigure`]): the KV parameters when `dynamo.kv.enabled`, this replica's
+/// tie-break ([`tie_break_of`]; the replica id may read the environment and the host name) and
+/// the namespaces that may receive `nvext.token_data` ([`token_data_namespaces`]).
+pub fn picker_config(config: &Config) -> PickerConfig {
+    let kv = &config.dynamo.kv;
+    PickerConfig {
+        kv: kv.enabled.then(|| kv_params(kv)),
+        tie_break: tie_break_of(config, |k| std::env::var(k).ok()),
+        token_data: token_data_namespaces(config),
     }
 }
 

@@ -390,3 +390,30 @@ async fn token_data_is_not_sent_when_the_pools_replicas_rewrite_differently() {
     };
     assert_eq!(selected("overlap") + selected("no_overlap"), 2.0);
 }
+
+/// The control loop installs the picker, requests never do: the KV-aware picker is in place at
+/// start, before any request; a refused reload keeps that very instance; an applied reload that
+/// turns KV off brings the load-based picker back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_is_installed_by_reloads_and_a_refused_reload_keeps_it() {
+    let etcd = EtcdServer::start().await;
+    let shim = FakeUpstream::start().await;
+    let unified = FakeUpstream::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let daemon = start(&yaml(&etcd, &shim, &unified, "    enabled: true\n"), &dir).await;
+    let router = daemon.shim().expect("shim");
+    let installed = router.picker();
+    assert_eq!(installed.name(), "kv_aware", "installed at start");
+
+    std::fs::write(dir.path().join("router.yaml"), "backends: [").expect("write config");
+    assert!(daemon.reload().await.is_err(), "an invalid file is refused");
+    assert!(
+        Arc::ptr_eq(&installed, &router.picker()),
+        "the picker stays"
+    );
+
+    let kv_off = yaml(&etcd, &shim, &unified, "    enabled: false\n");
+    reload(&daemon, &dir, &kv_off).await;
+    assert_eq!(router.picker().name(), "load_based");
+    daemon.shutdown().await;
+}

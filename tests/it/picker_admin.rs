@@ -44,7 +44,7 @@ async fn the_picker_is_a_restartable_subsystem_that_keeps_its_state() {
     let daemon = support::daemon::start(&yaml).await;
     let base = format!("http://{}", daemon.local_addr());
     let client = reqwest::Client::new();
-    daemon.picker().set_picker(Arc::new(Named));
+    daemon.shim().expect("shim").set_picker(Arc::new(Named));
 
     let (status, body) = admin(
         &client,

@@ -222,7 +222,10 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
     assert_eq!(picker.index().index.for_model("m").len(), 2);
 
     // State the routing needs: the installed picker, the ledger, the index.
-    picker.set_picker(Arc::new(Named));
+    picker
+        .writer()
+        .expect("no other writer")
+        .set_picker(Arc::new(Named));
     dispatch(&picker, &load, 7, now_tick());
     let before = picker.status();
     let row = tree.get("root/picker").expect("the picker is in the tree");
