@@ -46,7 +46,8 @@
 //!   (Dynamo-shaped chunks of ≈ 200 bytes, one per frame, then the final chunk and `[DONE]`)
 //!   with `disaggregated_serving.mid_stream_fallback` off (today's relay) and on (every event
 //!   read by the continuation splice), rounds alternating, best of [`MID_ROUNDS`] each; then the
-//!   memory an armed stream holds. `PROXY_BENCH=mid_stream` runs only this pass.
+//!   memory an armed stream holds. `PROXY_BENCH=mid_stream` runs only this pass;
+//!   `PROXY_MID_PASS=off` (or `armed`) then measures only that side, to profile one at a time.
 //!
 //! The numbers are noisy when other processes use the same cores; compare CPU µs/request first.
 
@@ -324,6 +325,16 @@ struct Run {
 }
 
 impl Run {
+    /// A side that was not measured.
+    fn idle() -> Run {
+        Run {
+            rps: 0.0,
+            gen_us: 0.0,
+            upstream_us: 0.0,
+            router_us: 0.0,
+        }
+    }
+
     fn best(self, other: Run) -> Run {
         Run {
             rps: self.rps.max(other.rps),
@@ -575,14 +586,26 @@ fn mid_stream_pass(
     };
     let armed = router_rt.block_on(router(up, armed_config));
     let n = requests.max(concurrency);
+    // `PROXY_MID_PASS=off` or `=armed` measures that side only (to profile one side at a time;
+    // the other side's figures then read 0).
+    let pass = std::env::var("PROXY_MID_PASS").unwrap_or_default();
+    let (run_off, run_on) = (pass != "armed", pass != "off");
+    let side_of = |run: bool, addr, n| {
+        if run {
+            measure(gen_rt, addr, LONG_STREAM_REQUEST, n, concurrency)
+        } else {
+            Run::idle()
+        }
+    };
     // Warm-up: connections, allocator, both paths.
-    measure(gen_rt, plain, LONG_STREAM_REQUEST, n / 4, concurrency);
-    measure(gen_rt, armed, LONG_STREAM_REQUEST, n / 4, concurrency);
-    let mut off = measure(gen_rt, plain, LONG_STREAM_REQUEST, n, concurrency);
-    let mut on = measure(gen_rt, armed, LONG_STREAM_REQUEST, n, concurrency);
+    side_of(run_off, plain, n / 4);
+    side_of(run_on, armed, n / 4);
+    let side = |run, addr| side_of(run, addr, n);
+    let mut off = side(run_off, plain);
+    let mut on = side(run_on, armed);
     for _ in 1..MID_ROUNDS {
-        off = off.best(measure(gen_rt, plain, LONG_STREAM_REQUEST, n, concurrency));
-        on = on.best(measure(gen_rt, armed, LONG_STREAM_REQUEST, n, concurrency));
+        off = off.best(side(run_off, plain));
+        on = on.best(side(run_on, armed));
     }
     let events = (LONG_EVENTS + 2) as f64;
     println!(

@@ -69,6 +69,27 @@ fn chat_events(n: usize) -> Vec<Vec<u8>> {
         .collect()
 }
 
+/// The proxy bench's stream (`benches/proxy_overhead.rs`, `PROXY_BENCH=mid_stream`): 64
+/// Dynamo 1.6.1-shaped content chunks of ≈ 200 bytes (the first with `role`), the final chunk and
+/// `[DONE]`.
+fn dynamo_events() -> Vec<Vec<u8>> {
+    let id = "chatcmpl-bee766b5-87ba-4cb1-994e-349ca7ec0da5";
+    let chunk = |delta: &str, finish: &str| {
+        format!(
+            "data: {{\"id\":\"{id}\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":{finish},\"logprobs\":null}}],\"created\":1796450204,\"model\":\"tiny\",\"object\":\"chat.completion.chunk\"}}\n\n"
+        )
+        .into_bytes()
+    };
+    let words = [
+        " sp", " mp", " router", "ed", " the", " cache", " é", " block",
+    ];
+    let mut out = vec![chunk(r#"{"content":" Once","role":"assistant"}"#, "null")];
+    out.extend((1..64).map(|i| chunk(&format!(r#"{{"content":"{}"}}"#, words[i % 8]), "null")));
+    out.push(chunk("{}", r#""length""#));
+    out.push(b"data: [DONE]\n\n".to_vec());
+    out
+}
+
 fn median(mut runs: Vec<Duration>) -> Duration {
     runs.sort();
     runs[runs.len() / 2]
@@ -104,6 +125,22 @@ fn main() {
             .map(|e| splice.feed_frame(e).0.is_empty() as usize)
             .sum()
     });
+    let dynamo = dynamo_events();
+    per_event(
+        "ChatSplice::feed_frame, the proxy bench's 66-event stream",
+        dynamo.len() * 100,
+        || {
+            let mut streams = 0;
+            for _ in 0..100 {
+                let mut splice = ChatSplice::new(1 << 20, 1 << 22);
+                streams += dynamo
+                    .iter()
+                    .map(|e| splice.feed_frame(e).0.is_empty() as usize)
+                    .sum::<usize>();
+            }
+            streams / 100
+        },
+    );
     per_event(
         "ResponsesSplice::feed, original Responses events",
         responses.len(),

@@ -2,97 +2,29 @@
 //! two loopback fake upstreams: b1 answers first and is cut, b2 is the unified fallback (the
 //! round-robin cursor of a fresh pool starts at b1, and a continuation excludes b1).
 
-use crate::support::upstream::{FakeUpstream, Recorded, Reply};
+use crate::support::mid_stream::{Fleet, read_until, rest_of};
+use crate::support::upstream::{Recorded, Reply};
 
-use std::sync::Arc;
-
-use axum::body::Body;
-use axum::http::{HeaderMap, Response, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use bytes::Bytes;
-use continuum_actors::metrics::Metrics;
-use continuum_router::config::schema::{
-    BackendConfig, DisaggregatedServingConfig, HumanDuration, MidStreamFallbackConfig,
-};
-use continuum_router::proxy::{OpenAiRoute, Proxy, ProxyOptions};
-use continuum_router::route::{Caller, Router};
-use http_body_util::BodyExt;
+use continuum_router::config::schema::{HumanDuration, MidStreamFallbackConfig};
+use continuum_router::proxy::OpenAiRoute;
+use continuum_router::route::Caller;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-fn backend(name: &str, url: &str) -> BackendConfig {
-    crate::support::upstream::backend_config(name, url, &["m"])
-}
-
-struct Fleet {
-    b1: FakeUpstream,
-    b2: FakeUpstream,
-    router: Router,
-    metrics: Metrics,
-}
-
 async fn fleet(tune: impl FnOnce(&mut MidStreamFallbackConfig)) -> Fleet {
-    let (b1, b2) = (FakeUpstream::start().await, FakeUpstream::start().await);
-    let metrics = Metrics::new("mid-stream-test").expect("metrics");
-    let proxy = Arc::new(Proxy::new(ProxyOptions::default(), Some(metrics.clone())));
-    let mut mid_stream_fallback = MidStreamFallbackConfig {
-        enabled: true,
-        ..MidStreamFallbackConfig::default()
+    let backends = |b1: &str, b2: &str| {
+        ["b1", "b2"]
+            .into_iter()
+            .zip([b1, b2])
+            .map(|(name, url)| crate::support::upstream::backend_config(name, url, &["m"]))
+            .collect()
     };
-    tune(&mut mid_stream_fallback);
-    proxy.set_backends(
-        &[backend("b1", &b1.url()), backend("b2", &b2.url())],
-        &DisaggregatedServingConfig {
-            mid_stream_fallback,
-            ..DisaggregatedServingConfig::default()
-        },
-    );
-    Fleet {
-        b1,
-        b2,
-        router: Router::new(proxy),
-        metrics,
-    }
-}
-
-impl Fleet {
-    async fn stream(&self) -> Response<Body> {
-        let body = json!({"model": "m", "stream": true, "max_tokens": 50,
-                          "messages": [{"role": "user", "content": "q"}]});
-        let resp = self
-            .router
-            .serve(
-                OpenAiRoute::ChatCompletions,
-                HeaderMap::new(),
-                Caller::default(),
-                Bytes::from(body.to_string()),
-            )
-            .await;
-        assert_eq!(resp.status(), StatusCode::OK);
-        resp
-    }
-
-    fn count(&self, reason: &str, result: &str) -> u64 {
-        self.count_on("chat_completions", reason, result)
-    }
-
-    fn count_on(&self, ingress: &str, reason: &str, result: &str) -> u64 {
-        let labels = [("ingress", ingress), ("reason", reason), ("result", result)];
-        self.metrics
-            .registry()
-            .gather()
-            .iter()
-            .filter(|f| f.name() == "continuum_mid_stream_fallback_total")
-            .flat_map(|f| f.get_metric())
-            .filter(|m| {
-                labels.iter().all(|(k, v)| {
-                    m.get_label()
-                        .iter()
-                        .any(|l| l.name() == *k && l.value() == *v)
-                })
-            })
-            .map(|m| m.get_counter().get_value() as u64)
-            .sum()
-    }
+    let body = json!({"model": "m", "stream": true, "max_tokens": 50,
+                      "messages": [{"role": "user", "content": "q"}]});
+    let request = (OpenAiRoute::ChatCompletions, body, "chat_completions");
+    Fleet::start(backends, tune, request).await
 }
 
 fn chunk(id: &str, delta: Value, finish: Option<&str>) -> Bytes {
@@ -160,23 +92,6 @@ fn read(bytes: &[u8]) -> (String, Vec<String>, usize, usize, usize) {
         }
     }
     (answer, ids, finals, dones, errors)
-}
-
-/// Reads the client body until `until` arrived (the original's events reached the client).
-async fn read_until(body: &mut Body, until: &str) -> Vec<u8> {
-    let mut seen = Vec::new();
-    while !String::from_utf8_lossy(&seen).contains(until) {
-        let frame = body.frame().await.expect("frame").expect("ok");
-        seen.extend_from_slice(&frame.into_data().expect("data"));
-    }
-    seen
-}
-
-/// The client's whole stream: what `read_until` saw and the rest.
-async fn rest_of(seen: Vec<u8>, body: Body) -> Vec<u8> {
-    let mut all = seen;
-    all.extend_from_slice(&body.collect().await.expect("body").to_bytes());
-    all
 }
 
 fn assert_continuation_request(recorded: &Recorded) {

@@ -4,20 +4,18 @@
 //! chat-completions continuation, whose chunks the router writes into the client's Responses
 //! stream. The last test runs the official `openai` SDK over such a stream (`real-peers`).
 
+use crate::support::mid_stream::{Fleet, armed, proxy, read_until, rest_of};
 use crate::support::upstream::{FakeUpstream, Recorded, Reply};
 
 use std::sync::Arc;
 
-use axum::body::Body;
-use axum::http::{HeaderMap, Response, StatusCode};
 use bytes::Bytes;
 use continuum_actors::metrics::Metrics;
 use continuum_router::config::schema::{
-    BackendConfig, DisaggregatedServingConfig, HumanDuration, MidStreamFallbackConfig, ResponsesApi,
+    BackendConfig, HumanDuration, MidStreamFallbackConfig, ResponsesApi,
 };
-use continuum_router::proxy::{OpenAiRoute, Proxy, ProxyOptions};
-use continuum_router::route::{Caller, Router};
-use http_body_util::BodyExt;
+use continuum_router::proxy::OpenAiRoute;
+use continuum_router::route::Router;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -34,85 +32,11 @@ fn backends(b1: &str, b2: &str) -> Vec<BackendConfig> {
     ]
 }
 
-fn proxy(b1: &str, b2: &str, metrics: Option<Metrics>, config: MidStreamFallbackConfig) -> Proxy {
-    let proxy = Proxy::new(ProxyOptions::default(), metrics);
-    proxy.set_backends(
-        &backends(b1, b2),
-        &DisaggregatedServingConfig {
-            mid_stream_fallback: config,
-            ..DisaggregatedServingConfig::default()
-        },
-    );
-    proxy
-}
-
-fn armed(tune: impl FnOnce(&mut MidStreamFallbackConfig)) -> MidStreamFallbackConfig {
-    let mut config = MidStreamFallbackConfig {
-        enabled: true,
-        ..MidStreamFallbackConfig::default()
-    };
-    tune(&mut config);
-    config
-}
-
-struct Fleet {
-    b1: FakeUpstream,
-    b2: FakeUpstream,
-    router: Router,
-    metrics: Metrics,
-}
-
 async fn fleet(tune: impl FnOnce(&mut MidStreamFallbackConfig)) -> Fleet {
-    let (b1, b2) = (FakeUpstream::start().await, FakeUpstream::start().await);
-    let metrics = Metrics::new("mid-stream-responses-test").expect("metrics");
-    let proxy = proxy(&b1.url(), &b2.url(), Some(metrics.clone()), armed(tune));
-    Fleet {
-        b1,
-        b2,
-        router: Router::new(Arc::new(proxy)),
-        metrics,
-    }
-}
-
-impl Fleet {
-    async fn stream(&self) -> Response<Body> {
-        let body = json!({"model": "m", "stream": true, "max_output_tokens": 50,
-                          "instructions": "be brief", "input": "q"});
-        let resp = self
-            .router
-            .serve(
-                OpenAiRoute::Responses,
-                HeaderMap::new(),
-                Caller::default(),
-                Bytes::from(body.to_string()),
-            )
-            .await;
-        assert_eq!(resp.status(), StatusCode::OK);
-        resp
-    }
-
-    fn count(&self, reason: &str, result: &str) -> u64 {
-        let labels = [
-            ("ingress", "responses"),
-            ("reason", reason),
-            ("result", result),
-        ];
-        self.metrics
-            .registry()
-            .gather()
-            .iter()
-            .filter(|f| f.name() == "continuum_mid_stream_fallback_total")
-            .flat_map(|f| f.get_metric())
-            .filter(|m| {
-                labels.iter().all(|(k, v)| {
-                    m.get_label()
-                        .iter()
-                        .any(|l| l.name() == *k && l.value() == *v)
-                })
-            })
-            .map(|m| m.get_counter().get_value() as u64)
-            .sum()
-    }
+    let body = json!({"model": "m", "stream": true, "max_output_tokens": 50,
+                      "instructions": "be brief", "input": "q"});
+    let request = (OpenAiRoute::Responses, body, "responses");
+    Fleet::start(backends, tune, request).await
 }
 
 fn event(kind: &str, seq: u64, mut data: Value) -> Bytes {
@@ -247,21 +171,6 @@ fn read(events: &[Value]) -> (String, Vec<String>, Value) {
         }
     }
     (text, terminals, last)
-}
-
-async fn read_until(body: &mut Body, until: &str) -> Vec<u8> {
-    let mut seen = Vec::new();
-    while !String::from_utf8_lossy(&seen).contains(until) {
-        let frame = body.frame().await.expect("frame").expect("ok");
-        seen.extend_from_slice(&frame.into_data().expect("data"));
-    }
-    seen
-}
-
-async fn rest_of(seen: Vec<u8>, body: Body) -> Vec<u8> {
-    let mut all = seen;
-    all.extend_from_slice(&body.collect().await.expect("body").to_bytes());
-    all
 }
 
 fn assert_continuation_request(recorded: &Recorded) {
@@ -471,7 +380,11 @@ async fn the_openai_sdk_consumes_a_continued_responses_stream() {
         b2.push(Reply::Sse(rx2));
     }
     let metrics = Metrics::new("mid-stream-responses-sdk").expect("metrics");
-    let proxy = proxy(&b1.url(), &b2.url(), Some(metrics.clone()), armed(|_| {}));
+    let proxy = proxy(
+        &backends(&b1.url(), &b2.url()),
+        Some(metrics.clone()),
+        armed(|_| {}),
+    );
     let (control, _rx) = mpsc::channel(1);
     let state = AppState {
         live: Arc::new(ArcSwap::from_pointee(LiveSettings::default())),

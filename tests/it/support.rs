@@ -11,6 +11,7 @@ pub mod etcd;
 pub mod fake_kube;
 pub mod kv_prep;
 pub mod logs;
+pub mod mid_stream;
 pub mod otlp;
 pub mod paused;
 pub mod process;

@@ -315,8 +315,8 @@ impl ChatSplice {
             return Ok(Relay::Event);
         }
         let before = self.text.len();
-        // Else without building a tree: an original chunk once the stream's identity is known,
-        // with no `error` key anywhere.
+        // Else without building a tree: an original chunk with no `error` key anywhere (the
+        // first one gives the stream its identity).
         if self.fast_path_applies(data)
             && let Ok(chunk) = serde_json::from_slice::<FastChunk<'_>>(data)
         {

@@ -78,7 +78,19 @@ impl ChatSplice {
         // `None` while the relayed bytes are `frame[..start]`.
         let mut copied: Option<Vec<u8>> = None;
         let mut start = 0;
-        while let Some((end, next)) = super::event_end(&frame[start..]) {
+        loop {
+            // The common event first: a plain content chunk of the stream's shape, matched in
+            // one pass (no search for its end, no second one for its data line).
+            if let Some(len) = self.read_shaped_event(&frame[start..]) {
+                if let Some(out) = &mut copied {
+                    out.extend_from_slice(&frame[start..start + len]);
+                }
+                start += len;
+                continue;
+            }
+            let Some((end, next)) = super::event_end(&frame[start..]) else {
+                break;
+            };
             let event = &frame[start..start + end];
             let relay = match self.relay(event) {
                 Ok(relay) => relay,

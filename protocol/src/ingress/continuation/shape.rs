@@ -23,7 +23,7 @@ use memchr::memmem::Finder;
 
 use serde_json::Value;
 
-use super::{ChatSplice, SpliceWire, finder};
+use super::{ChatSplice, Phase, SpliceWire, finder};
 
 /// Largest chunk kept as a shape.
 const MAX_SHAPE_BYTES: usize = 4096;
@@ -101,6 +101,18 @@ fn string_values<'a>(
     })
 }
 
+/// Where the JSON string body at the start of `s` ends (its closing quote), escapes skipped.
+fn string_end(s: &[u8]) -> Option<usize> {
+    let mut j = 0;
+    loop {
+        j += memchr::memchr2(b'"', b'\\', s.get(j..)?)?;
+        if s[j] == b'"' {
+            return Some(j);
+        }
+        j += 2;
+    }
+}
+
 impl ChatSplice {
     /// Reads `data` by the stream's shape: `None` when it is not the shape (the full reader then
     /// reads it). Only for an original chunk once the shape is known.
@@ -113,6 +125,34 @@ impl ChatSplice {
         }
         self.keep_text(&text);
         Some(())
+    }
+
+    /// A whole event at the start of `frame` that is `data: `, the stream's shape with a string
+    /// in the text's place, and a blank line `\n\n`: read as [`ChatSplice::relay`] reads it (a
+    /// plain content chunk relayed as it is), and its length with the blank line returned.
+    /// `None` (nothing read) for anything else: the general path reads it. The event's end is
+    /// where [`super::event_end`] finds it: the shape is one data line (no line feed), a valid
+    /// string body holds no control byte, and a tail ending in `\r` is left to the general path
+    /// (which strips it).
+    pub(super) fn read_shaped_event(&mut self, frame: &[u8]) -> Option<usize> {
+        if !self.fast || self.phase != Phase::Original || self.done {
+            return None;
+        }
+        let shape = self.shape.as_ref()?;
+        let (head, tail) = (&shape.data[..shape.open], &shape.data[shape.close..]);
+        let rest = frame.strip_prefix(b"data: ")?.strip_prefix(head)?;
+        let close = string_end(rest)?;
+        let after = rest[close..].strip_prefix(tail)?;
+        if !after.starts_with(b"\n\n") || tail.ends_with(b"\r") {
+            return None;
+        }
+        let text = decode(&rest[..close])?;
+        if !text.is_empty() {
+            self.in_reasoning = false;
+        }
+        self.keep_text(&text);
+        self.shaped += 1;
+        Some(frame.len() - after.len() + 2)
     }
 
     /// After the full reader read `data` (an original chunk relayed as it is) and appended the

@@ -383,7 +383,7 @@ fn odd_chunk() -> impl Strategy<Value = String> {
         "[a-z \"\\\\é😀\n]{0,12}",
         Just("\"error\"".to_owned()),
     ];
-    (text, 0..14u8).prop_map(|(text, shape)| {
+    (text, 0..19u8).prop_map(|(text, shape)| {
         let t = serde_json::to_string(&text).expect("a JSON string");
         let head = format!(r#""id":"{ID}","model":"{MODEL}","created":{CREATED}"#);
         let body = match shape {
@@ -400,6 +400,12 @@ fn odd_chunk() -> impl Strategy<Value = String> {
             10 => format!(r#"{{{head},"error":{{"code":"overloaded"}}}}"#),
             11 => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"reasoning":{t},"content":""}}}}]}}"#),
             12 => format!(r#"{{{head},"choices":[{{"index":0,"text":{t},"delta":{{"content":{t}}}}}]}}"#),
+            // The identity odd or missing (a first chunk gives it to the stream).
+            14 => format!(r#"{{"id":null,"model":"{MODEL}","choices":[{{"index":0,"delta":{{"content":{t}}}}}]}}"#),
+            15 => format!(r#"{{"id":"{ID}","created":{{"a":[1]}},"choices":[{{"delta":{{"content":{t}}}}}]}}"#),
+            16 => format!(r#"{{{head},"choices":[{{"index":null,"delta":{{"content":{t}}}}}]}}"#),
+            17 => format!(r#"[{t},"m",1,[],null]"#),
+            18 => format!(r#"{{{head},"id":"other","choices":[{{"index":0,"delta":{{"content":{t}}}}}]}}"#),
             _ => format!(r#"{{{head},"choices":[{{"index":0,"delta":{{"content":{t}}},"logprobs":{{"x":[1,2]}}}}]}}"#),
         };
         format!("data: {body}\n\n")
@@ -414,6 +420,7 @@ proptest! {
         chunks in prop::collection::vec(odd_chunk(), 1..12),
         completions in any::<bool>(),
         cap in 8usize..64,
+        role_first in any::<bool>(),
     ) {
         let make = |fast: bool| {
             let mut s = if completions {
@@ -424,7 +431,10 @@ proptest! {
             s.fast = fast;
             s
         };
+        // With the usual role chunk first, or the odd chunks from the start (the identity taken
+        // from the first of them).
         let first = chunk(ID, MODEL, CREATED, json!({"role": "assistant", "content": ""}), None);
+        let first = if role_first { first } else { String::new() };
         let whole = std::iter::once(first).chain(chunks).collect::<String>();
         let (mut fast, mut slow) = (make(true), make(false));
         let (a, b) = (fast.feed(whole.as_bytes()), slow.feed(whole.as_bytes()));
@@ -435,6 +445,10 @@ proptest! {
         prop_assert_eq!(fast.ended(), slow.ended());
         prop_assert_eq!(fast.tokens_sent(), slow.tokens_sent());
         prop_assert_eq!(fast.error_code(), slow.error_code());
+        prop_assert_eq!(
+            (&fast.id, &fast.model, &fast.created, &fast.index),
+            (&slow.id, &slow.model, &slow.created, &slow.index)
+        );
     }
 }
 

@@ -3,37 +3,49 @@
 
 use std::borrow::Cow;
 
-use serde::Deserialize;
 use serde::de::IgnoredAny;
+use serde::{Deserialize, Deserializer};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 use super::{ChatSplice, Phase, Refusal, SpliceWire, finder};
 
 static ERROR_KEY: std::sync::OnceLock<memchr::memmem::Finder<'static>> = std::sync::OnceLock::new();
 
 impl ChatSplice {
-    /// Whether `data` may be read by [`ChatSplice::read_fast`]: an original chunk after the
-    /// identity and choice index are known, not ended, with no `"error"` in it (an error chunk,
-    /// and anything the fast reader cannot type, takes the `Value` path).
+    /// Whether `data` may be read by [`ChatSplice::read_fast`]: an original JSON object (the
+    /// typed reader would take an array as a struct's fields) before the end, while the choice
+    /// index is unknown or a number, with no `"error"` in it (an error chunk, and anything the
+    /// fast reader cannot type, takes the `Value` path).
     pub(super) fn fast_path_applies(&self, data: &[u8]) -> bool {
         self.fast
             && self.phase == Phase::Original
             && !self.done
-            && self.id.is_some()
-            && self.model.is_some()
-            && self.created.is_some()
-            && self.index.as_ref().is_some_and(Value::is_u64)
+            && self.index.as_ref().is_none_or(Value::is_u64)
+            && data.trim_ascii_start().starts_with(b"{")
             && finder(&ERROR_KEY, b"\"error\"").find(data).is_none()
     }
 
-    /// [`ChatSplice::read_chunk`] for a typed original chunk (the identity is already known).
+    /// [`ChatSplice::read_chunk`] for a typed original chunk: the identity it does not know yet
+    /// is taken from this one (the first chunk's, as a whole value: `null` included).
     pub(super) fn read_fast(&mut self, chunk: &FastChunk<'_>) {
+        for (slot, raw) in [
+            (&mut self.id, chunk.id),
+            (&mut self.model, chunk.model),
+            (&mut self.created, chunk.created),
+        ] {
+            if slot.is_none() {
+                *slot = raw.and_then(|raw| serde_json::from_str(raw.get()).ok());
+            }
+        }
         let choices = chunk.choices.as_deref().unwrap_or_default();
         if let Some(tokens) = chunk.usage.as_ref().and_then(|u| u.completion_tokens) {
             self.usage_tokens = Some(tokens);
         }
         for choice in choices {
-            if self.index.as_ref().and_then(Value::as_u64) != Some(choice.index.unwrap_or(0)) {
+            let index = choice.index.unwrap_or(0);
+            let seen = self.index.get_or_insert_with(|| Value::from(index));
+            if seen.as_u64() != Some(index) {
                 self.refusal = Some(Refusal::Unsupported);
             }
             if choice.finish_reason.is_some() {
@@ -69,6 +81,12 @@ impl ChatSplice {
 /// `Value` path, which decides as before.
 #[derive(Deserialize)]
 pub(super) struct FastChunk<'a> {
+    #[serde(borrow, default, deserialize_with = "present")]
+    id: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    created: Option<&'a RawValue>,
     #[serde(borrow, default)]
     choices: Option<Vec<FastChoice<'a>>>,
     #[serde(default)]
@@ -77,7 +95,8 @@ pub(super) struct FastChunk<'a> {
 
 #[derive(Deserialize)]
 struct FastChoice<'a> {
-    #[serde(default)]
+    /// A number (`null` is not the default index to the `Value` reader: no typed read then).
+    #[serde(default, deserialize_with = "some_u64")]
     index: Option<u64>,
     /// Non-null: the stream's terminal chunk.
     #[serde(default)]
@@ -98,6 +117,16 @@ struct FastDelta<'a> {
     reasoning_content: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     reasoning: Option<Cow<'a, str>>,
+}
+
+/// A field that is present, whatever its value (`null` too), unparsed.
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+/// A field that is present and a `u64` (not `null`).
+fn some_u64<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    u64::deserialize(d).map(Some)
 }
 
 #[derive(Deserialize)]

@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 
-use super::super::{ChatSplice, Refusal};
+use super::super::{ChatSplice, Refusal, Relayed};
 
 /// Where a generated chunk's text string goes.
 const TEXT: &str = "\u{0}TEXT\u{0}";
@@ -193,23 +193,32 @@ fn splice(completions: bool, fast: bool, cap: usize) -> ChatSplice {
 const ROLE: &[u8] = b"data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n";
 
 /// Feeds `events` one by one into a splice with shapes and one with the `Value` reader only,
-/// comparing them after each; returns how many chunks the first read by their shape.
+/// comparing them after each, and a third with shapes one event per frame
+/// ([`ChatSplice::feed_frame`], whose shaped events are matched whole); returns how many chunks
+/// the first read by their shape (the third must read as many).
 fn agree(events: &[Vec<u8>], completions: bool, cap: usize) -> Result<u64, TestCaseError> {
-    let (mut fast, mut slow) = (
+    let (mut fast, mut slow, mut framed) = (
         splice(completions, true, cap),
         splice(completions, false, cap),
+        splice(completions, true, cap),
     );
     for event in std::iter::once(ROLE).chain(events.iter().map(Vec::as_slice)) {
         let (a, b) = (fast.feed(event), slow.feed(event));
-        prop_assert_eq!(
-            state(&fast, a.out, a.cut.is_some()),
-            state(&slow, b.out, b.cut.is_some())
-        );
+        let (relayed, cut) = framed.feed_frame(event);
+        let c = match relayed {
+            Relayed::Prefix(n) => event[..n].to_vec(),
+            Relayed::Copied(out) => out,
+        };
+        let expected = state(&slow, b.out, b.cut.is_some());
+        prop_assert_eq!(state(&fast, a.out, a.cut.is_some()), expected.clone());
+        prop_assert_eq!(state(&framed, c, cut.is_some()), expected);
         prop_assert_eq!(fast.in_reasoning, slow.in_reasoning);
+        prop_assert_eq!(framed.in_reasoning, slow.in_reasoning);
         if a.cut.is_some() {
             break;
         }
     }
+    prop_assert_eq!(framed.shaped, fast.shaped);
     Ok(fast.shaped)
 }
 
