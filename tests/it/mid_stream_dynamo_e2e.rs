@@ -56,12 +56,15 @@ const SLOW_MOCKER: [&str; 8] = [
 /// Bound on every wait of the test (start, first text, the streams' end).
 const LIMIT: Duration = Duration::from_secs(120);
 
+/// The retry budget is sized so that every stream may continue however long the fleet took to
+/// start (`budget_min_per_s` 10: 100 continuations per 10 s window even once the armed streams
+/// aged out of it): the budget's own rule is tested in `mid_stream.rs`.
 fn config_yaml(stack: &DynamoStack, fallback: &str) -> String {
     format!(
         "server:\n  bind_address: \"127.0.0.1:0\"\n\
          disaggregated_serving:\n  enabled: true\n  fallback_to_unified: false\n  \
          mid_stream_fallback:\n    enabled: true\n    max_attempts: 2\n    \
-         inactivity_timeout: 20s\n    budget_ratio: 1.0\n    budget_min_per_s: 1.0\n\
+         inactivity_timeout: 20s\n    budget_ratio: 1.0\n    budget_min_per_s: 10.0\n\
          backends:\n  - name: dynamo-shim\n    type: openai\n    url: \"{shim}\"\n    \
          role: unified\n    models: [\"{MODEL}\"]\n    responses_api: native\n    health_check:\n      enabled: false\n  \
          - name: dynamo-fallback\n    type: openai\n    url: \"{fallback}\"\n    \
