@@ -20,6 +20,7 @@
 //! a pick must not cost more for them); and the round trip of a ractor
 //! `call` to an idle actor, the floor a picker behind a mailbox would add to every decision.
 //!
+//! `PICKER_PEER_SLOTS=n` adds peer slots as replica 2 of `n` (with a window).
 //! `PICKER_TIE_WINDOW=w` runs the store-slot passes with the replicas' tie-break at window w
 //! (`dynamo.load.tie_break_window`; it takes the generic scoring pass plus one re-walk).
 //!
@@ -37,6 +38,7 @@ use std::time::{Duration, Instant};
 use continuum_protocol::ids::{DpRank, InstanceId, Namespace, WorkerKey};
 use continuum_protocol::kv::hashing::BlockSize;
 use continuum_protocol::kv::index::RankOverlap;
+use continuum_protocol::picker::tie_break::Place;
 use continuum_protocol::picker::{
     BlockOverlaps, Candidate, CandidateRole, DenseRanks, DynamoWorkerPicker, KvAwarePicker,
     KvPickInput, KvPickParams, LoadBasedPicker, LoadView, MAX_LEDGER_DISPATCHES, PickContext,
@@ -364,11 +366,16 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool, idle: bool) {
         driver.kv = Some(overlaps_for(&fleet));
     }
     let tie = tie_window();
+    let peers = peer_slots();
     driver.state.tie.set(TieBreak {
         window: tie,
         seed: TieBreak::seed_of("bench-replica"),
-        peer_slots: false,
+        peer_slots: peers > 1,
     });
+    if peers > 1 {
+        // Replica 2 of `peers` (not the first, so the slot is not simply the lowest).
+        driver.state.ledger.set_place(Place::new(1, peers));
+    }
     for _ in 0..warm_up(picks) {
         driver.step();
     }
@@ -387,10 +394,10 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool, idle: bool) {
         (false, false) => "store_slots",
         (false, true) => "store_slots_idle",
     };
-    let picker = if tie > 0.0 {
-        format!("{picker}+tie_break_{tie}")
-    } else {
-        picker.to_owned()
+    let picker = match (tie > 0.0, peers > 1) {
+        (true, true) => format!("{picker}+tie_break_{tie}+peer_slots_{peers}"),
+        (true, false) => format!("{picker}+tie_break_{tie}"),
+        _ => picker.to_owned(),
     };
     println!(
         "scaling/decode_{ranks}_ranks/{picker}: n={} p50={:.2}µs p99={:.2}µs max={:.2}µs ns_per_rank_p50={:.2} (slot resolutions {})",
@@ -401,6 +408,16 @@ fn store_percentiles(ranks: u64, picks: usize, kv: bool, idle: bool) {
         at(0.50) as f64 / ranks as f64,
         driver.state.slots.resolutions(),
     );
+}
+
+/// `PICKER_PEER_SLOTS=n` (with `PICKER_TIE_WINDOW`): the tie-break takes replica 2 of `n`'s slot
+/// (`dynamo.load.peer_slots` with `n` replicas known) and records its peers' slots (default 1:
+/// alone, no slots).
+fn peer_slots() -> usize {
+    std::env::var("PICKER_PEER_SLOTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
 }
 
 /// `PICKER_TIE_WINDOW=w`: the store-slot passes pick with `dynamo.load.tie_break_window` w
