@@ -191,22 +191,11 @@ impl ChatSplice {
     /// the stream. After a cut the rest of `bytes` is dropped.
     pub fn feed(&mut self, bytes: &[u8]) -> Fed {
         let mut fed = Fed::default();
-        self.partial.extend_from_slice(bytes);
-        let mut start = 0;
-        while let Some((end, next)) = event_end(&self.partial[start..]) {
-            let event = self.partial[start..start + end].to_vec();
-            start += next;
-            if let Some(reason) = self.event(&event, &mut fed.out) {
-                fed.cut = Some(reason);
-                self.partial.clear();
-                return fed;
-            }
-        }
-        self.partial.drain(..start);
-        if self.partial.len() > self.max_event_bytes {
-            self.partial.clear();
-            fed.cut = Some(CutReason::Closed);
-        }
+        let mut partial = std::mem::take(&mut self.partial);
+        fed.cut = feed_events(&mut partial, bytes, self.max_event_bytes, |event| {
+            self.event(event, &mut fed.out)
+        });
+        self.partial = partial;
         fed
     }
 
@@ -480,6 +469,34 @@ fn finder<'a>(
     needle: &'static [u8],
 ) -> &'a memchr::memmem::Finder<'static> {
     cell.get_or_init(|| memchr::memmem::Finder::new(needle))
+}
+
+/// Appends `bytes` to the held `partial` event and hands each complete SSE event to `event`, in
+/// order, borrowed from the buffer; stops at the first cut `event` returns (the rest is dropped).
+/// An incomplete event held past `max_event_bytes` is a cut too ([`CutReason::Closed`]). The one
+/// bounded accumulator of both splices ([`ChatSplice::feed`], `ResponsesSplice::feed`).
+fn feed_events(
+    partial: &mut Vec<u8>,
+    bytes: &[u8],
+    max_event_bytes: usize,
+    mut event: impl FnMut(&[u8]) -> Option<CutReason>,
+) -> Option<CutReason> {
+    partial.extend_from_slice(bytes);
+    let mut start = 0;
+    while let Some((end, next)) = event_end(&partial[start..]) {
+        let cut = event(&partial[start..start + end]);
+        start += next;
+        if cut.is_some() {
+            partial.clear();
+            return cut;
+        }
+    }
+    partial.drain(..start);
+    if partial.len() > max_event_bytes {
+        partial.clear();
+        return Some(CutReason::Closed);
+    }
+    None
 }
 
 /// The end of the first complete SSE event in `buf`: (event length, bytes to skip past its

@@ -25,7 +25,7 @@ use std::borrow::Cow;
 
 use serde_json::{Map, Value, json};
 
-use super::{CutReason, Fed, Refusal, event_end, sse_data};
+use super::{CutReason, Fed, Refusal, feed_events, sse_data};
 use crate::ingress::responses::{Limits, responses_to_chat};
 use crate::picker::estimate_text_tokens;
 
@@ -172,22 +172,11 @@ impl ResponsesSplice {
     /// cut. After a cut the rest of `bytes` is dropped.
     pub fn feed(&mut self, bytes: &[u8]) -> Fed {
         let mut fed = Fed::default();
-        self.partial.extend_from_slice(bytes);
-        let mut start = 0;
-        while let Some((end, next)) = event_end(&self.partial[start..]) {
-            let event = self.partial[start..start + end].to_vec();
-            start += next;
-            if let Err(reason) = self.event(&event, &mut fed.out) {
-                fed.cut = Some(reason);
-                self.partial.clear();
-                return fed;
-            }
-        }
-        self.partial.drain(..start);
-        if self.partial.len() > self.max_event_bytes {
-            self.partial.clear();
-            fed.cut = Some(CutReason::Closed);
-        }
+        let mut partial = std::mem::take(&mut self.partial);
+        fed.cut = feed_events(&mut partial, bytes, self.max_event_bytes, |event| {
+            self.event(event, &mut fed.out).err()
+        });
+        self.partial = partial;
         fed
     }
 
