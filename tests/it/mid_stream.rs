@@ -2,7 +2,7 @@
 //! two loopback fake upstreams: b1 answers first and is cut, b2 is the unified fallback (the
 //! round-robin cursor of a fresh pool starts at b1, and a continuation excludes b1).
 
-use crate::support::mid_stream::{Fleet, read_until, rest_of};
+use crate::support::mid_stream::{Fleet, cut_once, read_until, rest_of};
 use crate::support::upstream::{Recorded, Reply};
 
 use axum::http::{HeaderMap, StatusCode};
@@ -159,24 +159,6 @@ async fn an_engine_error_event_is_continued() {
 #[tokio::test(start_paused = true)]
 async fn a_stalled_stream_is_continued() {
     continued_after("stalled").await;
-}
-
-/// b1 streams what `send` sends, the client reads it up to `until`, then b1 is cut; returns
-/// everything the client got.
-async fn cut_once(
-    f: &mut Fleet,
-    send: impl FnOnce(&mpsc::UnboundedSender<Bytes>),
-    until: &str,
-) -> Vec<u8> {
-    let (tx1, rx1) = mpsc::unbounded_channel();
-    f.b1.push(Reply::SseThenCut(rx1));
-    let resp = f.stream().await;
-    f.b1.next_request().await;
-    send(&tx1);
-    let mut body = resp.into_body();
-    let seen = read_until(&mut body, until).await;
-    drop(tx1);
-    rest_of(seen, body).await
 }
 
 #[tokio::test]

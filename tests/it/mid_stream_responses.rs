@@ -4,7 +4,7 @@
 //! chat-completions continuation, whose chunks the router writes into the client's Responses
 //! stream. The last test runs the official `openai` SDK over such a stream (`real-peers`).
 
-use crate::support::mid_stream::{Fleet, armed, proxy, read_until, rest_of};
+use crate::support::mid_stream::{Fleet, armed, cut_once, proxy, read_until, rest_of};
 use crate::support::upstream::{FakeUpstream, Recorded, Reply};
 
 use std::sync::Arc;
@@ -254,24 +254,6 @@ async fn a_responses_error_event_is_continued() {
 #[tokio::test(start_paused = true)]
 async fn a_stalled_responses_stream_is_continued() {
     continued_after("stalled").await;
-}
-
-/// b1 streams what `send` sends, the client reads it up to `until`, then b1 is cut; returns
-/// everything the client got.
-async fn cut_once(
-    f: &mut Fleet,
-    send: impl FnOnce(&mpsc::UnboundedSender<Bytes>),
-    until: &str,
-) -> Vec<u8> {
-    let (tx1, rx1) = mpsc::unbounded_channel();
-    f.b1.push(Reply::SseThenCut(rx1));
-    let resp = f.stream().await;
-    f.b1.next_request().await;
-    send(&tx1);
-    let mut body = resp.into_body();
-    let seen = read_until(&mut body, until).await;
-    drop(tx1);
-    rest_of(seen, body).await
 }
 
 #[tokio::test]

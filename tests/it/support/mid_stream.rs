@@ -16,8 +16,9 @@ use continuum_router::proxy::{OpenAiRoute, Proxy, ProxyOptions};
 use continuum_router::route::{Caller, Router};
 use http_body_util::BodyExt;
 use serde_json::Value;
+use tokio::sync::mpsc;
 
-use super::upstream::FakeUpstream;
+use super::upstream::{FakeUpstream, Reply};
 
 /// Mid-stream fallback on, then `tune`d.
 pub fn armed(tune: impl FnOnce(&mut MidStreamFallbackConfig)) -> MidStreamFallbackConfig {
@@ -133,4 +134,22 @@ pub async fn rest_of(seen: Vec<u8>, body: Body) -> Vec<u8> {
     let mut all = seen;
     all.extend_from_slice(&body.collect().await.expect("body").to_bytes());
     all
+}
+
+/// b1 streams what `send` sends, the client reads it up to `until`, then b1 is cut; returns
+/// everything the client got.
+pub async fn cut_once(
+    f: &mut Fleet,
+    send: impl FnOnce(&mpsc::UnboundedSender<Bytes>),
+    until: &str,
+) -> Vec<u8> {
+    let (tx1, rx1) = mpsc::unbounded_channel();
+    f.b1.push(Reply::SseThenCut(rx1));
+    let resp = f.stream().await;
+    f.b1.next_request().await;
+    send(&tx1);
+    let mut body = resp.into_body();
+    let seen = read_until(&mut body, until).await;
+    drop(tx1);
+    rest_of(seen, body).await
 }
