@@ -1,8 +1,9 @@
 //! PickerActor: owns the worker picker's lifecycle; [`SharedPicker`] is the state it maintains.
 //!
 //! Role: keeps the picker's inputs current between requests. On every registry generation it
-//! rebuilds the [`CandidateIndex`] (one `Candidate` per dp rank, grouped by model, with each
-//! model's dense layout the pickers scan); on every load-store change it feeds sample arrivals
+//! publishes the `CandidateIndex` (one `Candidate` per dp rank, grouped by model, with each
+//! model's dense layout the pickers scan) through its [`IndexWriter`], the index's one writer (a
+//! request that races ahead derives its own and never stores it); on every load-store change it feeds sample arrivals
 //! into the [`DispatchLedger`] (a sample answers the dispatches pinned to its worker before it
 //! arrived) and re-resolves the layouts' load-store slots if a rank gained or lost its sample;
 //! every [`EXPIRE_EVERY`] it drops dispatches older than `DISPATCH_MAX_AGE`; and it reports its
@@ -37,9 +38,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::{ArcSwap, Guard};
-use continuum_protocol::discovery::snapshot::DynamoSnapshot;
 use continuum_protocol::load_store::LoadStore;
-use continuum_protocol::picker::candidates::CandidateIndex;
 use continuum_protocol::picker::dense::SLOT_CACHE_LAYOUTS;
 use continuum_protocol::picker::ledger::DispatchId;
 use continuum_protocol::picker::{DispatchLedger, DynamoWorkerPicker, PickerState};
@@ -48,17 +47,18 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::warn;
 
 use crate::clock::now_tick;
 use crate::lifecycle::ActorKind;
 use crate::load::{LoadGuard, SharedLoadStore};
-use crate::lock::{Exclusive, Mutex, MutexGuard};
+use crate::lock::{CLAIM_TIMEOUT, Exclusive, Mutex, MutexGuard};
 use crate::registry::RegistryReader;
 use crate::supervisor::{ChildContext, ChildSpec};
 
+mod index;
 mod installed;
 
+pub use index::{IndexWriter, IndexedGeneration};
 pub use installed::{InFlight, Installed, PickerConfig, PickerWriter};
 
 /// How often the actor drops dispatches past `DISPATCH_MAX_AGE` (a pick also expires first, so
@@ -68,28 +68,21 @@ pub const EXPIRE_EVERY: Duration = Duration::from_secs(1);
 /// The picker's name in the supervision tree.
 pub const PICKER_NAME: &str = "picker";
 
-/// The candidate index of one registry generation.
-#[derive(Debug)]
-pub struct IndexedGeneration {
-    pub generation: u64,
-    pub index: Arc<CandidateIndex>,
-    /// The registry snapshot (`DynamoSnapshot::seq`) the index reflects; the next snapshot's
-    /// change set patches it when it leads from this one.
-    pub snapshot_seq: Option<u64>,
-}
-
 struct Inner {
     /// Published by the one [`PickerWriter`]; read lock-free.
     installed: ArcSwap<Installed>,
     /// The writer's slot: at most one [`PickerWriter`] at a time.
     writer: Exclusive<()>,
+    /// Published by the one [`IndexWriter`] (the PickerActor's incarnation); read lock-free.
     index: ArcSwap<IndexedGeneration>,
-    /// Serialises index rebuilds so two racing readers do not both build one generation.
-    rebuilding: Mutex<()>,
+    /// The index writer's slot: at most one [`IndexWriter`] at a time.
+    index_writer: Exclusive<()>,
     state: Mutex<PickerState>,
     /// Bumped after every maintenance pass of the actor (tests and the admin view wait on it).
     passes: watch::Sender<u64>,
     rebuilds: AtomicU64,
+    /// Decisions that derived their own index because they ran ahead of the actor.
+    derived: AtomicU64,
     expiries: AtomicU64,
     arrival_feeds: AtomicU64,
 }
@@ -132,6 +125,8 @@ pub struct PickerStatus {
     pub unanswered_legs: usize,
     pub cursor_models: usize,
     pub index_rebuilds: u64,
+    /// Decisions that ran ahead of the actor and derived the new generation's index themselves.
+    pub index_derived_by_requests: u64,
     pub expiry_passes: u64,
     pub arrival_feeds: u64,
 }
@@ -143,15 +138,12 @@ impl SharedPicker {
             inner: Arc::new(Inner {
                 installed: ArcSwap::from_pointee(Installed::default()),
                 writer: Exclusive::new(()),
-                index: ArcSwap::from_pointee(IndexedGeneration {
-                    generation: u64::MAX,
-                    index: Arc::new(CandidateIndex::default()),
-                    snapshot_seq: None,
-                }),
-                rebuilding: Mutex::new(()),
+                index: ArcSwap::from_pointee(IndexedGeneration::empty()),
+                index_writer: Exclusive::new(()),
                 state: Mutex::new(PickerState::new()),
                 passes: watch::channel(0).0,
                 rebuilds: AtomicU64::new(0),
+                derived: AtomicU64::new(0),
                 expiries: AtomicU64::new(0),
                 arrival_feeds: AtomicU64::new(0),
             }),
@@ -188,50 +180,25 @@ impl SharedPicker {
         self.inner.index.load_full()
     }
 
-    /// The index of the registry's current generation: the actor rebuilds it when a generation is
-    /// published, and a request that races ahead of the actor rebuilds it itself, so no decision
-    /// ever reads an index older than the snapshot it was published with.
+    /// The writer of the published index, if no one holds it now (`None`: the running
+    /// PickerActor does).
+    pub fn index_writer(&self) -> Option<IndexWriter> {
+        let claim = self.inner.index_writer.try_claim()?;
+        Some(IndexWriter::new(self.clone(), claim))
+    }
+
+    /// The index of the registry's current generation: the one the actor published, or, for a
+    /// request that races ahead of the actor, one derived for this decision alone (not
+    /// published), so no decision ever reads an index older than the snapshot it was published
+    /// with.
     pub fn index_for(&self, registry: &RegistryReader) -> Arc<IndexedGeneration> {
         let generation = registry.generation();
         let held = self.inner.index.load_full();
-        if held.generation == generation {
+        if held.covers(generation) {
             return held;
         }
-        self.rebuild(generation, &registry.snapshot())
-    }
-
-    /// Rebuilds the index for `generation` unless it is already held.
-    pub fn rebuild(&self, generation: u64, snapshot: &DynamoSnapshot) -> Arc<IndexedGeneration> {
-        let _building = self.inner.rebuilding.lock();
-        let held = self.inner.index.load_full();
-        // Generations only grow: a caller that read an older one (the actor, racing a request
-        // that already built a newer index) must not replace the newer index.
-        if held.generation == generation
-            || (held.generation != u64::MAX && held.generation > generation)
-        {
-            return held;
-        }
-        // O(change) when the snapshot was patched from the one the held index reflects: only the
-        // models its changed workers serve are expanded again.
-        let index = match held.snapshot_seq {
-            Some(seq) if snapshot.changes().patches(seq) => held.index.patch(snapshot),
-            _ => CandidateIndex::build(snapshot),
-        };
-        if index.refused_workers > 0 {
-            warn!(
-                workers = index.refused_workers,
-                generation,
-                "Workers whose cards declare an impossible dp rank range are never picked."
-            );
-        }
-        let built = Arc::new(IndexedGeneration {
-            generation,
-            index: Arc::new(index),
-            snapshot_seq: Some(snapshot.seq()),
-        });
-        self.inner.index.store(built.clone());
-        self.inner.rebuilds.fetch_add(1, Ordering::Relaxed);
-        built
+        self.inner.derived.fetch_add(1, Ordering::Relaxed);
+        Arc::new(index::derive(&held, generation, &registry.snapshot()))
     }
 
     /// Runs `f` on the picker's mutable state (cursors, ledger, scratch) under its lock. The
@@ -315,6 +282,7 @@ impl SharedPicker {
             unanswered_legs,
             cursor_models,
             index_rebuilds: self.inner.rebuilds.load(Ordering::Relaxed),
+            index_derived_by_requests: self.inner.derived.load(Ordering::Relaxed),
             expiry_passes: self.inner.expiries.load(Ordering::Relaxed),
             arrival_feeds: self.inner.arrival_feeds.load(Ordering::Relaxed),
         }
@@ -350,6 +318,8 @@ pub enum PickerMsg {
 
 pub struct PickerActorState {
     args: PickerArgs,
+    /// This incarnation's claim on the published index (released with the state).
+    index: IndexWriter,
     watcher: JoinHandle<()>,
 }
 
@@ -363,7 +333,9 @@ impl Actor for PickerActor {
         myself: ActorRef<PickerMsg>,
         args: PickerArgs,
     ) -> Result<Self::State, ActorProcessingErr> {
+        let claim = args.picker.inner.index_writer.claim(CLAIM_TIMEOUT).await?;
         let state = PickerActorState {
+            index: IndexWriter::new(args.picker.clone(), claim),
             watcher: spawn_watcher(myself, &args),
             args,
         };
@@ -432,7 +404,7 @@ impl PickerActorState {
     fn rebuild(&self) {
         let registry = &self.args.registry;
         let generation = registry.generation();
-        self.args.picker.rebuild(generation, &registry.snapshot());
+        self.index.rebuild(generation, &registry.snapshot());
         self.args.picker.pass_done();
     }
 

@@ -251,6 +251,68 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
     handle.await.expect("root stops");
 }
 
+/// The index has one writer: the running actor holds it, and a request that reads a generation
+/// the actor has not indexed derives that generation's index for itself without publishing it.
+#[tokio::test(start_paused = true)]
+async fn only_the_actor_publishes_the_index_and_a_request_ahead_of_it_derives_its_own() {
+    let RegistryParts {
+        writer,
+        inbox,
+        reader: registry,
+    } = registry_parts();
+    let picker = SharedPicker::new();
+    let (root, handle) = spawn_root(vec![registry_spec(writer)], ActorTree::default(), None)
+        .await
+        .expect("root starts");
+    let mut reducer = DiscoveryReducer::new(Namespace::new(NS));
+    reducer.apply(SourceEvent::Init, UnixMillis(0));
+    for (key, value) in records(7) {
+        reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
+    }
+    reducer.apply(SourceEvent::InitDone, UnixMillis(0));
+    inbox.stage_view(reducer.view().clone());
+    let mut generations = registry.subscribe();
+    generations
+        .wait_for(|g| *g >= 1)
+        .await
+        .expect("a generation is published");
+
+    // No picker actor runs: the request derives the generation's index and stores nothing.
+    let derived = picker.index_for(&registry);
+    assert_eq!(derived.generation, registry.generation());
+    assert_eq!(derived.index.for_model("m").len(), 2);
+    let status = picker.status();
+    assert_eq!(status.index_generation, None, "a request never publishes");
+    assert_eq!(
+        (status.index_rebuilds, status.index_derived_by_requests),
+        (0, 1)
+    );
+
+    // The actor claims the writer and publishes; while it runs no one else can write.
+    let args = PickerArgs {
+        picker: picker.clone(),
+        registry: registry.clone(),
+        load: SharedLoadStore::new(None),
+    };
+    let (actor, actor_handle) = Actor::spawn(None, PickerActor, args).await.expect("spawn");
+    assert!(
+        picker.index_writer().is_none(),
+        "the actor holds the writer"
+    );
+    until(&picker, |p| {
+        p.status().index_generation == Some(registry.generation())
+    })
+    .await;
+    assert!(Arc::ptr_eq(&picker.index_for(&registry), &picker.index()));
+    assert_eq!(picker.status().index_derived_by_requests, 1);
+    actor.stop(None);
+    actor_handle.await.expect("stops");
+    assert!(picker.index_writer().is_some(), "a stopped actor frees it");
+
+    root.stop(None);
+    handle.await.expect("root stops");
+}
+
 /// Feeding arrivals keeps each model layout's load-store slots current, so a decision finds them
 /// resolved: slots move only when a rank gains or loses its sample.
 #[test]
@@ -268,7 +330,8 @@ fn feeding_arrivals_resolves_the_layouts_slots_when_a_rank_gains_a_sample() {
         &[reducer.view().as_ref()],
     );
     let picker = SharedPicker::new();
-    let held = picker.rebuild(1, &snapshot);
+    let writer = picker.index_writer().expect("no actor holds the index");
+    let held = writer.rebuild(1, &snapshot);
     let layout = held.index.layout_for("m").expect("a layout per model");
     assert_eq!(layout.len(), 2, "one row per dp rank");
 
