@@ -230,6 +230,8 @@ pub struct Daemon {
     stop_server: watch::Sender<bool>,
     control: JoinHandle<()>,
     control_tx: mpsc::Sender<ControlCommand>,
+    /// The OTLP metrics push (`telemetry.otlp.metrics_interval`), if configured.
+    metrics_push: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -276,10 +278,8 @@ impl Daemon {
         readiness.require_exactly(required_sources(&empty));
         let load = SharedLoadStore::new(Some(metrics.clone()));
         let shared_config = Arc::new(ArcSwap::from_pointee(empty.clone()));
-        let (kv, picker) = (
-            SharedKvIndex::new(Some(metrics.clone())),
-            SharedPicker::new(),
-        );
+        let kv = SharedKvIndex::new(Some(metrics.clone()));
+        let picker = SharedPicker::new();
         let dynamo = Arc::new(
             ShimRouter::with_picker(
                 shared_config.clone(),
@@ -380,6 +380,7 @@ impl Daemon {
             .and_then(|p| watch_file(p, file_tx));
         let control = tokio::spawn(control.run(control_rx, hangup, (watcher, file_rx)));
         Ok(Daemon {
+            metrics_push: spawn_metrics_push(&config.telemetry, &shared.metrics)?,
             local_addr,
             shared,
             tree,
@@ -467,8 +468,12 @@ impl Daemon {
             server,
             stop_server,
             control,
+            metrics_push,
             ..
         } = self;
+        if let Some(push) = metrics_push {
+            push.abort();
+        }
         let work = async move {
             let _ = stop_server.send(true);
             let _ = server.await;
@@ -480,6 +485,27 @@ impl Daemon {
             warn!("Shutdown exceeded its 10 s bound; exiting anyway.");
         }
     }
+}
+
+/// The OTLP metrics push, when `telemetry.otlp.metrics_interval` is set (a restart-class key).
+fn spawn_metrics_push(
+    telemetry: &crate::config::TelemetryConfig,
+    metrics: &Metrics,
+) -> anyhow::Result<Option<JoinHandle<()>>> {
+    let Some(otlp) = &telemetry.otlp else {
+        return Ok(None);
+    };
+    let Some(interval) = otlp.metrics_interval else {
+        return Ok(None);
+    };
+    let push = telemetry::metrics_push::spawn(
+        &otlp.endpoint,
+        interval.get(),
+        metrics,
+        &telemetry.service_name,
+    )
+    .context("cannot start the OTLP metrics push")?;
+    Ok(Some(push))
 }
 
 /// The root's children, dependencies first, for the features the daemon runs. The one place the

@@ -13,6 +13,8 @@
 //! Tests build the same layers without a global subscriber through [`layers`] / [`subscriber`]
 //! and install them with `tracing::subscriber::set_default`.
 
+pub mod metrics_push;
+
 use std::time::Duration;
 
 use opentelemetry::trace::TracerProvider as _;

@@ -365,6 +365,9 @@ impl Default for TelemetryConfig {
 pub struct OtlpConfig {
     /// Collector address, `http(s)://host:port` (Jaeger's OTLP/gRPC port is 4317).
     pub endpoint: String,
+    /// Also push the `/metrics` families to the same collector this often (unset: traces only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_interval: Option<HumanDuration>,
 }
 
 /// `dynamo`: discovery, load signals, shim routing, KV-aware selection and the event bus.

@@ -59,6 +59,7 @@ mod observability_assets;
 mod observability_prometheus;
 mod otlp_actor_starts;
 mod otlp_export;
+mod otlp_metrics;
 mod otlp_supervision;
 mod picker_admin;
 mod proxy;

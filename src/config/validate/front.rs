@@ -230,10 +230,20 @@ impl Validator {
         if telemetry.service_name.trim().is_empty() {
             self.err("telemetry.service_name", "service name must not be empty");
         }
-        if let Some(otlp) = &telemetry.otlp
-            && let Err(message) = check_http_url(&otlp.endpoint, true)
-        {
+        let Some(otlp) = &telemetry.otlp else {
+            return;
+        };
+        if let Err(message) = check_http_url(&otlp.endpoint, true) {
             self.err("telemetry.otlp.endpoint", message);
+        }
+        if let Some(interval) = otlp.metrics_interval
+            && (interval.get() < Duration::from_secs(1)
+                || interval.get() > Duration::from_secs(3600))
+        {
+            self.err(
+                "telemetry.otlp.metrics_interval",
+                format!("metrics_interval must be between 1s and 1h (got {interval})"),
+            );
         }
     }
 }

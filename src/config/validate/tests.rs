@@ -350,12 +350,31 @@ fn telemetry_otlp_endpoint_must_be_host_port_url() {
     let mut c = base();
     c.telemetry.otlp = Some(OtlpConfig {
         endpoint: "localhost:4317".into(),
+        metrics_interval: None,
     });
     expect_error(&c, "telemetry.otlp.endpoint", "http:// or https://");
     c.telemetry.otlp = Some(OtlpConfig {
         endpoint: "http://127.0.0.1:4317".into(),
+        metrics_interval: None,
     });
     expect_clean_at(&c, "telemetry.otlp.endpoint");
+}
+
+#[test]
+fn telemetry_otlp_metrics_interval_is_between_1s_and_1h() {
+    let mut c = base();
+    let with = |interval: HumanDuration| {
+        Some(OtlpConfig {
+            endpoint: "http://127.0.0.1:4317".into(),
+            metrics_interval: Some(interval),
+        })
+    };
+    c.telemetry.otlp = with(HumanDuration::from_millis(999));
+    expect_error(&c, "telemetry.otlp.metrics_interval", "between 1s and 1h");
+    c.telemetry.otlp = with(HumanDuration::from_secs(3601));
+    expect_error(&c, "telemetry.otlp.metrics_interval", "between 1s and 1h");
+    c.telemetry.otlp = with(HumanDuration::from_secs(15));
+    expect_clean_at(&c, "telemetry.otlp.metrics_interval");
 }
 
 // ---- etcd endpoints ----

@@ -1,4 +1,5 @@
-//! An in-process OTLP/gRPC trace receiver on loopback, for tests that check exported spans.
+//! An in-process OTLP/gRPC trace and metrics receiver on loopback, for tests that check exported
+//! spans and pushed metrics (`metric_exports`, `wait_for_metrics`).
 //!
 //! `OtlpReceiver::start().await` serves `TraceService` on `127.0.0.1:0`; point the exporter at
 //! `receiver.endpoint()`, flush, then `receiver.wait_for(|spans| ..., timeout)` — it wakes on
@@ -24,6 +25,12 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -166,11 +173,31 @@ pub fn one<'a>(spans: &'a [ReceivedSpan], name: &str, attrs: &[(&str, &str)]) ->
 #[derive(Default)]
 struct Shared {
     spans: Mutex<Vec<ReceivedSpan>>,
+    metrics: Mutex<Vec<ExportMetricsServiceRequest>>,
 }
 
+#[derive(Clone)]
 struct Service {
     shared: Arc<Shared>,
     generation: watch::Sender<u64>,
+}
+
+#[tonic::async_trait]
+impl MetricsService for Service {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        self.shared
+            .metrics
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(request.into_inner());
+        self.generation.send_modify(|g| *g += 1);
+        Ok(tonic::Response::new(ExportMetricsServiceResponse {
+            partial_success: None,
+        }))
+    }
 }
 
 #[tonic::async_trait]
@@ -254,7 +281,8 @@ impl OtlpReceiver {
         };
         let server = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(TraceServiceServer::new(service))
+                .add_service(TraceServiceServer::new(service.clone()))
+                .add_service(MetricsServiceServer::new(service))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
                     async {
@@ -287,6 +315,37 @@ impl OtlpReceiver {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// Every metrics export received so far, in arrival order.
+    pub fn metric_exports(&self) -> Vec<ExportMetricsServiceRequest> {
+        self.shared
+            .metrics
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Waits until `done(all metrics exports so far)` holds, re-checking on every export.
+    pub async fn wait_for_metrics(
+        &self,
+        done: impl Fn(&[ExportMetricsServiceRequest]) -> bool,
+        timeout: Duration,
+    ) -> Option<Vec<ExportMetricsServiceRequest>> {
+        let mut generation = self.generation.clone();
+        tokio::time::timeout(timeout, async {
+            loop {
+                let exports = self.metric_exports();
+                if done(&exports) {
+                    return exports;
+                }
+                if generation.changed().await.is_err() {
+                    return self.metric_exports();
+                }
+            }
+        })
+        .await
+        .ok()
     }
 
     /// Waits until `done(all spans so far)` holds, re-checking on every received batch.
