@@ -8,7 +8,9 @@ use std::time::Duration;
 use continuum_actors::clock::now_tick;
 use continuum_actors::load::SharedLoadStore;
 use continuum_actors::picker::{PickerActor, PickerArgs, PickerMsg, SharedPicker, picker_spec};
-use continuum_actors::registry::{RegistryConfig, RegistryParts, RegistryReader, registry_spec};
+use continuum_actors::registry::{
+    RegistryConfig, RegistryInbox, RegistryParts, RegistryReader, registry_spec,
+};
 use continuum_actors::supervisor::spawn_root;
 use continuum_actors::tree::{ActorState, ActorTree};
 use continuum_protocol::discovery::SourceEvent;
@@ -182,6 +184,22 @@ fn records(id: u64) -> Vec<(String, Vec<u8>)> {
     ]
 }
 
+/// Stages one worker (two dp ranks) and waits until the registry publishes it.
+async fn publish_worker(inbox: &RegistryInbox, registry: &RegistryReader, id: u64) {
+    let mut reducer = DiscoveryReducer::new(Namespace::new(NS));
+    reducer.apply(SourceEvent::Init, UnixMillis(0));
+    for (key, value) in records(id) {
+        reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
+    }
+    reducer.apply(SourceEvent::InitDone, UnixMillis(0));
+    inbox.stage_view(reducer.view().clone());
+    let mut generations = registry.subscribe();
+    generations
+        .wait_for(|g| *g >= 1)
+        .await
+        .expect("a generation is published");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_restart_under_root_loses_nothing_the_routing_needs() {
     let RegistryParts {
@@ -204,18 +222,7 @@ async fn a_restart_under_root_loses_nothing_the_routing_needs() {
     .expect("root starts");
 
     // A fleet of one worker with two dp ranks: the actor indexes the published generation.
-    let mut reducer = DiscoveryReducer::new(Namespace::new(NS));
-    reducer.apply(SourceEvent::Init, UnixMillis(0));
-    for (key, value) in records(7) {
-        reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
-    }
-    reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-    inbox.stage_view(reducer.view().clone());
-    let mut generations = registry.subscribe();
-    generations
-        .wait_for(|g| *g >= 1)
-        .await
-        .expect("a generation is published");
+    publish_worker(&inbox, &registry, 7).await;
     let generation = registry.generation();
     until(&picker, |p| p.status().index_generation == Some(generation)).await;
     assert_eq!(picker.status().candidate_ranks, 2);
@@ -264,18 +271,7 @@ async fn only_the_actor_publishes_the_index_and_a_request_ahead_of_it_derives_it
     let (root, handle) = spawn_root(vec![registry_spec(writer)], ActorTree::default(), None)
         .await
         .expect("root starts");
-    let mut reducer = DiscoveryReducer::new(Namespace::new(NS));
-    reducer.apply(SourceEvent::Init, UnixMillis(0));
-    for (key, value) in records(7) {
-        reducer.apply(SourceEvent::InitApply { key, value }, UnixMillis(0));
-    }
-    reducer.apply(SourceEvent::InitDone, UnixMillis(0));
-    inbox.stage_view(reducer.view().clone());
-    let mut generations = registry.subscribe();
-    generations
-        .wait_for(|g| *g >= 1)
-        .await
-        .expect("a generation is published");
+    publish_worker(&inbox, &registry, 7).await;
 
     // No picker actor runs: the request derives the generation's index and stores nothing.
     let derived = picker.index_for(&registry);
