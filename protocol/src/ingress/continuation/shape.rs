@@ -95,6 +95,9 @@ fn member_cut(data: &[u8], value: Range<usize>, key: &[u8]) -> Option<Range<usiz
     }
 }
 
+/// Places in a chunk, each maybe none.
+type Places<const N: usize> = [Option<Range<usize>>; N];
+
 /// Byte edits of one chunk (ranges replaced), applied at once.
 struct Edits<'a> {
     data: &'a [u8],
@@ -116,10 +119,7 @@ impl<'a> Edits<'a> {
     /// The edited bytes, and where each of `ranges` lies in them: a range an edit replaced is
     /// its replacement, one no edit touches is moved. `None` when edits overlap, or a range
     /// overlaps an edit it is not.
-    fn apply<const N: usize>(
-        mut self,
-        ranges: [Option<Range<usize>>; N],
-    ) -> Option<(Vec<u8>, [Option<Range<usize>>; N])> {
+    fn apply<const N: usize>(mut self, ranges: Places<N>) -> Option<(Vec<u8>, Places<N>)> {
         self.edits.sort_by_key(|(range, _)| range.start);
         let disjoint = self.edits.windows(2).all(|w| w[0].0.end <= w[1].0.start);
         let inside = self

@@ -353,7 +353,8 @@ fn real_streams_are_read_by_shape() {
     let vllm = |delta: &str, finish: &str| {
         format!("data: {{\"id\":\"chatcmpl-9\",\"object\":\"chat.completion.chunk\",\"created\":1796450204,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"logprobs\":null,\"finish_reason\":{finish},\"stop_reason\":null}}]}}\n\n").into_bytes()
     };
-    let cases: [(fn(&str, &str) -> Vec<u8>, &str, &str); 3] = [
+    type Make = fn(&str, &str) -> Vec<u8>;
+    let cases: [(Make, &str, &str); 3] = [
         (dynamo, r#"{"content":" Once","role":"assistant"}"#, "{}"),
         (
             vllm,
