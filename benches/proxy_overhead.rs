@@ -632,10 +632,14 @@ fn mid_stream_pass(
             s[at..].find('"')
         })
         .sum();
-    // The shape is one content chunk's data line (without `data: ` and the blank line).
+    // The shape is one content chunk's data line (without `data: ` and the blank line); the
+    // final chunk's two foretold shapes are the final chunk's (its finish reason's string
+    // emptied) and that with an empty `content` member.
     let shape = long_stream()[1].len() - "data: \n\n".len();
+    let last = long_stream()[LONG_EVENTS].len() - "data: \n\n".len() - "length".len();
+    let last_emptied = last + r#""content":"""#.len();
     println!(
-        "[mid-stream] memory per armed stream: splice state {} B + the stream's shape {shape} B + inactivity timer {} B + the answer text kept ({text} B for this stream; at most max_buffered_bytes) + at most one partial event",
+        "[mid-stream] memory per armed stream: splice state {} B + the stream's shape {shape} B + the final chunk's shapes {last} + {last_emptied} B + inactivity timer {} B + the answer text kept ({text} B for this stream; at most max_buffered_bytes) + at most one partial event",
         std::mem::size_of::<continuum_protocol::ingress::continuation::ChatSplice>(),
         std::mem::size_of::<tokio::time::Sleep>()
     );

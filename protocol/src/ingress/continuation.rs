@@ -110,7 +110,9 @@ pub struct ChatSplice {
     fast: bool,
     /// The stream's plain content chunk, once one proved to be (see `shape`).
     shape: Option<Shape>,
-    /// Shapes tried so far (at most [`shape::MAX_SHAPE_TRIES`]).
+    /// The final chunk's shapes the content shape foretells (see `shape`).
+    last: Vec<Shape>,
+    /// Shapes probed so far (at most [`shape::MAX_SHAPE_TRIES`]).
     shape_tries: u8,
     /// Chunks read by their shape (for the tests: the shape path must be taken).
     shaped: u64,
@@ -152,6 +154,7 @@ impl ChatSplice {
             error_code: None,
             fast: true,
             shape: None,
+            last: Vec::new(),
             shape_tries: 0,
             shaped: 0,
         }
@@ -262,6 +265,7 @@ impl ChatSplice {
         self.usage_tokens = None;
         self.phase = Phase::Continuation;
         self.shape = None;
+        self.last.clear();
         self.partial.clear();
         self.finished = false;
         self.done = false;
@@ -309,8 +313,8 @@ impl ChatSplice {
         if self.fast_path_applies(data)
             && let Ok(chunk) = serde_json::from_slice::<FastChunk<'_>>(data)
         {
-            self.read_fast(&chunk);
-            self.learn_shape(data, before);
+            let leaves = self.read_fast(&chunk);
+            self.learn_shape(data, before, leaves);
             return Ok(Relay::Event);
         }
         // Not a JSON object: a partial event the relay's failure event was glued to (a closed
@@ -329,7 +333,7 @@ impl ChatSplice {
         self.read_chunk(&chunk);
         match self.phase {
             Phase::Original => {
-                self.learn_shape(data, before);
+                self.learn_shape(data, before, None);
                 Ok(Relay::Event)
             }
             Phase::Continuation => {

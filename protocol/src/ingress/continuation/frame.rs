@@ -86,6 +86,9 @@ impl ChatSplice {
                     out.extend_from_slice(&frame[start..start + len]);
                 }
                 start += len;
+                if start == frame.len() {
+                    break;
+                }
                 continue;
             }
             let Some((end, next)) = super::event_end(&frame[start..]) else {

@@ -27,8 +27,11 @@ impl ChatSplice {
     }
 
     /// [`ChatSplice::read_chunk`] for a typed original chunk: the identity it does not know yet
-    /// is taken from this one (the first chunk's, as a whole value: `null` included).
-    pub(super) fn read_fast(&mut self, chunk: &FastChunk<'_>) {
+    /// is taken from this one (the first chunk's, as a whole value: `null` included). Returns
+    /// the chunk's leaves when it held one choice whose text (maybe empty) was borrowed from the
+    /// chunk's bytes (a string value without escapes): [`ChatSplice::learn_shape`] keeps the
+    /// stream's shapes around them.
+    pub(super) fn read_fast<'a>(&mut self, chunk: &FastChunk<'a>) -> Option<Leaves<'a>> {
         for (slot, raw) in [
             (&mut self.id, chunk.id),
             (&mut self.model, chunk.model),
@@ -48,7 +51,7 @@ impl ChatSplice {
             if seen.as_u64() != Some(index) {
                 self.refusal = Some(Refusal::Unsupported);
             }
-            if choice.finish_reason.is_some() {
+            if choice.finish_reason.is_some_and(|r| r.get() != "null") {
                 self.finished = true;
             }
             if self.wire == SpliceWire::Completions {
@@ -72,7 +75,36 @@ impl ChatSplice {
             }
             self.keep_text(content);
         }
+        // One choice only: another choice of the same index could open a reasoning block the
+        // text's emptiness decides on.
+        let [choice] = choices else {
+            return None;
+        };
+        let (text, role) = match (self.wire, &choice.delta) {
+            (SpliceWire::Completions, _) => (choice.text.as_ref()?, None),
+            (SpliceWire::Chat, Some(delta)) => (delta.content.as_ref()?, delta.role),
+            (SpliceWire::Chat, None) => return None,
+        };
+        let &Cow::Borrowed(text) = text else {
+            return None;
+        };
+        Some(Leaves {
+            text,
+            role,
+            finish: choice.finish_reason,
+        })
     }
+}
+
+/// Where a typed chunk's one choice keeps its text, role and finish reason: slices of the
+/// chunk's bytes.
+pub(super) struct Leaves<'a> {
+    /// The text's string value (between its quotes).
+    pub(super) text: &'a str,
+    /// `delta.role`'s value, when present.
+    pub(super) role: Option<&'a RawValue>,
+    /// `finish_reason`'s value, when present (`null` too).
+    pub(super) finish: Option<&'a RawValue>,
 }
 
 /// The fields of an original chunk the splice reads, borrowed from the event (strings without
@@ -98,10 +130,10 @@ struct FastChoice<'a> {
     /// A number (`null` is not the default index to the `Value` reader: no typed read then).
     #[serde(default, deserialize_with = "some_u64")]
     index: Option<u64>,
-    /// Non-null: the stream's terminal chunk.
-    #[serde(default)]
-    finish_reason: Option<IgnoredAny>,
-    #[serde(borrow, default)]
+    /// Not `null`: the stream's terminal chunk.
+    #[serde(borrow, default, deserialize_with = "present")]
+    finish_reason: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "borrowed")]
     text: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     delta: Option<FastDelta<'a>>,
@@ -109,15 +141,27 @@ struct FastChoice<'a> {
 
 #[derive(Deserialize)]
 struct FastDelta<'a> {
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "borrowed")]
     content: Option<Cow<'a, str>>,
+    /// Read only for its place (a shape is the role chunk without it).
+    #[serde(borrow, default, deserialize_with = "present")]
+    role: Option<&'a RawValue>,
     #[serde(default)]
     tool_calls: Option<IgnoredAny>,
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "borrowed")]
     reasoning_content: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "borrowed")]
     reasoning: Option<Cow<'a, str>>,
 }
+
+/// An optional string, borrowed from the chunk when it holds no escape (serde borrows a
+/// `Cow<str>` only as a field of its own, not inside an `Option`).
+fn borrowed<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
+    Option::<Borrowed<'de>>::deserialize(d).map(|s| s.map(|s| s.0))
+}
+
+#[derive(Deserialize)]
+struct Borrowed<'a>(#[serde(borrow)] Cow<'a, str>);
 
 /// A field that is present, whatever its value (`null` too), unparsed.
 fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {

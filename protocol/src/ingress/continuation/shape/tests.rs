@@ -4,7 +4,10 @@
 
 use proptest::prelude::*;
 
+use std::borrow::Cow;
+
 use super::super::{ChatSplice, Refusal, Relayed};
+use super::{decode, string_body};
 
 /// Where a generated chunk's text string goes.
 const TEXT: &str = "\u{0}TEXT\u{0}";
@@ -41,87 +44,115 @@ fn object(members: &[(&str, String)], ws: &str) -> String {
     format!("{{{}}}", inner.join(","))
 }
 
+/// Where a final chunk's finish reason goes (a JSON string from [`FINISHES`]).
+const FINISH: &str = "\u{2}FINISH\u{2}";
+
+/// Finish reasons of final chunks: strings with and without escapes, and one that is not JSON.
+const FINISHES: [&str; 5] = [
+    r#""stop""#,
+    r#""length""#,
+    r#""""#,
+    r#""\u0073top""#,
+    "\"\u{1}\"",
+];
+
 /// A chunk skeleton with [`TEXT`] where the text string goes (`delta.content`, or `text` for
-/// completions), the text key maybe nested elsewhere too, tool calls, reasoning, a finish
-/// reason, usage, an `error` member, keys in any order, whitespace.
-fn skeleton(completions: bool) -> impl Strategy<Value = String> {
+/// completions), the text key maybe nested elsewhere too, tool calls, reasoning, a role, a
+/// finish reason, usage, an `error` member, keys in any order, whitespace; and the same
+/// skeleton as a final chunk (the finish reason [`FINISH`] when it was `null`), once without the
+/// text member and once with an empty text.
+fn skeleton(completions: bool) -> impl Strategy<Value = [String; 3]> {
     (
         any::<[bool; 10]>(),
         prop::sample::select(vec!["", " ", "\n", "\t ", "\r\n"]),
         any::<prop::sample::Index>(),
         any::<prop::sample::Index>(),
         any::<prop::sample::Index>(),
+        any::<bool>(),
     )
-        .prop_map(move |(flags, ws, r1, r2, r3)| {
-            let nested = r#"{"content":" Once","text":" Once","error":null}"#.to_owned();
-            let mut delta: Vec<(&str, String)> = Vec::new();
-            if !completions {
-                delta.push(("content", TEXT.to_owned()));
-            }
-            if flags[0] {
-                delta.push((
-                    "tool_calls",
-                    r#"[{"index":0,"function":{"arguments":"{\"content\":\"x\"}"}}]"#.into(),
-                ));
-            }
-            if flags[1] {
-                let r = if flags[2] { r#""thinking""# } else { r#""""# };
-                delta.push(("reasoning_content", r.into()));
-            }
-            if flags[3] {
-                delta.push(("extra", nested.clone()));
-            }
-            if delta.len() > 1 {
-                let n = delta.len();
-                delta.swap(0, r1.index(n));
-            }
-            let mut choice: Vec<(&str, String)> = vec![
-                ("index", if flags[4] && flags[5] { "1" } else { "0" }.into()),
-                ("delta", object(&delta, ws)),
-                (
-                    "finish_reason",
-                    if flags[6] { r#""stop""# } else { "null" }.into(),
-                ),
-                (
-                    "logprobs",
-                    if flags[7] {
-                        r#"{"content":[{"token":" Once"}]}"#.into()
-                    } else {
-                        "null".into()
-                    },
-                ),
-            ];
-            if completions {
-                choice.push(("text", TEXT.to_owned()));
-            }
-            let n = choice.len();
-            choice.swap(r2.index(n), n - 1);
-            let mut top: Vec<(&str, String)> = vec![
-                ("id", r#""chatcmpl-1""#.into()),
-                ("object", r#""chat.completion.chunk""#.into()),
-                ("created", "1700000000".into()),
-                ("model", r#""m""#.into()),
-                ("choices", format!("[{}]", object(&choice, ws))),
-            ];
-            if flags[8] {
-                top.push((
-                    "usage",
-                    if flags[9] {
-                        r#"{"completion_tokens":3}"#.into()
-                    } else {
-                        "null".into()
-                    },
-                ));
-            }
-            if flags[4] && !flags[5] {
-                top.push(("meta", nested));
-            }
-            if flags[5] && flags[9] {
-                top.push(("error", r#"{"code":"overloaded"}"#.into()));
-            }
-            let n = top.len();
-            top.swap(r3.index(n), n - 1);
-            object(&top, ws)
+        .prop_map(move |(flags, ws, r1, r2, r3, role)| {
+            let render = |text: Option<&str>, finish: &str| {
+                let nested = r#"{"content":" Once","text":" Once","error":null}"#.to_owned();
+                let mut delta: Vec<(&str, String)> = Vec::new();
+                if !completions && let Some(text) = text {
+                    delta.push(("content", text.to_owned()));
+                }
+                if flags[0] {
+                    delta.push((
+                        "tool_calls",
+                        r#"[{"index":0,"function":{"arguments":"{\"content\":\"x\"}"}}]"#.into(),
+                    ));
+                }
+                if flags[1] {
+                    let r = if flags[2] { r#""thinking""# } else { r#""""# };
+                    delta.push(("reasoning_content", r.into()));
+                }
+                if flags[3] {
+                    delta.push(("extra", nested.clone()));
+                }
+                // A `role` (a shape is the chunk without it while the stream has none).
+                if role {
+                    delta.push(("role", r#""assistant""#.into()));
+                }
+                if delta.len() > 1 {
+                    let n = delta.len();
+                    delta.swap(0, r1.index(n));
+                }
+                let mut choice: Vec<(&str, String)> = vec![
+                    ("index", if flags[4] && flags[5] { "1" } else { "0" }.into()),
+                    ("delta", object(&delta, ws)),
+                    ("finish_reason", finish.into()),
+                    (
+                        "logprobs",
+                        if flags[7] {
+                            r#"{"content":[{"token":" Once"}]}"#.into()
+                        } else {
+                            "null".into()
+                        },
+                    ),
+                ];
+                if completions && let Some(text) = text {
+                    choice.push(("text", text.to_owned()));
+                }
+                let n = choice.len();
+                choice.swap(r2.index(n), n - 1);
+                let mut top: Vec<(&str, String)> = vec![
+                    ("id", r#""chatcmpl-1""#.into()),
+                    ("object", r#""chat.completion.chunk""#.into()),
+                    ("created", "1700000000".into()),
+                    ("model", r#""m""#.into()),
+                    ("choices", format!("[{}]", object(&choice, ws))),
+                ];
+                if flags[8] {
+                    top.push((
+                        "usage",
+                        if flags[9] {
+                            r#"{"completion_tokens":3}"#.into()
+                        } else {
+                            "null".into()
+                        },
+                    ));
+                }
+                if flags[4] && !flags[5] {
+                    top.push(("meta", nested));
+                }
+                if flags[5] && flags[9] {
+                    top.push(("error", r#"{"code":"overloaded"}"#.into()));
+                }
+                let n = top.len();
+                top.swap(r3.index(n), n - 1);
+                object(&top, ws)
+            };
+            let (finish, last) = if flags[6] {
+                (r#""stop""#, r#""stop""#)
+            } else {
+                ("null", FINISH)
+            };
+            [
+                render(Some(TEXT), finish),
+                render(None, last),
+                render(Some(r#""""#), last),
+            ]
         })
 }
 
@@ -152,27 +183,41 @@ fn raw_text() -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
-/// A stream: the role chunk, then chunks of a few skeletons with texts from a small pool (a
-/// text that repeats is what a shape learnt at the wrong place would misread).
+/// A stream: the role chunk, then chunks of a few skeletons (most often as content chunks, else
+/// as final chunks) with texts and finish reasons from small pools (a text that repeats is what
+/// a shape learnt at the wrong place would misread).
 fn chunks(completions: bool) -> impl Strategy<Value = Vec<Vec<u8>>> {
     (
         prop::collection::vec(skeleton(completions), 1..4),
         prop::collection::vec(raw_text(), 1..4),
-        prop::collection::vec(any::<(prop::sample::Index, prop::sample::Index)>(), 1..16),
+        prop::collection::vec(
+            (
+                any::<(prop::sample::Index, prop::sample::Index)>(),
+                prop_oneof![6 => Just(0usize), 1 => Just(1usize), 1 => Just(2usize)],
+                prop::sample::select(FINISHES.to_vec()),
+            ),
+            1..16,
+        ),
     )
         .prop_map(|(skeletons, pool, picks)| {
             picks
                 .into_iter()
-                .map(|(which, text)| {
+                .map(|((which, text), variant, finish)| {
                     let raw = &pool[text.index(pool.len())];
-                    let skeleton = skeletons[which.index(skeletons.len())].replace(TEXT, "\u{0}");
-                    let (head, tail) = skeleton.split_once('\u{0}').expect("the text's place");
+                    let skeleton = skeletons[which.index(skeletons.len())][variant]
+                        .replace(FINISH, finish)
+                        .replace(TEXT, "\u{0}");
                     let mut data = b"data: ".to_vec();
-                    data.extend_from_slice(head.as_bytes());
-                    data.push(b'"');
-                    data.extend_from_slice(raw);
-                    data.push(b'"');
-                    data.extend_from_slice(tail.as_bytes());
+                    match skeleton.split_once('\u{0}') {
+                        Some((head, tail)) => {
+                            data.extend_from_slice(head.as_bytes());
+                            data.push(b'"');
+                            data.extend_from_slice(raw);
+                            data.push(b'"');
+                            data.extend_from_slice(tail.as_bytes());
+                        }
+                        None => data.extend_from_slice(skeleton.as_bytes()),
+                    }
                     data.extend_from_slice(b"\n\n");
                     data
                 })
@@ -264,22 +309,70 @@ proptest! {
     }
 }
 
-/// Streams shaped like Dynamo 1.6.1's and vLLM's are read by shape after their first content
-/// chunk; a chunk of another shape (the final one) is not.
+/// The two-pass read [`string_body`] replaced: the closing quote found first (escapes
+/// skipped), then the bytes before it decoded.
+fn two_pass(s: &[u8]) -> Option<(usize, Cow<'_, str>)> {
+    let mut j = 0;
+    let close = loop {
+        j += memchr::memchr2(b'"', b'\\', s.get(j..)?)?;
+        if s[j] == b'"' {
+            break j;
+        }
+        j += 2;
+    };
+    Some((close, decode(&s[..close])?))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4096))]
+
+    /// The one-pass string read finds the same end and the same value as the two passes, and
+    /// refuses the same bodies, whatever the bytes (quotes, escapes, control bytes, invalid
+    /// UTF-8, no closing quote).
+    #[test]
+    fn the_one_pass_string_read_is_the_two_pass_read(
+        s in prop::collection::vec(
+            prop_oneof![
+                4 => any::<u8>(),
+                2 => prop::sample::select(b"\"\\u0dn\x01 a\xc3\xa9".to_vec()),
+            ],
+            0..24,
+        ),
+    ) {
+        prop_assert_eq!(string_body(&s), two_pass(&s));
+    }
+}
+
+/// Streams shaped like Dynamo 1.6.1's and vLLM's are read by shape after their role chunk, the
+/// final chunk too (as the content shape foretells it), without a probe.
 #[test]
 fn real_streams_are_read_by_shape() {
     let dynamo = |delta: &str, finish: &str| {
         format!("data: {{\"id\":\"chatcmpl-bee7\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":{finish},\"logprobs\":null}}],\"created\":1796450204,\"model\":\"tiny\",\"object\":\"chat.completion.chunk\"}}\n\n").into_bytes()
     };
     let vllm = |delta: &str, finish: &str| {
-        format!("data: {{\"id\":\"chatcmpl-9\",\"object\":\"chat.completion.chunk\",\"created\":1796450204,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"logprobs\":null,\"finish_reason\":{finish}}}]}}\n\n").into_bytes()
+        format!("data: {{\"id\":\"chatcmpl-9\",\"object\":\"chat.completion.chunk\",\"created\":1796450204,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"logprobs\":null,\"finish_reason\":{finish},\"stop_reason\":null}}]}}\n\n").into_bytes()
     };
-    for make in [dynamo, vllm] {
-        let mut events = vec![make(r#"{"content":" Once","role":"assistant"}"#, "null")];
+    type Make = fn(&str, &str) -> Vec<u8>;
+    let cases: [(Make, &str, &str); 3] = [
+        (dynamo, r#"{"content":" Once","role":"assistant"}"#, "{}"),
+        (
+            vllm,
+            r#"{"role":"assistant","content":""}"#,
+            r#"{"content":""}"#,
+        ),
+        (vllm, r#"{"role":"assistant","content":" Once"}"#, "{}"),
+    ];
+    for (make, first, last) in cases {
+        let mut events = vec![make(first, "null")];
+        if first.ends_with(r#""content":""}"#) {
+            events.push(make(r#"{"content":" Once"}"#, "null"));
+        }
         for word in [" upon", " a", " time", " \\\"é\\\"", " 日本", " 🦀", "\\n"] {
             events.push(make(&format!(r#"{{"content":"{word}"}}"#), "null"));
         }
-        events.push(make("{}", r#""stop""#));
+        events.push(make(last, r#""length""#));
+        events.push(b"data: [DONE]\n\n".to_vec());
         let mut s = ChatSplice::new(1 << 16, 1 << 20);
         for e in &events {
             assert!(s.feed(e).cut.is_none());
@@ -287,8 +380,53 @@ fn real_streams_are_read_by_shape() {
         assert_eq!(s.text(), " Once upon a time \"é\" 日本 🦀\n");
         assert!(s.ended());
         assert_eq!(
-            s.shaped, 6,
-            "all but the role chunk, the first plain one and the final one"
+            s.shaped,
+            events.len() as u64 - 2,
+            "all but the role chunk and [DONE]: {first}"
         );
+        assert_eq!(
+            s.shape_tries, 0,
+            "the typed reader names the text: no probe"
+        );
+    }
+}
+
+/// A shape whose first text holds an escape (not borrowed by the typed reader) is proved by a
+/// probe; a stream whose chunks change shape learns the new one from the typed reader.
+#[test]
+fn an_escaped_text_is_probed_and_a_new_shape_replaces_the_old() {
+    let chunk = |delta: &str| {
+        format!("data: {{\"id\":\"c\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":null}}],\"model\":\"m\"}}\n\n").into_bytes()
+    };
+    let mut s = ChatSplice::new(1 << 16, 1 << 20);
+    for delta in [
+        r#"{"content":"\u00e9\n"}"#,
+        r#"{"content":" a"}"#,
+        r#"{"content":" b","extra":1}"#,
+        r#"{"content":" c","extra":2}"#,
+        r#"{"content":" d","extra":2}"#,
+    ] {
+        assert!(s.feed(&chunk(delta)).cut.is_none());
+    }
+    assert_eq!(s.text(), "é\n a b c d");
+    assert_eq!(s.shape_tries, 1, "the escaped text's shape was probed");
+    assert_eq!(
+        s.shaped, 2,
+        "\" a\" by the probed shape, \" d\" by the one learnt at \" c\""
+    );
+}
+
+/// Two choices of one index, one opening a reasoning block and one with the text: whether the
+/// block is still open after the chunk depends on the text being empty, so no shape is kept
+/// (the typed reader's text is not taken, and the probe with the emptied string fails).
+#[test]
+fn a_reasoning_choice_beside_the_text_keeps_no_shape() {
+    let chunk = |text: &str| {
+        format!("data: {{\"id\":\"chatcmpl-1\",\"choices\":[{{\"index\":0,\"delta\":{{\"reasoning_content\":\"r\"}}}},{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}}}}],\"model\":\"m\"}}\n\n").into_bytes()
+    };
+    for escaped in [false, true] {
+        let first = if escaped { "\\n" } else { "y" };
+        let events = [chunk(first), chunk("z"), chunk("")];
+        assert_eq!(agree(&events, false, 1 << 16).expect("agree"), 0);
     }
 }
