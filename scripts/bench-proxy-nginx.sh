@@ -29,7 +29,8 @@
 # relayed event, RSS before, with every stream open (mid-run) and after (VmRSS, VmHWM), hence the
 # memory per open stream; from the client: event latency p50/p99 (received less the upstream's
 # stamp; "added" is the proxy's less the direct run's), the added gap between events, the time to
-# a stream's first event and the wall time to the last [DONE]. PERF_OUT=/tmp/p records each
+# a stream's first event and the wall time to the last [DONE]; the SYNs the kernel resent during
+# the run (nstat, iproute2: each is a stream's lost second). PERF_OUT=/tmp/p records each
 # proxy's profile over each run (`perf record -g`, files /tmp/p.<proxy>.<streams>).
 #
 # Needs: wrk (not for MODES=streams), nginx (nginx-light), taskset (util-linux). Figures:
@@ -171,6 +172,10 @@ run_streams() {
   hz=$(getconf CLK_TCK)
   half_s=$(awk -v r="$STREAM_RAMP_MS" -v e="$STREAM_EVENTS" -v i="$STREAM_INTERVAL_MS" 'BEGIN {printf "%.2f", (r + e * i / 2) / 1000}')
   [ -z "$pid" ] || { ticks0=$(cpu_ticks "$pid"); rss0=$(mem_kb VmRSS "$pid"); }
+  # SYNs resent during the run (a full accept queue, or a port still in TIME_WAIT): each costs
+  # its stream a second. nstat (iproute2) keeps its own history; without it, "nan".
+  local syn0=nan syn1=nan
+  syn0=$(syn_retrans)
   taskset -c "$GEN_CPU" "$CLIENT_BIN" "127.0.0.1:$port" "$n" "$STREAM_EVENTS" "$STREAM_INTERVAL_MS" \
     "$STREAM_RAMP_MS" >"$out" 2>&1 &
   local client=$!
@@ -184,12 +189,18 @@ run_streams() {
   [ -z "$pid" ] || rss_mid=$(mem_kb VmRSS "$pid")
   [ -z "$perf" ] || wait "$perf" || true
   wait "$client" || echo "($name, $n streams: the client reported failures: $(grep -v RESULT "$out" | head -1))" >&2
+  syn1=$(syn_retrans)
   [ -z "$pid" ] || { ticks1=$(cpu_ticks "$pid"); rss1=$(mem_kb VmRSS "$pid"); hwm=$(mem_kb VmHWM "$pid"); }
   local received
   received=$(awk '/^RESULT/ {for (i = 2; i <= NF; i++) if ($i ~ /^received=/) {sub(/received=/, "", $i); print $i}}' "$out")
   local cpu=nan
   [ -z "$pid" ] || cpu=$(awk -v t="$((ticks1 - ticks0))" -v hz="$hz" -v n="${received:-0}" 'BEGIN {printf "%.2f", n ? t * 1e6 / hz / n : 0}')
-  echo "$(grep '^RESULT' "$out" | cut -d' ' -f2-) cpu_us_per_event=$cpu cpu_s=$([ -z "$pid" ] && echo nan || awk -v t="$((ticks1 - ticks0))" -v hz="$hz" 'BEGIN {printf "%.2f", t / hz}') rss0_kb=$rss0 rss_mid_kb=$rss_mid rss1_kb=$rss1 hwm_kb=$hwm"
+  echo "$(grep '^RESULT' "$out" | cut -d' ' -f2-) cpu_us_per_event=$cpu cpu_s=$([ -z "$pid" ] && echo nan || awk -v t="$((ticks1 - ticks0))" -v hz="$hz" 'BEGIN {printf "%.2f", t / hz}') syn_retrans=$(awk -v a="$syn0" -v b="$syn1" 'BEGIN {print (a == "nan" || b == "nan") ? "nan" : b - a}') rss0_kb=$rss0 rss_mid_kb=$rss_mid rss1_kb=$rss1 hwm_kb=$hwm"
+}
+# The kernel's count of resent SYNs (TcpExtTCPSynRetrans), or nan without nstat.
+syn_retrans() {
+  command -v nstat >/dev/null 2>&1 || { echo nan; return; }
+  nstat -asz TcpExtTCPSynRetrans 2>/dev/null | awk '$1 == "TcpExtTCPSynRetrans" {print $2; f = 1} END {if (!f) print "nan"}'
 }
 # field KEY LINE
 field() { awk -v k="$2" '{for (i = 1; i <= NF; i++) {split($i, kv, "="); if (kv[1] == k) print kv[2]}}' <<<"$1"; }
@@ -204,7 +215,7 @@ if [ "$MODES" = streams ]; then
     done
     echo
     echo "== $n streams; load average $(cut -d' ' -f1-3 /proc/loadavg)"
-    printf '%-7s %-6s %8s %7s %7s %8s %8s %8s %8s %9s %8s %8s %8s %9s\n' round target wall_s "lat50" "lat99" "+lat99" "gap99" "first50" "first99" "cpu_s" "µs/event" "rss_MB" "hwm_MB" "KiB/strm"
+    printf '%-7s %-6s %8s %7s %7s %8s %8s %8s %8s %6s %9s %8s %8s %8s %9s\n' round target wall_s "lat50" "lat99" "+lat99" "gap99" "first50" "first99" "synrt" "cpu_s" "µs/event" "rss_MB" "hwm_MB" "KiB/strm"
     for round in $(seq 1 "$ROUNDS"); do
       direct=$(run_streams direct "$UP_PORT" "" "$n")
       d99=$(field "$direct" lat_p99_us)
@@ -216,10 +227,10 @@ if [ "$MODES" = streams ]; then
       done
       for line in "${lines[@]}"; do
         who=${line%% *}
-        printf '%-7s %-6s %8s %7s %7s %8s %8s %8s %8s %9s %8s %8s %8s %9s\n' "$round" "$who" \
+        printf '%-7s %-6s %8s %7s %7s %8s %8s %8s %8s %6s %9s %8s %8s %8s %9s\n' "$round" "$who" \
           "$(field "$line" wall_s)" "$(field "$line" lat_p50_us)" "$(field "$line" lat_p99_us)" \
           "$(awk -v a="$(field "$line" lat_p99_us)" -v b="$d99" 'BEGIN {print a - b}')" \
-          "$(field "$line" gap_p99_us)" "$(field "$line" first_p50_ms)" "$(field "$line" first_p99_ms)" \
+          "$(field "$line" gap_p99_us)" "$(field "$line" first_p50_ms)" "$(field "$line" first_p99_ms)" "$(field "$line" syn_retrans)" \
           "$(field "$line" cpu_s)" "$(field "$line" cpu_us_per_event)" \
           "$(awk -v k="$(field "$line" rss_mid_kb)" 'BEGIN {printf "%.1f", k / 1024}')" \
           "$(awk -v k="$(field "$line" hwm_kb)" 'BEGIN {printf "%.1f", k / 1024}')" \
@@ -231,7 +242,8 @@ if [ "$MODES" = streams ]; then
   echo
   echo "columns: wall_s first connect to last [DONE]; lat50/lat99 event latency µs (received less"
   echo "sent); +lat99 less the direct run's; gap99 p99 of |gap received - gap sent| µs; first50/99"
-  echo "ms to a stream's first event; cpu_s the proxy's CPU over the run; rss_MB with every stream"
+  echo "ms to a stream's first event; synrt SYNs the kernel resent during the run (each a stream's"
+  echo "second lost); cpu_s the proxy's CPU over the run; rss_MB with every stream"
   echo "open; KiB/strm (RSS open - RSS before) / streams"
   echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
   exit 0
