@@ -19,8 +19,22 @@
 # (ABBA), every round is printed and the table gives each column's median, and the router's added
 # p50 less nginx's as the median of the rounds' differences; a shared machine's speed drifts by
 # more than the difference measured).
-# Needs: wrk, nginx (nginx-light), taskset (util-linux). Figures: docs/performance.md,
-# "Proxy vs nginx".
+#
+# MODES=streams (issue #34): many concurrent timed SSE streams instead of wrk. For each count in
+# STREAMS ("200 1000 2000"), the stream client (`benches/upstream/sse_client.rs`, pinned beside
+# the upstream) opens that many streams at once (over STREAM_RAMP_MS, 0), each of STREAM_EVENTS
+# (120) `chat.completion.chunk` events one every STREAM_INTERVAL_MS (50: 20 events/s), directly,
+# through nginx and through the router (ROUNDS times, nginx and the router in alternating order).
+# Per proxy and run: CPU time (/proc/<pid>/stat utime + stime, nginx's master and worker) per
+# relayed event, RSS before, with every stream open (mid-run) and after (VmRSS, VmHWM), hence the
+# memory per open stream; from the client: event latency p50/p99 (received less the upstream's
+# stamp; "added" is the proxy's less the direct run's), the added gap between events, the time to
+# a stream's first event and the wall time to the last [DONE]; the SYNs the kernel resent during
+# the run (nstat, iproute2: each is a stream's lost second). PERF_OUT=/tmp/p records each
+# proxy's profile over each run (`perf record -g`, files /tmp/p.<proxy>.<streams>).
+#
+# Needs: wrk (not for MODES=streams), nginx (nginx-light), taskset (util-linux). Figures:
+# docs/performance.md, "Proxy vs nginx" and "Many concurrent streams".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,15 +50,24 @@ UP_PORT=$PORT_BASE
 NGINX_PORT=$((PORT_BASE + 1))
 ROUTER_PORT=$((PORT_BASE + 2))
 
-for tool in wrk nginx taskset curl; do
+STREAMS="${STREAMS:-200 1000 2000}"
+STREAM_EVENTS="${STREAM_EVENTS:-120}"
+STREAM_INTERVAL_MS="${STREAM_INTERVAL_MS:-50}"
+STREAM_RAMP_MS="${STREAM_RAMP_MS:-0}"
+
+tools="nginx taskset curl"
+[ "$MODES" = streams ] || tools="wrk $tools"
+for tool in $tools; do
   command -v "$tool" >/dev/null 2>&1 || { echo "needs $tool (Debian: wrk, nginx-light, util-linux, curl)" >&2; exit 1; }
 done
 if [ -z "${NO_BUILD:-}" ]; then
-  cargo build --profile "$PROFILE" --bin continuum-router --example bench_upstream
+  cargo build --profile "$PROFILE" --bin continuum-router --example bench_upstream --example bench_sse_client
 fi
 ROUTER_BIN="${ROUTER_BIN:-target/$PROFILE/continuum-router}"
 UPSTREAM_BIN="target/$PROFILE/examples/bench_upstream"
+CLIENT_BIN="target/$PROFILE/examples/bench_sse_client"
 [ -x "$ROUTER_BIN" ] && [ -x "$UPSTREAM_BIN" ] || { echo "build $ROUTER_BIN and $UPSTREAM_BIN first" >&2; exit 1; }
+[ "$MODES" != streams ] || [ -x "$CLIENT_BIN" ] || { echo "build $CLIENT_BIN first" >&2; exit 1; }
 
 WORK=$(mktemp -d)
 PIDS=()
@@ -73,10 +96,11 @@ PIDS+=($!)
 mkdir -p "$WORK/nginx/logs" "$WORK/nginx/tmp"
 cat >"$WORK/nginx/nginx.conf" <<EOF
 worker_processes 1;
+worker_rlimit_nofile 16384;
 daemon off;
 pid $WORK/nginx/nginx.pid;
 error_log $WORK/nginx/logs/error.log warn;
-events { worker_connections 4096; }
+events { worker_connections 8192; }
 http {
   access_log off;
   client_body_temp_path $WORK/nginx/tmp/body;
@@ -114,10 +138,116 @@ backends:
 EOF
 RUST_LOG=warn taskset -c "$PROXY_CPU" "$ROUTER_BIN" --config "$WORK/router.yaml" >"$WORK/router.log" 2>&1 &
 PIDS+=($!)
+ROUTER_PID=$!
+NGINX_PID=${PIDS[1]}
 
 wait_port "http://127.0.0.1:$UP_PORT/v1/chat/completions"
 wait_port "http://127.0.0.1:$NGINX_PORT/v1/chat/completions"
 wait_port "http://127.0.0.1:$ROUTER_PORT/v1/chat/completions"
+
+# --- MODES=streams: many concurrent timed SSE streams (issue #34) -------------------------------
+# CPU ticks (utime + stime) of the processes PIDS... and their children (nginx's worker).
+cpu_ticks() {
+  local total=0 pid child
+  for pid in "$@"; do
+    for child in $pid $(cat /proc/"$pid"/task/*/children 2>/dev/null); do
+      total=$((total + $(awk '{print $14 + $15}' /proc/"$child"/stat)))
+    done
+  done
+  echo "$total"
+}
+# The kB of FIELD (VmRSS, VmHWM) summed over PID and its children.
+mem_kb() {
+  local field=$1 pid=$2 total=0 child
+  for child in $pid $(cat /proc/"$pid"/task/*/children 2>/dev/null); do
+    total=$((total + $(awk -v f="$field:" '$1 == f {print $2}' /proc/"$child"/status)))
+  done
+  echo "$total"
+}
+# run_streams NAME PORT PID N -> the client's RESULT line plus cpu_us_per_event, rss before/mid/
+# after (kB), hwm (kB); PID empty for the direct run.
+run_streams() {
+  local name=$1 port=$2 pid=$3 n=$4 out="$WORK/streams-$1-$4.txt"
+  local hz ticks0 ticks1 rss0=0 rss_mid=0 rss1=0 hwm=0 half_s
+  hz=$(getconf CLK_TCK)
+  half_s=$(awk -v r="$STREAM_RAMP_MS" -v e="$STREAM_EVENTS" -v i="$STREAM_INTERVAL_MS" 'BEGIN {printf "%.2f", (r + e * i / 2) / 1000}')
+  [ -z "$pid" ] || { ticks0=$(cpu_ticks "$pid"); rss0=$(mem_kb VmRSS "$pid"); }
+  # SYNs resent during the run (a full accept queue, or a port still in TIME_WAIT): each costs
+  # its stream a second. nstat (iproute2) keeps its own history; without it, "nan".
+  local syn0=nan syn1=nan
+  syn0=$(syn_retrans)
+  taskset -c "$GEN_CPU" "$CLIENT_BIN" "127.0.0.1:$port" "$n" "$STREAM_EVENTS" "$STREAM_INTERVAL_MS" \
+    "$STREAM_RAMP_MS" >"$out" 2>&1 &
+  local client=$!
+  local perf=
+  if [ -n "${PERF_OUT:-}" ] && [ -n "$pid" ]; then
+    # A profile of the proxy over the client's run (perf record -g; PERF_OUT.<name>.<n>).
+    perf record -g -o "$PERF_OUT.$name.$n" -p "$(echo $pid $(cat /proc/"$pid"/task/*/children) | tr ' ' ,)" -- sleep "$(awk -v h="$half_s" 'BEGIN {print 2 * h}')" >/dev/null 2>&1 &
+    perf=$!
+  fi
+  sleep "$half_s"
+  [ -z "$pid" ] || rss_mid=$(mem_kb VmRSS "$pid")
+  [ -z "$perf" ] || wait "$perf" || true
+  wait "$client" || echo "($name, $n streams: the client reported failures: $(grep -v RESULT "$out" | head -1))" >&2
+  syn1=$(syn_retrans)
+  [ -z "$pid" ] || { ticks1=$(cpu_ticks "$pid"); rss1=$(mem_kb VmRSS "$pid"); hwm=$(mem_kb VmHWM "$pid"); }
+  local received
+  received=$(awk '/^RESULT/ {for (i = 2; i <= NF; i++) if ($i ~ /^received=/) {sub(/received=/, "", $i); print $i}}' "$out")
+  local cpu=nan
+  [ -z "$pid" ] || cpu=$(awk -v t="$((ticks1 - ticks0))" -v hz="$hz" -v n="${received:-0}" 'BEGIN {printf "%.2f", n ? t * 1e6 / hz / n : 0}')
+  echo "$(grep '^RESULT' "$out" | cut -d' ' -f2-) cpu_us_per_event=$cpu cpu_s=$([ -z "$pid" ] && echo nan || awk -v t="$((ticks1 - ticks0))" -v hz="$hz" 'BEGIN {printf "%.2f", t / hz}') syn_retrans=$(awk -v a="$syn0" -v b="$syn1" 'BEGIN {print (a == "nan" || b == "nan") ? "nan" : b - a}') rss0_kb=$rss0 rss_mid_kb=$rss_mid rss1_kb=$rss1 hwm_kb=$hwm"
+}
+# The kernel's count of resent SYNs (TcpExtTCPSynRetrans), or nan without nstat.
+syn_retrans() {
+  command -v nstat >/dev/null 2>&1 || { echo nan; return; }
+  nstat -asz TcpExtTCPSynRetrans 2>/dev/null | awk '$1 == "TcpExtTCPSynRetrans" {print $2; f = 1} END {if (!f) print "nan"}'
+}
+# field KEY LINE
+field() { awk -v k="$2" '{for (i = 1; i <= NF; i++) {split($i, kv, "="); if (kv[1] == k) print kv[2]}}' <<<"$1"; }
+
+if [ "$MODES" = streams ]; then
+  echo "cores: $(nproc); proxy on cpu $PROXY_CPU, client + upstream on cpu $GEN_CPU; $STREAM_EVENTS events per stream every $STREAM_INTERVAL_MS ms, ramp $STREAM_RAMP_MS ms; $ROUNDS round(s)"
+  echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  for n in $STREAMS; do
+    # Warm-up: a few streams through each path (pools, caches).
+    for port in $UP_PORT $NGINX_PORT $ROUTER_PORT; do
+      taskset -c "$GEN_CPU" "$CLIENT_BIN" "127.0.0.1:$port" 16 4 "$STREAM_INTERVAL_MS" >/dev/null 2>&1 || true
+    done
+    echo
+    echo "== $n streams; load average $(cut -d' ' -f1-3 /proc/loadavg)"
+    printf '%-7s %-6s %8s %7s %7s %8s %8s %8s %8s %6s %9s %8s %8s %8s %9s\n' round target wall_s "lat50" "lat99" "+lat99" "gap99" "first50" "first99" "synrt" "cpu_s" "µs/event" "rss_MB" "hwm_MB" "KiB/strm"
+    for round in $(seq 1 "$ROUNDS"); do
+      direct=$(run_streams direct "$UP_PORT" "" "$n")
+      d99=$(field "$direct" lat_p99_us)
+      if [ $((round % 2)) = 1 ]; then order="nginx router"; else order="router nginx"; fi
+      lines=("direct $direct")
+      for who in $order; do
+        if [ "$who" = nginx ]; then lines+=("nginx $(run_streams nginx "$NGINX_PORT" "$NGINX_PID" "$n")")
+        else lines+=("router $(run_streams router "$ROUTER_PORT" "$ROUTER_PID" "$n")"); fi
+      done
+      for line in "${lines[@]}"; do
+        who=${line%% *}
+        printf '%-7s %-6s %8s %7s %7s %8s %8s %8s %8s %6s %9s %8s %8s %8s %9s\n' "$round" "$who" \
+          "$(field "$line" wall_s)" "$(field "$line" lat_p50_us)" "$(field "$line" lat_p99_us)" \
+          "$(awk -v a="$(field "$line" lat_p99_us)" -v b="$d99" 'BEGIN {print a - b}')" \
+          "$(field "$line" gap_p99_us)" "$(field "$line" first_p50_ms)" "$(field "$line" first_p99_ms)" "$(field "$line" syn_retrans)" \
+          "$(field "$line" cpu_s)" "$(field "$line" cpu_us_per_event)" \
+          "$(awk -v k="$(field "$line" rss_mid_kb)" 'BEGIN {printf "%.1f", k / 1024}')" \
+          "$(awk -v k="$(field "$line" hwm_kb)" 'BEGIN {printf "%.1f", k / 1024}')" \
+          "$(awk -v m="$(field "$line" rss_mid_kb)" -v b="$(field "$line" rss0_kb)" -v n="$n" 'BEGIN {printf "%.1f", (m - b) / n}')"
+        [ "$(field "$line" failed)" = 0 ] || echo "        ^ $(field "$line" failed) stream(s) failed"
+      done
+    done
+  done
+  echo
+  echo "columns: wall_s first connect to last [DONE]; lat50/lat99 event latency µs (received less"
+  echo "sent); +lat99 less the direct run's; gap99 p99 of |gap received - gap sent| µs; first50/99"
+  echo "ms to a stream's first event; synrt SYNs the kernel resent during the run (each a stream's"
+  echo "second lost); cpu_s the proxy's CPU over the run; rss_MB with every stream"
+  echo "open; KiB/strm (RSS open - RSS before) / streams"
+  echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  exit 0
+fi
 
 cat >"$WORK/buffered.lua" <<'EOF'
 wrk.method = "POST"

@@ -97,8 +97,7 @@ pub async fn run_until_signal(options: RunOptions) -> anyhow::Result<()> {
     let guard = telemetry::init(&(&options.config.telemetry).into())
         .context("cannot initialise telemetry")?;
     let addr = options.config.server.bind_address;
-    let listener = TcpListener::bind(addr)
-        .await
+    let listener = crate::front_door::bind(addr, options.config.server.max_connections)
         .with_context(|| format!("cannot listen on {addr}"))?;
     let daemon = Daemon::start(options, listener).await?;
     let local = daemon.local_addr();

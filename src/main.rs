@@ -165,7 +165,6 @@ mod demo {
     use continuum_router::config::Config;
     use continuum_router::daemon::{self, Daemon, RunOptions};
     use continuum_router::telemetry;
-    use tokio::net::TcpListener;
     use tracing::{info, warn};
 
     use super::block_on;
@@ -207,8 +206,7 @@ mod demo {
         let guard =
             telemetry::init(&(&config.telemetry).into()).context("cannot initialise telemetry")?;
         let addr = config.server.bind_address;
-        let listener = TcpListener::bind(addr)
-            .await
+        let listener = continuum_router::front_door::bind(addr, config.server.max_connections)
             .with_context(|| format!("cannot listen on {addr} (try --bind 127.0.0.1:0)"))?;
         let simulation = Simulation::start(options).await?;
         let router = Config::demo_with_frontends(&simulation.frontend_addrs())
