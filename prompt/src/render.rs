@@ -20,7 +20,7 @@ use continuum_protocol::kv::prompt::{
     BlockPlanError, PrepareFailureKind, RenderLimits, block_plan,
 };
 
-use super::template::{ChatTemplate, LocalText, RenderFailure, TemplateInput};
+use super::template::{ChatTemplate, TemplateInput};
 use super::token_cache::{
     CacheLimits, CacheStats, DEFAULT_CACHE_LIMITS, PromptTokenizer, Tokenized,
 };
@@ -28,7 +28,7 @@ use super::token_cache::{
 mod conversation;
 
 pub use conversation::ConversationStats;
-use conversation::{Conversations, Turn};
+use conversation::{Conversations, LocalPlan, render_chat};
 
 /// Messages in one chat request beyond this are not rendered (a 1 MiB prompt cap makes more
 /// than this many turns meaningless, and it bounds the context built before fuel counts).
@@ -275,51 +275,6 @@ enum Job {
     Tokens(Vec<u32>),
 }
 
-/// A render of a message-local template: from message `from` on, after the cached turn `base`.
-#[derive(Debug)]
-struct LocalPlan {
-    from: usize,
-    base: Option<Arc<Turn>>,
-    /// All the request's messages (for the turn cached next, and a whole render).
-    messages: Vec<Arc<serde_json::Value>>,
-    inputs: Arc<serde_json::Value>,
-    conversations: Arc<Conversations>,
-}
-
-impl LocalPlan {
-    /// The whole text: the cached turn's up to its loop end, then `local`'s loop text and what
-    /// follows it; `None` when the text before the loop is not the cached turn's (render whole).
-    /// Caches the result as the conversation's turn.
-    fn finish(&self, local: LocalText, max_bytes: usize) -> Option<Arc<String>> {
-        let (text, pre_len, loop_end) = match &self.base {
-            None => (local.text, local.loop_start, local.loop_end),
-            Some(base) => {
-                if local.text[..local.loop_start] != base.text[..base.pre_len] {
-                    return None;
-                }
-                let tail = &local.text[local.loop_start..];
-                let mut text = String::with_capacity(base.loop_end + tail.len());
-                text.push_str(&base.text[..base.loop_end]);
-                text.push_str(tail);
-                let loop_end = base.loop_end + (local.loop_end - local.loop_start);
-                (text, base.pre_len, loop_end)
-            }
-        };
-        let text = Arc::new(text);
-        if text.len() <= max_bytes {
-            let turn = Turn {
-                messages: self.messages.clone(),
-                inputs: Arc::clone(&self.inputs),
-                text: Arc::clone(&text),
-                pre_len,
-                loop_end,
-            };
-            self.conversations.insert(turn, self.base.as_ref());
-        }
-        Some(text)
-    }
-}
-
 impl Job {
     /// The job of `request`; a chat through a message-local template with `conversations`
     /// given renders only the messages after a cached turn it continues.
@@ -389,47 +344,6 @@ impl Job {
 enum Rendered {
     Text(Arc<String>),
     Tokens(Vec<u32>),
-}
-
-/// A chat's text: through the message-local rewrite when planned (and exact: else whole).
-fn render_chat(
-    template: &ChatTemplate,
-    mut input: TemplateInput,
-    plan: Option<LocalPlan>,
-    limits: &RenderLimits,
-) -> Result<Arc<String>, PrepareError> {
-    let (fuel, max) = (limits.fuel, limits.max_rendered_bytes);
-    let failed = |failure| match failure {
-        RenderFailure::TooLarge => PrepareError::RenderedTooLarge { limit: max },
-        RenderFailure::OutOfFuel => PrepareError::OutOfFuel,
-        RenderFailure::Template(message) => PrepareError::Template(message),
-    };
-    let Some(plan) = plan else {
-        return template
-            .render(&input, fuel, max)
-            .map(Arc::new)
-            .map_err(failed);
-    };
-    if let Some(local) = template
-        .render_local(&input, plan.from, fuel, max)
-        .map_err(failed)?
-        && let Some(text) = plan.finish(local, max)
-    {
-        return Ok(text);
-    }
-    // Rendered whole: the input's earlier messages may be placeholders, so all are converted.
-    if plan.from > 0 {
-        let all: Vec<Value> = plan
-            .messages
-            .iter()
-            .map(|m| Value::from(Serde(m.as_ref())))
-            .collect();
-        input.messages = Value::from(all);
-    }
-    template
-        .render(&input, fuel, max)
-        .map(Arc::new)
-        .map_err(failed)
 }
 
 fn cap_tokens(tokens: usize, limit: usize) -> Result<(), PrepareError> {

@@ -18,8 +18,13 @@ use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use minijinja::value::{Serde, Value as TemplateValue};
 use serde_json::Value;
 
+use continuum_protocol::kv::prompt::RenderLimits;
+
+use super::PrepareError;
+use crate::template::{ChatTemplate, LocalText, RenderFailure, TemplateInput};
 use crate::token_cache::CacheLimits;
 
 /// Bytes counted per JSON node of a cached message beyond its string bytes.
@@ -217,6 +222,92 @@ impl Conversations {
             bytes: entries.bytes,
         }
     }
+}
+
+/// A render of a message-local template: from message `from` on, after the cached turn `base`.
+#[derive(Debug)]
+pub(super) struct LocalPlan {
+    pub(super) from: usize,
+    pub(super) base: Option<Arc<Turn>>,
+    /// All the request's messages (for the turn cached next, and a whole render).
+    pub(super) messages: Vec<Arc<serde_json::Value>>,
+    pub(super) inputs: Arc<serde_json::Value>,
+    pub(super) conversations: Arc<Conversations>,
+}
+
+impl LocalPlan {
+    /// The whole text: the cached turn's up to its loop end, then `local`'s loop text and what
+    /// follows it; `None` when the text before the loop is not the cached turn's (render whole).
+    /// Caches the result as the conversation's turn.
+    fn finish(&self, local: LocalText, max_bytes: usize) -> Option<Arc<String>> {
+        let (text, pre_len, loop_end) = match &self.base {
+            None => (local.text, local.loop_start, local.loop_end),
+            Some(base) => {
+                if local.text[..local.loop_start] != base.text[..base.pre_len] {
+                    return None;
+                }
+                let tail = &local.text[local.loop_start..];
+                let mut text = String::with_capacity(base.loop_end + tail.len());
+                text.push_str(&base.text[..base.loop_end]);
+                text.push_str(tail);
+                let loop_end = base.loop_end + (local.loop_end - local.loop_start);
+                (text, base.pre_len, loop_end)
+            }
+        };
+        let text = Arc::new(text);
+        if text.len() <= max_bytes {
+            let turn = Turn {
+                messages: self.messages.clone(),
+                inputs: Arc::clone(&self.inputs),
+                text: Arc::clone(&text),
+                pre_len,
+                loop_end,
+            };
+            self.conversations.insert(turn, self.base.as_ref());
+        }
+        Some(text)
+    }
+}
+
+/// A chat's text: through the message-local rewrite when planned (and exact: else whole).
+pub(super) fn render_chat(
+    template: &ChatTemplate,
+    mut input: TemplateInput,
+    plan: Option<LocalPlan>,
+    limits: &RenderLimits,
+) -> Result<Arc<String>, PrepareError> {
+    let (fuel, max) = (limits.fuel, limits.max_rendered_bytes);
+    let failed = |failure| match failure {
+        RenderFailure::TooLarge => PrepareError::RenderedTooLarge { limit: max },
+        RenderFailure::OutOfFuel => PrepareError::OutOfFuel,
+        RenderFailure::Template(message) => PrepareError::Template(message),
+    };
+    let Some(plan) = plan else {
+        return template
+            .render(&input, fuel, max)
+            .map(Arc::new)
+            .map_err(failed);
+    };
+    if let Some(local) = template
+        .render_local(&input, plan.from, fuel, max)
+        .map_err(failed)?
+        && let Some(text) = plan.finish(local, max)
+    {
+        return Ok(text);
+    }
+    // Rendered whole: the input's earlier messages may be placeholders, so all are converted.
+    if plan.from > 0 {
+        let all: Vec<TemplateValue> = plan
+            .messages
+            .iter()
+            .map(|m| TemplateValue::from(Serde(m.as_ref())))
+            .collect();
+        input.messages = TemplateValue::from(all);
+    }
+    template
+        .render(&input, fuel, max)
+        .map(Arc::new)
+        .map_err(failed)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
