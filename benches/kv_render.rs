@@ -1,17 +1,20 @@
 //! Prompt preparation cost for KV-aware selection (goals: ≤ 2 ms for an 8k-token chat prompt,
 //! ≤ 5 / 20 ms p50 for a 32k / 128k-token first turn, ≤ 1 ms p50 for a 128k follow-up turn):
-//! rendering (minijinja, the Qwen-style template of tests/fixtures/render/rich.jinja with one
-//! tool), then tokenizing (TinyLlama's tokenizer.json, from dynamo-llm 1.6.1's fixtures), then
-//! hashing (XXH3 LocalBlockHashes for block sizes 16 and 64), end to end through
-//! `PromptRenderer::prepare` on the blocking pool, and each stage alone.
+//! rendering (minijinja), then tokenizing (TinyLlama's tokenizer.json, from dynamo-llm 1.6.1's
+//! fixtures), then hashing (XXH3 LocalBlockHashes for block sizes 16 and 64), end to end through
+//! `PromptRenderer::prepare` on the blocking pool, and each stage alone. Two templates: `rich`,
+//! the Qwen-style template of tests/fixtures/render/rich.jinja with one tool (not
+//! message-local: every turn is rendered whole), and `own`, TinyLlama's own chat template from
+//! its tokenizer_config.json (message-local: a follow-up renders only its new messages).
 //!
 //! `KV_RENDER_TOKENS=1k,2k,4k,8k,16k,32k,64k,128k` (default `8k`; `k` is 1,024 tokens) picks
-//! the chat sizes. For each: a first turn (a conversation the tokenization cache has not seen)
-//! and a follow-up turn (the previous turn cached), p50 / p99 end to end and the p50 of each
-//! stage (render / tokenize / hash, timed apart on a shadow cache that sees the same prompts);
-//! the uncached path (render, `encode_fast` of the whole text, hash); and the mocker's
-//! byte-level tiny model, which the segmenting cache does not support. A markdown table of the
-//! curve closes the run. Criterion (means) runs for the `8k` size only. Under
+//! the chat sizes. For each size and template: a first turn (a conversation the caches have not
+//! seen) and a follow-up turn (the previous turn cached), p50 / p99 end to end and the p50 of
+//! each stage (render / tokenize / hash, timed apart on a shadow renderer and cache that see the
+//! same prompts; the hash stage continues the previous turn's hashes as the cache does); with
+//! `rich` only, the uncached path (render, `encode_fast` of the whole text, hash) and the
+//! mocker's byte-level tiny model, which the segmenting cache does not support. A markdown
+//! table of the curve closes the run. Criterion (means) runs for the `8k` size only. Under
 //! `cargo test --benches` (no `--bench`) a short pass only checks the harness runs.
 
 #![allow(clippy::too_many_lines, reason = "test code is exempt")]
@@ -21,7 +24,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use continuum_protocol::kv::prompt::{RenderLimits, block_plan, prompt_block_hashes};
+use continuum_protocol::kv::LocalBlockHash;
+use continuum_protocol::kv::hashing::KV_HASH_SEED;
+use continuum_protocol::kv::prompt::{
+    RenderLimits, block_plan, extend_block_hashes, prompt_block_hashes,
+};
 use continuum_router::kv::token_cache::DEFAULT_CACHE_LIMITS;
 use continuum_router::kv::{ChatTemplate, PromptRenderer, PromptTokenizer, SpecialTokens};
 use criterion::Criterion;
@@ -154,6 +161,24 @@ impl Model {
         }
     }
 
+    /// TinyLlama's tokenizer with its own chat template (tokenizer_config.json), which is
+    /// message-local: a follow-up renders only its new messages.
+    fn tinyllama_own() -> Self {
+        let dir = fixtures().join("models/TinyLlama_v1.1");
+        let tokenizer =
+            Arc::new(tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap());
+        let template = Arc::new(
+            ChatTemplate::from_tokenizer_config_json(
+                &std::fs::read(dir.join("tokenizer_config.json")).unwrap(),
+            )
+            .unwrap(),
+        );
+        Self {
+            tokenizer,
+            template,
+        }
+    }
+
     /// The mocker's tiny model: a byte-level BPE with a regex pre-tokenizer (as Llama 3 / Qwen
     /// tokenizers are), where TinyLlama's SentencePiece-style BPE merges each piece as one word.
     fn byte_level() -> Self {
@@ -194,6 +219,7 @@ impl Model {
 /// One size's figures, for the closing table.
 struct Row {
     label: String,
+    template: &'static str,
     tokens: usize,
     bytes: usize,
     first: Timings,
@@ -214,6 +240,7 @@ fn main() {
         .build()
         .unwrap();
     let tinyllama = Model::tinyllama();
+    let own = Model::tinyllama_own();
     let byte_level = Model::byte_level();
     let mut rows = Vec::new();
     for (label, target) in sizes_from_env() {
@@ -226,7 +253,9 @@ fn main() {
         if label == "8k" {
             criterion_pass(&runtime, &tinyllama, &request, measuring);
         }
-        let mut row = curve(&runtime, &tinyllama, &label, &request, runs);
+        let own_request = own.chat_of_about(&runtime, target);
+        let own_row = curve(&runtime, &own, "own", &label, &own_request, runs);
+        let mut row = curve(&runtime, &tinyllama, "rich", &label, &request, runs);
         let tiny_request = byte_level.chat_of_about(&runtime, target);
         let renderer = byte_level.renderer();
         let mut times = Vec::with_capacity(runs);
@@ -245,6 +274,7 @@ fn main() {
             row.byte_level.line()
         );
         rows.push(row);
+        rows.push(own_row);
     }
     fuel_exhaustion(&runtime, &tinyllama);
     print_table(&rows);
@@ -352,27 +382,49 @@ fn earlier_turn(request: &serde_json::Value, n: usize) -> serde_json::Value {
     request
 }
 
-/// The stages of one preparation timed apart: render (through the renderer, on the blocking
-/// pool), tokenize (through `shadow`, a cache that has seen the same prompts), hash.
+/// A turn's ids and per-size block hashes, as the next turn's hash stage continues them.
+type Hashed = (Vec<u32>, Vec<Vec<LocalBlockHash>>);
+
+/// The stages of one preparation timed apart: render (through `shadow_renderer`, which has seen
+/// the same prompts, so a follow-up through a message-local template renders only its new
+/// messages), tokenize (through `shadow`, a cache that has seen the same prompts), hash (the
+/// blocks after those inside the tokens shared with `previous`, as the cache does).
 fn stages(
     runtime: &tokio::runtime::Runtime,
-    renderer: &PromptRenderer,
+    shadow_renderer: &PromptRenderer,
     shadow: &PromptTokenizer,
     request: &serde_json::Value,
-) -> [Duration; 3] {
+    previous: Option<&Hashed>,
+) -> ([Duration; 3], Hashed) {
     let plan = block_plan(&SIZES).unwrap();
     let start = Instant::now();
     let text = runtime
-        .block_on(renderer.render_text(request))
+        .block_on(shadow_renderer.render_text_as_prepared(request))
         .unwrap()
         .unwrap();
     let rendered = start.elapsed();
     let start = Instant::now();
     let ids = shadow.tokenize(&text).unwrap();
     let tokenized = start.elapsed();
+    let shared = previous.map_or(0, |(old, _)| {
+        old.iter().zip(&ids).take_while(|(a, b)| a == b).count()
+    });
     let start = Instant::now();
-    black_box(prompt_block_hashes(&ids, &plan, None, None));
-    [rendered, tokenized, start.elapsed()]
+    let hashes: Vec<Vec<LocalBlockHash>> = plan
+        .iter()
+        .enumerate()
+        .map(|(i, &size)| {
+            let reused = previous.map_or(&[][..], |(_, h)| {
+                &h[i][..(shared / size.get() as usize).min(h[i].len())]
+            });
+            let mut hashes = reused.to_vec();
+            extend_block_hashes(&mut hashes, &ids, size, KV_HASH_SEED);
+            hashes
+        })
+        .collect();
+    let hashed = start.elapsed();
+    black_box(&hashes);
+    ([rendered, tokenized, hashed], (ids, hashes))
 }
 
 fn stage_p50(samples: &[[Duration; 3]]) -> [Duration; 3] {
@@ -385,11 +437,13 @@ fn stage_p50(samples: &[[Duration; 3]]) -> [Duration; 3] {
 fn curve(
     runtime: &tokio::runtime::Runtime,
     model: &Model,
+    template: &'static str,
     label: &str,
     request: &serde_json::Value,
     runs: usize,
 ) -> Row {
     let renderer = model.renderer();
+    let shadow_renderer = model.renderer();
     let shadow = PromptTokenizer::new(Arc::clone(&model.tokenizer), DEFAULT_CACHE_LIMITS);
     let plan = block_plan(&SIZES).unwrap();
     let text = runtime
@@ -400,9 +454,9 @@ fn curve(
         .block_on(renderer.prepare(request, &SIZES, None, None))
         .unwrap()
         .isl;
-    let entry_bytes = renderer.token_cache_stats().bytes;
+    let entry_bytes = renderer.token_cache_stats().bytes + renderer.conversation_stats().bytes;
     println!(
-        "{label} prompt: {} messages, {} bytes rendered, {tokens} tokens, {entry_bytes} bytes cached",
+        "{label} {template} prompt: {} messages, {} bytes rendered, {tokens} tokens, {entry_bytes} bytes cached (tokens, hashes and rendered turn)",
         request["messages"].as_array().map_or(0, Vec::len),
         text.len(),
     );
@@ -412,7 +466,12 @@ fn curve(
     let (mut first, mut follow_up) = (Vec::new(), Vec::new());
     let (mut first_stages, mut follow_up_stages) = (Vec::new(), Vec::new());
     let mut uncached = Vec::new();
-    let uncached_runs = (runs / 10).max(2);
+    // The uncached path and the byte-level fixture are measured with the rich template only.
+    let uncached_runs = if template == "rich" {
+        (runs / 10).max(2)
+    } else {
+        0
+    };
     let mut k = 0;
     for _ in 0..batches {
         let chats: Vec<_> = (0..per_batch)
@@ -421,6 +480,7 @@ fn curve(
                 conversation(request, k)
             })
             .collect();
+        let mut previous = Vec::with_capacity(chats.len());
         for chat in &chats {
             if uncached.len() < uncached_runs {
                 let start = Instant::now();
@@ -433,17 +493,19 @@ fn curve(
                 uncached.push(start.elapsed());
             }
             // First turn: the conversation's previous turn, never seen by the cache.
-            let previous = earlier_turn(chat, 1);
+            let earlier = earlier_turn(chat, 1);
             let start = Instant::now();
             black_box(
                 runtime
-                    .block_on(renderer.prepare(&previous, &SIZES, None, None))
+                    .block_on(renderer.prepare(&earlier, &SIZES, None, None))
                     .unwrap(),
             );
             first.push(start.elapsed());
-            first_stages.push(stages(runtime, &renderer, &shadow, &previous));
+            let (timed, hashed) = stages(runtime, &shadow_renderer, &shadow, &earlier, None);
+            first_stages.push(timed);
+            previous.push(hashed);
         }
-        for chat in &chats {
+        for (chat, previous) in chats.iter().zip(&previous) {
             // Follow-up: the next turn, its previous turn cached.
             let start = Instant::now();
             black_box(
@@ -452,18 +514,24 @@ fn curve(
                     .unwrap(),
             );
             follow_up.push(start.elapsed());
-            follow_up_stages.push(stages(runtime, &renderer, &shadow, chat));
+            let (timed, _) = stages(runtime, &shadow_renderer, &shadow, chat, Some(previous));
+            follow_up_stages.push(timed);
         }
     }
     let row = Row {
         label: label.to_owned(),
+        template,
         tokens,
         bytes: text.len(),
         first: Timings::new(first),
         first_stages: stage_p50(&first_stages),
         follow_up: Timings::new(follow_up),
         follow_up_stages: stage_p50(&follow_up_stages),
-        uncached: Timings::new(uncached),
+        uncached: Timings::new(if uncached.is_empty() {
+            vec![Duration::ZERO]
+        } else {
+            uncached
+        }),
         entry_bytes,
         byte_level: Timings::new(vec![Duration::ZERO]),
         byte_level_tokens: 0,
@@ -476,37 +544,41 @@ fn curve(
             ms(s[2])
         )
     };
+    if uncached_runs > 0 {
+        println!(
+            "uncached_{label}_chat (render + encode_fast + hash): {}",
+            row.uncached.line()
+        );
+    }
     println!(
-        "uncached_{label}_chat (render + encode_fast + hash): {}",
-        row.uncached.line()
-    );
-    println!(
-        "first_turn_{label}_chat (cache miss): {}; p50 {}",
+        "first_turn_{label}_{template}_chat (cache miss): {}; p50 {}",
         row.first.line(),
         split(row.first_stages)
     );
     println!(
-        "follow_up_turn_{label}_chat (previous turn cached): {}; p50 {}",
+        "follow_up_turn_{label}_{template}_chat (previous turn cached): {}; p50 {}",
         row.follow_up.line(),
         split(row.follow_up_stages)
     );
     println!("token cache: {:?}", renderer.token_cache_stats());
+    println!("conversation cache: {:?}", renderer.conversation_stats());
     row
 }
 
 fn print_table(rows: &[Row]) {
     println!();
     println!(
-        "| chat | first turn p50 / p99 | render / tokenize / hash | follow-up p50 / p99 | render / tokenize / hash | cached bytes | uncached p50 | byte-level first turn p50 / p99 |"
+        "| chat | template | first turn p50 / p99 | render / tokenize / hash | follow-up p50 / p99 | render / tokenize / hash | cached bytes | uncached p50 | byte-level first turn p50 / p99 |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for row in rows {
         let split = |s: [Duration; 3]| format!("{} / {} / {}", ms(s[0]), ms(s[1]), ms(s[2]));
         println!(
-            "| {} ({} tokens, {} kB) | {} / {} | {} | {} / {} | {} | {} | {} | {} / {} ({} tokens) |",
+            "| {} ({} tokens, {} kB) | {} | {} / {} | {} | {} / {} | {} | {} | {} | {} / {} ({} tokens) |",
             row.label,
             row.tokens,
             row.bytes / 1000,
+            row.template,
             ms(row.first.p50()),
             ms(row.first.p99()),
             split(row.first_stages),

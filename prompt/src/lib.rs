@@ -5,9 +5,9 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`template`] | [`ChatTemplate`]: HF chat templates on minijinja, no loader, bounded fuel |
-//! | [`render`] | [`PromptRenderer`]: permits, deadline, tokenization, block hashes |
-//! | [`token_cache`] | [`PromptTokenizer`]: exact, bounded prefix cache so follow-up turns tokenize only what is new |
+//! | [`template`] | [`ChatTemplate`]: HF chat templates on minijinja, no loader, bounded fuel; which are message-local (each message's text depends on it alone) |
+//! | [`render`] | [`PromptRenderer`]: permits, deadline, tokenization, block hashes; a follow-up through a message-local template renders only its new messages |
+//! | [`token_cache`] | [`PromptTokenizer`]: exact, bounded prefix cache so follow-up turns tokenize and hash only what is new |
 //!
 //! The bounds (fuel, sizes, permits, deadline) are `continuum_protocol::kv::prompt`'s; this crate
 //! does the IO around them.
@@ -20,6 +20,6 @@ pub mod template;
 pub mod token_cache;
 
 pub use continuum_protocol::kv::prompt::PreparedPrompt;
-pub use render::{PrepareError, PromptRenderer, RenderPermits};
+pub use render::{ConversationStats, PrepareError, PromptRenderer, RenderPermits};
 pub use template::{ChatTemplate, SpecialTokens, TemplateError};
-pub use token_cache::{CacheLimits, CacheStats, PromptTokenizer};
+pub use token_cache::{BlockHashes, CacheLimits, CacheStats, PromptTokenizer, Tokenized};

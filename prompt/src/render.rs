@@ -15,12 +15,20 @@ use minijinja::value::{Serde, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
+use continuum_protocol::kv::hashing::{BlockSize, salt_seed};
 use continuum_protocol::kv::prompt::{
-    BlockPlanError, PrepareFailureKind, RenderLimits, block_plan, prompt_block_hashes,
+    BlockPlanError, PrepareFailureKind, RenderLimits, block_plan,
 };
 
-use super::template::{ChatTemplate, RenderFailure, TemplateInput};
-use super::token_cache::{CacheLimits, CacheStats, DEFAULT_CACHE_LIMITS, PromptTokenizer};
+use super::template::{ChatTemplate, TemplateInput};
+use super::token_cache::{
+    CacheLimits, CacheStats, DEFAULT_CACHE_LIMITS, PromptTokenizer, Tokenized,
+};
+
+mod conversation;
+
+pub use conversation::ConversationStats;
+use conversation::{Conversations, LocalPlan, render_chat};
 
 /// Messages in one chat request beyond this are not rendered (a 1 MiB prompt cap makes more
 /// than this many turns meaningless, and it bounds the context built before fuel counts).
@@ -107,6 +115,8 @@ pub struct PromptRenderer {
     template: Option<Arc<ChatTemplate>>,
     limits: RenderLimits,
     permits: RenderPermits,
+    /// Rendered turns of message-local templates: a follow-up renders only its new messages.
+    conversations: Arc<Conversations>,
 }
 
 impl PromptRenderer {
@@ -123,6 +133,7 @@ impl PromptRenderer {
             template,
             limits,
             permits,
+            conversations: Arc::new(Conversations::new(DEFAULT_CACHE_LIMITS)),
         }
     }
 
@@ -135,11 +146,18 @@ impl PromptRenderer {
         self.limits
     }
 
-    /// Replaces the tokenization cache with an empty one of `limits` (tests, benches).
+    /// Replaces the tokenization and conversation caches with empty ones of `limits` (tests,
+    /// benches).
     pub fn with_cache_limits(mut self, limits: CacheLimits) -> Self {
         let tokenizer = Arc::clone(self.tokenizer.tokenizer());
         self.tokenizer = Arc::new(PromptTokenizer::new(tokenizer, limits));
+        self.conversations = Arc::new(Conversations::new(limits));
         self
+    }
+
+    /// The conversation cache's counters (message-local templates only).
+    pub fn conversation_stats(&self) -> ConversationStats {
+        self.conversations.stats()
     }
 
     /// The tokenizer and its cache.
@@ -163,33 +181,51 @@ impl PromptRenderer {
         cache_salt: Option<&str>,
     ) -> Result<PreparedPrompt, PrepareError> {
         let plan = block_plan(block_sizes)?;
-        let job = Job::from_request(request, self.template.is_some())?;
+        let job = Job::from_request(request, self.template.as_deref(), Some(&self.conversations))?;
         let tokenizer = Arc::clone(&self.tokenizer);
-        let lora = lora_name.map(str::to_owned);
-        let salt = cache_salt.map(str::to_owned);
+        let seed = salt_seed(lora_name, cache_salt);
         self.bounded(move |template, limits| {
-            let tokens = job.tokens(&tokenizer, template, limits)?;
-            let hashes = prompt_block_hashes(&tokens, &plan, lora.as_deref(), salt.as_deref());
+            let tokenized = job.tokenize(&tokenizer, template, limits, &plan, seed)?;
             Ok(PreparedPrompt {
-                isl: tokens.len(),
-                tokens: tokens.into(),
-                hashes,
+                isl: tokenized.ids.len(),
+                tokens: tokenized.ids,
+                hashes: tokenized.hashes.per_size,
             })
         })
         .await
     }
 
     /// The text [`Self::prepare`] would tokenize (the rendered chat, or a completions prompt
-    /// string), under the same bounds; `None` for a token-id prompt. For parity tests and
-    /// operators' debugging.
+    /// string), under the same bounds, rendered whole by the template as pinned (never from
+    /// the conversation cache); `None` for a token-id prompt. For parity tests and operators'
+    /// debugging.
     pub async fn render_text(
         &self,
         request: &serde_json::Value,
     ) -> Result<Option<String>, PrepareError> {
-        let job = Job::from_request(request, self.template.is_some())?;
+        self.render_text_with(request, None).await
+    }
+
+    /// [`Self::render_text`] as [`Self::prepare`] renders: a follow-up through a message-local
+    /// template renders only its new messages after the cached turn (and caches its own).
+    /// Benches time the render stage with it.
+    pub async fn render_text_as_prepared(
+        &self,
+        request: &serde_json::Value,
+    ) -> Result<Option<String>, PrepareError> {
+        self.render_text_with(request, Some(&self.conversations))
+            .await
+    }
+
+    async fn render_text_with(
+        &self,
+        request: &serde_json::Value,
+        conversations: Option<&Arc<Conversations>>,
+    ) -> Result<Option<String>, PrepareError> {
+        let job = Job::from_request(request, self.template.as_deref(), conversations)?;
         self.bounded(
             move |template, limits| match job.render(template, limits)? {
-                Rendered::Text(text) => Ok(Some(text)),
+                Rendered::Text(text) => Ok(Some(Arc::unwrap_or_clone(text))),
                 Rendered::Tokens(_) => Ok(None),
             },
         )
@@ -234,18 +270,22 @@ async fn acquire(
 /// What the blocking task does, decided (and the body parsed) before a permit is taken.
 #[derive(Debug)]
 enum Job {
-    Chat(TemplateInput),
+    Chat(TemplateInput, Option<LocalPlan>),
     Text(String),
     Tokens(Vec<u32>),
 }
 
 impl Job {
-    fn from_request(request: &serde_json::Value, has_template: bool) -> Result<Self, PrepareError> {
+    /// The job of `request`; a chat through a message-local template with `conversations`
+    /// given renders only the messages after a cached turn it continues.
+    fn from_request(
+        request: &serde_json::Value,
+        template: Option<&ChatTemplate>,
+        conversations: Option<&Arc<Conversations>>,
+    ) -> Result<Self, PrepareError> {
         if let Some(messages) = request.get("messages") {
-            if !has_template {
-                return Err(PrepareError::NoTemplate);
-            }
-            return chat_input(request, messages).map(Job::Chat);
+            let template = template.ok_or(PrepareError::NoTemplate)?;
+            return chat_job(request, messages, template, conversations);
         }
         match request.get("prompt") {
             Some(serde_json::Value::String(text)) => Ok(Job::Text(text.clone())),
@@ -261,18 +301,10 @@ impl Job {
     ) -> Result<Rendered, PrepareError> {
         let text = match self {
             Job::Tokens(tokens) => return Ok(Rendered::Tokens(tokens)),
-            Job::Text(text) => text,
-            Job::Chat(input) => {
+            Job::Text(text) => Arc::new(text),
+            Job::Chat(input, plan) => {
                 let template = template.ok_or(PrepareError::NoTemplate)?;
-                template
-                    .render(&input, limits.fuel, limits.max_rendered_bytes)
-                    .map_err(|failure| match failure {
-                        RenderFailure::TooLarge => PrepareError::RenderedTooLarge {
-                            limit: limits.max_rendered_bytes,
-                        },
-                        RenderFailure::OutOfFuel => PrepareError::OutOfFuel,
-                        RenderFailure::Template(message) => PrepareError::Template(message),
-                    })?
+                render_chat(template, input, plan, limits)?
             }
         };
         if text.len() > limits.max_rendered_bytes {
@@ -283,35 +315,42 @@ impl Job {
         Ok(Rendered::Text(text))
     }
 
-    fn tokens(
+    /// Renders, tokenizes (through the cache, which also continues the block hashes of a
+    /// cached prefix) and hashes for each size of `plan` with `seed`.
+    fn tokenize(
         self,
         tokenizer: &PromptTokenizer,
         template: Option<&ChatTemplate>,
         limits: &RenderLimits,
-    ) -> Result<Vec<u32>, PrepareError> {
-        let tokens = match self.render(template, limits)? {
-            Rendered::Tokens(tokens) => tokens,
-            Rendered::Text(text) => tokenizer
-                .tokenize(text.as_str())
-                .map_err(PrepareError::Tokenizer)?,
-        };
-        cap_tokens(tokens, limits.max_tokens)
+        plan: &[BlockSize],
+        seed: u64,
+    ) -> Result<Tokenized, PrepareError> {
+        match self.render(template, limits)? {
+            Rendered::Tokens(tokens) => {
+                cap_tokens(tokens.len(), limits.max_tokens)?;
+                Ok(PromptTokenizer::hash_ids(tokens.into(), plan, seed))
+            }
+            Rendered::Text(text) => {
+                let tokenized = tokenizer
+                    .tokenize_and_hash(text.as_str(), plan, seed)
+                    .map_err(PrepareError::Tokenizer)?;
+                cap_tokens(tokenized.ids.len(), limits.max_tokens)?;
+                Ok(tokenized)
+            }
+        }
     }
 }
 
 enum Rendered {
-    Text(String),
+    Text(Arc<String>),
     Tokens(Vec<u32>),
 }
 
-fn cap_tokens(tokens: Vec<u32>, limit: usize) -> Result<Vec<u32>, PrepareError> {
-    if tokens.len() > limit {
-        Err(PrepareError::TooManyTokens {
-            tokens: tokens.len(),
-            limit,
-        })
+fn cap_tokens(tokens: usize, limit: usize) -> Result<(), PrepareError> {
+    if tokens > limit {
+        Err(PrepareError::TooManyTokens { tokens, limit })
     } else {
-        Ok(tokens)
+        Ok(())
     }
 }
 
@@ -342,13 +381,17 @@ fn token_ids(items: &[serde_json::Value]) -> Result<Vec<u32>, PrepareError> {
         .collect()
 }
 
-/// The template input of a chat body: messages with text-only content-part lists flattened to
-/// one string (Dynamo's frontend does the same before rendering, so templates written for string
-/// content see strings), tools, `add_generation_prompt` and `chat_template_kwargs`.
-fn chat_input(
+/// The job of a chat body: messages with text-only content-part lists flattened to one string
+/// (Dynamo's frontend does the same before rendering, so templates written for string content
+/// see strings), tools, `add_generation_prompt` and `chat_template_kwargs`; with
+/// `conversations` and a message-local template, only the messages after the cached turn the
+/// chat continues are converted for the template (the others are never read by it).
+fn chat_job(
     request: &serde_json::Value,
     messages: &serde_json::Value,
-) -> Result<TemplateInput, PrepareError> {
+    template: &ChatTemplate,
+    conversations: Option<&Arc<Conversations>>,
+) -> Result<Job, PrepareError> {
     let serde_json::Value::Array(messages) = messages else {
         return Err(PrepareError::BadRequest("messages is not an array"));
     };
@@ -371,22 +414,76 @@ fn chat_input(
             .get("add_generation_prompt")
             .and_then(serde_json::Value::as_bool)
             .unwrap_or(true);
-    let mut extra = Vec::new();
+    let mut kwargs = Vec::new();
     for key in ["chat_template_args", "chat_template_kwargs"] {
         if let Some(serde_json::Value::Object(args)) = request.get(key) {
-            extra.extend(
-                args.iter()
-                    .map(|(k, v)| (Value::from(k.as_str()), Value::from(Serde(v)))),
-            );
+            kwargs.extend(args.iter());
         }
     }
-    Ok(TemplateInput {
-        messages: Value::from(Serde(&messages)),
+    let size_hint = messages
+        .iter()
+        .filter_map(|m| m.get("content").and_then(serde_json::Value::as_str))
+        .map(|c| c.len() + 64)
+        .sum::<usize>()
+        + 4096;
+    let mut input = TemplateInput {
+        messages: Value::from(()),
         tools: tools.map_or(Value::from(()), |t| Value::from(Serde(t))),
         has_tools: tools.is_some(),
         add_generation_prompt,
-        extra,
-    })
+        extra: kwargs
+            .iter()
+            .map(|(k, v)| (Value::from(k.as_str()), Value::from(Serde(*v))))
+            .collect(),
+        size_hint,
+    };
+    let Some(conversations) = conversations.filter(|_| template.is_local(tools.is_some())) else {
+        input.messages = Value::from(Serde(&messages));
+        return Ok(Job::Chat(input, None));
+    };
+    let inputs = serde_json::json!([
+        tools,
+        add_generation_prompt,
+        kwargs
+            .iter()
+            .map(|(k, v)| serde_json::json!([k, v]))
+            .collect::<Vec<_>>(),
+    ]);
+    let base = conversations.lookup(&messages, &inputs);
+    let from = base.as_ref().map_or(0, |turn| turn.messages.len());
+    let mut all = base
+        .as_ref()
+        .map(|turn| turn.messages.clone())
+        .unwrap_or_default();
+    all.extend(
+        messages[from..]
+            .iter()
+            .map(|m| Arc::new(m.as_ref().clone())),
+    );
+    let values: Vec<Value> = std::iter::repeat_n(Value::from(()), from)
+        .chain(
+            messages[from..]
+                .iter()
+                .map(|m| Value::from(Serde(m.as_ref()))),
+        )
+        .collect();
+    input.messages = Value::from(values);
+    input.size_hint = messages[from..]
+        .iter()
+        .filter_map(|m| m.get("content").and_then(serde_json::Value::as_str))
+        .map(|c| c.len() + 64)
+        .sum::<usize>()
+        + 4096;
+    Ok(Job::Chat(
+        input,
+        Some(LocalPlan {
+            from,
+            base,
+            messages: all,
+            inputs: Arc::new(inputs),
+            conversations: Arc::clone(conversations),
+        }),
+    ))
 }
 
 /// `content: [{type: "text", text}, ...]` → the texts joined by `\n`; lists with other part

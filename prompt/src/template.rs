@@ -15,6 +15,8 @@ use minijinja::{Environment, Error, ErrorKind, syntax::SyntaxConfig};
 
 use continuum_protocol::kv::prompt::RENDER_FUEL;
 
+mod locality;
+
 /// Template names inside the environment.
 const DEFAULT_NAME: &str = "default";
 const TOOL_USE_NAME: &str = "tool_use";
@@ -89,6 +91,22 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     has_tool_use: bool,
     special: SpecialTokens,
+    /// Whether the default / `tool_use` template is message-local (`locality`): then its
+    /// rewrite is in the environment as `<name>_local`.
+    local: [bool; 2],
+    /// The rewrite's marks around the loop's text: random per template, so no request can
+    /// know them (a text that holds one anyway is rendered whole).
+    marks: [String; 2],
+}
+
+/// A render of a message-local template from message `from` on ([`ChatTemplate::render_local`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct LocalText {
+    /// The text before the loop, the loop's text from message `from` on, the text after it.
+    pub text: String,
+    /// Where the loop's text starts and ends in `text`.
+    pub loop_start: usize,
+    pub loop_end: usize,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -151,19 +169,101 @@ impl ChatTemplate {
         special: SpecialTokens,
     ) -> Result<Self, TemplateError> {
         let mut env = hf_environment(RENDER_FUEL);
-        for (name, source) in [(DEFAULT_NAME, Some(default)), (TOOL_USE_NAME, tool_use)] {
+        let mut local = [false; 2];
+        for (i, (name, source)) in [(DEFAULT_NAME, Some(default)), (TOOL_USE_NAME, tool_use)]
+            .into_iter()
+            .enumerate()
+        {
             let Some(source) = source else { continue };
             if source.len() > MAX_TEMPLATE_BYTES {
                 return Err(TemplateError::TooLarge(source.len()));
             }
             env.add_template_owned(name, source.to_owned())
                 .map_err(|e| TemplateError::Syntax(e.to_string()))?;
+            if let Ok(rewritten) = locality::rewrite(source, hf_syntax()) {
+                local[i] = env
+                    .add_template_owned(format!("{name}_local"), rewritten)
+                    .is_ok();
+            }
         }
+        let mark = |end: char| {
+            let random = |n: u64| {
+                use std::hash::{BuildHasher, Hasher};
+                let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                h.write_u64(n);
+                h.finish()
+            };
+            format!("\u{F8FF}{:016x}{:016x}{end}\u{F8FF}", random(1), random(2))
+        };
         Ok(Self {
             env,
             has_tool_use: tool_use.is_some(),
             special,
+            local,
+            marks: [mark('['), mark(']')],
         })
+    }
+
+    /// The template a request renders with: `tool_use` when it sends tools and there is one.
+    fn variant(&self, has_tools: bool) -> usize {
+        usize::from(has_tools && self.has_tool_use)
+    }
+
+    /// Whether the template `input` renders with is message-local.
+    pub(crate) fn is_local(&self, has_tools: bool) -> bool {
+        self.local[self.variant(has_tools)]
+    }
+
+    /// Renders the message-local rewrite of the template, skipping messages before `from`:
+    /// `None` when the template is not message-local or a mark is not found exactly once (a
+    /// message that holds one), for the caller to render whole.
+    pub(crate) fn render_local(
+        &self,
+        input: &TemplateInput,
+        from: usize,
+        fuel: u64,
+        max_bytes: usize,
+    ) -> Result<Option<LocalText>, RenderFailure> {
+        let variant = self.variant(input.has_tools);
+        if !self.local[variant] {
+            return Ok(None);
+        }
+        let name = if variant == 1 {
+            "tool_use_local"
+        } else {
+            "default_local"
+        };
+        let [start, end] = &self.marks;
+        let extra = [
+            (locality::FROM_VAR, Value::from(from)),
+            (locality::START_VAR, Value::from(start.as_str())),
+            (locality::END_VAR, Value::from(end.as_str())),
+        ];
+        let cap = max_bytes.saturating_add(start.len() + end.len());
+        let out = self.render_named(name, input, &extra, fuel, cap)?;
+        let once = |mark: &str| {
+            let finder = memchr::memmem::Finder::new(mark.as_bytes());
+            let mut found = finder.find_iter(out.as_bytes());
+            match (found.next(), found.next()) {
+                (Some(at), None) => Some(at),
+                _ => None,
+            }
+        };
+        let (Some(s), Some(e)) = (once(start), once(end)) else {
+            return Ok(None);
+        };
+        if e < s + start.len() {
+            return Ok(None);
+        }
+        let mut text = String::with_capacity(out.len() - start.len() - end.len());
+        text.push_str(&out[..s]);
+        text.push_str(&out[s + start.len()..e]);
+        text.push_str(&out[e + end.len()..]);
+        Ok(Some(LocalText {
+            text,
+            loop_start: s,
+            loop_end: e - start.len(),
+        }))
     }
 
     /// Renders into `out`, failing once the text would pass `max_bytes`. `fuel` replaces the
@@ -174,11 +274,22 @@ impl ChatTemplate {
         fuel: u64,
         max_bytes: usize,
     ) -> Result<String, RenderFailure> {
-        let name = if input.has_tools && self.has_tool_use {
+        let name = if self.variant(input.has_tools) == 1 {
             TOOL_USE_NAME
         } else {
             DEFAULT_NAME
         };
+        self.render_named(name, input, &[], fuel, max_bytes)
+    }
+
+    fn render_named(
+        &self,
+        name: &str,
+        input: &TemplateInput,
+        extra: &[(&'static str, Value)],
+        fuel: u64,
+        max_bytes: usize,
+    ) -> Result<String, RenderFailure> {
         let mut ctx: Vec<(&'static str, Value)> = vec![
             ("messages", input.messages.clone()),
             ("tools", input.tools.clone()),
@@ -189,6 +300,7 @@ impl ChatTemplate {
             ),
         ];
         self.special.insert_into(&mut ctx);
+        ctx.extend(extra.iter().cloned());
         let mut root: Vec<(Value, Value)> = input.extra.clone();
         root.extend(ctx.into_iter().map(|(k, v)| (Value::from(k), v)));
         let root = Value::from_pairs(root);
@@ -207,7 +319,7 @@ impl ChatTemplate {
             .get_template(name)
             .map_err(|e| RenderFailure::Template(e.to_string()))?;
         let mut out = CappedWriter {
-            buf: Vec::new(),
+            buf: Vec::with_capacity(input.size_hint.min(max_bytes)),
             cap: max_bytes,
             over: false,
         };
@@ -234,6 +346,8 @@ pub(crate) struct TemplateInput {
     pub add_generation_prompt: bool,
     /// `chat_template_kwargs` / `chat_template_args` of the request, under the fixed keys.
     pub extra: Vec<(Value, Value)>,
+    /// Bytes to reserve for the rendered text (the output buffer is not grown by doubling).
+    pub size_hint: usize,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -269,18 +383,22 @@ impl io::Write for CappedWriter {
 /// `{% include %}` or `{% import %}` fails as "template not found".
 fn hf_environment(fuel: u64) -> Environment<'static> {
     let mut env = Environment::new();
-    let syntax = SyntaxConfig::builder()
-        .trim_blocks(true)
-        .lstrip_blocks(true)
-        .build()
-        .expect("the default delimiters are a valid syntax");
-    env.set_syntax(syntax);
+    env.set_syntax(hf_syntax());
     env.set_fuel(Some(fuel));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     env.add_filter("tojson", tojson);
     env
+}
+
+/// transformers' syntax: default delimiters, `trim_blocks` and `lstrip_blocks`.
+fn hf_syntax() -> SyntaxConfig {
+    SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .expect("the default delimiters are a valid syntax")
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
@@ -472,171 +590,4 @@ fn dump(value: &Value, indent: Option<&str>, depth: usize, out: &mut String) -> 
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn input(messages: serde_json::Value) -> TemplateInput {
-        TemplateInput {
-            messages: Value::from(Serde(&messages)),
-            tools: Value::from(()),
-            has_tools: false,
-            add_generation_prompt: true,
-            extra: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn config_chat_template_as_string_list_or_missing() {
-        let t = ChatTemplate::from_tokenizer_config_json(
-            br#"{"chat_template": "{{ bos_token }}{{ messages[0].content }}", "bos_token": {"content": "<s>"}}"#,
-        )
-        .unwrap();
-        let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
-        assert_eq!(
-            t.render(&input(msgs.clone()), RENDER_FUEL, 1 << 20)
-                .unwrap(),
-            "<s>hi"
-        );
-
-        let listed = ChatTemplate::from_tokenizer_config_json(
-            br#"{"chat_template": [{"name": "tool_use", "template": "T{{ tools|length }}"},
-                                   {"name": "default", "template": "D"}]}"#,
-        )
-        .unwrap();
-        assert_eq!(
-            listed
-                .render(&input(msgs.clone()), RENDER_FUEL, 100)
-                .unwrap(),
-            "D"
-        );
-        let mut with_tools = input(msgs);
-        with_tools.tools = Value::from(Serde(serde_json::json!([{"type": "function"}])));
-        with_tools.has_tools = true;
-        assert_eq!(listed.render(&with_tools, RENDER_FUEL, 100).unwrap(), "T1");
-
-        assert!(matches!(
-            ChatTemplate::from_tokenizer_config_json(
-                br#"{"chat_template": [{"name": "x", "template": ""}]}"#
-            ),
-            Err(TemplateError::NoDefaultTemplate)
-        ));
-        assert!(matches!(
-            ChatTemplate::from_tokenizer_config_json(br#"{"bos_token": "<s>"}"#),
-            Err(TemplateError::NoChatTemplate)
-        ));
-        assert!(matches!(
-            ChatTemplate::from_tokenizer_config_json(b"[1, 2]"),
-            Err(TemplateError::Config(_))
-        ));
-        assert!(matches!(
-            ChatTemplate::from_jinja("{% for %}", SpecialTokens::default()),
-            Err(TemplateError::Syntax(_))
-        ));
-    }
-
-    #[test]
-    fn special_tokens_are_strings_or_added_tokens_and_null_is_absent() {
-        let config: serde_json::Map<String, serde_json::Value> = serde_json::from_str(
-            r#"{"bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>",
-                "pad_token": null, "unk_token": 7}"#,
-        )
-        .unwrap();
-        let special = SpecialTokens::from_config(&config);
-        assert_eq!(special.bos_token.as_deref(), Some("<s>"));
-        assert_eq!(special.eos_token.as_deref(), Some("</s>"));
-        assert_eq!(special.pad_token, None);
-        assert_eq!(special.unk_token, None);
-    }
-
-    #[test]
-    fn python_methods_raise_exception_and_whitespace_control_match_transformers() {
-        let t = ChatTemplate::from_jinja(
-            "{% for m in messages %}\n  {{ m.content.strip() }}{% if m.role.startswith('u') %}!{% endif %}\n{% endfor %}",
-            SpecialTokens::default(),
-        )
-        .unwrap();
-        let msgs = serde_json::json!([{"role": "user", "content": "  a  "}, {"role": "bot", "content": "b"}]);
-        // Checked against jinja2 3.1.6 with trim_blocks and lstrip_blocks: the newlines after block
-        // tags go, the indentation before an expression stays.
-        assert_eq!(
-            t.render(&input(msgs.clone()), RENDER_FUEL, 100).unwrap(),
-            "  a!  b"
-        );
-
-        let raising = ChatTemplate::from_jinja(
-            "{{ raise_exception('roles must alternate') }}",
-            SpecialTokens::default(),
-        )
-        .unwrap();
-        match raising.render(&input(msgs), RENDER_FUEL, 100) {
-            Err(RenderFailure::Template(message)) => {
-                assert!(message.contains("roles must alternate"), "{message}")
-            }
-            other => panic!("{other:?}"),
-        }
-    }
-
-    /// Key order is the request's own (serde_json and minijinja `preserve_order`), as Python
-    /// dicts keep it: `k` before `e`.
-    #[test]
-    fn tojson_is_python_json_dumps() {
-        let t = ChatTemplate::from_jinja(
-            "{{ messages[0] | tojson }}|{{ messages[1] | tojson(indent=2) }}|{{ messages[2] | tojson }}",
-            SpecialTokens::default(),
-        )
-        .unwrap();
-        let msgs = serde_json::json!([
-            {"a": [1, 2.5, true, null], "b": "<é>\n"},
-            {"k": [1, {}], "e": []},
-            "x"
-        ]);
-        assert_eq!(
-            t.render(&input(msgs), RENDER_FUEL, 1000).unwrap(),
-            "{\"a\": [1, 2.5, true, null], \"b\": \"<é>\\n\"}|{\n  \"k\": [\n    1,\n    {}\n  ],\n  \"e\": []\n}|\"x\""
-        );
-    }
-
-    #[test]
-    fn strftime_covers_the_codes_templates_use() {
-        let at = time::macros::datetime!(2026-03-05 14:07:09 UTC);
-        assert_eq!(
-            strftime(at, "%d %B %Y, %b %-d %a %A %H:%M:%S %I%p %j %y %% %Q"),
-            "05 March 2026, Mar 5 Thu Thursday 14:07:09 02PM 064 26 % %Q"
-        );
-    }
-
-    #[test]
-    fn includes_fail_without_a_loader_and_fuel_and_size_are_bounded() {
-        let include =
-            ChatTemplate::from_jinja("{% include 'secrets.txt' %}", SpecialTokens::default())
-                .unwrap();
-        let msgs = serde_json::json!([]);
-        assert!(matches!(
-            include.render(&input(msgs.clone()), RENDER_FUEL, 100),
-            Err(RenderFailure::Template(_))
-        ));
-        let spin = ChatTemplate::from_jinja(
-            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-            SpecialTokens::default(),
-        )
-        .unwrap();
-        assert_eq!(
-            spin.render(&input(msgs.clone()), RENDER_FUEL, 100),
-            Err(RenderFailure::OutOfFuel)
-        );
-        let big = ChatTemplate::from_jinja(
-            "{% for i in range(3000) %}{{ 'x' * 1000 }}{% endfor %}",
-            SpecialTokens::default(),
-        )
-        .unwrap();
-        assert_eq!(
-            big.render(&input(msgs.clone()), RENDER_FUEL, 1 << 20),
-            Err(RenderFailure::TooLarge)
-        );
-        assert_eq!(
-            big.render(&input(msgs), RENDER_FUEL, 3_000_000)
-                .map(|s| s.len()),
-            Ok(3_000_000)
-        );
-    }
-}
+mod tests;

@@ -37,29 +37,45 @@
 //! WordPiece, Unigram, truncation or padding configured, added tokens that strip or normalize)
 //! is tokenized in full every time: [`PromptTokenizer::supported`] says which.
 //!
+//! # Block hashes
+//!
+//! [`PromptTokenizer::tokenize_and_hash`] keeps each cached prompt's LocalBlockHashes (per block
+//! size, with the seed they were hashed with) beside its ids: a follow-up takes the hashes of the
+//! complete blocks inside the tokens it reuses and hashes only the blocks after them (a partial
+//! last block is hashed again once it fills). A block's hash is XXH3 of its tokens with the seed,
+//! nothing else, so this equals `prompt_block_hashes` of the whole prompt (property tests over
+//! random conversations, both fixtures, one and two block sizes, a seed that changes mid-way).
+//!
 //! # Bound
 //!
 //! At most [`CacheLimits::max_entries`] prompts and [`CacheLimits::max_bytes`] bytes (the
-//! rendered text, 4 bytes per token, 8 per checkpoint, plus a fixed overhead per entry) are held
-//! per tokenizer, least recently used evicted first; a prompt larger than a quarter of the byte
-//! budget is never cached. A follow-up that continues a cached prompt (shares at least half of
-//! it) replaces its entry, so a conversation holds one entry, not one per turn. A chat prompt
-//! costs about 8 bytes per token (≈ 4 of text, 4 of ids, 8 per 128 bytes of checkpoints): a
-//! 128k-token conversation ≈ 1.0 MiB, within the 2 MiB per-prompt cap. The defaults
-//! ([`DEFAULT_CACHE_LIMITS`]: 64 prompts, 8 MiB) hold 64 conversations of 8k tokens or 7 of 128k;
-//! the word cache adds at most 2 MiB; the daemon keeps at most 16 renderers (the daemon's
-//! `kv::prep::MAX_RENDERERS`), so at most 160 MiB in all.
+//! rendered text, 4 bytes per token, 8 per checkpoint, 8 per block hash, plus a fixed overhead
+//! per entry) are held per tokenizer, least recently used evicted first; a prompt larger than a
+//! quarter of the byte budget is never cached. A follow-up that continues a cached prompt
+//! (shares at least half of it) replaces its entry, so a conversation holds one entry, not one
+//! per turn. A chat prompt costs about 8.7 bytes per token (≈ 4 of text, 4 of ids, 8 per 128
+//! bytes of checkpoints, 0.625 of hashes at block sizes 16 and 64): a 128k-token conversation ≈
+//! 1.1 MiB, within the 2 MiB per-prompt cap. The defaults ([`DEFAULT_CACHE_LIMITS`]: 64 prompts,
+//! 8 MiB) hold 64 conversations of 8k tokens or 7 of 128k; the word cache adds at most 2 MiB. A
+//! renderer whose template is message-local also keeps its conversations' rendered turns under
+//! the same limits (`render::conversation`); the daemon keeps at most 16 renderers (the daemon's
+//! `kv::prep::MAX_RENDERERS`), so at most 16 × 18 MiB = 288 MiB in all.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use continuum_protocol::kv::LocalBlockHash;
+use continuum_protocol::kv::hashing::BlockSize;
+use continuum_protocol::kv::prompt::extend_block_hashes;
 use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
 use tokenizers::Tokenizer;
 use tokenizers::models::ModelWrapper;
 
+mod prefix;
 mod words;
 
+use prefix::PrefixCache;
 use words::{Pending, Run, WordCache};
 
 /// The SentencePiece space marker.
@@ -102,6 +118,8 @@ pub struct CacheStats {
     pub hits: u64,
     /// Prompts tokenized from the start (no cached prefix, or an unsupported tokenizer).
     pub misses: u64,
+    /// Prompts dropped (least recently used first) to stay within the limits.
+    pub evictions: u64,
     pub entries: usize,
     pub bytes: usize,
     /// Segments in the word cache, and their counted bytes (at most 2 MiB).
@@ -302,150 +320,25 @@ impl Segmenter {
     }
 }
 
-#[derive(Debug)]
-struct Entry {
-    text: String,
-    ids: Vec<u32>,
-    cuts: Vec<(u32, u32)>,
-    last_used: u64,
-    /// Unique per insertion: names the entry a follow-up reused.
-    serial: u64,
+/// The LocalBlockHashes of a prompt's complete blocks per block size, all with one seed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BlockHashes {
+    pub seed: u64,
+    pub per_size: Vec<(BlockSize, Vec<LocalBlockHash>)>,
 }
 
-impl Entry {
-    fn bytes(&self) -> usize {
-        entry_bytes(self.text.len(), self.ids.len(), self.cuts.len())
+impl BlockHashes {
+    fn count(&self) -> usize {
+        self.per_size.iter().map(|(_, h)| h.len()).sum()
     }
 }
 
-fn entry_bytes(text: usize, ids: usize, cuts: usize) -> usize {
-    text.saturating_add(ids.saturating_mul(4))
-        .saturating_add(cuts.saturating_mul(8))
-        .saturating_add(ENTRY_OVERHEAD)
-}
-
-#[derive(Debug, Default)]
-struct PrefixCache {
-    entries: Vec<Entry>,
-    bytes: usize,
-    clock: u64,
-}
-
-/// The reusable start of a cached prompt: its tokens before the checkpoint at `cut`.
-struct Reuse {
-    cut: usize,
-    ids: Vec<u32>,
-    cuts: Vec<(u32, u32)>,
-    /// The entry reused, when the new prompt continues it (shares at least half of it): the
-    /// new prompt's entry replaces it, so a conversation holds one entry, not one per turn.
-    continued: Option<u64>,
-}
-
-impl PrefixCache {
-    /// The longest reusable prefix of `text` among the cached prompts.
-    fn lookup(&mut self, text: &str, added: &[String]) -> Option<Reuse> {
-        let head = &text.as_bytes()[..text.len().min(HEAD_BYTES)];
-        let mut best: Option<(usize, usize)> = None;
-        for (i, entry) in self.entries.iter().enumerate() {
-            // An entry no longer than the best common prefix so far cannot beat it.
-            if best.is_some_and(|(_, len)| entry.text.len() <= len)
-                || (!entry.text.as_bytes().starts_with(head)
-                    && !text.starts_with(entry.text.as_str()))
-            {
-                continue;
-            }
-            let common = common_prefix(entry.text.as_bytes(), text.as_bytes());
-            if best.is_none_or(|(_, len)| common > len) {
-                best = Some((i, common));
-            }
-        }
-        let (i, common) = best?;
-        let entry = &mut self.entries[i];
-        // The last checkpoint inside the common prefix whose suffix is non-empty and starts
-        // with no added token.
-        let usable = |p: usize| {
-            p < common
-                && p + 1 < text.len()
-                && text.is_char_boundary(p + 1)
-                && !added.iter().any(|a| text[p + 1..].starts_with(a.as_str()))
-        };
-        let end = entry.cuts.partition_point(|&(p, _)| (p as usize) < common);
-        let k = (0..end).rev().find(|&k| usable(entry.cuts[k].0 as usize))?;
-        let (p, count) = entry.cuts[k];
-        self.clock += 1;
-        entry.last_used = self.clock;
-        Some(Reuse {
-            cut: p as usize,
-            ids: entry.ids[..count as usize].to_vec(),
-            cuts: entry.cuts[..=k].to_vec(),
-            continued: (common.saturating_mul(2) >= entry.text.len()).then_some(entry.serial),
-        })
-    }
-
-    /// Caches `text`, replacing the entry it `continued` (if still held) and any entry of the
-    /// same text, then evicting least recently used entries down to the limits.
-    fn insert(
-        &mut self,
-        text: &str,
-        ids: &[u32],
-        cuts: Vec<(u32, u32)>,
-        continued: Option<u64>,
-        limits: CacheLimits,
-    ) {
-        let bytes = entry_bytes(text.len(), ids.len(), cuts.len());
-        if limits.max_entries == 0 || bytes > limits.max_bytes / 4 {
-            return;
-        }
-        let mut i = 0;
-        while i < self.entries.len() {
-            let entry = &self.entries[i];
-            if entry.text == text || Some(entry.serial) == continued {
-                let old = self.entries.swap_remove(i);
-                self.bytes -= old.bytes();
-            } else {
-                i += 1;
-            }
-        }
-        while self.entries.len() >= limits.max_entries || self.bytes + bytes > limits.max_bytes {
-            let Some(oldest) = self
-                .entries
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(i, _)| i)
-            else {
-                break;
-            };
-            let old = self.entries.swap_remove(oldest);
-            self.bytes -= old.bytes();
-        }
-        self.clock += 1;
-        let mut cuts = cuts;
-        cuts.shrink_to_fit();
-        self.entries.push(Entry {
-            text: text.to_owned(),
-            ids: ids.to_vec(),
-            cuts,
-            last_used: self.clock,
-            serial: self.clock,
-        });
-        self.bytes += bytes;
-    }
-}
-
-/// The length of the common prefix of `a` and `b`, compared a block at a time.
-fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    const BLOCK: usize = 256;
-    let len = a.len().min(b.len());
-    let mut at = 0;
-    while at + BLOCK <= len && a[at..at + BLOCK] == b[at..at + BLOCK] {
-        at += BLOCK;
-    }
-    at + a[at..len]
-        .iter()
-        .zip(&b[at..len])
-        .take_while(|(x, y)| x == y)
-        .count()
+/// A prompt's token ids and block hashes ([`PromptTokenizer::tokenize_and_hash`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tokenized {
+    /// Shared with the cache entry (no copy).
+    pub ids: Arc<[u32]>,
+    pub hashes: BlockHashes,
 }
 
 /// A tokenizer with its exact prefix cache (see the module docs).
@@ -499,23 +392,39 @@ impl PromptTokenizer {
     /// The token ids of `text`, without special tokens added: exactly
     /// `Tokenizer::encode_fast(text, false)`'s.
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tokenize_and_hash(text, &[], 0).map(|t| t.ids.to_vec())
+    }
+
+    /// [`Self::tokenize`] and the LocalBlockHashes of the complete blocks for each size of
+    /// `plan` with `seed`: a prompt that continues a cached one hashes only the blocks after
+    /// those wholly inside the reused tokens (exactly `prompt_block_hashes` of the ids: a
+    /// block's hash depends on its tokens and the seed alone).
+    pub fn tokenize_and_hash(
+        &self,
+        text: &str,
+        plan: &[BlockSize],
+        seed: u64,
+    ) -> Result<Tokenized, String> {
         let Some(segmenter) = self.segmenter() else {
             self.misses.fetch_add(1, Ordering::Relaxed);
-            return self
+            let ids: Arc<[u32]> = self
                 .tokenizer
                 .encode_fast(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .map_err(|e| e.to_string());
+                .map(|e| e.get_ids().into())
+                .map_err(|e| e.to_string())?;
+            let hashes = hash_blocks(&ids, plan, seed, BlockHashes::default());
+            return Ok(Tokenized { ids, hashes });
         };
-        let reuse = lock(&self.cache).lookup(text, &segmenter.added);
-        let (mut ids, mut cuts, from, continued) = match reuse {
+        let reuse = lock(&self.cache).lookup(text, &segmenter.added, seed);
+        let (mut ids, mut cuts, reused, from, continued) = match reuse {
             Some(reuse) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
-                (reuse.ids, reuse.cuts, reuse.cut + 1, reuse.continued)
+                let from = reuse.cut + 1;
+                (reuse.ids, reuse.cuts, reuse.hashes, from, reuse.continued)
             }
             None => {
                 self.misses.fetch_add(1, Ordering::Relaxed);
-                (Vec::new(), Vec::new(), 0, None)
+                (Vec::new(), Vec::new(), BlockHashes::default(), 0, None)
             }
         };
         segmenter.tokenize(
@@ -525,8 +434,19 @@ impl PromptTokenizer {
             &mut ids,
             &mut cuts,
         )?;
-        lock(&self.cache).insert(text, &ids, cuts, continued, self.limits);
-        Ok(ids)
+        let hashes = hash_blocks(&ids, plan, seed, reused);
+        let tokenized = Tokenized {
+            ids: ids.into(),
+            hashes,
+        };
+        lock(&self.cache).insert(text, &tokenized, cuts, continued, self.limits);
+        Ok(tokenized)
+    }
+
+    /// Token ids not from text (a completions prompt of ids), hashed in full and not cached.
+    pub fn hash_ids(ids: Arc<[u32]>, plan: &[BlockSize], seed: u64) -> Tokenized {
+        let hashes = hash_blocks(&ids, plan, seed, BlockHashes::default());
+        Tokenized { ids, hashes }
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -539,12 +459,36 @@ impl PromptTokenizer {
         CacheStats {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
+            evictions: cache.evictions,
             entries: cache.entries.len(),
             bytes: cache.bytes,
             words,
             word_bytes,
         }
     }
+}
+
+/// The hashes of `ids` for each size of `plan`, continuing `reused` (blocks of a shared prefix,
+/// hashed with `seed`) where it has the size.
+fn hash_blocks(ids: &[u32], plan: &[BlockSize], seed: u64, reused: BlockHashes) -> BlockHashes {
+    let mut reused = if reused.seed == seed {
+        reused.per_size
+    } else {
+        Vec::new()
+    };
+    let per_size = plan
+        .iter()
+        .map(|&size| {
+            let mut hashes = reused
+                .iter_mut()
+                .find(|(s, _)| *s == size)
+                .map(|(_, h)| std::mem::take(h))
+                .unwrap_or_default();
+            extend_block_hashes(&mut hashes, ids, size, seed);
+            (size, hashes)
+        })
+        .collect();
+    BlockHashes { seed, per_size }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -7,6 +7,7 @@ use serde_json::json;
 
 use super::*;
 use crate::template::SpecialTokens;
+use continuum_protocol::kv::prompt::prompt_block_hashes;
 
 fn fixture(name: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -11,7 +11,7 @@ use tokenizers::Tokenizer;
 use super::*;
 use crate::render::PromptRenderer;
 use crate::template::{ChatTemplate, SpecialTokens};
-use continuum_protocol::kv::prompt::RenderLimits;
+use continuum_protocol::kv::prompt::{RenderLimits, block_plan, prompt_block_hashes};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
@@ -190,6 +190,8 @@ fn entries_and_bytes_stay_within_the_limits_least_recently_used_first() {
             "{stats:?}"
         );
     }
+    // Ten prompts through three places: seven evicted, each counted.
+    assert_eq!(cache.stats().evictions, 7);
     // The three most recent are held: a follow-up of #9 hits, one of #0 does not.
     let before = cache.stats();
     cache.tokenize(&format!("{} more", prompt(9))).unwrap();
@@ -316,9 +318,10 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(6))]
 
     /// Long random conversations (tens of kB rendered), turn by turn through each fixture's
-    /// renderer: every turn is prepared through the cache (so reuse chains through the turns
-    /// and the word cache fills), and the tokens of the last turns and of a turn picked at
-    /// random equal the full tokenization of the rendered text.
+    /// renderer: every turn is prepared through the caches (so reuse chains through the turns,
+    /// the word cache fills, and the message-local templates render only new messages), and the
+    /// tokens and block hashes of the last turns and of a turn picked at random equal the full
+    /// tokenization of the text the template renders whole, and its hashes.
     #[test]
     fn long_conversations_equal_full_tokenization(
         turns in prop::collection::vec(prop_oneof![long_text_strategy(), prose_strategy()], 4..14),
@@ -345,7 +348,15 @@ proptest! {
                 };
                 let want = full(&tokenizer, &text);
                 match prepared {
-                    Ok(prepared) => prop_assert_eq!(&*prepared.tokens, want.as_slice(), "turn {}", i),
+                    Ok(prepared) => {
+                        prop_assert_eq!(&*prepared.tokens, want.as_slice(), "turn {}", i);
+                        let plan = block_plan(&[16]).unwrap();
+                        prop_assert_eq!(
+                            prepared.hashes,
+                            prompt_block_hashes(&want, &plan, None, None),
+                            "turn {}", i
+                        );
+                    }
                     Err(error) => prop_assert!(false, "{error}"),
                 }
             }
@@ -418,4 +429,140 @@ fn the_word_cache_stays_within_two_generations() {
         Some(vec![1, 2, 3])
     );
     assert!(view.get(" word0x0").is_none());
+}
+
+/// Templates whose earlier messages render differently once messages are appended (the count
+/// up front, a marker on the last message): a follow-up shares only a short text prefix with
+/// its previous turn, so the cache reuses little or nothing, and must still be exact.
+fn non_prefix_stable_renderers() -> Vec<PromptRenderer> {
+    const SHIFTING: &str = "{{ messages | length }} messages\n{% for m in messages %}\
+        {% if loop.last %}<|im_start|>last {% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}";
+    [tinyllama_tokenizer(), byte_level_tokenizer()]
+        .into_iter()
+        .map(|tokenizer| {
+            let template = ChatTemplate::from_jinja(SHIFTING, SpecialTokens::default()).unwrap();
+            PromptRenderer::new(tokenizer, Some(Arc::new(template)), RenderLimits::default())
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Random conversations turn by turn through one renderer per template and tokenizer (the
+    /// fixtures' own templates, the Qwen-style rich one, and a template that is not prefix
+    /// stable), with one or two block sizes and a LoRA name / cache salt that changes at a
+    /// random turn: every turn's ids and block hashes equal the full path's (`encode_fast` of
+    /// the rendered text, `prompt_block_hashes` of those ids), whatever the cache reused.
+    #[test]
+    fn follow_up_turns_equal_the_full_path_ids_and_hashes(
+        turns in prop::collection::vec(text_strategy(), 1..8),
+        system in prop::option::of(text_strategy()),
+        sizes in prop::sample::select(vec![vec![16u32], vec![16, 64], vec![64, 17]]),
+        switch in 0usize..10,
+        before in prop::option::of(prop::sample::select(vec!["lora-a", ""])),
+        after in prop::option::of(prop::sample::select(vec!["lora-b", "salt"])),
+    ) {
+        let runtime = runtime();
+        let plan = block_plan(&sizes).unwrap();
+        for renderer in renderers().into_iter().chain(non_prefix_stable_renderers()) {
+            let tokenizer = renderer_tokenizer(&renderer);
+            let mut messages = Vec::new();
+            if let Some(system) = &system {
+                messages.push(json!({"role": "system", "content": system}));
+            }
+            for (i, content) in turns.iter().enumerate() {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                messages.push(json!({"role": role, "content": content}));
+                let request = json!({"model": "m", "messages": messages});
+                let (lora, salt) = if i < switch { (before, None) } else { (None, after) };
+                let prepared = runtime.block_on(renderer.prepare(&request, &sizes, lora, salt));
+                let Ok(Some(text)) = runtime.block_on(renderer.render_text(&request)) else {
+                    prop_assert!(prepared.is_err(), "turn {}", i);
+                    continue;
+                };
+                let want = full(&tokenizer, &text);
+                let prepared = prepared.map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(&*prepared.tokens, want.as_slice(), "turn {}", i);
+                prop_assert_eq!(
+                    &prepared.hashes,
+                    &prompt_block_hashes(&want, &plan, lora, salt),
+                    "turn {}", i
+                );
+            }
+        }
+    }
+}
+
+/// A conversation through TinyLlama's own template (message-local): every follow-up renders
+/// only its new messages after the cached turn, one turn is held, and the ids and hashes equal
+/// the full path's (the template rendered whole, `encode_fast`, `prompt_block_hashes`).
+#[test]
+fn follow_ups_of_a_local_template_render_only_new_messages() {
+    let runtime = runtime();
+    let renderer = renderers().remove(0);
+    let tokenizer = renderer_tokenizer(&renderer);
+    let plan = block_plan(&[16, 64]).unwrap();
+    let mut messages = vec![json!({"role": "system", "content": "You are careful."})];
+    for turn in 0..8 {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        messages.push(json!({"role": role, "content": format!("Turn {turn}: {}", "the router credits prefix blocks. ".repeat(turn + 1))}));
+        let request = json!({"model": "m", "messages": messages});
+        let prepared = runtime
+            .block_on(renderer.prepare(&request, &[16, 64], None, Some("salt")))
+            .unwrap();
+        let text = runtime
+            .block_on(renderer.render_text(&request))
+            .unwrap()
+            .unwrap();
+        let want = full(&tokenizer, &text);
+        assert_eq!(&*prepared.tokens, want.as_slice(), "turn {turn}");
+        assert_eq!(
+            prepared.hashes,
+            prompt_block_hashes(&want, &plan, None, Some("salt")),
+            "turn {turn}"
+        );
+    }
+    let stats = renderer.conversation_stats();
+    assert_eq!(
+        (stats.hits, stats.misses, stats.entries),
+        (7, 1, 1),
+        "{stats:?}"
+    );
+    // Another tool list is another input: rendered whole, a second turn held.
+    let request = json!({"model": "m", "messages": messages, "chat_template_kwargs": {"x": 1}});
+    runtime
+        .block_on(renderer.prepare(&request, &[16], None, None))
+        .unwrap();
+    let stats = renderer.conversation_stats();
+    assert_eq!(
+        (stats.hits, stats.misses, stats.entries),
+        (7, 2, 2),
+        "{stats:?}"
+    );
+}
+
+#[test]
+fn the_conversation_cache_stays_within_its_limits_and_counts_evictions() {
+    let runtime = runtime();
+    let limits = CacheLimits {
+        max_entries: 3,
+        max_bytes: 64 * 1024,
+    };
+    let renderer = renderers().remove(0).with_cache_limits(limits);
+    for i in 0..10 {
+        let request = json!({"model": "m", "messages": [
+            {"role": "user", "content": format!("conversation {i} {}", "words ".repeat(50))}]});
+        runtime
+            .block_on(renderer.prepare(&request, &[16], None, None))
+            .unwrap();
+        let stats = renderer.conversation_stats();
+        assert!(
+            stats.entries <= 3 && stats.bytes <= limits.max_bytes,
+            "{stats:?}"
+        );
+    }
+    // Ten conversations through three places: seven evicted, each counted.
+    let stats = renderer.conversation_stats();
+    assert_eq!((stats.misses, stats.evictions), (10, 7), "{stats:?}");
 }

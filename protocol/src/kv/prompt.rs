@@ -116,6 +116,24 @@ fn distinct_count(sizes: &[u32]) -> usize {
     sorted.len()
 }
 
+/// Appends to `hashes` the LocalBlockHashes of the complete blocks of `tokens` after the first
+/// `hashes.len()`, so a prompt that continues a hashed one hashes only its new blocks. Exact
+/// when the first `hashes.len()` blocks of `tokens` are the ones `hashes` was computed from
+/// with `seed`: a LocalBlockHash is a function of its block's tokens and the seed alone (the
+/// chained SequenceHash is derived from them by the index). A trailing partial block is
+/// ignored, so it is hashed once it fills; `hashes` longer than `tokens` allows is truncated.
+pub fn extend_block_hashes(
+    hashes: &mut Vec<LocalBlockHash>,
+    tokens: &[u32],
+    size: BlockSize,
+    seed: u64,
+) {
+    let block = size.get() as usize;
+    hashes.truncate(tokens.len() / block);
+    let start = hashes.len() * block;
+    hashes.extend(local_block_hashes(&tokens[start..], size, seed));
+}
+
 /// The LocalBlockHashes the index is keyed by (`KvIndex::find_matches`), per block size.
 pub fn prompt_block_hashes(
     tokens: &[u32],
@@ -164,6 +182,24 @@ mod tests {
             block_plan(&[65_537]),
             Err(BlockPlanError::OutOfRange(65_537))
         );
+    }
+
+    #[test]
+    fn extended_hashes_equal_hashes_of_the_whole_prompt() {
+        let size = BlockSize::new(16).unwrap();
+        let seed = salt_seed(Some("lora"), None);
+        let tokens: Vec<u32> = (0..200).map(|i| i * 7 + 3).collect();
+        let whole = local_block_hashes(&tokens, size, seed);
+        for shared in [0, 5, 16, 31, 32, 100, 200] {
+            // The hashes of the blocks inside a shared prefix, extended over the whole prompt.
+            let mut hashes = local_block_hashes(&tokens[..shared], size, seed);
+            extend_block_hashes(&mut hashes, &tokens, size, seed);
+            assert_eq!(hashes, whole, "{shared} tokens shared");
+        }
+        // Hashes of a longer prompt are cut to the blocks this one has.
+        let mut hashes = whole.clone();
+        extend_block_hashes(&mut hashes, &tokens[..40], size, seed);
+        assert_eq!(hashes, whole[..2]);
     }
 
     #[test]
