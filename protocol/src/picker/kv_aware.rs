@@ -861,6 +861,7 @@ impl KvAwarePicker {
             tied: _,
             tie_set,
             peers,
+            nearest: _,
         } = scratch;
         peers.iter_mut().for_each(Vec::clear);
         let KvScratch {
