@@ -1489,7 +1489,7 @@ impl Tallies<'_> {
         };
         self.wide |= cost.num;
         near.offer(cost.as_f64(), u32::try_from(row).unwrap_or(u32::MAX), cost);
-        if let Some(last) = near.full_last() {
+        if let Some((_, last)) = near.full_last() {
             self.cut = Cut {
                 on: true,
                 num: last.num,

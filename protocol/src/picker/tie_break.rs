@@ -256,12 +256,12 @@ impl<T: Copy> Nearest<T> {
         self.kept.insert(at, (cost, id, payload));
     }
 
-    /// The `k`-th lowest's payload once `k` are kept: an offer that does not order before it
-    /// is not kept.
+    /// The `k`-th lowest's cost and payload once `k` are kept: an offer that does not order
+    /// before it is not kept.
     #[inline]
-    pub fn full_last(&self) -> Option<T> {
+    pub fn full_last(&self) -> Option<(f64, T)> {
         if self.kept.len() >= self.k {
-            self.kept.last().map(|&(_, _, t)| t)
+            self.kept.last().map(|&(c, _, t)| (c, t))
         } else {
             None
         }
