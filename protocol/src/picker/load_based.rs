@@ -1118,11 +1118,12 @@ struct Cut {
 }
 
 /// Peer slots on the production decode path (samples mirrored, backlogs by row or none, one
-/// block size): one [`gather_mirrored`] pass keeps the free tier's `place.count` lowest, and
-/// the slot is taken from those within the window ([`Nearest::take`]), instead of the generic
-/// pass and a re-walk into the whole tie set. `None` where it cannot answer (no free rank has a
-/// cost, or no fresh sample: a rotation or the stalled tier; numerators too wide): the caller
-/// takes the generic pass, the cursor untouched. Chooses exactly what
+/// block size): one pass keeps the free tier's `place.count` lowest ([`column_slots`] over the
+/// decode column where every row is a candidate of one capacity, else [`gather_mirrored`]),
+/// and the slot is taken from those within the window ([`Nearest::take`]), instead of the
+/// generic pass and a re-walk into the whole tie set. `None` where it cannot answer (no free
+/// rank has a cost, or no fresh sample: a rotation or the stalled tier; numerators too wide):
+/// the caller takes the generic pass, the cursor untouched. Chooses exactly what
 /// [`RowPass::choose_tied`] chooses, and appends the same peers.
 #[allow(clippy::too_many_arguments)]
 fn decide_slots(
@@ -1133,19 +1134,45 @@ fn decide_slots(
     backlogs: &RowBacklogs,
     (draw, place): (TieDraw, Place),
     (near, tie_set, peers): (&mut Nearest<Cost>, &mut Vec<(f64, u32)>, &mut Vec<u32>),
+    column: Option<(&mut DecodeColumn, &mut Vec<(u32, u64)>)>,
     advance: &mut impl FnMut() -> u64,
 ) -> Option<(usize, SelectionReason)> {
     near.reset(place);
-    let gathered = gather_mirrored::<true>(
-        dense,
-        block_size,
-        mirror,
-        table,
-        backlogs,
-        (oldest, tokens),
-        Some(&mut *near),
-    )?;
-    let best = gathered.tally.free.filter(|_| gathered.tally.any_fresh)?;
+    let from_column = match column {
+        Some((column, saved))
+            if block_size > 0
+                && column.keys().len() == dense.len()
+                && dense.all_candidates(table) =>
+        {
+            dense.uniform_kv_blocks.and_then(|den| {
+                let request_blocks = RequestSize::new(tokens).blocks(block_size);
+                column_slots(column, backlogs, saved, (request_blocks, den), near)
+            })
+        }
+        _ => None,
+    };
+    let (cost, first) = match from_column {
+        Some(best) => best,
+        None => {
+            near.reset(place);
+            let gathered = gather_mirrored::<true>(
+                dense,
+                block_size,
+                mirror,
+                table,
+                backlogs,
+                (oldest, tokens),
+                Some(&mut *near),
+            )?;
+            let best = gathered.tally.free.filter(|_| gathered.tally.any_fresh)?;
+            (best.cost, best.first)
+        }
+    };
+    let best = Best {
+        cost,
+        ties: 1,
+        first,
+    };
     advance();
     let weight = request_weight(Phase::Decode, dense, best.first, tokens);
     let limit = best.cost.as_f64() + draw.slack(weight);
@@ -1192,6 +1219,77 @@ fn decide_mirrored<F: FnMut(usize, usize, Row) -> Scored>(
         None,
     );
     decide(pass, gathered, true, advance)
+}
+
+/// Request blocks, and numerators with them, below which [`column_slots`] answers: distinct
+/// numerators below 2^52 over one capacity give distinct `f64` costs, in their order.
+const SLOT_BLOCKS: u64 = 1 << 40;
+const SLOT_NUMS: u64 = 1 << 52;
+
+/// [`gather_mirrored`]'s peer slots from the decode column (every row a candidate of one
+/// nonzero capacity `den`): the narrowed keys scanned once in row order, a key offered only
+/// while it is below the `k`-th kept (an equal key comes later, so it cannot enter), with the
+/// ledger's backlogged rows set aside and offered after with their backlogs. Over one
+/// capacity, `f64` order is numerator order, so the first kept is the lowest cost's first
+/// row: returns it with its cost. `None` where the column cannot answer exactly (a key equal
+/// to "no cost", wide numerators, fewer than `k` keys below `u32::MAX`, no fresh sample, no
+/// free rank): the caller then runs [`gather_mirrored`].
+#[inline(never)]
+fn column_slots(
+    column: &mut DecodeColumn,
+    backlogs: &RowBacklogs,
+    saved: &mut Vec<(u32, u64)>,
+    (request_blocks, den): (u64, u64),
+    near: &mut Nearest<Cost>,
+) -> Option<(Cost, usize)> {
+    if !column.exact() || column.fresh() == 0 || request_blocks >= SLOT_BLOCKS || den == 0 {
+        return None;
+    }
+    let (keys, narrow) = column.keys_mut();
+    if narrow.len() != keys.len() || den >= EXACT_F64 {
+        return None;
+    }
+    saved.clear();
+    for &row in backlogs.rows() {
+        if let Some(key) = keys.get_mut(row as usize)
+            && *key != DecodeColumn::NONE
+        {
+            saved.push((row, *key));
+            *key = DecodeColumn::NONE;
+        }
+    }
+    set_aside(narrow, saved);
+    let mut cut = u32::MAX;
+    for (i, &key) in narrow.iter().enumerate() {
+        if key < cut {
+            let cost = Cost {
+                num: u64::from(key) + request_blocks,
+                den,
+            };
+            near.offer(cost.as_f64(), i as u32, cost);
+            if let Some((_, last)) = near.full_last() {
+                // Below `u32::MAX + SLOT_BLOCKS`: the last kept is a key offered here.
+                cut = u32::try_from(last.num - request_blocks).unwrap_or(u32::MAX);
+            }
+        }
+    }
+    put_back(keys, narrow, saved);
+    // Fewer than `k` keys below `u32::MAX`: a wider key may be among the lowest.
+    near.full_last()?;
+    for &(row, key) in saved.iter() {
+        let backlog = backlogs.get(row as usize);
+        let num = key
+            .saturating_add(request_blocks)
+            .saturating_add(backlog.decode_blocks);
+        if num >= SLOT_NUMS {
+            return None;
+        }
+        if !backlog.stalled {
+            let cost = Cost { num, den };
+            near.offer(cost.as_f64(), row, cost);
+        }
+    }
+    near.first().map(|(cost, row)| (cost, row as usize))
 }
 
 /// Numerators below which [`gather_column`] adds the request's blocks without saturating (and
@@ -1577,7 +1675,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         let ledgers = resolved.as_slice();
         // Samples mirrored per row when the view is the store (slots resolved once per layout
         // and slot epoch, rows re-read when written), else through the view.
-        let (samples, column) =
+        let (samples, mut column) =
             Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
         // On the store's path, the ledger's few pending legs are laid onto rows first.
         let backlogs = Backlogs::new(
@@ -1621,6 +1719,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
                 },
                 (draw, place),
                 (nearest, tie_set, &mut peers[Phase::Decode.index()]),
+                column.as_deref_mut().map(|c| (c, &mut *saved)),
                 &mut || cursors.advance(req.model, Phase::Decode),
             ),
             _ => None,

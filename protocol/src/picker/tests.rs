@@ -1841,6 +1841,7 @@ proptest! {
         window in prop_oneof![Just(0.25), Just(1.0), Just(2.0), Just(8.0), Just(16.0)],
         shift in prop::sample::select(SHIFTS.to_vec()),
         odd_capacity in any::<bool>(),
+        single_pool in any::<bool>(),
     ) {
         let mut seen = std::collections::HashSet::new();
         let mut candidates = Vec::new();
@@ -1848,7 +1849,21 @@ proptest! {
         store.set_live_and_retain((1..6).map(InstanceId));
         let mut sequence = 1;
         let models: [std::sync::Arc<str>; 2] = [MODELS[0].into(), MODELS[1].into()];
-        let capacities: [u64; 3] = if odd_capacity { [3, 7, 1_000_003] } else { [50, 100, 100] };
+        // A single pool (one model, one role, one capacity, every namespace eligible): the
+        // decode column's pass (`load_based::column_slots`).
+        let capacities: [u64; 3] = match (single_pool, odd_capacity) {
+            (true, _) => [100; 3],
+            (false, true) => [3, 7, 1_000_003],
+            (false, false) => [50, 100, 100],
+        };
+        let arb: Vec<ArbCandidate> = arb
+            .into_iter()
+            .map(|a| if single_pool {
+                ArbCandidate { model: 0, role: CandidateRole::Decode, capacity: true, ..a }
+            } else {
+                a
+            })
+            .collect();
         for (i, a) in arb.iter().enumerate() {
             if !seen.insert((a.ns, a.id)) {
                 continue;
@@ -1889,7 +1904,7 @@ proptest! {
                 Step::Pick { model, tokens, advance_ms } => {
                     now = now.plus(Duration::from_millis(advance_ms % 1500));
                     let req = PickRequest {
-                        model: MODELS[model],
+                        model: MODELS[if single_pool { 0 } else { model }],
                         eligible_namespaces: &namespaces,
                         estimated_prompt_tokens: tokens,
                         load_signals: true,

@@ -267,6 +267,11 @@ impl<T: Copy> Nearest<T> {
         }
     }
 
+    /// The lowest kept: its payload and id.
+    pub fn first(&self) -> Option<(T, u32)> {
+        self.kept.first().map(|&(_, i, t)| (t, i))
+    }
+
     /// [`take_slot`] over the tie set's lowest: the kept costs at most `limit` (the lowest
     /// plus the window's slack), copied into `tied`. When every cost of the tie set was offered,
     /// this is what [`take_slot`] over the whole tie set gives: it only reads its `place.count`
