@@ -43,7 +43,9 @@ use super::ledger::RankBacklog;
 use super::load_based::{
     self, Backlogs, LoadBasedPicker, NamespaceLedgers, RequestSize, Samples, Scored, Scratch,
 };
-use super::tie_break::{Turn, near_tie_index_where, near_tie_set_where, take_slot};
+use super::tie_break::{
+    Nearest, Place, TieDraw, Turn, near_tie_index_where, near_tie_set_where, take_slot,
+};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickRequest, PickerState, Pinned, SampleState, SelectionReason,
@@ -301,6 +303,8 @@ pub(super) struct KvScratch {
     /// Per overlap list, whether it is sorted.
     sorted: Vec<bool>,
     overlaps: OverlapRows,
+    /// Peer slots on the KV gather ([`KvPass::choose_slot`]): the lowest free costs.
+    nearest: Nearest<()>,
 }
 
 /// The KV input's overlaps laid onto the layout's rows for one pick (stamped, like the
@@ -453,6 +457,7 @@ struct Buffers<'s> {
     /// Peer slots: the tie set, and per phase the candidates the peers take.
     slots: &'s mut Vec<(f64, u32)>,
     peers: &'s mut [Vec<u32>; 2],
+    nearest: &'s mut Nearest<()>,
 }
 
 impl KvAwarePicker {
@@ -660,7 +665,7 @@ impl KvAwarePicker {
         turn: Turn,
     ) -> Option<(Matched, SelectionReason)> {
         let scoring = match scoring {
-            Some(s) => match self.gather(ctx, table, s, turn) {
+            Some(s) => match self.gather(ctx, table, s, turn, bufs, phase) {
                 Gathered::Chosen(index, reason) => {
                     let namespace = ctx
                         .dense
@@ -689,12 +694,31 @@ impl KvAwarePicker {
     /// A formula-scored phase at temperature 0 on the production path (samples mirrored, the
     /// overlaps laid onto rows, one block size on every row): one pass over the rows
     /// ([`KvPass`]) choosing exactly what [`Self::rank`] + [`Self::select_kv`] choose, without
-    /// materialising ranks or costs. Everything else (softmax sampling needs every cost; the
-    /// view path; unsorted overlap lists; mixed block sizes; a tie draw, which chooses among
-    /// every near-equal cost) is [`Gathered::NotApplicable`].
-    fn gather(&self, ctx: &Ctx<'_, '_>, table: &[u16], scoring: Scoring, turn: Turn) -> Gathered {
+    /// materialising ranks or costs; with peer slots, the slot and the peers' slots (into
+    /// `bufs.peers`) as `select_kv` takes them ([`KvPass::choose_slot`]). Everything else
+    /// (softmax sampling needs every cost; the view path; unsorted overlap lists; mixed block
+    /// sizes; the seeded draw, which chooses among every near-equal cost) is
+    /// [`Gathered::NotApplicable`].
+    fn gather(
+        &self,
+        ctx: &Ctx<'_, '_>,
+        table: &[u16],
+        scoring: Scoring,
+        turn: Turn,
+        bufs: &mut Buffers<'_>,
+        phase: Phase,
+    ) -> Gathered {
         let cursor = turn.cursor;
-        if self.params.router_temperature > 0.0 || turn.tie.is_some() {
+        let slot = match turn.tie {
+            None => None,
+            Some(
+                draw @ TieDraw {
+                    place: Some(place), ..
+                },
+            ) => Some((draw, place)),
+            Some(_) => return Gathered::NotApplicable,
+        };
+        if self.params.router_temperature > 0.0 {
             return Gathered::NotApplicable;
         }
         let block_size = ctx
@@ -736,6 +760,25 @@ impl KvAwarePicker {
             load_signals: ctx.req.load_signals,
         };
         // Instantiated per way of reading backlogs, so the loop holds no dispatch.
+        if let Some((draw, place)) = slot {
+            // The request's own weight in the formula's unit: its prompt blocks.
+            let weight = ctx.kv.isl as f64 / f64::from(block_size.get());
+            let slots = Slots {
+                slack: draw.slack(weight),
+                place,
+                near: &mut *bufs.nearest,
+                tied: &mut *bufs.slots,
+                peers: &mut bufs.peers[phase.index()],
+            };
+            return match ctx.backlogs {
+                Backlogs::Empty => pass.choose_slot(|_, _| RankBacklog::default(), slots),
+                Backlogs::ByRow(rows) => pass.choose_slot(|i, _| rows.get(i), slots),
+                Backlogs::Lookup(_) => pass.choose_slot(
+                    |i, ns| ctx.backlogs.get(ctx.dense, i, usize::from(ns), ctx.now),
+                    slots,
+                ),
+            };
+        }
         match ctx.backlogs {
             Backlogs::Empty => pass.choose(|_, _| RankBacklog::default(), cursor),
             Backlogs::ByRow(rows) => pass.choose(|i, _| rows.get(i), cursor),
@@ -861,6 +904,7 @@ impl KvAwarePicker {
             tied: _,
             tie_set,
             peers,
+            nearest: _,
         } = scratch;
         peers.iter_mut().for_each(Vec::clear);
         let KvScratch {
@@ -871,6 +915,7 @@ impl KvAwarePicker {
             scored,
             sorted,
             overlaps: overlap_rows,
+            nearest,
         } = kv_scratch;
         let dense: &DenseRanks = match ctx.dense {
             Some(dense) if dense.len() == candidates.len() => dense,
@@ -940,6 +985,7 @@ impl KvAwarePicker {
             scored,
             slots: tie_set,
             peers,
+            nearest,
         };
         let decode_scoring = if !pair_fleet {
             Some(Scoring::Aggregated)
@@ -1339,8 +1385,16 @@ impl KvPass<'_> {
     /// is skipped before its backlog is read or the formula computed (such a rank, stalled or not,
     /// cannot decide: the stalled tier only counts when no free rank has a cost). Not inlined:
     /// its own function keeps its live values in registers.
+    ///
+    /// With peer slots (`near` given), the free tier's lowest costs are kept in `near` too, and
+    /// the bound is the `k`-th kept ([`Nearest::full_last`]) instead of the lowest: a rank
+    /// skipped costs more than it, so it can neither enter the kept ones nor tie the lowest.
     #[inline(never)]
-    fn gather<B: Fn(usize, u16) -> RankBacklog>(&self, backlog: &B) -> KvTally {
+    fn gather<B: Fn(usize, u16) -> RankBacklog>(
+        &self,
+        backlog: &B,
+        mut near: Option<&mut Nearest<()>>,
+    ) -> KvTally {
         let n = self.rows.len().min(self.mirror.len());
         let (rows, mirror) = (&self.rows[..n], &self.mirror[..n]);
         let mut tally = KvTally {
@@ -1352,7 +1406,7 @@ impl KvPass<'_> {
         let prunes =
             self.scoring != Scoring::ConditionalDecode && self.formula.bounded_below_by_decode();
         if prunes && let Some(keys) = self.keys {
-            return self.gather_keyed(keys, backlog);
+            return self.gather_keyed(keys, backlog, near);
         }
         let floor = self.formula.zero_overlap_floor();
         let mut bounds = DecodeBounds::NONE;
@@ -1373,8 +1427,11 @@ impl KvPass<'_> {
                 continue;
             }
             let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
-            if tally.place(i, cost, stalled) && prunes {
-                bounds = DecodeBounds::below(tally.free.cost, floor);
+            if tally.place(i, cost, stalled)
+                && let Some(cut) = cut_after(near.as_deref_mut(), i, cost, tally.free.cost)
+                && prunes
+            {
+                bounds = DecodeBounds::below(cut, floor);
             }
         }
         tally
@@ -1391,7 +1448,12 @@ impl KvPass<'_> {
     /// ([`KvTally::place_any_order`]): what a rank is skipped on is a strict loss to the lowest
     /// free cost so far, never a tie, so the tiers end as a pass in row order ends.
     #[inline(never)]
-    fn gather_keyed<B: Fn(usize, u16) -> RankBacklog>(&self, keys: &[u64], backlog: &B) -> KvTally {
+    fn gather_keyed<B: Fn(usize, u16) -> RankBacklog>(
+        &self,
+        keys: &[u64],
+        backlog: &B,
+        mut near: Option<&mut Nearest<()>>,
+    ) -> KvTally {
         let n = self.rows.len().min(self.mirror.len()).min(keys.len());
         let keys = &keys[..n];
         let mut tally = KvTally {
@@ -1419,8 +1481,10 @@ impl KvPass<'_> {
                 return;
             }
             let (cost, stalled) = self.full(i, ns, self.overlaps.get(i), load, backlog);
-            if tally.place_any_order(i, cost, stalled) {
-                *bounds = DecodeBounds::below(tally.free.cost, floor);
+            if tally.place_any_order(i, cost, stalled)
+                && let Some(cut) = cut_after(near.as_deref_mut(), i, cost, tally.free.cost)
+            {
+                *bounds = DecodeBounds::below(cut, floor);
             }
         };
         // A rank holding part of the prompt loses only on the bound for any rank.
@@ -1459,7 +1523,7 @@ impl KvPass<'_> {
     /// overlap and size among all. The `cursor`-th of several tied ranks is found by re-walking
     /// the rows after the first (rare).
     fn choose<B: Fn(usize, u16) -> RankBacklog>(&self, backlog: B, cursor: u64) -> Gathered {
-        let tally = self.gather(&backlog);
+        let tally = self.gather(&backlog, None);
         let any_fresh = self.load_signals && tally.any_fresh;
         let (tier, best) = match (any_fresh, tally.free, tally.stalled, tally.quiet) {
             (true, free, _, _) if free.ties > 0 => (Tier::Free, free),
@@ -1499,6 +1563,86 @@ impl KvPass<'_> {
         match found {
             Some(i) => Gathered::Chosen(i, reason),
             None => Gathered::NotApplicable,
+        }
+    }
+}
+
+/// Peer slots in a [`KvPass`]: the window's slack in cost units, this replica's place, the
+/// lowest free costs kept, the tie set's buffer and the rows the peers take.
+struct Slots<'s> {
+    slack: f64,
+    place: Place,
+    near: &'s mut Nearest<()>,
+    tied: &'s mut Vec<(f64, u32)>,
+    peers: &'s mut Vec<u32>,
+}
+
+impl KvPass<'_> {
+    /// The slot `select_kv` takes at temperature 0 with peer slots, from one [`Self::gather`]
+    /// keeping the free tier's `place.count` lowest: the tie set is the free ranks within the
+    /// slack of the lowest holding at least as much of the prompt as it (the first lowest). When
+    /// the lowest holds none, every rank qualifies and the kept ones are the tie set's lowest.
+    /// When it holds some, only ranks holding at least as much do: those hold part of the
+    /// prompt, so they are the few rows of [`OverlapRows::held`], costed again. The peers'
+    /// slots go to `slots.peers` as rows. `NotApplicable` where the full formula among free
+    /// ranks does not decide (no fresh backlog, every ranked rank stalled, no finite lowest).
+    fn choose_slot<B: Fn(usize, u16) -> RankBacklog>(
+        &self,
+        backlog: B,
+        slots: Slots<'_>,
+    ) -> Gathered {
+        let Slots {
+            slack,
+            place,
+            near,
+            tied,
+            peers,
+        } = slots;
+        near.reset(place);
+        let tally = self.gather(&backlog, Some(&mut *near));
+        let free = tally.free;
+        if !(self.load_signals && tally.any_fresh && free.ties > 0 && free.cost.is_finite()) {
+            return Gathered::NotApplicable;
+        }
+        let held = self.overlaps.get(free.first);
+        if held > 0 {
+            near.reset(place);
+            for &row in self.overlaps.held() {
+                let i = row as usize;
+                let overlap = self.overlaps.get(i);
+                if overlap < held {
+                    continue;
+                }
+                let (Some(r), Some(sample)) = (self.rows.get(i), self.mirror.get(i)) else {
+                    continue;
+                };
+                let (Some(ns), (Some(load), _)) = (self.namespace(r), self.load(sample)) else {
+                    continue;
+                };
+                let (cost, stalled) = self.full(i, ns, overlap, load, &backlog);
+                if !stalled {
+                    near.offer(cost, row, ());
+                }
+            }
+        }
+        let own = near.take(free.cost + slack, place, tied, peers);
+        Gathered::Chosen(
+            own.map_or(free.first, |row| row as usize),
+            SelectionReason::KvAware,
+        )
+    }
+}
+
+/// After a rank was tallied in the free tier at `cost`: the cost past which a rank can no
+/// longer matter. Without peer slots the lowest free cost; with them (`near`), the rank is
+/// kept among the lowest, and the bound is the `k`-th kept once `k` are (none before).
+#[inline(always)]
+fn cut_after(near: Option<&mut Nearest<()>>, row: usize, cost: f64, lowest: f64) -> Option<f64> {
+    match near {
+        None => Some(lowest),
+        Some(near) => {
+            near.offer(cost, u32::try_from(row).unwrap_or(u32::MAX), ());
+            near.full_last().map(|(cut, ())| cut)
         }
     }
 }

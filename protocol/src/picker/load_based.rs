@@ -27,7 +27,7 @@ use std::cmp::Ordering;
 
 use super::dense::{DecodeColumn, DenseRanks, NOT_ELIGIBLE, Row, RowSample, role_bit};
 use super::ledger::{DispatchLedger, DispatchLeg, NamespaceBacklog, RankBacklog};
-use super::tie_break::{TieDraw, Turn, take_slot};
+use super::tie_break::{Nearest, Place, TieDraw, Turn, take_slot};
 use super::{
     Candidate, CandidateRole, DynamoWorkerPicker, LoadView, NoCandidates, Phase, Pick, PickContext,
     PickOutcome, PickReasons, PickerState, Pinned, SampleState, SelectionReason,
@@ -470,6 +470,8 @@ pub(super) struct Scratch {
     /// ([`Phase::index`]) the rows this pick's peers take.
     pub(super) tie_set: Vec<(f64, u32)>,
     pub(super) peers: [Vec<u32>; 2],
+    /// Peer slots on the decode fast pass ([`decide_slots`]): the lowest free costs, exact.
+    pub(super) nearest: Nearest<Cost>,
 }
 /// The ledger's backlog per layout row for one pick: the (few) legs pending are laid onto their
 /// rows once, so the scan reads a row's backlog from a dense array indexed by row instead of a
@@ -997,16 +999,22 @@ impl Lowest {
 /// inlined: its own function keeps its few live values in registers.
 /// Every row declares `block_size` ([`DenseRanks::uniform_block_size`]): the request's
 /// blocks are computed once.
+///
+/// With `SLOTS` (peer slots, `near` given), the free tier's lowest costs are kept in `near`
+/// too ([`Tallies::offer`]), and a rank is skipped only when it also cannot enter them: the
+/// cut is then the last of the `k` kept, not the lowest ([`Cut`]). `None` when a numerator or
+/// capacity compared reaches 2^53, where `f64` costs (the slots' order) could disagree with
+/// the exact order the skip relies on: the caller then takes the generic pass.
 #[inline(never)]
-fn gather_mirrored(
+fn gather_mirrored<const SLOTS: bool>(
     dense: &DenseRanks,
     block_size: u32,
     mirror: &[RowSample],
     table: &[u16],
     backlogs: &RowBacklogs,
-    oldest: u64,
-    tokens: u64,
-) -> Gathered {
+    (oldest, tokens): (u64, u64),
+    near: Option<&mut Nearest<Cost>>,
+) -> Option<Gathered> {
     let rows = &dense.rows[..];
     let n = rows.len().min(mirror.len());
     let (rows, mirror) = (&rows[..n], &mirror[..n]);
@@ -1014,6 +1022,9 @@ fn gather_mirrored(
         free: Lowest::default(),
         stalled: Lowest::default(),
         backlogs,
+        near,
+        cut: Cut::default(),
+        wide: 0,
     };
     let mut any_fresh = false;
     let request_blocks = RequestSize::new(tokens).blocks(block_size);
@@ -1040,18 +1051,37 @@ fn gather_mirrored(
             continue;
         }
         let num = base.saturating_add(request_blocks);
-        let free = &tallies.free;
-        if free.ties != 0 {
-            let loses = if den == free.den {
-                num > free.num
+        let cut = if SLOTS {
+            tallies.cut
+        } else {
+            let free = &tallies.free;
+            Cut {
+                on: free.ties != 0,
+                num: free.num,
+                den: free.den,
+            }
+        };
+        if cut.on {
+            let loses = if den == cut.den {
+                num > cut.num || (SLOTS && num == cut.num)
             } else {
-                u128::from(num) * u128::from(free.den) > u128::from(free.num) * u128::from(den)
+                let (a, b) = (
+                    u128::from(num) * u128::from(cut.den),
+                    u128::from(cut.num) * u128::from(den),
+                );
+                a > b || (SLOTS && a == b)
             };
             if loses {
                 continue;
             }
         }
+        if SLOTS {
+            tallies.wide |= num | den;
+        }
         tallies.offer(i, num, den);
+    }
+    if SLOTS && tallies.wide >= EXACT_F64 {
+        return None;
     }
     let candidates = dense
         .group_role_rows
@@ -1060,14 +1090,96 @@ fn gather_mirrored(
         .filter(|&(_, &ns)| ns != NOT_ELIGIBLE)
         .map(|(&rows, _)| rows as usize)
         .sum();
-    Gathered {
+    Some(Gathered {
         tally: Tally {
             any_fresh,
             free: tallies.free.best(),
             stalled: tallies.stalled.best(),
         },
         candidates,
-    }
+    })
+}
+
+/// 2^53: integers below it convert to `f64` exactly, so their ratios round in their exact
+/// order (ties included).
+const EXACT_F64: u64 = 1 << 53;
+
+/// Where [`gather_mirrored`] skips a rank on its cost without its ledger backlog (a lower
+/// bound; `on`: once there is a cut). Without peer slots the cut is the lowest free cost, and a
+/// rank above it is skipped (a tie there counts). With them it is the `k`-th lowest kept
+/// ([`Nearest::full_last`]), once `k` are kept, and a rank at or above it is skipped: it comes
+/// later in row order, so it cannot enter the kept ones, nor come before the lowest's first
+/// row (the free tier's tie count is then a lower bound, which the slots do not read).
+#[derive(Clone, Copy, Debug, Default)]
+struct Cut {
+    on: bool,
+    num: u64,
+    den: u64,
+}
+
+/// Peer slots on the production decode path (samples mirrored, backlogs by row or none, one
+/// block size): one pass keeps the free tier's `place.count` lowest ([`column_slots`] over the
+/// decode column where every row is a candidate of one capacity, else [`gather_mirrored`]),
+/// and the slot is taken from those within the window ([`Nearest::take`]), instead of the
+/// generic pass and a re-walk into the whole tie set. `None` where it cannot answer (no free
+/// rank has a cost, or no fresh sample: a rotation or the stalled tier; numerators too wide):
+/// the caller takes the generic pass, the cursor untouched. Chooses exactly what
+/// [`RowPass::choose_tied`] chooses, and appends the same peers.
+#[allow(clippy::too_many_arguments)]
+fn decide_slots(
+    dense: &DenseRanks,
+    (block_size, tokens): (u32, u64),
+    (mirror, oldest): (&[RowSample], u64),
+    table: &[u16],
+    backlogs: &RowBacklogs,
+    (draw, place): (TieDraw, Place),
+    (near, tie_set, peers): (&mut Nearest<Cost>, &mut Vec<(f64, u32)>, &mut Vec<u32>),
+    column: Option<(&mut DecodeColumn, &mut Vec<(u32, u64)>)>,
+    advance: &mut impl FnMut() -> u64,
+) -> Option<(usize, SelectionReason)> {
+    near.reset(place);
+    let from_column = match column {
+        Some((column, saved))
+            if block_size > 0
+                && column.keys().len() == dense.len()
+                && dense.all_candidates(table) =>
+        {
+            dense.uniform_kv_blocks.and_then(|den| {
+                let request_blocks = RequestSize::new(tokens).blocks(block_size);
+                column_slots(column, backlogs, saved, (request_blocks, den), near)
+            })
+        }
+        _ => None,
+    };
+    let (cost, first) = match from_column {
+        Some(best) => best,
+        None => {
+            near.reset(place);
+            let gathered = gather_mirrored::<true>(
+                dense,
+                block_size,
+                mirror,
+                table,
+                backlogs,
+                (oldest, tokens),
+                Some(&mut *near),
+            )?;
+            let best = gathered.tally.free.filter(|_| gathered.tally.any_fresh)?;
+            (best.cost, best.first)
+        }
+    };
+    let best = Best {
+        cost,
+        ties: 1,
+        first,
+    };
+    advance();
+    let weight = request_weight(Phase::Decode, dense, best.first, tokens);
+    let limit = best.cost.as_f64() + draw.slack(weight);
+    let own = near
+        .take(limit, place, tie_set, peers)
+        .map_or(best.first, |row| row as usize);
+    Some((own, SelectionReason::Load))
 }
 
 /// The decode choice of the production path: from the mirror's [`DecodeColumn`] when every
@@ -1097,10 +1209,87 @@ fn decide_mirrored<F: FnMut(usize, usize, Row) -> Scored>(
             return choose_column(column, saved, backlogs, request_blocks, &gathered, advance);
         }
     }
-    let gathered = gather_mirrored(
-        dense, block_size, mirror, pass.table, backlogs, oldest, tokens,
+    let gathered = gather_mirrored::<false>(
+        dense,
+        block_size,
+        mirror,
+        pass.table,
+        backlogs,
+        (oldest, tokens),
+        None,
     );
-    decide(pass, Some(gathered), true, advance)
+    decide(pass, gathered, true, advance)
+}
+
+/// Request blocks, and numerators with them, below which [`column_slots`] answers: distinct
+/// numerators below 2^52 over one capacity give distinct `f64` costs, in their order.
+const SLOT_BLOCKS: u64 = 1 << 40;
+const SLOT_NUMS: u64 = 1 << 52;
+
+/// [`gather_mirrored`]'s peer slots from the decode column (every row a candidate of one
+/// nonzero capacity `den`): the narrowed keys scanned once in row order, a key offered only
+/// while it is below the `k`-th kept (an equal key comes later, so it cannot enter), with the
+/// ledger's backlogged rows set aside and offered after with their backlogs. Over one
+/// capacity, `f64` order is numerator order, so the first kept is the lowest cost's first
+/// row: returns it with its cost. `None` where the column cannot answer exactly (a key equal
+/// to "no cost", wide numerators, fewer than `k` keys below `u32::MAX`, no fresh sample, no
+/// free rank): the caller then runs [`gather_mirrored`].
+#[inline(never)]
+fn column_slots(
+    column: &mut DecodeColumn,
+    backlogs: &RowBacklogs,
+    saved: &mut Vec<(u32, u64)>,
+    (request_blocks, den): (u64, u64),
+    near: &mut Nearest<Cost>,
+) -> Option<(Cost, usize)> {
+    if !column.exact() || column.fresh() == 0 || request_blocks >= SLOT_BLOCKS || den == 0 {
+        return None;
+    }
+    let (keys, narrow) = column.keys_mut();
+    if narrow.len() != keys.len() || den >= EXACT_F64 {
+        return None;
+    }
+    saved.clear();
+    for &row in backlogs.rows() {
+        if let Some(key) = keys.get_mut(row as usize)
+            && *key != DecodeColumn::NONE
+        {
+            saved.push((row, *key));
+            *key = DecodeColumn::NONE;
+        }
+    }
+    set_aside(narrow, saved);
+    let mut cut = u32::MAX;
+    for (i, &key) in narrow.iter().enumerate() {
+        if key < cut {
+            let cost = Cost {
+                num: u64::from(key) + request_blocks,
+                den,
+            };
+            near.offer(cost.as_f64(), i as u32, cost);
+            if let Some((_, last)) = near.full_last() {
+                // Below `u32::MAX + SLOT_BLOCKS`: the last kept is a key offered here.
+                cut = u32::try_from(last.num - request_blocks).unwrap_or(u32::MAX);
+            }
+        }
+    }
+    put_back(keys, narrow, saved);
+    // Fewer than `k` keys below `u32::MAX`: a wider key may be among the lowest.
+    near.full_last()?;
+    for &(row, key) in saved.iter() {
+        let backlog = backlogs.get(row as usize);
+        let num = key
+            .saturating_add(request_blocks)
+            .saturating_add(backlog.decode_blocks);
+        if num >= SLOT_NUMS {
+            return None;
+        }
+        if !backlog.stalled {
+            let cost = Cost { num, den };
+            near.offer(cost.as_f64(), row, cost);
+        }
+    }
+    near.first().map(|(cost, row)| (cost, row as usize))
 }
 
 /// Numerators below which [`gather_column`] adds the request's blocks without saturating (and
@@ -1366,11 +1555,16 @@ fn nth_key<K: Copy + PartialEq>(keys: &[K], target: K, mut n: usize) -> Option<u
     None
 }
 
-/// The two tiers [`gather_mirrored`] tallies, and where it reads a row's ledger backlog.
+/// The two tiers [`gather_mirrored`] tallies, and where it reads a row's ledger backlog; with
+/// peer slots, the free tier's lowest kept (`near`), the cut they set and the bits of every
+/// numerator and capacity compared (`wide`).
 struct Tallies<'b> {
     free: Lowest,
     stalled: Lowest,
     backlogs: &'b RowBacklogs,
+    near: Option<&'b mut Nearest<Cost>>,
+    cut: Cut,
+    wide: u64,
 }
 
 impl Tallies<'_> {
@@ -1385,8 +1579,20 @@ impl Tallies<'_> {
         };
         if backlog.stalled {
             self.stalled.add(row, cost);
-        } else {
-            self.free.add(row, cost);
+            return;
+        }
+        self.free.add(row, cost);
+        let Some(near) = self.near.as_deref_mut() else {
+            return;
+        };
+        self.wide |= cost.num;
+        near.offer(cost.as_f64(), u32::try_from(row).unwrap_or(u32::MAX), cost);
+        if let Some((_, last)) = near.full_last() {
+            self.cut = Cut {
+                on: true,
+                num: last.num,
+                den: last.den,
+            };
         }
     }
 }
@@ -1447,6 +1653,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
             tied,
             tie_set,
             peers,
+            nearest,
         } = scratch;
         peers.iter_mut().for_each(Vec::clear);
         let dense: &DenseRanks = match ctx.dense {
@@ -1468,7 +1675,7 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         let ledgers = resolved.as_slice();
         // Samples mirrored per row when the view is the store (slots resolved once per layout
         // and slot epoch, rows re-read when written), else through the view.
-        let (samples, column) =
+        let (samples, mut column) =
             Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
         // On the store's path, the ledger's few pending legs are laid onto rows first.
         let backlogs = Backlogs::new(
@@ -1484,8 +1691,42 @@ impl DynamoWorkerPicker for LoadBasedPicker {
 
         // Decode: one pass scoring every decode candidate into a tally; a rotation or a tie past
         // the first re-walks the rows. The pass is instantiated per way of reading samples and
-        // backlogs. With the tie-break on, the generic pass (complete tally) and one re-walk.
-        let decode = if let Some(draw) = tie.draw(place) {
+        // backlogs. With peer slots on the production path, the fast pass keeps the slots'
+        // candidates; with the seeded draw (or where that pass cannot answer), the generic
+        // pass (complete tally) and one re-walk.
+        let draw = tie.draw(place);
+        let slotted = match (draw, samples, backlogs, dense.uniform_block_size) {
+            (
+                Some(
+                    draw @ TieDraw {
+                        place: Some(place), ..
+                    },
+                ),
+                Samples::Mirror {
+                    rows: mirror,
+                    oldest,
+                },
+                Backlogs::Empty | Backlogs::ByRow(_),
+                Some(block_size),
+            ) => decide_slots(
+                dense,
+                (block_size, tokens),
+                (mirror, oldest),
+                table,
+                match backlogs {
+                    Backlogs::ByRow(rows) => rows,
+                    _ => row_backlogs_empty(),
+                },
+                (draw, place),
+                (nearest, tie_set, &mut peers[Phase::Decode.index()]),
+                column.as_deref_mut().map(|c| (c, &mut *saved)),
+                &mut || cursors.advance(req.model, Phase::Decode),
+            ),
+            _ => None,
+        };
+        let decode = if slotted.is_some() {
+            slotted
+        } else if let Some(draw) = draw {
             let mut pass = RowPass {
                 rows: &dense.rows,
                 table,

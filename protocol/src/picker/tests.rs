@@ -1804,3 +1804,149 @@ proptest! {
         }
     }
 }
+
+/// Decode blocks past which `the_fast_slots_match_the_generic_pass` shifts samples: none, near
+/// 2^51 (costs over different capacities then round to one `f64` while their exact ratios
+/// differ), just below 2^53 and near `u64::MAX` (the fast pass hands over to the generic one).
+const SHIFTS: [u64; 4] = [0, 1 << 51, (1 << 53) - 300, u64::MAX - 400];
+
+fn shifted(sample: SampleState, shift: u64) -> SampleState {
+    match sample {
+        SampleState::Fresh {
+            active_decode_blocks,
+            active_prefill_tokens,
+            kv_used_blocks,
+        } => SampleState::Fresh {
+            active_decode_blocks: active_decode_blocks.map(|d| d.saturating_add(shift)),
+            active_prefill_tokens,
+            kv_used_blocks: kv_used_blocks.map(|d| d.saturating_add(shift)),
+        },
+        other => other,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    /// Peer slots: the production path's fast pass (`load_based::decide_slots`, the free tier's
+    /// `count` lowest kept while the rows are walked) takes the same slot and records the same
+    /// peers' slots as the generic pass and its re-walk into the whole tie set (the per-rank view
+    /// path), for every place, window and fleet: mixed capacities, stalls, backlogs, costs
+    /// whose `f64` values tie while their exact ratios differ, and numerators past 2^53.
+    #[test]
+    fn the_fast_slots_match_the_generic_pass(
+        arb in proptest::collection::vec(arb_candidate(), 1..40),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        steps in proptest::collection::vec(arb_step(), 1..40),
+        (count, index) in (2usize..10).prop_flat_map(|c| (Just(c), 0..c)),
+        window in prop_oneof![Just(0.25), Just(1.0), Just(2.0), Just(8.0), Just(16.0)],
+        shift in prop::sample::select(SHIFTS.to_vec()),
+        odd_capacity in any::<bool>(),
+        single_pool in any::<bool>(),
+    ) {
+        let mut seen = std::collections::HashSet::new();
+        let mut candidates = Vec::new();
+        let mut store = LoadStore::new();
+        store.set_live_and_retain((1..6).map(InstanceId));
+        let mut sequence = 1;
+        let models: [std::sync::Arc<str>; 2] = [MODELS[0].into(), MODELS[1].into()];
+        // A single pool (one model, one role, one capacity, every namespace eligible): the
+        // decode column's pass (`load_based::column_slots`).
+        let capacities: [u64; 3] = match (single_pool, odd_capacity) {
+            (true, _) => [100; 3],
+            (false, true) => [3, 7, 1_000_003],
+            (false, false) => [50, 100, 100],
+        };
+        let arb: Vec<ArbCandidate> = arb
+            .into_iter()
+            .map(|a| if single_pool {
+                ArbCandidate { model: 0, role: CandidateRole::Decode, capacity: true, ..a }
+            } else {
+                a
+            })
+            .collect();
+        for (i, a) in arb.iter().enumerate() {
+            if !seen.insert((a.ns, a.id)) {
+                continue;
+            }
+            for (offset, (dp_rank, rank_declared)) in
+                dp_ranks(0, Some(a.ranks)).expect("small").enumerate()
+            {
+                candidates.push(Candidate {
+                    worker: key(NAMESPACES[a.ns], a.id),
+                    role: a.role,
+                    model: models[a.model].clone(),
+                    dp_rank,
+                    rank_declared,
+                    // One block size (the fast pass's layout); a missing capacity scores none.
+                    block_size: Some(16),
+                    total_kv_blocks: a.capacity.then_some(capacities[a.id as usize % 3]),
+                    max_num_batched_tokens: a.capacity.then_some(1000),
+                });
+                let sample = shifted(samples[(i * 3 + offset) % samples.len()], shift);
+                if let Some(s) = stored(a.id, offset as u32, sample, sequence) {
+                    store.apply(s);
+                    sequence += 1;
+                }
+            }
+        }
+        let layout = DenseRanks::build(&candidates);
+        let namespaces: Vec<Namespace> = NAMESPACES.iter().map(|&n| Namespace::new(n)).collect();
+        let state = || {
+            let mut state = PickerState::new();
+            state.tie.set(tie_break::TieBreak { window, seed: 7, peer_slots: true });
+            state.ledger.set_place(tie_break::Place::new(index, count));
+            state
+        };
+        let (mut slotted, mut viewed) = (state(), state());
+        let mut now = secs(100);
+        for step in steps {
+            match step {
+                Step::Pick { model, tokens, advance_ms } => {
+                    now = now.plus(Duration::from_millis(advance_ms % 1500));
+                    let req = PickRequest {
+                        model: MODELS[if single_pool { 0 } else { model }],
+                        eligible_namespaces: &namespaces,
+                        estimated_prompt_tokens: tokens,
+                        load_signals: true,
+                    };
+                    let view = super::candidates::StoreView { store: &store, now, max_age: Duration::from_secs(3) };
+                    let fast = LoadBasedPicker.pick(
+                        &mut PickContext::new(&req, &candidates, &view, &mut slotted, now).with_layout(&layout),
+                    );
+                    let plain = NoSlots(super::candidates::StoreView { store: &store, now, max_age: Duration::from_secs(3) });
+                    let slow = LoadBasedPicker.pick(&mut PickContext::new(&req, &candidates, &plain, &mut viewed, now));
+                    prop_assert_eq!(fast, slow);
+                    prop_assert_eq!(&slotted.scratch.peers, &viewed.scratch.peers);
+                    prop_assert_eq!(slotted.ledger.peer_legs(), viewed.ledger.peer_legs());
+                }
+                Step::Sample { ns, id } => {
+                    let fresh = shifted(SampleState::Fresh {
+                        active_decode_blocks: (ns != 2).then_some(id * 7 % 50 + ns as u64),
+                        active_prefill_tokens: Some(id * 11 % 300),
+                        kv_used_blocks: None,
+                    }, shift);
+                    if let Some(mut s) = stored(id, (ns % 2) as u32, fresh, sequence) {
+                        s.received_at = now;
+                        store.apply(s);
+                        sequence += 1;
+                    }
+                    if ns == 1 {
+                        for state in [&mut slotted.ledger, &mut viewed.ledger] {
+                            for n in NAMESPACES {
+                                state.sample_arrived(&key(n, id), now);
+                            }
+                        }
+                    }
+                }
+                Step::End { nth } => {
+                    let gone = (nth % 5) as u64 + 1;
+                    if nth % 2 == 0 {
+                        store.drop_publisher(crate::ids::PublisherId(gone));
+                    } else {
+                        now = now.plus(Duration::from_millis(2500));
+                    }
+                }
+            }
+        }
+    }
+}

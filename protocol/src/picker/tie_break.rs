@@ -195,7 +195,7 @@ pub fn take_slot(tied: &mut [(f64, u32)], place: Place, peers: &mut Vec<u32>) ->
     }
     let count = place.count.clamp(1, MAX_PEER_SLOTS) as usize;
     let n = count.min(tied.len());
-    let order = |a: &(f64, u32), b: &(f64, u32)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+    let order = |a: &(f64, u32), b: &(f64, u32)| slot_order(*a, *b);
     if n < tied.len() {
         tied.select_nth_unstable_by(n - 1, order);
     }
@@ -203,6 +203,95 @@ pub fn take_slot(tied: &mut [(f64, u32)], place: Place, peers: &mut Vec<u32>) ->
     let own = place.index as usize % count;
     peers.extend((0..count).filter(|&k| k != own).map(|k| tied[k % n].1));
     Some(tied[own % n].1)
+}
+
+/// The order [`take_slot`] gives a tie set: by cost, then by id.
+#[inline]
+fn slot_order(a: (f64, u32), b: (f64, u32)) -> std::cmp::Ordering {
+    a.0.total_cmp(&b.0).then(a.1.cmp(&b.1))
+}
+
+/// Peer slots inside a fast pass: the `k` lowest `(cost, id)` offered (in [`take_slot`]'s
+/// order, `k` the replicas' count), each with a payload `T` (what the pass prunes on), kept
+/// while the pass walks its ranks, so the tie set needs no second walk. The tie window is
+/// relative to the lowest cost, known only at the end: the `k` lowest are kept, and
+/// [`Self::take`] applies the window. Sorted, at most `k` ≤ [`MAX_PEER_SLOTS`] entries, in a
+/// buffer reused across picks.
+#[derive(Debug)]
+pub struct Nearest<T> {
+    k: usize,
+    kept: Vec<(f64, u32, T)>,
+}
+
+impl<T> Default for Nearest<T> {
+    fn default() -> Self {
+        Self {
+            k: 1,
+            kept: Vec::new(),
+        }
+    }
+}
+
+impl<T: Copy> Nearest<T> {
+    /// Empties the set for a pick by a replica at `place`.
+    pub fn reset(&mut self, place: Place) {
+        self.k = place.count.clamp(1, MAX_PEER_SLOTS) as usize;
+        self.kept.clear();
+    }
+
+    /// Keeps `(cost, id)` if it is among the `k` lowest so far (ids distinct).
+    #[inline]
+    pub fn offer(&mut self, cost: f64, id: u32, payload: T) {
+        if self.kept.len() >= self.k {
+            match self.kept.last() {
+                Some(&(c, i, _)) if slot_order((cost, id), (c, i)).is_lt() => {
+                    self.kept.pop();
+                }
+                _ => return,
+            }
+        }
+        let at = self
+            .kept
+            .partition_point(|&(c, i, _)| slot_order((c, i), (cost, id)).is_lt());
+        self.kept.insert(at, (cost, id, payload));
+    }
+
+    /// The `k`-th lowest's cost and payload once `k` are kept: an offer that does not order
+    /// before it is not kept.
+    #[inline]
+    pub fn full_last(&self) -> Option<(f64, T)> {
+        if self.kept.len() >= self.k {
+            self.kept.last().map(|&(c, _, t)| (c, t))
+        } else {
+            None
+        }
+    }
+
+    /// The lowest kept: its payload and id.
+    pub fn first(&self) -> Option<(T, u32)> {
+        self.kept.first().map(|&(_, i, t)| (t, i))
+    }
+
+    /// [`take_slot`] over the tie set's lowest: the kept costs at most `limit` (the lowest
+    /// plus the window's slack), copied into `tied`. When every cost of the tie set was offered,
+    /// this is what [`take_slot`] over the whole tie set gives: it only reads its `place.count`
+    /// lowest, and those are the first kept within the limit.
+    pub fn take(
+        &self,
+        limit: f64,
+        place: Place,
+        tied: &mut Vec<(f64, u32)>,
+        peers: &mut Vec<u32>,
+    ) -> Option<u32> {
+        tied.clear();
+        tied.extend(
+            self.kept
+                .iter()
+                .filter(|&&(c, _, _)| c <= limit)
+                .map(|&(c, i, _)| (c, i)),
+        );
+        take_slot(tied, place, peers)
+    }
 }
 
 /// The position the draw chooses among `costs`: uniformly among the finite costs at most

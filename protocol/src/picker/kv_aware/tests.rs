@@ -817,6 +817,7 @@ use crate::picker::dp_ranks;
 use crate::picker::tests::{
     ArbCandidate, MODELS, NAMESPACES, NoSlots, arb_candidate, arb_sample, secs, stored,
 };
+use crate::picker::tie_break::{Place, TieBreak};
 
 /// One step of a random KV-aware session.
 #[derive(Clone, Debug)]
@@ -893,6 +894,9 @@ struct Session {
     steps: Vec<KvStep>,
     /// Every candidate declares its capacity (with one block size: a layout of one block size).
     all_capacity: bool,
+    /// Peer slots (window, index, count): the dense and view paths then pick with them and are
+    /// compared with each other (peers' slots included), not with the reference.
+    slots: Option<(f64, usize, usize)>,
 }
 
 /// The KV-aware pick over the dense layout (samples mirrored from a real load store, the
@@ -910,6 +914,7 @@ fn check_against_reference(session: Session) -> Result<(), TestCaseError> {
         params,
         steps,
         all_capacity,
+        slots,
     } = session;
     let mut seen = std::collections::HashSet::new();
     let mut candidates = Vec::new();
@@ -988,6 +993,16 @@ fn check_against_reference(session: Session) -> Result<(), TestCaseError> {
         .collect();
     let picker = KvAwarePicker::new(params);
     let (mut dense_state, mut view_state) = (PickerState::new(), PickerState::new());
+    if let Some((window, index, count)) = slots {
+        for state in [&mut dense_state, &mut view_state] {
+            state.tie.set(TieBreak {
+                window,
+                seed: 3,
+                peer_slots: true,
+            });
+            state.ledger.set_place(Place::new(index, count));
+        }
+    }
     let mut reference = reference::ReferenceKv::new(params);
     let max_age = Duration::from_secs(3);
     let mut now = secs(100);
@@ -1069,7 +1084,16 @@ fn check_against_reference(session: Session) -> Result<(), TestCaseError> {
             &mut PickContext::new(&req, &candidates, &plain, &mut view_state, now),
             Ok(&input),
         );
-        let expected = reference.pick(&req, &candidates, &plain, &input, now);
+        let expected = if slots.is_some() {
+            prop_assert_eq!(&dense_state.scratch.peers, &view_state.scratch.peers);
+            prop_assert_eq!(
+                dense_state.ledger.peer_legs(),
+                view_state.ledger.peer_legs()
+            );
+            viewed.clone()
+        } else {
+            reference.pick(&req, &candidates, &plain, &input, now)
+        };
         prop_assert_eq!(&fast, &expected);
         prop_assert_eq!(&viewed, &expected);
         if let PickOutcome::Picked(Pick {
@@ -1101,7 +1125,7 @@ proptest! {
     ) {
         check_against_reference(Session {
             arb, samples, block_sizes, overlap, unsorted, eligible_mask, load_signals, params,
-            steps, all_capacity: false,
+            steps, all_capacity: false, slots: None,
         })?;
     }
 
@@ -1133,7 +1157,7 @@ proptest! {
             .collect();
         check_against_reference(Session {
             arb, samples, block_sizes: vec![block_size; 6], overlap, unsorted, eligible_mask,
-            load_signals, params, steps, all_capacity: true,
+            load_signals, params, steps, all_capacity: true, slots: None,
         })?;
     }
 }
@@ -1174,7 +1198,7 @@ proptest! {
         let params = KvPickParams { router_temperature: 0.0, ..params };
         check_against_reference(Session {
             arb, samples, block_sizes: vec![block_size; 6], overlap, unsorted: false,
-            eligible_mask: 7, load_signals: true, params, steps, all_capacity: true,
+            eligible_mask: 7, load_signals: true, params, steps, all_capacity: true, slots: None,
         })?;
     }
 }
@@ -1208,4 +1232,53 @@ fn a_rank_without_overlap_is_skipped_only_past_a_tie() {
     // No bound before a first cost, and none below a cost past the exact range.
     assert!(!DecodeBounds::NONE.loses(u64::MAX - 1, || 0));
     assert!(!DecodeBounds::below(f64::INFINITY, floor).loses(u64::MAX - 1, || 0));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+    /// Peer slots: the KV gather (`KvPass::choose_slot`: the free tier's `count` lowest kept in
+    /// the pass, the ranks holding the prompt costed again when the lowest holds part of it)
+    /// takes the same slot and records the same peers' slots as the per-member path
+    /// (`select_kv` over every cost), on uniform fleets and on single pools (the keyed gather),
+    /// at temperature 0, for every place and window.
+    #[test]
+    fn kv_aware_fast_slots_match_the_per_member_path(
+        arb in proptest::collection::vec(arb_candidate(), 1..30),
+        samples in proptest::collection::vec(arb_sample(), 30),
+        block_size in prop_oneof![Just(16u32), Just(32), Just(48)],
+        overlap in proptest::collection::vec(0u32..6, 12),
+        single_pool in any::<bool>(),
+        params in kv_params(),
+        steps in proptest::collection::vec(kv_step(), 1..40),
+        small_prompts in any::<bool>(),
+        (count, index) in (2usize..10).prop_flat_map(|c| (Just(c), 0..c)),
+        window in prop_oneof![Just(0.25), Just(1.0), Just(2.0), Just(8.0), Just(16.0)],
+    ) {
+        let arb = arb
+            .into_iter()
+            .map(|a| if single_pool {
+                ArbCandidate { model: 0, role: CandidateRole::Aggregated, ..a }
+            } else {
+                a
+            })
+            .collect();
+        let steps = steps
+            .into_iter()
+            .map(|step| match step {
+                KvStep::Pick { model, isl, unit, advance_ms } => KvStep::Pick {
+                    model: if single_pool { 0 } else { model },
+                    isl: if small_prompts { isl % 4 } else { isl },
+                    unit,
+                    advance_ms,
+                },
+                step => step,
+            })
+            .collect();
+        let params = KvPickParams { router_temperature: 0.0, ..params };
+        check_against_reference(Session {
+            arb, samples, block_sizes: vec![block_size; 6], overlap, unsorted: false,
+            eligible_mask: 7, load_signals: true, params, steps, all_capacity: true,
+            slots: Some((window, index, count)),
+        })?;
+    }
 }
