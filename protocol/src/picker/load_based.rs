@@ -36,6 +36,7 @@ use crate::ids::{DpRank, InstanceId, Namespace};
 use crate::time::Tick;
 pub(super) use row_backlogs::{RowBacklogCache, RowBacklogs};
 
+mod beside;
 mod row_backlogs;
 
 /// A load cost `num / den` (`den > 0`), compared exactly: equality is equality of the ratios
@@ -1000,7 +1001,11 @@ fn decide_mirrored<F: FnMut(usize, usize, Row) -> Scored>(
         && dense.all_candidates(pass.table)
     {
         let request_blocks = RequestSize::new(tokens).blocks(block_size);
-        if let Some(gathered) = gather_column(column, backlogs, saved, request_blocks, den) {
+        if beside::many_backlogged(backlogs, column.keys().len()) {
+            if let Some(gathered) = beside::gather_beside(column, backlogs, request_blocks, den) {
+                return beside::choose_beside(column, backlogs, request_blocks, &gathered, advance);
+            }
+        } else if let Some(gathered) = gather_column(column, backlogs, saved, request_blocks, den) {
             return choose_column(column, saved, backlogs, request_blocks, &gathered, advance);
         }
     }

@@ -31,8 +31,13 @@ pub(in crate::picker) struct RowBacklogs {
     entries: Vec<Settled>,
     /// Per entry, its row.
     rows: Vec<u32>,
-    /// The pick's time, which a row's stall is read against.
+    /// Per row: its decode backlog (0: none) and from when it is stalled (nanoseconds;
+    /// `u64::MAX`: never), for passes reading every row ([`super::beside`]).
+    decode: Vec<u64>,
+    stall_from: Vec<u64>,
+    /// The pick's time, which a row's stall is read against (and in nanoseconds).
     now: Tick,
+    now_nanos: u64,
 }
 
 impl RowBacklogs {
@@ -44,12 +49,22 @@ impl RowBacklogs {
         entry_of: Vec::new(),
         entries: Vec::new(),
         rows: Vec::new(),
+        decode: Vec::new(),
+        stall_from: Vec::new(),
         now: Tick::ZERO,
+        now_nanos: 0,
     };
 
     /// The rows holding a backlog, each once, in no particular order.
     pub(in crate::picker) fn rows(&self) -> &[u32] {
         &self.rows
+    }
+
+    /// Per row its decode backlog and from when it is stalled (nanoseconds, `u64::MAX`:
+    /// never), and the pick's time in nanoseconds: row `r` is stalled when
+    /// `stall_from[r] <= now`.
+    pub(in crate::picker) fn columns(&self) -> (&[u64], &[u64], u64) {
+        (&self.decode, &self.stall_from, self.now_nanos)
     }
 
     #[inline(always)]
@@ -68,6 +83,7 @@ impl RowBacklogs {
     /// re-laid, or every row when the log does not reach back (or too much changed).
     fn catch_up(&mut self, dense: &DenseRanks, ledger: &DispatchLedger, now: Tick) {
         self.now = now;
+        self.now_nanos = nanos(now);
         let same = self.ledger == ledger.id() && self.entry_of.len() == dense.len();
         let behind = ledger.changes().wrapping_sub(self.seen);
         let relaid = same
@@ -95,6 +111,10 @@ impl RowBacklogs {
         self.entry_of.resize(dense.len(), 0);
         self.entries.clear();
         self.rows.clear();
+        self.decode.clear();
+        self.decode.resize(dense.len(), 0);
+        self.stall_from.clear();
+        self.stall_from.resize(dense.len(), u64::MAX);
         ledger.for_each_settled(|ns, instance, rank, settled| {
             for row in dense.rows_of(instance) {
                 if dense.rank[row] == rank && dense.namespace_of(row) == Some(ns) {
@@ -122,6 +142,10 @@ impl RowBacklogs {
         let Some(mark) = self.entry_of.get_mut(row) else {
             return;
         };
+        if let (Some(d), Some(s)) = (self.decode.get_mut(row), self.stall_from.get_mut(row)) {
+            *d = settled.decode_blocks;
+            *s = settled.stalled_from.map_or(u64::MAX, nanos);
+        }
         match self.entries.get_mut((*mark as usize).wrapping_sub(1)) {
             Some(entry) if *mark > 0 => *entry = settled,
             _ => {
@@ -141,6 +165,9 @@ impl RowBacklogs {
             return;
         };
         *mark = 0;
+        if let (Some(d), Some(s)) = (self.decode.get_mut(row), self.stall_from.get_mut(row)) {
+            (*d, *s) = (0, u64::MAX);
+        }
         if e >= self.entries.len() {
             return;
         }
@@ -152,6 +179,11 @@ impl RowBacklogs {
             *m = e as u32 + 1;
         }
     }
+}
+
+/// A tick in nanoseconds, saturating (at 584 years).
+fn nanos(t: Tick) -> u64 {
+    u64::try_from(t.0.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// The [`RowBacklogs`] of the layouts picked recently.

@@ -254,6 +254,10 @@ proptest! {
                         };
                         let want = naive.backlog(&worker, dense.rank[row], clock);
                         prop_assert_eq!(rows.get(row), want, "row {} ({:?}) at {:?}", row, worker, clock);
+                        // The same read as columns beside the keys.
+                        let (decode, stall_from, now) = rows.columns();
+                        prop_assert_eq!(decode[row], want.decode_blocks);
+                        prop_assert_eq!(stall_from[row] <= now, want.stalled);
                         // Every aged leg is gone: the ledger agrees on what it holds.
                         prop_assert_eq!(ledger.backlog(&worker, dense.rank[row], clock), want);
                         backlogged += usize::from(naive.legs.iter().any(|l| l.worker == worker && l.rank == dense.rank[row] && clock.since(l.at) < DISPATCH_MAX_AGE));
