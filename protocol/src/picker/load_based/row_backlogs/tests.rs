@@ -49,7 +49,7 @@ fn layouts() -> [DenseRanks; 2] {
     }
     let mut other: Vec<Candidate> = all
         .iter()
-        .filter(|c| !(c.worker == key(1, 2)))
+        .filter(|c| c.worker != key(1, 2))
         .cloned()
         .collect();
     other.reverse();
