@@ -49,20 +49,30 @@ pub(super) fn gather_beside(
     {
         return None;
     }
+    // One pass for both tiers' lowest (and whether a numerator nears saturation), then a count
+    // per tier holding a cost.
+    let mut lowest = [DecodeColumn::NONE; 2];
+    let mut over = false;
+    for ((&k, &d), &s) in keys.iter().zip(decode).zip(stall) {
+        let num = if k == DecodeColumn::NONE {
+            DecodeColumn::NONE
+        } else {
+            k.saturating_add(d)
+        };
+        over |= k != DecodeColumn::NONE && num >= COLUMN_LIMIT;
+        let (free, stalled) = if s <= now {
+            (DecodeColumn::NONE, num)
+        } else {
+            (num, DecodeColumn::NONE)
+        };
+        lowest[0] = lowest[0].min(free);
+        lowest[1] = lowest[1].min(stalled);
+    }
+    if over {
+        return None;
+    }
     let mut tiers = [Lowest::default(); 2];
-    for (tier, stalled) in tiers.iter_mut().zip([false, true]) {
-        let mut lowest = DecodeColumn::NONE;
-        let mut over = false;
-        for ((&k, &d), &s) in keys.iter().zip(decode).zip(stall) {
-            lowest = lowest.min(combined(k, d, s, now, stalled));
-            // A row of this tier whose numerator nears saturation (`NONE` included).
-            over |= k != DecodeColumn::NONE
-                && (s <= now) == stalled
-                && k.saturating_add(d) >= COLUMN_LIMIT;
-        }
-        if over {
-            return None;
-        }
+    for ((tier, stalled), lowest) in tiers.iter_mut().zip([false, true]).zip(lowest) {
         if lowest == DecodeColumn::NONE {
             continue;
         }
