@@ -24,6 +24,8 @@
 //! `PICKER_TIE_WINDOW=w` runs the store-slot passes with the replicas' tie-break at window w
 //! (`dynamo.load.tie_break_window`; it takes the generic scoring pass plus one re-walk).
 //!
+//! `PICKER_ONLY=decide` runs only the end-to-end pass (`decide/…`, `proxy_parse/…` and the
+//! mailbox round trip).
 //! `PICKER_ONLY=scaling_N` runs only the store-slot pass at N ranks (`kv_scaling_N`: the same
 //! with the `KvAwarePicker`; `idle_scaling_N`: every rank reporting no backlog), and `PICKER_PICKS=n` sets the number of timed picks: together they
 //! make a short run for `valgrind --tool=callgrind --toggle-collect='*LoadBasedPicker*pick*'`
@@ -460,6 +462,10 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(if measuring { 20_000 } else { 50 });
     let only = std::env::var("PICKER_ONLY").unwrap_or_default();
+    if only == "decide" {
+        e2e::run(picks);
+        return;
+    }
     if let Some(ranks) = only.strip_prefix("scaling_").and_then(|v| v.parse().ok()) {
         store_percentiles(ranks, picks, false, false);
         return;

@@ -290,11 +290,10 @@ impl SharedPicker {
 }
 
 /// The ledger side of "a sample answers earlier dispatches": each worker with an unanswered
-/// dispatch is answered by the last sample the store received from it.
+/// dispatch is answered by the last sample the store received from it (visiting only the
+/// workers written to or dispatched to since the last call: `DispatchLedger::answer_store`).
 pub fn answer_arrivals(ledger: &mut DispatchLedger, store: &LoadStore) {
-    if !ledger.is_empty() {
-        ledger.answer_arrivals(|instance| store.last_arrival(instance));
-    }
+    ledger.answer_store(store);
 }
 
 pub struct PickerActor;

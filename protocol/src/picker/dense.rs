@@ -258,6 +258,13 @@ impl DenseRanks {
         self.id
     }
 
+    /// The namespace of `row`.
+    #[inline]
+    pub(super) fn namespace_of(&self, row: usize) -> Option<&Namespace> {
+        let &(_, n) = self.groups.get(*self.group.get(row)? as usize)?;
+        self.namespaces.get(n as usize)
+    }
+
     pub fn len(&self) -> usize {
         self.group.len()
     }

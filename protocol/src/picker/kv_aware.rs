@@ -955,9 +955,9 @@ impl KvAwarePicker {
         let (samples, column) = Samples::new(req.load_signals, load, candidates, dense, slots);
         let backlogs = Backlogs::new(
             ledgers,
+            ledger,
             matches!(samples, Samples::Mirror { .. }),
             dense,
-            eligible,
             row_backlogs,
             now,
         );

@@ -14,11 +14,13 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use answer::AnsweredMark;
 use pendings::Pendings;
 
 use crate::ids::{DpRank, InstanceId, Namespace, WorkerKey};
 use crate::time::Tick;
 
+mod answer;
 mod peers;
 mod pendings;
 
@@ -36,6 +38,9 @@ pub const STALL_MIN_BLOCKS: u64 = 2;
 
 /// Dispatches held at most; the oldest are forgotten first.
 pub const MAX_LEDGER_DISPATCHES: usize = 65_536;
+
+/// Instances whose legs changed, remembered for readers catching up ([`DispatchLedger::changed_since`]).
+pub const CHANGE_LOG: usize = 1024;
 
 /// Slots of the counting filter that lets a pick skip the map lookup for the (usually many)
 /// ranks without an unanswered dispatch.
@@ -76,6 +81,29 @@ pub struct RankBacklog {
     pub stalled: bool,
 }
 
+/// What the legs held for one rank add up to, once [`DispatchLedger::expire`] ran at the time
+/// they are read at (so every held leg counts): the backlog at any such time, the stall read
+/// against it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Settled {
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+    /// From when the rank is stalled (its oldest stall-eligible leg plus [`STALL_AFTER`]).
+    pub stalled_from: Option<Tick>,
+}
+
+impl Settled {
+    /// The backlog at `now`.
+    #[inline]
+    pub fn at(&self, now: Tick) -> RankBacklog {
+        RankBacklog {
+            prefill_tokens: self.prefill_tokens,
+            decode_blocks: self.decode_blocks,
+            stalled: self.stalled_from.is_some_and(|from| now >= from),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Pending {
     id: DispatchId,
@@ -110,8 +138,24 @@ struct Dispatched {
 }
 
 /// The unanswered-dispatch ledger. See the module docs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct DispatchLedger {
+    /// Unique per ledger: what a reader of [`Self::changed_since`] caught up with.
+    id: u64,
+    /// Mutations of some instance's legs so far, and the instance of mutation `n` at
+    /// `n % CHANGE_LOG` for the last [`CHANGE_LOG`] of them.
+    changes: u64,
+    change_log: Vec<InstanceId>,
+    /// The latest `at` recorded since `order` was last empty, and how far before the latest
+    /// recorded so far a dispatch was recorded (a caller that read its clock before another
+    /// took the lock): every held dispatch lies at most `backstep` before any recorded ahead
+    /// of it, which bounds [`Self::expire`]'s search for aged dispatches.
+    latest: Tick,
+    backstep: Duration,
+    /// What [`Self::answer_store`] last answered against (see there).
+    answered: Option<AnsweredMark>,
+    /// Instances to answer, reused across [`Self::answer_store`] calls.
+    to_answer: Vec<InstanceId>,
     /// At most one per configured namespace (16); emptied namespaces are removed.
     namespaces: Vec<NamespaceLedger>,
     /// Dispatch order (ids increase), including dispatches already answered by a sample.
@@ -126,9 +170,61 @@ pub struct DispatchLedger {
     place: crate::picker::tie_break::Place,
 }
 
+impl Default for DispatchLedger {
+    fn default() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Self {
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            changes: 0,
+            change_log: Vec::new(),
+            latest: Tick::ZERO,
+            backstep: Duration::ZERO,
+            answered: None,
+            to_answer: Vec::new(),
+            namespaces: Vec::new(),
+            order: VecDeque::new(),
+            next_id: 0,
+            filter: Vec::new(),
+            legs: 0,
+            place: crate::picker::tie_break::Place::default(),
+        }
+    }
+}
+
 impl DispatchLedger {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Unique per ledger (a reader of [`Self::changed_since`] keys what it caught up with by it).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Mutations of some instance's legs so far (recorded, answered, ended, withdrawn, expired).
+    pub fn changes(&self) -> u64 {
+        self.changes
+    }
+
+    /// The instances whose legs changed since [`Self::changes`] read `seen` (an instance once
+    /// per change, in order), or `None` when the log no longer reaches back that far (or
+    /// `seen` is ahead): the reader then re-reads every instance.
+    pub fn changed_since(&self, seen: u64) -> Option<impl Iterator<Item = InstanceId> + '_> {
+        let behind = self.changes.checked_sub(seen)?;
+        if behind > CHANGE_LOG as u64 {
+            return None;
+        }
+        Some((seen..self.changes).map(|n| {
+            // Every change in range is logged and not yet overwritten.
+            self.change_log
+                .get((n % CHANGE_LOG as u64) as usize)
+                .copied()
+                .unwrap_or(InstanceId(u64::MAX))
+        }))
+    }
+
+    fn log(&mut self, instance: InstanceId) {
+        log_change(&mut self.change_log, &mut self.changes, instance);
     }
 
     /// True when no rank carries an unanswered dispatch.
@@ -153,6 +249,11 @@ impl DispatchLedger {
                 self.forget(&oldest);
             }
         }
+        if self.order.is_empty() {
+            (self.latest, self.backstep) = (now, Duration::ZERO);
+        }
+        self.backstep = self.backstep.max(self.latest.since(now));
+        self.latest = self.latest.max(now);
         let id = DispatchId(self.next_id);
         self.next_id = self.next_id.wrapping_add(1);
         let mut workers = Vec::with_capacity(legs.len());
@@ -177,6 +278,7 @@ impl DispatchLedger {
             let slot = &mut self.filter[filter_slot(leg.worker.instance_id)];
             *slot = slot.saturating_add(1);
             self.legs += 1;
+            self.log(leg.worker.instance_id);
             workers.push(leg.worker.clone());
         }
         self.order.push_back(Dispatched {
@@ -196,15 +298,21 @@ impl DispatchLedger {
             return;
         };
         let Self {
-            namespaces, order, ..
+            namespaces,
+            order,
+            change_log,
+            changes,
+            ..
         } = self;
         for worker in &order[pos].workers {
             let pendings = namespaces
                 .iter_mut()
                 .find(|ns| ns.namespace == worker.namespace)
                 .and_then(|ns| ns.workers.get_mut(&worker.instance_id));
-            if let Some(pendings) = pendings {
-                pendings.clear_stall(id);
+            if let Some(pendings) = pendings
+                && pendings.clear_stall(id)
+            {
+                log_change(change_log, changes, worker.instance_id);
             }
         }
     }
@@ -232,9 +340,13 @@ impl DispatchLedger {
         let ns = &mut self.namespaces[ns_pos];
         if let Some(pendings) = ns.workers.get_mut(&worker.instance_id) {
             // Pendings are in dispatch order, so the answered ones are a prefix.
+            let held = pendings.len();
             while pendings.front().is_some_and(|p| p.at < at) {
                 pendings.pop_front();
                 unfilter(&mut self.filter, &mut self.legs, worker.instance_id);
+            }
+            if pendings.len() != held {
+                log_change(&mut self.change_log, &mut self.changes, worker.instance_id);
             }
             if pendings.is_empty() {
                 ns.workers.remove(&worker.instance_id);
@@ -255,20 +367,46 @@ impl DispatchLedger {
             namespaces,
             filter,
             legs,
+            change_log,
+            changes,
             ..
         } = self;
         for ns in namespaces.iter_mut() {
             ns.workers.retain(|&instance, pendings| {
                 if let Some(at) = last_arrival(instance) {
+                    let held = pendings.len();
                     while pendings.front().is_some_and(|p| p.at < at) {
                         pendings.pop_front();
                         unfilter(filter, legs, instance);
+                    }
+                    if pendings.len() != held {
+                        log_change(change_log, changes, instance);
                     }
                 }
                 !pendings.is_empty()
             });
         }
         namespaces.retain(|ns| !ns.workers.is_empty());
+    }
+
+    /// Every rank holding legs, per namespace and instance, as [`Settled`] totals: exact at a
+    /// time `now` once [`Self::expire`] ran at `now`.
+    pub fn for_each_settled(&self, mut f: impl FnMut(&Namespace, InstanceId, DpRank, Settled)) {
+        for ns in &self.namespaces {
+            for (&instance, pendings) in &ns.workers {
+                pendings
+                    .for_each_settled(|rank, settled| f(&ns.namespace, instance, rank, settled));
+            }
+        }
+    }
+
+    /// [`Self::for_each_settled`] for one instance (in every namespace holding legs for it).
+    pub fn settled_of(&self, instance: InstanceId, mut f: impl FnMut(&Namespace, DpRank, Settled)) {
+        for ns in &self.namespaces {
+            if let Some(pendings) = ns.workers.get(&instance) {
+                pendings.for_each_settled(|rank, settled| f(&ns.namespace, rank, settled));
+            }
+        }
     }
 
     /// Legs held (not yet answered, withdrawn or expired), in O(1): [`Self::unanswered`] counts
@@ -286,7 +424,11 @@ impl DispatchLedger {
             .sum()
     }
 
-    /// Drops dispatches older than [`DISPATCH_MAX_AGE`].
+    /// Drops every dispatch [`DISPATCH_MAX_AGE`] old at `now`: afterwards every held leg counts
+    /// as backlog at `now` (what [`NamespaceBacklog::for_each_settled`] relies on). Dispatches
+    /// are held in dispatch order, their times in order but for the largest step back a record
+    /// made, so beside the aged front only the dispatches within that step of the age limit
+    /// are looked at.
     pub fn expire(&mut self, now: Tick) {
         while let Some(oldest) = self.order.front() {
             if now.since(oldest.at) < DISPATCH_MAX_AGE {
@@ -295,6 +437,27 @@ impl DispatchLedger {
             if let Some(oldest) = self.order.pop_front() {
                 self.forget(&oldest);
             }
+        }
+        if self.backstep.is_zero() {
+            return;
+        }
+        // Recorded out of time order: an aged dispatch may sit behind a younger one, but no
+        // further behind than the backstep allows.
+        let mut ahead = Tick::ZERO;
+        let mut i = 0;
+        while let Some(d) = self.order.get(i) {
+            ahead = ahead.max(d.at);
+            if now.since(d.at) >= DISPATCH_MAX_AGE {
+                if let Some(aged) = self.order.remove(i) {
+                    self.forget(&aged);
+                }
+                continue;
+            }
+            // Everything behind was recorded at or after `ahead - backstep`: young.
+            if now.since(ahead).saturating_add(self.backstep) < DISPATCH_MAX_AGE {
+                break;
+            }
+            i += 1;
         }
     }
 
@@ -349,6 +512,7 @@ impl DispatchLedger {
             if let Some(pendings) = ns.workers.get_mut(&worker.instance_id) {
                 if pendings.remove(dispatched.id) {
                     unfilter(&mut self.filter, &mut self.legs, worker.instance_id);
+                    log_change(&mut self.change_log, &mut self.changes, worker.instance_id);
                 }
                 if pendings.is_empty() {
                     ns.workers.remove(&worker.instance_id);
@@ -359,6 +523,17 @@ impl DispatchLedger {
             }
         }
     }
+}
+
+/// Logs a change to `instance`'s legs (bounded: the log keeps the last [`CHANGE_LOG`]).
+fn log_change(log: &mut Vec<InstanceId>, changes: &mut u64, instance: InstanceId) {
+    // The remainder is < CHANGE_LOG, so it fits usize.
+    let at = (*changes % CHANGE_LOG as u64) as usize;
+    match log.get_mut(at) {
+        Some(entry) => *entry = instance,
+        None => log.push(instance),
+    }
+    *changes += 1;
 }
 
 fn unfilter(filter: &mut [u32], legs: &mut usize, instance: InstanceId) {
@@ -397,16 +572,6 @@ impl NamespaceBacklog<'_> {
             return RankBacklog::default();
         }
         self.lookup(instance, rank, now)
-    }
-
-    /// Every rank holding legs in this namespace that still count at `now` (younger than
-    /// [`DISPATCH_MAX_AGE`]), as `(instance, rank, what they add)`, in no particular order and
-    /// usually once per rank (per leg for an instance whose legs are out of time order or
-    /// aged): the sum of one (instance, rank)'s contributions is its [`Self::backlog`].
-    pub fn for_each_leg(&self, now: Tick, mut f: impl FnMut(InstanceId, DpRank, RankBacklog)) {
-        for (&instance, pendings) in self.workers {
-            pendings.for_each_rank(now, |rank, add| f(instance, rank, add));
-        }
     }
 
     #[inline(never)]
@@ -673,16 +838,6 @@ mod tests {
                 proptest::prop_assert!(ledger.unanswered() <= naive.legs.len());
                 proptest::prop_assert!(ledger.unanswered() >= live_legs);
                 for w in &workers {
-                    // What a pick lays onto rows sums to the same backlog.
-                    let mut laid = [(0, 0, false); 2];
-                    if let Some(ns) = ledger.namespace(&w.namespace) {
-                        ns.for_each_leg(now, |instance, rank, add| {
-                            if instance == w.instance_id {
-                                let l = &mut laid[rank.0 as usize];
-                                *l = (l.0 + add.prefill_tokens, l.1 + add.decode_blocks, l.2 | add.stalled);
-                            }
-                        });
-                    }
                     for rank in [DpRank(0), DpRank(1)] {
                         let want = naive.backlog(w, rank, now);
                         proptest::prop_assert_eq!(
@@ -690,10 +845,23 @@ mod tests {
                             want,
                             "{:?} rank {:?} at {:?}", w, rank, now
                         );
-                        proptest::prop_assert_eq!(
-                            laid[rank.0 as usize],
-                            (want.prefill_tokens, want.decode_blocks, want.stalled)
-                        );
+                    }
+                }
+                // What a pick lays onto rows: once expired at the pick's time, the settled
+                // totals are every rank's backlog, and no aged leg is held.
+                ledger.expire(now);
+                proptest::prop_assert_eq!(ledger.unanswered(), live_legs);
+                let mut laid = std::collections::HashMap::new();
+                ledger.for_each_settled(|ns, instance, rank, settled| {
+                    let was = laid.insert((ns.clone(), instance, rank), settled.at(now));
+                    assert!(was.is_none(), "one call per rank");
+                });
+                for w in &workers {
+                    for rank in [DpRank(0), DpRank(1)] {
+                        let want = naive.backlog(w, rank, now);
+                        let got = laid.get(&(w.namespace.clone(), w.instance_id, rank)).copied().unwrap_or_default();
+                        proptest::prop_assert_eq!(got, want);
+                        proptest::prop_assert_eq!(ledger.backlog(w, rank, now), want);
                     }
                 }
             }

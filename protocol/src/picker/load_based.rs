@@ -34,6 +34,10 @@ use super::{
 };
 use crate::ids::{DpRank, InstanceId, Namespace};
 use crate::time::Tick;
+pub(super) use row_backlogs::{RowBacklogCache, RowBacklogs};
+
+mod beside;
+mod row_backlogs;
 
 /// A load cost `num / den` (`den > 0`), compared exactly: equality is equality of the ratios
 /// (`1/3 == 2/6`), consistent with the ordering.
@@ -458,8 +462,8 @@ pub(super) struct Scratch {
     /// Per layout group, its eligible-namespace position ([`NOT_ELIGIBLE`] when it does not
     /// serve the request).
     pub(super) eligible: Vec<u16>,
-    /// The ledger's pending dispatches laid onto the layout's rows for one pick.
-    pub(super) rows: RowBacklogs,
+    /// The ledger's pending dispatches laid onto the layouts' rows, kept across picks.
+    pub(super) rows: RowBacklogCache,
     /// The KV-aware picker's per-pick buffers.
     pub(super) kv: super::kv_aware::KvScratch,
     /// The column keys [`gather_column`] sets aside for one pick.
@@ -473,96 +477,6 @@ pub(super) struct Scratch {
     /// Peer slots on the decode fast pass ([`decide_slots`]): the lowest free costs, exact.
     pub(super) nearest: Nearest<Cost>,
 }
-/// The ledger's backlog per layout row for one pick: the (few) legs pending are laid onto their
-/// rows once, so the scan reads a row's backlog from a dense array indexed by row instead of a
-/// lookup per rank.
-#[derive(Debug, Default)]
-pub(super) struct RowBacklogs {
-    /// Per row: the pick stamp it was last written in and its entry then. A row holds a backlog
-    /// this pick when its stamp is the current one (no clearing between picks).
-    marks: Vec<(u32, u32)>,
-    entries: Vec<RankBacklog>,
-    /// Per entry, its row.
-    rows: Vec<u32>,
-    stamp: u32,
-}
-
-impl RowBacklogs {
-    /// Lays every leg of `ledgers` (per eligible-namespace position) still counting at `now`
-    /// onto the rows of `dense` with that instance, rank and namespace position; a row's
-    /// backlog is then the sum of its legs, as [`NamespaceBacklog::backlog`] reads it.
-    pub(super) fn fill(
-        &mut self,
-        dense: &DenseRanks,
-        eligible: &[u16],
-        ledgers: &[Option<NamespaceBacklog<'_>>],
-        now: Tick,
-    ) {
-        self.entries.clear();
-        self.rows.clear();
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.marks.iter_mut().for_each(|m| *m = (0, 0));
-            self.stamp = 1;
-        }
-        if self.marks.len() < dense.len() {
-            self.marks.resize(dense.len(), (0, 0));
-        }
-        let Self {
-            marks,
-            entries,
-            rows,
-            stamp,
-        } = self;
-        for (ns, ledger) in ledgers.iter().enumerate() {
-            let Some(ledger) = ledger else { continue };
-            ledger.for_each_leg(now, |instance, rank, add| {
-                for row in dense.rows_of(instance) {
-                    let served_here = eligible
-                        .get(dense.group[row] as usize)
-                        .is_some_and(|&p| usize::from(p) == ns);
-                    if dense.rank[row] != rank || !served_here {
-                        continue;
-                    }
-                    let mark = &mut marks[row];
-                    match entries.get_mut(mark.1 as usize) {
-                        Some(entry) if mark.0 == *stamp => {
-                            entry.prefill_tokens =
-                                entry.prefill_tokens.saturating_add(add.prefill_tokens);
-                            entry.decode_blocks =
-                                entry.decode_blocks.saturating_add(add.decode_blocks);
-                            entry.stalled |= add.stalled;
-                        }
-                        _ => {
-                            // At most one entry per row: fits u32 as the rows do.
-                            *mark = (*stamp, entries.len() as u32);
-                            entries.push(add);
-                            rows.push(row as u32);
-                        }
-                    }
-                }
-            });
-        }
-    }
-
-    /// The rows holding a backlog this pick, each once, in no particular order.
-    pub(super) fn rows(&self) -> &[u32] {
-        &self.rows
-    }
-
-    #[inline(always)]
-    pub(super) fn get(&self, row: usize) -> RankBacklog {
-        match self.marks.get(row) {
-            Some(&(stamp, entry)) if stamp == self.stamp => self
-                .entries
-                .get(entry as usize)
-                .copied()
-                .unwrap_or_default(),
-            _ => RankBacklog::default(),
-        }
-    }
-}
-
 /// Where one pick reads each rank's ledger backlog.
 #[derive(Clone, Copy)]
 pub(super) enum Backlogs<'b> {
@@ -575,22 +489,21 @@ pub(super) enum Backlogs<'b> {
 }
 
 impl<'b> Backlogs<'b> {
-    /// Where a pick over `dense` reads backlogs: nothing without ledgers, laid onto rows when
-    /// samples are mirrored (the ledger hands over one total per backlogged rank, so laying
-    /// costs O(those ranks) however many legs are pending), else looked up per rank.
+    /// Where a pick over `dense` reads backlogs: nothing without ledgers, from the rows kept
+    /// per layout when samples are mirrored (caught up with the instances whose legs changed
+    /// since the last pick: `ledger` was expired at `now`), else looked up per rank.
     pub(super) fn new(
         ledgers: &'b [Option<NamespaceBacklog<'b>>],
+        ledger: &DispatchLedger,
         mirrored: bool,
         dense: &DenseRanks,
-        eligible: &[u16],
-        rows: &'b mut RowBacklogs,
+        rows: &'b mut RowBacklogCache,
         now: Tick,
     ) -> Self {
         if ledgers.is_empty() {
             Backlogs::Empty
         } else if mirrored {
-            rows.fill(dense, eligible, ledgers, now);
-            Backlogs::ByRow(rows)
+            Backlogs::ByRow(rows.caught_up(dense, ledger, now))
         } else {
             Backlogs::Lookup(ledgers)
         }
@@ -717,12 +630,7 @@ pub(super) fn plan_decode(
 
 /// A `RowBacklogs` holding nothing (for a pick without ledgers).
 fn row_backlogs_empty() -> &'static RowBacklogs {
-    static EMPTY: RowBacklogs = RowBacklogs {
-        marks: Vec::new(),
-        entries: Vec::new(),
-        rows: Vec::new(),
-        stamp: 0,
-    };
+    static EMPTY: RowBacklogs = RowBacklogs::EMPTY;
     &EMPTY
 }
 
@@ -1205,7 +1113,11 @@ fn decide_mirrored<F: FnMut(usize, usize, Row) -> Scored>(
         && dense.all_candidates(pass.table)
     {
         let request_blocks = RequestSize::new(tokens).blocks(block_size);
-        if let Some(gathered) = gather_column(column, backlogs, saved, request_blocks, den) {
+        if beside::many_backlogged(backlogs, column.keys().len()) {
+            if let Some(gathered) = beside::gather_beside(column, backlogs, request_blocks, den) {
+                return beside::choose_beside(column, backlogs, request_blocks, &gathered, advance);
+            }
+        } else if let Some(gathered) = gather_column(column, backlogs, saved, request_blocks, den) {
             return choose_column(column, saved, backlogs, request_blocks, &gathered, advance);
         }
     }
@@ -1677,12 +1589,12 @@ impl DynamoWorkerPicker for LoadBasedPicker {
         // and slot epoch, rows re-read when written), else through the view.
         let (samples, mut column) =
             Samples::new(req.load_signals, ctx.load, candidates, dense, slot_cache);
-        // On the store's path, the ledger's few pending legs are laid onto rows first.
+        // On the store's path, the rows' backlogs kept for the layout are caught up first.
         let backlogs = Backlogs::new(
             ledgers,
+            ledger,
             matches!(samples, Samples::Mirror { .. }),
             dense,
-            eligible,
             row_backlogs,
             now,
         );

@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-use super::{DISPATCH_MAX_AGE, DispatchId, Pending, RankBacklog, STALL_AFTER};
+use super::{DISPATCH_MAX_AGE, DispatchId, Pending, RankBacklog, STALL_AFTER, Settled};
 use crate::ids::DpRank;
 use crate::time::Tick;
 
@@ -70,15 +70,18 @@ impl Pendings {
         true
     }
 
-    /// Dispatch `id`'s legs no longer mark a stall.
-    pub(super) fn clear_stall(&mut self, id: DispatchId) {
+    /// Dispatch `id`'s legs no longer mark a stall; whether one did.
+    pub(super) fn clear_stall(&mut self, id: DispatchId) -> bool {
         let Self { legs, totals, .. } = self;
+        let mut cleared = false;
         for pending in legs.iter_mut().filter(|p| p.id == id && p.may_stall) {
             pending.may_stall = false;
+            cleared = true;
             if let Some((_, t)) = totals.iter_mut().find(|(r, _)| *r == pending.rank) {
                 t.may_stall = t.may_stall.saturating_sub(1);
             }
         }
+        cleared
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -112,27 +115,34 @@ impl Pendings {
             .unwrap_or_default()
     }
 
-    /// Every rank's backlog at `now`, one call per rank holding legs (per leg when the totals
-    /// cannot answer): summed per rank, what [`Self::backlog`] gives.
-    pub(super) fn for_each_rank(&self, now: Tick, mut f: impl FnMut(DpRank, RankBacklog)) {
-        if self.totals_answer(now) {
-            for &(rank, t) in &self.totals {
-                f(rank, self.of(rank, t, now));
-            }
-            return;
-        }
-        for p in &self.legs {
-            let age = now.since(p.at);
-            if age < DISPATCH_MAX_AGE {
-                f(
-                    p.rank,
-                    RankBacklog {
-                        prefill_tokens: p.prefill_tokens,
-                        decode_blocks: p.decode_blocks,
-                        stalled: p.may_stall && age >= STALL_AFTER,
-                    },
-                );
-            }
+    /// Every rank's totals, one call per rank holding legs: what its legs add while every one
+    /// of them counts (no leg [`DISPATCH_MAX_AGE`] old), and from when it is stalled (its
+    /// oldest stall-eligible leg's time plus [`STALL_AFTER`]; `None`: it holds none).
+    pub(super) fn for_each_settled(&self, mut f: impl FnMut(DpRank, Settled)) {
+        for &(rank, t) in &self.totals {
+            let stall_from = if t.may_stall == 0 {
+                None
+            } else if self.ordered {
+                // In time order: the rank's first stall-eligible leg is its oldest.
+                self.legs
+                    .iter()
+                    .find(|p| p.rank == rank && p.may_stall)
+                    .map(|p| p.at)
+            } else {
+                self.legs
+                    .iter()
+                    .filter(|p| p.rank == rank && p.may_stall)
+                    .map(|p| p.at)
+                    .min()
+            };
+            f(
+                rank,
+                Settled {
+                    prefill_tokens: u64::try_from(t.prefill_tokens).unwrap_or(u64::MAX),
+                    decode_blocks: u64::try_from(t.decode_blocks).unwrap_or(u64::MAX),
+                    stalled_from: stall_from.map(|at| at.plus(STALL_AFTER)),
+                },
+            );
         }
     }
 
@@ -218,8 +228,8 @@ mod tests {
 
     #[test]
     fn laying_the_ledger_onto_rows_visits_each_rank_once_however_many_legs() {
-        // Publishers fell silent: thousands of legs pile up on one worker's two ranks. A pick
-        // lays them onto rows from one total per rank, not by walking them.
+        // Publishers fell silent: thousands of legs pile up on one worker's two ranks. Rows are
+        // laid from one total per rank, not by walking them.
         let w = key("ns", 1);
         let mut ledger = DispatchLedger::new();
         for i in 0..10_000u64 {
@@ -228,9 +238,11 @@ mod tests {
             ledger.record_dispatch(&[l], Tick(Duration::from_micros(i)));
         }
         let now = s(6);
+        ledger.expire(now);
         let mut calls = Vec::new();
-        let ns = ledger.namespace(&w.namespace).expect("pending");
-        ns.for_each_leg(now, |instance, rank, add| calls.push((instance, rank, add)));
+        ledger.for_each_settled(|_, instance, rank, settled| {
+            calls.push((instance, rank, settled.at(now)))
+        });
         calls.sort_by_key(|&(_, rank, _)| rank);
         let total = RankBacklog {
             prefill_tokens: 5_000 * 94 * 16,
@@ -244,6 +256,7 @@ mod tests {
                 (w.instance_id, DpRank(1), total)
             ]
         );
+        let ns = ledger.namespace(&w.namespace).expect("pending");
         assert_eq!(ns.backlog(w.instance_id, DpRank(1), now), total);
     }
 
@@ -260,9 +273,11 @@ mod tests {
         // At 34 s the leg of 3 s has aged out though the front (10 s) has not.
         let b = ledger.backlog(&w, DpRank(0), s(34));
         assert_eq!((b.decode_blocks, b.stalled), (1, false));
+        // Expiry drops the aged leg behind the younger front: what is laid onto rows is exact.
+        ledger.expire(s(34));
         let mut laid = RankBacklog::default();
-        let ns = ledger.namespace(&w.namespace).expect("pending");
-        ns.for_each_leg(s(34), |_, _, add| laid.decode_blocks += add.decode_blocks);
-        assert_eq!(laid.decode_blocks, 1);
+        ledger.for_each_settled(|_, _, _, settled| laid = settled.at(s(34)));
+        assert_eq!((laid.decode_blocks, laid.stalled), (1, false));
+        assert_eq!(ledger.unanswered(), 1);
     }
 }
