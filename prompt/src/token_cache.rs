@@ -76,6 +76,7 @@ mod prefix;
 mod words;
 
 use prefix::PrefixCache;
+pub(crate) use prefix::least_recent;
 use words::{Pending, Run, WordCache};
 
 /// The SentencePiece space marker.

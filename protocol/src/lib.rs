@@ -30,6 +30,7 @@
 pub mod admission;
 pub mod backoff;
 pub mod breaker;
+pub mod change_log;
 pub mod discovery;
 pub mod event_bus;
 pub mod event_plane;

@@ -139,7 +139,8 @@ pub struct Unreachable {
 
 /// Slot writes [`LoadStore::changed_since`] remembers: a reader further behind re-reads every
 /// slot it needs.
-pub const CHANGE_LOG: usize = 1024;
+pub use crate::change_log::CHANGE_LOG;
+use crate::change_log::ChangeLog;
 
 /// A fresh, process-unique [`LoadStore::slot_epoch`] value (a counter, not a clock).
 fn next_slot_epoch() -> u64 {
@@ -161,11 +162,9 @@ pub struct LoadStore {
     free_slots: Vec<u32>,
     /// Changes whenever a key gains or loses its slot; unique across stores.
     slot_epoch: u64,
-    /// Slot writes (a sample stored, replaced or removed) so far.
-    changes: u64,
-    /// The slot of write `n` at `n % CHANGE_LOG`, for the last [`CHANGE_LOG`] writes: a picker's
-    /// per-row sample mirror catches up on these slots alone.
-    change_log: Vec<u32>,
+    /// Slot writes (a sample stored, replaced or removed), naming the slot, for the last
+    /// [`CHANGE_LOG`]: a picker's per-row sample mirror catches up on these slots alone.
+    change_log: ChangeLog<u32>,
     /// When each live worker's last applied sample (any rank) arrived, kept even after the
     /// sample itself is dropped: a sample answers the picker's earlier dispatches when it
     /// arrives ([`LoadStore::last_arrival`]).
@@ -199,8 +198,7 @@ impl LoadStore {
             slots: Vec::new(),
             free_slots: Vec::new(),
             slot_epoch: next_slot_epoch(),
-            changes: 0,
-            change_log: Vec::new(),
+            change_log: ChangeLog::default(),
             arrivals: IdMap::default(),
             unreachable: HashMap::new(),
             by_publisher: HashMap::new(),
@@ -309,37 +307,21 @@ impl LoadStore {
 
     /// Logs a write to `slot` (bounded: the log keeps the last [`CHANGE_LOG`] writes).
     fn note_change(&mut self, slot: u32) {
-        // The remainder is < CHANGE_LOG, so it fits usize.
-        let at = (self.changes % CHANGE_LOG as u64) as usize;
-        match self.change_log.get_mut(at) {
-            Some(entry) => *entry = slot,
-            None => self.change_log.push(slot),
-        }
-        self.changes += 1;
+        self.change_log.push(slot);
     }
 
     /// Slot writes so far (a sample stored, replaced or removed): a reader that saw this value
     /// has seen every slot's current sample while it is unchanged.
     #[inline]
     pub fn changes(&self) -> u64 {
-        self.changes
+        self.change_log.changes()
     }
 
     /// The slots written since [`Self::changes`] read `seen` (in write order, a slot once per
     /// write), or `None` when the log no longer reaches back that far (or `seen` is ahead):
     /// the reader then re-reads every slot it needs.
     pub fn changed_since(&self, seen: u64) -> Option<impl Iterator<Item = u32> + '_> {
-        let behind = self.changes.checked_sub(seen)?;
-        if behind > CHANGE_LOG as u64 {
-            return None;
-        }
-        Some((seen..self.changes).map(|n| {
-            // Every write in range is logged and not yet overwritten.
-            self.change_log
-                .get((n % CHANGE_LOG as u64) as usize)
-                .copied()
-                .unwrap_or(u32::MAX)
-        }))
+        self.change_log.since(seen, u32::MAX)
     }
 
     /// Removes `key`'s sample and frees its slot.

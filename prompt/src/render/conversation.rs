@@ -189,12 +189,7 @@ impl Conversations {
         while entries.entries.len() >= self.limits.max_entries
             || entries.bytes + bytes > self.limits.max_bytes
         {
-            let Some(oldest) = entries
-                .entries
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(i, _)| i)
+            let Some(oldest) = crate::token_cache::least_recent(&entries.entries, |e| e.last_used)
             else {
                 break;
             };

@@ -146,13 +146,7 @@ impl PrefixCache {
             }
         }
         while self.entries.len() >= limits.max_entries || self.bytes + bytes > limits.max_bytes {
-            let Some(oldest) = self
-                .entries
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, e)| e.last_used)
-                .map(|(i, _)| i)
-            else {
+            let Some(oldest) = least_recent(&self.entries, |e| e.last_used) else {
                 break;
             };
             let old = self.entries.swap_remove(oldest);
@@ -187,4 +181,14 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
         .zip(&b[at..len])
         .take_while(|(x, y)| x == y)
         .count()
+}
+
+/// The position of the least recently used of `entries` (`None`: empty), for the bounded caches'
+/// eviction.
+pub(crate) fn least_recent<E>(entries: &[E], last_used: impl Fn(&E) -> u64) -> Option<usize> {
+    entries
+        .iter()
+        .enumerate()
+        .min_by_key(|(_, e)| last_used(e))
+        .map(|(i, _)| i)
 }

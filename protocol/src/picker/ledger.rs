@@ -40,7 +40,8 @@ pub const STALL_MIN_BLOCKS: u64 = 2;
 pub const MAX_LEDGER_DISPATCHES: usize = 65_536;
 
 /// Instances whose legs changed, remembered for readers catching up ([`DispatchLedger::changed_since`]).
-pub const CHANGE_LOG: usize = 1024;
+pub use crate::change_log::CHANGE_LOG;
+use crate::change_log::ChangeLog;
 
 /// Slots of the counting filter that lets a pick skip the map lookup for the (usually many)
 /// ranks without an unanswered dispatch.
@@ -142,10 +143,8 @@ struct Dispatched {
 pub struct DispatchLedger {
     /// Unique per ledger: what a reader of [`Self::changed_since`] caught up with.
     id: u64,
-    /// Mutations of some instance's legs so far, and the instance of mutation `n` at
-    /// `n % CHANGE_LOG` for the last [`CHANGE_LOG`] of them.
-    changes: u64,
-    change_log: Vec<InstanceId>,
+    /// Mutations of some instance's legs, naming the instance, for the last [`CHANGE_LOG`].
+    change_log: ChangeLog<InstanceId>,
     /// The latest `at` recorded since `order` was last empty, and how far before the latest
     /// recorded so far a dispatch was recorded (a caller that read its clock before another
     /// took the lock): every held dispatch lies at most `backstep` before any recorded ahead
@@ -175,8 +174,7 @@ impl Default for DispatchLedger {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Self {
             id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            changes: 0,
-            change_log: Vec::new(),
+            change_log: ChangeLog::default(),
             latest: Tick::ZERO,
             backstep: Duration::ZERO,
             answered: None,
@@ -203,28 +201,18 @@ impl DispatchLedger {
 
     /// Mutations of some instance's legs so far (recorded, answered, ended, withdrawn, expired).
     pub fn changes(&self) -> u64 {
-        self.changes
+        self.change_log.changes()
     }
 
     /// The instances whose legs changed since [`Self::changes`] read `seen` (an instance once
     /// per change, in order), or `None` when the log no longer reaches back that far (or
     /// `seen` is ahead): the reader then re-reads every instance.
     pub fn changed_since(&self, seen: u64) -> Option<impl Iterator<Item = InstanceId> + '_> {
-        let behind = self.changes.checked_sub(seen)?;
-        if behind > CHANGE_LOG as u64 {
-            return None;
-        }
-        Some((seen..self.changes).map(|n| {
-            // Every change in range is logged and not yet overwritten.
-            self.change_log
-                .get((n % CHANGE_LOG as u64) as usize)
-                .copied()
-                .unwrap_or(InstanceId(u64::MAX))
-        }))
+        self.change_log.since(seen, InstanceId(u64::MAX))
     }
 
     fn log(&mut self, instance: InstanceId) {
-        log_change(&mut self.change_log, &mut self.changes, instance);
+        self.change_log.push(instance);
     }
 
     /// True when no rank carries an unanswered dispatch.
@@ -301,7 +289,6 @@ impl DispatchLedger {
             namespaces,
             order,
             change_log,
-            changes,
             ..
         } = self;
         for worker in &order[pos].workers {
@@ -312,7 +299,7 @@ impl DispatchLedger {
             if let Some(pendings) = pendings
                 && pendings.clear_stall(id)
             {
-                log_change(change_log, changes, worker.instance_id);
+                change_log.push(worker.instance_id);
             }
         }
     }
@@ -346,7 +333,7 @@ impl DispatchLedger {
                 unfilter(&mut self.filter, &mut self.legs, worker.instance_id);
             }
             if pendings.len() != held {
-                log_change(&mut self.change_log, &mut self.changes, worker.instance_id);
+                self.change_log.push(worker.instance_id);
             }
             if pendings.is_empty() {
                 ns.workers.remove(&worker.instance_id);
@@ -368,7 +355,6 @@ impl DispatchLedger {
             filter,
             legs,
             change_log,
-            changes,
             ..
         } = self;
         for ns in namespaces.iter_mut() {
@@ -380,7 +366,7 @@ impl DispatchLedger {
                         unfilter(filter, legs, instance);
                     }
                     if pendings.len() != held {
-                        log_change(change_log, changes, instance);
+                        change_log.push(instance);
                     }
                 }
                 !pendings.is_empty()
@@ -512,7 +498,7 @@ impl DispatchLedger {
             if let Some(pendings) = ns.workers.get_mut(&worker.instance_id) {
                 if pendings.remove(dispatched.id) {
                     unfilter(&mut self.filter, &mut self.legs, worker.instance_id);
-                    log_change(&mut self.change_log, &mut self.changes, worker.instance_id);
+                    self.change_log.push(worker.instance_id);
                 }
                 if pendings.is_empty() {
                     ns.workers.remove(&worker.instance_id);
@@ -523,17 +509,6 @@ impl DispatchLedger {
             }
         }
     }
-}
-
-/// Logs a change to `instance`'s legs (bounded: the log keeps the last [`CHANGE_LOG`]).
-fn log_change(log: &mut Vec<InstanceId>, changes: &mut u64, instance: InstanceId) {
-    // The remainder is < CHANGE_LOG, so it fits usize.
-    let at = (*changes % CHANGE_LOG as u64) as usize;
-    match log.get_mut(at) {
-        Some(entry) => *entry = instance,
-        None => log.push(instance),
-    }
-    *changes += 1;
 }
 
 fn unfilter(filter: &mut [u32], legs: &mut usize, instance: InstanceId) {

@@ -1324,6 +1324,34 @@ fn put_back(keys: &mut [u64], narrow: &mut [u32], saved: &[(u32, u64)]) {
     }
 }
 
+/// What choosing after a column gather settles before counting ties off the column: `Err` the
+/// answer (no candidate, a rotation, or the lowest tier's first row); `Ok` the tier (`stalled`),
+/// its lowest and which of its ties (from 1) is wanted. The cursor advances once per candidate
+/// set, as in every pass.
+fn column_start(
+    gathered: &Gathered,
+    advance: &mut impl FnMut() -> u64,
+) -> Result<(bool, Best, usize), Option<(usize, SelectionReason)>> {
+    if gathered.candidates == 0 {
+        return Err(None);
+    }
+    let cursor = advance();
+    let tally = &gathered.tally;
+    let rotated = |reason| Err(Some((nth(gathered.candidates, cursor), reason)));
+    if !tally.any_fresh {
+        return rotated(SelectionReason::RoundRobinStale);
+    }
+    let (stalled, best) = match (tally.free, tally.stalled) {
+        (Some(best), _) => (false, best),
+        (None, Some(best)) => (true, best),
+        (None, None) => return rotated(SelectionReason::RoundRobin),
+    };
+    match nth(best.ties, cursor) {
+        0 => Err(Some((best.first, SelectionReason::Load))),
+        wanted => Ok((stalled, best, wanted)),
+    }
+}
+
 /// What [`RowPass::choose`] chooses after [`gather_column`] gathered (every row a candidate,
 /// with load signals): a rotation is the cursor's row itself, and a tie past the first is
 /// counted off the column ([`column_tie`]) instead of re-scoring the rows.
@@ -1336,24 +1364,10 @@ fn choose_column(
     gathered: &Gathered,
     advance: &mut impl FnMut() -> u64,
 ) -> Option<(usize, SelectionReason)> {
-    if gathered.candidates == 0 {
-        return None;
-    }
-    let cursor = advance();
-    let tally = &gathered.tally;
-    let rotated = |reason| Some((nth(gathered.candidates, cursor), reason));
-    if !tally.any_fresh {
-        return rotated(SelectionReason::RoundRobinStale);
-    }
-    let (stalled, best) = match (tally.free, tally.stalled) {
-        (Some(best), _) => (false, best),
-        (None, Some(best)) => (true, best),
-        (None, None) => return rotated(SelectionReason::RoundRobin),
+    let (stalled, best, wanted) = match column_start(gathered, advance) {
+        Ok(tie) => tie,
+        Err(settled) => return settled,
     };
-    let wanted = nth(best.ties, cursor);
-    if wanted == 0 {
-        return Some((best.first, SelectionReason::Load));
-    }
     column_tie(
         column,
         saved,

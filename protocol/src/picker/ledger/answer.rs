@@ -8,7 +8,7 @@
 //! instances with a sample written since the last call (the store's change log) and those
 //! whose legs changed since (the ledger's).
 
-use super::{DispatchLedger, log_change, unfilter};
+use super::{DispatchLedger, unfilter};
 use crate::ids::InstanceId;
 use crate::load_store::LoadStore;
 use crate::time::Tick;
@@ -62,7 +62,7 @@ impl DispatchLedger {
         self.answered = Some(AnsweredMark {
             store_epoch: epoch,
             store_changes: store.changes(),
-            ledger_changes: self.changes,
+            ledger_changes: self.change_log.changes(),
         });
     }
 
@@ -73,7 +73,6 @@ impl DispatchLedger {
             filter,
             legs,
             change_log,
-            changes,
             ..
         } = self;
         let mut emptied = false;
@@ -87,7 +86,7 @@ impl DispatchLedger {
                 unfilter(filter, legs, instance);
             }
             if pendings.len() != held {
-                log_change(change_log, changes, instance);
+                change_log.push(instance);
             }
             if pendings.is_empty() {
                 ns.workers.remove(&instance);

@@ -9,7 +9,7 @@
 //! `key + backlog`, how many rows hold it and the first; a tie past the first is counted off
 //! the same way. Costs compare by numerator (one capacity), as in the column pass.
 
-use super::{COLUMN_LIMIT, Gathered, Lowest, RowBacklogs, SelectionReason, Tally, nth};
+use super::{COLUMN_LIMIT, Gathered, Lowest, RowBacklogs, SelectionReason, Tally, column_start};
 use crate::picker::dense::DecodeColumn;
 
 /// Whether enough rows hold a backlog (more than a quarter) that reading the backlogs beside
@@ -123,24 +123,10 @@ pub(super) fn choose_beside(
     gathered: &Gathered,
     advance: &mut impl FnMut() -> u64,
 ) -> Option<(usize, SelectionReason)> {
-    if gathered.candidates == 0 {
-        return None;
-    }
-    let cursor = advance();
-    let tally = &gathered.tally;
-    let rotated = |reason| Some((nth(gathered.candidates, cursor), reason));
-    if !tally.any_fresh {
-        return rotated(SelectionReason::RoundRobinStale);
-    }
-    let (stalled, best) = match (tally.free, tally.stalled) {
-        (Some(best), _) => (false, best),
-        (None, Some(best)) => (true, best),
-        (None, None) => return rotated(SelectionReason::RoundRobin),
+    let (stalled, best, wanted) = match column_start(gathered, advance) {
+        Ok(tie) => tie,
+        Err(settled) => return settled,
     };
-    let wanted = nth(best.ties, cursor);
-    if wanted == 0 {
-        return Some((best.first, SelectionReason::Load));
-    }
     let (decode, stall, now) = backlogs.columns();
     // Exact: the gathered numerator is the lowest plus the request's blocks, both below
     // `COLUMN_LIMIT`.
