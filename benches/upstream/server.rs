@@ -27,7 +27,6 @@ use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpSocket;
 use tokio::time::Instant;
 
 const REPLY: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"hello there"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15}}"#;
@@ -133,18 +132,11 @@ fn main() -> std::io::Result<()> {
         .build()?;
     runtime.block_on(async move {
         // A queue for a burst of thousands of connections (`TcpListener::bind` listens with 128:
-        // the SYNs beyond it are dropped and resent a second later).
+        // the SYNs beyond it are dropped and resent a second later): the router's own listener.
         let addr: std::net::SocketAddr = addr
             .parse()
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        let socket = if addr.is_ipv4() {
-            TcpSocket::new_v4()?
-        } else {
-            TcpSocket::new_v6()?
-        };
-        socket.set_reuseaddr(true)?;
-        socket.bind(addr)?;
-        let listener = socket.listen(4096)?;
+        let listener = continuum_router::front_door::bind(addr, 4096)?;
         println!("listening on {}", listener.local_addr()?);
         loop {
             // A failed accept (the peer gave up, no descriptor left) loses that connection only.
