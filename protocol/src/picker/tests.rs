@@ -1444,6 +1444,42 @@ impl LoadView for NoSlots<'_> {
     }
 }
 
+/// A `Step::Sample` of the fast-against-reference properties: `fresh` for worker `id`'s rank
+/// `ns % 2`, received `now`; namespace 1's samples also answer the worker's legs in every
+/// namespace of both states.
+fn sample_step(
+    store: &mut LoadStore,
+    states: [&mut PickerState; 2],
+    sequence: &mut u64,
+    now: Tick,
+    (ns, id): (usize, u64),
+    fresh: SampleState,
+) {
+    if let Some(mut s) = stored(id, (ns % 2) as u32, fresh, *sequence) {
+        s.received_at = now;
+        store.apply(s);
+        *sequence += 1;
+    }
+    if ns == 1 {
+        for state in states {
+            for n in NAMESPACES {
+                state.ledger.sample_arrived(&key(n, id), now);
+            }
+        }
+    }
+}
+
+/// A `Step::End` of the same properties: a publisher drops out, or time passes the freshness
+/// bound.
+fn end_step(store: &mut LoadStore, now: &mut Tick, nth: usize) {
+    let gone = (nth % 5) as u64 + 1;
+    if nth.is_multiple_of(2) {
+        store.drop_publisher(crate::ids::PublisherId(gone));
+    } else {
+        *now = now.plus(Duration::from_millis(2500));
+    }
+}
+
 pub(super) fn stored(id: u64, rank: u32, sample: SampleState, sequence: u64) -> Option<LoadSample> {
     let (fields, at) = match sample {
         SampleState::Never => return None,
@@ -1779,27 +1815,10 @@ proptest! {
                         active_prefill_tokens: Some(id * 11 % 300),
                         kv_used_blocks: None,
                     };
-                    if let Some(mut s) = stored(id, (ns % 2) as u32, fresh, sequence) {
-                        s.received_at = now;
-                        store.apply(s);
-                        sequence += 1;
-                    }
-                    if ns == 1 {
-                        for state in [&mut slotted.ledger, &mut viewed.ledger] {
-                            for n in NAMESPACES {
-                                state.sample_arrived(&key(n, id), now);
-                            }
-                        }
-                    }
+                    let states = [&mut slotted, &mut viewed];
+                    sample_step(&mut store, states, &mut sequence, now, (ns, id), fresh);
                 }
-                Step::End { nth } => {
-                    let gone = (nth % 5) as u64 + 1;
-                    if nth % 2 == 0 {
-                        store.drop_publisher(crate::ids::PublisherId(gone));
-                    } else {
-                        now = now.plus(Duration::from_millis(2500));
-                    }
-                }
+                Step::End { nth } => end_step(&mut store, &mut now, nth),
             }
         }
     }
@@ -1925,27 +1944,10 @@ proptest! {
                         active_prefill_tokens: Some(id * 11 % 300),
                         kv_used_blocks: None,
                     }, shift);
-                    if let Some(mut s) = stored(id, (ns % 2) as u32, fresh, sequence) {
-                        s.received_at = now;
-                        store.apply(s);
-                        sequence += 1;
-                    }
-                    if ns == 1 {
-                        for state in [&mut slotted.ledger, &mut viewed.ledger] {
-                            for n in NAMESPACES {
-                                state.sample_arrived(&key(n, id), now);
-                            }
-                        }
-                    }
+                    let states = [&mut slotted, &mut viewed];
+                    sample_step(&mut store, states, &mut sequence, now, (ns, id), fresh);
                 }
-                Step::End { nth } => {
-                    let gone = (nth % 5) as u64 + 1;
-                    if nth % 2 == 0 {
-                        store.drop_publisher(crate::ids::PublisherId(gone));
-                    } else {
-                        now = now.plus(Duration::from_millis(2500));
-                    }
-                }
+                Step::End { nth } => end_step(&mut store, &mut now, nth),
             }
         }
     }
